@@ -36,10 +36,12 @@ def device_name(device: torch.device | str = "auto") -> str:
 
 def is_oom(exc: BaseException) -> bool:
     """True for an out-of-memory error from any backend (CUDA, CPU allocator, Triton shared memory)."""
-    if isinstance(exc, torch.OutOfMemoryError):
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
         return True
     text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and ("out of memory" in text or "outofresources" in text.replace(" ", ""))
+    markers = ("out of memory", "can't allocate memory", "outofresources")
+    return isinstance(exc, RuntimeError) and any(m in text.replace("out of resources", "outofresources")
+                                                 for m in markers)
 
 
 def empty_cache() -> None:
