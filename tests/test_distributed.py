@@ -1,0 +1,63 @@
+"""The launcher: values come back per rank, errors come back with the worker's message, ports are reused."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lab import distributed
+
+
+# Worker functions live at module level so spawned processes can import them by reference.
+def _rank_report(offset):
+    t = torch.tensor([float(distributed.rank() + 1)])
+    dist.all_reduce(t)
+    return {"rank": distributed.rank(), "world": distributed.world_size(), "device": str(distributed.device()),
+            "sum": t.item() + offset, "nvls": os.environ.get("NCCL_NVLS_ENABLE"),
+            "tensor": torch.arange(3) * distributed.rank()}
+
+
+def _fail_on_rank_one(message):
+    if distributed.rank() == 1:
+        raise ValueError(message)
+    # rank 0 waits in a collective that rank 1 never joins: the launcher must not hang here
+    t = torch.zeros(1)
+    dist.all_reduce(t)
+    return "unreachable"
+
+
+def test_results_per_rank_and_back_to_back_launches():
+    for offset in (0.0, 100.0):  # a second launch right after the first needs a fresh port and group
+        out = distributed.launch(_rank_report, 2, offset, device="cpu")
+        assert [o["rank"] for o in out] == [0, 1]
+        assert all(o["world"] == 2 and o["device"] == "cpu" and o["nvls"] == "0" for o in out)
+        assert all(o["sum"] == 3.0 + offset for o in out)  # 1 + 2, all-reduced
+        assert torch.equal(out[1]["tensor"], torch.tensor([0, 1, 2]))
+
+
+def test_worker_exception_reaches_caller_with_message():
+    with pytest.raises(distributed.WorkerError) as info:
+        distributed.launch(_fail_on_rank_one, 2, "boom from the worker", device="cpu", timeout_s=60)
+    assert info.value.rank == 1
+    assert "boom from the worker" in str(info.value)
+    assert "_fail_on_rank_one" in info.value.worker_traceback
+
+
+def test_more_ranks_than_gpus_is_a_clear_error():
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    with pytest.raises(RuntimeError, match=f"has {gpus} GPU"):
+        distributed.launch(_rank_report, gpus + 1, 0.0, device="cuda")
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="device"):
+        distributed.launch(_rank_report, 2, 0.0, device="tpu")
+    with pytest.raises(ValueError, match="picklable"):
+        distributed.launch(lambda: 1, 2, device="cpu")
+    assert distributed.resolve_backend(2, device="cpu") == ("gloo", "cpu")
+
+
+def test_helpers_outside_a_process_group():
+    assert distributed.rank() == 0 and distributed.world_size() == 1
+    assert distributed.device() == torch.device("cpu")
