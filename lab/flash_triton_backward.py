@@ -1,0 +1,295 @@
+"""FlashAttention-2 backward in Triton: a dK/dV pass over key tiles and a dQ pass over query tiles.
+
+Each program owns the rows it writes, so nothing needs atomics:
+
+* a **dK/dV program** holds one key/value tile in registers and loops over query tiles (causal: from the
+  tile holding query ``start_n`` on, since earlier queries never see these keys; only the first few query
+  tiles, which cross the diagonal, are masked);
+* a **dQ program** holds one query tile and loops over key tiles up to the diagonal (the same split into
+  an unmasked part and masked diagonal tiles as the forward).
+
+Both recompute ``P = exp2(S * log2(e) / sqrt(d) - L * log2(e))`` from the saved logsumexp ``L`` and use
+``D = rowsum(dO * O)``, computed first by a small preprocess kernel.
+
+``BACKWARD_LAUNCH`` chooses how the two passes are launched:
+
+* ``"fused"`` (default): one launch whose programs are dK/dV and dQ programs interleaved, heaviest causal
+  tiles first. Two independent passes in one grid keep all SMs busy even when one head of a long
+  sequence gives fewer tiles than the GPU has SMs, and there is no tail between two kernels;
+* ``"two_pass"``: the dK/dV kernel, then the dQ kernel (the textbook form; kept to measure the difference).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from lab.flash_triton import (AUTOTUNE_MIN_SEQ, INTERPRET, MASK_VALUE, base2_scale, dot_precision,
+                              unit_last_stride)
+
+#: "fused" (dK/dV and dQ programs in one launch) or "two_pass" (two launches). See the module docstring.
+BACKWARD_LAUNCH = "fused"
+
+_LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _bwd_preprocess_kernel(O, DO, Delta, stride_ob, stride_os, stride_dob, stride_dos, n_q,
+                           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    """D = rowsum(dO * O) in fp32, shape (batch, n_queries)."""
+    pid_m = tl.program_id(0)
+    pid_b = tl.program_id(1).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    inside = rows < n_q
+    o = tl.load(O + pid_b * stride_ob + rows[:, None] * stride_os + offs_d[None, :], mask=inside[:, None], other=0.0)
+    do = tl.load(DO + pid_b * stride_dob + rows[:, None] * stride_dos + offs_d[None, :],
+                 mask=inside[:, None], other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    tl.store(Delta + pid_b * n_q + rows, delta, mask=inside)
+
+
+@triton.jit
+def _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, delta_base, stride_qs, stride_dos, lo, hi,
+                offs_n, offs_d, n_q, qk_scale,
+                BLOCK_M1: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr):
+    """Accumulate dK, dV of one key tile over query tiles [lo, hi); transposed so no P^T is formed."""
+    offs_m0 = tl.arange(0, BLOCK_M1)
+    for start_m in range(lo, hi, BLOCK_M1):
+        rows = start_m + offs_m0
+        inside = rows < n_q
+        # Rows past n_q load zeros (q, dO, L, D): their P is finite and their dS and dO are zero.
+        q = tl.load(q_base + rows[:, None] * stride_qs + offs_d[None, :], mask=inside[:, None], other=0.0)
+        do = tl.load(do_base + rows[:, None] * stride_dos + offs_d[None, :], mask=inside[:, None], other=0.0)
+        lse2 = tl.load(l_base + rows, mask=inside, other=0.0) * _LOG2E
+        delta = tl.load(delta_base + rows, mask=inside, other=0.0)
+        s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale  # (keys, queries), base 2
+        if MASKED:  # causal tiles on the diagonal
+            s_t = s_t + tl.where(rows[None, :] >= offs_n[:, None], 0.0, MASK_VALUE)
+        p_t = tl.math.exp2(s_t - lse2[None, :])
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _dkdv_tile(Q, K, V, DO, L, Delta, DK, DV,
+               stride_qb, stride_qs, stride_kb, stride_ks, stride_vb, stride_vs, stride_dob, stride_dos,
+               stride_dkb, stride_dks, stride_dvb, stride_dvs,
+               pid_b, start_n, n_q, n_k, qk_scale, sm_scale,
+               HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+               BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr):
+    offs_n = start_n + tl.arange(0, BLOCK_N1)
+    offs_d = tl.arange(0, HEAD_DIM)
+    inside = offs_n[:, None] < n_k
+    k = tl.load(K + pid_b * stride_kb + offs_n[:, None] * stride_ks + offs_d[None, :], mask=inside, other=0.0)
+    v = tl.load(V + pid_b * stride_vb + offs_n[:, None] * stride_vs + offs_d[None, :], mask=inside, other=0.0)
+    dk = tl.zeros([BLOCK_N1, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N1, HEAD_DIM], dtype=tl.float32)
+    q_base = Q + pid_b * stride_qb
+    do_base = DO + pid_b * stride_dob
+    l_base = L + pid_b * n_q
+    delta_base = Delta + pid_b * n_q
+    if IS_CAUSAL:
+        # Queries < start_n see none of these keys. Query tiles starting at or after the tile's last key
+        # see all of them; the ones in between cross the diagonal and are masked.
+        lo = (start_n // BLOCK_M1) * BLOCK_M1
+        full_lo = ((start_n + BLOCK_N1 - 1 + BLOCK_M1 - 1) // BLOCK_M1) * BLOCK_M1
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, delta_base, stride_qs, stride_dos,
+                             lo, tl.minimum(full_lo, n_q), offs_n, offs_d, n_q, qk_scale,
+                             BLOCK_M1, True, PRECISION)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, delta_base, stride_qs, stride_dos,
+                             full_lo, n_q, offs_n, offs_d, n_q, qk_scale, BLOCK_M1, False, PRECISION)
+    else:
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, delta_base, stride_qs, stride_dos,
+                             0, n_q, offs_n, offs_d, n_q, qk_scale, BLOCK_M1, False, PRECISION)
+    tl.store(DK + pid_b * stride_dkb + offs_n[:, None] * stride_dks + offs_d[None, :],
+             (dk * sm_scale).to(DK.dtype.element_ty), mask=inside)
+    tl.store(DV + pid_b * stride_dvb + offs_n[:, None] * stride_dvs + offs_d[None, :],
+             dv.to(DV.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, lo, hi,
+              rows, offs_d, n_k, qk_scale,
+              BLOCK_N2: tl.constexpr, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
+    """Accumulate dQ of one query tile over key tiles [lo, hi)."""
+    offs_n0 = tl.arange(0, BLOCK_N2)
+    for start_n in range(lo, hi, BLOCK_N2):
+        cols = start_n + offs_n0
+        if MASKED:
+            inside = cols[:, None] < n_k
+            k = tl.load(k_base + cols[:, None] * stride_ks + offs_d[None, :], mask=inside, other=0.0)
+            v = tl.load(v_base + cols[:, None] * stride_vs + offs_d[None, :], mask=inside, other=0.0)
+        else:
+            k = tl.load(k_base + cols[:, None] * stride_ks + offs_d[None, :])
+            v = tl.load(v_base + cols[:, None] * stride_vs + offs_d[None, :])
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if MASKED:
+            keep = cols[None, :] < n_k
+            if IS_CAUSAL:
+                keep = keep & (cols[None, :] <= rows[:, None])
+            s = s + tl.where(keep, 0.0, MASK_VALUE)
+        p = tl.math.exp2(s - lse2[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
+    return dq
+
+
+@triton.jit
+def _dq_tile(Q, K, V, DO, L, Delta, DQ,
+             stride_qb, stride_qs, stride_kb, stride_ks, stride_vb, stride_vs, stride_dob, stride_dos,
+             stride_dqb, stride_dqs,
+             pid_b, start_m, n_q, n_k, qk_scale, sm_scale,
+             HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+             BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr):
+    rows = start_m + tl.arange(0, BLOCK_M2)
+    offs_d = tl.arange(0, HEAD_DIM)
+    inside = rows < n_q
+    q = tl.load(Q + pid_b * stride_qb + rows[:, None] * stride_qs + offs_d[None, :], mask=inside[:, None], other=0.0)
+    do = tl.load(DO + pid_b * stride_dob + rows[:, None] * stride_dos + offs_d[None, :],
+                 mask=inside[:, None], other=0.0)
+    lse2 = tl.load(L + pid_b * n_q + rows, mask=inside, other=0.0) * _LOG2E
+    delta = tl.load(Delta + pid_b * n_q + rows, mask=inside, other=0.0)
+    dq = tl.zeros([BLOCK_M2, HEAD_DIM], dtype=tl.float32)
+    k_base = K + pid_b * stride_kb
+    v_base = V + pid_b * stride_vb
+    whole_tiles_end = (n_k // BLOCK_N2) * BLOCK_N2
+    if IS_CAUSAL:
+        full_end = tl.minimum(((start_m + 1) // BLOCK_N2) * BLOCK_N2, whole_tiles_end)
+        end = tl.minimum(start_m + BLOCK_M2, n_k)
+    else:
+        full_end = whole_tiles_end
+        end = n_k
+    dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, 0, full_end,
+                   rows, offs_d, n_k, qk_scale, BLOCK_N2, False, IS_CAUSAL, PRECISION)
+    dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, full_end, end,
+                   rows, offs_d, n_k, qk_scale, BLOCK_N2, True, IS_CAUSAL, PRECISION)
+    tl.store(DQ + pid_b * stride_dqb + rows[:, None] * stride_dqs + offs_d[None, :],
+             (dq * sm_scale).to(DQ.dtype.element_ty), mask=inside[:, None])
+
+
+@triton.jit
+def _flash_bwd_kernel(Q, K, V, DO, L, Delta, DQ, DK, DV,
+                      stride_qb, stride_qs, stride_kb, stride_ks, stride_vb, stride_vs, stride_dob, stride_dos,
+                      stride_dqb, stride_dqs, stride_dkb, stride_dks, stride_dvb, stride_dvs,
+                      n_q, n_k, qk_scale, sm_scale,
+                      HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+                      PASS: tl.constexpr,
+                      BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr,
+                      BLOCK_N2: tl.constexpr):
+    """PASS 1: dK/dV programs only; PASS 2: dQ programs only; PASS 0: both, interleaved in one grid."""
+    pid = tl.program_id(0)
+    pid_b = tl.program_id(1).to(tl.int64)
+    n_kv_tiles = tl.cdiv(n_k, BLOCK_N1)
+    n_q_tiles = tl.cdiv(n_q, BLOCK_M2)
+    if PASS == 1:
+        is_kv = pid >= 0
+        tile = pid
+    elif PASS == 2:
+        is_kv = pid < 0
+        tile = pid
+    else:
+        # Alternate dK/dV and dQ programs while both have tiles left, then the rest of the longer pass.
+        n_pairs = tl.minimum(n_kv_tiles, n_q_tiles)
+        paired = pid < 2 * n_pairs
+        tile = tl.where(paired, pid // 2, pid - n_pairs)
+        is_kv = tl.where(paired, pid % 2 == 0, n_kv_tiles > n_q_tiles)
+    if is_kv:
+        # key tile 0 has the most causal work: it goes first
+        _dkdv_tile(Q, K, V, DO, L, Delta, DK, DV,
+                   stride_qb, stride_qs, stride_kb, stride_ks, stride_vb, stride_vs, stride_dob, stride_dos,
+                   stride_dkb, stride_dks, stride_dvb, stride_dvs,
+                   pid_b, tile * BLOCK_N1, n_q, n_k, qk_scale, sm_scale,
+                   HEAD_DIM, IS_CAUSAL, PRECISION, BLOCK_M1, BLOCK_N1)
+    else:
+        # the last query tile has the most causal work: it goes first
+        _dq_tile(Q, K, V, DO, L, Delta, DQ,
+                 stride_qb, stride_qs, stride_kb, stride_ks, stride_vb, stride_vs, stride_dob, stride_dos,
+                 stride_dqb, stride_dqs,
+                 pid_b, (n_q_tiles - 1 - tile) * BLOCK_M2, n_q, n_k, qk_scale, sm_scale,
+                 HEAD_DIM, IS_CAUSAL, PRECISION, BLOCK_M2, BLOCK_N2)
+
+
+def _bwd_configs():
+    if INTERPRET:
+        return [triton.Config(dict(BLOCK_M1=16, BLOCK_N1=16, BLOCK_M2=16, BLOCK_N2=16), num_warps=4, num_stages=1)]
+    shapes = [  # (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages)
+        (64, 64, 64, 64, 4, 2), (64, 64, 64, 64, 4, 3), (32, 64, 64, 32, 4, 3),
+        (32, 128, 128, 32, 4, 3), (64, 128, 128, 64, 8, 2), (64, 128, 128, 64, 8, 3),
+        (32, 128, 128, 32, 8, 3),
+    ]
+    return [triton.Config(dict(BLOCK_M1=m1, BLOCK_N1=n1, BLOCK_M2=m2, BLOCK_N2=n2), num_warps=w, num_stages=s)
+            for m1, n1, m2, n2, w, s in shapes]
+
+
+def _prune_bwd_configs(configs, named_args, **kwargs):
+    """Drop configs whose fp32 dK+dV accumulators would need > 192 registers a thread (they spill)."""
+    d = kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM"))
+    if d is None:
+        return configs
+    kept = [c for c in configs if 2 * c.kwargs["BLOCK_N1"] * d / (32 * c.num_warps) <= 192]
+    return kept or configs
+
+
+_flash_bwd_tuned = triton.autotune(
+    configs=_bwd_configs(), key=["n_q", "n_k", "HEAD_DIM", "IS_CAUSAL", "PRECISION", "PASS"],
+    prune_configs_by={"early_config_prune": _prune_bwd_configs})(_flash_bwd_kernel)
+
+
+def _bwd_fixed_config(d: int) -> dict:
+    if INTERPRET:
+        return dict(BLOCK_M1=16, BLOCK_N1=16, BLOCK_M2=16, BLOCK_N2=16, num_warps=4, num_stages=1)
+    return dict(BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=32, num_warps=4 if d <= 64 else 8, num_stages=2)
+
+
+def _grid(pass_, n_q, n_k, batch):
+    def grid(meta):
+        kv = triton.cdiv(n_k, meta["BLOCK_N1"])
+        qt = triton.cdiv(n_q, meta["BLOCK_M2"])
+        return ({0: kv + qt, 1: kv, 2: qt}[pass_], batch)
+    return grid
+
+
+def flash_backward(q, k, v, out, lse, grad_out, is_causal: bool, launch: str | None = None):
+    """Gradients (dQ, dK, dV) of FlashAttention-2 with Triton kernels, in the dtype of q, k, v.
+
+    ``lse`` is the fp32 logsumexp (batch, n_queries) saved by the forward. ``launch`` overrides
+    :data:`BACKWARD_LAUNCH` ("fused" or "two_pass").
+    """
+    launch = launch or BACKWARD_LAUNCH
+    if launch not in ("fused", "two_pass"):
+        raise ValueError(f"launch must be 'fused' or 'two_pass', got {launch!r}")
+    q, k, v, out, grad_out = (unit_last_stride(t) for t in (q, k, v, out, grad_out))
+    batch, n_q, d = q.shape
+    n_k = k.shape[1]
+    delta = torch.empty(batch, n_q, dtype=torch.float32, device=q.device)
+    pre_block = 16 if INTERPRET else 64
+    _bwd_preprocess_kernel[(triton.cdiv(n_q, pre_block), batch)](
+        out, grad_out, delta, out.stride(0), out.stride(1), grad_out.stride(0), grad_out.stride(1), n_q,
+        HEAD_DIM=d, BLOCK_M=pre_block)
+
+    grad_q = torch.empty_like(q, memory_format=torch.contiguous_format)
+    grad_k = torch.empty_like(k, memory_format=torch.contiguous_format)
+    grad_v = torch.empty_like(v, memory_format=torch.contiguous_format)
+    args = (q, k, v, grad_out, lse, delta, grad_q, grad_k, grad_v,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            grad_out.stride(0), grad_out.stride(1), grad_q.stride(0), grad_q.stride(1),
+            grad_k.stride(0), grad_k.stride(1), grad_v.stride(0), grad_v.stride(1),
+            n_q, n_k, base2_scale(d), 1.0 / math.sqrt(d))
+    meta = dict(HEAD_DIM=d, IS_CAUSAL=bool(is_causal), PRECISION=dot_precision(q.dtype))
+    passes = (0,) if launch == "fused" else (1, 2)
+    tuned = not INTERPRET and max(n_q, n_k) >= AUTOTUNE_MIN_SEQ
+    for pass_ in passes:
+        if tuned:
+            _flash_bwd_tuned[_grid(pass_, n_q, n_k, batch)](*args, **meta, PASS=pass_)
+        else:
+            config = _bwd_fixed_config(d)
+            _flash_bwd_kernel[_grid(pass_, n_q, n_k, batch)(config)](*args, **meta, PASS=pass_, **config)
+    return grad_q, grad_k, grad_v
