@@ -179,7 +179,8 @@ def benchmark_lm(size: str | ModelConfig, context: int = 512, batch: int = 4,
     failure = None
     try:
         torch.manual_seed(seed)
-        model = TransformerLM(cfg).to(device)
+        with torch.device(device):  # initialise on the device: a 10B model would take minutes on the CPU
+            model = TransformerLM(cfg)
         row["params"] = model.num_parameters()
         runnable = torch.compile(model) if compile else model
         optimizer = make_optimizer(model, device) if "train_step" in modes else None
@@ -200,15 +201,79 @@ def benchmark_lm(size: str | ModelConfig, context: int = 512, batch: int = 4,
     return row
 
 
+def warmup_study(size: str | ModelConfig, warmups: Sequence[int] = (0, 1, 2, 5), steps: int = 10,
+                 context: int = 512, batch: int = 4, dtype: str = "fp32", attention: str = "sdpa",
+                 device: str = "auto", progress: bool = True) -> pd.DataFrame:
+    """Per-step forward/backward times for each warm-up count, each in a fresh Python process.
+
+    A fresh process is the honest setting: CUDA context creation, cuBLAS handle and heuristics, allocator
+    growth and kernel loading all land on the first steps of a cold process, which is what warm-up hides.
+    Returns one row per (warmup, step index) with ``fwd_ms``, ``bwd_ms`` and ``fwdbwd_ms``.
+    """
+    import json
+    import subprocess
+
+    from tqdm import tqdm
+
+    from lab.paths import REPO_ROOT
+
+    if isinstance(size, ModelConfig):
+        arch = ["--d-model", str(size.d_model), "--d-ff", str(size.d_ff), "--num-layers", str(size.num_layers),
+                "--num-heads", str(size.num_heads), "--vocab-size", str(size.vocab_size)]
+    else:
+        arch = ["--size", size]
+    rows = []
+    for w in tqdm(warmups, desc="warm-up study", disable=not progress):
+        cmd = [sys.executable, "-m", "lab.bench", *arch, "--context", str(context), "--batch", str(batch),
+               "--mode", "forward_backward", "--dtype", dtype, "--attention", attention, "--warmup", str(w),
+               "--steps", str(steps), "--device", device, "--json"]
+        out = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True)
+        if out.returncode != 0:
+            raise RuntimeError(f"warm-up run with warmup={w} failed:\n{out.stderr[-2000:]}")
+        row = json.loads(out.stdout.strip().splitlines()[-1])
+        if row["status"] != "ok":
+            rows.append(dict(warmup=w, step=0, status=row["status"]))
+            continue
+        for i, (f, b, fb) in enumerate(zip(row["fwd_samples_ms"], row["bwd_samples_ms"], row["fwdbwd_samples_ms"])):
+            rows.append(dict(warmup=w, step=i, fwd_ms=f, bwd_ms=b, fwdbwd_ms=fb, status="ok"))
+    return pd.DataFrame(rows)
+
+
+def samples_long(df: pd.DataFrame, keys: Sequence[str] = ("size", "context", "dtype", "attention", "compile"),
+                 ) -> pd.DataFrame:
+    """Every timed sample of a benchmark table in long form: one row per (config, phase, step index)."""
+    rows = []
+    for _, r in df.iterrows():
+        for phase in ("fwd", "bwd", "fwdbwd", "step"):
+            samples = r.get(f"{phase}_samples_ms")
+            if not isinstance(samples, list):
+                continue
+            for i, ms in enumerate(samples):
+                rows.append({**{k: r[k] for k in keys if k in r}, "phase": phase, "step": i, "ms": ms})
+    return pd.DataFrame(rows)
+
+
+def lm_step_table(df: pd.DataFrame) -> pd.DataFrame:
+    """The benchmark rows without the per-sample lists (what goes into ``results/lm_step.csv``)."""
+    return df.drop(columns=[c for c in df.columns if c.endswith("_samples_ms")])
+
+
 def sweep_lm(sizes: Iterable[str | ModelConfig], contexts: Iterable[int] = (512,), dtypes: Iterable[str] = ("fp32",),
+             modes: Sequence[str] | Callable[[str, int], Sequence[str]] = ("forward", "forward_backward"),
              progress: bool = True, **kwargs) -> pd.DataFrame:
-    """:func:`benchmark_lm` over every size x context x dtype, one row each, with a tqdm progress bar."""
-    from tqdm.auto import tqdm
+    """:func:`benchmark_lm` over every size x context x dtype, one row each, with a tqdm progress bar.
+
+    ``modes`` may be a function of (size, context), e.g. to add the train step at one context only.
+    """
+    from tqdm import tqdm
 
     grid = [(s, c, d) for s in sizes for c in contexts for d in dtypes]
     rows = []
-    for s, c, d in tqdm(grid, desc="lm sweep", disable=not progress):
-        rows.append(benchmark_lm(s, context=c, dtype=d, **kwargs))
+    bar = tqdm(grid, desc="lm sweep", disable=not progress)
+    for s, c, d in bar:
+        bar.set_postfix_str(f"{s} ctx={c} {d}")
+        m = modes(s, c) if callable(modes) else modes
+        rows.append(benchmark_lm(s, context=c, dtype=d, modes=m, **kwargs))
     return pd.DataFrame(rows)
 
 
@@ -236,6 +301,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--device", default="auto")
     p.add_argument("--results-dir", default=None, help="also append the rows to <dir>/lm_step.csv")
+    p.add_argument("--json", action="store_true", help="print the rows (every sample included) as JSON lines")
     return p
 
 
@@ -258,6 +324,12 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
                          compile=args.compile, attention=args.attention, warmup=args.warmup,
                          steps=args.steps, device=args.device) for c in args.context]
     df = pd.DataFrame(rows)
+    if args.json:
+        import json
+
+        for row in rows:
+            print(json.dumps(row))
+        return df
     cols = ["size", "context", "batch", "dtype", "attention", "compile", "status", "fwd_ms", "fwd_std_ms",
             "bwd_ms", "bwd_std_ms", "fwdbwd_ms", "step_ms", "step_std_ms", "peak_gib"]
     print(df[[c for c in cols if c in df.columns]].to_markdown(index=False, floatfmt=".2f"))

@@ -26,6 +26,11 @@ MODEL_SIZES: dict[str, dict[str, int]] = {
     "10B": dict(d_model=4608, d_ff=12288, num_layers=50, num_heads=36),
 }
 SIZE_ALIASES = {"2.7b": "2.7B", "10b": "10B"}
+# Toy sizes for the quick (CPU) profile of the notebooks; not part of the spec's table.
+QUICK_SIZES: dict[str, dict[str, int]] = {
+    "tiny": dict(d_model=64, d_ff=256, num_layers=2, num_heads=4),
+    "mini": dict(d_model=128, d_ff=512, num_layers=4, num_heads=4),
+}
 
 
 @dataclass(frozen=True)
@@ -58,9 +63,10 @@ class ModelConfig:
 def config_for(size: str, **overrides) -> ModelConfig:
     """The :class:`ModelConfig` of a named size (``small`` ... ``10B``), with any field overridden."""
     key = SIZE_ALIASES.get(size, size)
-    if key not in MODEL_SIZES:
-        raise ValueError(f"unknown model size {size!r}; choose one of {', '.join(MODEL_SIZES)}")
-    return ModelConfig(**MODEL_SIZES[key], **overrides)
+    table = {**MODEL_SIZES, **QUICK_SIZES}
+    if key not in table:
+        raise ValueError(f"unknown model size {size!r}; choose one of {', '.join(table)}")
+    return ModelConfig(**table[key], **overrides)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -1,0 +1,38 @@
+# The lab book's entry points. `make book` and `make test` work on a fresh machine: they create .venv first.
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+
+.PHONY: setup book book-full html test test-fast lint clean
+
+$(VPY):
+	$(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	# CPU build of torch from the local wheel cache; a GPU user installs their own CUDA torch first.
+	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q "torch==2.13.0"
+	# triton 3.6 + numpy<2.3: the Triton interpreter runs the kernels on the CPU
+	$(VPY) -m pip install -q -e ".[dev]" "triton==3.6.0; platform_system == 'Linux'" "numpy<2.3"
+	$(VPY) -m ipykernel install --sys-prefix --name python3 >/dev/null
+
+setup: $(VPY)
+
+book: $(VPY)          ## render the quick lab book on the CPU into reports/quick/
+	$(VPY) -m lab.render --profile quick
+
+book-full: $(VPY)     ## render the full lab book on a GPU machine into reports/
+	$(VPY) -m lab.render --profile full
+
+html: $(VPY)          ## HTML export of the executed full reports
+	$(VPY) -m lab.render --profile full --html-only
+
+test: $(VPY)          ## the whole test suite (CI runs exactly this)
+	$(VPY) -m pytest -q -ra --durations=15
+
+test-fast: $(VPY)     ## everything except the notebook renders and other slow tests
+	$(VPY) -m pytest -q -m "not slow"
+
+lint: $(VPY)
+	$(VPY) -m ruff check lab tests
+
+clean:
+	rm -rf reports/quick results/quick artifacts

@@ -1,0 +1,64 @@
+"""Every notebook is committed stripped, has a parameters cell, and runs end to end in the quick profile."""
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from lab import render
+
+NOTEBOOKS = render.numbered_notebooks()
+
+
+def test_there_are_notebooks():
+    assert NOTEBOOKS and NOTEBOOKS[0].name.startswith("01_")
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_is_stripped_and_parameterised(nb):
+    cells = json.loads(nb.read_text())["cells"]
+    code = [c for c in cells if c["cell_type"] == "code"]
+    assert all(not c.get("outputs") and c.get("execution_count") is None for c in code), \
+        f"{nb.name} has outputs: commit notebooks stripped (outputs belong in reports/)"
+    params = [c for c in code if "parameters" in c.get("metadata", {}).get("tags", [])]
+    assert len(params) == 1, f"{nb.name} needs exactly one cell tagged 'parameters'"
+    src = "".join(params[0]["source"])
+    for name in ("quick", "device", "results_dir", "artifacts_dir"):
+        assert f"{name} =" in src, f"{nb.name}: parameters cell lacks {name}"
+
+
+def _digest(folder: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(folder.glob("*.ipynb")):
+        h.update(p.name.encode() + p.read_bytes())
+    return h.hexdigest()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_runs_quick(nb, tmp_path):
+    before = _digest(render.NOTEBOOKS_DIR)
+    out = render.run_notebook(nb, tmp_path / nb.name, dict(quick=True, results_dir=str(tmp_path / "results"),
+                                                           artifacts_dir=str(tmp_path / "artifacts")))
+    executed = json.loads(out.read_text())
+    errors = [o for c in executed["cells"] for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    assert not errors
+    assert any(p.suffix == ".csv" for p in (tmp_path / "results").iterdir()), "a notebook must save results"
+    assert _digest(render.NOTEBOOKS_DIR) == before, "rendering must never modify notebooks/"
+
+
+def test_failing_cell_is_reported_clearly(tmp_path):
+    nb = tmp_path / "99_broken.ipynb"
+    nb.write_text(json.dumps({
+        "cells": [{"id": "a", "cell_type": "code", "metadata": {"tags": ["parameters"]}, "source": ["quick = True"],
+                   "outputs": [], "execution_count": None},
+                  {"id": "b", "cell_type": "code", "metadata": {}, "source": ["raise ValueError('broken on purpose')"],
+                   "outputs": [], "execution_count": None}],
+        "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
+        "nbformat": 4, "nbformat_minor": 5}))
+    with pytest.raises(render.NotebookFailed, match="broken on purpose") as info:
+        render.run_notebook(nb, tmp_path / "out" / nb.name, {"quick": True})
+    assert "99_broken" in str(info.value)
+    assert not (tmp_path / "out" / nb.name).exists() and (tmp_path / "out" / "99_broken.failed.ipynb").exists()

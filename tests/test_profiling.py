@@ -1,0 +1,43 @@
+import pytest
+
+from lab import profiling
+from lab.model import ModelConfig
+
+CFG = ModelConfig(d_model=32, d_ff=64, num_layers=2, num_heads=4, context_length=16, vocab_size=64)
+
+
+@pytest.mark.parametrize("name,expected", [
+    ("sm90_xmma_gemm_f32f32_tf32f32_f32_tn_n_tilesize128x128x32", "matmul"),
+    ("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_TNN", "matmul"),
+    ("void cutlass::Kernel2<cutlass_80_tensorop_s1688gemm_128x128_16x4_tn_align4>", "matmul"),
+    ("aten::mm", "matmul"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::exp_kernel_cuda>", "other"),
+    ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float>", "other"),
+    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128>>", "fused attention"),
+])
+def test_kernel_class(name, expected):
+    assert profiling.kernel_class(name) == expected
+
+
+def test_profile_tables_on_cpu(tmp_path):
+    prof = profiling.profile_lm(CFG, mode="forward_backward", context=16, batch=2, attention="naive",
+                                device="cpu", warmup=1, steps=2, trace_path=tmp_path / "t.json")
+    assert (tmp_path / "t.json").stat().st_size > 1000
+    table = profiling.kernel_table(prof, top=None)
+    assert table["share"].sum() == pytest.approx(1.0)
+    mm = table[table["name"] == "aten::mm"]
+    # 2 blocks x (4 attention + 3 ffn projections) + head = 15 forward matmuls; backward adds ~2 per matmul
+    assert mm["calls_per_step"].iloc[0] >= 15
+    shares = profiling.class_shares(prof)
+    assert set(shares["class"]) >= {"matmul", "other"}
+    ranges = profiling.range_times(prof).set_index("range")
+    assert (ranges["calls_per_step"] == CFG.num_layers).all() and (ranges["ms_per_step"] > 0).all()
+    assert profiling.step_wall_ms(prof) > 0
+
+
+def test_attention_phase_flops():
+    f = profiling.attention_phase_flops(batch=2, heads=3, seq=4, head_dim=8)
+    scores = 2 * 3 * 4 * 4
+    assert f["attention/final_matmul"] == 2 * scores * 8
+    assert f["attention/scores"] == 2 * scores * 8 + scores
+    assert f["attention/softmax"] == 5 * scores

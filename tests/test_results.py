@@ -1,0 +1,46 @@
+import json
+
+import pandas as pd
+import pytest
+
+from lab import results
+
+
+def test_save_results_adds_provenance(tmp_path):
+    df = pd.DataFrame({"x": [1, 2], "y": [0.5, 0.25]})
+    path = results.save_results(df, "demo", tmp_path, params={"quick": True, "sizes": ["a"]})
+    saved = pd.read_csv(path)
+    assert {"gpu", "torch", "commit", "status"} <= set(saved.columns)
+    assert list(saved["status"]) == ["ok", "ok"]
+    meta = json.loads((tmp_path / "demo.json").read_text())
+    for key in ("gpu", "gpu_count", "driver", "cuda", "torch", "triton", "commit", "date", "params"):
+        assert key in meta
+    assert meta["params"] == {"quick": True, "sizes": ["a"]} and meta["rows"] == 2
+
+
+def test_headline_tables_merge_by_key(tmp_path):
+    base = dict(context=512, batch=4, dtype="fp32", attention="sdpa", compile=False, world_size=1, gpu="G")
+    results.save_results(pd.DataFrame([{**base, "size": "small", "fwd_ms": 1.0},
+                                       {**base, "size": "medium", "fwd_ms": 2.0}]), "lm_step", tmp_path)
+    results.save_results(pd.DataFrame([{**base, "size": "medium", "fwd_ms": 3.0},
+                                       {**base, "size": "large", "fwd_ms": 4.0}]), "lm_step", tmp_path)
+    df = results.load_results("lm_step", tmp_path).set_index("size")
+    assert df.loc["small", "fwd_ms"] == 1.0 and df.loc["medium", "fwd_ms"] == 3.0 and df.loc["large", "fwd_ms"] == 4.0
+    assert len(df) == 3
+
+
+def test_non_headline_tables_are_replaced(tmp_path):
+    results.save_results(pd.DataFrame({"a": [1, 2, 3]}), "other", tmp_path)
+    results.save_results(pd.DataFrame({"a": [9]}), "other", tmp_path)
+    assert list(results.load_results("other", tmp_path)["a"]) == [9]
+
+
+def test_missing_table_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no results table"):
+        results.load_results("absent", tmp_path)
+
+
+def test_commit_from_environment(monkeypatch):
+    monkeypatch.setenv("LAB_COMMIT", "abc123")
+    assert results.git_commit() == "abc123"
+    assert results.provenance()["commit"] == "abc123"
