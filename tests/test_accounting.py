@@ -1,0 +1,333 @@
+"""Closed forms of lab.accounting against hand arithmetic, the real model and the ring simulator."""
+
+import math
+
+import numpy as np
+import pytest
+import sympy as sp
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from lab import accounting as acc
+from lab.bench import lm_loss
+from lab.model import MODEL_SIZES, ModelConfig, TransformerLM, config_for
+from lab.ring_sim import simulate
+
+TINY = dict(d_model=24, d_ff=56, num_layers=2, num_heads=3, context_length=16, vocab_size=50)
+
+
+# ---------------------------------------------------------------------------------------------- parameters
+
+
+@pytest.mark.parametrize("shape", [dict(d_model=8, d_ff=16, num_layers=1, num_heads=2, vocab_size=11),
+                                   dict(d_model=24, d_ff=56, num_layers=3, num_heads=3, vocab_size=50),
+                                   dict(d_model=64, d_ff=160, num_layers=2, num_heads=4, vocab_size=97)])
+def test_parameter_count_matches_model(shape):
+    cfg = ModelConfig(**shape, context_length=16)
+    assert acc.parameter_count(cfg) == TransformerLM(cfg).num_parameters()
+
+
+@pytest.mark.parametrize("size", list(MODEL_SIZES))
+def test_parameter_count_matches_every_named_size(size):
+    cfg = config_for(size, context_length=128)
+    with torch.device("meta"):  # no memory: only shapes are needed
+        model = TransformerLM(cfg)
+    assert acc.parameter_count(cfg) == model.num_parameters()
+
+
+def test_parameter_count_by_hand():
+    # small: V=10000, D=768, F=3072, L=12
+    #   embedding + LM head 2*10000*768 = 15,360,000
+    #   per block 4*768^2 = 2,359,296 + 3*768*3072 = 7,077,888 + 2*768 = 1,536 -> 9,438,720; x12 = 113,264,640
+    #   final norm 768 -> 128,625,408
+    assert acc.parameter_count(config_for("small")) == 128_625_408
+
+
+def test_state_memory_by_hand():
+    cfg = config_for("small", context_length=256)
+    n = 128_625_408
+    fp32 = acc.state_memory(cfg, "fp32")
+    assert (fp32["params"], fp32["grads"], fp32["optimizer"]) == (4 * n, 4 * n, 8 * n)
+    assert fp32["weight_copies"] == 0
+    # RoPE tables: 12 blocks x (cos + sin) x 256 positions x 32 (head_dim/2) x 4 bytes = 786,432
+    assert fp32["buffers"] == 786_432
+    assert fp32["total"] == 16 * n + 786_432
+    mixed = acc.state_memory(cfg, "bf16_autocast")
+    # bf16 copies of the matrices: 12*(4*768^2 + 3*768*3072) + 768*10000 = 113,246,208 + 7,680,000
+    assert mixed["weight_copies"] == 2 * 120_926_208
+    pure = acc.state_memory(cfg, "bf16")
+    assert (pure["params"], pure["grads"], pure["optimizer"]) == (2 * n, 2 * n, 4 * n)
+    with pytest.raises(ValueError, match="unknown precision policy"):
+        acc.state_memory(cfg, "fp8")
+
+
+# ---------------------------------------------------------------------------------------------- activations
+
+
+def _measured_saved_bytes(cfg, batch, context, precision):
+    """Bytes autograd saves in a forward + loss, each storage counted once, parameters and buffers excluded."""
+    torch.manual_seed(0)
+    model = TransformerLM(cfg)
+    if precision == "bf16":
+        model = model.to(torch.bfloat16)
+    known = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    seen = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in known:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    tokens = torch.randint(0, cfg.vocab_size, (batch, context))
+    targets = torch.randint(0, cfg.vocab_size, (batch, context))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16_autocast"):
+        lm_loss(model, tokens, targets)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "naive"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16_autocast", "bf16"])
+def test_saved_activations_match_autograd(attention, precision):
+    cfg = ModelConfig(**TINY, attention=attention)
+    batch, context = 5, 12
+    measured = _measured_saved_bytes(cfg, batch, context, precision)
+    predicted = acc.saved_activation_bytes(cfg, batch, context, precision, device_type="cpu")["total"]
+    # autocast's bf16 weight copies are saved for backward too; accounting books them as state
+    predicted += acc.state_memory(cfg, precision)["weight_copies"]
+    assert measured == predicted
+
+
+def test_saved_activations_by_hand():
+    # fp32, SDPA, D=24, F=56, H=3, 2 blocks, batch 5 x context 12 = 60 tokens, V=50. Per token per block:
+    #   norms 2 x (3*24 + 1) = 146, q,k,v,out 4*24 = 96, logsumexp 3, o_proj input 24, SwiGLU 4*56 = 224
+    #   -> 493 elements x 4 B = 1,972 B; blocks: 2 x 60 x 1,972 = 236,640
+    #   head per token: final norm 73*4 = 292, log-softmax 50*4 = 200, tokens + targets 16 -> 508; x60 + 4
+    cfg = ModelConfig(**TINY)
+    out = acc.saved_activation_bytes(cfg, 5, 12, "fp32")
+    assert out["per_token_per_block"] == 1_972
+    assert out["blocks"] == 236_640
+    assert out["head"] == 60 * 508 + 4
+    assert out["total"] == 236_640 + 30_484
+
+
+def test_training_memory_is_the_sum_of_its_parts():
+    cfg = config_for("small", context_length=128)
+    state = acc.state_memory(cfg, "fp32")
+    act = acc.saved_activation_bytes(cfg, 4, 128, "fp32")["total"]
+    step = acc.training_memory(cfg, 4, 128, "fp32", "train_step")
+    assert step["total"] == state["total"] + act
+    fwd = acc.training_memory(cfg, 4, 128, "fp32", "forward")
+    assert fwd["total"] == state["params"] + state["buffers"] + act
+    with pytest.raises(ValueError, match="mode"):
+        acc.training_memory(cfg, 4, 128, "fp32", "inference")
+
+
+# ---------------------------------------------------------------------------------------------- FLOPs
+
+
+def test_flops_match_torch_flop_counter():
+    # naive attention: every matmul, the two score matmuls included, is visible to FlopCounterMode
+    cfg = ModelConfig(**TINY, attention="naive")
+    model = TransformerLM(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (5, 12))
+    with FlopCounterMode(display=False) as forward:
+        loss = lm_loss(model, tokens, tokens)
+    with FlopCounterMode(display=False) as backward:
+        loss.backward()
+    assert forward.get_total_flops() == acc.forward_flops(cfg, 5, 12)
+    assert backward.get_total_flops() == acc.backward_flops(cfg, 5, 12)
+
+
+def test_flops_by_hand():
+    # D=24, F=56, L=2, V=50, T=12, 60 tokens. Per token per block: 8*24^2 = 4,608 + 6*24*56 = 8,064
+    #   + 4*12*24 = 1,152 -> 13,824; x2 blocks = 27,648 + LM head 2*24*50 = 2,400 -> 30,048; x60 = 1,802,880
+    cfg = ModelConfig(**TINY)
+    assert acc.forward_flops(cfg, 5, 12) == 1_802_880
+    assert acc.training_flops(cfg, 5, 12) == 3 * 1_802_880
+
+
+# ---------------------------------------------------------------------------------------------- collectives
+
+
+def test_collective_closed_forms_by_hand():
+    # S = 1 GB, N = 4, W = 100 GB/s: one shard is 0.25 GB, 3 steps of it take 7.5 ms
+    s, n, w = 10**9, 4, 10**11
+    assert float(acc.ring_all_gather_time(s, n, w)) == pytest.approx(7.5e-3)
+    assert float(acc.ring_reduce_scatter_time(s, n, w)) == pytest.approx(7.5e-3)
+    assert float(acc.ring_all_reduce_time(s, n, w)) == pytest.approx(15e-3)
+    # alternate: 3 steps of the whole 1 GB -> 30 ms (N/2 = 2x the optimal one)
+    assert float(acc.alternate_ring_all_reduce_time(s, n, w)) == pytest.approx(30e-3)
+    assert float(acc.ring_all_reduce_bytes(s, n)) == 1.5e9
+    # 1 us per step: all-reduce pays 6 of them
+    assert float(acc.ring_all_reduce_time(s, n, w, 1e-6)) == pytest.approx(15e-3 + 6e-6)
+    # symbolic: the optimal all-reduce tends to 2 S / W
+    assert sp.limit(acc.ring_all_reduce_time(), acc.N, sp.oo) == 2 * acc.S / acc.W
+    with pytest.raises(ValueError, match="unknown collective"):
+        acc.collective_time("broadcast")
+
+
+@pytest.mark.parametrize("name", list(acc.COLLECTIVES))
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+@pytest.mark.parametrize("size_bytes", [8 * 48, 8 * 960, 8 * 9600])
+def test_collective_closed_forms_match_simulator(name, n, size_bytes):
+    w, latency = 2.5e9, 1e-6
+    r = simulate(name, size_bytes, n, w, latency=latency)
+    assert r.max_bytes_sent == acc.as_float(acc.collective_bytes(name), S=size_bytes, N=n)
+    assert r.time_s == pytest.approx(acc.as_float(acc.collective_time(name, alpha=latency),
+                                                  S=size_bytes, N=n, W=w), rel=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------- FFN parallelism
+
+FFN = dict(B=96, D=8, F=24, C=1e12, W=1e9, p=8)  # p = 8: float64 elements, as the simulator sends
+
+
+def test_ffn_costs_by_hand():
+    # B=96 tokens, D=8, F=24, N=4, p=8 bytes: weights 3*8*24*8 = 4,608 B, activations B*D*p = 6,144 B
+    v = dict(FFN, N=4)
+    dp = acc.ffn_costs("dp", "train")
+    assert acc.as_float(dp["flops"], **v) == 18 * 96 * 8 * 24 / 4  # 82,944
+    assert acc.as_float(dp["comm_bytes"]["N"], **v) == 2 * 3 / 4 * 4608  # 6,912
+    assert acc.as_float(acc.ffn_costs("dp", "forward")["comm_bytes"]["N"], **v) == 0
+    assert acc.as_float(acc.ffn_costs("fsdp", "train")["comm_bytes"]["N"], **v) == 3 * 3 / 4 * 4608  # 10,368
+    assert acc.as_float(acc.ffn_costs("fsdp", "forward")["comm_bytes"]["N"], **v) == 3 / 4 * 4608  # 3,456
+    tp = acc.ffn_costs("tp", "forward")
+    assert acc.as_float(tp["comm_bytes"]["N"], **v) == 2 * 3 / 4 * 6144  # 9,216
+    assert acc.as_float(tp["comm_time"]["N"], **v) == pytest.approx(9216 / 1e9)
+    assert acc.as_float(tp["compute_time"], **v) == pytest.approx(6 * 96 * 8 * 24 / 4 / 1e12)
+    # 2-D, X=2, Y=4: FSDP all-gathers 4,608/4 = 1,152 B per TP shard -> 1/2 of it sent, 3 times = 1,728 B;
+    # TP moves (96/2)*8*8 = 3,072 B activations -> 3/4 of it, 4 times = 9,216 B
+    two_d = acc.ffn_costs("fsdp_tp", "train")
+    v2 = dict(FFN, X=2, Y=4, W_X=1e9, W_Y=1e9)
+    assert acc.as_float(two_d["comm_bytes"]["X"], **v2) == 1728
+    assert acc.as_float(two_d["comm_bytes"]["Y"], **v2) == 9216
+    assert acc.as_float(two_d["flops"], **v2) == 18 * 96 * 8 * 24 / 8
+    with pytest.raises(ValueError, match="unknown strategy"):
+        acc.ffn_costs("pp")
+
+
+def _simulated_ffn_bytes(strategy, phase, n=None, x=None, y=None):
+    """Bytes one device sends, by running each collective of the strategy through the ring simulator."""
+    b, d, f, p = FFN["B"], FFN["D"], FFN["F"], FFN["p"]
+    weights, train = 3 * d * f * p, phase == "train"
+
+    def run(name, size, devices):
+        return simulate(name, size, devices, FFN["W"]).max_bytes_sent
+
+    if strategy == "dp":
+        return run("all_reduce", weights, n) if train else 0
+    if strategy == "fsdp":
+        gathers = 2 if train else 1
+        return gathers * run("all_gather", weights, n) + (run("reduce_scatter", weights, n) if train else 0)
+    if strategy == "tp":
+        pair = run("all_gather", b * d * p, n) + run("reduce_scatter", b * d * p, n)
+        return 2 * pair if train else pair
+    shard = weights // y
+    gathers = 2 if train else 1
+    on_x = gathers * run("all_gather", shard, x) + (run("reduce_scatter", shard, x) if train else 0)
+    pair = run("all_gather", b // x * d * p, y) + run("reduce_scatter", b // x * d * p, y)
+    return on_x, (2 * pair if train else pair)
+
+
+@pytest.mark.parametrize("phase", ["forward", "train"])
+@pytest.mark.parametrize("strategy", ["dp", "fsdp", "tp"])
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+def test_ffn_comm_bytes_match_simulator(strategy, phase, n):
+    predicted = acc.as_float(acc.ffn_costs(strategy, phase)["comm_bytes"]["N"], **FFN, N=n)
+    assert predicted == _simulated_ffn_bytes(strategy, phase, n=n)
+
+
+@pytest.mark.parametrize("phase", ["forward", "train"])
+@pytest.mark.parametrize("x,y", [(2, 2), (2, 4), (4, 2), (3, 8)])
+def test_2d_comm_bytes_match_simulator(phase, x, y):
+    costs = acc.ffn_costs("fsdp_tp", phase)
+    on_x, on_y = _simulated_ffn_bytes("fsdp_tp", phase, x=x, y=y)
+    assert acc.as_float(costs["comm_bytes"]["X"], **FFN, X=x, Y=y) == on_x
+    assert acc.as_float(costs["comm_bytes"]["Y"], **FFN, X=x, Y=y) == on_y
+
+
+def test_max_devices_by_hand():
+    # DP training: 18 B D F / (N C) >= 2 (N-1)/N * 3 D F p / W  <=>  N <= 1 + 3 B W / (p C)
+    # B = 1e6 tokens, W = 1e11 B/s, C = 1e15 FLOP/s, p = 2: N <= 1 + 3e17/2e15 = 151
+    v = dict(B=10**6, W=10**11, C=10**15, p=2)
+    assert acc.max_devices("dp", "train", **v) == 151
+    # FSDP: N <= 1 + 2 B W / (p C) = 101; TP (F = 8192): N <= 1 + 9 F W / (2 p C) = 1 + 1.8432 = 2.8432
+    assert acc.max_devices("fsdp", "train", **v) == 101
+    assert float(acc.max_devices("tp", "train", F=8192, **v)) == pytest.approx(2.8432)
+    assert acc.max_devices("dp", "forward") == sp.oo
+
+
+@pytest.mark.parametrize("strategy", ["dp", "fsdp", "tp"])
+@pytest.mark.parametrize("phase", ["forward", "train"])
+def test_max_devices_is_where_comm_equals_compute(strategy, phase):
+    v = dict(B=4096, D=1024, F=4096, C=1e14, W=5e10, p=2)
+    n_max = acc.max_devices(strategy, phase, **v)
+    if n_max == sp.oo:
+        return
+    costs = acc.ffn_costs(strategy, phase)
+    n_max = float(n_max)
+    assert acc.as_float(costs["compute_time"], **v, N=n_max) == pytest.approx(
+        acc.as_float(costs["comm_time"]["N"], **v, N=n_max), rel=1e-9)
+    # a few more devices and communication dominates
+    assert acc.as_float(costs["comm_time"]["N"], **v, N=n_max * 1.1) > acc.as_float(
+        costs["compute_time"], **v, N=n_max * 1.1)
+
+
+def test_max_devices_2d():
+    v = dict(B=2**16, D=4096, F=16384, C=1e15, W=1e11, W_X=1e11, W_Y=1e11, p=2)
+    over = acc.max_devices("fsdp_tp", "train", "overlapped", **v)
+    # per-axis bounds: X <= 1 + 2 B W / (p C) = 1 + 6.5536, Y <= 1 + 9 F W / (2 p C) = 1 + 3.6864
+    assert float(over["X"]) == pytest.approx(7.5536)
+    assert float(over["Y"]) == pytest.approx(4.6864)
+    assert float(over["N"]) == pytest.approx(7.5536 * 4.6864)
+    shared = acc.max_devices("fsdp_tp", "train", "shared", **v)
+    costs = acc.ffn_costs("fsdp_tp", "train")
+    xs, ys = float(shared["X"]), float(shared["Y"])
+    at = dict(v, X=xs, Y=ys)
+    # on the boundary: the two axes' times add up to the compute time
+    assert acc.as_float(costs["comm_time"]["X"] + costs["comm_time"]["Y"], **at) == pytest.approx(
+        acc.as_float(costs["compute_time"], **at), rel=1e-9)
+    # and no other point of that boundary has more devices
+    for x in np.linspace(1.5, 8, 27):
+        y_on_boundary = sp.solve(sp.Eq(costs["compute_time"], costs["comm_time"]["X"] + costs["comm_time"]["Y"])
+                                 .subs({acc.W_X: acc.W, acc.W_Y: acc.W}).subs(
+            {sym: v[sym.name] for sym in (acc.B, acc.D, acc.F, acc.C, acc.W, acc.p)}).subs(acc.X, x), acc.Y)
+        assert x * float(y_on_boundary[0]) <= xs * ys * (1 + 1e-9)
+    # sharing the link can only lower the device count
+    assert xs * ys <= float(over["N"])
+
+
+# ---------------------------------------------------------------------------------------------- XXL and TPU
+
+
+def test_xxl_memory_by_hand():
+    # 126 blocks x 3 x 16384 x 53248 = 126 x 2,617,245,696 = 329,772,957,696 parameters
+    params = acc.ffn_model_parameters(**{"d_model": 16384, "d_ff": 53248, "blocks": 126})
+    assert params == 329_772_957_696
+    # fp32 master weights + gradients + AdamW m and v: 16 B each -> 5,276,367,323,136 B = 5.28 TB
+    state = 16 * params
+    assert state == 5_276_367_323_136
+    assert math.ceil(state / acc.H100_MEMORY_BYTES) == 66  # 65.95 H100s of 80 GB
+    # bf16 saved activations: (16384 + 4 x 53248) = 229,376 elements x 2 B x 126 blocks = 57,802,752 B / token
+    assert acc.ffn_saved_elements_per_token(16384, 53248) * 2 * 126 == 57_802_752
+    # FSDP over 64 devices, no activations: 82.44 GB per device
+    assert float(acc.fsdp_memory_per_device(state, 0, 64)) == pytest.approx(state / 64)
+    # half of 100 GB of activations sharded over 4: 25/ + 50 -> 62.5 GB on top of the state shard
+    assert float(acc.fsdp_memory_per_device(0, 100, 4)) == pytest.approx(62.5)
+
+
+def test_tpu_compute_bound_batch_by_hand():
+    # B / X >= C / (W_ici M_X) = 4.6e14 / (1.8e11 x 2) = 1277.78 tokens per FSDP shard; x16 -> 20,444
+    tpu = dict(X=16, Y=4, C=acc.TPU_V5P["C"], W_ici=acc.TPU_V5P["W_ici"], M_X=2, M_Y=1, D=16384, F=53248)
+    out = acc.fsdp_tp_compute_bound_batch("overlapped")
+    assert acc.as_float(out["per_fsdp_shard"], **tpu) == pytest.approx(4.6e14 / 3.6e11)
+    assert acc.as_float(out["B"], **tpu) == pytest.approx(16 * 4.6e14 / 3.6e11)
+    assert acc.as_float(out["per_chip"], **tpu) == pytest.approx(4.6e14 / 3.6e11 / 4)
+    # TP over Y = 4 is fine: 3 F M_Y W_ici / (2 C Y) = 3*53248*1.8e11/(2*4.6e14*4) = 7.81 >= 1
+    assert bool(out["tp_ok"].subs({acc.F: 53248, acc.M_Y: 1, acc.W_ici: 1.8e11, acc.C: 4.6e14, acc.Y: 4}))
+    # both axes' times added: B (6 F W_ici - 4 Y C / M_Y) >= 6 F X C / M_X -> B >= 23,445 tokens
+    shared = acc.fsdp_tp_compute_bound_batch("shared")
+    assert acc.as_float(shared["B"], **tpu) == pytest.approx(
+        6 * 53248 * 16 * 4.6e14 / 2 / (6 * 53248 * 1.8e11 - 4 * 4 * 4.6e14), rel=1e-12)
