@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Render notebooks with the full profile on a lent GPU machine (no network there: papermill and its
+# dependencies travel as wheels in .whl/). Usage: tools/gpu_render.sh COMMIT TIMEOUT_S NN [NN ...]
+# Everything produced (reports/, results/, the log) comes back as one tarball under $OUT.
+set -uo pipefail
+commit=$1; limit=$2; shift 2
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || { echo "wheel install failed"; exit 1; }
+export PYTHONPATH=/tmp/site:$PWD LAB_COMMIT=$commit PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
+timeout "$limit" python3 -m lab.render --profile full --no-html --only "$@" 2>&1 | tee "$OUT/render.log"
+rc=${PIPESTATUS[0]}
+tar czf "$OUT/bundle.tgz" reports results 2>/dev/null
+ls -la reports results | head -50
+exit "$rc"
