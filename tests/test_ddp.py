@@ -1,0 +1,237 @@
+"""Data-parallel wrappers against single-process training, bit for bit (gloo, 2 processes, fp32, CPU).
+
+Why exact equality is meaningful here: with two ranks, rank r computes the gradient g_r of the mean loss
+over its shard, the all-reduce returns g_0 + g_1 (one IEEE addition, which is commutative, so both ranks
+and any ring order get the same bits), and the wrapper divides by 2 (exact). The single-process reference
+computes g_0 and g_1 with the same code on the same shards, in the same process (same thread count),
+adds them and halves them. Any mistake (a parameter reduced twice, a gradient not reduced, a bucket copied
+back into the wrong parameter, a stale gradient, replicas that did not start from rank 0's weights,
+averaging the wrong accumulation) changes the weights, and AdamW over several steps makes that visible.
+"""
+
+import contextlib
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from lab import ddp as ddp_module
+from lab import distributed
+
+WRAPPERS = {
+    "naive": lambda m: ddp_module.NaiveDDP(m),
+    "flat": lambda m: ddp_module.FlatDDP(m),
+    "individual": lambda m: ddp_module.DDPIndividualParameters(m),
+    # 1e-5 MiB = 10 bytes: smaller than every parameter, so each parameter gets a bucket of its own
+    "bucketed_tiny": lambda m: ddp_module.DDPBucketed(m, bucket_size_mb=1e-5),
+    "bucketed_small": lambda m: ddp_module.DDPBucketed(m, bucket_size_mb=0.002),
+    "bucketed_big": lambda m: ddp_module.DDPBucketed(m, bucket_size_mb=100),
+}
+
+
+class ToyModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(10, 24)
+        self.fc2 = nn.Linear(24, 16)
+        self.fc3 = nn.Linear(16, 5)
+        self.register_buffer("shift", torch.randn(24))  # different per rank until broadcast
+
+    def forward(self, x):
+        return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x) + self.shift))))
+
+
+class TiedFrozenModel(nn.Module):
+    """Embedding tied to the output head (one Parameter, two names) and a frozen projection."""
+
+    def __init__(self, vocab=32, d=12):
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, d)
+        self.frozen = nn.Linear(d, d)
+        self.frozen.requires_grad_(False)
+        self.mix = nn.Linear(d, d)
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.embedding.weight
+
+    def forward(self, tokens):
+        x = self.embedding(tokens)
+        x = x + torch.tanh(self.mix(self.frozen(x)))
+        return self.head(self.norm(x))
+
+
+def _make(model_name):
+    if model_name == "toy":
+        return ToyModel()
+    if model_name == "tied":
+        return TiedFrozenModel()
+    from lab.model import TransformerLM, config_for
+
+    return TransformerLM(config_for("tiny", context_length=8, vocab_size=64))
+
+
+def _global_batch(model_name, step, world, micro, per_rank=3):
+    g = torch.Generator().manual_seed(1000 + step)
+    if model_name == "toy":
+        x = torch.randn(world, micro, per_rank, 10, generator=g)
+        y = torch.randint(0, 5, (world, micro, per_rank), generator=g)
+    else:
+        vocab, seq = (32, 6) if model_name == "tied" else (64, 8)
+        x = torch.randint(0, vocab, (world, micro, per_rank, seq), generator=g)
+        y = torch.randint(0, vocab, (world, micro, per_rank, seq), generator=g)
+    return x, y
+
+
+def _loss(model, x, y):
+    out = model(x)
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def train_next_to_reference(wrapper, model_name, steps=4, micro=1):
+    """Worker: train a wrapped model and a single-process reference on the same global batches."""
+    torch.use_deterministic_algorithms(True)
+    r, n = distributed.rank(), distributed.world_size()
+    assert n == 2, "exactness argument holds for two ranks"
+    torch.manual_seed(0)
+    reference = _make(model_name)
+    torch.manual_seed(1 + r)  # replicas start different: only the broadcast makes them equal to rank 0's
+    local = _make(model_name)
+    if r == 0:
+        local.load_state_dict(reference.state_dict())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = WRAPPERS[wrapper](local)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
+        start = [p.detach().clone() for p in reference.parameters()]
+        for step in range(steps):
+            x, y = _global_batch(model_name, step, n, micro)
+            opt.zero_grad()
+            for m in range(micro):
+                ctx = model.no_sync() if m < micro - 1 else contextlib.nullcontext()
+                with ctx:
+                    _loss(model, x[r, m], y[r, m]).backward()
+            model.finish_gradient_synchronization()
+            opt.step()
+
+            # reference: per-shard gradients (accumulated over micro-batches), summed, halved
+            shard_grads = []
+            for shard in range(n):
+                ref_opt.zero_grad()
+                for m in range(micro):
+                    _loss(reference, x[shard, m], y[shard, m]).backward()
+                shard_grads.append([None if p.grad is None else p.grad.clone() for p in reference.parameters()])
+            for p, g0, g1 in zip(reference.parameters(), *shard_grads):
+                p.grad = None if g0 is None else (g0 + g1) / n
+            ref_opt.step()
+    return {
+        "ddp": [p.detach().clone() for p in local.parameters()],
+        "ref": [p.detach().clone() for p in reference.parameters()],
+        "start": start,
+        "buffers": [b.clone() for b in local.buffers()],
+        "ref_buffers": [b.clone() for b in reference.buffers()],
+        "grads_none": [p.grad is None for p in local.parameters()],
+        "trainable": [p.requires_grad for p in local.parameters()],
+        "warnings": [str(w.message) for w in caught],
+    }
+
+
+def _assert_matches(out):
+    for rank_out in out:
+        assert rank_out["warnings"] == []
+        assert len(rank_out["ddp"]) == len(rank_out["ref"])
+        for got, want in zip(rank_out["ddp"], rank_out["ref"]):
+            assert torch.equal(got, want), f"max diff {(got - want).abs().max().item():.3g}"
+        for got, want in zip(rank_out["buffers"], rank_out["ref_buffers"]):
+            assert torch.equal(got, want)
+    # training moved the trainable weights, so equality is not the trivial "nothing happened"
+    for got, start, trainable in zip(out[0]["ref"], out[0]["start"], out[0]["trainable"]):
+        assert torch.equal(got, start) != trainable
+
+
+def check_wrapper(wrapper):
+    """Worker: everything checked per wrapper, in one launch (each launch starts two interpreters)."""
+    return {"toy": train_next_to_reference(wrapper, "toy"),
+            "tied": train_next_to_reference(wrapper, "tied"),
+            # gradient accumulation: 3 micro-batches per step, the first two under no_sync()
+            "toy_no_sync": train_next_to_reference(wrapper, "toy", steps=3, micro=3),
+            "counts": count_all_reduce(wrapper)}
+
+
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+def test_wrapper_matches_single_process(wrapper):
+    out = distributed.launch(check_wrapper, 2, wrapper, device="cpu", timeout_s=120)
+    for case in ("toy", "tied", "toy_no_sync"):
+        _assert_matches([o[case] for o in out])
+    tied = out[0]["tied"]
+    # the frozen projection never gets a gradient and ends equal to rank 0's initial weights
+    names = [n for n, _ in TiedFrozenModel().named_parameters()]
+    frozen = names.index("frozen.weight")
+    assert tied["grads_none"][frozen]
+    assert torch.equal(tied["ddp"][frozen], tied["start"][frozen])
+    _assert_each_trainable_parameter_reduced_once(wrapper, out[0]["counts"])
+
+
+@pytest.mark.slow
+def test_bucketed_transformer_and_repeated_runs():
+    """The lab's TransformerLM (RoPE buffers, RMSNorm, many parameters), twice: runs are reproducible."""
+    first = distributed.launch(train_next_to_reference, 2, "bucketed_small", "lm", 2, device="cpu", timeout_s=120)
+    second = distributed.launch(train_next_to_reference, 2, "bucketed_small", "lm", 2, device="cpu", timeout_s=120)
+    _assert_matches(first)
+    _assert_matches(second)
+    for a, b in zip(first[0]["ddp"], second[0]["ddp"]):
+        assert torch.equal(a, b)
+
+
+def count_all_reduce(wrapper):
+    """Worker: one training step with ``dist.all_reduce`` wrapped to count calls and reduced elements."""
+    calls = []
+    original = dist.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        calls.append(tensor.numel())
+        return original(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        model = WRAPPERS[wrapper](TiedFrozenModel())
+        x, y = _global_batch("tied", 0, 2, 1)
+        calls.clear()  # only the step's communication
+        _loss(model, x[distributed.rank(), 0], y[distributed.rank(), 0]).backward()
+        model.finish_gradient_synchronization()
+        buckets = len(model.buckets) if hasattr(model, "buckets") else None
+    finally:
+        dist.all_reduce = original
+    return {"calls": calls, "buckets": buckets}
+
+
+def _assert_each_trainable_parameter_reduced_once(wrapper, counts):
+    m = TiedFrozenModel()
+    trainable = [p for p in m.parameters() if p.requires_grad]  # tied weight once, frozen ones excluded
+    numel = sum(p.numel() for p in trainable)
+    calls = counts["calls"]
+    assert sum(calls) == numel  # no parameter twice, no frozen one
+    expected_calls = {"naive": len(trainable), "individual": len(trainable), "flat": 1,
+                      "bucketed_tiny": len(trainable), "bucketed_big": 1}
+    if wrapper in expected_calls:
+        assert len(calls) == expected_calls[wrapper]
+    if wrapper == "bucketed_small":  # 0.002 MiB = 2097 bytes = 524 floats per bucket
+        assert 1 < len(calls) < len(trainable)
+        assert counts["buckets"] == len(calls)
+
+
+def test_bucket_layout_reverse_order_and_capacity():
+    params = [nn.Parameter(torch.zeros(n)) for n in (100, 300, 50, 50, 400)]
+    buckets = ddp_module.DDPBucketed._make_buckets(params, capacity_bytes=4 * 400)
+    layout = [[p.numel() for p in b.params] for b in buckets]
+    assert layout == [[400], [50, 50, 300], [100]]  # reverse order, each at most 400 floats
+    big = ddp_module.DDPBucketed._make_buckets(params, capacity_bytes=4 * 10)
+    assert [len(b.params) for b in big] == [1] * 5  # a parameter larger than a bucket gets its own
+
+
+def test_needs_a_process_group():
+    with pytest.raises(RuntimeError, match="process group"):
+        ddp_module.NaiveDDP(ToyModel())
