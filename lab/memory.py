@@ -621,7 +621,7 @@ def peak_memory_by_phase(model: nn.Module, batch: tuple[torch.Tensor, torch.Tens
         current: list = []
 
         def on_phase(step: int, phase: str) -> None:
-            if current:
+            if current and current[1] != "end":
                 synchronize(device)
                 rows.append(dict(step=current[0], phase=current[1], peak_bytes=counter.peak(),
                                  allocated_bytes=counter.allocated()))
