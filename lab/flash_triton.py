@@ -191,8 +191,22 @@ _flash_fwd_tuned = triton.autotune(
 def _fwd_fixed_config(d: int) -> dict:
     """The config for short sequences (and the interpreter): small tiles, no tuning."""
     if INTERPRET:
-        return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
-    return dict(BLOCK_M=64, BLOCK_N=64 if d <= 64 else 32, num_warps=4, num_stages=2)
+        return {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+    return {"BLOCK_M": 64, "BLOCK_N": 64 if d <= 64 else 32, "num_warps": 4, "num_stages": 2}
+
+
+def forward_launch_args(q, k, v, out, lse, is_causal: bool) -> tuple[tuple, dict]:
+    """Positional arguments and constexpr keywords of the forward kernel (shared with tools that precompile)."""
+    d = q.shape[-1]
+    args = (q, k, v, out, lse, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            out.stride(0), out.stride(1), q.shape[1], k.shape[1], base2_scale(d))
+    meta = {"HEAD_DIM": d, "IS_CAUSAL": bool(is_causal), "PRECISION": dot_precision(q.dtype)}
+    return args, meta
+
+
+def uses_autotune(n_q: int, n_k: int) -> bool:
+    """Long sequences are autotuned; short ones (and the interpreter) use one fixed config."""
+    return not INTERPRET and max(n_q, n_k) >= AUTOTUNE_MIN_SEQ
 
 
 def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool):
@@ -203,14 +217,12 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
     n_k = k.shape[1]
     out = torch.empty(batch, n_q, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, n_q, dtype=torch.float32, device=q.device)
-    args = (q, k, v, out, lse, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            out.stride(0), out.stride(1), n_q, n_k, base2_scale(d))
-    meta = dict(HEAD_DIM=d, IS_CAUSAL=bool(is_causal), PRECISION=dot_precision(q.dtype))
-    if INTERPRET or max(n_q, n_k) < AUTOTUNE_MIN_SEQ:
+    args, meta = forward_launch_args(q, k, v, out, lse, is_causal)
+    if uses_autotune(n_q, n_k):
+        _flash_fwd_tuned[lambda m: (triton.cdiv(n_q, m["BLOCK_M"]), batch)](*args, **meta)
+    else:
         config = _fwd_fixed_config(d)
         _flash_fwd_kernel[(triton.cdiv(n_q, config["BLOCK_M"]), batch)](*args, **meta, **config)
-    else:
-        _flash_fwd_tuned[lambda m: (triton.cdiv(n_q, m["BLOCK_M"]), batch)](*args, **meta)
     return out, lse
 
 

@@ -27,8 +27,14 @@ import torch
 import triton
 import triton.language as tl
 
-from lab.flash_triton import (AUTOTUNE_MIN_SEQ, INTERPRET, MASK_VALUE, base2_scale, dot_precision,
-                              unit_last_stride)
+from lab.flash_triton import (
+    INTERPRET,
+    MASK_VALUE,
+    base2_scale,
+    dot_precision,
+    unit_last_stride,
+    uses_autotune,
+)
 
 #: "fused" (dK/dV and dQ programs in one launch) or "two_pass" (two launches). See the module docstring.
 BACKWARD_LAUNCH = "fused"
@@ -190,42 +196,70 @@ def _flash_bwd_kernel(Q, K, V, DO, L, Delta, DQ, DK, DV,
     n_kv_tiles = tl.cdiv(n_k, BLOCK_N1)
     n_q_tiles = tl.cdiv(n_q, BLOCK_M2)
     if PASS == 1:
-        is_kv = pid >= 0
-        tile = pid
+        _dkdv_program(Q, K, V, DO, L, Delta, DK, DV,
+                      stride_qb, stride_qs, stride_kb, stride_ks, stride_vb, stride_vs, stride_dob, stride_dos,
+                      stride_dkb, stride_dks, stride_dvb, stride_dvs, pid_b, pid, n_q, n_k, qk_scale, sm_scale,
+                      HEAD_DIM, IS_CAUSAL, PRECISION, BLOCK_M1, BLOCK_N1)
     elif PASS == 2:
-        is_kv = pid < 0
-        tile = pid
+        _dq_program(Q, K, V, DO, L, Delta, DQ,
+                    stride_qb, stride_qs, stride_kb, stride_ks, stride_vb, stride_vs, stride_dob, stride_dos,
+                    stride_dqb, stride_dqs, pid_b, pid, n_q_tiles, n_q, n_k, qk_scale, sm_scale,
+                    HEAD_DIM, IS_CAUSAL, PRECISION, BLOCK_M2, BLOCK_N2)
     else:
         # Alternate dK/dV and dQ programs while both have tiles left, then the rest of the longer pass.
         n_pairs = tl.minimum(n_kv_tiles, n_q_tiles)
         paired = pid < 2 * n_pairs
         tile = tl.where(paired, pid // 2, pid - n_pairs)
         is_kv = tl.where(paired, pid % 2 == 0, n_kv_tiles > n_q_tiles)
-    if is_kv:
-        # key tile 0 has the most causal work: it goes first
-        _dkdv_tile(Q, K, V, DO, L, Delta, DK, DV,
-                   stride_qb, stride_qs, stride_kb, stride_ks, stride_vb, stride_vs, stride_dob, stride_dos,
-                   stride_dkb, stride_dks, stride_dvb, stride_dvs,
-                   pid_b, tile * BLOCK_N1, n_q, n_k, qk_scale, sm_scale,
-                   HEAD_DIM, IS_CAUSAL, PRECISION, BLOCK_M1, BLOCK_N1)
-    else:
-        # the last query tile has the most causal work: it goes first
-        _dq_tile(Q, K, V, DO, L, Delta, DQ,
-                 stride_qb, stride_qs, stride_kb, stride_ks, stride_vb, stride_vs, stride_dob, stride_dos,
-                 stride_dqb, stride_dqs,
-                 pid_b, (n_q_tiles - 1 - tile) * BLOCK_M2, n_q, n_k, qk_scale, sm_scale,
-                 HEAD_DIM, IS_CAUSAL, PRECISION, BLOCK_M2, BLOCK_N2)
+        if is_kv:
+            _dkdv_program(Q, K, V, DO, L, Delta, DK, DV,
+                          stride_qb, stride_qs, stride_kb, stride_ks, stride_vb, stride_vs, stride_dob, stride_dos,
+                          stride_dkb, stride_dks, stride_dvb, stride_dvs, pid_b, tile, n_q, n_k, qk_scale, sm_scale,
+                          HEAD_DIM, IS_CAUSAL, PRECISION, BLOCK_M1, BLOCK_N1)
+        else:
+            _dq_program(Q, K, V, DO, L, Delta, DQ,
+                        stride_qb, stride_qs, stride_kb, stride_ks, stride_vb, stride_vs, stride_dob, stride_dos,
+                        stride_dqb, stride_dqs, pid_b, tile, n_q_tiles, n_q, n_k, qk_scale, sm_scale,
+                        HEAD_DIM, IS_CAUSAL, PRECISION, BLOCK_M2, BLOCK_N2)
+
+
+@triton.jit
+def _dkdv_program(Q, K, V, DO, L, Delta, DK, DV,
+                  stride_qb, stride_qs, stride_kb, stride_ks, stride_vb, stride_vs, stride_dob, stride_dos,
+                  stride_dkb, stride_dks, stride_dvb, stride_dvs, pid_b, tile, n_q, n_k, qk_scale, sm_scale,
+                  HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+                  BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr):
+    # key tile 0 has the most causal work (every query sees it): it goes first
+    _dkdv_tile(Q, K, V, DO, L, Delta, DK, DV,
+               stride_qb, stride_qs, stride_kb, stride_ks, stride_vb, stride_vs, stride_dob, stride_dos,
+               stride_dkb, stride_dks, stride_dvb, stride_dvs,
+               pid_b, tile * BLOCK_N1, n_q, n_k, qk_scale, sm_scale,
+               HEAD_DIM, IS_CAUSAL, PRECISION, BLOCK_M1, BLOCK_N1)
+
+
+@triton.jit
+def _dq_program(Q, K, V, DO, L, Delta, DQ,
+                stride_qb, stride_qs, stride_kb, stride_ks, stride_vb, stride_vs, stride_dob, stride_dos,
+                stride_dqb, stride_dqs, pid_b, tile, n_q_tiles, n_q, n_k, qk_scale, sm_scale,
+                HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+                BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr):
+    # the last query tile has the most causal work (it sees every key): it goes first
+    _dq_tile(Q, K, V, DO, L, Delta, DQ,
+             stride_qb, stride_qs, stride_kb, stride_ks, stride_vb, stride_vs, stride_dob, stride_dos,
+             stride_dqb, stride_dqs,
+             pid_b, (n_q_tiles - 1 - tile) * BLOCK_M2, n_q, n_k, qk_scale, sm_scale,
+             HEAD_DIM, IS_CAUSAL, PRECISION, BLOCK_M2, BLOCK_N2)
 
 
 def _bwd_configs():
     if INTERPRET:
-        return [triton.Config(dict(BLOCK_M1=16, BLOCK_N1=16, BLOCK_M2=16, BLOCK_N2=16), num_warps=4, num_stages=1)]
+        return [triton.Config({"BLOCK_M1": 16, "BLOCK_N1": 16, "BLOCK_M2": 16, "BLOCK_N2": 16}, num_warps=4, num_stages=1)]
     shapes = [  # (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages)
         (64, 64, 64, 64, 4, 2), (64, 64, 64, 64, 4, 3), (32, 64, 64, 32, 4, 3),
         (32, 128, 128, 32, 4, 3), (64, 128, 128, 64, 8, 2), (64, 128, 128, 64, 8, 3),
         (32, 128, 128, 32, 8, 3),
     ]
-    return [triton.Config(dict(BLOCK_M1=m1, BLOCK_N1=n1, BLOCK_M2=m2, BLOCK_N2=n2), num_warps=w, num_stages=s)
+    return [triton.Config({"BLOCK_M1": m1, "BLOCK_N1": n1, "BLOCK_M2": m2, "BLOCK_N2": n2}, num_warps=w, num_stages=s)
             for m1, n1, m2, n2, w, s in shapes]
 
 
@@ -245,8 +279,8 @@ _flash_bwd_tuned = triton.autotune(
 
 def _bwd_fixed_config(d: int) -> dict:
     if INTERPRET:
-        return dict(BLOCK_M1=16, BLOCK_N1=16, BLOCK_M2=16, BLOCK_N2=16, num_warps=4, num_stages=1)
-    return dict(BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=32, num_warps=4 if d <= 64 else 8, num_stages=2)
+        return {"BLOCK_M1": 16, "BLOCK_N1": 16, "BLOCK_M2": 16, "BLOCK_N2": 16, "num_warps": 4, "num_stages": 1}
+    return {"BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32, "num_warps": 4 if d <= 64 else 8, "num_stages": 2}
 
 
 def _grid(pass_, n_q, n_k, batch):
@@ -278,18 +312,23 @@ def flash_backward(q, k, v, out, lse, grad_out, is_causal: bool, launch: str | N
     grad_q = torch.empty_like(q, memory_format=torch.contiguous_format)
     grad_k = torch.empty_like(k, memory_format=torch.contiguous_format)
     grad_v = torch.empty_like(v, memory_format=torch.contiguous_format)
-    args = (q, k, v, grad_out, lse, delta, grad_q, grad_k, grad_v,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            grad_out.stride(0), grad_out.stride(1), grad_q.stride(0), grad_q.stride(1),
-            grad_k.stride(0), grad_k.stride(1), grad_v.stride(0), grad_v.stride(1),
-            n_q, n_k, base2_scale(d), 1.0 / math.sqrt(d))
-    meta = dict(HEAD_DIM=d, IS_CAUSAL=bool(is_causal), PRECISION=dot_precision(q.dtype))
-    passes = (0,) if launch == "fused" else (1, 2)
-    tuned = not INTERPRET and max(n_q, n_k) >= AUTOTUNE_MIN_SEQ
-    for pass_ in passes:
-        if tuned:
+    args, meta = backward_launch_args(q, k, v, grad_out, lse, delta, grad_q, grad_k, grad_v, is_causal)
+    for pass_ in (0,) if launch == "fused" else (1, 2):
+        if uses_autotune(n_q, n_k):
             _flash_bwd_tuned[_grid(pass_, n_q, n_k, batch)](*args, **meta, PASS=pass_)
         else:
             config = _bwd_fixed_config(d)
             _flash_bwd_kernel[_grid(pass_, n_q, n_k, batch)(config)](*args, **meta, PASS=pass_, **config)
     return grad_q, grad_k, grad_v
+
+
+def backward_launch_args(q, k, v, grad_out, lse, delta, grad_q, grad_k, grad_v, is_causal: bool):
+    """Positional arguments and constexpr keywords (all but PASS and tiles) of the backward kernel."""
+    d = q.shape[-1]
+    args = (q, k, v, grad_out, lse, delta, grad_q, grad_k, grad_v,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            grad_out.stride(0), grad_out.stride(1), grad_q.stride(0), grad_q.stride(1),
+            grad_k.stride(0), grad_k.stride(1), grad_v.stride(0), grad_v.stride(1),
+            q.shape[1], k.shape[1], base2_scale(d), 1.0 / math.sqrt(d))
+    meta = {"HEAD_DIM": d, "IS_CAUSAL": bool(is_causal), "PRECISION": dot_precision(q.dtype)}
+    return args, meta
