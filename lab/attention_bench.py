@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable, Sequence
 import numpy as np
 import pandas as pd
 import torch
+import torch._functorch.config  # noqa: F401 - not imported by ``import torch``; run_naive_grid patches it
 import torch.nn.functional as F
 
 from lab.device import empty_cache, is_oom, resolve_device, synchronize
@@ -380,6 +381,18 @@ def accounting_config(grid: pd.DataFrame) -> tuple[pd.Series, str]:
     if len(oom):
         return oom.sort_values("predicted_peak_mib").iloc[0], "oom"
     return grid.sort_values("predicted_peak_mib").iloc[-1], "largest_fit"
+
+
+def naive_memory_check(row: pd.Series) -> pd.DataFrame:
+    """Predicted vs measured memory (MiB) for one row of :func:`run_naive_grid`: what autograd saved beyond
+    the inputs (saved-tensor hooks, any device), what was allocated when backward started and the peak
+    (``torch.cuda.memory_allocated`` / ``max_memory_allocated``; NaN on the CPU or when out of memory)."""
+    checks = [("saved for backward beyond q, k, v", "predicted_saved_mib", "saved_mib"),
+              ("allocated when backward starts", "predicted_before_bwd_mib", "mem_before_bwd_mib"),
+              ("peak (lower bound)", "predicted_peak_mib", "peak_mib")]
+    out = pd.DataFrame([dict(quantity=q, predicted_mib=row[p], measured_mib=row[m]) for q, p, m in checks])
+    out["measured_over_predicted"] = out["measured_mib"] / out["predicted_mib"]
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------
