@@ -13,6 +13,7 @@ send (its egress bandwidth), ``alpha`` a per-step latency (0 unless given).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import sympy as sp
@@ -474,3 +475,246 @@ def fsdp_tp_compute_bound_batch(network: str = "overlapped", exact: bool = False
     b = sp.simplify(b)
     tp_ok = sp.simplify(t["compute"] / t["tp"]) >= 1
     return dict(B=b, per_fsdp_shard=sp.simplify(b / X), per_chip=sp.simplify(b / (X * Y)), tp_ok=tp_ok)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Tables for the notebook (numbers from the formulas above)
+
+
+def memory_table(sizes, batch: int, context: int, precisions=("fp32", "bf16_autocast", "bf16"),
+                 attention: str = "sdpa", mode: str = "train_step"):
+    """Predicted training memory (GiB) by kind for each model size and precision policy; a DataFrame.
+
+    Columns: ``size``, ``precision``, ``params_M`` (millions), ``params_gib``, ``grads_gib``,
+    ``optimizer_gib``, ``weight_copies_gib``, ``activations_gib``, ``total_gib``.
+    """
+    import pandas as pd
+
+    from lab.model import config_for
+
+    rows = []
+    for size in sizes:
+        cfg = config_for(size, context_length=context, attention=attention)
+        for prec in precisions:
+            mem = training_memory(cfg, batch, context, prec, mode)
+            rows.append(dict(size=size, precision=prec, params_M=parameter_count(cfg) / 1e6,
+                             **{f"{k}_gib": v / GiB for k, v in mem.items()}))
+    return pd.DataFrame(rows)
+
+
+def flops_table(sizes, batch: int, context: int):
+    """Forward, backward and train-step matmul TFLOPs for each size (a DataFrame)."""
+    import pandas as pd
+
+    from lab.model import config_for
+
+    rows = []
+    for size in sizes:
+        cfg = config_for(size, context_length=context)
+        fwd = forward_flops(cfg, batch, context)
+        rows.append(dict(size=size, batch=batch, context=context, forward_tflop=fwd / 1e12,
+                         backward_tflop=2 * fwd / 1e12, train_tflop=3 * fwd / 1e12,
+                         attention_share=_attention_share(cfg, batch, context)))
+    return pd.DataFrame(rows)
+
+
+def _attention_share(cfg, batch: int, context: int) -> float:
+    """Fraction of forward FLOPs in the two T x T score matmuls."""
+    scores = batch * context * cfg.num_layers * 4 * context * cfg.d_model
+    return scores / forward_flops(cfg, batch, context)
+
+
+def collective_table(size_bytes: float, devices, bandwidth: float, latency: float = 0.0):
+    """Time (s) and bytes sent per device of every ring collective for each device count; a DataFrame."""
+    import pandas as pd
+
+    rows = []
+    for n in devices:
+        for name in COLLECTIVES:
+            rows.append(dict(collective=name, devices=n, size_bytes=size_bytes, bandwidth=bandwidth,
+                             time_s=as_float(collective_time(name, alpha=latency), S=size_bytes, N=n, W=bandwidth),
+                             bytes_sent=as_float(collective_bytes(name), S=size_bytes, N=n)))
+    return pd.DataFrame(rows)
+
+
+def ffn_strategy_table(devices, phase: str = "train", **values):
+    """Compute and communication time per device of one FFN for DP, FSDP and TP at each device count.
+
+    ``values`` gives ``B``, ``D``, ``F``, ``C``, ``W``, ``p``. Returns a DataFrame with ``strategy``,
+    ``devices``, ``compute_s``, ``comm_s``, ``comm_bound`` (comm > compute).
+    """
+    import pandas as pd
+
+    rows = []
+    for strategy in ("dp", "fsdp", "tp"):
+        costs = ffn_costs(strategy, phase)
+        for n in devices:
+            compute = as_float(costs["compute_time"], **values, N=n)
+            comm = as_float(costs["comm_time"]["N"], **values, N=n)
+            rows.append(dict(strategy=strategy, devices=n, compute_s=compute, comm_s=comm,
+                             comm_bound=comm > compute))
+    return pd.DataFrame(rows)
+
+
+def devices_needed(state_bytes, activation_bytes, capacity_bytes, activation_sharded_fraction=sp.Rational(1, 2)):
+    """Smallest integer N with :func:`fsdp_memory_per_device` <= ``capacity_bytes``; ``None`` if no N fits
+    (the unsharded activations alone exceed the capacity)."""
+    f = sp.nsimplify(activation_sharded_fraction)
+    n = sp.Symbol("n", positive=True)
+    unsharded = activation_bytes * (1 - f)
+    if unsharded >= capacity_bytes:
+        return None
+    bound = sp.solve(sp.Eq(fsdp_memory_per_device(state_bytes, activation_bytes, n, f), capacity_bytes), n)[0]
+    return max(1, math.ceil(float(bound) - 1e-9))
+
+
+def xxl_memory(tokens: int, d_model: int = XXL["d_model"], d_ff: int = XXL["d_ff"],
+               blocks: int = XXL["num_blocks"], state_bytes_per_param: int = 16, activation_bytes: int = 2,
+               device_bytes: int = H100_MEMORY_BYTES) -> dict:
+    """Memory of the FFN-only model: fp32 state (weights, grads, AdamW m, v: 16 B/param) and bf16 saved
+    activations of ``tokens`` tokens; how many devices of ``device_bytes`` hold it all (bytes, counts)."""
+    params = int(ffn_model_parameters(d_model, d_ff, blocks))
+    per_token = int(ffn_saved_elements_per_token(d_model, d_ff)) * activation_bytes * blocks
+    state = params * state_bytes_per_param
+    act = per_token * tokens
+    return dict(params=params, state_bytes=state, activation_bytes_per_token=per_token, tokens=tokens,
+                activation_bytes=act, total_bytes=state + act,
+                devices_to_hold=math.ceil((state + act) / device_bytes),
+                devices_to_hold_state=math.ceil(state / device_bytes))
+
+
+def fsdp_table(token_counts, capacity_bytes: int = TPU_V5P["memory_bytes"], devices=(16, 64, 128, 256),
+               activation_sharded_fraction=sp.Rational(1, 2), **xxl_kwargs):
+    """Per-device GB of the XXL model under FSDP, and the N needed for ``capacity_bytes``, per token count."""
+    import pandas as pd
+
+    rows = []
+    for tokens in token_counts:
+        m = xxl_memory(tokens, **xxl_kwargs)
+        row = dict(tokens=tokens, state_gb=m["state_bytes"] / GB, activations_gb=m["activation_bytes"] / GB)
+        for n in devices:
+            row[f"per_device_gb_N{n}"] = float(fsdp_memory_per_device(
+                m["state_bytes"], m["activation_bytes"], n, activation_sharded_fraction)) / GB
+        row["devices_needed"] = devices_needed(m["state_bytes"], m["activation_bytes"], capacity_bytes,
+                                               activation_sharded_fraction)
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def tpu_batch_tricks(X_=16, Y_=4, M_X_=2, M_Y_=1, C_=TPU_V5P["C"], W_ici_=TPU_V5P["W_ici"],
+                     F_=XXL["d_ff"]):
+    """Smallest compute-bound total batch (tokens) of the FSDP x TP forward, and how tricks lower it.
+
+    Each row: ``trick``, ``condition`` (LaTeX of the compute-bound inequality), ``batch_tokens`` (total),
+    ``per_chip_tokens`` (batch over all X Y chips), ``note``. Large-X approximation as in the scaling book.
+    """
+    import pandas as pd
+
+    base = {X: X_, Y: Y_, M_X: M_X_, M_Y: M_Y_, C: C_, W_ici: W_ici_, F: F_}
+    n_chips = X_ * Y_
+    p_w = sp.Symbol("p_w", positive=True)  # bytes per all-gathered weight element
+    rows = []
+
+    def add(trick, condition, b, note, chips=n_chips):
+        rows.append(dict(trick=trick, condition=condition, batch_tokens=float(b), per_chip_tokens=float(b) / chips,
+                         note=note))
+
+    b0 = C * X / (W_ici * M_X)
+    add("baseline: FSDP X, TP Y", r"\frac{B}{X} \ge \frac{C}{W_{ici} M_X}", b0.subs(base),
+        f"X={X_}, Y={Y_}, M_X={M_X_}")
+    # more TP on the same chips: X = N / Y, up to the TP limit Y <= 3 F M_Y W_ici / (2 C)
+    y_max = math.floor(float((3 * F * M_Y * W_ici / (2 * C)).subs(base)))
+    y_pow2 = 2 ** int(math.log2(y_max))
+    add(f"more TP: Y={y_pow2} on the same {n_chips} chips",
+        r"B \ge \frac{N C}{Y W_{ici} M_X},\quad Y \le \frac{3 F M_Y W_{ici}}{2 C}",
+        (C * n_chips / (y_pow2 * W_ici * M_X)).subs(base), f"TP stays compute bound up to Y={y_max}")
+    add("FSDP over all 3 ICI axes (M_X=3)", r"\frac{B}{X} \ge \frac{C}{W_{ici} M_X}",
+        b0.subs({**base, M_X: 3}), "TP then shares links with FSDP")
+    add("fp8 weight all-gather (p_w = 1 byte)", r"\frac{B}{X} \ge \frac{p_w}{2}\frac{C}{W_{ici} M_X}",
+        (b0 * p_w / 2).subs({**base, p_w: 1}), "halves the bytes gathered per FLOP")
+    # pipeline parallelism over P stages: only B x D activations cross a stage boundary
+    add("pipeline stages instead of FSDP", r"\frac{6 B D F (L/P)}{C} \ge \frac{2 B D}{W_{ici}} "
+        r"\iff \frac{L}{P} \ge \frac{C}{3 F W_{ici}}",
+        float("nan"), "no weight traffic, so no batch bound from communication (one FFN stage holds "
+        f"L/P >= {float((C / (3 * F * W_ici)).subs(base)):.3f} blocks); needs several microbatches in flight "
+        "to hide the pipeline bubble")
+    # gradient accumulation: every microbatch re-gathers the weights, so the bound is on the microbatch
+    add("gradient accumulation (k microbatches)", r"\frac{B/k}{X} \ge \frac{C}{W_{ici} M_X}",
+        b0.subs(base), "no help: each microbatch all-gathers the weights again, so the bound applies to "
+        "B/k; keeping gathered weights instead costs the full weights on every chip")
+    return pd.DataFrame(rows)
+
+
+def predicted_vs_measured(lm_step=None, sharding=None, device_type: str = "cuda"):
+    """Predicted peak memory next to the measured one for ``lm_step`` and ``sharding_benchmark`` rows.
+
+    ``lm_step`` rows: the mode is the largest one timed (``step_ms`` -> train step, ``fwdbwd_ms`` ->
+    forward+backward, else forward) since ``peak_gib`` covers the whole measurement; ``dtype`` bf16 means
+    autocast. ``sharding`` rows: per-rank prediction with parameters, gradients and optimizer state divided
+    by ``world_size`` where the implementation shards them (optimizer state for every implementation but
+    ``ddp``; parameters and gradients too for ``fsdp`` and ``torch_fsdp2``), activations of ``batch``
+    sequences per rank, compared with the largest of the measured peaks. Rows of unknown sizes are
+    skipped. Returns a DataFrame with ``source``, the configuration, ``predicted_gib``, ``measured_gib``,
+    ``ratio`` (measured / predicted) and the predicted parts.
+    """
+    import pandas as pd
+
+    from lab.model import ModelConfig, config_for
+
+    def cfg_of(row):
+        attention = row.get("attention", "sdpa")
+        attention = attention if isinstance(attention, str) else "sdpa"
+        try:
+            return config_for(str(row["size"]), context_length=int(row["context"]), attention=attention)
+        except ValueError:
+            if all(k in row and pd.notna(row[k]) for k in ("d_model", "d_ff", "num_layers", "num_heads")):
+                return ModelConfig(d_model=int(row["d_model"]), d_ff=int(row["d_ff"]),
+                                   num_layers=int(row["num_layers"]), num_heads=int(row["num_heads"]),
+                                   context_length=int(row["context"]), attention=attention)
+            return None
+
+    rows = []
+    if lm_step is not None:
+        for _, r in lm_step.iterrows():
+            cfg = cfg_of(r)
+            if cfg is None or r.get("status", "ok") != "ok" or pd.isna(r.get("peak_gib")):
+                continue
+            mode = ("train_step" if pd.notna(r.get("step_ms")) else
+                    "forward_backward" if pd.notna(r.get("fwdbwd_ms")) else "forward")
+            prec = BENCH_DTYPE_TO_POLICY.get(str(r["dtype"]), "fp32")
+            mem = training_memory(cfg, int(r["batch"]), int(r["context"]), prec, mode, device_type)
+            rows.append(dict(source="lm_step", impl=mode, size=r["size"], context=int(r["context"]),
+                             batch=int(r["batch"]), dtype=r["dtype"], world_size=1,
+                             compile=bool(r.get("compile", False)), attention=cfg.attention,
+                             measured_gib=float(r["peak_gib"]),
+                             **{f"{k}_gib": v / GiB for k, v in mem.items()}))
+    if sharding is not None:
+        peak_cols = [c for c in ("peak_init_gib", "peak_before_step_gib", "peak_after_step_gib") if c in sharding]
+        for _, r in sharding.iterrows():
+            cfg = cfg_of(r)
+            if cfg is None or r.get("status", "ok") != "ok" or not peak_cols:
+                continue
+            measured = r[peak_cols].astype(float).max()
+            if pd.isna(measured):
+                continue
+            n = int(r["world_size"])
+            prec = BENCH_DTYPE_TO_POLICY.get(str(r["dtype"]), "fp32")
+            mem = training_memory(cfg, int(r["batch"]), int(r["context"]), prec, "train_step", device_type)
+            impl = str(r["impl"])
+            fully_sharded = impl in ("fsdp", "torch_fsdp2")
+            if impl != "ddp":
+                mem["optimizer"] /= n
+            if fully_sharded:
+                mem["params"] /= n
+                mem["grads"] /= n
+                mem["weight_copies"] /= n
+            mem["total"] = sum(v for k, v in mem.items() if k != "total")
+            rows.append(dict(source="sharding_benchmark", impl=impl, size=r["size"], context=int(r["context"]),
+                             batch=int(r["batch"]), dtype=r["dtype"], world_size=n, compile=False,
+                             attention=cfg.attention, measured_gib=float(measured),
+                             **{f"{k}_gib": v / GiB for k, v in mem.items()}))
+    out = pd.DataFrame(rows)
+    if not out.empty:
+        out = out.rename(columns={"total_gib": "predicted_gib"})
+        out["ratio"] = out["measured_gib"] / out["predicted_gib"]
+    return out

@@ -199,3 +199,31 @@ def simulate(collective: str, size_bytes: int, n_devices: int, bandwidth: float,
         # sums are accumulated in a different order on each device: equal up to rounding
         np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
     return result
+
+
+def check_closed_forms(sizes_bytes, devices, bandwidth: float, latency: float = 0.0):
+    """Simulate every collective for each ``S`` in ``sizes_bytes`` and ``N`` in ``devices`` and set the
+    result next to :mod:`lab.accounting`'s closed forms.
+
+    Returns a DataFrame with ``collective``, ``devices``, ``size_bytes``, ``simulated_bytes`` (busiest
+    device), ``predicted_bytes``, ``simulated_s``, ``predicted_s``, ``steps`` and ``match`` (bytes equal
+    and times equal to 1e-12 relative). Values are verified by :func:`simulate` on the way.
+    """
+    import pandas as pd
+
+    from lab import accounting
+
+    rows = []
+    for collective in accounting.COLLECTIVES:
+        for n in devices:
+            for size in sizes_bytes:
+                r = simulate(collective, size, n, bandwidth, latency)
+                want_bytes = accounting.as_float(accounting.collective_bytes(collective), S=size, N=n)
+                want_s = accounting.as_float(accounting.collective_time(collective, alpha=latency),
+                                             S=size, N=n, W=bandwidth)
+                rows.append(dict(collective=collective, devices=n, size_bytes=size,
+                                 simulated_bytes=r.max_bytes_sent, predicted_bytes=want_bytes,
+                                 simulated_s=r.time_s, predicted_s=want_s, steps=r.steps,
+                                 match=bool(r.max_bytes_sent == want_bytes
+                                            and abs(r.time_s - want_s) <= 1e-12 * max(want_s, 1e-300))))
+    return pd.DataFrame(rows)

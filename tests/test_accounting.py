@@ -331,3 +331,71 @@ def test_tpu_compute_bound_batch_by_hand():
     shared = acc.fsdp_tp_compute_bound_batch("shared")
     assert acc.as_float(shared["B"], **tpu) == pytest.approx(
         6 * 53248 * 16 * 4.6e14 / 2 / (6 * 53248 * 1.8e11 - 4 * 4 * 4.6e14), rel=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------- notebook tables
+
+
+def test_devices_needed_by_hand():
+    # 5,276.37 GB of state, no activations, 95 GB per device: 55.54 -> 56 devices
+    assert acc.devices_needed(5_276_367_323_136, 0, 95 * 10**9) == 56
+    # 100 GB state + 20 GB activations (half sharded), 30 GB devices: 100/N + 10/N + 10 <= 30 -> N >= 5.5 -> 6
+    assert acc.devices_needed(100e9, 20e9, 30e9) == 6
+    # the unsharded half of 80 GB activations (40 GB) never fits in 30 GB
+    assert acc.devices_needed(100e9, 80e9, 30e9) is None
+
+
+def test_xxl_memory_table():
+    m = acc.xxl_memory(2048)
+    assert m["activation_bytes"] == 2048 * 57_802_752
+    # (5,276,367,323,136 + 118,380,036,096) / 80e9 = 67.43 -> 68 H100s
+    assert m["devices_to_hold"] == 68
+    table = acc.fsdp_table([0, 2048], devices=(64,))
+    assert table.loc[0, "per_device_gb_N64"] == pytest.approx(5_276_367_323_136 / 64 / 1e9)
+    # 2048 tokens: 118.38 GB activations -> 82.443 + 118.38 * (1/128 + 1/2) = 142.56 GB on 64 devices
+    assert table.loc[1, "per_device_gb_N64"] == pytest.approx(82.4432394 + 118.380036096 * (1 / 128 + 0.5))
+
+
+def test_tpu_tricks_lower_the_batch():
+    tricks = acc.tpu_batch_tricks().set_index("trick").batch_tokens
+    base = tricks.iloc[0]
+    assert base == pytest.approx(16 * 4.6e14 / 3.6e11)
+    # Y = 16 on 64 chips -> X = 4: B >= 4 x 1277.8 = 5111; M_X = 3: 16 x 4.6e14 / 5.4e11 = 13,630; fp8: base / 2
+    assert tricks.iloc[1] == pytest.approx(4 * 4.6e14 / 3.6e11)
+    assert tricks.iloc[2] == pytest.approx(16 * 4.6e14 / 5.4e11)
+    assert tricks.iloc[3] == pytest.approx(base / 2)
+
+
+def test_predicted_vs_measured_rows():
+    import pandas as pd
+
+    lm_step = pd.DataFrame([
+        dict(size="small", context=128, batch=4, dtype="fp32", attention="sdpa", compile=False, world_size=1,
+             fwd_ms=1.0, fwdbwd_ms=2.0, step_ms=3.0, peak_gib=3.0, status="ok"),
+        dict(size="small", context=128, batch=4, dtype="bf16", attention="sdpa", compile=False, world_size=1,
+             fwd_ms=1.0, fwdbwd_ms=float("nan"), step_ms=float("nan"), peak_gib=1.0, status="ok"),
+        dict(size="10B", context=2048, batch=4, dtype="fp32", attention="sdpa", compile=False, world_size=1,
+             fwd_ms=float("nan"), fwdbwd_ms=float("nan"), step_ms=float("nan"), peak_gib=float("nan"), status="oom"),
+        dict(size="tiny", context=32, batch=4, dtype="fp32", attention="sdpa", compile=False, world_size=1,
+             fwd_ms=1.0, fwdbwd_ms=float("nan"), step_ms=float("nan"), peak_gib=float("nan"), status="ok"),
+    ])
+    sharding = pd.DataFrame([
+        dict(impl="ddp", world_size=2, size="small", context=128, batch=4, dtype="fp32", peak_init_gib=0.5,
+             peak_before_step_gib=2.0, peak_after_step_gib=2.5, status="ok"),
+        dict(impl="fsdp", world_size=2, size="small", context=128, batch=4, dtype="fp32", peak_init_gib=0.3,
+             peak_before_step_gib=1.5, peak_after_step_gib=1.2, status="ok"),
+    ])
+    out = acc.predicted_vs_measured(lm_step, sharding)
+    assert list(out.source) == ["lm_step", "lm_step", "sharding_benchmark", "sharding_benchmark"]
+    cfg = config_for("small", context_length=128)
+    step = acc.training_memory(cfg, 4, 128, "fp32", "train_step")
+    assert out.iloc[0].impl == "train_step"
+    assert out.iloc[0].predicted_gib == pytest.approx(step["total"] / 2**30)
+    assert out.iloc[0].ratio == pytest.approx(3.0 / (step["total"] / 2**30))
+    fwd = acc.training_memory(cfg, 4, 128, "bf16_autocast", "forward")
+    assert out.iloc[1].impl == "forward" and out.iloc[1].predicted_gib == pytest.approx(fwd["total"] / 2**30)
+    # DDP: only the measured maximum matters; FSDP divides params, grads, optimizer (and copies) by 2
+    assert out.iloc[2].measured_gib == 2.5 and out.iloc[2].predicted_gib == pytest.approx(step["total"] / 2**30)
+    fsdp = (step["params"] + step["grads"] + step["optimizer"]) / 2 + step["activations"]
+    assert out.iloc[3].predicted_gib == pytest.approx(fsdp / 2**30)
+    assert acc.predicted_vs_measured(None, None).empty
