@@ -28,6 +28,7 @@ X, Y, W_X, W_Y, M_X, M_Y, W_ici = sp.symbols("X Y W_X W_Y M_X M_Y W_ici", positi
 
 GB = 10**9  # device memory is sold in decimal gigabytes (H100 "80 GB", TPU v5p "95 GB")
 GiB = 2**30
+HALF = sp.Rational(1, 2)  # FSDP shards every other layer's activations
 
 
 def as_float(expr, **values) -> float:
@@ -381,7 +382,9 @@ def max_devices(strategy: str, phase: str = "train", network: str = "overlapped"
     ``network="overlapped"``: communication runs alongside compute and each mesh axis has links of its own,
     so a step is compute bound while every axis's communication time <= the compute time. ``network=
     "shared"``: both axes of ``fsdp_tp`` send over the same link of bandwidth ``W``, so their times add
-    (for one-axis strategies the two cases coincide). For ``fsdp_tp`` returns a dict with ``X``, ``Y`` and
+    (for one-axis strategies the two cases coincide). Communication that cannot overlap compute at all
+    (serial) crosses compute at the same device count, but costs its full time below it as well (see
+    :func:`ffn_strategy_table`). For ``fsdp_tp`` returns a dict with ``X``, ``Y`` and
     ``N = X * Y``: with separate links the per-axis bounds; with a shared link the (X, Y) that maximises
     X Y on the boundary. ``values`` substitutes numbers (by symbol name) before solving. Returns ``oo``
     when communication never dominates (forward DP has none).
@@ -437,7 +440,7 @@ def ffn_saved_elements_per_token(d_model=D, d_ff=F):
     return d_model + 4 * d_ff
 
 
-def fsdp_memory_per_device(state_bytes, activation_bytes, n, activation_sharded_fraction=sp.Rational(1, 2)):
+def fsdp_memory_per_device(state_bytes, activation_bytes, n, activation_sharded_fraction=HALF):
     """Bytes per device when all state and a fraction of the activations are sharded over ``n`` devices.
 
     ``state_bytes / n + activation_bytes * (fraction / n + 1 - fraction)``: the sharded activations are
@@ -541,7 +544,9 @@ def ffn_strategy_table(devices, phase: str = "train", **values):
     """Compute and communication time per device of one FFN for DP, FSDP and TP at each device count.
 
     ``values`` gives ``B``, ``D``, ``F``, ``C``, ``W``, ``p``. Returns a DataFrame with ``strategy``,
-    ``devices``, ``compute_s``, ``comm_s``, ``comm_bound`` (comm > compute).
+    ``devices``, ``compute_s``, ``comm_s``, ``comm_bound`` (comm > compute), the step time when
+    communication overlaps compute (``step_overlapped_s`` = max) and when it does not (``step_serial_s`` =
+    sum), and the matching fractions of peak FLOP/s (``efficiency_*``).
     """
     import pandas as pd
 
@@ -551,12 +556,16 @@ def ffn_strategy_table(devices, phase: str = "train", **values):
         for n in devices:
             compute = as_float(costs["compute_time"], **values, N=n)
             comm = as_float(costs["comm_time"]["N"], **values, N=n)
+            # overlapped: communication hides behind compute; serial: it waits for it (e.g. TP's gathers,
+            # which the next matmul needs at once)
             rows.append(dict(strategy=strategy, devices=n, compute_s=compute, comm_s=comm,
-                             comm_bound=comm > compute))
+                             comm_bound=comm > compute, step_overlapped_s=max(compute, comm),
+                             step_serial_s=compute + comm, efficiency_overlapped=compute / max(compute, comm),
+                             efficiency_serial=compute / (compute + comm)))
     return pd.DataFrame(rows)
 
 
-def devices_needed(state_bytes, activation_bytes, capacity_bytes, activation_sharded_fraction=sp.Rational(1, 2)):
+def devices_needed(state_bytes, activation_bytes, capacity_bytes, activation_sharded_fraction=HALF):
     """Smallest integer N with :func:`fsdp_memory_per_device` <= ``capacity_bytes``; ``None`` if no N fits
     (the unsharded activations alone exceed the capacity)."""
     f = sp.nsimplify(activation_sharded_fraction)
@@ -584,7 +593,7 @@ def xxl_memory(tokens: int, d_model: int = XXL["d_model"], d_ff: int = XXL["d_ff
 
 
 def fsdp_table(token_counts, capacity_bytes: int = TPU_V5P["memory_bytes"], devices=(16, 64, 128, 256),
-               activation_sharded_fraction=sp.Rational(1, 2), **xxl_kwargs):
+               activation_sharded_fraction=HALF, **xxl_kwargs):
     """Per-device GB of the XXL model under FSDP, and the N needed for ``capacity_bytes``, per token count."""
     import pandas as pd
 

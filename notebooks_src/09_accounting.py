@@ -30,10 +30,7 @@ gpu_flops = 989e12                # C of an H100 SXM, dense bf16 FLOP/s, for the
 ffn_tokens = 65536                # B for the GPU FFN example (tokens per step)
 
 # %%
-import math
-
 import matplotlib.pyplot as plt
-import numpy as np
 import pandas as pd
 import seaborn as sns
 import sympy as sp
@@ -311,6 +308,13 @@ g = sns.relplot(data=long, x="devices", y="seconds", hue="time", col="strategy",
 g.set(xscale="log", yscale="log")
 g.figure.suptitle(f"One XXL FFN training step on H100s, B = {ffn_tokens:,} tokens", y=1.04)
 plt.show()
+at = sweep.set_index(["strategy", "devices"])
+n_show = 64 if 64 in set(sweep.devices) else int(sweep.devices.max())
+report.say(f"Where communication cannot overlap compute its time adds to every step, not only beyond the "
+           f"crossover: at {n_show} devices FSDP runs at "
+           f"{at.loc[('fsdp', n_show), 'efficiency_overlapped']:.0%} of peak with the gathers overlapped and "
+           f"{at.loc[('fsdp', n_show), 'efficiency_serial']:.0%} without; TP at "
+           f"{at.loc[('tp', n_show), 'efficiency_overlapped']:.0%} and {at.loc[('tp', n_show), 'efficiency_serial']:.0%}.")
 
 # %% [markdown]
 # ## 5 · When is the XXL forward compute bound on TPU v5p?

@@ -304,7 +304,7 @@ def test_max_devices_2d():
 
 def test_xxl_memory_by_hand():
     # 126 blocks x 3 x 16384 x 53248 = 126 x 2,617,245,696 = 329,772,957,696 parameters
-    params = acc.ffn_model_parameters(**{"d_model": 16384, "d_ff": 53248, "blocks": 126})
+    params = acc.ffn_model_parameters(d_model=16384, d_ff=53248, blocks=126)
     assert params == 329_772_957_696
     # fp32 master weights + gradients + AdamW m and v: 16 B each -> 5,276,367,323,136 B = 5.28 TB
     state = 16 * params
