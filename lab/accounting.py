@@ -386,13 +386,18 @@ def max_devices(strategy: str, phase: str = "train", network: str = "overlapped"
     (serial) crosses compute at the same device count, but costs its full time below it as well (see
     :func:`ffn_strategy_table`). For ``fsdp_tp`` returns a dict with ``X``, ``Y`` and
     ``N = X * Y``: with separate links the per-axis bounds; with a shared link the (X, Y) that maximises
-    X Y on the boundary. ``values`` substitutes numbers (by symbol name) before solving. Returns ``oo``
-    when communication never dominates (forward DP has none).
+    X Y on the boundary (it can fall below 1 on one axis, where that axis alone is the better choice).
+    ``values`` substitutes numbers by symbol name (``B``, ``D``, ``F``, ``C``, ``W``, ``W_X``, ``W_Y``,
+    ``p``) before solving. Returns ``oo`` when communication never dominates (forward DP has none).
     """
     if network not in ("overlapped", "shared"):
         raise ValueError(f"network must be 'overlapped' or 'shared', got {network!r}")
     costs = ffn_costs(strategy, phase, exact)
-    subs = {sym: val for sym in (B, D, F, N, X, Y, C, W, W_X, W_Y, p) if (val := values.get(sym.name)) is not None}
+    known = {sym.name: sym for sym in (B, D, F, C, W, W_X, W_Y, p)}
+    unknown = set(values) - set(known)
+    if unknown:
+        raise ValueError(f"unknown quantities {sorted(unknown)}; max_devices takes {', '.join(known)}")
+    subs = {known[name]: val for name, val in values.items() if val is not None}
 
     def largest_root(expr, var):
         roots = [r for r in sp.solve(sp.Eq(expr, 0), var) if r.is_positive is not False]
@@ -532,12 +537,15 @@ def collective_table(size_bytes: float, devices, bandwidth: float, latency: floa
     import pandas as pd
 
     rows = []
-    for n in devices:
-        for name in COLLECTIVES:
+    for name in COLLECTIVES:
+        # one compiled numeric function per formula, evaluated for every N
+        time_fn = sp.lambdify((S, N, W, alpha), collective_time(name, alpha=alpha))
+        bytes_fn = sp.lambdify((S, N), collective_bytes(name))
+        for n in devices:
             rows.append(dict(collective=name, devices=n, size_bytes=size_bytes, bandwidth=bandwidth,
-                             time_s=as_float(collective_time(name, alpha=latency), S=size_bytes, N=n, W=bandwidth),
-                             bytes_sent=as_float(collective_bytes(name), S=size_bytes, N=n)))
-    return pd.DataFrame(rows)
+                             time_s=float(time_fn(size_bytes, n, bandwidth, latency)),
+                             bytes_sent=float(bytes_fn(size_bytes, n))))
+    return pd.DataFrame(rows).sort_values(["devices", "collective"], kind="stable", ignore_index=True)
 
 
 def ffn_strategy_table(devices, phase: str = "train", **values):

@@ -257,6 +257,10 @@ def test_max_devices_by_hand():
     assert acc.max_devices("fsdp", "train", **v) == 101
     assert float(acc.max_devices("tp", "train", F=8192, **v)) == pytest.approx(2.8432)
     assert acc.max_devices("dp", "forward") == sp.oo
+    with pytest.raises(ValueError, match="unknown quantities"):
+        acc.max_devices("dp", "train", N=4)
+    with pytest.raises(ValueError, match="network"):
+        acc.max_devices("dp", "train", "ethernet")
 
 
 @pytest.mark.parametrize("strategy", ["dp", "fsdp", "tp"])
@@ -399,3 +403,12 @@ def test_predicted_vs_measured_rows():
     fsdp = (step["params"] + step["grads"] + step["optimizer"]) / 2 + step["activations"]
     assert out.iloc[3].predicted_gib == pytest.approx(fsdp / 2**30)
     assert acc.predicted_vs_measured(None, None).empty
+
+
+def test_collective_table_matches_the_formulas():
+    table = acc.collective_table(1e9, [2, 4], 1e11, latency=1e-6).set_index(["collective", "devices"])
+    # all-reduce on 4 devices: 6 steps x (1 us + 0.25 GB / 100 GB/s) = 15.006 ms; 1.5 GB sent
+    assert table.loc[("all_reduce", 4), "time_s"] == pytest.approx(15.006e-3)
+    assert table.loc[("all_reduce", 4), "bytes_sent"] == 1.5e9
+    # alternate on 2 devices: 1 step of the whole 1 GB = 10.001 ms
+    assert table.loc[("alternate_all_reduce", 2), "time_s"] == pytest.approx(10.001e-3)
