@@ -202,7 +202,8 @@ coll["time_ms"] = coll.time_s * 1e3
 shown = coll[coll.devices.isin([2, 4, 8, 16, 64])].pivot(index="devices", columns="collective", values="time_ms")
 report.show_table(shown.reset_index().astype({"devices": str}), floatfmt=".3f")
 fig, ax = plt.subplots()
-sns.lineplot(data=coll, x="devices", y="time_ms", hue="collective", ax=ax)
+# all-gather and reduce-scatter cost the same: dashes keep both visible
+sns.lineplot(data=coll, x="devices", y="time_ms", hue="collective", style="collective", ax=ax)
 ax.set_yscale("log")
 ax.set_xlabel("devices N")
 ax.set_ylabel("time (ms)")
