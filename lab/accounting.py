@@ -1,9 +1,10 @@
 """Parallelism arithmetic: memory, FLOPs and communication time in closed form.
 
 Everything here is a formula, kept symbolic with sympy so a notebook can print the derivation and then
-evaluate it (``.subs`` / ``sympy.lambdify``). Functions accept sympy symbols *or* numbers for each
-quantity: with numbers they return exact sympy numbers (``float(...)`` them), with symbols they return
-expressions. The module-level symbols below are the defaults.
+evaluate it (``.subs`` / ``sympy.lambdify`` / :func:`as_float`). The closed forms accept sympy symbols *or*
+numbers for each quantity: with numbers they return exact sympy numbers (``float(...)`` them), with
+symbols expressions; the module-level symbols below are the defaults. Functions that take a
+``lab.model.ModelConfig`` return plain ints (bytes, FLOPs), and the ``*_table`` functions DataFrames.
 
 Units: bytes, FLOPs, seconds, bytes/s, FLOP/s. ``B`` is a number of *tokens* (batch x sequence).
 Conventions for collectives (shared with :mod:`lab.ring_sim`, which checks them step by step): ``S`` is the

@@ -392,6 +392,7 @@ report.say(f"Shifting chips from FSDP to TP lowers the compute-bound batch from 
 # without grads and AdamW) and look at the ratio. The prediction leaves out transients (logits and their
 # gradient, AdamW scratch, allocator rounding) and assumes every activation and every gradient is alive
 # at once, so neither exact agreement nor a fixed ratio is expected; the ratio shows which effect wins.
+# Compiled rows save fewer activations than eager (fusion), which the eager count does not know.
 
 # %%
 def load_measured(name):
@@ -414,7 +415,8 @@ if check.empty and found:
     report.say(f"{' and '.join(n + '.csv' for n in found)} in `{measured_results_dir}/` hold no successful rows "
                "with a measured peak memory (the CPU cannot measure one), so there is nothing to compare yet.")
 if not check.empty:
-    cols = ["source", "impl", "size", "context", "batch", "dtype", "world_size", "predicted_gib", "measured_gib",
+    cols = ["source", "impl", "size", "context", "batch", "dtype", "attention", "compile", "world_size",
+            "predicted_gib", "measured_gib",
             "ratio", "params_gib", "grads_gib", "optimizer_gib", "weight_copies_gib", "activations_gib"]
     report.show_table(check[cols].sort_values(["source", "size", "context"]), floatfmt=".3g")
     fig, ax = plt.subplots(figsize=(6, 6))
