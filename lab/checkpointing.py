@@ -164,3 +164,65 @@ def checkpoint_memory_table(num_blocks: int, boundary_bytes: float, block_activa
     df = pd.DataFrame(rows)
     df["modelled_mib"] = df["modelled_bytes"] / 2**20
     return df
+
+
+def residual_stream_bytes(batch: int, context: int, d_model: int, bytes_per_element: int = 4) -> int:
+    """Bytes of one residual-stream activation (batch x context x d_model elements): the input every block
+    receives, and what a checkpointed group keeps for the backward."""
+    return batch * context * d_model * bytes_per_element
+
+
+def checkpoint_sweep(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
+                     group_sizes: Sequence[int | None], include_nested: bool = True,
+                     autocast_dtype: torch.dtype | None = None, progress: bool = True,
+                     optimizer: torch.optim.Optimizer | None = None) -> pd.DataFrame:
+    """Peak memory and time of one AdamW training step for each checkpointing configuration.
+
+    ``group_sizes`` lists single-level group sizes (``None`` = no checkpointing); ``include_nested`` adds
+    the nested strategy. The optimizer state is created first by one untimed step under the most
+    memory-frugal configuration (so every measured step includes it, as in steady-state training). Peak
+    memory comes from :func:`lab.memory.measure_peak_bytes`. Out-of-memory is a row. Returns columns
+    ``strategy``, ``group_size``, ``peak_gib``, ``step_ms``, ``status``, ``error``.
+    """
+    import time
+
+    from tqdm.auto import tqdm
+
+    from lab.device import empty_cache, is_oom, synchronize
+    from lab.memory import default_loss, measure_peak_bytes
+
+    device = next(model.parameters()).device
+    inputs, targets = batch
+    optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+
+    def step():
+        ctx = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
+        with ctx:
+            loss = default_loss(model(inputs), targets)
+        loss.backward()
+        del loss
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    with activation_checkpointing(model, strategy="nested"):
+        step()  # creates the AdamW state
+    configs = [("single", k) for k in group_sizes] + ([("nested", None)] if include_nested else [])
+    rows = []
+    for strategy, k in tqdm(configs, desc="checkpoint sweep", disable=not progress):
+        row = dict(strategy="none" if (strategy == "single" and k is None) else strategy,
+                   group_size=k if k is not None else math.nan, peak_gib=math.nan, step_ms=math.nan,
+                   status="ok", error="")
+        try:
+            with activation_checkpointing(model, group_size=k, strategy=strategy):
+                start = time.perf_counter()
+                row["peak_gib"] = measure_peak_bytes(step, device) / 2**30
+                synchronize(device)
+                row["step_ms"] = (time.perf_counter() - start) * 1e3
+        except Exception as exc:  # noqa: BLE001 - only out-of-memory becomes a row
+            if not is_oom(exc):
+                raise
+            row.update(status="oom", error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
+        optimizer.zero_grad(set_to_none=True)
+        empty_cache()
+        rows.append(row)
+    return pd.DataFrame(rows)

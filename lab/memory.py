@@ -57,6 +57,7 @@ class MemoryRecording:
     device: torch.device
     marks: list[tuple[str, int]] = field(default_factory=list)
     snapshot: dict | None = None
+    detail_marks: list[tuple[str, int]] = field(default_factory=list)
 
     def mark(self, phase: str) -> None:
         """Start phase ``phase`` now (host wall clock in microseconds, the clock of the trace's ``time_us``).
@@ -129,10 +130,11 @@ def load_snapshot(path: str | os.PathLike) -> dict:
     return data
 
 
-def load_marks(snapshot_path: str | os.PathLike) -> list[tuple[str, int]]:
-    """The phase marks saved beside a snapshot pickle (empty if there are none)."""
+def load_marks(snapshot_path: str | os.PathLike, key: str = "marks") -> list[tuple[str, int]]:
+    """The phase marks saved beside a snapshot pickle (``key="detail_marks"`` for per-block backward marks);
+    empty if there are none."""
     p = phases_path_for(snapshot_path)
-    return [tuple(m) for m in json.loads(p.read_text())["marks"]] if p.exists() else []
+    return [tuple(m) for m in json.loads(p.read_text()).get(key, [])] if p.exists() else []
 
 
 _PY_FRAME = re.compile(r"^(?P<file>.+)\((?P<line>\d+)\): (?P<name>.+)$")
@@ -665,3 +667,181 @@ def _phase_rows_from_timeline(timeline: pd.DataFrame, marks: Sequence[tuple[str,
         peak = max(start, int(sel.max())) if len(sel) else start
         rows.append(dict(step=int(step), phase=ph, peak_bytes=peak, allocated_bytes=level))
     return rows
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Language-model experiments (the 03 notebook)
+
+
+def measure_peak_bytes(fn: Callable[[], Any], device: str | torch.device) -> int:
+    """Peak bytes allocated while ``fn()`` runs (including what was allocated before it started).
+
+    CUDA: the caching allocator's ``max_memory_allocated`` after a reset. CPU: the maximum of the active
+    memory timeline of a profiler recording (:func:`record_memory_snapshot`), which sees every tensor
+    the region touches or creates.
+    """
+    device = resolve_device(device) if isinstance(device, str) else torch.device(device)
+    if device.type == "cuda":
+        synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        synchronize(device)
+        return int(torch.cuda.max_memory_allocated(device))
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        with record_memory_snapshot(Path(tmp) / "peak.pickle", device=device) as rec:
+            fn()
+        tl = active_memory_timeline(rec.snapshot)
+    if tl.empty:
+        return 0
+    return int(max(tl["active_bytes"].max(), tl["active_bytes"].iloc[0] - tl["delta_bytes"].iloc[0]))
+
+
+def record_training_snapshot(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], path: str | os.PathLike,
+                             optimizer: torch.optim.Optimizer | None = None, steps: int = 2,
+                             forward_only: bool = False, autocast_dtype: torch.dtype | None = None,
+                             loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = default_loss,
+                             blocks: Sequence[nn.Module] | None = None,
+                             max_entries: int = 1_000_000) -> MemoryRecording:
+    """Record a memory snapshot of ``steps`` training steps (or one forward with ``forward_only``), with each
+    phase marked: ``forward 1``, ``backward 1``, ``optimizer step 1`` (where AdamW creates its state), ...
+
+    With ``blocks`` (the model's block list), a full backward pre-hook on each block also marks where its
+    backward starts (``backward 1 block 31`` ...) in ``rec.detail_marks``, for
+    :func:`gradient_memory_per_block`. The device is that of the model's parameters. Returns the
+    :class:`MemoryRecording` (the pickle is at ``path``, the marks in its JSON sidecar).
+    """
+    device = next(model.parameters()).device
+    if not forward_only and optimizer is None:
+        raise ValueError("a training-step recording needs an optimizer (or forward_only=True)")
+    inputs, targets = batch
+    detail: list[tuple[str, int]] = []
+    current = {"step": 0}
+    handles = []
+    def block_mark(i: int):
+        def hook(module, grad_output) -> None:
+            detail.append((f"backward {current['step']} block {i}", time.time_ns() // 1000))
+        return hook
+
+    if blocks is not None and not forward_only:
+        for i, block in enumerate(blocks):
+            handles.append(block.register_full_backward_pre_hook(block_mark(i)))
+    model.zero_grad(set_to_none=True)
+    try:
+        with record_memory_snapshot(path, max_entries=max_entries, device=device) as rec:
+            for step in range(1, (1 if forward_only else steps) + 1):
+                current["step"] = step
+                rec.mark(f"forward {step}")
+                ctx = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
+                with ctx:
+                    loss = loss_fn(model(inputs), targets)
+                if forward_only:
+                    rec.mark("after forward")
+                    del loss
+                    break
+                rec.mark(f"backward {step}")
+                loss.backward()
+                del loss
+                rec.mark(f"optimizer step {step}")
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            rec.mark("end")
+    finally:
+        for h in handles:
+            h.remove()
+    rec.detail_marks = detail
+    rec.phases_path.write_text(json.dumps({"marks": rec.marks, "detail_marks": detail}) + "\n")
+    return rec
+
+
+def gradient_memory_per_block(snapshot: dict, marks: Sequence[tuple[str, int]],
+                              detail_marks: Sequence[tuple[str, int]], blocks: Sequence[nn.Module],
+                              step: int = 1) -> pd.DataFrame:
+    """Gradient memory of each block inferred from the backward timeline of a :func:`record_training_snapshot`
+    recording, against the expectation (the bytes of the block's trainable parameters, one gradient each).
+
+    A block's window runs from its backward pre-hook to the next block's; what is allocated there and is
+    still alive when ``optimizer step <step>`` begins is that block's gradients (block 0's window also
+    holds the embedding's gradient, made after it). Returns ``block``, ``measured_bytes``,
+    ``expected_bytes``, ``measured_mib``, ``expected_mib``, ``ratio``.
+    """
+    prefix = f"backward {step} block "
+    windows = [m[0] for m in sorted(detail_marks, key=lambda m: m[1]) if m[0].startswith(prefix)]
+    if not windows:
+        raise ValueError(f"no block marks for step {step}; record with blocks=")
+    all_marks = sorted(list(marks) + list(detail_marks), key=lambda m: m[1])
+    got = gradient_bytes_by_window(snapshot, all_marks, windows, end_phase=f"optimizer step {step}")
+    got["block"] = got["window"].str.removeprefix(prefix).astype(int)
+    expected = {i: sum(p.numel() * p.element_size() for p in b.parameters() if p.requires_grad)
+                for i, b in enumerate(blocks)}
+    got["expected_bytes"] = got["block"].map(expected)
+    got = got.rename(columns={"surviving_bytes": "measured_bytes"}).sort_values("block")
+    got["measured_mib"] = got["measured_bytes"] / MiB
+    got["expected_mib"] = got["expected_bytes"] / MiB
+    got["ratio"] = got["measured_bytes"] / got["expected_bytes"]
+    return got[["block", "measured_bytes", "expected_bytes", "measured_mib", "expected_mib", "ratio"]].reset_index(
+        drop=True)
+
+
+def peak_memory_table(model: nn.Module, contexts: Sequence[int], dtypes: Sequence[str] = ("fp32", "bf16"),
+                      batch: int = 4, vocab_size: int | None = None, progress: bool = True,
+                      make_optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None = None) -> pd.DataFrame:
+    """Peak memory of a forward pass and of a full AdamW training step for each context length and dtype.
+
+    The forward rows are measured first, for every configuration, before any optimizer state or gradient
+    exists; then the training steps (two per configuration, so the peak includes the optimizer state that
+    the first step creates). Out-of-memory is a row (``status="oom"``). ``dtypes`` are ``"fp32"`` or
+    ``"bf16"``/``"fp16"`` autocast. Returns columns ``context``, ``batch``, ``dtype``, ``mode``
+    (``forward``, ``train_step``), ``peak_gib``, ``status``, ``error``.
+    """
+    from tqdm.auto import tqdm
+
+    from lab.device import empty_cache, is_oom
+
+    device = next(model.parameters()).device
+    vocab = vocab_size or model.lm_head.out_features
+    casts = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+    for d in dtypes:
+        if d not in casts:
+            raise ValueError(f"unknown dtype {d!r}; choose from {', '.join(casts)}")
+    make_optimizer = make_optimizer or (lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4,
+                                                                    fused=device.type == "cuda"))
+    optimizer = None
+    grid = [(mode, c, d) for mode in ("forward", "train_step") for c in contexts for d in dtypes]
+    rows = []
+    for mode, context, dt in tqdm(grid, desc="peak memory", disable=not progress):
+        gen = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, vocab, (batch, context + 1), generator=gen).to(device)
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        cast = casts[dt]
+
+        def forward():
+            ctx = torch.autocast(device.type, dtype=cast) if cast else contextlib.nullcontext()
+            with ctx:
+                return default_loss(model(inputs), targets)
+
+        def run():
+            nonlocal optimizer
+            if mode == "forward":
+                loss = forward()
+                del loss
+                return
+            if optimizer is None:
+                optimizer = make_optimizer(model)
+            for _ in range(2):
+                forward().backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+
+        row = dict(context=context, batch=batch, dtype=dt, mode=mode, peak_gib=math.nan, status="ok", error="")
+        try:
+            row["peak_gib"] = measure_peak_bytes(run, device) / GiB
+        except Exception as exc:  # noqa: BLE001 - only out-of-memory becomes a row
+            if not is_oom(exc):
+                raise
+            row.update(status="oom", error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
+        model.zero_grad(set_to_none=True)
+        empty_cache()
+        rows.append(row)
+    return pd.DataFrame(rows)
