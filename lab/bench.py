@@ -100,7 +100,8 @@ def make_optimizer(model: torch.nn.Module, device: torch.device) -> torch.optim.
     return torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=device.type == "cuda")
 
 
-def _measure_lm(model, optimizer, tokens, targets, device, dtype, modes, warmup, steps) -> dict:
+def _measure_lm(model, optimizer, tokens, targets, device, dtype, modes, warmup, steps,
+                forward_timed_alone: bool = False) -> dict:
     out: dict = {}
 
     def forward():
@@ -131,7 +132,7 @@ def _measure_lm(model, optimizer, tokens, targets, device, dtype, modes, warmup,
         del loss
         out.update(fwdbwd_ms=both.mean_ms, fwdbwd_std_ms=both.std_ms, fwdbwd_samples_ms=both.samples_ms,
                    bwd_ms=bwd.mean_ms, bwd_std_ms=bwd.std_ms, bwd_samples_ms=bwd.samples_ms)
-        if "forward" not in modes:
+        if "forward" not in modes and not forward_timed_alone:
             out.update(fwd_ms=fwd.mean_ms, fwd_std_ms=fwd.std_ms, fwd_samples_ms=fwd.samples_ms)
 
     if "train_step" in modes:
@@ -154,7 +155,8 @@ def benchmark_lm(size: str | ModelConfig, context: int = 512, batch: int = 4,
     ``size`` is a name from ``MODEL_SIZES`` or a :class:`ModelConfig`. Returns one row (a dict) with the
     spec's ``lm_step`` columns: ``fwd_ms``, ``bwd_ms``, ``fwdbwd_ms``, ``step_ms`` (means in ms, with
     ``*_std_ms`` and every sample in ``*_samples_ms``), ``peak_gib`` (peak allocated GPU memory over the
-    whole measurement, GiB; NaN on the CPU), ``params`` and ``status`` (``ok`` or ``oom``).
+    whole measurement, GiB; NaN on the CPU), ``params`` and ``status`` (``ok``, or ``oom`` if any mode ran
+    out of memory: the modes that fit keep their numbers and ``error`` says which failed).
     """
     modes = (modes,) if isinstance(modes, str) else tuple(modes)
     for m in modes:
@@ -176,24 +178,41 @@ def benchmark_lm(size: str | ModelConfig, context: int = 512, batch: int = 4,
                fwd_ms=math.nan, bwd_ms=math.nan, fwdbwd_ms=math.nan, step_ms=math.nan, peak_gib=math.nan,
                params=math.nan, status="ok", error="")
     empty_cache()
-    failure = None
+    failures = []
+    model = runnable = optimizer = tokens = targets = None
     try:
         torch.manual_seed(seed)
         with torch.device(device):  # initialise on the device: a 10B model would take minutes on the CPU
             model = TransformerLM(cfg)
         row["params"] = model.num_parameters()
         runnable = torch.compile(model) if compile else model
-        optimizer = make_optimizer(model, device) if "train_step" in modes else None
         tokens, targets = random_batch(cfg, batch, device, context, seed)
-        row.update(_measure_lm(runnable, optimizer, tokens, targets, device, dtype, modes, warmup, steps))
-        if device.type == "cuda":
-            row["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     except Exception as exc:  # noqa: BLE001 - only out-of-memory is turned into a row
         if not is_oom(exc):
             raise
-        failure = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-    if failure is not None:
-        row.update(status="oom", error=failure)
+        failures.append(f"build: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+    # each mode on its own, so that a forward that fits is reported even when the train step does not
+    for mode in modes if not failures else ():
+        failed = False
+        try:
+            if mode == "train_step" and optimizer is None:
+                optimizer = make_optimizer(model, device)
+            row.update(_measure_lm(runnable, optimizer, tokens, targets, device, dtype, (mode,), warmup, steps,
+                                   forward_timed_alone="forward" in modes))
+        except Exception as exc:  # noqa: BLE001
+            if not is_oom(exc):
+                raise
+            failures.append(f"{mode}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+            failed = True
+        if failed:  # outside the except block, so the traceback's frames (and their tensors) are gone
+            model.zero_grad(set_to_none=True)
+            optimizer = None
+            gc.collect()
+            empty_cache()
+    if device.type == "cuda":
+        row["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    if failures:
+        row.update(status="oom", error="; ".join(failures))
     # drop every reference to the model before the next configuration is built
     model = runnable = optimizer = tokens = targets = None  # noqa: F841
     gc.collect()

@@ -86,10 +86,11 @@ lm = bench.lm_step_table(raw)
 results.save_results(lm, "lm_step", results_dir, params)
 samples = bench.samples_long(raw)
 results.save_results(samples, "01_lm_samples", results_dir, params)
-ok = lm[lm.status == "ok"]
-cols = ["size", "context", "status", "fwd_ms", "fwd_std_ms", "bwd_ms", "bwd_std_ms", "step_ms", "step_std_ms",
+ok = lm[lm.fwd_ms.notna()]  # a row that ran out of memory in backward still has its forward
+cols = ["size", "context", "status", "params", "fwd_ms", "fwd_std_ms", "bwd_ms", "bwd_std_ms", "step_ms", "step_std_ms",
         "peak_gib"]
-report.show_table(lm[cols], floatfmt=".2f")
+report.show_table(lm[cols].assign(params=lm["params"] / 1e6).rename(columns={"params": "params_M"}),
+                  floatfmt=".2f")
 
 # %%
 fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=False)
@@ -108,7 +109,7 @@ ok = ok.assign(bwd_over_fwd=ok["bwd_ms"] / ok["fwd_ms"], fwd_cv=ok["fwd_std_ms"]
 noisy = ok[(ok.fwd_cv > 0.05) | (ok.bwd_cv > 0.05)]
 oom = lm[lm.status == "oom"]
 at_default = ok[ok.context == default_context].set_index("size")
-ratio = ok["bwd_over_fwd"]
+ratio = ok["bwd_over_fwd"].dropna()
 text = (f"Backward costs **{ratio.min():.1f}x to {ratio.max():.1f}x** the forward (median {ratio.median():.1f}x): "
         "it computes two matrix products per forward one (gradients of inputs and of weights). ")
 if len(at_default) >= 2:
@@ -124,8 +125,9 @@ if len(noisy):
 else:
     text += "Variability is low everywhere: every standard deviation is below 5% of its mean. "
 if len(oom):
-    text += ("Out of memory: " + ", ".join(f"{r['size']} at context {r['context']}" for _, r in oom.iterrows())
-             + ". ")
+    failed_modes = lambda err: "/".join(part.split(":")[0] for part in err.split("; "))
+    text += ("Out of memory: " + ", ".join(f"{r['size']} at context {r['context']} ({failed_modes(r['error'])})"
+                                           for _, r in oom.iterrows()) + ". ")
 report.say(text)
 
 # %% [markdown]

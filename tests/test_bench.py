@@ -106,3 +106,17 @@ def test_warmup_study_runs_fresh_processes():
     wu = bench.warmup_study(TINY, warmups=(0, 2), steps=3, context=8, batch=2, device="cpu", progress=False)
     assert sorted(wu["warmup"].unique()) == [0, 2]
     assert (wu.groupby("warmup")["step"].count() == 3).all() and (wu["fwdbwd_ms"] > 0).all()
+
+
+def test_oom_in_one_mode_keeps_the_others(monkeypatch):
+    real_backward = torch.Tensor.backward
+
+    def backward_oom(self, *a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory (mocked)")
+
+    monkeypatch.setattr(torch.Tensor, "backward", backward_oom)
+    row = bench.benchmark_lm(TINY, context=8, warmup=1, steps=2, device="cpu")
+    monkeypatch.setattr(torch.Tensor, "backward", real_backward)
+    assert row["status"] == "oom" and row["fwd_ms"] > 0
+    assert math.isnan(row["fwdbwd_ms"]) and math.isnan(row["step_ms"])
+    assert "forward_backward" in row["error"] and "train_step" in row["error"]
