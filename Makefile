@@ -2,6 +2,8 @@
 PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
+# CPU build by default; on a GPU machine: make book-full TORCH=torch (or your pinned CUDA build)
+TORCH ?= torch==2.13.0
 
 .PHONY: setup book book-full html test test-fast lint clean
 
@@ -9,7 +11,7 @@ $(VPY):
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	# CPU build of torch from the local wheel cache; a GPU user installs their own CUDA torch first.
-	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q "torch==2.13.0"
+	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q "$(TORCH)"
 	# triton 3.6 + numpy<2.3: the Triton interpreter runs the kernels on the CPU
 	$(VPY) -m pip install -q -e ".[dev]" "triton==3.6.0; platform_system == 'Linux'" "numpy<2.3"
 	$(VPY) -m ipykernel install --sys-prefix --name python3 >/dev/null
