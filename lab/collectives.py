@@ -213,3 +213,28 @@ def aggregate_over_ranks(per_rank: list[list[dict]], world_size: int, backend: s
                        busbw_gbps=bus_bandwidth_gbps(row["op"], row["size_bytes"], t, world_size))
         rows.append(row)
     return rows
+
+
+def latency_bandwidth_fit(df: pd.DataFrame) -> pd.DataFrame:
+    """Fit ``time = latency + size / bandwidth`` (the alpha-beta model) per (backend, op, world_size).
+
+    Least squares over the sizes of :func:`benchmark_collectives`' rows with status ok. Returns columns
+    backend, op, world_size, latency_ms (the fixed cost of one call: what small messages pay) and
+    bandwidth_gbps (the algorithm bandwidth approached by large messages, GB/s).
+    """
+    import numpy as np
+
+    rows = []
+    ok = df[df["status"] == "ok"]
+    for (backend, op, n), part in ok.groupby(["backend", "op", "world_size"]):
+        if len(part) < 2:
+            continue
+        x = part["size_bytes"].to_numpy(float)
+        y = part["time_ms"].to_numpy(float)
+        # weight by 1/time so the small messages (which fix the latency) are not drowned by the big ones
+        w = 1.0 / y
+        a = np.stack([np.ones_like(x), x], axis=1) * w[:, None]
+        (latency, per_byte), *_ = np.linalg.lstsq(a, y * w, rcond=None)
+        rows.append({"backend": backend, "op": op, "world_size": n, "latency_ms": max(float(latency), 0.0),
+                     "bandwidth_gbps": 1.0 / per_byte / 1e6 if per_byte > 0 else float("nan")})
+    return pd.DataFrame(rows)

@@ -99,7 +99,7 @@ def ddp_benchmark_worker(plan: list[tuple[str, float]], cfg: ModelConfig, batch:
                "grad_mb": grad_bytes / 2**20, "n_buckets": math.nan, "comm_ms": math.nan,
                "overlap_frac": math.nan, "timeline": None, "trace": None}
         active = impl != "single_gpu" or r == 0
-        wrapped = optimizer = None
+        wrapped = optimizer = finish = None
         try:
             if active:
                 wrapped = wrap(impl, model, bucket_mb, dev)
@@ -134,7 +134,8 @@ def ddp_benchmark_worker(plan: list[tuple[str, float]], cfg: ModelConfig, batch:
         finally:
             if hasattr(wrapped, "remove_hooks"):
                 wrapped.remove_hooks()
-            wrapped = optimizer = None
+            # drop every reference to the wrapper (its buckets are a full copy of the gradients)
+            wrapped = optimizer = finish = None
             model.zero_grad(set_to_none=True)
             gc.collect()
             if dev.type == "cuda":

@@ -60,3 +60,14 @@ def test_gloo_run_rows_and_values():
         assert math.isclose(row["algbw_gbps"], expected, rel_tol=1e-9)
         assert math.isclose(row["busbw_gbps"], expected * collectives.bus_bandwidth_factor(row["op"], row["world_size"]),
                             rel_tol=1e-9)
+
+
+def test_latency_bandwidth_fit_recovers_alpha_beta():
+    import pandas as pd
+
+    sizes = [2**20, 10 * 2**20, 100 * 2**20]
+    rows = [{"backend": "nccl", "op": "all_reduce", "world_size": 2, "size_bytes": s, "status": "ok",
+             "time_ms": 0.02 + s / (150e9) * 1e3} for s in sizes]
+    fit = collectives.latency_bandwidth_fit(pd.DataFrame(rows))
+    assert fit["latency_ms"].item() == pytest.approx(0.02, rel=1e-6)
+    assert fit["bandwidth_gbps"].item() == pytest.approx(150.0, rel=1e-6)
