@@ -98,6 +98,28 @@ def attention_impl(name: str, device: torch.device | str = "auto") -> AttentionF
                      "triton_compiled_bwd or pytorch_flash")
 
 
+def errors_vs_float64(impls: dict[str, AttentionFn], batch: int = 2, seq: int = 128, d: int = 64,
+                      dtype: str = "fp32", causal: bool = True, device: torch.device | str = "auto",
+                      seed: int = 0) -> pd.DataFrame:
+    """Largest absolute error of each implementation's output and dQ, dK, dV against
+    :func:`naive_attention` computed in float64 on the same (rounded) inputs, one row per implementation
+    (columns ``impl``, ``dtype``, ``out``, ``dq``, ``dk``, ``dv``; errors in float64 units)."""
+    device = resolve_device(device) if isinstance(device, str) else device
+    gen = torch.Generator().manual_seed(seed)
+    base = [torch.randn(batch, seq, d, generator=gen).to(DTYPES[dtype]) for _ in range(4)]
+    ref_in = [t.double().requires_grad_() for t in base[:3]]
+    ref_out = naive_attention(*ref_in, causal)
+    ref = [ref_out, *torch.autograd.grad(ref_out, ref_in, base[3].double())]
+    rows = []
+    for name, fn in impls.items():
+        xs = [t.to(device).requires_grad_() for t in base[:3]]
+        out = fn(*xs, causal)
+        got = [out, *torch.autograd.grad(out, xs, base[3].to(device))]
+        errs = [(g.detach().double().cpu() - r.detach()).abs().max().item() for g, r in zip(got, ref)]
+        rows.append(dict(impl=name, dtype=dtype, **dict(zip(["out", "dq", "dk", "dv"], errs))))
+    return pd.DataFrame(rows)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # FLOPs
 

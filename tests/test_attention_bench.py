@@ -65,6 +65,24 @@ def test_naive_attention_matches_model_and_sdpa_in_float64():
         torch.testing.assert_close(ours, ab.sdpa_attention(q, k, v, causal))
 
 
+def test_errors_vs_float64():
+    def off_by_one_percent(q, k, v, causal):
+        return ab.naive_attention(q, k, v, causal) * 1.01
+
+    errs = ab.errors_vs_float64({"sdpa": ab.sdpa_attention, "scaled": off_by_one_percent}, batch=2, seq=32, d=16,
+                                device="cpu").set_index("impl")
+    assert (errs.loc["sdpa", ["out", "dq", "dk", "dv"]] < 1e-5).all()
+    # a 1% scaled output: the output error is 1% of the largest |output|, and dV (linear in the output
+    # scale) is off by 1% of the largest |dV|
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(2, 32, 16, generator=gen).double() for _ in range(4))
+    v.requires_grad_()
+    ref = ab.naive_attention(q, k, v, True)
+    (dv,) = torch.autograd.grad(ref, (v,), do)
+    assert errs.loc["scaled", "out"] == pytest.approx(0.01 * ref.abs().max().item(), rel=1e-3)
+    assert errs.loc["scaled", "dv"] == pytest.approx(0.01 * dv.abs().max().item(), rel=1e-3)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Memory
 
