@@ -105,7 +105,9 @@ class FSDP(nn.Module):
     and computed in. With a 16-bit dtype, shards are cast *before* the all-gather, the wrapped module runs
     under ``torch.autocast(compute_dtype)`` (so activations meet the weights in that dtype; norms stay fp32
     as autocast decides), and master weights, gradients (reduce-scattered in fp32) and the optimizer's
-    update stay fp32. ``prefetch``: how many layers ahead to gather (at most 2, the default).
+    update stay fp32. ``reduce_dtype``: the dtype gradients are reduce-scattered in (None: that of the master
+    weights, fp32; bf16 halves the traffic, as FSDP2 does by default with a bf16 ``param_dtype``; the
+    shards' ``.grad`` are fp32 either way). ``prefetch``: how many layers ahead to gather (at most 2).
 
     Every rank starts from rank 0's parameters and buffers (broadcast at construction). Build the optimizer
     over ``fsdp.parameters()`` *after* wrapping: it sees the local shards and replicated small parameters.
@@ -115,18 +117,22 @@ class FSDP(nn.Module):
     autograd outside FSDP's control; pass ``compute_dtype`` instead.
     """
 
-    def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None, prefetch: int = 2):
+    def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None,
+                 reduce_dtype: torch.dtype | None = None, prefetch: int = 2):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"FSDP wraps an nn.Module, got {type(module).__name__}")
         if compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"compute_dtype must be one of {COMPUTE_DTYPES}, got {compute_dtype!r}")
+        if reduce_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"reduce_dtype must be one of {COMPUTE_DTYPES}, got {reduce_dtype!r}")
         if not 0 <= prefetch <= 2:
             raise ValueError(f"prefetch must be 0, 1 or 2 layers, got {prefetch}")
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("FSDP needs a torch.distributed process group; run inside lab.distributed.launch")
         self.module = module
         self.compute_dtype = compute_dtype
+        self.reduce_dtype = reduce_dtype
         self.prefetch = prefetch
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         with torch.no_grad():
@@ -324,27 +330,36 @@ class FSDP(nn.Module):
         """The full weight's gradient exists: drop the gathered copy, start the gradient's reduce-scatter."""
         self._mark_backward()
         self._release(w)
-        grad = grad_flat.to(w.shard.dtype).contiguous()  # reduce in fp32 whatever the compute dtype
+        grad = grad_flat.to(self.reduce_dtype or w.shard.dtype).contiguous()
         if grad.numel() != w.padded:
             raise RuntimeError(f"gradient of {w.name} has {grad.numel()} elements, expected {w.padded}")
         out = torch.empty(w.shard_numel, dtype=grad.dtype, device=grad.device)
         record_collective("reduce_scatter", grad)
         work = reduce_scatter_tensor(out, grad, async_op=True)
         self._pending_grads.append((w, work, out, grad))
+        # Keep at most two reduce-scatters in flight: a pending one holds its full-size gradient buffer, and
+        # letting them pile up until the end of backward would hold the whole model's gradient at once.
+        while len(self._pending_grads) > 2:
+            self._finish_reduce_scatter(*self._pending_grads.pop(0))
+
+    def _finish_reduce_scatter(self, w: _ShardedWeight, work, out: torch.Tensor, grad: torch.Tensor) -> None:
+        work.wait()
+        with torch.no_grad():
+            out = out.to(w.shard.dtype)
+            out.div_(self.world)
+            if w.shard.grad is None:
+                w.shard.grad = out
+            else:
+                w.shard.grad.add_(out)
 
     def _synchronize(self) -> None:
         if not self._needs_sync:
             return
         self._needs_sync = False
+        for pending in self._pending_grads:
+            self._finish_reduce_scatter(*pending)
+        self._pending_grads = []
         with torch.no_grad():
-            for w, work, out, _ in self._pending_grads:
-                work.wait()
-                out.div_(self.world)
-                if w.shard.grad is None:
-                    w.shard.grad = out
-                else:
-                    w.shard.grad.add_(out)
-            self._pending_grads = []
             # Replicated parameters: one all-reduce of their flattened gradients (missing ones count as 0).
             params = [p for _, p in self._replicated if p.requires_grad]
             if params:
