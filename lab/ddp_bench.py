@@ -14,9 +14,12 @@ behind the backward pass.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import math
+import os
+import sys
 from pathlib import Path
 from typing import Sequence
 
@@ -51,7 +54,7 @@ def benchmark_plan(bucket_sizes_mb: Sequence[float] = (1, 10, 100, 1000),
         if impl == "bucketed":
             plan += [("bucketed", float(b)) for b in bucket_sizes_mb]
         elif impl != "torch_ddp":
-            plan.append((impl, math.nan))
+            plan.append((impl, 0.0))  # 0: no buckets (a number, not NaN, so result keys compare equal)
     if "torch_ddp" in impls:
         plan.append(("torch_ddp", TORCH_DDP_BUCKET_MB))
     return plan
@@ -165,11 +168,11 @@ def _profile(step, dev, n_steps, impl, bucket_mb, cfg, trace_dir) -> dict:
     activities = [torch.profiler.ProfilerActivity.CPU]
     if dev.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
+    with _quiet_native_stderr(dev.type == "cpu"), torch.profiler.profile(activities=activities) as prof:
         for _ in range(n_steps):
             step()
         distributed_sync(dev)
-    name = f"ddp_{impl}" + ("" if math.isnan(bucket_mb) else f"_{bucket_mb:g}mb") + f"_d{cfg.d_model}.json"
+    name = f"ddp_{impl}" + (f"_{bucket_mb:g}mb" if impl in ("bucketed", "torch_ddp") else "") + f"_d{cfg.d_model}.json"
     folder = Path(trace_dir) if trace_dir else Path(paths.artifacts_dir("artifacts/tmp"))
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / name
@@ -178,6 +181,25 @@ def _profile(step, dev, n_steps, impl, bucket_mb, cfg, trace_dir) -> dict:
     summary = summarize_timeline(timeline)
     return {"comm_ms": summary["comm_ms"] / n_steps, "overlap_frac": summary["overlap_frac"],
             "timeline": timeline, "trace": str(path)}
+
+
+@contextlib.contextmanager
+def _quiet_native_stderr(enabled: bool):
+    """Silence file descriptor 2 (the CPU build's profiler prints a line at every start and stop from C++,
+    which would flood a notebook). Python exceptions are unaffected: they travel back to the launcher."""
+    if not enabled:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -303,7 +325,8 @@ def benchmark_ddp(size: str | ModelConfig = "xl", context: int = 512, batch: int
 
     ``batch`` is per rank (the global batch is ``batch * world_size``); ``single_gpu`` is the same step on
     one device with that per-rank batch, i.e. the ideal a data-parallel step can approach. Returns
-    ``(table, timelines)``: one row per (impl, bucket_mb) with the spec's ``ddp_benchmark`` columns (step_ms:
+    ``(table, timelines)``: one row per (impl, bucket_mb) with the spec's ``ddp_benchmark`` columns (bucket_mb:
+    MiB per bucket for bucketed and torch_ddp, 0 for the unbucketed wrappers; step_ms:
     mean over steps of the slowest rank, ms; comm_ms: communication time in rank 0's profiled step, ms;
     status ok/oom) plus step_std_ms, overlap_frac, n_buckets, grad_mb, trace; and the profiled timelines
     keyed by ``"impl"`` or ``"bucketed_<mb>"``. Chrome traces go to ``<artifacts_dir>/ddp_traces``.
@@ -331,12 +354,22 @@ def benchmark_ddp(size: str | ModelConfig = "xl", context: int = 512, batch: int
                          batch=batch, dtype=dtype, step_ms=step_ms, step_std_ms=step_std,
                          comm_ms=0.0 if impl == "single_gpu" and status == "ok" else first["comm_ms"],
                          overlap_frac=first["overlap_frac"], n_buckets=first["n_buckets"],
-                         grad_mb=first["grad_mb"], trace=first["trace"], status=status,
+                         grad_mb=first["grad_mb"], trace=_relative(first["trace"]), status=status,
                          error=next((r["error"] for r in results if r["error"]), "")))
         if first["timeline"] is not None:
             key = impl if impl != "bucketed" else f"bucketed_{first['bucket_mb']:g}"
             timelines[key] = first["timeline"]
     return pd.DataFrame(rows), timelines
+
+
+def _relative(path: str | None) -> str | None:
+    """A trace path relative to the repository root when it lies inside it (tables travel between machines)."""
+    if path is None:
+        return None
+    try:
+        return str(Path(path).resolve().relative_to(paths.REPO_ROOT))
+    except ValueError:
+        return path
 
 
 # --------------------------------------------------------------------------------------------------------
