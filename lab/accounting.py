@@ -736,3 +736,46 @@ def predicted_vs_measured(lm_step=None, sharding=None, device_type: str = "cuda"
         out = out.rename(columns={"total_gib": "predicted_gib"})
         out["ratio"] = out["measured_gib"] / out["predicted_gib"]
     return out
+
+
+def saved_activations_check(configs: dict, batch: int, context: int,
+                            precisions=("fp32", "bf16_autocast", "bf16"), attentions=("sdpa", "naive"),
+                            seed: int = 0):
+    """Measure on the CPU what autograd saves for one forward + loss and set it next to the prediction.
+
+    ``configs`` maps a name to a ``ModelConfig``. The measurement is :func:`lab.saved_tensors.saved_tensor_report`
+    (every non-parameter storage once); the prediction is :func:`saved_activation_bytes` plus what that
+    report also sees: autocast's bf16 weight copies and, in fp32/pure bf16, the RoPE tables (module buffers).
+    Returns a DataFrame with ``config``, ``attention``, ``precision``, ``predicted_bytes``,
+    ``measured_bytes`` and ``match``.
+    """
+    import dataclasses
+
+    import pandas as pd
+    import torch
+
+    from lab.bench import lm_loss
+    from lab.model import TransformerLM
+    from lab.saved_tensors import saved_tensor_report
+
+    rows = []
+    for name, base in configs.items():
+        for attention in attentions:
+            cfg = dataclasses.replace(base, attention=attention, context_length=context)
+            for prec in precisions:
+                torch.manual_seed(seed)
+                model = TransformerLM(cfg)
+                if prec == "bf16":
+                    model = model.to(torch.bfloat16)
+                tokens = torch.randint(0, cfg.vocab_size, (batch, context))
+                targets = torch.randint(0, cfg.vocab_size, (batch, context))
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=prec == "bf16_autocast"):
+                    report = saved_tensor_report(model, tokens, targets,
+                                                 forward=lambda x, y, m=model: lm_loss(m, x, y))
+                state = state_memory(cfg, prec)
+                extra = state["weight_copies"] + (0 if prec == "bf16_autocast" else state["buffers"])
+                predicted = saved_activation_bytes(cfg, batch, context, prec, device_type="cpu")["total"] + extra
+                rows.append(dict(config=name, attention=attention, precision=prec, batch=batch, context=context,
+                                 predicted_bytes=predicted, measured_bytes=report.total_bytes,
+                                 match=predicted == report.total_bytes))
+    return pd.DataFrame(rows)

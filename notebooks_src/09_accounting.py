@@ -28,6 +28,8 @@ xxl_activation_tokens = 2048      # tokens whose activations one device holds (o
 xxl_token_counts = [0, 1, 512, 2048, 8192]
 gpu_flops = 989e12                # C of an H100 SXM, dense bf16 FLOP/s, for the GPU FFN example
 ffn_tokens = 65536                # B for the GPU FFN example (tokens per step)
+check_model = dict(d_model=128, d_ff=352, num_layers=2, num_heads=4)  # model whose saved tensors are counted
+check_batch, check_context = 2, 64
 
 # %%
 import matplotlib.pyplot as plt
@@ -38,7 +40,7 @@ from IPython.display import Math, display
 
 from lab import accounting as acc
 from lab import plots, report, results
-from lab.model import MODEL_SIZES
+from lab.model import MODEL_SIZES, ModelConfig
 from lab.ring_sim import check_closed_forms
 
 sizes = sizes or list(MODEL_SIZES)
@@ -48,7 +50,8 @@ params = dict(quick=quick, device=device, results_dir=results_dir, artifacts_dir
               measured_results_dir=measured_results_dir, sizes=sizes, batch=batch, context=context,
               collective_size_bytes=collective_size_bytes, ring_bandwidth=ring_bandwidth,
               sim_devices=sim_devices, sim_sizes_bytes=sim_sizes_bytes,
-              xxl_activation_tokens=xxl_activation_tokens, xxl_token_counts=xxl_token_counts, gpu_flops=gpu_flops, ffn_tokens=ffn_tokens)
+              xxl_activation_tokens=xxl_activation_tokens, xxl_token_counts=xxl_token_counts, gpu_flops=gpu_flops,
+              ffn_tokens=ffn_tokens, check_model=check_model, check_batch=check_batch, check_context=check_context)
 plots.set_style()
 report.show_machine(params)
 
@@ -386,7 +389,21 @@ report.say(f"Shifting chips from FSDP to TP lowers the compute-bound batch from 
 # %% [markdown]
 # ## 6 · Predicted vs measured memory
 #
-# The profiling/memory notebooks store `peak_gib` (peak allocated memory over the measurement) in
+# **Saved activations, exactly.** First the part of the prediction that can be checked to the byte on any
+# machine: run a forward + loss on the CPU under `lab.saved_tensors.saved_tensor_report` (which sees every
+# tensor autograd saves) and compare with the formula, for both attention implementations and all three
+# precision policies. (The CPU's autocast keeps softmax in bf16; on CUDA it runs in fp32, which the formula
+# knows through `device_type`.)
+
+# %%
+saved_check = acc.saved_activations_check({"check": ModelConfig(**check_model)}, check_batch, check_context)
+report.show_table(saved_check.astype({"batch": str, "context": str}), floatfmt=",.0f")
+report.say(f"The formula predicts the saved bytes exactly in **{int(saved_check.match.sum())} of "
+           f"{len(saved_check)}** cases (d_model {check_model['d_model']}, d_ff {check_model['d_ff']}, "
+           f"{check_model['num_layers']} blocks, batch {check_batch} x context {check_context}).")
+
+# %% [markdown]
+# **Peak memory on the GPU.** The profiling/memory notebooks store `peak_gib` (peak allocated memory over the measurement) in
 # `lm_step.csv`, the sharding notebook `peak_*_gib` per rank in `sharding_benchmark.csv`. We predict
 # params + grads + AdamW + weight copies + saved activations for each measured row (the forward-only rows
 # without grads and AdamW) and look at the ratio. The prediction leaves out transients (logits and their
@@ -440,6 +457,7 @@ if not check.empty:
 
 # %%
 for name, df in [("accounting_memory", memory), ("accounting_flops", flops), ("accounting_collectives", coll),
+                 ("accounting_saved_activations_check", saved_check),
                  ("accounting_ring_sim_check", sim), ("accounting_ffn_limits", limits),
                  ("accounting_xxl_fsdp", fsdp), ("accounting_tpu_batch", tpu_rows),
                  ("accounting_tpu_tricks", tricks)] + ([("accounting_memory_check", check)] if not check.empty else []):

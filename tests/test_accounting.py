@@ -412,3 +412,13 @@ def test_collective_table_matches_the_formulas():
     assert table.loc[("all_reduce", 4), "bytes_sent"] == 1.5e9
     # alternate on 2 devices: 1 step of the whole 1 GB = 10.001 ms
     assert table.loc[("alternate_all_reduce", 2), "time_s"] == pytest.approx(10.001e-3)
+
+
+def test_saved_activations_check_agrees_with_lab_saved_tensors():
+    table = acc.saved_activations_check({"tiny": ModelConfig(**TINY)}, batch=3, context=12)
+    assert len(table) == 6
+    assert table.match.all(), table
+    # the fp32 SDPA row by hand: blocks 2 x 36 tokens x 1,972 B = 141,984; head 36 x 508 + 4 = 18,292;
+    # RoPE tables 2 blocks x 12 positions x 8 (head_dim) x 4 B = 768
+    row = table[(table.attention == "sdpa") & (table.precision == "fp32")].iloc[0]
+    assert row.measured_bytes == 141_984 + 18_292 + 768
