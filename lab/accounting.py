@@ -670,8 +670,9 @@ def predicted_vs_measured(lm_step=None, sharding=None, device_type: str = "cuda"
     forward+backward, else forward) since ``peak_gib`` covers the whole measurement; ``dtype`` bf16 means
     autocast. ``sharding`` rows: per-rank prediction with parameters, gradients and optimizer state divided
     by ``world_size`` where the implementation shards them (optimizer state for every implementation but
-    ``ddp``; parameters and gradients too for ``fsdp`` and ``torch_fsdp2``), activations of ``batch``
-    sequences per rank, compared with the largest of the measured peaks. Rows of unknown sizes are
+    ``ddp``; parameters and gradients too for ``fsdp`` and ``torch_fsdp2``, which hold gathered weights only
+    for the two blocks in flight), activations of ``batch`` sequences per rank (``lab.sharding_bench``'s
+    batch is per rank), compared with the largest of the measured peaks. Rows of unknown sizes are
     skipped. Returns a DataFrame with ``source``, the configuration, ``predicted_gib``, ``measured_gib``,
     ``ratio`` (measured / predicted) and the predicted parts.
     """
@@ -725,7 +726,10 @@ def predicted_vs_measured(lm_step=None, sharding=None, device_type: str = "cuda"
             if fully_sharded:
                 mem["params"] /= n
                 mem["grads"] /= n
-                mem["weight_copies"] /= n
+                # instead of a copy of every matrix, the gathered weights of the blocks in flight (FSDP
+                # prefetches up to two ahead), in the compute dtype
+                block = 4 * cfg.d_model**2 + 3 * cfg.d_model * cfg.d_ff
+                mem["weight_copies"] = 2 * block * (2 if prec == "bf16_autocast" else 4)
             mem["total"] = sum(v for k, v in mem.items() if k != "total")
             rows.append(dict(source="sharding_benchmark", impl=impl, size=r["size"], context=int(r["context"]),
                              batch=int(r["batch"]), dtype=r["dtype"], world_size=n, compile=False,
