@@ -180,13 +180,42 @@ def _worker(local: int, world: int, port: int, backend: str, device_type: str, t
         if backend == "nccl":
             init["device_id"] = _DEVICE
         dist.init_process_group(**init)
-        try:
-            out = fn(*args, **kwargs)
-        finally:
-            dist.destroy_process_group()
-        results.put((local, "ok", _to_bytes(out)))
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the caller
-        results.put((local, "error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        results.put((local, "error", f"{type(exc).__name__}: {exc}", traceback.format_exc(), False))
+        return
+    try:
+        out = fn(*args, **kwargs)
+    except BaseException as exc:  # noqa: BLE001
+        # report before tearing the group down: the teardown makes the other ranks fail too, and the caller
+        # should see this error (the cause), not theirs (the consequence)
+        results.put((local, "error", f"{type(exc).__name__}: {exc}", traceback.format_exc(),
+                     _is_communication_error(exc)))
+        _destroy_quietly()
+        return
+    _destroy_quietly()
+    try:
+        results.put((local, "ok", _to_bytes(out)))
+    except BaseException as exc:  # noqa: BLE001 - e.g. an unpicklable return value
+        results.put((local, "error", f"cannot send the return value back: {type(exc).__name__}: {exc}",
+                     traceback.format_exc(), False))
+
+
+def _destroy_quietly() -> None:
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - the group may already be broken by a failed peer
+        pass
+
+
+def _is_communication_error(exc: BaseException) -> bool:
+    """True for errors that a rank gets because a *peer* failed (closed connections, timeouts)."""
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    if names & {"DistError", "DistBackendError", "DistNetworkError", "DistStoreError"}:
+        return True
+    text = str(exc)
+    return any(k in text for k in ("gloo/transport", "Connection closed by peer", "Connection reset",
+                                   "NCCL communicator", "ProcessGroupNCCL", "Socket Timeout"))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -227,7 +256,7 @@ def launch(fn: Callable, world_size: int, *args, backend: str | None = None, dev
             if item is not None:
                 r, status = item[0], item[1]
                 if status == "error":
-                    raise WorkerError(r, item[2], item[3])
+                    raise _root_cause(item, results)
                 values[r] = _from_bytes(item[2])
                 continue
             # A rank that died without reporting (segfault, killed for memory, NCCL abort): give the queue
@@ -248,6 +277,27 @@ def launch(fn: Callable, world_size: int, *args, backend: str | None = None, dev
                 p.join()
         results.close()
     return [values[r] for r in range(world_size)]
+
+
+def _root_cause(first: tuple, results, grace_s: float = 2.0) -> WorkerError:
+    """The error to show the caller: the first one that is not a mere consequence of a peer's failure.
+
+    When one rank raises, its peers soon fail too (their collectives lose a partner); their reports may
+    even arrive first, so collect for a moment and prefer an error that is not a communication error.
+    """
+    errors = [first]
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and not any(not e[4] for e in errors):
+        try:
+            item = results.get(timeout=0.1)
+        except _queue.Empty:
+            continue
+        if item[1] == "error":
+            errors.append(item)
+    cause = next((e for e in errors if not e[4]), errors[0])
+    others = [f"rank {e[0]}: {e[2].splitlines()[0][:160]}" for e in errors if e is not cause]
+    message = cause[2] + ("\n(other ranks failed after it: " + "; ".join(others) + ")" if others else "")
+    return WorkerError(cause[0], message, cause[3])
 
 
 def _launch_in_torchrun(fn, world_size, args, kwargs, backend, device, timeout_s) -> list:

@@ -61,3 +61,15 @@ def test_bad_arguments():
 def test_helpers_outside_a_process_group():
     assert distributed.rank() == 0 and distributed.world_size() == 1
     assert distributed.device() == torch.device("cpu")
+
+
+def test_root_cause_is_preferred_over_peer_failures():
+    import queue
+
+    q = queue.Queue()
+    q.put((1, "error", "ValueError: the real problem", "tb of rank 1", False))
+    first = (0, "error", "RuntimeError: gloo/transport: Connection closed by peer", "tb of rank 0", True)
+    err = distributed._root_cause(first, q, grace_s=0.5)
+    assert err.rank == 1 and "the real problem" in str(err) and "Connection closed" in str(err)
+    assert distributed._is_communication_error(RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error"))
+    assert not distributed._is_communication_error(ValueError("boom"))
