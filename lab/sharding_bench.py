@@ -244,12 +244,13 @@ def _config(size: str | ModelConfig, context: int) -> tuple[str, ModelConfig]:
 
 def run_config(impl: str, size: str | ModelConfig, world_size: int = 2, context: int = 512, batch: int = 2,
                dtype: str = "bf16", warmup: int = 2, steps: int = 5, device: str = "auto",
-               trace_path: str | None = None, timeout_s: float = 300,
+               trace_path: str | None = None, timeout_s: float = 180,
                fsdp_reduce_dtype: str | None = None) -> dict:
     """One row of the sharding benchmark: ``impl`` on ``size`` with ``world_size`` ranks (fresh processes).
 
     ``batch`` is per rank. Returns the spec's columns (impl, world_size, size, context, batch, dtype,
-    step_ms, peak_init_gib, peak_before_step_gib, peak_after_step_gib, status) plus step_std_ms, the
+    step_ms, peak_init_gib, peak_before_step_gib, peak_after_step_gib, status) plus step_std_ms, peak_gib
+    (the largest of the three), the
     breakdown (param_gib, grad_gib, optimizer_state_gib, activations_gib = peak before the step minus the
     three), the closed-form expectations (expected_*_gib), num_params, error, and ``timeline`` (a list of
     profiler rows) when ``trace_path`` is given. Out-of-memory on any rank gives ``status="oom"``; any other
@@ -261,7 +262,7 @@ def run_config(impl: str, size: str | ModelConfig, world_size: int = 2, context:
     name, cfg = _config(size, context)
     row = dict(impl=impl, world_size=world_size, size=name, context=context, batch=batch, dtype=dtype,
                step_ms=math.nan, step_std_ms=math.nan, peak_init_gib=math.nan, peak_before_step_gib=math.nan,
-               peak_after_step_gib=math.nan, status="ok", error="")
+               peak_after_step_gib=math.nan, peak_gib=math.nan, status="ok", error="")
     if impl == "fsdp":
         row["reduce_dtype"] = fsdp_reduce_dtype or dtype
     elif impl == "torch_fsdp2":
@@ -280,6 +281,7 @@ def run_config(impl: str, size: str | ModelConfig, world_size: int = 2, context:
     row["step_std_ms"] = samples.std().item() if samples.numel() > 1 else 0.0
     for key in ("peak_init_gib", "peak_before_step_gib", "peak_after_step_gib"):
         row[key] = max(r[key] for r in per_rank)  # the rank that needs the most memory decides whether it fits
+    row["peak_gib"] = max(row["peak_init_gib"], row["peak_before_step_gib"], row["peak_after_step_gib"])
     num_params = per_rank[0]["num_params"]
     row["num_params"] = num_params
     for part in ("param", "grad", "optimizer_state"):
@@ -298,7 +300,7 @@ def run_sharding_benchmark(impls: Sequence[str] = IMPLS, sizes: Sequence[str | M
                            world_size: int = 2, context: int = 512, batch: int = 2, dtype: str = "bf16",
                            warmup: int = 2, steps: int = 5, device: str = "auto",
                            artifacts_dir: str | None = None, profile_impl: str | None = "fsdp",
-                           timeout_s: float = 300, progress: bool = True,
+                           timeout_s: float = 180, progress: bool = True,
                            fsdp_reduce_dtype: str | None = None) -> tuple[pd.DataFrame, dict]:
     """Every (size, impl) configuration through :func:`run_config`, with a tqdm progress bar.
 
@@ -468,3 +470,115 @@ def memory_breakdown(df: pd.DataFrame) -> pd.DataFrame:
     if not out.empty:
         out["ratio"] = out["measured_gib"] / out["expected_gib"]
     return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# communication volume, measured
+
+
+def _average_gradients(model: torch.nn.Module) -> None:
+    """DDP's gradient synchronization, unbucketed: all-reduce (sum) every gradient, divide by the world size."""
+    import torch.distributed as dist
+
+    from lab.sharded_optimizer import record_collective
+
+    for p in model.parameters():
+        if p.grad is not None:
+            record_collective("all_reduce", p.grad)
+            dist.all_reduce(p.grad)
+            p.grad.div_(distributed.world_size())
+
+
+def traffic_worker(cfg: ModelConfig, batch: int = 2) -> dict:
+    """Inside a launched process: one training step of each schedule under a :class:`TrafficLog`.
+
+    Returns ``{impl: {collective: ring bytes per rank}}`` for ddp (all-reduce of every gradient),
+    sharded_optimizer, zero1 and fsdp (fp32), plus ``num_params``.
+    """
+    from lab.fsdp import FSDP
+    from lab.sharded_optimizer import ShardedOptimizer, TrafficLog
+    from lab.zero1 import ZeRO1Optimizer
+
+    device, n = distributed.device(), distributed.world_size()
+    tokens, targets = random_batch(cfg, batch, device, seed=distributed.rank())
+    out: dict = {}
+    for impl in ("ddp", "sharded_optimizer", "zero1", "fsdp"):
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = TransformerLM(cfg)
+        out["num_params"] = model.num_parameters()
+        if impl == "ddp":
+            runnable, opt = model, torch.optim.AdamW(model.parameters(), lr=LR)
+        elif impl == "sharded_optimizer":
+            runnable, opt = model, ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=LR)
+        elif impl == "zero1":
+            runnable, opt = model, ZeRO1Optimizer(model.parameters(), torch.optim.AdamW, lr=LR)
+        else:
+            runnable = FSDP(model)
+            opt = torch.optim.AdamW(runnable.parameters(), lr=LR)
+        with TrafficLog() as log:
+            lm_loss(runnable, tokens, targets).backward()
+            if impl in ("ddp", "sharded_optimizer"):
+                _average_gradients(model)
+            opt.step()
+        out[impl] = {op: log.bytes_per_rank(n, op) for op in log.summary()}
+    return out
+
+
+def measure_traffic(size: str | ModelConfig = "tiny", world_size: int = 2, context: int = 64,
+                    device: str = "cpu") -> pd.DataFrame:
+    """Bytes per rank of one step of each schedule, recorded from the collectives the code issues, next to
+    :func:`lab.sharded_optimizer.optimizer_traffic`'s closed form (fp32 gradients and parameters).
+
+    Columns: impl, collective, measured_bytes, expected_bytes (NaN for FSDP, which has no row in the
+    optimizer closed form), measured_ratio_to_ddp.
+    """
+    from lab.sharded_optimizer import optimizer_traffic
+
+    _, cfg = _config(size, context)
+    res = distributed.launch(traffic_worker, world_size, cfg, device=device)[0]
+    closed = optimizer_traffic(res["num_params"], world_size).set_index("impl")
+    rows = []
+    for impl in ("ddp", "sharded_optimizer", "zero1", "fsdp"):
+        for op, measured in res[impl].items():
+            expected = math.nan
+            if impl in closed.index:
+                c = closed.loc[impl]
+                expected = c["gradient_bytes"] if op == c["gradient_collective"] else \
+                    c["parameter_bytes"] if op == c["parameter_collective"] else math.nan
+            rows.append(dict(impl=impl, collective=op, measured_bytes=measured, expected_bytes=expected))
+    df = pd.DataFrame(rows)
+    totals = df.groupby("impl", sort=False)["measured_bytes"].sum()
+    df["measured_ratio_to_ddp"] = df["impl"].map(totals / totals["ddp"])
+    return df
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the performance goals, checked on the table
+
+
+def performance_goals(df: pd.DataFrame) -> pd.DataFrame:
+    """The 08 notebook's goals, per model size, from a :func:`run_sharding_benchmark` table.
+
+    1. the sharded optimizer and ZeRO-1 use no more memory after the step than ``torch_zero`` and step at
+       least as fast; 2. ``fsdp`` steps at least as fast as ``torch_fsdp2`` with at most 1.1x its peak memory.
+    Returns rows: size, goal, impl, value, reference, met (bool, or None where a number is missing, e.g.
+    peak memory on the CPU or an OOM row).
+    """
+    ok = df[df["status"] == "ok"].set_index(["size", "impl"])
+    rows = []
+
+    def check(size, goal, impl, ref_impl, column, factor=1.0):
+        value = ok[column].get((size, impl), math.nan)
+        reference = ok[column].get((size, ref_impl), math.nan)
+        met = None if (pd.isna(value) or pd.isna(reference)) else bool(value <= factor * reference)
+        rows.append(dict(size=size, goal=goal, impl=impl, reference_impl=ref_impl, value=value,
+                         reference=reference, met=met))
+
+    for size in dict.fromkeys(df["size"]):
+        for impl in ("sharded_optimizer", "zero1"):
+            check(size, "peak after step <= torch_zero", impl, "torch_zero", "peak_after_step_gib")
+            check(size, "step time <= torch_zero", impl, "torch_zero", "step_ms")
+        check(size, "step time <= torch_fsdp2", "fsdp", "torch_fsdp2", "step_ms")
+        check(size, "peak memory <= 1.1 x torch_fsdp2", "fsdp", "torch_fsdp2", "peak_gib", 1.1)
+    return pd.DataFrame(rows)
