@@ -158,7 +158,7 @@ def checkpoint_memory_table(num_blocks: int, boundary_bytes: float, block_activa
                          modelled_bytes=single_level_memory_model(num_blocks, k, boundary_bytes,
                                                                   block_activation_bytes),
                          extra_forwards=1))
-    rows.append(dict(strategy="nested", group_size=1,
+    rows.append(dict(strategy="nested", group_size=math.nan,
                      modelled_bytes=nested_memory_model(num_blocks, boundary_bytes, block_activation_bytes),
                      extra_forwards=(max(0, math.ceil(math.log2(num_blocks))) + 1) / 2))
     df = pd.DataFrame(rows)

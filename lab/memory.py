@@ -24,6 +24,7 @@ code that made them), :func:`plot_active_memory_timeline` and :func:`export_memo
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import math
 import os
@@ -97,8 +98,10 @@ def record_memory_snapshot(path: str | os.PathLike, max_entries: int = 1_000_000
     rec = MemoryRecording(path=path, device=dev)
     if dev.type == "cuda":
         synchronize(dev)
-        torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks=stacks,
-                                                 max_entries=max_entries)
+        kwargs = dict(enabled="all", context="all", stacks=stacks, max_entries=max_entries)
+        if "clear_history" in inspect.signature(torch.cuda.memory._record_memory_history).parameters:
+            kwargs["clear_history"] = True  # start from an empty trace, not the previous recording's
+        torch.cuda.memory._record_memory_history(**kwargs)
         try:
             yield rec
             synchronize(dev)
@@ -241,6 +244,8 @@ def is_user_frame(frame: dict) -> bool:
     filename = "/" + str(frame.get("filename", "")).replace("\\", "/").lstrip("/")
     if not filename.endswith(".py") and "ipykernel_" not in filename:
         return False
+    if filename.endswith("/lab/memory.py"):  # the measuring harness itself is not an origin (its loss is)
+        return frame.get("name") == "default_loss"
     if "/lab/" in filename:  # the lab package is user code even when installed in site-packages
         return True
     return not any(s in filename for s in _INTERNAL)
@@ -250,7 +255,8 @@ def format_bytes(n: float) -> str:
     """``"1.5 GiB"``, ``"320 MiB"``, ``"12 KiB"``, ``"96 B"``."""
     for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", 1024)):
         if abs(n) >= scale:
-            return f"{n / scale:.3g} {unit}"
+            v = n / scale
+            return f"{v:.3g} {unit}" if abs(v) < 1000 else f"{v:,.0f} {unit}"
     return f"{n:.0f} B"
 
 
@@ -455,12 +461,17 @@ def gradient_bytes_by_window(snapshot: dict, marks: Sequence[tuple[str, int]], w
 # Plots and memory_viz export
 
 
-def plot_active_memory_timeline(snapshot: dict, marks: Sequence[tuple[str, int]] | None = None, top: int = 12,
+def plot_active_memory_timeline(snapshot: dict, marks: Sequence[tuple[str, int]] | None = None, top: int = 8,
                                 device: int | None = None, ax=None, title: str | None = None,
                                 annotate_peaks: bool = True):
-    """Draw the active-memory timeline inline (matplotlib): total active memory over trace events, with the
-    ``top`` largest allocations stacked as coloured bands at the bottom (as memory_viz does) and the rest
-    grey. Phases from ``marks`` are shaded and their peaks annotated. Returns the matplotlib Axes.
+    """Draw the active-memory timeline inline (matplotlib), no browser needed.
+
+    The black line is all active memory after each allocator event. Under it, memory is stacked in bands
+    as memory_viz stacks allocations, but grouped so that a static plot stays readable: one band for what
+    was allocated before the recording (parameters, ...), then the ``top`` groups (innermost user frame of
+    :func:`origin` and kind of phase) whose allocations cover the most bytes x events, in order of first
+    allocation, and the rest in grey. Phases from ``marks`` are drawn as dotted lines with each phase's
+    peak marked. Returns the matplotlib Axes.
     """
     import matplotlib.pyplot as plt
 
@@ -470,45 +481,57 @@ def plot_active_memory_timeline(snapshot: dict, marks: Sequence[tuple[str, int]]
     if timeline.empty:
         ax.set_title(title or "empty trace")
         return ax
+    n = len(timeline)
     x = timeline["index"].to_numpy()
-    total = timeline["active_bytes"].to_numpy() / GiB
+    scale, unit = (GiB, "GiB") if timeline["active_bytes"].max() >= GiB / 2 else (MiB, "MiB")
+    total = timeline["active_bytes"].to_numpy() / scale
     life = allocation_lifetimes(snapshot, device, marks)
+    # group by the innermost user frame and the kind of phase (backward allocations on CUDA run on the
+    # autograd thread without a Python stack, so the phase is what tells gradients from activations)
+    kind = life["phase"].astype(str).str.replace(r"\s*\d+$", "", regex=True)
+    frame = life["origin"].str.split(" < ").str[0]
+    life["group"] = np.where(life["before"], "before trace",
+                             np.where(kind != "", frame + " · " + kind, frame))
+    life["area"] = life["size"] * (life["free_index"] - life["alloc_index"].clip(lower=0))
     made = life[~life["before"]]
-    big = made.sort_values("size", ascending=False).head(top).sort_values("alloc_index")
+    groups = made.groupby("group")["area"].sum().sort_values(ascending=False).head(top).index
+    order = made[made["group"].isin(groups)].groupby("group")["alloc_index"].min().sort_values().index
     bands, labels = [], []
-    for _, a in big.iterrows():
-        band = np.zeros(len(x))
-        band[int(a["alloc_index"]):int(a["free_index"])] = a["size"] / GiB
-        bands.append(band)
-        labels.append(f"{format_bytes(a['size'])} {a['origin'].split(' < ')[0]}")
-    rest = total - (np.sum(bands, axis=0) if bands else 0)
-    colours = plt.get_cmap("tab20")(np.linspace(0, 1, max(len(bands), 1)))
-    ax.stackplot(x, *bands, rest, colors=list(colours[: len(bands)]) + ["#cccccc"], step="post",
-                 labels=labels + ["other"], linewidth=0)
+    for g in (["before trace"] if life["before"].any() else []) + list(order):
+        members = life[life["group"] == g]
+        delta = np.zeros(n + 1)
+        np.add.at(delta, members["alloc_index"].clip(lower=0).to_numpy(), members["size"].to_numpy())
+        np.add.at(delta, members["free_index"].to_numpy(), -members["size"].to_numpy())
+        band = np.cumsum(delta)[:n]
+        if g == "before trace":  # allocations freed during the trace were live from the start
+            band = np.maximum(band, 0)
+        bands.append(band / scale)
+        labels.append(f"{g} (max {format_bytes(band.max())})")
+    rest = np.maximum(total - (np.sum(bands, axis=0) if bands else 0), 0)
+    colours = list(plt.get_cmap("tab10")(np.arange(len(bands)) % 10))
+    ax.stackplot(x, *bands, rest, colors=colours + ["#cccccc"], step="post", labels=labels + ["other"],
+                 linewidth=0)
     ax.plot(x, total, color="black", linewidth=0.8, drawstyle="steps-post")
-    unit = "GiB" if total.max() >= 0.5 else "MiB"
-    if unit == "MiB":  # relabel the axis for small (CPU) recordings
-        ax.set_yticks(ax.get_yticks())
-        ax.set_yticklabels([f"{v * 1024:.3g}" for v in ax.get_yticks()])
     ax.set_ylabel(f"active memory ({unit})")
     ax.set_xlabel("allocator event")
     ax.set_xlim(x[0], x[-1])
+    ax.set_ylim(0, total.max() * 1.15)
     if marks:
         peaks = peaks_by_phase(timeline)
-        for i, row in peaks.iterrows():
+        for _, row in peaks.iterrows():
             if row["phase"] == "":
                 continue
             ax.axvline(row["start_index"], color="black", linestyle=":", linewidth=0.8)
-            ax.text(row["start_index"], 1.0, f" {row['phase']}", transform=ax.get_xaxis_transform(), fontsize=8,
-                    va="bottom", rotation=20)
+            ax.text(row["start_index"], 0.99, f" {row['phase']}", transform=ax.get_xaxis_transform(), fontsize=8,
+                    va="top")
             if annotate_peaks:
-                ax.plot(row["peak_index"], row["peak_gib"], "v", color="crimson")
-                value = row["peak_gib"] if unit == "GiB" else row["peak_gib"] * 1024
-                ax.annotate(f"{value:.3g}", (row["peak_index"], row["peak_gib"]), textcoords="offset points",
-                            xytext=(0, 4), ha="center", fontsize=8, color="crimson")
+                y = row["peak_gib"] * GiB / scale
+                ax.plot(row["peak_index"], y, "v", color="crimson", markersize=5)
+                ax.annotate(f"{y:.3g}", (row["peak_index"], y), textcoords="offset points", xytext=(0, 3),
+                            ha="center", fontsize=7, color="crimson")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False)
     if title:
-        ax.set_title(title, pad=22 if marks else 6)
+        ax.set_title(title)
     return ax
 
 
@@ -790,9 +813,10 @@ def peak_memory_table(model: nn.Module, contexts: Sequence[int], dtypes: Sequenc
     """Peak memory of a forward pass and of a full AdamW training step for each context length and dtype.
 
     The forward rows are measured first, for every configuration, before any optimizer state or gradient
-    exists; then the training steps (two per configuration, so the peak includes the optimizer state that
-    the first step creates). Out-of-memory is a row (``status="oom"``). ``dtypes`` are ``"fp32"`` or
-    ``"bf16"``/``"fp16"`` autocast. Returns columns ``context``, ``batch``, ``dtype``, ``mode``
+    exists. Then the AdamW state is created by one unmeasured step at the smallest context, and each
+    training-step row is one steady-state step (parameters, gradients, optimizer state and activations;
+    its peak is at least the first step's, whose state appears only after the activations are freed).
+    Out-of-memory is a row (``status="oom"``). ``dtypes`` are ``"fp32"`` or ``"bf16"``/``"fp16"`` autocast. Returns columns ``context``, ``batch``, ``dtype``, ``mode``
     (``forward``, ``train_step``), ``peak_gib``, ``status``, ``error``.
     """
     from tqdm.auto import tqdm
@@ -808,6 +832,16 @@ def peak_memory_table(model: nn.Module, contexts: Sequence[int], dtypes: Sequenc
     make_optimizer = make_optimizer or (lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4,
                                                                     fused=device.type == "cuda"))
     optimizer = None
+
+    def create_state():
+        """One untimed step at the smallest context so that every measured step carries the AdamW state."""
+        nonlocal optimizer
+        opt = make_optimizer(model)
+        tokens = torch.zeros(batch, min(contexts) + 1, dtype=torch.long, device=device)
+        default_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        optimizer = opt  # only once the state exists completely
     grid = [(mode, c, d) for mode in ("forward", "train_step") for c in contexts for d in dtypes]
     rows = []
     for mode, context, dt in tqdm(grid, desc="peak memory", disable=not progress):
@@ -828,11 +862,10 @@ def peak_memory_table(model: nn.Module, contexts: Sequence[int], dtypes: Sequenc
                 del loss
                 return
             if optimizer is None:
-                optimizer = make_optimizer(model)
-            for _ in range(2):
-                forward().backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                create_state()
+            forward().backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
 
         row = dict(context=context, batch=batch, dtype=dt, mode=mode, peak_gib=math.nan, status="ok", error="")
         try:

@@ -246,7 +246,13 @@ def test_plot_active_memory_timeline_draws_bands(snapshot):
     matplotlib.use("Agg")
     ax = memory.plot_active_memory_timeline(snapshot, marks=FIX.MARKS, top=2)
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
-    assert labels == ["512 KiB model.py:208:forward", "1 MiB train.py:12:step", "other"]
+    # groups are (innermost user frame, phase kind); A and B existed before the trace (5 KiB at the start);
+    # by bytes x events Y (1 MiB x 5) and X (512 KiB x 3) beat Z (256 KiB x 4, made in the backward)
+    assert labels == ["before trace (max 5 KiB)", "model.py:208:forward · forward (max 512 KiB)",
+                      "train.py:12:step · forward (max 1 MiB)", "other"]
+    # the stacked bands add up to the reconstructed total (the first polygon is the bottom band)
+    top_line = ax.lines[0].get_ydata()
+    assert top_line[4] * 2**20 == 4 * KiB + 512 * KiB + MiB
 
 
 @pytest.mark.gpu
