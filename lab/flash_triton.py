@@ -109,15 +109,18 @@ def _fwd_inner(acc, row_sum, row_max, q, k_base, v_base, stride_ks, stride_vs, l
         else:
             k = tl.load(k_base + cols[:, None] * stride_ks + offs_d[None, :])
             v = tl.load(v_base + cols[:, None] * stride_vs + offs_d[None, :])
-        # scores in base 2: s * log2(e) / sqrt(d)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        # Base-2 exponent s * log2(e) / sqrt(d) - max: one fused multiply-add per score.
         if MASKED:
             keep = cols[None, :] < n_k
             if IS_CAUSAL:
                 keep = keep & (cols[None, :] <= offs_m[:, None])
-            s = s + tl.where(keep, 0.0, MASK_VALUE)
-        new_max = tl.maximum(row_max, tl.max(s, 1))
-        p = tl.math.exp2(s - new_max[:, None])
+            s = s * qk_scale + tl.where(keep, 0.0, MASK_VALUE)
+            new_max = tl.maximum(row_max, tl.max(s, 1))
+            p = tl.math.exp2(s - new_max[:, None])
+        else:
+            new_max = tl.maximum(row_max, tl.max(s, 1) * qk_scale)
+            p = tl.math.exp2(s * qk_scale - new_max[:, None])
         rescale = tl.math.exp2(row_max - new_max)  # 0 on the first tile, where row_max = -inf
         row_sum = row_sum * rescale + tl.sum(p, 1)
         acc = acc * rescale[:, None]
@@ -126,15 +129,20 @@ def _fwd_inner(acc, row_sum, row_max, q, k_base, v_base, stride_ks, stride_vs, l
     return acc, row_sum, row_max
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tune_batch"])
 def _flash_fwd_kernel(Q, K, V, O, L,
                       stride_qb, stride_qs, stride_kb, stride_ks, stride_vb, stride_vs, stride_ob, stride_os,
-                      n_q, n_k, qk_scale,
+                      n_q, n_k, qk_scale, tune_batch,
                       HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    # Heaviest causal query tiles (the last ones) first, so the longest programs do not start last.
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    pid_b = tl.program_id(1).to(tl.int64)
+    """Grid (query tiles, batch). ``tune_batch`` is unused: it only keys the autotuner (see tune_batch())."""
+    # Programs start in x-fastest order. Renumber them so that the heaviest causal query tile (the last)
+    # of every batch entry starts first, then the next heaviest, ...: the long programs never start last.
+    n_tiles = tl.num_programs(0)
+    n_batch = tl.num_programs(1)
+    order = tl.program_id(1) * n_tiles + tl.program_id(0)
+    pid_m = n_tiles - 1 - order // n_batch
+    pid_b = (order % n_batch).to(tl.int64)
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -178,14 +186,35 @@ def _fwd_configs():
     if INTERPRET:
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
     shapes = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
-        (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2),
-        (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3),
+        (128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (128, 128, 8, 2),
+        (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 4, 2), (64, 128, 8, 3),
     ]
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
 
 
-_flash_fwd_tuned = triton.autotune(
-    configs=_fwd_configs(), key=["n_q", "n_k", "HEAD_DIM", "IS_CAUSAL", "PRECISION"])(_flash_fwd_kernel)
+_TUNE_KEY = ["n_q", "n_k", "tune_batch", "HEAD_DIM", "IS_CAUSAL", "PRECISION"]
+_flash_fwd_tuned = triton.autotune(configs=_fwd_configs(), key=_TUNE_KEY)(_flash_fwd_kernel)
+
+#: (kernel, tuning key) -> launch keywords of the config the autotuner chose; read on every later call so
+#: that the hot path skips the autotuner's own dispatch.
+TUNED_CONFIGS: dict[tuple, dict] = {}
+#: (kernel, tuning key) -> {config: median ms} measured by the autotuner, for the tuning notes.
+TUNING_TIMINGS: dict[tuple, dict] = {}
+
+
+def tune_batch(batch: int) -> int:
+    """The batch (x heads) the autotuner keys on: rounded up to a power of two, so that a model's few
+    batch sizes share tunings while one head (a thin grid) and many heads (a full GPU) are tuned apart."""
+    return min(1 << (batch - 1).bit_length(), 1024)
+
+
+def remember_tuning(key: tuple, tuner) -> dict:
+    """Store the config ``tuner`` just chose for ``key`` (and its timings); return its launch keywords."""
+    config = tuner.best_config.all_kwargs()
+    TUNED_CONFIGS[key] = config
+    timings = getattr(tuner, "configs_timings", None) or {}
+    TUNING_TIMINGS[key] = {str(c): t[0] if isinstance(t, list | tuple) else t for c, t in timings.items()}
+    return config
 
 
 def _fwd_fixed_config(d: int) -> dict:
@@ -199,7 +228,7 @@ def forward_launch_args(q, k, v, out, lse, is_causal: bool) -> tuple[tuple, dict
     """Positional arguments and constexpr keywords of the forward kernel (shared with tools that precompile)."""
     d = q.shape[-1]
     args = (q, k, v, out, lse, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            out.stride(0), out.stride(1), q.shape[1], k.shape[1], base2_scale(d))
+            out.stride(0), out.stride(1), q.shape[1], k.shape[1], base2_scale(d), tune_batch(q.shape[0]))
     meta = {"HEAD_DIM": d, "IS_CAUSAL": bool(is_causal), "PRECISION": dot_precision(q.dtype)}
     return args, meta
 
@@ -219,10 +248,15 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
     lse = torch.empty(batch, n_q, dtype=torch.float32, device=q.device)
     args, meta = forward_launch_args(q, k, v, out, lse, is_causal)
     if uses_autotune(n_q, n_k):
-        _flash_fwd_tuned[lambda m: (triton.cdiv(n_q, m["BLOCK_M"]), batch)](*args, **meta)
+        key = ("fwd", n_q, n_k, tune_batch(batch), d, bool(is_causal), meta["PRECISION"], q.dtype)
+        config = TUNED_CONFIGS.get(key)
+        if config is None:
+            _flash_fwd_tuned[lambda m: (triton.cdiv(n_q, m["BLOCK_M"]), batch)](*args, **meta)
+            remember_tuning(key, _flash_fwd_tuned)
+            return out, lse
     else:
         config = _fwd_fixed_config(d)
-        _flash_fwd_kernel[(triton.cdiv(n_q, config["BLOCK_M"]), batch)](*args, **meta, **config)
+    _flash_fwd_kernel[(triton.cdiv(n_q, config["BLOCK_M"]), batch)](*args, **meta, **config)
     return out, lse
 
 

@@ -30,8 +30,11 @@ import triton.language as tl
 from lab.flash_triton import (
     INTERPRET,
     MASK_VALUE,
+    TUNED_CONFIGS,
     base2_scale,
     dot_precision,
+    remember_tuning,
+    tune_batch,
     unit_last_stride,
     uses_autotune,
 )
@@ -72,10 +75,13 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, delta_base, stride_qs, st
         do = tl.load(do_base + rows[:, None] * stride_dos + offs_d[None, :], mask=inside[:, None], other=0.0)
         lse2 = tl.load(l_base + rows, mask=inside, other=0.0) * _LOG2E
         delta = tl.load(delta_base + rows, mask=inside, other=0.0)
-        s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale  # (keys, queries), base 2
+        s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION)  # (keys, queries)
+        # P^T = exp2(s * log2(e) / sqrt(d) - L * log2(e)): one fused multiply-add per score
         if MASKED:  # causal tiles on the diagonal
-            s_t = s_t + tl.where(rows[None, :] >= offs_n[:, None], 0.0, MASK_VALUE)
-        p_t = tl.math.exp2(s_t - lse2[None, :])
+            s_t = s_t * qk_scale + tl.where(rows[None, :] >= offs_n[:, None], 0.0, MASK_VALUE)
+            p_t = tl.math.exp2(s_t - lse2[None, :])
+        else:
+            p_t = tl.math.exp2(s_t * qk_scale - lse2[None, :])
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
@@ -135,13 +141,15 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, lo, 
         else:
             k = tl.load(k_base + cols[:, None] * stride_ks + offs_d[None, :])
             v = tl.load(v_base + cols[:, None] * stride_vs + offs_d[None, :])
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if MASKED:
             keep = cols[None, :] < n_k
             if IS_CAUSAL:
                 keep = keep & (cols[None, :] <= rows[:, None])
-            s = s + tl.where(keep, 0.0, MASK_VALUE)
-        p = tl.math.exp2(s - lse2[:, None])
+            s = s * qk_scale + tl.where(keep, 0.0, MASK_VALUE)
+            p = tl.math.exp2(s - lse2[:, None])
+        else:
+            p = tl.math.exp2(s * qk_scale - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
@@ -181,18 +189,23 @@ def _dq_tile(Q, K, V, DO, L, Delta, DQ,
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=inside[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tune_batch"])
 def _flash_bwd_kernel(Q, K, V, DO, L, Delta, DQ, DK, DV,
                       stride_qb, stride_qs, stride_kb, stride_ks, stride_vb, stride_vs, stride_dob, stride_dos,
                       stride_dqb, stride_dqs, stride_dkb, stride_dks, stride_dvb, stride_dvs,
-                      n_q, n_k, qk_scale, sm_scale,
+                      n_q, n_k, qk_scale, sm_scale, tune_batch,
                       HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
                       PASS: tl.constexpr,
                       BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr,
                       BLOCK_N2: tl.constexpr):
-    """PASS 1: dK/dV programs only; PASS 2: dQ programs only; PASS 0: both, interleaved in one grid."""
-    pid = tl.program_id(0)
-    pid_b = tl.program_id(1).to(tl.int64)
+    """PASS 1: dK/dV programs only; PASS 2: dQ programs only; PASS 0: both, interleaved in one grid.
+    Grid (programs, batch); ``tune_batch`` only keys the autotuner."""
+    # Programs start in x-fastest order: renumber so that slot s of every batch entry starts before
+    # slot s + 1 of any (slots are ordered heaviest first below).
+    n_batch = tl.num_programs(1)
+    order = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+    pid = order // n_batch
+    pid_b = (order % n_batch).to(tl.int64)
     n_kv_tiles = tl.cdiv(n_k, BLOCK_N1)
     n_q_tiles = tl.cdiv(n_q, BLOCK_M2)
     if PASS == 1:
@@ -273,7 +286,7 @@ def _prune_bwd_configs(configs, named_args, **kwargs):
 
 
 _flash_bwd_tuned = triton.autotune(
-    configs=_bwd_configs(), key=["n_q", "n_k", "HEAD_DIM", "IS_CAUSAL", "PRECISION", "PASS"],
+    configs=_bwd_configs(), key=["n_q", "n_k", "tune_batch", "HEAD_DIM", "IS_CAUSAL", "PRECISION", "PASS"],
     prune_configs_by={"early_config_prune": _prune_bwd_configs})(_flash_bwd_kernel)
 
 
@@ -315,10 +328,15 @@ def flash_backward(q, k, v, out, lse, grad_out, is_causal: bool, launch: str | N
     args, meta = backward_launch_args(q, k, v, grad_out, lse, delta, grad_q, grad_k, grad_v, is_causal)
     for pass_ in (0,) if launch == "fused" else (1, 2):
         if uses_autotune(n_q, n_k):
-            _flash_bwd_tuned[_grid(pass_, n_q, n_k, batch)](*args, **meta, PASS=pass_)
+            key = ("bwd", n_q, n_k, tune_batch(batch), d, bool(is_causal), meta["PRECISION"], q.dtype, pass_)
+            config = TUNED_CONFIGS.get(key)
+            if config is None:
+                _flash_bwd_tuned[_grid(pass_, n_q, n_k, batch)](*args, **meta, PASS=pass_)
+                remember_tuning(key, _flash_bwd_tuned)
+                continue
         else:
             config = _bwd_fixed_config(d)
-            _flash_bwd_kernel[_grid(pass_, n_q, n_k, batch)(config)](*args, **meta, PASS=pass_, **config)
+        _flash_bwd_kernel[_grid(pass_, n_q, n_k, batch)(config)](*args, **meta, PASS=pass_, **config)
     return grad_q, grad_k, grad_v
 
 
@@ -329,6 +347,6 @@ def backward_launch_args(q, k, v, grad_out, lse, delta, grad_q, grad_k, grad_v, 
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             grad_out.stride(0), grad_out.stride(1), grad_q.stride(0), grad_q.stride(1),
             grad_k.stride(0), grad_k.stride(1), grad_v.stride(0), grad_v.stride(1),
-            q.shape[1], k.shape[1], base2_scale(d), 1.0 / math.sqrt(d))
+            q.shape[1], k.shape[1], base2_scale(d), 1.0 / math.sqrt(d), tune_batch(q.shape[0]))
     meta = {"HEAD_DIM": d, "IS_CAUSAL": bool(is_causal), "PRECISION": dot_precision(q.dtype)}
     return args, meta
