@@ -6,7 +6,9 @@ Four wrappers, from the most obvious to the one that is used in practice. All of
 * broadcast rank 0's parameters and buffers at construction (replicas start identical),
 * reduce only parameters that need a gradient, and each ``nn.Parameter`` object once (tied weights that
   are registered under two names are one tensor with one gradient),
-* average (sum over ranks, then divide by the world size),
+* average: gradients are divided by the world size and summed over ranks (for two ranks, or any power
+  of two, dividing before or after the sum gives the same bits, so all of them match single-process
+  training exactly in fp32),
 * expose ``finish_gradient_synchronization()`` (call it after ``backward()``, before ``optimizer.step()``;
   it returns once every gradient holds the average) and ``no_sync()`` for gradient accumulation,
 * delegate ``forward`` to the wrapped module (``.module``).
@@ -138,13 +140,17 @@ class DDPIndividualParameters(_DataParallel):
 
     A post-accumulate-grad hook fires as soon as backward has produced a parameter's final gradient; the
     hook starts a non-blocking all-reduce, so the last layers' gradients travel while backward is still
-    computing the first layers'. ``finish_gradient_synchronization`` (also queued automatically at the
-    end of every synchronized backward) waits for the outstanding requests and averages. Still one
-    collective per parameter tensor: the per-call latency of :class:`NaiveDDP` remains.
+    computing the first layers'. The averaging happens before the sum (NCCL's ``AVG`` reduction, or a
+    division inside the hook on gloo), so nothing is left to compute after the last request.
+    ``finish_gradient_synchronization`` (also queued automatically at the end of every synchronized
+    backward) waits for the outstanding requests. Still one collective per parameter tensor: the
+    per-call latency of :class:`NaiveDDP` remains.
     """
 
     def __init__(self, module: nn.Module):
         super().__init__(module)
+        # NCCL averages inside the collective; gloo has no AVG, so divide first (exact for a power of two).
+        self._nccl_avg = dist.get_backend() == "nccl"
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []
         self._launched = 0
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.trainable]
@@ -156,7 +162,12 @@ class DDPIndividualParameters(_DataParallel):
             # wait at the end of this backward, so callers cannot forget to
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_gradient_synchronization)
         self._launched += 1
-        self._pending.append((dist.all_reduce(param.grad, async_op=True), param))
+        if self._nccl_avg:
+            work = dist.all_reduce(param.grad, op=dist.ReduceOp.AVG, async_op=True)
+        else:
+            param.grad.div_(self.world_size)
+            work = dist.all_reduce(param.grad, async_op=True)
+        self._pending.append((work, param))
 
     def finish_gradient_synchronization(self) -> None:
         if self._launched == 0:
@@ -165,9 +176,8 @@ class DDPIndividualParameters(_DataParallel):
             launched = {id(p) for _, p in self._pending}
             self._reset()
             raise self._missing_grad_error([p for p in self.trainable if id(p) not in launched])
-        for work, param in self._pending:
+        for work, _ in self._pending:
             work.wait()
-            param.grad.div_(self.world_size)
         self._reset()
 
     def _reset(self) -> None:
@@ -200,9 +210,14 @@ class DDPBucketed(_DataParallel):
     gradients), into buckets of at most ``bucket_size_mb`` MiB (a parameter larger than that gets a bucket
     of its own). When the last gradient of a bucket is ready, the bucket's flat buffer is all-reduced
     asynchronously while backward continues. One knob trades the two costs: small buckets overlap well but
-    pay the per-call latency often; one huge bucket is :class:`FlatDDP` (no overlap). Buffers are allocated
-    once; gradients are copied in when ready and copied back, averaged, in
-    ``finish_gradient_synchronization`` (queued automatically at the end of every synchronized backward).
+    pay the per-call latency often; one huge bucket is :class:`FlatDDP` (no overlap).
+
+    Bucket buffers are allocated once. When a gradient is ready it is divided by the world size *while*
+    being copied into its slot of the bucket (one kernel), and the parameter's ``.grad`` is then pointed at
+    that slot (as torch DDP's ``gradient_as_bucket_view=True``): the all-reduce leaves the averaged
+    gradient in place, so nothing is copied back and no arithmetic remains after backward.
+    ``finish_gradient_synchronization`` (queued automatically at the end of every synchronized backward)
+    only waits for the outstanding requests.
     """
 
     def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0):
@@ -238,7 +253,9 @@ class DDPBucketed(_DataParallel):
             self._any_ready = True
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_gradient_synchronization)
         bucket, i = self._where[id(param)]
-        bucket.views[i].copy_(param.grad)
+        view = bucket.views[i]
+        torch.div(param.grad, self.world_size, out=view)  # average while copying into the bucket
+        param.grad = view  # the gradient now lives in the bucket: the all-reduce result lands in .grad
         bucket.ready += 1
         if bucket.ready == len(bucket.params):
             bucket.work = dist.all_reduce(bucket.buffer, async_op=True)
@@ -258,8 +275,6 @@ class DDPBucketed(_DataParallel):
             raise self._missing_grad_error(missing)
         for b in self.buckets:
             b.work.wait()
-            b.buffer.div_(self.world_size)
-            torch._foreach_copy_([p.grad for p in b.params], b.views)
         self._reset()
 
     def _reset(self) -> None:

@@ -93,7 +93,7 @@ def _loss(model, x, y):
     return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
 
-def train_next_to_reference(wrapper, model_name, steps=4, micro=1):
+def train_next_to_reference(wrapper, model_name, steps=4, micro=1, set_to_none=True):
     """Worker: train a wrapped model and a single-process reference on the same global batches."""
     torch.use_deterministic_algorithms(True)
     r, n = distributed.rank(), distributed.world_size()
@@ -112,7 +112,7 @@ def train_next_to_reference(wrapper, model_name, steps=4, micro=1):
         start = [p.detach().clone() for p in reference.parameters()]
         for step in range(steps):
             x, y = _global_batch(model_name, step, n, micro)
-            opt.zero_grad()
+            opt.zero_grad(set_to_none=set_to_none)
             for m in range(micro):
                 ctx = model.no_sync() if m < micro - 1 else contextlib.nullcontext()
                 with ctx:
@@ -161,13 +161,15 @@ def check_wrapper(wrapper):
             "tied": train_next_to_reference(wrapper, "tied"),
             # gradient accumulation: 3 micro-batches per step, the first two under no_sync()
             "toy_no_sync": train_next_to_reference(wrapper, "toy", steps=3, micro=3),
+            # gradients zeroed in place (they may live in the wrapper's buckets) rather than dropped
+            "toy_zeroed": train_next_to_reference(wrapper, "toy", steps=3, micro=2, set_to_none=False),
             "counts": count_all_reduce(wrapper)}
 
 
 @pytest.mark.parametrize("wrapper", list(WRAPPERS))
 def test_wrapper_matches_single_process(wrapper):
     out = distributed.launch(check_wrapper, 2, wrapper, device="cpu", timeout_s=120)
-    for case in ("toy", "tied", "toy_no_sync"):
+    for case in ("toy", "tied", "toy_no_sync", "toy_zeroed"):
         _assert_matches([o[case] for o in out])
     tied = out[0]["tied"]
     # the frozen projection never gets a gradient and ends equal to rank 0's initial weights
