@@ -236,7 +236,9 @@ def saved_tensor_bytes(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor, e
     def pack(t: torch.Tensor):
         storage = t.untyped_storage()
         seen[storage.data_ptr()] = storage.nbytes()
-        return t
+        # Detached (same storage): returning an op's own output would tie it to its grad_fn in a cycle
+        # that runs through C++ and that Python's gc cannot break, leaking the seq x seq tensor.
+        return t.detach()
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn(*inputs)
@@ -278,10 +280,15 @@ def _measure_naive(fn: AttentionFn, batch, seq, d, dtype, causal, passes, warmup
     from lab.bench import time_callable
 
     torch_dtype = DTYPES[dtype]
+    if device.type == "cuda":
+        # cuBLAS takes its workspace from PyTorch's allocator on first use: create it before the baseline
+        # so that it is not charged to this configuration
+        torch.ones(8, 8, device=device, dtype=torch_dtype) @ torch.ones(8, 8, device=device, dtype=torch_dtype)
+        synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        row["mem_baseline_mib"] = torch.cuda.memory_allocated(device) / 2**20
     q, k, v, dout = _inputs(batch, seq, d, torch_dtype, device)
     row["phase"] = "forward"
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
     fwd = time_callable(lambda: fn(q, k, v, causal), warmup, passes, device)
     row.update(fwd_ms=fwd.mean_ms, fwd_std_ms=fwd.std_ms)
     # one forward whose graph the backward passes reuse (retain_graph), measured before backward starts
@@ -334,7 +341,8 @@ def run_naive_grid(fn: AttentionFn = naive_attention, ds: Sequence[int] = (16, 3
         predicted = naive_attention_totals(batch, seq, d, dtype, causal)
         row = dict(impl=impl, compile=bool(compile), batch=batch, seq_len=seq, d=d, dtype=dtype, causal=causal,
                    passes=passes, fwd_ms=math.nan, fwd_std_ms=math.nan, bwd_ms=math.nan, bwd_std_ms=math.nan,
-                   mem_before_bwd_mib=math.nan, forward_left_mib=math.nan, peak_mib=math.nan,
+                   mem_baseline_mib=math.nan, mem_before_bwd_mib=math.nan, forward_left_mib=math.nan,
+                   peak_mib=math.nan,
                    saved_mib=math.nan, predicted_saved_mib=predicted["saved"] / 2**20,
                    predicted_before_bwd_mib=predicted["before_backward"] / 2**20,
                    predicted_peak_mib=predicted["peak"] / 2**20, compile_s=math.nan, status="ok", note="")
@@ -408,11 +416,13 @@ def accounting_config(grid: pd.DataFrame) -> tuple[pd.Series, str]:
 def naive_memory_check(row: pd.Series) -> pd.DataFrame:
     """Predicted vs measured memory (MiB) for one row of :func:`run_naive_grid`: what autograd saved beyond
     the inputs (saved-tensor hooks, any device), what was allocated when backward started and the peak
-    (``torch.cuda.memory_allocated`` / ``max_memory_allocated``; NaN on the CPU or when out of memory)."""
-    checks = [("saved for backward beyond q, k, v", "predicted_saved_mib", "saved_mib"),
-              ("allocated when backward starts", "predicted_before_bwd_mib", "mem_before_bwd_mib"),
-              ("peak (lower bound)", "predicted_peak_mib", "peak_mib")]
-    out = pd.DataFrame([dict(quantity=q, predicted_mib=row[p], measured_mib=row[m]) for q, p, m in checks])
+    (``torch.cuda.memory_allocated`` / ``max_memory_allocated`` above the configuration's baseline, i.e.
+    without cuBLAS's workspace; NaN on the CPU or when out of memory)."""
+    base = row.get("mem_baseline_mib", math.nan)
+    checks = [("saved for backward beyond q, k, v", row["predicted_saved_mib"], row["saved_mib"]),
+              ("allocated when backward starts", row["predicted_before_bwd_mib"], row["mem_before_bwd_mib"] - base),
+              ("peak (lower bound)", row["predicted_peak_mib"], row["peak_mib"] - base)]
+    out = pd.DataFrame([dict(quantity=q, predicted_mib=p, measured_mib=m) for q, p, m in checks])
     out["measured_over_predicted"] = out["measured_mib"] / out["predicted_mib"]
     return out
 

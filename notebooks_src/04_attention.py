@@ -71,7 +71,7 @@ report.show_machine(params)
 # %%
 eager = ab.run_naive_grid(ab.naive_attention, ds=ds, seqs=seqs, batch=batch, dtype=dtype, causal=causal,
                           passes=passes, warmup=warmup, impl="naive", device=dev)
-grid_cols = ["d", "seq_len", "fwd_ms", "bwd_ms", "mem_before_bwd_mib", "peak_mib", "saved_mib",
+grid_cols = ["d", "seq_len", "fwd_ms", "bwd_ms", "mem_baseline_mib", "mem_before_bwd_mib", "peak_mib", "saved_mib",
              "predicted_saved_mib", "status"]
 report.show_table(eager[grid_cols])
 

@@ -1,7 +1,9 @@
 """Tests for lab.attention_bench: FLOP and memory closed forms against counts, the grid runners' rows."""
 
+import gc
 import importlib.util
 import math
+import weakref
 
 import pandas as pd
 import pytest
@@ -98,6 +100,21 @@ def test_saved_bytes_closed_form_matches_autograd(dtype, causal):
     assert measured == closed == ab.naive_attention_totals(b, s, d, dtype, causal)["saved"]
 
 
+def test_saved_tensor_bytes_frees_the_graph():
+    """Counting must not keep what it counts alive (a leak here polluted every later memory reading)."""
+    refs = []
+
+    def attention_keeping_a_weakref(q, k, v):
+        probs = torch.softmax(q @ k.transpose(-2, -1), dim=-1)
+        refs.append(weakref.ref(probs))
+        return probs @ v
+
+    q, k, v = (torch.randn(2, 64, 8, requires_grad=True) for _ in range(3))
+    assert ab.saved_tensor_bytes(attention_keeping_a_weakref, q, k, v) == 2 * 64 * 64 * 4
+    gc.collect()
+    assert refs[0]() is None
+
+
 def test_naive_memory_terms_by_hand():
     # batch 8, seq 16384, fp32: P alone is 8 * 16384^2 * 4 B = 8 GiB
     t = ab.naive_attention_memory(8, 16384, 64, "fp32")
@@ -108,6 +125,14 @@ def test_naive_memory_terms_by_hand():
     assert totals["peak"] == 3 * 8 * 2**30 + qkv_do_out
     causal = ab.naive_attention_totals(8, 16384, 64, "fp32", causal=True)
     assert causal["saved"] == 8 * 2**30 + 16384**2
+
+
+def test_naive_memory_check_subtracts_the_baseline():
+    row = pd.Series(dict(predicted_saved_mib=8.0, saved_mib=8.0, predicted_before_bwd_mib=10.0,
+                         mem_before_bwd_mib=42.0, mem_baseline_mib=32.0, predicted_peak_mib=20.0, peak_mib=62.0))
+    check = ab.naive_memory_check(row)
+    assert check["measured_mib"].tolist() == [8.0, 10.0, 30.0]
+    assert check["measured_over_predicted"].tolist() == [1.0, 1.0, 1.5]
 
 
 def test_flash_saved_bytes_closed_form():
