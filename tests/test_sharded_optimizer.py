@@ -138,18 +138,21 @@ def _zero1_worker(steps: int) -> dict:
     model, ref = _model(), _model()
     first, late = _groups(model)
     ref_first, ref_late = _groups(ref)
-    opt = ZeRO1Optimizer(first, torch.optim.AdamW, lr=1e-3)
+    # 10 KB buckets: several per group, so the in-order launching from backward hooks is exercised
+    opt = ZeRO1Optimizer(first, torch.optim.AdamW, lr=1e-3, bucket_size_mb=0.01)
     ref_opt = torch.optim.AdamW(ref_first, lr=1e-3)
-    equal, logs = [], []
+    equal, logs, launched_in_backward = [], [], []
     for step in range(steps):
         if step == ADD_GROUP_AT:
             opt.add_param_group(late)
             ref_opt.add_param_group(ref_late)
         opt.zero_grad()
         ref_opt.zero_grad()
-        _local_loss(model, step).backward()  # no all-reduce: ZeRO-1's step is the gradient synchronization
         _local_loss(ref, step).backward()
         with TrafficLog() as log:
+            # no all-reduce: ZeRO-1 is the gradient synchronization; its reduce-scatters start in backward
+            _local_loss(model, step).backward()
+            launched_in_backward.append(opt._next_launch == len(opt._order))
             opt.step()
         with TrafficLog() as ddp_log:
             _all_reduce_mean(ref)
@@ -160,7 +163,7 @@ def _zero1_worker(steps: int) -> dict:
     sd = opt.state_dict()
     buf = io.BytesIO()
     torch.save(sd, buf)
-    opt2 = ZeRO1Optimizer(_groups(model)[0], torch.optim.AdamW, lr=1e-3)
+    opt2 = ZeRO1Optimizer(_groups(model)[0], torch.optim.AdamW, lr=1e-3, bucket_size_mb=0.01)
     opt2.add_param_group(_groups(model)[1])
     opt2.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=False))
     for step in range(steps, steps + 2):
@@ -177,6 +180,7 @@ def _zero1_worker(steps: int) -> dict:
     n = distributed.world_size()
     group_numels = [sum(p.numel() for p in g["params"]) for g in opt.param_groups]
     return {"equal": equal, "zero1_bytes": log.bytes_per_rank(n), "ddp_bytes": ddp_log.bytes_per_rank(n),
+            "launched_in_backward": launched_in_backward, "buckets": len(opt._order),
             "zero1_calls": log.summary(), "group_numels": group_numels, "local_numel": opt.local_numel(),
             "grad_is_view": all(p.grad.untyped_storage().data_ptr() == f.flat_grad.untyped_storage().data_ptr()
                                 for f in opt2._flat for p in f.params)}
@@ -234,8 +238,10 @@ def test_zero1_matches_ddp_adamw_exactly_with_ddp_traffic():
     for r in out:
         assert all(r["equal"]), f"ZeRO-1 differs from DDP + AdamW at steps {[i for i, e in enumerate(r['equal']) if not e]}"
         assert r["grad_is_view"]
+        assert all(r["launched_in_backward"]) and r["buckets"] > 3  # overlapped with backward, several buckets
         assert set(r["zero1_calls"]) == {"reduce_scatter", "all_gather"}  # no all-reduce, no broadcast
     r = out[0]
+    # bucket sizes are even here (no padding), so the per-group closed form is exact
     expected = optimizer_traffic(r["group_numels"], 2).set_index("impl")
     assert r["zero1_bytes"] == expected.loc["zero1", "total_bytes"]
     assert r["ddp_bytes"] == expected.loc["ddp", "total_bytes"]
