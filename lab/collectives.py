@@ -238,3 +238,34 @@ def latency_bandwidth_fit(df: pd.DataFrame) -> pd.DataFrame:
         rows.append({"backend": backend, "op": op, "world_size": n, "latency_ms": max(float(latency), 0.0),
                      "bandwidth_gbps": 1.0 / per_byte / 1e6 if per_byte > 0 else float("nan")})
     return pd.DataFrame(rows)
+
+
+def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
+    """``python -m lab.collectives --device cuda --world-sizes 2 4 --sizes-mb 1 10 100 1024``."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m lab.collectives", description=__doc__.splitlines()[0])
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cpu: gloo between processes; cuda: NCCL, one GPU per rank")
+    p.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
+    p.add_argument("--sizes-mb", nargs="+", type=float, default=[1, 10, 100, 1024])
+    p.add_argument("--world-sizes", nargs="+", type=int, default=[2, 4, 6])
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--results-dir", default=None, help="also save the table as <dir>/collectives.csv")
+    args = p.parse_args(argv)
+    _, skipped = plan_world_sizes(args.world_sizes, args.device)
+    if skipped:
+        print(skipped)
+    df = benchmark_collectives(args.ops, args.sizes_mb, args.world_sizes, args.device, args.warmup, args.iters)
+    cols = ["backend", "op", "world_size", "size_mb", "time_ms", "algbw_gbps", "busbw_gbps", "correct", "status"]
+    print(df[[c for c in cols if c in df.columns]].to_markdown(index=False, floatfmt=".4g"))
+    if args.results_dir:
+        from lab.results import save_results
+
+        print(save_results(df, "collectives", args.results_dir, vars(args)))
+    return df
+
+
+if __name__ == "__main__":
+    main()

@@ -423,3 +423,40 @@ def fit_bucket_overhead(n_buckets: Sequence[float], overhead_ms: Sequence[float]
     o_ms = float(coef[0]) if coef[0] > 0 else math.nan
     w_gbps = 1.0 / float(coef[1]) / 1e9 * 1e3 if coef[1] > 0 else math.nan
     return {"o_ms": o_ms, "w_gbps": w_gbps, "predicted_ms": (cols @ coef).tolist()}
+
+
+def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
+    """``python -m lab.ddp_bench --size 2.7B --dtype bf16 --batch 2 --context 512`` (2 GPUs by default)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m lab.ddp_bench",
+                                description="Train-step time of the data-parallel wrappers (and torch DDP).")
+    p.add_argument("--size", default="xl")
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--batch", type=int, default=2, help="sequences per rank")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
+    p.add_argument("--bucket-sizes-mb", nargs="+", type=float, default=[1, 10, 100, 1000])
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--artifacts-dir", default="artifacts")
+    p.add_argument("--results-dir", default=None, help="also merge the rows into <dir>/ddp_benchmark.csv")
+    args = p.parse_args(argv)
+    df, _ = benchmark_ddp(args.size, args.context, args.batch, args.dtype, args.world_size, args.device,
+                          args.impls, args.bucket_sizes_mb, args.warmup, args.steps,
+                          artifacts_dir=args.artifacts_dir)
+    if distributed.rank() == 0:
+        cols = ["impl", "bucket_mb", "world_size", "step_ms", "step_std_ms", "comm_ms", "overlap_frac",
+                "n_buckets", "status"]
+        print(df[cols].to_markdown(index=False, floatfmt=".4g"))
+        if args.results_dir:
+            from lab.results import save_results
+
+            print(save_results(df, "ddp_benchmark", args.results_dir, vars(args)))
+    return df
+
+
+if __name__ == "__main__":
+    main()
