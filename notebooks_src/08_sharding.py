@@ -7,9 +7,9 @@
 #
 # * **`lab.ShardedOptimizer`**: each rank keeps AdamW's state for only its share of the parameters
 #   (balanced by size), updates that share and broadcasts it. Gradients are still all-reduced by DDP.
-# * **ZeRO-1** (`lab.zero1.ZeRO1Optimizer`): the same saving, but the all-reduce becomes a reduce-scatter,
-#   the update happens on the local slice, and an all-gather returns the parameters, so it communicates
-#   exactly what DDP does.
+# * **ZeRO-1** (`lab.zero1.ZeRO1Optimizer`): the same saving, but the all-reduce becomes a reduce-scatter
+#   (bucketed, overlapping backward), the update happens on the local slice, and an all-gather returns the
+#   parameters, so it communicates exactly what DDP does.
 # * **`lab.FSDP`**: parameters and gradients are sharded too; each layer's weights are all-gathered just
 #   before use (two layers ahead) and dropped right after, and gradients are reduce-scattered.
 #
@@ -215,8 +215,9 @@ report.say(
     "keeps DDP's all-reduce and then broadcasts every parameter from its owner, "
     f"{ct.loc['sharded_optimizer', 'ratio_to_ddp']:.2f}x DDP's traffic, while ZeRO-1 reduce-scatters the gradients "
     f"into the slice each rank updates and all-gathers the result, {ct.loc['zero1', 'ratio_to_ddp']:.2f}x. "
-    "ZeRO-1 also needs no DDP wrapper and keeps its gradients in one flat buffer; its reduce-scatter waits for "
-    "the end of backward, whereas DDP overlaps its all-reduce with the backward pass.")
+    "ZeRO-1 needs no DDP wrapper: its gradients live in bucketed flat buffers, and each bucket's reduce-scatter "
+    "starts during backward as soon as the bucket's gradients exist (as DDP's bucketed all-reduce does); only "
+    "the all-gather after the update is not overlapped, like the sharded optimizer's broadcast.")
 
 # %% [markdown]
 # ## The performance goals
