@@ -437,6 +437,22 @@ def largest_allocations(snapshot: dict, n: int = 10, device: int | None = None,
                          "origin": top["origin"], "category": top["category"]}).reset_index(drop=True)
 
 
+def allocations_by_origin(snapshot: dict, marks: Sequence[tuple[str, int]] | None = None, phase: str | None = None,
+                          depth: int = 1, device: int | None = None) -> pd.DataFrame:
+    """Allocations made in the trace (optionally only in ``phase``) grouped by where they come from (the first
+    ``depth`` user frames). Returns ``origin``, ``count``, ``total_mib`` (sum of their sizes), ``largest_mib``
+    and ``share`` (of all bytes allocated in the selection), largest total first."""
+    life = allocation_lifetimes(snapshot, device, marks, depth)
+    life = life[~life["before"]]
+    if phase is not None:
+        life = life[life["phase"] == phase]
+    g = life.groupby("origin")["size"].agg(count="count", total="sum", largest="max").reset_index()
+    g = g.sort_values(["total", "origin"], ascending=[False, True]).reset_index(drop=True)
+    total = g["total"].sum()
+    return pd.DataFrame({"origin": g["origin"], "count": g["count"], "total_mib": g["total"] / MiB,
+                         "largest_mib": g["largest"] / MiB, "share": g["total"] / total if total else 0.0})
+
+
 def gradient_bytes_by_window(snapshot: dict, marks: Sequence[tuple[str, int]], windows: Sequence[str],
                              end_phase: str, device: int | None = None) -> pd.DataFrame:
     """Memory allocated in each phase window of ``windows`` that is still alive when ``end_phase`` begins.
@@ -489,7 +505,7 @@ def plot_active_memory_timeline(snapshot: dict, marks: Sequence[tuple[str, int]]
     # group by the innermost user frame and the kind of phase (backward allocations on CUDA run on the
     # autograd thread without a Python stack, so the phase is what tells gradients from activations)
     kind = life["phase"].astype(str).str.replace(r"\s*\d+$", "", regex=True)
-    frame = life["origin"].str.split(" < ").str[0]
+    frame = life["origin"].str.split(" < ").str[0].replace("?", "no Python frames")
     life["group"] = np.where(life["before"], "before trace",
                              np.where(kind != "", frame + " · " + kind, frame))
     life["area"] = life["size"] * (life["free_index"] - life["alloc_index"].clip(lower=0))
@@ -515,20 +531,20 @@ def plot_active_memory_timeline(snapshot: dict, marks: Sequence[tuple[str, int]]
     ax.set_ylabel(f"active memory ({unit})")
     ax.set_xlabel("allocator event")
     ax.set_xlim(x[0], x[-1])
-    ax.set_ylim(0, total.max() * 1.15)
+    ax.set_ylim(0, total.max() * 1.2)
     if marks:
         peaks = peaks_by_phase(timeline)
-        for _, row in peaks.iterrows():
-            if row["phase"] == "":
-                continue
+        peaks = peaks[peaks["phase"] != ""].reset_index(drop=True)
+        for i, row in peaks.iterrows():
             ax.axvline(row["start_index"], color="black", linestyle=":", linewidth=0.8)
-            ax.text(row["start_index"], 0.99, f" {row['phase']}", transform=ax.get_xaxis_transform(), fontsize=8,
-                    va="top")
+            # alternate heights so that the names of short neighbouring phases do not overlap
+            ax.text(row["start_index"], 0.99 - 0.06 * (i % 2), f" {row['phase']}", fontsize=8, va="top",
+                    transform=ax.get_xaxis_transform())
             if annotate_peaks:
                 y = row["peak_gib"] * GiB / scale
                 ax.plot(row["peak_index"], y, "v", color="crimson", markersize=5)
-                ax.annotate(f"{y:.3g}", (row["peak_index"], y), textcoords="offset points", xytext=(0, 3),
-                            ha="center", fontsize=7, color="crimson")
+                ax.annotate(f"{y:.3g}", (row["peak_index"], y), textcoords="offset points",
+                            xytext=(-8 if i % 2 else 8, 3), ha="center", fontsize=7, color="crimson")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False)
     if title:
         ax.set_title(title)

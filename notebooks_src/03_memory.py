@@ -29,6 +29,7 @@ max_entries = 1_000_000           # allocator events kept by the snapshot record
 
 # %%
 import math
+import os
 
 import matplotlib.pyplot as plt
 import pandas as pd
@@ -135,9 +136,10 @@ results.save_results(step_peaks.assign(context=timeline_context, dtype=dtype), "
 report.show_table(step_peaks, floatfmt=".4g")
 html = [memory.export_memory_viz_html(rec.snapshot, art / f"{name}.html")
         for name, rec in (("forward", fwd_rec), ("train_step", step_rec))]
-report.say(f"memory_viz pages for offline viewing: `{paths.resolve(html[0]).relative_to(paths.REPO_ROOT)}`, "
-           f"`{paths.resolve(html[1]).relative_to(paths.REPO_ROOT)}` (the snapshot is embedded; the viewer script "
-           f"loads from a CDN); the pickles beside them open in pytorch.org/memory_viz.")
+shown = [os.path.relpath(h, paths.REPO_ROOT) if paths.resolve(h).is_relative_to(paths.REPO_ROOT) else str(h)
+         for h in html]
+report.say(f"memory_viz pages for offline viewing: `{shown[0]}`, `{shown[1]}` (the snapshot is embedded; the viewer "
+           f"script loads from a CDN); the pickles beside them open in pytorch.org/memory_viz.")
 
 # %%
 sp = step_peaks.set_index("phase")
@@ -166,13 +168,17 @@ report.say(
 largest = memory.largest_allocations(fwd_rec.snapshot, n=10, marks=fwd_rec.marks, phase="forward 1")
 results.save_results(largest, "memory_largest_forward_allocations", results_dir, params)
 report.show_table(largest.drop(columns=["category"] if not largest["category"].any() else []), floatfmt=".4g")
+origins = memory.allocations_by_origin(fwd_rec.snapshot, marks=fwd_rec.marks, phase="forward 1")
+report.show_table(origins.head(10), floatfmt=".4g")
 logits_mib = batch * timeline_context * cfg.vocab_size * 4 / MiB
 ffn_mib = batch * timeline_context * cfg.d_ff * 4 / MiB
 report.say(
     f"The largest forward allocation is {largest['size_mib'].iloc[0]:,.4g} MiB, from `{largest['origin'].iloc[0]}`. "
     f"For comparison, the logits are batch × context × vocab × 4 bytes = {logits_mib:,.4g} MiB and one FFN "
     f"hidden activation batch × context × d_ff × 4 bytes = {ffn_mib:,.4g} MiB "
-    f"({cfg.d_ff // cfg.d_model}× the residual stream).")
+    f"({cfg.d_ff // cfg.d_model}× the residual stream). By origin, `{origins['origin'].iloc[0]}` allocates the most "
+    f"in the forward pass: {origins['count'].iloc[0]} allocations, {origins['total_mib'].iloc[0]:,.4g} MiB in all "
+    f"({origins['share'].iloc[0]:.0%} of the forward's allocations).")
 
 # %% [markdown]
 # ### Peak memory by phase
@@ -196,6 +202,15 @@ report.show_table(by_phase, floatfmt=".4g")
 grads = memory.gradient_memory_per_block(step_rec.snapshot, step_rec.marks, step_rec.detail_marks, model.blocks)
 results.save_results(grads, "memory_gradients_per_block", results_dir, params)
 report.show_table(grads.head(4), floatfmt=".4g")
+fig, ax = plt.subplots(figsize=(9, 3.5))
+ax.bar(grads["block"], grads["measured_mib"], label="measured (survives the backward)")
+ax.plot(grads["block"], grads["expected_mib"], "k_", markersize=14, label="expected: parameter bytes")
+ax.set_xlabel("block")
+ax.set_ylabel("gradient memory (MiB)")
+ax.set_title("Gradient memory per block, from the backward timeline")
+ax.legend(loc="lower right")
+plots.save_figure(fig, "03_gradients_per_block", results_dir)
+plt.show()
 inner = grads[grads["block"] > 0]
 report.say(
     f"Blocks 1–{cfg.num_layers - 1} each leave {inner['measured_mib'].median():,.4g} MiB of gradients "
@@ -232,12 +247,12 @@ if {"fp32", "bf16"} <= set(ok.columns):
         if mode not in both.index.get_level_values(0):
             continue
         m = both.loc[mode]
-        parts = [f"{m.loc[c, 'change']:+.0%} at context {c} ({m.loc[c, 'fp32']:.3g} → {m.loc[c, 'bf16']:.3g} GiB)"
+        parts = [f"{m.loc[c, 'change']:+.1%} at context {c} ({m.loc[c, 'fp32']:.3g} → {m.loc[c, 'bf16']:.3g} GiB)"
                  for c in sorted({m.index.min(), m.index.max()})]
         lines.append(f"{'the forward pass' if mode == 'forward' else 'a training step'}: " + ", ".join(parts))
     changes = both["change"]
     report.say(
-        f"bf16 autocast changes peak memory by between {changes.min():+.0%} and {changes.max():+.0%} — "
+        f"bf16 autocast changes peak memory by between {changes.min():+.1%} and {changes.max():+.1%} — "
         + "; ".join(lines) + ". It is far from halving it: autocast saves the activations for the backward in "
         "bf16 (half the bytes of the matmul outputs), but parameters, gradients and AdamW's two moments stay "
         "fp32, autocast caches a bf16 copy of every weight for the duration of the forward (half the parameter "
@@ -405,7 +420,13 @@ if len(single):
         + "; ".join(neighbours) + ". "
         + (f"Without checkpointing the step peaks at {fmt(none['peak_gib'] * GiB)} ({none['step_ms'] / 1e3:.3g} s). "
            if none["status"] == "ok" else "Without checkpointing the step does not fit (OOM). ")
-        + (f"Nested checkpointing peaks at {fmt(nested['peak_gib'] * GiB)} ({nested['step_ms'] / 1e3:.3g} s). "
+        + (f"Nested checkpointing peaks at {fmt(nested['peak_gib'] * GiB)} ({nested['step_ms'] / 1e3:.3g} s, "
+           f"{nested['step_ms'] / best['step_ms']:.2f}× the time of k = {int(best['group_size'])}). "
            if nested["status"] == "ok" else "Nested checkpointing ran out of memory. ")
+        + (f"It saves no memory over k = {int(best['group_size'])} here (within 2%): with groups that small the "
+           f"{cfg.num_layers} saved group inputs are only {fmt(cfg.num_layers * r)}, and the peak is set by "
+           f"parameters, gradients and optimizer state ({fmt(4 * param_bytes)}) plus the activations of the one "
+           f"block being recomputed and the logits, which nesting does not shrink. "
+           if nested["status"] == "ok" and abs(nested["peak_gib"] / best["peak_gib"] - 1) < 0.02 else "")
         + (f"Out of memory: {', '.join(str(int(g)) if not math.isnan(g) else s for s, g in zip(fails['strategy'], fails['group_size']))}."
            if len(fails) else ""))
