@@ -229,6 +229,7 @@ class DDPBucketed(_DataParallel):
         self._where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self._launched = 0
         self._any_ready = False
+        self._seen: set[int] = set()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.trainable]
 
     @staticmethod
@@ -257,6 +258,7 @@ class DDPBucketed(_DataParallel):
         torch.div(param.grad, self.world_size, out=view)  # average while copying into the bucket
         param.grad = view  # the gradient now lives in the bucket: the all-reduce result lands in .grad
         bucket.ready += 1
+        self._seen.add(id(param))
         if bucket.ready == len(bucket.params):
             bucket.work = dist.all_reduce(bucket.buffer, async_op=True)
             self._launched += 1
@@ -266,8 +268,7 @@ class DDPBucketed(_DataParallel):
             return
         if self._launched != len(self.buckets):
             # Wait for what was launched so no request is left dangling, then say what is missing.
-            missing = [p for b in self.buckets if b.work is None for p in b.params
-                       if b.ready < len(b.params)]
+            missing = [p for p in self.trainable if id(p) not in self._seen]
             for b in self.buckets:
                 if b.work is not None:
                     b.work.wait()
@@ -282,6 +283,7 @@ class DDPBucketed(_DataParallel):
             b.ready, b.work = 0, None
         self._launched = 0
         self._any_ready = False
+        self._seen.clear()
 
     def remove_hooks(self) -> None:
         """Detach from the module (the wrapper stops communicating)."""

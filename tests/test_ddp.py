@@ -163,7 +163,22 @@ def check_wrapper(wrapper):
             "toy_no_sync": train_next_to_reference(wrapper, "toy", steps=3, micro=3),
             # gradients zeroed in place (they may live in the wrapper's buckets) rather than dropped
             "toy_zeroed": train_next_to_reference(wrapper, "toy", steps=3, micro=2, set_to_none=False),
-            "counts": count_all_reduce(wrapper)}
+            "counts": count_all_reduce(wrapper),
+            "unused_error": unused_parameter_error(wrapper)}
+
+
+def unused_parameter_error(wrapper):
+    """Worker: a trainable parameter that gets no gradient must be a clear error on every rank, not a hang."""
+    toy = ToyModel()
+    toy.unused = nn.Linear(3, 3)
+    model = WRAPPERS[wrapper](toy)
+    x, y = _global_batch("toy", 0, 2, 1)
+    try:
+        _loss(model, x[distributed.rank(), 0], y[distributed.rank(), 0]).backward()
+        model.finish_gradient_synchronization()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
 
 
 @pytest.mark.parametrize("wrapper", list(WRAPPERS))
@@ -178,6 +193,9 @@ def test_wrapper_matches_single_process(wrapper):
     assert tied["grads_none"][frozen]
     assert torch.equal(tied["ddp"][frozen], tied["start"][frozen])
     _assert_each_trainable_parameter_reduced_once(wrapper, out[0]["counts"])
+    for o in out:
+        assert o["unused_error"] is not None and "got no gradient" in o["unused_error"]
+        assert "unused." in o["unused_error"] and "fc1" not in o["unused_error"]
 
 
 @pytest.mark.slow
