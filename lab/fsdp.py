@@ -73,7 +73,7 @@ class _Layer:
 class _Packed:
     """What autograd stores instead of a gathered weight it saved for backward."""
 
-    __slots__ = ("weight", "size", "stride", "offset")
+    __slots__ = ("offset", "size", "stride", "weight")
 
     def __init__(self, weight: _ShardedWeight, t: torch.Tensor):
         self.weight, self.size, self.stride, self.offset = weight, t.size(), t.stride(), t.storage_offset()
@@ -88,7 +88,7 @@ class _GatherWeight(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, shard: torch.Tensor, fsdp: "FSDP", weight: _ShardedWeight) -> torch.Tensor:
+    def forward(ctx, shard: torch.Tensor, fsdp: FSDP, weight: _ShardedWeight) -> torch.Tensor:
         ctx.fsdp, ctx.weight = fsdp, weight
         return fsdp._take_gathered(weight)
 
@@ -278,7 +278,6 @@ class FSDP(nn.Module):
                 full = flat[:w.numel].view(w.shape)
                 module.__dict__[w.attr] = full  # shadows the shard in module._parameters during forward
                 self._live_storage[full.untyped_storage().data_ptr()] = w
-            return None
         return pre_hook
 
     def _make_post_hook(self, layer: _Layer):
@@ -288,7 +287,6 @@ class FSDP(nn.Module):
                 if full is not None:
                     self._live_storage.pop(full.untyped_storage().data_ptr(), None)
                 w.gathered = None  # the only references left are autograd's, which _pack replaced by keys
-            return None
         return post_hook
 
     def _pack(self, t: torch.Tensor):

@@ -21,7 +21,8 @@ Two schedules live in the lab book:
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import pandas as pd
 import torch
@@ -60,7 +61,7 @@ class TrafficLog:
     def __init__(self):
         self.calls: list[tuple[str, int]] = []
 
-    def __enter__(self) -> "TrafficLog":
+    def __enter__(self) -> TrafficLog:
         _ACTIVE_LOGS.append(self)
         return self
 

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import pandas as pd
 import torch
@@ -177,9 +177,8 @@ def sharding_worker(impl: str, cfg: ModelConfig, batch: int, dtype: str, warmup:
     tokens, targets = random_batch(cfg, batch, device, seed=distributed.rank())
 
     def forward_backward():
-        with torch.profiler.record_function("forward"):
-            with autocast(device, dtype):
-                loss = lm_loss(runnable, tokens, targets)
+        with torch.profiler.record_function("forward"), autocast(device, dtype):
+            loss = lm_loss(runnable, tokens, targets)
         with torch.profiler.record_function("backward"):
             loss.backward()
             if hasattr(runnable, "finish_gradient_synchronization"):

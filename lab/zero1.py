@@ -21,14 +21,20 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from lab.collectives import all_gather_tensor, reduce_scatter_tensor
-from lab.sharded_optimizer import _check_optimizer_cls, _hyperparameters, _require_process_group, record_collective
+from lab.sharded_optimizer import (
+    _check_optimizer_cls,
+    _hyperparameters,
+    _require_process_group,
+    record_collective,
+)
 
 
 class _Bucket:
@@ -229,7 +235,7 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
         finally:
             self._sync = previous
 
-    def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: ARG002 - see the class docstring
+    def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the flat gradient buffers in place (every ``p.grad`` stays a view of them)."""
         for flat in self._flat:
             flat.flat_grad.zero_()

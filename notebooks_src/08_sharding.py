@@ -41,9 +41,9 @@ import seaborn as sns
 import torch
 
 from lab import plots, report, results
+from lab import sharding_bench as sb
 from lab.model import TransformerLM, config_for
 from lab.sharded_optimizer import optimizer_traffic
-from lab import sharding_bench as sb
 
 if quick:
     sizes = sizes or ["tiny"]
@@ -200,7 +200,7 @@ def gib(x):
 
 
 for size in sizes:
-    def get(impl, col):
+    def get(impl, col, size=size):
         return t[col].get((size, impl), math.nan)
     report.say(
         f"**{size}**: DDP steps in {get('ddp', 'step_ms'):.1f} ms with a peak during the optimizer step of "

@@ -20,8 +20,14 @@ import torch.nn.functional as F
 
 from lab import distributed
 from lab.model import ModelConfig, TransformerLM
-from lab.sharded_optimizer import (ShardedOptimizer, TrafficLog, assign_balanced, optimizer_traffic,
-                                   record_collective, ring_bytes_per_rank)
+from lab.sharded_optimizer import (
+    ShardedOptimizer,
+    TrafficLog,
+    assign_balanced,
+    optimizer_traffic,
+    record_collective,
+    ring_bytes_per_rank,
+)
 from lab.zero1 import ZeRO1Optimizer
 
 CFG = ModelConfig(d_model=32, d_ff=64, num_layers=2, num_heads=4, context_length=16, vocab_size=64)
@@ -257,3 +263,62 @@ def test_bad_arguments():
         ShardedOptimizer([torch.nn.Parameter(torch.zeros(2))], torch.optim.AdamW)
     with pytest.raises(RuntimeError, match="process group"):
         ZeRO1Optimizer([torch.nn.Parameter(torch.zeros(2))], torch.optim.AdamW)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the benchmark's closed forms and table logic (lab.sharding_bench)
+
+
+def test_expected_state_bytes_closed_form():
+    from lab.sharding_bench import expected_state_bytes
+
+    p, n = 1000, 4
+    assert expected_state_bytes("ddp", p, n) == {"params": 4000, "grads": 4000, "optimizer_state": 8000,
+                                                 "total": 16000}
+    for impl in ("sharded_optimizer", "zero1", "torch_zero"):
+        assert expected_state_bytes(impl, p, n)["optimizer_state"] == 2000
+        assert expected_state_bytes(impl, p, n)["grads"] == 4000
+    for impl in ("fsdp", "torch_fsdp2"):
+        assert expected_state_bytes(impl, p, n)["total"] == 4000
+    with pytest.raises(ValueError, match="unknown impl"):
+        expected_state_bytes("zero3", p, n)
+
+
+def test_performance_goals_from_a_table():
+    import pandas as pd
+
+    from lab.sharding_bench import performance_goals
+
+    rows = [("ddp", 100, 70), ("sharded_optimizer", 110, 40), ("zero1", 105, 50), ("torch_zero", 108, 45),
+            ("fsdp", 150, 27), ("torch_fsdp2", 160, 25)]
+    df = pd.DataFrame([dict(impl=i, size="2.7B", status="ok", step_ms=t, peak_after_step_gib=m, peak_gib=m)
+                       for i, t, m in rows])
+    g = performance_goals(df).set_index(["impl", "goal"])["met"].map(bool)
+    assert g[("sharded_optimizer", "peak after step <= torch_zero")]
+    assert not g[("sharded_optimizer", "step time <= torch_zero")]  # 110 > 108
+    assert not g[("zero1", "peak after step <= torch_zero")]  # 50 > 45
+    assert g[("zero1", "step time <= torch_zero")]
+    assert g[("fsdp", "step time <= torch_fsdp2")]
+    assert g[("fsdp", "peak memory <= 1.1 x torch_fsdp2")]  # 27 <= 27.5
+    df.loc[df["impl"] == "torch_fsdp2", "status"] = "oom"
+    assert performance_goals(df).set_index(["impl", "goal"])["met"][("fsdp", "step time <= torch_fsdp2")] is None
+
+
+def test_overlap_summary_on_a_synthetic_timeline():
+    import pandas as pd
+
+    from lab.sharding_bench import overlap_summary
+
+    # forward 0..10 ms: compute 0-4 and 6-10 (idle 4-6); communication 3-7: overlaps 3-4 and 6-7
+    tl = pd.DataFrame([("stream 7", "compute", "gemm", 0.0, 4.0), ("stream 7", "compute", "gemm", 6.0, 4.0),
+                       ("stream 7", "compute", "gemm", 1.0, 1.0),  # nested inside the first: counted once
+                       ("stream 20", "communication", "ncclAllGather", 3.0, 4.0),
+                       ("phase", "phase", "forward", 0.0, 10.0)],
+                      columns=["lane", "kind", "name", "start_ms", "dur_ms"])
+    fwd = overlap_summary(tl).set_index("phase").loc["forward"]
+    assert fwd["compute_ms"] == pytest.approx(8.0)
+    assert fwd["communication_ms"] == pytest.approx(4.0)
+    assert fwd["overlapped_ms"] == pytest.approx(2.0)
+    assert fwd["exposed_communication_ms"] == pytest.approx(2.0)
+    assert fwd["compute_idle_ms"] == pytest.approx(2.0)
+    assert fwd["overlap_share"] == pytest.approx(0.5)
