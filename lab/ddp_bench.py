@@ -216,13 +216,14 @@ def timeline_from_trace(path: str | Path) -> pd.DataFrame:
     """
     events = [e for e in json.loads(Path(path).read_text())["traceEvents"] if e.get("ph") == "X"]
     kernels = [e for e in events if e.get("cat") == "kernel"]
+    cpu_phases = [e for e in events if e.get("cat") == "user_annotation" and e.get("name", "").startswith("ddp/")]
     rows = []
     if kernels:
         for e in kernels:
             comm = "nccl" in e["name"].lower()
             rows.append(("comm" if comm else "compute", f"stream {e.get('args', {}).get('stream', '?')}",
                          e["name"], e["ts"], e["dur"]))
-        phase_cat = "gpu_user_annotation"
+        rows += _gpu_phases(events, kernels, cpu_phases)
     else:
         for e in events:
             name = e.get("name", "")
@@ -230,16 +231,39 @@ def timeline_from_trace(path: str | Path) -> pd.DataFrame:
                 rows.append(("comm", f"thread {e.get('tid')}", name, e["ts"], e["dur"]))
             elif e.get("cat") == "cpu_op" and not name.startswith("c10d::"):
                 rows.append(("compute", f"thread {e.get('tid')}", name, e["ts"], e["dur"]))
-        phase_cat = "user_annotation"
-    for e in events:
-        if e.get("cat") == phase_cat and e.get("name", "").startswith("ddp/"):
-            rows.append(("phase", "phase", e["name"].removeprefix("ddp/"), e["ts"], e["dur"]))
+        rows += [("phase", "phase", e["name"].removeprefix("ddp/"), e["ts"], e["dur"]) for e in cpu_phases]
     df = pd.DataFrame(rows, columns=["kind", "lane", "name", "start_us", "dur_us"])
     if df.empty:
         return pd.DataFrame(columns=["kind", "lane", "name", "start_ms", "dur_ms"])
     df["start_ms"] = (df["start_us"] - df["start_us"].min()) / 1e3
     df["dur_ms"] = df["dur_us"] / 1e3
     return df.drop(columns=["start_us", "dur_us"]).sort_values("start_ms", ignore_index=True)
+
+
+def _gpu_phases(events, kernels, cpu_phases) -> list[tuple]:
+    """GPU-side spans of the step's phases: each kernel belongs to the phase during which the CPU launched it.
+
+    A CPU range says when work was *launched*; the GPU runs it later. Backward kernels are launched by
+    autograd's device thread, so the profiler's own ``gpu_user_annotation`` (same-thread launches only) can
+    miss them; matching each kernel's launch (by correlation id) to the phase open at that time does not.
+    """
+    launch_ts = {e["args"]["correlation"]: e["ts"] for e in events
+                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    if not launch_ts or not cpu_phases:
+        return [("phase", "phase", e["name"].removeprefix("ddp/"), e["ts"], e["dur"]) for e in events
+                if e.get("cat") == "gpu_user_annotation" and e.get("name", "").startswith("ddp/")]
+    phases = sorted(cpu_phases, key=lambda e: e["ts"])
+    spans: dict[int, list[float]] = {}
+    for k in kernels:
+        t = launch_ts.get(k.get("args", {}).get("correlation"))
+        if t is None:
+            continue
+        for i, ph in enumerate(phases):
+            if ph["ts"] <= t <= ph["ts"] + ph["dur"]:
+                lo, hi = spans.get(i, [math.inf, -math.inf])
+                spans[i] = [min(lo, k["ts"]), max(hi, k["ts"] + k["dur"])]
+                break
+    return [("phase", "phase", phases[i]["name"].removeprefix("ddp/"), lo, hi - lo) for i, (lo, hi) in spans.items()]
 
 
 def merge_intervals(starts: Sequence[float], ends: Sequence[float]) -> list[tuple[float, float]]:

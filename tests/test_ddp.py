@@ -291,19 +291,36 @@ def test_fit_recovers_the_model_parameters():
 
 
 def test_timeline_from_a_gpu_trace(tmp_path):
+    # kernels launched (cudaLaunchKernel, matched by correlation id) while the CPU was in ddp/backward
+    # (sgemm from autograd's thread, NCCL from a hook) and in ddp/optimizer (elementwise)
     events = [
-        {"ph": "X", "cat": "kernel", "name": "ampere_sgemm", "ts": 1000, "dur": 100, "args": {"stream": 7}},
+        {"ph": "X", "cat": "kernel", "name": "ampere_sgemm", "ts": 1000, "dur": 100,
+         "args": {"stream": 7, "correlation": 1}},
         {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllReduce_Sum_f32", "ts": 1050, "dur": 100,
-         "args": {"stream": 20}},
-        {"ph": "X", "cat": "kernel", "name": "elementwise", "ts": 1200, "dur": 20, "args": {"stream": 7}},
-        {"ph": "X", "cat": "gpu_user_annotation", "name": "ddp/backward", "ts": 1000, "dur": 150},
+         "args": {"stream": 20, "correlation": 2}},
+        {"ph": "X", "cat": "kernel", "name": "elementwise", "ts": 1200, "dur": 20,
+         "args": {"stream": 7, "correlation": 3}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 910, "dur": 5, "tid": 2,
+         "args": {"correlation": 1}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 920, "dur": 5, "tid": 2,
+         "args": {"correlation": 2}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 960, "dur": 5, "tid": 1,
+         "args": {"correlation": 3}},
+        {"ph": "X", "cat": "user_annotation", "name": "ddp/backward", "ts": 900, "dur": 50, "tid": 1},
+        {"ph": "X", "cat": "user_annotation", "name": "ddp/optimizer", "ts": 955, "dur": 20, "tid": 1},
         {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 900, "dur": 10},
     ]
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": events}))
     tl = ddp_bench.timeline_from_trace(path)
-    assert sorted(tl["kind"]) == ["comm", "compute", "compute", "phase"]
+    assert sorted(tl["kind"]) == ["comm", "compute", "compute", "phase", "phase"]
     assert tl.loc[tl["kind"] == "comm", "lane"].item() == "stream 20"
+    phases = tl[tl["kind"] == "phase"].set_index("name")
+    # GPU-side spans: backward from the sgemm's start to the NCCL kernel's end; the optimizer's kernel
+    assert phases.loc["backward", "start_ms"] == 0.0  # the timeline starts at its first kernel
+    assert phases.loc["optimizer", "start_ms"] == pytest.approx(0.2)
+    assert phases.loc["backward", "dur_ms"] == pytest.approx(0.15)
+    assert phases.loc["optimizer", "dur_ms"] == pytest.approx(0.02)
     summary = ddp_bench.summarize_timeline(tl)
     assert summary["comm_ms"] == pytest.approx(0.1)
     assert summary["compute_ms"] == pytest.approx(0.12)
