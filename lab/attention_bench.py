@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Sequence
 import numpy as np
 import pandas as pd
 import torch
-import torch._functorch.config  # noqa: F401 - not imported by ``import torch``; run_naive_grid patches it
+import torch._functorch.config  # not imported by ``import torch``; run_naive_grid patches it
 import torch.nn.functional as F
 
 from lab.device import empty_cache, is_oom, resolve_device, synchronize
