@@ -71,3 +71,14 @@ def test_latency_bandwidth_fit_recovers_alpha_beta():
     fit = collectives.latency_bandwidth_fit(pd.DataFrame(rows))
     assert fit["latency_ms"].item() == pytest.approx(0.02, rel=1e-6)
     assert fit["bandwidth_gbps"].item() == pytest.approx(150.0, rel=1e-6)
+
+
+@pytest.mark.gpu
+def test_nccl_run_values_on_two_gpus():
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    df = collectives.benchmark_collectives(sizes_mb=[1, 8], world_sizes=[2], device="cuda", warmup=2, iters=3,
+                                           progress=False)
+    assert (df["backend"] == "nccl").all() and (df["status"] == "ok").all() and df["correct"].all()

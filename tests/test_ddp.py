@@ -348,3 +348,17 @@ def test_benchmark_ddp_small_run(tmp_path):
     naive = df.set_index("impl").loc["naive"]
     assert naive["overlap_frac"] < 0.05
     assert ddp_bench.summarize_timeline(timelines["naive"])["comm_ms"] == pytest.approx(naive["comm_ms"])
+
+
+@pytest.mark.gpu
+def test_benchmark_ddp_on_two_gpus(tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    df, timelines = ddp_bench.benchmark_ddp("tiny", context=64, batch=2, dtype="bf16", device="cuda",
+                                            bucket_sizes_mb=(0.5, 100), warmup=1, steps=2,
+                                            artifacts_dir=str(tmp_path))
+    assert (df["status"] == "ok").all() and (df["step_ms"] > 0).all()
+    assert (df.loc[df["impl"] != "single_gpu", "comm_ms"] > 0).all()
+    for name, tl in timelines.items():
+        assert {"compute", "phase"} <= set(tl["kind"]), name
+        assert "backward" in set(tl.loc[tl["kind"] == "phase", "name"]), name
