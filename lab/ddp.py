@@ -6,9 +6,9 @@ Four wrappers, from the most obvious to the one that is used in practice. All of
 * broadcast rank 0's parameters and buffers at construction (replicas start identical),
 * reduce only parameters that need a gradient, and each ``nn.Parameter`` object once (tied weights that
   are registered under two names are one tensor with one gradient),
-* average: gradients are divided by the world size and summed over ranks (for two ranks, or any power
-  of two, dividing before or after the sum gives the same bits, so all of them match single-process
-  training exactly in fp32),
+* average: sum over ranks and divide by the world size (the overlapped wrappers divide *before* the sum,
+  so no arithmetic is left after backward; for two ranks, or any power of two, both orders give the same
+  bits, so all four match single-process training exactly in fp32),
 * expose ``finish_gradient_synchronization()`` (call it after ``backward()``, before ``optimizer.step()``;
   it returns once every gradient holds the average) and ``no_sync()`` for gradient accumulation,
 * delegate ``forward`` to the wrapped module (``.module``).
@@ -22,8 +22,8 @@ Usage, identical for all four::
     optimizer.step()
 
 Every trainable parameter must receive a gradient on every rank in every synchronized backward (as with
-``torch.nn.parallel.DistributedDataParallel`` without ``find_unused_parameters``); the hook-based wrappers
-raise a clear error otherwise instead of hanging.
+``torch.nn.parallel.DistributedDataParallel`` without ``find_unused_parameters``); the wrappers raise a
+clear error naming the parameters otherwise, instead of hanging.
 """
 
 from __future__ import annotations
