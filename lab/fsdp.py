@@ -20,8 +20,9 @@ How it works here (no change to the model):
   weight), so during the forward a ``saved_tensors_hooks`` pair replaces saved gathered weights by a small
   key; in backward the key is unpacked by gathering the weight again (prefetching two layers ahead in
   reverse order), and the gathered copy is dropped as soon as the weight's gradient has been produced;
-* at the end of backward (an autograd-engine callback) every reduce-scatter is waited for, its result
-  divided by the world size and accumulated into the shard's ``.grad`` (fp32), and replicated gradients are
+* reduce-scatters are waited for (at most two stay in flight, each holding one layer's full gradient) and
+  their results divided by the world size and accumulated into the shard's ``.grad`` (fp32); at the end of
+  backward (an autograd-engine callback) the last ones are finished and replicated gradients are
   all-reduced and averaged. :meth:`FSDP.finish_gradient_synchronization` does the same explicitly and is a
   no-op when the callback already ran.
 """
@@ -104,8 +105,8 @@ class FSDP(nn.Module):
     ``compute_dtype`` (None, torch.float32, torch.bfloat16 or torch.float16): the dtype weights are gathered
     and computed in. With a 16-bit dtype, shards are cast *before* the all-gather, the wrapped module runs
     under ``torch.autocast(compute_dtype)`` (so activations meet the weights in that dtype; norms stay fp32
-    as autocast decides), and master weights, gradients (reduce-scattered in fp32) and the optimizer's
-    update stay fp32. ``reduce_dtype``: the dtype gradients are reduce-scattered in (None: that of the master
+    as autocast decides), and master weights, gradients and the optimizer's update stay fp32.
+    ``reduce_dtype``: the dtype gradients are reduce-scattered in (None: that of the master
     weights, fp32; bf16 halves the traffic, as FSDP2 does by default with a bf16 ``param_dtype``; the
     shards' ``.grad`` are fp32 either way). ``prefetch``: how many layers ahead to gather (at most 2).
 
@@ -168,16 +169,17 @@ class FSDP(nn.Module):
 
     def _shard_layout(self, module: nn.Module) -> None:
         owner: dict[int, str] = {}
+        for name, p in module.named_parameters(remove_duplicate=False):  # check before changing anything
+            if id(p) in owner:
+                raise ValueError(f"parameter {name} is the same tensor as {owner[id(p)]}: tied parameters are "
+                                 "not supported by lab.FSDP")
+            owner[id(p)] = name
         for mod_name, mod in module.named_modules():
             weights = []
             for attr, p in list(mod._parameters.items()):
                 if p is None:
                     continue
                 name = f"{mod_name}.{attr}" if mod_name else attr
-                if id(p) in owner:
-                    raise ValueError(f"parameter {name} is the same tensor as {owner[id(p)]}: tied parameters are "
-                                     "not supported by lab.FSDP")
-                owner[id(p)] = name
                 if p.ndim == 2:
                     w = _ShardedWeight(mod, attr, name, p, self.rank, self.world)
                     mod._parameters[attr] = w.shard  # module.parameters() now yields the shard
