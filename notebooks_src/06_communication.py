@@ -133,7 +133,8 @@ def describe(backend):
     f = fits[(fits["backend"] == backend) & (fits["op"] == "all_reduce") & (fits["world_size"] == n)]
     if not f.empty:
         lat = f.latency_ms.item()
-        lat_text = f"{lat:.3g} ms" if lat >= 1 else f"{lat * 1e3:.3g} µs"
+        lat_text = (f"{lat:.3g} ms" if lat >= 1 else f"{lat * 1e3:.3g} µs" if lat > 0 else
+                    "too small to resolve at these sizes (fitted intercept ≤ 0)")
         report.say(f"Fitted all-reduce model for {backend}: latency {lat_text} per call, "
                    f"algorithm bandwidth {f.bandwidth_gbps.item():.3g} GB/s.")
     # all-reduce = reduce-scatter + all-gather on a ring: compare the measured times at the largest size
