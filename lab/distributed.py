@@ -240,7 +240,8 @@ def launch(fn: Callable, world_size: int, *args, backend: str | None = None, dev
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, daemon=True,
+    # not daemonic: a worker may start processes of its own (DataLoader workers, compile workers)
+    procs = [ctx.Process(target=_worker, daemon=False,
                          args=(r, world_size, port, backend, device_type, timeout_s, fn, args, kwargs, results))
              for r in range(world_size)]
     for p in procs:
