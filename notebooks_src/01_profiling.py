@@ -17,8 +17,8 @@ sizes = None                      # None: every spec size (full) or the toy size
 contexts = None                   # None: 128, 256, 512, 1024 (full) or 32, 64 (quick)
 default_context = None            # the context at which the train step is also timed
 batch = 4
-warmup = 5
-steps = 10
+warmup = 3
+steps = 6
 warmup_size = None                # model for the warm-up study
 profile_size = None               # model for the kernel profile
 profile_context = None
@@ -43,7 +43,7 @@ else:
     sizes = sizes or list(MODEL_SIZES)
     contexts = contexts or [128, 256, 512, 1024]
     default_context = default_context or 512
-    warmup_size = warmup_size or "xl"
+    warmup_size = warmup_size or "large"
     profile_size = profile_size or "2.7B"
     profile_context = profile_context or 512
 
