@@ -13,10 +13,13 @@ Both recompute ``P = exp2(S * log2(e) / sqrt(d) - L * log2(e))`` from the saved 
 
 ``BACKWARD_LAUNCH`` chooses how the two passes are launched:
 
-* ``"fused"`` (default): one launch whose programs are dK/dV and dQ programs interleaved, heaviest causal
-  tiles first. Two independent passes in one grid keep all SMs busy even when one head of a long
-  sequence gives fewer tiles than the GPU has SMs, and there is no tail between two kernels;
-* ``"two_pass"``: the dK/dV kernel, then the dQ kernel (the textbook form; kept to measure the difference).
+* ``"fused"``: one launch whose programs are dK/dV and dQ programs interleaved, heaviest causal tiles
+  first. Two independent passes in one grid keep all SMs busy when one head of a long sequence gives
+  fewer tiles than the GPU has SMs, and there is no tail between two kernels;
+* ``"two_pass"``: the dK/dV kernel, then the dQ kernel (the textbook form). With many heads the GPU is
+  full either way, and each kernel alone keeps fewer registers and a smaller L2 working set;
+* ``"auto"`` (default): for autotuned (long) shapes, both are timed once after tuning and the faster is
+  kept for that shape; short shapes use "fused".
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from lab.flash_triton import (
     INTERPRET,
     MASK_VALUE,
     TUNED_CONFIGS,
+    TUNING_TIMINGS,
     base2_scale,
     dot_precision,
     remember_tuning,
@@ -38,9 +42,13 @@ from lab.flash_triton import (
     unit_last_stride,
     uses_autotune,
 )
+from lab.flash_triton import (
+    launch as launch_kernel,
+)
 
-#: "fused" (dK/dV and dQ programs in one launch) or "two_pass" (two launches). See the module docstring.
-BACKWARD_LAUNCH = "fused"
+#: "auto" (default: whichever of the two below is faster for the shape, timed once when tuning), "fused"
+#: (dK/dV and dQ programs in one launch) or "two_pass" (two launches). See the module docstring.
+BACKWARD_LAUNCH = "auto"
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -200,12 +208,10 @@ def _flash_bwd_kernel(Q, K, V, DO, L, Delta, DQ, DK, DV,
                       BLOCK_N2: tl.constexpr):
     """PASS 1: dK/dV programs only; PASS 2: dQ programs only; PASS 0: both, interleaved in one grid.
     Grid (programs, batch); ``tune_batch`` only keys the autotuner."""
-    # Programs start in x-fastest order: renumber so that slot s of every batch entry starts before
-    # slot s + 1 of any (slots are ordered heaviest first below).
-    n_batch = tl.num_programs(1)
-    order = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-    pid = order // n_batch
-    pid_b = (order % n_batch).to(tl.int64)
+    # Programs start in x-fastest order (slots ordered heaviest first below); batch entries one after the
+    # other, so that the programs running together share one head's Q, K, V, dO in L2.
+    pid = tl.program_id(0)
+    pid_b = tl.program_id(1).to(tl.int64)
     n_kv_tiles = tl.cdiv(n_k, BLOCK_N1)
     n_q_tiles = tl.cdiv(n_q, BLOCK_M2)
     if PASS == 1:
@@ -308,36 +314,55 @@ def flash_backward(q, k, v, out, lse, grad_out, is_causal: bool, launch: str | N
     """Gradients (dQ, dK, dV) of FlashAttention-2 with Triton kernels, in the dtype of q, k, v.
 
     ``lse`` is the fp32 logsumexp (batch, n_queries) saved by the forward. ``launch`` overrides
-    :data:`BACKWARD_LAUNCH` ("fused" or "two_pass").
+    :data:`BACKWARD_LAUNCH` ("auto", "fused" or "two_pass").
     """
-    launch = launch or BACKWARD_LAUNCH
-    if launch not in ("fused", "two_pass"):
-        raise ValueError(f"launch must be 'fused' or 'two_pass', got {launch!r}")
+    mode = launch or BACKWARD_LAUNCH
+    if mode not in ("auto", "fused", "two_pass"):
+        raise ValueError(f"launch must be 'auto', 'fused' or 'two_pass', got {mode!r}")
     q, k, v, out, grad_out = (unit_last_stride(t) for t in (q, k, v, out, grad_out))
     batch, n_q, d = q.shape
     n_k = k.shape[1]
     delta = torch.empty(batch, n_q, dtype=torch.float32, device=q.device)
     pre_block = 16 if INTERPRET else 64
-    _bwd_preprocess_kernel[(triton.cdiv(n_q, pre_block), batch)](
-        out, grad_out, delta, out.stride(0), out.stride(1), grad_out.stride(0), grad_out.stride(1), n_q,
-        HEAD_DIM=d, BLOCK_M=pre_block)
+    launch_kernel(_bwd_preprocess_kernel, (triton.cdiv(n_q, pre_block), batch),
+                  (out, grad_out, delta, out.stride(0), out.stride(1), grad_out.stride(0), grad_out.stride(1), n_q),
+                  {"HEAD_DIM": d, "BLOCK_M": pre_block})
 
     grad_q = torch.empty_like(q, memory_format=torch.contiguous_format)
     grad_k = torch.empty_like(k, memory_format=torch.contiguous_format)
     grad_v = torch.empty_like(v, memory_format=torch.contiguous_format)
     args, meta = backward_launch_args(q, k, v, grad_out, lse, delta, grad_q, grad_k, grad_v, is_causal)
-    for pass_ in (0,) if launch == "fused" else (1, 2):
-        if uses_autotune(n_q, n_k):
-            key = ("bwd", n_q, n_k, tune_batch(batch), d, bool(is_causal), meta["PRECISION"], q.dtype, pass_)
-            config = TUNED_CONFIGS.get(key)
-            if config is None:
-                _flash_bwd_tuned[_grid(pass_, n_q, n_k, batch)](*args, **meta, PASS=pass_)
-                remember_tuning(key, _flash_bwd_tuned)
-                continue
-        else:
-            config = _bwd_fixed_config(d)
-        _flash_bwd_kernel[_grid(pass_, n_q, n_k, batch)(config)](*args, **meta, PASS=pass_, **config)
+    tuned = uses_autotune(n_q, n_k)
+    key = (n_q, n_k, tune_batch(batch), d, bool(is_causal), meta["PRECISION"], q.dtype)
+
+    def run(mode_):
+        for pass_ in (0,) if mode_ == "fused" else (1, 2):
+            grid = _grid(pass_, n_q, n_k, batch)
+            if tuned:
+                config = TUNED_CONFIGS.get(("bwd", *key, pass_))
+                if config is None:
+                    _flash_bwd_tuned[grid](*args, **meta, PASS=pass_)
+                    remember_tuning(("bwd", *key, pass_), _flash_bwd_tuned)
+                    continue
+            else:
+                config = _bwd_fixed_config(d)
+            launch_kernel(_flash_bwd_kernel, grid(config), args, {**meta, "PASS": pass_, **config})
+
+    if mode == "auto":
+        mode = choose_launch(("bwd-launch", *key), run) if tuned else "fused"
+    run(mode)
     return grad_q, grad_k, grad_v
+
+
+def choose_launch(key: tuple, run) -> str:
+    """The faster of the fused and the two-pass launch for this shape, timed once (after tuning both)."""
+    if key not in TUNED_CONFIGS:
+        from triton.testing import do_bench
+
+        times = {mode: do_bench(lambda m=mode: run(m), return_mode="median") for mode in ("fused", "two_pass")}
+        TUNED_CONFIGS[key] = {"launch": min(times, key=times.get)}
+        TUNING_TIMINGS[key] = times
+    return TUNED_CONFIGS[key]["launch"]
 
 
 def backward_launch_args(q, k, v, grad_out, lse, delta, grad_q, grad_k, grad_v, is_causal: bool):

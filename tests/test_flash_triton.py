@@ -93,14 +93,17 @@ def test_compiled_backward_matches_reference():
 
 
 def test_causal_output_ignores_future_keys_entirely():
-    """Future key tiles are skipped, not only masked: NaNs in them must not reach earlier rows."""
-    q, k, v = (t.detach() for t in random_qkv(1, 64, 64, 16))
+    """Future key tiles are skipped, not only masked: NaNs in them must not reach earlier query tiles.
+    (Inside a tile that crosses the diagonal a NaN key would still poison the row: 0 * NaN = NaN.)"""
+    tile = ft._fwd_fixed_config(16)["BLOCK_M"]
+    q, k, v = (t.detach() for t in random_qkv(1, 2 * tile, 2 * tile, 16))
     k2, v2 = k.clone(), v.clone()
-    k2[:, 48:] = float("nan")
-    v2[:, 48:] = float("nan")
+    k2[:, tile:] = float("nan")
+    v2[:, tile:] = float("nan")
     out = ft.FlashAttentionTriton.apply(q, k, v, True)
     out2 = ft.FlashAttentionTriton.apply(q, k2, v2, True)
-    torch.testing.assert_close(out2[:, :48], out[:, :48], atol=0, rtol=0)
+    torch.testing.assert_close(out2[:, :tile], out[:, :tile], atol=0, rtol=0)
+    assert out2[:, tile:].isnan().all()
 
 
 def test_non_contiguous_inputs():

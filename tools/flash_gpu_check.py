@@ -9,8 +9,9 @@ Run from the repository root on a CUDA machine::
 2. for each goal shape (bf16, causal, batch 1): compares the Triton output and gradients with fp32 SDPA
    (and reports SDPA-bf16's own error next to it), then times forward, backward and forward+backward of
    Triton, SDPA (default backend) and SDPA's FlashAttention-2 backend with ``triton.testing.do_bench``
-   (median ms), plus the two-pass backward launch at one shape;
-3. runs the GPU tests (``pytest tests/test_flash_triton.py tests/test_flash_pytorch.py``) with what is left
+   (median ms), and the backward with each launch mode forced (fused, two-pass);
+3. measures host time per call (Triton vs SDPA) and profiles the Triton host path;
+4. runs the GPU tests (``pytest tests/test_flash_triton.py tests/test_flash_pytorch.py``) with what is left
    of the time budget.
 
 Writes flash_gpu_check.csv (every row), flash_gpu_check.md (the summary table), autotune.json (timings of
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -34,7 +36,6 @@ sys.path.insert(0, str(ROOT))
 # (batch, heads, seq, d): the performance goals of the lab book (bf16, causal)
 GOAL_SHAPES = [(1, 1, 8192, 64), (1, 1, 8192, 128), (1, 1, 16384, 64), (1, 1, 16384, 128),
                (1, 16, 16384, 64), (1, 16, 16384, 128)]
-TWO_PASS_SHAPES = [(1, 1, 16384, 128), (1, 16, 16384, 128)]
 START = time.time()
 
 
@@ -79,8 +80,7 @@ def precompile(workers: int):
         tasks += [("fwd", d, None, i) for i in range(len(ft._flash_fwd_tuned.configs))]
         bwd = ftb._prune_bwd_configs(ftb._flash_bwd_tuned.configs, {}, HEAD_DIM=d)
         indices = [ftb._flash_bwd_tuned.configs.index(c) for c in bwd]
-        passes = (0, 1, 2) if any(s[3] == d for s in TWO_PASS_SHAPES) else (0,)
-        tasks += [("bwd", d, p, i) for p in passes for i in indices]
+        tasks += [("bwd", d, p, i) for p in (0, 1, 2) for i in indices]
     # biggest (backward) compiles first
     tasks.sort(key=lambda t: t[0] != "bwd")
     log(f"precompiling {len(tasks)} kernel variants in {workers} processes")
@@ -136,6 +136,17 @@ def bench_shape(b, h, n, d, rows, autotune_log):
         errs += [(a.float() - r).abs().max().item() / r.abs().max().item() for a, r in zip(grads, ref_grads)]
         errors[name] = errs
         log(f"  rel. max error vs fp32 SDPA [o, dq, dk, dv] {name}: " + ", ".join(f"{e:.2e}" for e in errs))
+        if name == "triton":
+            # The kernels have no atomics, so later calls must reproduce the first bit for bit. The first
+            # call tunes, the second keeps the compiled kernels, the third uses the fast launch path.
+            for _ in range(2):
+                out2 = fn(*inp)
+                grads2 = torch.autograd.grad(out2, inp, g)
+            same = torch.equal(out, out2) and all(torch.equal(a, b) for a, b in zip(grads, grads2))
+            errors["repeat_identical"] = same
+            log(f"  third call bitwise identical to the first (fast launch path): {same}")
+            if not same:
+                raise AssertionError("Triton results changed between two identical calls")
     del ref_in, ref, ref_grads
 
     impls = [("triton", triton_fused), ("sdpa", sdpa), ("sdpa_flash2", sdpa_flash)]
@@ -176,20 +187,66 @@ def bench_shape(b, h, n, d, rows, autotune_log):
         row["graph_fwd_ms"], row["graph_e2e_ms"] = graph_fwd, graph_e2e
         log(f"  {impl:12s} CUDA graph: fwd {graph_fwd:7.3f} ms  e2e {graph_e2e:7.3f} ms")
 
-    if (b, h, n, d) in TWO_PASS_SHAPES:
-        ftb.BACKWARD_LAUNCH = "two_pass"
+    for mode in ("fused", "two_pass"):
+        ftb.BACKWARD_LAUNCH = mode
         try:
             inp = [t.clone().requires_grad_() for t in (q, k, v)]
             out = triton_fused(*inp)
             bwd_ms = do_bench(lambda: torch.autograd.grad(out, inp, g, retain_graph=True), return_mode="median")
-            rows.append(dict(impl="triton_two_pass", batch=b, heads=h, seq_len=n, d=d, dtype="bf16", causal=True,
-                             status="ok", fwd_ms=float("nan"), bwd_ms=bwd_ms, e2e_ms=float("nan"),
-                             fwd_tflops=float("nan"),
-                             bwd_tflops=attention_flops(b * h, n, d, True, "bwd") / bwd_ms / 1e9,
-                             rel_err=float("nan")))
-            log(f"  triton two-pass backward {bwd_ms:7.3f} ms")
+            rows.append({"impl": f"triton_{mode}", "batch": b, "heads": h, "seq_len": n, "d": d, "dtype": "bf16",
+                         "causal": True, "status": "ok", "fwd_ms": float("nan"), "bwd_ms": bwd_ms,
+                         "e2e_ms": float("nan"), "fwd_tflops": float("nan"),
+                         "bwd_tflops": attention_flops(b * h, n, d, True, "bwd") / bwd_ms / 1e9,
+                         "rel_err": float("nan")})
+            log(f"  triton backward forced {mode}: {bwd_ms:7.3f} ms")
         finally:
-            ftb.BACKWARD_LAUNCH = "fused"
+            ftb.BACKWARD_LAUNCH = "auto"
+    choice = ft.TUNED_CONFIGS.get(("bwd-launch", n, n, ft.tune_batch(b * h), d, True, "tf32", torch.bfloat16))
+    log(f"  auto launch choice: {choice} {ft.TUNING_TIMINGS.get(('bwd-launch', n, n, ft.tune_batch(b * h), d, True, 'tf32', torch.bfloat16))}")
+
+
+def profile_e2e(n=2048, d=64, iters=200):
+    """cProfile of Triton forward+backward calls with the backward on the calling thread: where the host
+    time goes. Returns the top of the profile as text."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+
+    import lab.flash_triton as ft
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    inp = [torch.randn(1, n, d, device="cuda", generator=gen, dtype=torch.bfloat16).requires_grad_()
+           for _ in range(3)]
+    g = torch.randn(1, n, d, device="cuda", generator=gen, dtype=torch.bfloat16)
+
+    def e2e():
+        torch.autograd.grad(ft.FlashAttentionTriton.apply(*inp, True), inp, g)
+
+    result = {}
+    for threaded in (True, False):
+        torch.autograd.set_multithreading_enabled(threaded)
+        e2e()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            e2e()
+        result[f"host_us_multithreading_{threaded}"] = (time.perf_counter() - t0) / iters * 1e6
+        torch.cuda.synchronize()
+        log(f"  triton e2e host time, autograd multithreading={threaded}: "
+            f"{result[f'host_us_multithreading_{threaded}']:.1f} us/call")
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(iters):
+        e2e()
+    profiler.disable()
+    torch.cuda.synchronize()
+    torch.autograd.set_multithreading_enabled(True)
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(18)
+    result["profile"] = text.getvalue()
+    return result
 
 
 def host_overhead(n=2048, d=64, iters=300):
@@ -248,8 +305,9 @@ def summary_table(rows):
                     tri_bwd_tflops=tr.bwd_tflops, err=tr.rel_err)
         line["tri_graph_e2e"] = tr.get("graph_e2e_ms", float("nan"))
         line["sdpa_graph_e2e"] = sd.get("graph_e2e_ms", float("nan"))
-        if "triton_two_pass" in t.index:
-            line["two_pass_bwd"] = t.loc["triton_two_pass"].bwd_ms
+        for mode in ("fused", "two_pass"):
+            if f"triton_{mode}" in t.index:
+                line[f"{mode}_bwd"] = t.loc[f"triton_{mode}"].bwd_ms
         out.append(line)
     return pd.DataFrame(out)
 
@@ -302,6 +360,15 @@ def main():
     except Exception as exc:
         log(f"host overhead measurement failed: {type(exc).__name__}: {exc}")
 
+    profile = {}
+    try:
+        log("host-time profile of Triton e2e at b1 h1 n2048 d64")
+        profile = profile_e2e()
+        print("\n".join(profile["profile"].splitlines()[:45]))
+    except Exception as exc:
+        log(f"profile failed: {type(exc).__name__}: {exc}")
+    overhead["profile"] = profile
+
     import pandas as pd
 
     pd.DataFrame(rows).to_csv(out_dir / "flash_gpu_check.csv", index=False)
@@ -317,7 +384,7 @@ def main():
         left = args.budget_s - (time.time() - START)
         if left > 30:
             log(f"running the GPU tests ({left:.0f}s left)")
-            cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args.pytest_args.split(),
+            cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *shlex.split(args.pytest_args),
                    "tests/test_flash_triton.py", "tests/test_flash_pytorch.py"]
             try:
                 res = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=left - 5)
