@@ -173,6 +173,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
     step with identical parameters. Every rank must call it (it communicates). Hyperparameters changed
     in ``param_groups`` (e.g. by an LR scheduler) are passed to the inner optimizer at every step.
 
+    The step walks the parameters in chunks of about ``chunk_size_mb`` (keyword, default 200): it updates
+    the chunk's owned parameters (the inner optimizer sees only their gradients), then launches the
+    chunk's broadcasts, which run while the next chunk is updated; and a foreach optimizer's temporaries
+    are one chunk large instead of the whole share. This assumes, as sharding itself does, that the inner
+    optimizer updates each parameter independently (true for torch.optim's SGD, Adam, AdamW, ...).
+
     Checkpoints: :meth:`state_dict` gathers every rank's state and returns the *unsharded* optimizer's
     ``state_dict`` (the format ``optimizer_cls`` itself uses: state by global parameter index in
     ``param_groups`` order), identical on all ranks, with state tensors on the CPU. Save it from rank 0.
@@ -180,11 +186,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
     each rank's share, so a checkpoint can be restored on another world size. Both are collective calls.
     """
 
-    def __init__(self, params: Iterable, optimizer_cls: type[torch.optim.Optimizer], **kwargs):
+    def __init__(self, params: Iterable, optimizer_cls: type[torch.optim.Optimizer], *, chunk_size_mb: float = 200,
+                 **kwargs):
         _check_optimizer_cls(optimizer_cls)
+        if chunk_size_mb <= 0:
+            raise ValueError(f"chunk_size_mb must be positive, got {chunk_size_mb}")
         self._rank, self._world = _require_process_group()
         self._optimizer_cls = optimizer_cls
         self._inner_kwargs = kwargs
+        self._chunk_bytes = int(chunk_size_mb * 2**20)
         self._loads = [0] * self._world  # elements owned by each rank so far
         self._owner: dict[torch.Tensor, int] = {}  # parameter -> owning rank (tensors hash by identity)
         self.inner: torch.optim.Optimizer | None = None
@@ -245,19 +255,44 @@ class ShardedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._sync_hyperparameters()
-        self.inner.step(**kwargs)
-        self._broadcast_parameters()
-        return loss
-
-    def _broadcast_parameters(self) -> None:
-        # One async broadcast per parameter, all in flight together; their order is the same on every rank.
+        mine = [p for g in self.inner.param_groups for p in g["params"]]
+        grads = {p: p.grad for p in mine}
         handles = []
-        for group in self.param_groups:
-            for p in group["params"]:
-                record_collective("broadcast", p)
-                handles.append(dist.broadcast(p.detach(), src=self._owner[p], async_op=True))
+        try:
+            for p in mine:  # hidden, then shown chunk by chunk: an optimizer skips parameters without gradient
+                p.grad = None
+            for chunk in self._chunks():
+                owned = [p for p in chunk if self._owner[p] == self._rank and grads[p] is not None]
+                if owned:
+                    for p in owned:
+                        p.grad = grads[p]
+                    self.inner.step(**kwargs)
+                    for p in owned:
+                        p.grad = None
+                # Same order on every rank; each runs while the next chunk is being updated.
+                for p in chunk:
+                    record_collective("broadcast", p)
+                    handles.append(dist.broadcast(p.detach(), src=self._owner[p], async_op=True))
+        finally:
+            for p, g in grads.items():
+                p.grad = g
         for h in handles:
             h.wait()
+        return loss
+
+    def _chunks(self) -> list[list[torch.Tensor]]:
+        """Consecutive parameters (all groups, in order) of about ``chunk_size_mb`` each."""
+        chunks, current, size = [], [], 0
+        for g in self.param_groups:
+            for p in g["params"]:
+                current.append(p)
+                size += p.numel() * p.element_size()
+                if size >= self._chunk_bytes:
+                    chunks.append(current)
+                    current, size = [], 0
+        if current:
+            chunks.append(current)
+        return chunks
 
     # ---- checkpoints -----------------------------------------------------------------------------------
 

@@ -134,14 +134,15 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
     """ZeRO-1: optimizer state sharded over ranks with DDP's communication volume (see the module docstring).
 
     ``ZeRO1Optimizer(params, torch.optim.AdamW, lr=1e-3)``; parameter groups and :meth:`add_param_group` as
-    for any optimizer (each group must share one dtype and device). ``bucket_size_mb`` (keyword, default 50)
+    for any optimizer (each group must share one dtype and device). ``bucket_size_mb`` (keyword, default 100)
     sets the reduce-scatter granularity; ``overlap=False`` waits for :meth:`step` to reduce-scatter
     everything. Construction moves each group's parameters into a flat buffer (their ``.data`` become
     views of it) and broadcasts rank 0's values.
 
     Use it *instead of* a DDP wrapper: run forward and backward on the local batch, then call :meth:`step`
     on every rank (it waits for the reduce-scatters, divides by the world size, updates this rank's chunks
-    with the inner optimizer and all-gathers the parameters). For gradient accumulation, run all but the
+    with the inner optimizer one bucket at a time and all-gathers each bucket as soon as it is updated).
+    The inner optimizer must update each parameter independently (torch.optim's SGD, Adam, AdamW, ...). For gradient accumulation, run all but the
     last backward of a step inside :meth:`no_sync`. After ``step`` only this rank's chunks of the gradients
     hold averaged values (the rest keeps local gradients until :meth:`zero_grad`). Parameters without a
     gradient count as zero gradient, because chunks are updated as whole tensors. :meth:`zero_grad` always
@@ -152,7 +153,7 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
     (``world_size``, ``rank``, bucket sizes); :meth:`load_state_dict` needs the same layout.
     """
 
-    def __init__(self, params: Iterable, optimizer_cls: type[torch.optim.Optimizer], *, bucket_size_mb: float = 50,
+    def __init__(self, params: Iterable, optimizer_cls: type[torch.optim.Optimizer], *, bucket_size_mb: float = 100,
                  overlap: bool = True, **kwargs):
         _check_optimizer_cls(optimizer_cls)
         if bucket_size_mb <= 0:
@@ -259,6 +260,14 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
                 flat.adopt_gradient(p)
             bucket.ready = len(bucket.params)
         self._launch_ready()
+        for outer, inner in zip(self.param_groups, self.inner.param_groups):
+            inner.update(_hyperparameters(outer))
+        # Bucket by bucket: wait for its reduce-scatter, update its chunk (the inner optimizer sees only this
+        # chunk's gradient, so a foreach optimizer's temporaries are one chunk large), then launch its
+        # all-gather, which runs while the next bucket is updated.
+        for bucket in self._order:
+            bucket.shard.grad = None
+        handles = []
         for flat in self._flat:
             for bucket in flat.buckets:
                 if bucket.handle is None:  # an empty bucket (zero elements)
@@ -267,16 +276,11 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
                 grad = flat.flat_grad[bucket.lo:bucket.hi]
                 grad.div_(self._world)
                 bucket.shard.grad = grad
-        for outer, inner in zip(self.param_groups, self.inner.param_groups):
-            inner.update(_hyperparameters(outer))
-        self.inner.step(**kwargs)
-        handles = []
-        for flat in self._flat:
-            for bucket in flat.buckets:
-                if bucket.padded:
-                    full = flat.flat_param[bucket.start:bucket.start + bucket.padded]
-                    record_collective("all_gather", full)
-                    handles.append(all_gather_tensor(full, flat.flat_param[bucket.lo:bucket.hi], async_op=True))
+                self.inner.step(**kwargs)
+                bucket.shard.grad = None
+                full = flat.flat_param[bucket.start:bucket.start + bucket.padded]
+                record_collective("all_gather", full)
+                handles.append(all_gather_tensor(full, flat.flat_param[bucket.lo:bucket.hi], async_op=True))
         for h in handles:
             h.wait()
         for bucket in self._order:

@@ -216,8 +216,10 @@ report.say(
     f"{ct.loc['sharded_optimizer', 'ratio_to_ddp']:.2f}x DDP's traffic, while ZeRO-1 reduce-scatters the gradients "
     f"into the slice each rank updates and all-gathers the result, {ct.loc['zero1', 'ratio_to_ddp']:.2f}x. "
     "ZeRO-1 needs no DDP wrapper: its gradients live in bucketed flat buffers, and each bucket's reduce-scatter "
-    "starts during backward as soon as the bucket's gradients exist (as DDP's bucketed all-reduce does); only "
-    "the all-gather after the update is not overlapped, like the sharded optimizer's broadcast.")
+    "starts during backward as soon as the bucket's gradients exist (as DDP's bucketed all-reduce does). Both "
+    "then update chunk by chunk and launch each chunk's broadcast (sharded optimizer) or all-gather (ZeRO-1) "
+    "while the next chunk is being updated, which also keeps a foreach AdamW's temporaries to one chunk "
+    "instead of the whole share; torch's ZeroRedundancyOptimizer steps its whole share first and broadcasts after.")
 
 # %% [markdown]
 # ## The performance goals

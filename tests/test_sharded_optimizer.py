@@ -91,7 +91,8 @@ def _sharded_worker(steps: int) -> dict:
     model, ref = _model(), _model()
     first, late = _groups(model)
     ref_first, ref_late = _groups(ref)
-    opt = ShardedOptimizer(first, torch.optim.AdamW, lr=1e-3)
+    # 8 KB chunks: the step updates and broadcasts the parameters in several chunks
+    opt = ShardedOptimizer(first, torch.optim.AdamW, lr=1e-3, chunk_size_mb=0.008)
     ref_opt = torch.optim.AdamW(ref_first, lr=1e-3)
     equal_each_step, traffic = [], None
     for step in range(steps):
@@ -133,7 +134,7 @@ def _sharded_worker(steps: int) -> dict:
         equal_each_step.append(_same(model, ref))
     inner_state_numel = sum(t.numel() for s in opt.inner.state.values() for t in s.values() if t.ndim > 0)
     return {"equal": equal_each_step, "state_equal": _state_equal(sd, ref_sd),
-            "local_numel": opt.local_numel(), "inner_state_numel": inner_state_numel,
+            "local_numel": opt.local_numel(), "inner_state_numel": inner_state_numel, "chunks": len(opt._chunks()),
             "n_params": sum(p.numel() for p in model.parameters()),
             "largest": max(p.numel() for p in model.parameters()),
             "lr_groups": [g["lr"] for g in opt.param_groups], "betas": opt.param_groups[2]["betas"],
@@ -230,6 +231,7 @@ def test_sharded_optimizer_matches_adamw_exactly():
                                     f"{[i for i, e in enumerate(r['equal']) if not e]}"
             assert r["lr_groups"] == [5e-3, 3e-3, 5e-3] and tuple(r["betas"]) == (0.8, 0.95)
             assert r["state_equal"], "state_dict() is not the unsharded AdamW's state_dict"
+            assert r["chunks"] > 3  # the chunked update-then-broadcast path was exercised
         total = out[0]["n_params"]
         shares = [r["local_numel"] for r in out]
         assert sum(shares) == total  # every parameter has exactly one owner
