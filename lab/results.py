@@ -143,7 +143,8 @@ def merge_rows(old: pd.DataFrame, new: pd.DataFrame, key: Iterable[str]) -> pd.D
         return pd.concat([old, new], ignore_index=True)
 
     def norm(frame: pd.DataFrame) -> pd.Series:
-        return frame[key].astype(str).agg("|".join, axis=1)
+        # map(str) rather than astype(str): pandas 3 keeps NaN as NaN under astype, and join would fail
+        return frame[key].apply(lambda col: col.map(str)).agg("|".join, axis=1)
 
     keep = ~norm(old).isin(set(norm(new)))
     return pd.concat([old[keep], new], ignore_index=True)

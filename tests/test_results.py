@@ -44,3 +44,13 @@ def test_commit_from_environment(monkeypatch):
     monkeypatch.setenv("LAB_COMMIT", "abc123")
     assert results.git_commit() == "abc123"
     assert results.provenance()["commit"] == "abc123"
+
+
+def test_merge_with_missing_key_values(tmp_path):
+    row = dict(impl="naive", bucket_mb=float("nan"), world_size=2, size="xl", context=512, batch=2, dtype="fp32",
+               gpu="G")
+    results.save_results(pd.DataFrame([{**row, "step_ms": 1.0}]), "ddp_benchmark", tmp_path)
+    results.save_results(pd.DataFrame([{**row, "step_ms": 2.0}, {**row, "impl": "flat", "step_ms": 3.0}]),
+                         "ddp_benchmark", tmp_path)
+    df = results.load_results("ddp_benchmark", tmp_path)
+    assert sorted(df["step_ms"]) == [2.0, 3.0]
