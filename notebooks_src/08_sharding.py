@@ -148,6 +148,7 @@ if have_peaks:
                     errorbar=None)
     g.set_xticklabels(rotation=30)
     g.set_axis_labels("", "peak memory per rank (GiB)")
+    plots.save_figure(g.figure, "sharding_peak_memory", results_dir)
     plt.show()
 else:
     report.say("No CUDA allocator statistics on the CPU: the peak columns stay empty in this render.")
@@ -254,6 +255,7 @@ if len(undecided):
 for size, tl in timelines.items():
     fig, ax = plt.subplots(figsize=(12, 3.4))
     sb.plot_timeline(tl, title=f"{profile_impl}, {size}: one training step on rank 0", ax=ax)
+    plots.save_figure(fig, f"sharding_timeline_{profile_impl}_{size}", results_dir)
     plt.show()
     summary = sb.overlap_summary(tl)
     report.show_table(summary, floatfmt=".3g")
