@@ -71,14 +71,14 @@ def _full_grads(model: FSDP) -> dict:
 # workers
 
 
-def _train_worker(compute_dtype, steps: int) -> dict:
+def _train_worker(compute_dtype, steps: int, reduce_dtype=None) -> dict:
     warnings.simplefilter("always")
     torch.use_deterministic_algorithms(True)
     with warnings.catch_warnings(record=True) as caught:
         r, n = distributed.rank(), distributed.world_size()
         torch.manual_seed(0)
         ref = TransformerLM(_config())
-        model = FSDP(copy.deepcopy(ref), compute_dtype=compute_dtype)
+        model = FSDP(copy.deepcopy(ref), compute_dtype=compute_dtype, reduce_dtype=reduce_dtype)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1)
         seen_dtypes = set()
@@ -181,8 +181,9 @@ def test_fsdp_shards_and_gradient_layout():
 
 
 @pytest.mark.slow
-def test_fsdp_bf16_compute_is_close_and_keeps_fp32_master_state():
-    out = distributed.launch(_train_worker, 2, torch.bfloat16, 3, device="cpu", timeout_s=120)
+@pytest.mark.parametrize("reduce_dtype", [None, torch.bfloat16], ids=["fp32_reduce", "bf16_reduce"])
+def test_fsdp_bf16_compute_is_close_and_keeps_fp32_master_state(reduce_dtype):
+    out = distributed.launch(_train_worker, 2, torch.bfloat16, 3, reduce_dtype, device="cpu", timeout_s=120)
     for res in out:
         assert res["warnings"] == []
         assert res["seen_dtypes"] == {(torch.bfloat16, (64, 32))}  # gathered and computed in bf16
