@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import pandas as pd
 import torch
@@ -223,7 +223,7 @@ def checkpoint_sweep(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
                     start = time.perf_counter()
                     step()
                     row["step_ms"] = (time.perf_counter() - start) * 1e3
-        except Exception as exc:  # noqa: BLE001 - only out-of-memory becomes a row
+        except Exception as exc:
             if not is_oom(exc):
                 raise
             row.update(status="oom", error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}")

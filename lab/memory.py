@@ -31,9 +31,10 @@ import os
 import pickle
 import re
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Protocol, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 import pandas as pd
@@ -540,11 +541,18 @@ def plot_active_memory_timeline(snapshot: dict, marks: Sequence[tuple[str, int]]
             # alternate heights so that the names of short neighbouring phases do not overlap
             ax.text(row["start_index"], 0.99 - 0.06 * (i % 2), f" {row['phase']}", fontsize=8, va="top",
                     transform=ax.get_xaxis_transform())
-            if annotate_peaks:
-                y = row["peak_gib"] * GiB / scale
-                ax.plot(row["peak_index"], y, "v", color="crimson", markersize=5)
-                ax.annotate(f"{y:.3g}", (row["peak_index"], y), textcoords="offset points",
-                            xytext=(-8 if i % 2 else 8, 3), ha="center", fontsize=7, color="crimson")
+        if annotate_peaks:
+            # label each phase's peak, except where a higher peak of a neighbouring phase sits right beside it
+            span, height = x[-1] - x[0] + 1, total.max()
+            ys = peaks["peak_gib"].to_numpy() * GiB / scale
+            for i, row in peaks.iterrows():
+                near = (np.abs(peaks["peak_index"] - row["peak_index"]) < 0.03 * span) & \
+                       (np.abs(ys - ys[i]) < 0.05 * height)
+                if (ys[near.to_numpy()] > ys[i]).any() or (near.to_numpy()[:i] & (ys[:i] == ys[i])).any():
+                    continue
+                ax.plot(row["peak_index"], ys[i], "v", color="crimson", markersize=5)
+                ax.annotate(f"{ys[i]:.3g}", (row["peak_index"], ys[i]), textcoords="offset points",
+                            xytext=(0, 3), ha="center", fontsize=7, color="crimson")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False)
     if title:
         ax.set_title(title)
@@ -858,6 +866,7 @@ def peak_memory_table(model: nn.Module, contexts: Sequence[int], dtypes: Sequenc
         opt.step()
         opt.zero_grad(set_to_none=True)
         optimizer = opt  # only once the state exists completely
+
     grid = [(mode, c, d) for mode in ("forward", "train_step") for c in contexts for d in dtypes]
     rows = []
     for mode, context, dt in tqdm(grid, desc="peak memory", disable=not progress):
@@ -866,13 +875,12 @@ def peak_memory_table(model: nn.Module, contexts: Sequence[int], dtypes: Sequenc
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         cast = casts[dt]
 
-        def forward():
+        def forward(inputs=inputs, targets=targets, cast=cast):
             ctx = torch.autocast(device.type, dtype=cast) if cast else contextlib.nullcontext()
             with ctx:
                 return default_loss(model(inputs), targets)
 
-        def run():
-            nonlocal optimizer
+        def run(mode=mode, forward=forward):
             if mode == "forward":
                 loss = forward()
                 del loss
@@ -886,7 +894,7 @@ def peak_memory_table(model: nn.Module, contexts: Sequence[int], dtypes: Sequenc
         row = dict(context=context, batch=batch, dtype=dt, mode=mode, peak_gib=math.nan, status="ok", error="")
         try:
             row["peak_gib"] = measure_peak_bytes(run, device) / GiB
-        except Exception as exc:  # noqa: BLE001 - only out-of-memory becomes a row
+        except Exception as exc:
             if not is_oom(exc):
                 raise
             row.update(status="oom", error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}")

@@ -15,7 +15,7 @@ Three experiments, each returning a DataFrame for the 02 notebook:
 from __future__ import annotations
 
 import math
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import pandas as pd
 import torch
@@ -306,7 +306,7 @@ def keep_other_measurements(rows: pd.DataFrame, results_dir: str = "results", na
     key = [k for k in HEADLINE_KEYS[name] + ["gpu"] if k in old.columns and k in new.columns]
     old = old.drop_duplicates(key, keep="last").set_index(key)
     merged = new.set_index(key)
-    norm = lambda idx: idx.map(lambda t: tuple(str(v) for v in (t if isinstance(t, tuple) else (t,))))  # noqa: E731
+    norm = lambda idx: idx.map(lambda t: tuple(str(v) for v in (t if isinstance(t, tuple) else (t,))))
     old.index = norm(old.index)
     lookup = norm(merged.index)
     filled = []
@@ -315,9 +315,7 @@ def keep_other_measurements(rows: pd.DataFrame, results_dir: str = "results", na
             prev = old.loc[lookup[i]]
             row = row.copy()
             for col in prev.index:
-                if col in row.index and pd.isna(row[col]) and not pd.isna(prev[col]):
-                    row[col] = prev[col]
-                elif col not in row.index:
+                if col in row.index and pd.isna(row[col]) and not pd.isna(prev[col]) or col not in row.index:
                     row[col] = prev[col]
         filled.append(row)
     out = pd.DataFrame(filled)

@@ -17,8 +17,9 @@ they exist whether or not a backward is coming, so they are not activation memor
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import pandas as pd
 import torch

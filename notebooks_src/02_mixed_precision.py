@@ -138,7 +138,7 @@ report.show_table(norm.pivot_table(index=["input", "statistic"], columns="dtype"
 def n(inp, dt, st, col="value"):
     return norm[(norm["input"] == inp) & (norm["dtype"] == dt) & (norm["statistic"] == st)][col].iloc[0]
 big = "N(0, 300^2)"
-shift = [i for i in norm["input"].unique() if i.startswith("N(") and i.endswith(", 1)")][0]
+shift = next(i for i in norm["input"].unique() if i.startswith("N(") and i.endswith(", 1)"))
 report.say(
     f"With activations of scale 300 the squares exceed fp16's largest finite value (65504): the fp16 mean of "
     f"squares is **{n(big, 'fp16', 'mean_square')}** and the normalised output is wrong by up to "

@@ -33,14 +33,13 @@ import os
 
 import matplotlib.pyplot as plt
 import pandas as pd
-import seaborn as sns
 import torch
 
 from lab import checkpointing, memory, paths, plots, report, results
 from lab.bench import random_batch
 from lab.device import empty_cache, resolve_device
 from lab.model import ModelConfig, RMSNorm, TransformerLM, config_for
-from lab.saved_tensors import expected_gradient_bytes, saved_tensor_report
+from lab.saved_tensors import saved_tensor_report
 
 dev = resolve_device(device)
 if quick:
@@ -143,7 +142,7 @@ report.say(f"memory_viz pages for offline viewing: `{shown[0]}`, `{shown[1]}` (t
 
 # %%
 sp = step_peaks.set_index("phase")
-g = lambda phase, col: sp.loc[phase, col] * GiB  # noqa: E731 - bytes
+g = lambda phase, col: sp.loc[phase, col] * GiB
 top = sp["peak_gib"].idxmax()
 state = g("optimizer step 1", "end_gib") - g("forward 1", "start_gib")  # grads are freed again by zero_grad
 second = g("optimizer step 2", "end_gib") - g("optimizer step 1", "end_gib")

@@ -4,8 +4,13 @@ import pytest
 import torch
 
 from lab.bench import lm_loss, random_batch
-from lab.checkpointing import (activation_checkpointing, best_group_size, checkpoint_memory_table,
-                               nested_memory_model, single_level_memory_model)
+from lab.checkpointing import (
+    activation_checkpointing,
+    best_group_size,
+    checkpoint_memory_table,
+    nested_memory_model,
+    single_level_memory_model,
+)
 from lab.model import ModelConfig, TransformerLM
 from lab.saved_tensors import saved_tensor_report
 

@@ -68,7 +68,7 @@ def test_autocast_table_shape():
 
 def test_norm_statistics_demo_shows_overflow_and_cancellation():
     df = precision.norm_statistics_demo(d_model=256)
-    get = lambda inp, dt, st: df[(df["input"] == inp) & (df["dtype"] == dt) & (df["statistic"] == st)].iloc[0]  # noqa
+    get = lambda inp, dt, st: df[(df["input"] == inp) & (df["dtype"] == dt) & (df["statistic"] == st)].iloc[0]
     # fp16: squares of N(0, 300^2) values exceed 65504 -> the mean of squares is inf
     assert math.isinf(get("N(0, 300^2)", "fp16", "mean_square")["value"])
     assert get("N(0, 300^2)", "bf16", "mean_square")["rel_error"] < 0.01   # bf16 has fp32's range
