@@ -315,7 +315,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return {"state": dict(sorted(state.items())), "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore from :meth:`state_dict`'s format (or a plain ``optimizer_cls`` state_dict); keeps this rank's share."""
+        """Restore from :meth:`state_dict`'s format (or a plain ``optimizer_cls`` state_dict).
+
+        Keeps this rank's share of the state; a collective-free call (every rank reads the same dict).
+        """
         if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
             raise ValueError("state_dict must have 'state' and 'param_groups' (the unsharded optimizer format)")
         saved_groups = state_dict["param_groups"]

@@ -40,7 +40,8 @@ from lab.sharded_optimizer import (
 class _Bucket:
     """Consecutive parameters of a group: ``[start, start + padded)`` of the flat buffers."""
 
-    def __init__(self, start: int, params: list[torch.Tensor], offsets: list[int], numel: int, world: int, rank: int):
+    def __init__(self, start: int, params: list[torch.Tensor], offsets: list[int], numel: int, world: int,
+                 rank: int):
         self.start, self.params, self.offsets, self.numel = start, params, offsets, numel
         self.padded = math.ceil(numel / world) * world
         self.chunk = self.padded // world
@@ -142,8 +143,8 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
     Use it *instead of* a DDP wrapper: run forward and backward on the local batch, then call :meth:`step`
     on every rank (it waits for the reduce-scatters, divides by the world size, updates this rank's chunks
     with the inner optimizer one bucket at a time and all-gathers each bucket as soon as it is updated).
-    The inner optimizer must update each parameter independently (torch.optim's SGD, Adam, AdamW, ...). For gradient accumulation, run all but the
-    last backward of a step inside :meth:`no_sync`. After ``step`` only this rank's chunks of the gradients
+    The inner optimizer must update each parameter independently (torch.optim's SGD, Adam, AdamW, ...).
+    For gradient accumulation, run all but the last backward of a step inside :meth:`no_sync`. After ``step`` only this rank's chunks of the gradients
     hold averaged values (the rest keeps local gradients until :meth:`zero_grad`). Parameters without a
     gradient count as zero gradient, because chunks are updated as whole tensors. :meth:`zero_grad` always
     zeroes the flat gradient buffer in place (``set_to_none`` is ignored: freeing it would make autograd
@@ -317,6 +318,7 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
             group.update(_hyperparameters(saved))
         inner_groups, index = [], 0
         for saved, inner in zip(state_dict["param_groups"], self.inner.param_groups):
-            inner_groups.append({**_hyperparameters(saved), "params": list(range(index, index + len(inner["params"])))})
+            ids = list(range(index, index + len(inner["params"])))
+            inner_groups.append({**_hyperparameters(saved), "params": ids})
             index += len(inner["params"])
         self.inner.load_state_dict({"state": state_dict["state"], "param_groups": inner_groups})
