@@ -183,7 +183,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     ``state_dict`` (the format ``optimizer_cls`` itself uses: state by global parameter index in
     ``param_groups`` order), identical on all ranks, with state tensors on the CPU. Save it from rank 0.
     :meth:`load_state_dict` takes that format (from this class or from a plain ``optimizer_cls``) and keeps
-    each rank's share, so a checkpoint can be restored on another world size. Both are collective calls.
+    each rank's share, so a checkpoint can be restored on another world size. ``state_dict`` is a
+    collective call (every rank must call it); ``load_state_dict`` does not communicate.
     """
 
     def __init__(self, params: Iterable, optimizer_cls: type[torch.optim.Optimizer], *, chunk_size_mb: float = 200,
@@ -317,7 +318,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore from :meth:`state_dict`'s format (or a plain ``optimizer_cls`` state_dict).
 
-        Keeps this rank's share of the state; a collective-free call (every rank reads the same dict).
+        Keeps this rank's share of the state; no communication (every rank reads the same dict).
         """
         if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
             raise ValueError("state_dict must have 'state' and 'param_groups' (the unsharded optimizer format)")
