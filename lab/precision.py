@@ -287,37 +287,3 @@ def speedup_table(timings: pd.DataFrame, baseline: str = "fp32", other: str = "b
                          "speedup": b / o if o and not math.isnan(o) else math.nan,
                          "params": by["params"].max() if "params" in by else math.nan})
     return pd.DataFrame(rows)
-
-
-def keep_other_measurements(rows: pd.DataFrame, results_dir: str = "results", name: str = "lm_step") -> pd.DataFrame:
-    """``rows`` with their empty columns filled from the rows already saved under the same key.
-
-    ``save_results`` replaces a headline row that has the same key (size, context, batch, dtype, attention,
-    compile, world_size, gpu); these rows measure forward and forward+backward only, so without this the
-    train-step time that notebook 01 saved for the same configuration would be lost. Returns a new frame.
-    """
-    from lab.results import HEADLINE_KEYS, load_results, with_provenance_columns
-
-    try:
-        old = load_results(name, results_dir)
-    except FileNotFoundError:
-        return rows
-    new = with_provenance_columns(rows)
-    key = [k for k in HEADLINE_KEYS[name] + ["gpu"] if k in old.columns and k in new.columns]
-    old = old.drop_duplicates(key, keep="last").set_index(key)
-    merged = new.set_index(key)
-    norm = lambda idx: idx.map(lambda t: tuple(str(v) for v in (t if isinstance(t, tuple) else (t,))))
-    old.index = norm(old.index)
-    lookup = norm(merged.index)
-    filled = []
-    for i, (_, row) in enumerate(merged.iterrows()):
-        if lookup[i] in old.index:
-            prev = old.loc[lookup[i]]
-            row = row.copy()
-            for col in prev.index:
-                if col in row.index and pd.isna(row[col]) and not pd.isna(prev[col]) or col not in row.index:
-                    row[col] = prev[col]
-        filled.append(row)
-    out = pd.DataFrame(filled)
-    out.index = merged.index
-    return out.reset_index()

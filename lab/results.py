@@ -137,7 +137,12 @@ def save_results(df: pd.DataFrame, name: str, results_dir: str | os.PathLike = "
 
 
 def merge_rows(old: pd.DataFrame, new: pd.DataFrame, key: Iterable[str]) -> pd.DataFrame:
-    """``old`` with the rows whose key matches a row of ``new`` replaced by ``new``'s rows."""
+    """``old`` with the rows whose key matches a row of ``new`` replaced by ``new``'s rows.
+
+    A replacing row keeps the old row's values in the columns it leaves empty, so a notebook that measures
+    only the forward does not erase the train-step time another notebook measured for the same configuration
+    on the same GPU.
+    """
     key = [k for k in key if k in old.columns and k in new.columns]
     if old.empty or not key:
         return pd.concat([old, new], ignore_index=True)
@@ -146,8 +151,15 @@ def merge_rows(old: pd.DataFrame, new: pd.DataFrame, key: Iterable[str]) -> pd.D
         # map(str) rather than astype(str): pandas 3 keeps NaN as NaN under astype, and join would fail
         return frame[key].apply(lambda col: col.map(str)).agg("|".join, axis=1)
 
-    keep = ~norm(old).isin(set(norm(new)))
-    return pd.concat([old[keep], new], ignore_index=True)
+    old_keys, new_keys = norm(old), norm(new)
+    replaced = old_keys.isin(set(new_keys))
+    if replaced.any():
+        previous = old[replaced].set_axis(old_keys[replaced]).loc[lambda f: ~f.index.duplicated(keep="last")]
+        filled = new.set_axis(new_keys).combine_first(previous.reindex(new_keys.unique()))
+        filled = filled.loc[new_keys]  # back to new's row order
+        columns = list(new.columns) + [c for c in old.columns if c not in new.columns]
+        new = filled[columns].reset_index(drop=True)
+    return pd.concat([old[~replaced], new], ignore_index=True)
 
 
 def load_results(name: str, results_dir: str | os.PathLike = "results") -> pd.DataFrame:

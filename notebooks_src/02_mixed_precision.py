@@ -162,7 +162,7 @@ report.say(
 timings = precision.mixed_precision_timings(sizes, context=context, batch=batch, warmup=warmup, steps=steps,
                                             device=str(dev))
 # keep notebook 01's train-step time where it measured the same configuration (same key in lm_step.csv)
-results.save_results(precision.keep_other_measurements(timings, results_dir), "lm_step", results_dir, params)
+results.save_results(timings, "lm_step", results_dir, params)  # keeps columns other notebooks measured
 report.show_table(timings[["size", "dtype", "params", "fwd_ms", "fwd_std_ms", "fwdbwd_ms", "fwdbwd_std_ms",
                            "peak_gib", "status"]], floatfmt=".4g")
 

@@ -109,20 +109,3 @@ def test_mixed_precision_timings_tiny_cpu():
                                            progress=False)
     assert list(df["dtype"]) == ["fp32", "bf16"]
     assert (df["status"] == "ok").all() and (df["fwd_ms"] > 0).all() and (df["fwdbwd_ms"] > 0).all()
-
-
-def test_keep_other_measurements_fills_missing_columns(tmp_path):
-    import pandas as pd
-
-    from lab.results import save_results
-
-    base = dict(size="small", context=512, batch=4, attention="sdpa", compile=False, world_size=1)
-    save_results(pd.DataFrame([dict(base, dtype="fp32", fwd_ms=1.0, step_ms=9.0)]), "lm_step", tmp_path)
-    mine = pd.DataFrame([dict(base, dtype="fp32", fwd_ms=2.0, fwdbwd_ms=5.0, step_ms=math.nan),
-                         dict(base, dtype="bf16", fwd_ms=1.0, fwdbwd_ms=3.0, step_ms=math.nan)])
-    out = precision.keep_other_measurements(mine, tmp_path).set_index("dtype")
-    assert out.loc["fp32", "step_ms"] == 9.0 and out.loc["fp32", "fwd_ms"] == 2.0  # new values win
-    assert math.isnan(out.loc["bf16", "step_ms"])
-    save_results(out.reset_index(), "lm_step", tmp_path)
-    saved = pd.read_csv(tmp_path / "lm_step.csv").set_index("dtype")
-    assert len(saved) == 2 and saved.loc["fp32", "step_ms"] == 9.0 and saved.loc["fp32", "fwdbwd_ms"] == 5.0

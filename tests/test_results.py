@@ -54,3 +54,12 @@ def test_merge_with_missing_key_values(tmp_path):
                          "ddp_benchmark", tmp_path)
     df = results.load_results("ddp_benchmark", tmp_path)
     assert sorted(df["step_ms"]) == [2.0, 3.0]
+
+
+def test_replacing_row_keeps_columns_it_does_not_measure(tmp_path):
+    base = dict(size="small", context=512, batch=4, dtype="fp32", attention="sdpa", compile=False, world_size=1,
+                gpu="G")
+    results.save_results(pd.DataFrame([{**base, "fwd_ms": 1.0, "step_ms": 9.0}]), "lm_step", tmp_path)
+    results.save_results(pd.DataFrame([{**base, "fwd_ms": 2.0, "step_ms": float("nan")}]), "lm_step", tmp_path)
+    df = results.load_results("lm_step", tmp_path)
+    assert len(df) == 1 and df["fwd_ms"].iloc[0] == 2.0 and df["step_ms"].iloc[0] == 9.0
