@@ -32,6 +32,7 @@ config).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import warnings
@@ -52,8 +53,12 @@ MASK_VALUE = tl.constexpr(-1.0e6)
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-#: Sequences at least this long (max of n_queries, n_keys) go through the autotuned kernels.
+#: Sequences at least this long (max of n_queries, n_keys) get large tiles (autotuned when AUTOTUNE).
 AUTOTUNE_MIN_SEQ = 1024
+#: True: tune tile sizes the first time a long bf16/fp16 shape is seen (compiling every candidate costs
+#: about a minute per head dimension and dtype; later calls reuse the choice). False: use the configs
+#: tuning chose on an H200 (no tuning compile time; meant for sweeps over many shapes).
+AUTOTUNE = True
 
 
 # ----------------------------------------------------------------------------------------------- checks
@@ -267,9 +272,37 @@ def forward_launch_args(q, k, v, out, lse, is_causal: bool) -> tuple[tuple, dict
     return args, meta
 
 
-def uses_autotune(n_q: int, n_k: int) -> bool:
-    """Long sequences are autotuned; short ones (and the interpreter) use one fixed config."""
-    return not INTERPRET and max(n_q, n_k) >= AUTOTUNE_MIN_SEQ
+def long_sequence(n_q: int, n_k: int, dtype: torch.dtype) -> bool:
+    """Shapes worth large tiles: bf16/fp16 on a GPU with at least AUTOTUNE_MIN_SEQ tokens. fp32 (full
+    precision dot products, twice the shared memory per tile) always uses the small fixed configs."""
+    return not INTERPRET and dtype != torch.float32 and max(n_q, n_k) >= AUTOTUNE_MIN_SEQ
+
+
+def uses_autotune(n_q: int, n_k: int, dtype: torch.dtype) -> bool:
+    """Long bf16/fp16 sequences are autotuned when :data:`AUTOTUNE` is on; the rest use fixed configs."""
+    return AUTOTUNE and long_sequence(n_q, n_k, dtype)
+
+
+@functools.cache
+def multiprocessor_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def fills_gpu(programs: int, device: torch.device) -> bool:
+    """True when a grid of ``programs`` gives every SM at least two programs."""
+    return programs >= 2 * multiprocessor_count(device.index if device.index is not None else 0)
+
+
+def _fwd_untuned_config(batch: int, n_q: int, n_k: int, d: int, device: torch.device, dtype) -> dict:
+    """Config without autotuning: the choices tuning made on an H200 (notes/flash_tuning.md, run 3) for
+    long sequences, the small fixed config otherwise."""
+    if not long_sequence(n_q, n_k, dtype):
+        return _fwd_fixed_config(d)
+    if not fills_gpu(batch * triton.cdiv(n_q, 128), device):  # thin grid (one head): more, smaller tiles
+        return {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3}
+    if d <= 64:
+        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+    return {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
 
 
 def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool):
@@ -281,7 +314,7 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
     out = torch.empty(batch, n_q, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, n_q, dtype=torch.float32, device=q.device)
     args, meta = forward_launch_args(q, k, v, out, lse, is_causal)
-    if uses_autotune(n_q, n_k):
+    if uses_autotune(n_q, n_k, q.dtype):
         key = ("fwd", n_q, n_k, tune_batch(batch), d, bool(is_causal), meta["PRECISION"], q.dtype)
         config = TUNED_CONFIGS.get(key)
         if config is None:
@@ -289,7 +322,7 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
             remember_tuning(key, _flash_fwd_tuned)
             return out, lse
     else:
-        config = _fwd_fixed_config(d)
+        config = _fwd_untuned_config(batch, n_q, n_k, d, q.device, q.dtype)
     launch(_flash_fwd_kernel, (triton.cdiv(n_q, config["BLOCK_M"]), batch), args, {**meta, **config})
     return out, lse
 

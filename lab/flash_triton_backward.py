@@ -37,6 +37,8 @@ from lab.flash_triton import (
     TUNING_TIMINGS,
     base2_scale,
     dot_precision,
+    fills_gpu,
+    long_sequence,
     remember_tuning,
     tune_batch,
     unit_last_stride,
@@ -302,6 +304,19 @@ def _bwd_fixed_config(d: int) -> dict:
     return {"BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32, "num_warps": 4 if d <= 64 else 8, "num_stages": 2}
 
 
+def _bwd_untuned_plan(batch, n_q, n_k, d, device, dtype) -> tuple[str, dict]:
+    """Launch mode and per-pass configs without autotuning: what tuning chose on an H200
+    (notes/flash_tuning.md, run 3) for long sequences, the small fixed config otherwise."""
+    if not long_sequence(n_q, n_k, dtype):
+        return "fused", dict.fromkeys((0, 1, 2), _bwd_fixed_config(d))
+    small = {"BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64, "num_warps": 4, "num_stages": 3}
+    if not fills_gpu(batch * triton.cdiv(n_k, 64), device):  # thin grid (one head): one fused launch
+        return "fused", dict.fromkeys((0, 1, 2), small)
+    dq = small if d <= 64 else {"BLOCK_M1": 64, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 64,
+                                "num_warps": 8, "num_stages": 3}
+    return "two_pass", {0: small, 1: small, 2: dq}
+
+
 def _grid(pass_, n_q, n_k, batch):
     def grid(meta):
         kv = triton.cdiv(n_k, meta["BLOCK_N1"])
@@ -332,8 +347,9 @@ def flash_backward(q, k, v, out, lse, grad_out, is_causal: bool, launch: str | N
     grad_k = torch.empty_like(k, memory_format=torch.contiguous_format)
     grad_v = torch.empty_like(v, memory_format=torch.contiguous_format)
     args, meta = backward_launch_args(q, k, v, grad_out, lse, delta, grad_q, grad_k, grad_v, is_causal)
-    tuned = uses_autotune(n_q, n_k)
+    tuned = uses_autotune(n_q, n_k, q.dtype)
     key = (n_q, n_k, tune_batch(batch), d, bool(is_causal), meta["PRECISION"], q.dtype)
+    untuned_mode, untuned_configs = _bwd_untuned_plan(batch, n_q, n_k, d, q.device, q.dtype)
 
     def run(mode_):
         for pass_ in (0,) if mode_ == "fused" else (1, 2):
@@ -345,11 +361,11 @@ def flash_backward(q, k, v, out, lse, grad_out, is_causal: bool, launch: str | N
                     remember_tuning(("bwd", *key, pass_), _flash_bwd_tuned)
                     continue
             else:
-                config = _bwd_fixed_config(d)
+                config = untuned_configs[pass_]
             launch_kernel(_flash_bwd_kernel, grid(config), args, {**meta, "PASS": pass_, **config})
 
     if mode == "auto":
-        mode = choose_launch(("bwd-launch", *key), run) if tuned else "fused"
+        mode = choose_launch(("bwd-launch", *key), run) if tuned else untuned_mode
     run(mode)
     return grad_q, grad_k, grad_v
 

@@ -151,6 +151,25 @@ def test_cpu_tensors_without_interpreter_are_refused(monkeypatch):
         ft.FlashAttentionTriton.apply(q, k, v, False)
 
 
+def test_untuned_configs_follow_the_grid_size(monkeypatch):
+    """Without autotuning, long bf16 shapes get the configs tuning chose: small query tiles and one fused
+    backward launch when one head leaves SMs idle, big tiles and two backward launches when heads fill
+    the GPU; fp32 and short sequences keep the small fixed configs."""
+    monkeypatch.setattr(ft, "INTERPRET", False)
+    monkeypatch.setattr(ft, "multiprocessor_count", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    one_head = ft._fwd_untuned_config(1, 16384, 16384, 128, cuda, torch.bfloat16)
+    many_heads = ft._fwd_untuned_config(16, 16384, 16384, 128, cuda, torch.bfloat16)
+    assert one_head["BLOCK_M"] == 64 and many_heads["BLOCK_M"] == 128
+    assert ft._fwd_untuned_config(16, 16384, 16384, 128, cuda, torch.float32) == ft._fwd_fixed_config(128)
+    assert ft._fwd_untuned_config(16, 512, 512, 64, cuda, torch.bfloat16) == ft._fwd_fixed_config(64)
+    assert ftb._bwd_untuned_plan(1, 16384, 16384, 64, cuda, torch.bfloat16)[0] == "fused"
+    mode, configs = ftb._bwd_untuned_plan(16, 16384, 16384, 128, cuda, torch.bfloat16)
+    assert mode == "two_pass" and configs[2]["BLOCK_M2"] == 128
+    monkeypatch.setattr(ft, "AUTOTUNE", False)
+    assert not ft.uses_autotune(16384, 16384, torch.bfloat16)
+
+
 # ----------------------------------------------------------------------------------------- GPU only
 @pytest.mark.gpu
 def test_cuda_tensors_without_visible_gpu_are_refused(monkeypatch):
@@ -186,6 +205,24 @@ def test_gpu_long_sequence_matches_sdpa():
     ref_grads = torch.autograd.grad(ref, (q32, k32, v32), grad)
     q16, k16, v16 = (t.to(torch.bfloat16).requires_grad_() for t in (q, k, v))
     out = ft.FlashAttentionTriton.apply(q16, k16, v16, causal)
+    grads = torch.autograd.grad(out, (q16, k16, v16), grad.to(torch.bfloat16))
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g.float(), r, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,n,d", [(1, 2048, 64), (40, 1024, 128)])
+def test_gpu_untuned_configs_match_sdpa(monkeypatch, batch, n, d):
+    """AUTOTUNE off: the fixed long-sequence configs (thin grid: fused backward; full grid: two passes)."""
+    monkeypatch.setattr(ft, "AUTOTUNE", False)
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    q, k, v, grad = (torch.randn(batch, n, d, device="cuda", generator=gen) for _ in range(4))
+    q32, k32, v32 = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = torch.nn.functional.scaled_dot_product_attention(q32, k32, v32, is_causal=True)
+    ref_grads = torch.autograd.grad(ref, (q32, k32, v32), grad)
+    q16, k16, v16 = (t.to(torch.bfloat16).requires_grad_() for t in (q, k, v))
+    out = ft.FlashAttentionTriton.apply(q16, k16, v16, True)
     grads = torch.autograd.grad(out, (q16, k16, v16), grad.to(torch.bfloat16))
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
     for g, r in zip(grads, ref_grads):
