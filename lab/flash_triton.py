@@ -21,13 +21,20 @@ Both take ``apply(q, k, v, is_causal=False)`` on (batch, seq, d) tensors:
 * the kernels run on a CUDA GPU, or on the CPU under ``TRITON_INTERPRET=1`` (slow; for tests).
 
 Forward kernel: grid = (query tiles, batch); one loop over key tiles with fp32 accumulators and an online
-softmax in base 2 (``log2(e)`` folded into the scale). Causal: key tiles entirely in the future are never
-visited, and the loop is split so that only tiles crossing the diagonal (or the ragged last tile) pay for
-masking, which adds ``-1e6`` to masked scores. Query tiles are launched heaviest first so that the long
-causal rows do not start last. Tile sizes: a fixed small config for short sequences (compilation would
-cost more than tuning saves), ``triton.autotune`` over a short list for long ones, keyed on the lengths,
-d, causality and dtype; under ``TRITON_INTERPRET=1`` one small config (the interpreter would run every
-config).
+softmax in base 2 (``log2(e)`` folded into the scale, one fused multiply-add per score). Causal: key tiles
+entirely in the future are never visited, and the loop is split so that only tiles crossing the diagonal
+(or the ragged last tile) pay for masking, which adds ``-1e6`` to masked scores. Within each batch entry
+the heaviest causal query tiles are launched first so that the long rows do not start last.
+
+Tile sizes: a small fixed config below ``AUTOTUNE_MIN_SEQ`` tokens and for fp32; for longer bf16/fp16
+sequences ``triton.autotune`` over a short list, keyed on the lengths, d, causality, dtype and the
+batch (x heads) rounded to a power of two (one head leaves SMs idle and wants smaller query tiles than
+sixteen heads). The choice is cached per shape, so later calls skip the autotuner. ``AUTOTUNE = False``
+uses the configs tuning chose on an H200 instead (no tuning compile time, for sweeps over many shapes).
+Under ``TRITON_INTERPRET=1`` one small config (the interpreter would run every config).
+
+Host cost: launches reuse the compiled kernel directly (``launch``; ``FAST_LAUNCH = False`` goes through
+``JITFunction.run`` every time). Measurements and tuning history: ``notes/flash_tuning.md``.
 """
 
 from __future__ import annotations
