@@ -228,6 +228,12 @@ def remember_tuning(key: tuple, tuner) -> dict:
     return config
 
 
+try:  # the stream getter JITFunction.run uses (through Triton's driver), without the driver indirection
+    from torch._C import _cuda_getCurrentRawStream as _current_raw_stream
+except ImportError:  # a torch build without CUDA: no GPU launches happen anyway
+    def _current_raw_stream(index):
+        return torch.cuda.current_stream(index).cuda_stream
+
 #: Relaunch compiled kernels directly (see :func:`launch`). False: always go through ``JITFunction.run``.
 FAST_LAUNCH = True
 _COMPILED: dict[tuple, object] = {}
@@ -256,7 +262,7 @@ def launch(kernel, grid: tuple, args: tuple, constexprs: dict) -> None:
     values = dict(zip(kernel.arg_names, args))
     values.update(constexprs)
     params = [values[name] for name in kernel.arg_names]
-    stream = torch.cuda.current_stream(args[0].device).cuda_stream
+    stream = _current_raw_stream(args[0].device.index)
     grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
     metadata = compiled.launch_metadata(grid3, stream, *params)
     compiled.run(*grid3, stream, compiled.function, compiled.packed_metadata, metadata,
