@@ -22,6 +22,7 @@ _LAZY = {
     "DDPBucketed": "lab.ddp",
     "ShardedOptimizer": "lab.sharded_optimizer",
     "FSDP": "lab.fsdp",
+    "ZeRO1Optimizer": "lab.zero1",
 }
 
 __all__ = sorted(_LAZY)
