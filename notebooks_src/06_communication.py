@@ -22,11 +22,11 @@ results_dir = "results/quick"
 artifacts_dir = "artifacts/quick"
 ops = ["all_reduce", "all_gather", "reduce_scatter"]
 sizes_mb = [1, 10, 100, 1024]     # MiB of float32 (1024 MiB is 1 GiB)
-gloo_sizes_mb = None              # None: [1, 10] (quick) or sizes_mb (full)
+gloo_sizes_mb = None              # None: [1, 10] (quick) or [1, 10, 100] (full: gloo at 1 GiB takes minutes)
 world_sizes = [2, 4, 6]           # NCCL: one rank per GPU, as many as the machine has
 gloo_world_sizes = [2]            # CPU processes
 warmup = 5
-iters = 20
+iters = 10
 
 # %%
 import pandas as pd
@@ -40,7 +40,7 @@ if quick:
     gloo_sizes_mb = gloo_sizes_mb or [1, 10]
     warmup, iters = min(warmup, 2), min(iters, 5)
 else:
-    gloo_sizes_mb = gloo_sizes_mb or sizes_mb
+    gloo_sizes_mb = gloo_sizes_mb or [s for s in sizes_mb if s <= 100]
 gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
 use_nccl = device != "cpu" and gpus > 0 and not quick
 

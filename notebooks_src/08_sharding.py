@@ -21,7 +21,7 @@ quick = True                      # tiny model, gloo on the CPU; the full render
 device = "auto"                   # "auto": NCCL on GPUs when there are enough, else gloo on the CPU
 results_dir = "results/quick"     # the full render passes "results"
 artifacts_dir = "artifacts/quick"
-sizes = None                      # None: xl and 2.7B (full) or tiny (quick)
+sizes = None                      # None: 2.7B (full; add "xl" when device time allows) or tiny (quick)
 impls = ["ddp", "sharded_optimizer", "zero1", "fsdp", "torch_zero", "torch_fsdp2"]
 world_size = 2
 context = None                    # None: 512 (full) or 64 (quick)
@@ -29,7 +29,7 @@ batch = 2                         # per rank
 dtype = "bf16"                    # autocast dtype (and FSDP's compute dtype)
 fsdp_reduce_dtype = None          # None: reduce-scatter in the compute dtype, as FSDP2 does by default
 warmup = 2
-steps = 5
+steps = 4
 profile_impl = "fsdp"             # its step is profiled: compute vs communication on a timeline
 
 # %%
@@ -50,7 +50,7 @@ if quick:
     context = context or 64
     warmup, steps = min(warmup, 1), min(steps, 3)
 else:
-    sizes = sizes or ["xl", "2.7B"]
+    sizes = sizes or ["2.7B"]
     context = context or 512
 if device == "auto":
     device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "cpu"
