@@ -187,7 +187,7 @@ def checkpoint_sweep(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
     """
     import time
 
-    from tqdm.auto import tqdm
+    from tqdm import tqdm  # plain text bars: they render in papermill reports
 
     from lab.device import empty_cache, is_oom, synchronize
     from lab.memory import default_loss, measure_peak_bytes

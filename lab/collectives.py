@@ -23,7 +23,7 @@ from typing import Sequence
 import pandas as pd
 import torch
 import torch.distributed as dist
-from tqdm.auto import tqdm
+from tqdm import tqdm  # plain text bars: they render in papermill reports
 
 from lab import distributed
 from lab.device import is_oom

@@ -843,7 +843,7 @@ def peak_memory_table(model: nn.Module, contexts: Sequence[int], dtypes: Sequenc
     Out-of-memory is a row (``status="oom"``). ``dtypes`` are ``"fp32"`` or ``"bf16"``/``"fp16"`` autocast. Returns columns ``context``, ``batch``, ``dtype``, ``mode``
     (``forward``, ``train_step``), ``peak_gib``, ``status``, ``error``.
     """
-    from tqdm.auto import tqdm
+    from tqdm import tqdm  # plain text bars: they render in papermill reports
 
     from lab.device import empty_cache, is_oom
 

@@ -246,7 +246,7 @@ def mixed_precision_timings(sizes: Iterable[str], context: int = 512, batch: int
     ``sizes`` are names from ``MODEL_SIZES``, or ``ModelConfig`` objects. Returns one row per (size, dtype)
     in the ``lm_step`` format (``fwd_ms``, ``fwdbwd_ms`` in ms, ``peak_gib``, ``status``).
     """
-    from tqdm.auto import tqdm
+    from tqdm import tqdm  # plain text bars: they render in papermill reports
 
     from lab.bench import benchmark_lm
 

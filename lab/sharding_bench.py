@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pandas as pd
 import torch
-from tqdm.auto import tqdm
+from tqdm import tqdm  # plain text bars: they render in papermill reports
 
 from lab import distributed
 from lab.bench import DTYPES, autocast, lm_loss, random_batch, time_callable
