@@ -20,8 +20,8 @@ ds = None                         # None: 16, 32, 64, 128 (full) or 16, 32 (quic
 dtypes = None                     # None: bf16 and fp32 (full) or fp32 (quick: see below)
 batch = 1
 causal = True
-warmup_ms = 5                     # triton.testing.do_bench warm-up and repetition budgets (ms, CUDA)
-rep_ms = 20
+warmup_ms = 3                     # triton.testing.do_bench warm-up and repetition budgets (ms, CUDA);
+rep_ms = 10                       # each call runs at least once, so long shapes are not repeated 10 ms worth
 cpu_steps = 1                     # timed calls per measurement on the CPU (after one untimed call)
 mh_heads = None                   # multi-head shape; None: 16 (full) or 2 (quick)
 mh_seq = None                     # None: 16384 (full) or 64 (quick)
@@ -134,7 +134,7 @@ for dt in dtypes:
     table = sel.pivot_table(index="seq_len", columns="impl", values=["fwd_ms", "bwd_ms", "e2e_ms"])
     table.columns = [f"{p} {impl}" for p, impl in table.columns]
     report.say(f"**{dt}, d = {show_d}** (ms)")
-    report.show_table(table.reset_index())
+    report.show_table(table.reset_index().astype({"seq_len": str}))
 
 # %%
 oom = bench[bench.status == "oom"]
