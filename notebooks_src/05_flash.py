@@ -31,6 +31,8 @@ lm_context = None                 # None: 1024 (full) or 64 (quick)
 lm_batch = None                   # None: 4 (full) or 1 (quick: interpreted Triton is slow)
 lm_dtype = None                   # None: "bf16" (full) or "fp32" (quick)
 lm_attentions = ["flash_triton", "sdpa", "naive"]
+autotune = False                  # Triton autotuning costs ~2 min of compiling per head dimension; the fixed
+                                  # tile configs are the ones tuning chose on an H200
 lm_warmup = None                  # None: 3 (full) or 0
 lm_steps = None                   # None: 10 (full) or 1
 
@@ -50,7 +52,9 @@ import pandas as pd
 import seaborn as sns
 
 from lab import attention_bench as ab
-from lab import plots, report, results
+from lab import flash_triton, plots, report, results
+
+flash_triton.AUTOTUNE = autotune
 
 if quick:
     # fp32 only: under TRITON_INTERPRET the bf16 kernels do not reproduce GPU numerics (the GPU tests
@@ -73,7 +77,7 @@ params = dict(quick=quick, device=str(dev), results_dir=results_dir, artifacts_d
               seqs=seqs, ds=ds, dtypes=dtypes, batch=batch, causal=causal, warmup_ms=warmup_ms, rep_ms=rep_ms,
               cpu_steps=cpu_steps, mh_heads=mh_heads, mh_seq=mh_seq, mh_ds=mh_ds, lm_size=lm_size,
               lm_context=lm_context, lm_batch=lm_batch, lm_dtype=lm_dtype, lm_attentions=lm_attentions,
-              lm_warmup=lm_warmup, lm_steps=lm_steps, triton_interpret=os.environ.get("TRITON_INTERPRET"))
+              lm_warmup=lm_warmup, lm_steps=lm_steps, autotune=autotune, triton_interpret=os.environ.get("TRITON_INTERPRET"))
 plots.set_style()
 report.show_machine(params)
 
