@@ -157,9 +157,53 @@ def merge_rows(old: pd.DataFrame, new: pd.DataFrame, key: Iterable[str]) -> pd.D
         previous = old[replaced].set_axis(old_keys[replaced]).loc[lambda f: ~f.index.duplicated(keep="last")]
         filled = new.set_axis(new_keys).combine_first(previous.reindex(new_keys.unique()))
         filled = filled.loc[new_keys]  # back to new's row order
+        if "status" in filled.columns and "status" in previous.columns:
+            # a mode that ran out of memory before and was not re-measured is still out of memory
+            was_oom = previous["status"].reindex(filled.index).eq("oom").to_numpy()
+            filled.loc[was_oom, "status"] = "oom"
+            if "error" in previous.columns:
+                old_err = previous["error"].reindex(filled.index).fillna("").astype(str).to_numpy()
+                new_err = (filled["error"].fillna("").astype(str).to_numpy() if "error" in filled.columns
+                           else [""] * len(filled))
+                filled["error"] = ["; ".join(dict.fromkeys(e for e in (a, b) if e)) for a, b in zip(new_err, old_err)]
         columns = list(new.columns) + [c for c in old.columns if c not in new.columns]
         new = filled[columns].reset_index(drop=True)
     return pd.concat([old[~replaced], new], ignore_index=True)
+
+
+def combine_results(sources: Iterable[str | os.PathLike], destination: str | os.PathLike = "results") -> list[Path]:
+    """Copy the tables of several result folders (e.g. renders on different machines) into one.
+
+    Headline tables are merged row by row (later sources win for the same key); their sidecar lists the
+    provenance of every contributing source under ``"sources"``. Other tables, their sidecars and figures
+    are copied, later sources replacing earlier ones. Returns the files written.
+    """
+    import shutil
+
+    dst = paths.results_dir(destination)
+    written = []
+    for src in map(paths.resolve, sources):
+        for csv in sorted(src.glob("*.csv")):
+            name = csv.stem
+            meta_src = csv.with_suffix(".json")
+            meta = json.loads(meta_src.read_text()) if meta_src.exists() else {}
+            if name in HEADLINE_KEYS and (dst / csv.name).exists():
+                merged = merge_rows(pd.read_csv(dst / csv.name), pd.read_csv(csv), HEADLINE_KEYS[name] + ["gpu"])
+                merged.to_csv(dst / csv.name, index=False)
+                old = json.loads((dst / f"{name}.json").read_text()) if (dst / f"{name}.json").exists() else {}
+                meta = {"table": name, "rows": int(len(merged)), "sources": old.get("sources", [old]) + [meta]}
+            else:
+                shutil.copyfile(csv, dst / csv.name)
+                if name in HEADLINE_KEYS:
+                    meta = {"table": name, "rows": meta.get("rows"), "sources": [meta]}
+            (dst / f"{name}.json").write_text(json.dumps(meta, indent=2) + "\n")
+            written.append(dst / csv.name)
+        if (src / "figures").is_dir():
+            (dst / "figures").mkdir(exist_ok=True)
+            for fig in (src / "figures").iterdir():
+                shutil.copyfile(fig, dst / "figures" / fig.name)
+                written.append(dst / "figures" / fig.name)
+    return written
 
 
 def load_results(name: str, results_dir: str | os.PathLike = "results") -> pd.DataFrame:

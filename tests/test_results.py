@@ -63,3 +63,28 @@ def test_replacing_row_keeps_columns_it_does_not_measure(tmp_path):
     results.save_results(pd.DataFrame([{**base, "fwd_ms": 2.0, "step_ms": float("nan")}]), "lm_step", tmp_path)
     df = results.load_results("lm_step", tmp_path)
     assert len(df) == 1 and df["fwd_ms"].iloc[0] == 2.0 and df["step_ms"].iloc[0] == 9.0
+
+
+def test_oom_status_survives_a_partial_remeasurement(tmp_path):
+    base = dict(size="10B", context=512, batch=4, dtype="fp32", attention="sdpa", compile=False, world_size=1,
+                gpu="G")
+    results.save_results(pd.DataFrame([{**base, "fwd_ms": 1.0, "step_ms": float("nan"), "status": "oom",
+                                        "error": "train_step: OutOfMemoryError"}]), "lm_step", tmp_path)
+    results.save_results(pd.DataFrame([{**base, "fwd_ms": 2.0, "step_ms": float("nan"), "status": "ok",
+                                        "error": ""}]), "lm_step", tmp_path)
+    row = results.load_results("lm_step", tmp_path).iloc[0]
+    assert row["status"] == "oom" and "train_step" in row["error"] and row["fwd_ms"] == 2.0
+
+
+def test_combine_results_merges_headline_tables_and_keeps_provenance(tmp_path):
+    base = dict(context=512, batch=4, dtype="fp32", attention="sdpa", compile=False, world_size=1, gpu="G")
+    a, b, dst = tmp_path / "a", tmp_path / "b", tmp_path / "dst"
+    results.save_results(pd.DataFrame([{**base, "size": "small", "fwd_ms": 1.0}]), "lm_step", a)
+    results.save_results(pd.DataFrame({"x": [1]}), "other", a)
+    results.save_results(pd.DataFrame([{**base, "size": "large", "fwd_ms": 2.0}]), "lm_step", b)
+    results.combine_results([a, b], dst)
+    df = results.load_results("lm_step", dst)
+    assert sorted(df["size"]) == ["large", "small"]
+    meta = results.load_metadata("lm_step", dst)
+    assert len(meta["sources"]) == 2 and all("gpu" in m for m in meta["sources"])
+    assert list(results.load_results("other", dst)["x"]) == [1]
