@@ -327,7 +327,7 @@ def run_naive_grid(fn: AttentionFn = naive_attention, ds: Sequence[int] = (16, 3
     memory in MiB (NaN on the CPU, except ``saved_mib`` which is measured with saved-tensor hooks), and
     ``predicted_*_mib`` come from :func:`naive_attention_totals`.
     """
-    from tqdm.auto import tqdm
+    from tqdm import tqdm  # plain text bars: they render in papermill reports
 
     device = resolve_device(device) if isinstance(device, str) else device
     if dtype not in DTYPES:
@@ -475,7 +475,7 @@ def run_flash_grid(impls: Sequence[str] | dict[str, AttentionFn] = ("triton", "p
     phase it hit. Returns one row per (impl, dtype, d, seq) with ``fwd_ms``, ``bwd_ms``, ``e2e_ms``,
     ``*_tflops`` (causal FLOPs from :func:`attention_flops`), ``status`` and ``note``.
     """
-    from tqdm.auto import tqdm
+    from tqdm import tqdm  # plain text bars: they render in papermill reports
 
     device = resolve_device(device) if isinstance(device, str) else device
     if isinstance(impls, dict):
@@ -582,7 +582,7 @@ def lm_step_rows(size, context: int, batch: int, dtype: str, variants: Iterable[
     """Time the LM (forward, forward+backward, AdamW train step; ``lab.bench.benchmark_lm``) once per
     ``(attention, compile)`` variant. Returns the ``lm_step`` columns first, then benchmark_lm's others
     (std, bwd_ms, error, ...); times in ms, ``peak_gib`` in GiB (NaN on the CPU)."""
-    from tqdm.auto import tqdm
+    from tqdm import tqdm  # plain text bars: they render in papermill reports
 
     from lab.bench import benchmark_lm
 
