@@ -98,15 +98,21 @@ class _range:
 
     def __init__(self, name: str):
         self.name = name
-        self._rf = torch.profiler.record_function(name)
 
     def __enter__(self):
+        # Under torch.compile the ranges would break the graph; the compiled kernels carry no such ranges.
+        self._active = not torch.compiler.is_compiling()
+        if not self._active:
+            return
+        self._rf = torch.profiler.record_function(self.name)
         self._rf.__enter__()
         self._nvtx = torch.cuda.is_available()
         if self._nvtx:
             torch.cuda.nvtx.range_push(self.name)
 
     def __exit__(self, *exc):
+        if not self._active:
+            return
         if self._nvtx:
             torch.cuda.nvtx.range_pop()
         self._rf.__exit__(*exc)

@@ -75,3 +75,10 @@ def test_errors_for_unknown_attention_and_long_input():
         tiny("nope")
     with pytest.raises(ValueError, match="context length"):
         tiny()(torch.randint(0, 50, (1, 30)))
+
+
+def test_naive_attention_compiles_to_one_graph():
+    # the profiler/NVTX ranges must not break torch.compile's graph capture
+    q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
+    compiled = torch.compile(get_attention("naive"), fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v, True), get_attention("naive")(q, k, v, True))
