@@ -318,9 +318,19 @@ def _fwd_untuned_config(batch: int, n_q: int, n_k: int, d: int, device: torch.de
     return {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
 
 
+def interpreter_needs_fp32(dtype: torch.dtype) -> bool:
+    """True for bf16 under ``TRITON_INTERPRET=1``: Triton 3.6's interpreter gets ``tl.dot`` of bf16 tiles wrong
+    (a single 16x16 product is off by ~1e10; fp16 and fp32 are right), so there the bf16 kernels run on fp32
+    copies of their inputs and cast the results back. Compiled on a GPU, bf16 runs natively."""
+    return INTERPRET and dtype == torch.bfloat16
+
+
 def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool):
     """Run the Triton forward. Returns (output in q's dtype, logsumexp fp32 of shape (batch, n_queries))."""
     check_triton_inputs(q, k, v)
+    if interpreter_needs_fp32(q.dtype):
+        out, lse = flash_forward(q.float(), k.float(), v.float(), is_causal)
+        return out.to(q.dtype), lse
     q, k, v = (unit_last_stride(t) for t in (q, k, v))
     batch, n_q, d = q.shape
     n_k = k.shape[1]

@@ -32,6 +32,7 @@ import triton.language as tl
 
 from lab.flash_triton import (
     INTERPRET,
+    interpreter_needs_fp32,
     MASK_VALUE,
     TUNED_CONFIGS,
     TUNING_TIMINGS,
@@ -334,6 +335,10 @@ def flash_backward(q, k, v, out, lse, grad_out, is_causal: bool, launch: str | N
     mode = launch or BACKWARD_LAUNCH
     if mode not in ("auto", "fused", "two_pass"):
         raise ValueError(f"launch must be 'auto', 'fused' or 'two_pass', got {mode!r}")
+    if interpreter_needs_fp32(q.dtype):
+        grads = flash_backward(q.float(), k.float(), v.float(), out.float(), lse, grad_out.float(), is_causal,
+                               launch)
+        return tuple(g.to(q.dtype) for g in grads)
     q, k, v, out, grad_out = (unit_last_stride(t) for t in (q, k, v, out, grad_out))
     batch, n_q, d = q.shape
     n_k = k.shape[1]

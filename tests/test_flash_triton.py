@@ -68,6 +68,14 @@ def test_triton_matches_float64_reference(batch, n_q, n_k, d, causal):
     check_against_reference(ft.FlashAttentionTriton, q, k, v, causal, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float16, 2e-2), (torch.bfloat16, 6e-2)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_half_precision_matches_float64_reference(dtype, tol, causal):
+    # bf16 and fp16 inputs round q, k, v, the output and the gradients to 8 / 11 significant bits
+    q, k, v = random_qkv(2, 37, 45, 16, dtype=dtype)
+    check_against_reference(ft.FlashAttentionTriton, q, k, v, causal, atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_two_pass_backward_launch_matches_reference(monkeypatch, causal):
     monkeypatch.setattr(ftb, "BACKWARD_LAUNCH", "two_pass")
