@@ -564,7 +564,8 @@ def summarize_goals(goals_table: pd.DataFrame, goals: dict[str, float] = GOALS) 
     summary = {"configs": len(goals_table)}
     for p, target in goals.items():
         col = goals_table.get(f"{p}_ratio", pd.Series(dtype=float))
-        summary[p] = dict(target=target, met=int((col >= target).sum()), worst=float(col.min()) if len(col) else math.nan)
+        summary[p] = dict(target=target, met=int((col >= target).sum()),
+                          worst=float(col.min()) if len(col) else math.nan)
     summary["all_met"] = bool(len(goals_table)) and all(summary[p]["met"] == len(goals_table) for p in goals)
     return summary
 

@@ -182,8 +182,8 @@ def checkpoint_sweep(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
     the nested strategy. The optimizer state is created first by one untimed step under the most
     memory-frugal configuration (so every measured step includes it, as in steady-state training). Peak
     memory comes from :func:`lab.memory.measure_peak_bytes`; ``step_ms`` is the wall time of that step (on
-    the CPU, whose peak is read from a profiler run, of one more unprofiled step). Out-of-memory is a row. Returns columns
-    ``strategy``, ``group_size``, ``peak_gib``, ``step_ms``, ``status``, ``error``.
+    the CPU, whose peak is read from a profiler run, of one more unprofiled step). Out-of-memory is a row.
+    Returns columns ``strategy``, ``group_size``, ``peak_gib``, ``step_ms``, ``status``, ``error``.
     """
     import time
 

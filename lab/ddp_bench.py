@@ -34,6 +34,7 @@ from lab.bench import autocast, lm_loss, make_optimizer, random_batch, time_call
 from lab.ddp import DDPBucketed, DDPIndividualParameters, FlatDDP, NaiveDDP
 from lab.device import is_oom
 from lab.model import ModelConfig, TransformerLM, config_for
+from lab.profiling import intersect_intervals, intervals_length, union_intervals
 
 IMPLS = ("naive", "flat", "individual", "bucketed", "torch_ddp", "single_gpu")
 TORCH_DDP_BUCKET_MB = 25.0  # torch's default bucket_cap_mb
@@ -267,30 +268,8 @@ def _gpu_phases(events, kernels, cpu_phases) -> list[tuple]:
 
 
 def merge_intervals(starts: Sequence[float], ends: Sequence[float]) -> list[tuple[float, float]]:
-    """The union of intervals as sorted, disjoint (start, end) pairs (nested CPU ops counted once)."""
-    merged: list[list[float]] = []
-    for s, e in sorted(zip(starts, ends)):
-        if merged and s <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], e)
-        else:
-            merged.append([s, e])
-    return [(s, e) for s, e in merged]
-
-
-def _length(intervals) -> float:
-    return sum(e - s for s, e in intervals)
-
-
-def _intersection(a, b) -> float:
-    total, i, j = 0.0, 0, 0
-    while i < len(a) and j < len(b):
-        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        total += max(0.0, hi - lo)
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return total
+    """The union of intervals given as starts and ends, as sorted, disjoint (start, end) pairs."""
+    return union_intervals(zip(starts, ends))
 
 
 def summarize_timeline(timeline: pd.DataFrame) -> dict:
@@ -301,9 +280,10 @@ def summarize_timeline(timeline: pd.DataFrame) -> dict:
         return merge_intervals(part["start_ms"], part["start_ms"] + part["dur_ms"])
 
     comm, compute = union("comm"), union("compute")
-    comm_ms = _length(comm)
-    return {"comm_ms": comm_ms, "compute_ms": _length(compute),
-            "overlap_frac": _intersection(comm, compute) / comm_ms if comm_ms > 0 else math.nan}
+    comm_ms = intervals_length(comm)
+    return {"comm_ms": comm_ms, "compute_ms": intervals_length(compute),
+            "overlap_frac": intervals_length(intersect_intervals(comm, compute)) / comm_ms if comm_ms > 0
+            else math.nan}
 
 
 def plot_timeline(timeline: pd.DataFrame, ax=None, title: str = ""):

@@ -32,13 +32,13 @@ import triton.language as tl
 
 from lab.flash_triton import (
     INTERPRET,
-    interpreter_needs_fp32,
     MASK_VALUE,
     TUNED_CONFIGS,
     TUNING_TIMINGS,
     base2_scale,
     dot_precision,
     fills_gpu,
+    interpreter_needs_fp32,
     long_sequence,
     remember_tuning,
     tune_batch,
@@ -275,7 +275,8 @@ def _dq_program(Q, K, V, DO, L, Delta, DQ,
 
 def _bwd_configs():
     if INTERPRET:
-        return [triton.Config({"BLOCK_M1": 16, "BLOCK_N1": 16, "BLOCK_M2": 16, "BLOCK_N2": 16}, num_warps=4, num_stages=1)]
+        return [triton.Config({"BLOCK_M1": 16, "BLOCK_N1": 16, "BLOCK_M2": 16, "BLOCK_N2": 16},
+                              num_warps=4, num_stages=1)]
     shapes = [  # (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages)
         (64, 64, 64, 64, 4, 2), (64, 64, 64, 64, 4, 3), (32, 64, 64, 32, 4, 3),
         (32, 128, 128, 32, 4, 3), (64, 128, 128, 64, 8, 2), (64, 128, 128, 64, 8, 3),
@@ -302,7 +303,8 @@ _flash_bwd_tuned = triton.autotune(
 def _bwd_fixed_config(d: int) -> dict:
     if INTERPRET:
         return {"BLOCK_M1": 16, "BLOCK_N1": 16, "BLOCK_M2": 16, "BLOCK_N2": 16, "num_warps": 4, "num_stages": 1}
-    return {"BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32, "num_warps": 4 if d <= 64 else 8, "num_stages": 2}
+    return {"BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32, "num_warps": 4 if d <= 64 else 8,
+            "num_stages": 2}
 
 
 def _bwd_untuned_plan(batch, n_q, n_k, d, device, dtype) -> tuple[str, dict]:

@@ -840,8 +840,9 @@ def peak_memory_table(model: nn.Module, contexts: Sequence[int], dtypes: Sequenc
     exists. Then the AdamW state is created by one unmeasured step at the smallest context, and each
     training-step row is one steady-state step (parameters, gradients, optimizer state and activations;
     its peak is at least the first step's, whose state appears only after the activations are freed).
-    Out-of-memory is a row (``status="oom"``). ``dtypes`` are ``"fp32"`` or ``"bf16"``/``"fp16"`` autocast. Returns columns ``context``, ``batch``, ``dtype``, ``mode``
-    (``forward``, ``train_step``), ``peak_gib``, ``status``, ``error``.
+    Out-of-memory is a row (``status="oom"``). ``dtypes`` are ``"fp32"`` or ``"bf16"``/``"fp16"`` autocast.
+    Returns columns ``context``, ``batch``, ``dtype``, ``mode`` (``forward``, ``train_step``), ``peak_gib``,
+    ``status``, ``error``.
     """
     from tqdm import tqdm  # plain text bars: they render in papermill reports
 

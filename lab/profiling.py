@@ -173,3 +173,37 @@ def attention_phase_flops(batch: int, heads: int, seq: int, head_dim: int, layer
     return {"attention/scores": 2.0 * scores * head_dim * layers + scores * layers,
             "attention/softmax": 5.0 * scores * layers,
             "attention/final_matmul": 2.0 * scores * head_dim * layers}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Interval arithmetic on timelines (compute vs communication lanes of a profiler trace)
+
+
+def union_intervals(intervals) -> list[tuple[float, float]]:
+    """The union of (start, end) intervals as sorted, disjoint pairs (nested or concurrent ones counted once)."""
+    merged: list[list[float]] = []
+    for s, e in sorted(intervals):
+        if merged and s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    return [(s, e) for s, e in merged]
+
+
+def intervals_length(intervals) -> float:
+    """Total length of disjoint intervals."""
+    return sum(e - s for s, e in intervals)
+
+
+def intersect_intervals(a, b) -> list[tuple[float, float]]:
+    """The intersection of two sorted lists of disjoint intervals."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        s, e = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if s < e:
+            out.append((s, e))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out

@@ -34,6 +34,7 @@ from lab import distributed
 from lab.bench import DTYPES, autocast, lm_loss, random_batch, time_callable
 from lab.device import is_oom, synchronize
 from lab.model import ModelConfig, TransformerLM, config_for
+from lab.profiling import intersect_intervals, intervals_length, union_intervals
 
 IMPLS = ("ddp", "sharded_optimizer", "zero1", "fsdp", "torch_zero", "torch_fsdp2")
 GiB = 2**30
@@ -371,33 +372,6 @@ def timeline_events(trace_path: str | Path) -> pd.DataFrame:
     return df.drop(columns=["start_us", "dur_us"]).sort_values("start_ms").reset_index(drop=True)
 
 
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    merged: list[list[float]] = []
-    for s, e in sorted(intervals):
-        if merged and s <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], e)
-        else:
-            merged.append([s, e])
-    return [(s, e) for s, e in merged]
-
-
-def _length(intervals) -> float:
-    return sum(e - s for s, e in intervals)
-
-
-def _intersect(a, b) -> list[tuple[float, float]]:
-    out, i, j = [], 0, 0
-    while i < len(a) and j < len(b):
-        s, e = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        if s < e:
-            out.append((s, e))
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return out
-
-
 def _clip(intervals, lo: float, hi: float):
     return [(max(s, lo), min(e, hi)) for s, e in intervals if e > lo and s < hi]
 
@@ -409,9 +383,9 @@ def overlap_summary(timeline: pd.DataFrame) -> pd.DataFrame:
     If the forward's all-gathers finish before the layers need them, the forward's compute idle time is
     only launch gaps and its exposed communication is small.
     """
-    comp = _union([(s, s + d) for s, d, k in zip(timeline["start_ms"], timeline["dur_ms"], timeline["kind"])
+    comp = union_intervals([(s, s + d) for s, d, k in zip(timeline["start_ms"], timeline["dur_ms"], timeline["kind"])
                    if k == "compute"])
-    comm = _union([(s, s + d) for s, d, k in zip(timeline["start_ms"], timeline["dur_ms"], timeline["kind"])
+    comm = union_intervals([(s, s + d) for s, d, k in zip(timeline["start_ms"], timeline["dur_ms"], timeline["kind"])
                    if k == "communication"])
     phases = timeline[timeline["kind"] == "phase"]
     windows = [(n, s, s + d) for n, s, d in zip(phases["name"], phases["start_ms"], phases["dur_ms"])]
@@ -420,11 +394,12 @@ def overlap_summary(timeline: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for name, lo, hi in windows:
         c, m = _clip(comp, lo, hi), _clip(comm, lo, hi)
-        overlap = _length(_intersect(c, m))
-        rows.append(dict(phase=name, window_ms=hi - lo, compute_ms=_length(c), communication_ms=_length(m),
-                         overlapped_ms=overlap, exposed_communication_ms=_length(m) - overlap,
-                         compute_idle_ms=(hi - lo) - _length(c),
-                         overlap_share=overlap / _length(m) if _length(m) else math.nan))
+        overlap = intervals_length(intersect_intervals(c, m))
+        compute_ms, comm_ms = intervals_length(c), intervals_length(m)
+        rows.append(dict(phase=name, window_ms=hi - lo, compute_ms=compute_ms, communication_ms=comm_ms,
+                         overlapped_ms=overlap, exposed_communication_ms=comm_ms - overlap,
+                         compute_idle_ms=(hi - lo) - compute_ms,
+                         overlap_share=overlap / comm_ms if comm_ms else math.nan))
     return pd.DataFrame(rows)
 
 

@@ -144,11 +144,11 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
     on every rank (it waits for the reduce-scatters, divides by the world size, updates this rank's chunks
     with the inner optimizer one bucket at a time and all-gathers each bucket as soon as it is updated).
     The inner optimizer must update each parameter independently (torch.optim's SGD, Adam, AdamW, ...).
-    For gradient accumulation, run all but the last backward of a step inside :meth:`no_sync`. After ``step`` only this rank's chunks of the gradients
-    hold averaged values (the rest keeps local gradients until :meth:`zero_grad`). Parameters without a
-    gradient count as zero gradient, because chunks are updated as whole tensors. :meth:`zero_grad` always
-    zeroes the flat gradient buffer in place (``set_to_none`` is ignored: freeing it would make autograd
-    allocate a second set of gradients).
+    For gradient accumulation, run all but the last backward of a step inside :meth:`no_sync`. After ``step`` only
+    this rank's chunks of the gradients hold averaged values (the rest keeps local gradients until
+    :meth:`zero_grad`). Parameters without a gradient count as zero gradient, because chunks are updated as whole
+    tensors. :meth:`zero_grad` always zeroes the flat gradient buffer in place (``set_to_none`` is ignored: freeing
+    it would make autograd allocate a second set of gradients).
 
     Checkpoints are per rank: :meth:`state_dict` returns this rank's chunks of the state plus the layout
     (``world_size``, ``rank``, bucket sizes); :meth:`load_state_dict` needs the same layout.

@@ -12,8 +12,8 @@ averaging the wrong accumulation) changes the weights, and AdamW over several st
 import contextlib
 import json
 import math
-from pathlib import Path
 import warnings
+from pathlib import Path
 
 import pytest
 import torch

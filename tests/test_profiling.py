@@ -41,3 +41,11 @@ def test_attention_phase_flops():
     assert f["attention/final_matmul"] == 2 * scores * 8
     assert f["attention/scores"] == 2 * scores * 8 + scores
     assert f["attention/softmax"] == 5 * scores
+
+
+def test_interval_arithmetic():
+    a = profiling.union_intervals([(5, 7), (0, 2), (1, 3), (6, 6.5)])
+    assert a == [(0, 3), (5, 7)] and profiling.intervals_length(a) == 5
+    b = profiling.union_intervals([(2, 6)])
+    assert profiling.intersect_intervals(a, b) == [(2, 3), (5, 6)]
+    assert profiling.intersect_intervals(a, []) == []
