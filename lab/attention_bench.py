@@ -531,8 +531,8 @@ def add_speedups(df: pd.DataFrame, baselines: Sequence[str] = ("pytorch_naive", 
     (> 1: this implementation is faster). NaN where either side has no time (e.g. out of memory)."""
     df = df.copy()
     for base in baselines:
-        ref = df[df["impl"] == base].set_index(CONFIG_KEY)[[f"{p}_ms" for p in PASSES]]
-        joined = df.join(ref, on=CONFIG_KEY, rsuffix="_ref")
+        ref = df[df["impl"] == base].set_index(CONFIG_KEY)[[f"{p}_ms" for p in PASSES]].add_suffix("_ref")
+        joined = df.join(ref, on=CONFIG_KEY)
         for p in PASSES:
             df[f"{p}_speedup_vs_{base}"] = (joined[f"{p}_ms_ref"] / joined[f"{p}_ms"]).to_numpy()
     return df
