@@ -147,9 +147,15 @@ def merge_rows(old: pd.DataFrame, new: pd.DataFrame, key: Iterable[str]) -> pd.D
     if old.empty or not key:
         return pd.concat([old, new], ignore_index=True)
 
+    def text(value) -> str:
+        # 512 and 512.0 are the same key (a column read back from CSV with a missing value becomes float)
+        if isinstance(value, float) and value.is_integer():
+            return str(int(value))
+        return str(value)
+
     def norm(frame: pd.DataFrame) -> pd.Series:
-        # map(str) rather than astype(str): pandas 3 keeps NaN as NaN under astype, and join would fail
-        return frame[key].apply(lambda col: col.map(str)).agg("|".join, axis=1)
+        # map rather than astype(str): pandas 3 keeps NaN as NaN under astype, and join would fail
+        return frame[key].apply(lambda col: col.map(text)).agg("|".join, axis=1)
 
     old_keys, new_keys = norm(old), norm(new)
     replaced = old_keys.isin(set(new_keys))

@@ -88,3 +88,11 @@ def test_combine_results_merges_headline_tables_and_keeps_provenance(tmp_path):
     meta = results.load_metadata("lm_step", dst)
     assert len(meta["sources"]) == 2 and all("gpu" in m for m in meta["sources"])
     assert list(results.load_results("other", dst)["x"]) == [1]
+
+
+def test_integer_and_float_keys_match(tmp_path):
+    base = dict(size="small", batch=4, dtype="bf16", attention="sdpa", compile=False, world_size=1, gpu="G")
+    results.save_results(pd.DataFrame([{**base, "context": 512.0, "fwd_ms": 1.0}]), "lm_step", tmp_path)
+    results.save_results(pd.DataFrame([{**base, "context": 512, "fwd_ms": 2.0}]), "lm_step", tmp_path)
+    df = results.load_results("lm_step", tmp_path)
+    assert len(df) == 1 and df["fwd_ms"].iloc[0] == 2.0
