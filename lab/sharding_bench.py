@@ -340,7 +340,8 @@ def timeline_events(trace_path: str | Path) -> pd.DataFrame:
     GPU: every kernel, its lane the CUDA stream, its kind ``communication`` for NCCL kernels and
     ``compute`` otherwise. CPU (no kernels): gloo collectives on their worker threads are communication,
     aten operators on the main thread compute. Phase ranges (forward, backward, optimizer_step) come as
-    rows of kind ``phase`` (their GPU extent when the trace has one). Times are relative to the first row.
+    rows of kind ``phase`` (on GPUs: the span of the kernels launched during them, see :func:`_gpu_phases`).
+    Times are relative to the first row.
     """
     events = [e for e in json.loads(Path(trace_path).read_text())["traceEvents"] if e.get("ph") == "X"]
     kernels = [e for e in events if e.get("cat") == "kernel"]
@@ -351,6 +352,10 @@ def timeline_events(trace_path: str | Path) -> pd.DataFrame:
             rows.append(("stream %s" % stream, "communication" if _is_comm(e["name"]) else "compute", e["name"],
                          e["ts"], e["dur"]))
         phase_cat = "gpu_user_annotation"
+        gpu_phases = _gpu_phases(events, kernels)
+        if gpu_phases:
+            rows += gpu_phases
+            phase_cat = None  # the profiler's own gpu_user_annotation misses the backward (see _gpu_phases)
     else:
         phases = [e for e in events if e.get("cat") == "user_annotation" and e["name"] == "forward"]
         main_tid = phases[0]["tid"] if phases else None
@@ -361,7 +366,7 @@ def timeline_events(trace_path: str | Path) -> pd.DataFrame:
                 rows.append(("main thread", "compute", e["name"], e["ts"], e["dur"]))
         phase_cat = "user_annotation"
     for e in events:
-        if e.get("cat") == phase_cat and e["name"] in ("forward", "backward", "optimizer_step"):
+        if phase_cat is not None and e.get("cat") == phase_cat and e["name"] in _PHASES:
             rows.append(("phase", "phase", e["name"], e["ts"], e["dur"]))
     df = pd.DataFrame(rows, columns=["lane", "kind", "name", "start_us", "dur_us"])
     if df.empty:
@@ -370,6 +375,36 @@ def timeline_events(trace_path: str | Path) -> pd.DataFrame:
     df["start_ms"] = (df["start_us"] - t0) / 1e3
     df["dur_ms"] = df["dur_us"] / 1e3
     return df.drop(columns=["start_us", "dur_us"]).sort_values("start_ms").reset_index(drop=True)
+
+
+_PHASES = ("forward", "backward", "optimizer_step")
+
+
+def _gpu_phases(events: list[dict], kernels: list[dict]) -> list[tuple]:
+    """GPU extent of each phase: the span of the kernels *launched* while the phase's CPU range was open.
+
+    The profiler's ``gpu_user_annotation`` only counts kernels launched by the thread that opened the range,
+    but backward kernels (and the collectives FSDP / ZeRO-1 / DDP issue from autograd hooks) are launched by
+    autograd's device thread, so its "backward" would cover little more than the loss gradient's fill kernel.
+    Kernels are matched to their launch (runtime/driver call) by correlation id. Empty if that is not possible.
+    """
+    launch_ts = {e["args"]["correlation"]: e["ts"] for e in events
+                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in (e.get("args") or {})}
+    ranges = sorted((e for e in events if e.get("cat") == "user_annotation" and e.get("name") in _PHASES),
+                    key=lambda e: e["ts"])
+    if not launch_ts or not ranges:
+        return []
+    spans: dict[int, list[float]] = {}
+    for k in kernels:
+        t = launch_ts.get((k.get("args") or {}).get("correlation"))
+        if t is None:
+            continue
+        for i, ph in enumerate(ranges):
+            if ph["ts"] <= t <= ph["ts"] + ph["dur"]:
+                lo, hi = spans.get(i, [math.inf, -math.inf])
+                spans[i] = [min(lo, k["ts"]), max(hi, k["ts"] + k["dur"])]
+                break
+    return [("phase", "phase", ranges[i]["name"], lo, hi - lo) for i, (lo, hi) in sorted(spans.items())]
 
 
 def _clip(intervals, lo: float, hi: float):
