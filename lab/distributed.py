@@ -192,12 +192,13 @@ def _worker(local: int, world: int, port: int, backend: str, device_type: str, t
                      _is_communication_error(exc)))
         _destroy_quietly()
         return
-    _destroy_quietly()
+    # send the result before tearing the group down: a teardown that hangs must not lose it
     try:
         results.put((local, "ok", _to_bytes(out)))
     except BaseException as exc:  # noqa: BLE001 - e.g. an unpicklable return value
         results.put((local, "error", f"cannot send the return value back: {type(exc).__name__}: {exc}",
                      traceback.format_exc(), False))
+    _destroy_quietly()
 
 
 def _destroy_quietly() -> None:
@@ -223,12 +224,13 @@ def _is_communication_error(exc: BaseException) -> bool:
 
 
 def launch(fn: Callable, world_size: int, *args, backend: str | None = None, device: str | None = None,
-           timeout_s: float = 300, **kwargs) -> list:
+           timeout_s: float = 300, deadline_s: float | None = None, **kwargs) -> list:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; returns the list of the ranks' return values.
 
     ``device``: "auto" (default: CUDA when present), "cpu" (gloo) or "cuda" (NCCL, one GPU per rank).
     ``backend``: override ("gloo" also works on GPUs' host processes). ``timeout_s``: the process-group
-    timeout in seconds (a collective that waits longer fails). Inside ``fn`` use :func:`rank`,
+    timeout in seconds (a collective that waits longer fails). ``deadline_s``: if set, the whole launch
+    fails with :class:`WorkerError` (ranks terminated) when it takes longer. Inside ``fn`` use :func:`rank`,
     :func:`world_size` and :func:`device`. Return values come back on the CPU. A failing rank raises
     :class:`WorkerError` here with its traceback, after the other ranks were terminated.
     Under torchrun (env:// variables set) ``fn`` runs in this process only and ``world_size`` must match.
@@ -247,9 +249,14 @@ def launch(fn: Callable, world_size: int, *args, backend: str | None = None, dev
     for p in procs:
         p.start()
     values: dict[int, Any] = {}
+    started = time.monotonic()
     try:
         dead_since: dict[int, float] = {}
         while len(values) < world_size:
+            if deadline_s is not None and time.monotonic() - started > deadline_s:
+                missing = [r for r in range(world_size) if r not in values]
+                raise WorkerError(missing[0], f"no result after the {deadline_s:.0f} s deadline "
+                                              f"(ranks {missing} still running)")
             try:
                 item = results.get(timeout=0.2)
             except _queue.Empty:
@@ -268,6 +275,9 @@ def launch(fn: Callable, world_size: int, *args, backend: str | None = None, dev
                     if now - dead_since.setdefault(r, now) > 5.0:
                         raise WorkerError(r, f"process exited with code {p.exitcode} without returning a result")
     finally:
+        if len(values) == world_size:  # success: let the ranks finish their teardown on their own
+            for p in procs:
+                p.join(timeout=30)
         for p in procs:
             if p.is_alive():
                 p.terminate()

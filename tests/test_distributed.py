@@ -27,6 +27,14 @@ def _fail_on_rank_one(message):
     return "unreachable"
 
 
+def _sleep_on_rank_one(seconds):
+    if distributed.rank() == 1:
+        import time
+
+        time.sleep(seconds)
+    return distributed.rank()
+
+
 def test_results_per_rank_and_back_to_back_launches():
     for offset in (0.0, 100.0):  # a second launch right after the first needs a fresh port and group
         out = distributed.launch(_rank_report, 2, offset, device="cpu")
@@ -73,3 +81,12 @@ def test_root_cause_is_preferred_over_peer_failures():
     assert err.rank == 1 and "the real problem" in str(err) and "Connection closed" in str(err)
     assert distributed._is_communication_error(RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error"))
     assert not distributed._is_communication_error(ValueError("boom"))
+
+
+def test_deadline_stops_a_stuck_launch():
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(distributed.WorkerError, match="deadline") as info:
+        distributed.launch(_sleep_on_rank_one, 2, 120, device="cpu", deadline_s=5)
+    assert info.value.rank == 1 and time.monotonic() - start < 60
