@@ -34,7 +34,7 @@ from lab.bench import autocast, lm_loss, make_optimizer, random_batch, time_call
 from lab.ddp import DDPBucketed, DDPIndividualParameters, FlatDDP, NaiveDDP
 from lab.device import is_oom
 from lab.model import ModelConfig, TransformerLM, config_for
-from lab.profiling import intersect_intervals, intervals_length, union_intervals
+from lab.profiling import intersect_intervals, intervals_length, kernel_phase_spans, union_intervals
 
 IMPLS = ("naive", "flat", "individual", "bucketed", "torch_ddp", "single_gpu")
 TORCH_DDP_BUCKET_MB = 25.0  # torch's default bucket_cap_mb
@@ -242,29 +242,13 @@ def timeline_from_trace(path: str | Path) -> pd.DataFrame:
 
 
 def _gpu_phases(events, kernels, cpu_phases) -> list[tuple]:
-    """GPU-side spans of the step's phases: each kernel belongs to the phase during which the CPU launched it.
-
-    A CPU range says when work was *launched*; the GPU runs it later. Backward kernels are launched by
-    autograd's device thread, so the profiler's own ``gpu_user_annotation`` (same-thread launches only) can
-    miss them; matching each kernel's launch (by correlation id) to the phase open at that time does not.
-    """
-    launch_ts = {e["args"]["correlation"]: e["ts"] for e in events
-                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
-    if not launch_ts or not cpu_phases:
+    """GPU-side spans of the step's phases: each kernel belongs to the phase during which the CPU launched it
+    (see :func:`lab.profiling.kernel_phase_spans`); the profiler's ``gpu_user_annotation`` if that fails."""
+    spans = kernel_phase_spans(events, kernels, cpu_phases)
+    if not spans:
         return [("phase", "phase", e["name"].removeprefix("ddp/"), e["ts"], e["dur"]) for e in events
                 if e.get("cat") == "gpu_user_annotation" and e.get("name", "").startswith("ddp/")]
-    phases = sorted(cpu_phases, key=lambda e: e["ts"])
-    spans: dict[int, list[float]] = {}
-    for k in kernels:
-        t = launch_ts.get(k.get("args", {}).get("correlation"))
-        if t is None:
-            continue
-        for i, ph in enumerate(phases):
-            if ph["ts"] <= t <= ph["ts"] + ph["dur"]:
-                lo, hi = spans.get(i, [math.inf, -math.inf])
-                spans[i] = [min(lo, k["ts"]), max(hi, k["ts"] + k["dur"])]
-                break
-    return [("phase", "phase", phases[i]["name"].removeprefix("ddp/"), lo, hi - lo) for i, (lo, hi) in spans.items()]
+    return [("phase", "phase", name.removeprefix("ddp/"), start, dur) for name, start, dur in spans]
 
 
 def merge_intervals(starts: Sequence[float], ends: Sequence[float]) -> list[tuple[float, float]]:

@@ -7,6 +7,7 @@ under ``nsys profile`` by a user who has it.
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -207,3 +208,30 @@ def intersect_intervals(a, b) -> list[tuple[float, float]]:
         else:
             j += 1
     return out
+
+
+def kernel_phase_spans(events: list[dict], kernels: list[dict], ranges: list[dict]) -> list[tuple[str, float, float]]:
+    """GPU extent of CPU ranges in a Chrome trace: (name, start_us, dur_us) for each range, the span of the
+    kernels *launched* while it was open. Empty when the trace has no launch correlation data.
+
+    A CPU range says when work was launched; the GPU runs it later. The profiler's own ``gpu_user_annotation``
+    counts only kernels launched by the thread that opened the range, but backward kernels (and collectives
+    issued from autograd hooks) are launched by autograd's device thread; matching each kernel to its
+    runtime/driver launch call by correlation id catches them.
+    """
+    launch_ts = {e["args"]["correlation"]: e["ts"] for e in events
+                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in (e.get("args") or {})}
+    ranges = sorted(ranges, key=lambda e: e["ts"])
+    if not launch_ts or not ranges:
+        return []
+    spans: dict[int, list[float]] = {}
+    for k in kernels:
+        t = launch_ts.get((k.get("args") or {}).get("correlation"))
+        if t is None:
+            continue
+        for i, r in enumerate(ranges):
+            if r["ts"] <= t <= r["ts"] + r["dur"]:
+                lo, hi = spans.get(i, [math.inf, -math.inf])
+                spans[i] = [min(lo, k["ts"]), max(hi, k["ts"] + k["dur"])]
+                break
+    return [(ranges[i]["name"], lo, hi - lo) for i, (lo, hi) in sorted(spans.items())]

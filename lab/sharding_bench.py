@@ -34,7 +34,7 @@ from lab import distributed
 from lab.bench import DTYPES, autocast, lm_loss, random_batch, time_callable
 from lab.device import is_oom, synchronize
 from lab.model import ModelConfig, TransformerLM, config_for
-from lab.profiling import intersect_intervals, intervals_length, union_intervals
+from lab.profiling import intersect_intervals, intervals_length, kernel_phase_spans, union_intervals
 
 IMPLS = ("ddp", "sharded_optimizer", "zero1", "fsdp", "torch_zero", "torch_fsdp2")
 GiB = 2**30
@@ -381,30 +381,11 @@ _PHASES = ("forward", "backward", "optimizer_step")
 
 
 def _gpu_phases(events: list[dict], kernels: list[dict]) -> list[tuple]:
-    """GPU extent of each phase: the span of the kernels *launched* while the phase's CPU range was open.
-
-    The profiler's ``gpu_user_annotation`` only counts kernels launched by the thread that opened the range,
-    but backward kernels (and the collectives FSDP / ZeRO-1 / DDP issue from autograd hooks) are launched by
-    autograd's device thread, so its "backward" would cover little more than the loss gradient's fill kernel.
-    Kernels are matched to their launch (runtime/driver call) by correlation id. Empty if that is not possible.
-    """
-    launch_ts = {e["args"]["correlation"]: e["ts"] for e in events
-                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in (e.get("args") or {})}
-    ranges = sorted((e for e in events if e.get("cat") == "user_annotation" and e.get("name") in _PHASES),
-                    key=lambda e: e["ts"])
-    if not launch_ts or not ranges:
-        return []
-    spans: dict[int, list[float]] = {}
-    for k in kernels:
-        t = launch_ts.get((k.get("args") or {}).get("correlation"))
-        if t is None:
-            continue
-        for i, ph in enumerate(ranges):
-            if ph["ts"] <= t <= ph["ts"] + ph["dur"]:
-                lo, hi = spans.get(i, [math.inf, -math.inf])
-                spans[i] = [min(lo, k["ts"]), max(hi, k["ts"] + k["dur"])]
-                break
-    return [("phase", "phase", ranges[i]["name"], lo, hi - lo) for i, (lo, hi) in sorted(spans.items())]
+    """GPU extent of each phase: the span of the kernels launched while its CPU range was open (the profiler's
+    ``gpu_user_annotation`` misses the backward's kernels, launched by autograd's device thread; see
+    :func:`lab.profiling.kernel_phase_spans`). Empty if the trace has no launch correlation data."""
+    ranges = [e for e in events if e.get("cat") == "user_annotation" and e.get("name") in _PHASES]
+    return [("phase", "phase", name, start, dur) for name, start, dur in kernel_phase_spans(events, kernels, ranges)]
 
 
 def _clip(intervals, lo: float, hi: float):

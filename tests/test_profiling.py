@@ -49,3 +49,20 @@ def test_interval_arithmetic():
     b = profiling.union_intervals([(2, 6)])
     assert profiling.intersect_intervals(a, b) == [(2, 3), (5, 6)]
     assert profiling.intersect_intervals(a, []) == []
+
+
+def test_kernel_phase_spans_follow_launches_not_threads():
+    # backward's kernel is launched from another thread (autograd's) while the CPU range is open
+    events = [
+        {"cat": "user_annotation", "name": "forward", "ts": 0, "dur": 10, "tid": 1},
+        {"cat": "user_annotation", "name": "backward", "ts": 10, "dur": 10, "tid": 1},
+        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 2, "dur": 1, "args": {"correlation": 1}},
+        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 12, "dur": 1, "tid": 2, "args": {"correlation": 2}},
+        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 15, "dur": 1, "tid": 2, "args": {"correlation": 3}},
+    ]
+    kernels = [{"cat": "kernel", "name": "k1", "ts": 20, "dur": 5, "args": {"correlation": 1}},
+               {"cat": "kernel", "name": "k2", "ts": 26, "dur": 4, "args": {"correlation": 2}},
+               {"cat": "kernel", "name": "k3", "ts": 31, "dur": 9, "args": {"correlation": 3}}]
+    spans = profiling.kernel_phase_spans(events + kernels, kernels, events[:2])
+    assert spans == [("forward", 20, 5), ("backward", 26, 14)]
+    assert profiling.kernel_phase_spans(events[:2] + kernels, kernels, events[:2]) == []  # no launch records
