@@ -134,7 +134,8 @@ for config, part in ok.groupby("config", sort=False):
 # finished; the hook-based wrappers start during backward.
 
 # %%
-key = list(timelines)[-1]
+# the last configuration that has profiled timelines (a configuration whose runs all ran out of memory has none)
+key = [k for k in timelines if timelines[k]][-1]
 tl = timelines[key]
 cfg_rows = ok[ok["config"] == key]
 best_bucket = cfg_rows[cfg_rows["impl"] == "bucketed"].sort_values("step_ms")
