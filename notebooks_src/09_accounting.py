@@ -28,7 +28,7 @@ xxl_activation_tokens = 2048      # tokens whose activations one device holds (o
 xxl_token_counts = [0, 1, 512, 2048, 8192]
 gpu_flops = 989e12                # C of an H100 SXM, dense bf16 FLOP/s, for the GPU FFN example
 ffn_tokens = 65536                # B for the GPU FFN example (tokens per step)
-check_model = dict(d_model=128, d_ff=352, num_layers=2, num_heads=4)  # model whose saved tensors are counted
+check_model = {"d_model": 128, "d_ff": 352, "num_layers": 2, "num_heads": 4}  # model whose saved tensors are counted
 check_batch, check_context = 2, 64
 
 # %%
