@@ -20,7 +20,7 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from lab.device import empty_cache, is_oom, resolve_device, synchronize
+from lab.device import empty_cache, error_summary, is_oom, resolve_device, synchronize
 from lab.model import ModelConfig, TransformerLM, config_for
 
 MODES = ("forward", "forward_backward", "train_step")
@@ -89,10 +89,14 @@ def autocast(device: torch.device, dtype: str):
     return torch.autocast(device_type=device.type, dtype=DTYPES[dtype])
 
 
-def lm_loss(model: torch.nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy."""
-    logits = model(tokens)
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over all positions (logits ``(..., vocab)`` computed in fp32, integer targets)."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+def lm_loss(model: torch.nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of ``model`` on ``tokens``."""
+    return next_token_loss(model(tokens), targets)
 
 
 def make_optimizer(model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer:
@@ -190,7 +194,7 @@ def benchmark_lm(size: str | ModelConfig, context: int = 512, batch: int = 4,
     except Exception as exc:  # noqa: BLE001 - only out-of-memory is turned into a row
         if not is_oom(exc):
             raise
-        failures.append(f"build: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+        failures.append(f"build: {error_summary(exc)}")
     # each mode on its own, so that a forward that fits is reported even when the train step does not
     for mode in modes if not failures else ():
         failed = False
@@ -202,7 +206,7 @@ def benchmark_lm(size: str | ModelConfig, context: int = 512, batch: int = 4,
         except Exception as exc:  # noqa: BLE001
             if not is_oom(exc):
                 raise
-            failures.append(f"{mode}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+            failures.append(f"{mode}: {error_summary(exc)}")
             failed = True
         if failed:  # outside the except block, so the traceback's frames (and their tensors) are gone
             model.zero_grad(set_to_none=True)

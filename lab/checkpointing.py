@@ -189,7 +189,7 @@ def checkpoint_sweep(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
 
     from tqdm import tqdm  # plain text bars: they render in papermill reports
 
-    from lab.device import empty_cache, is_oom, synchronize
+    from lab.device import empty_cache, error_summary, is_oom, synchronize
     from lab.memory import default_loss, measure_peak_bytes
 
     device = next(model.parameters()).device
@@ -226,7 +226,7 @@ def checkpoint_sweep(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
         except Exception as exc:
             if not is_oom(exc):
                 raise
-            row.update(status="oom", error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
+            row.update(status="oom", error=error_summary(exc))
         optimizer.zero_grad(set_to_none=True)
         empty_cache()
         rows.append(row)

@@ -32,7 +32,7 @@ from torch import nn
 from lab import distributed, paths
 from lab.bench import autocast, lm_loss, make_optimizer, random_batch, time_callable
 from lab.ddp import DDPBucketed, DDPIndividualParameters, FlatDDP, NaiveDDP
-from lab.device import is_oom
+from lab.device import error_summary, is_oom
 from lab.model import ModelConfig, TransformerLM, config_for
 from lab.profiling import intersect_intervals, intervals_length, kernel_phase_spans, union_intervals
 
@@ -134,7 +134,7 @@ def ddp_benchmark_worker(plan: list[tuple[str, float]], cfg: ModelConfig, batch:
         except Exception as exc:  # noqa: BLE001 - out of memory is a result
             if not is_oom(exc):
                 raise
-            row.update(status="oom", error=str(exc).splitlines()[0][:200], samples_ms=[])
+            row.update(status="oom", error=error_summary(exc), samples_ms=[])
         finally:
             if hasattr(wrapped, "remove_hooks"):
                 wrapped.remove_hooks()

@@ -44,6 +44,13 @@ def is_oom(exc: BaseException) -> bool:
                                                  for m in markers)
 
 
+def error_summary(exc: BaseException, limit: int = 200) -> str:
+    """``"OutOfMemoryError: CUDA out of memory. Tried ..."``: the type and first line of an error, for the
+    ``error`` column of a result row."""
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {first[:limit]}"
+
+
 def empty_cache() -> None:
     """Release cached blocks so the next measurement starts from a clean allocator."""
     import gc

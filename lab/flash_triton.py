@@ -403,16 +403,10 @@ def compiled_backward(q, k, v, out, lse, grad_out, is_causal):
     return attention_backward_recompute(q, k, v, out, lse, grad_out, is_causal)
 
 
-class FlashAttentionTritonCompiledBackward(torch.autograd.Function):
+class FlashAttentionTritonCompiledBackward(FlashAttentionTriton):
     """FlashAttention-2 with the Triton forward and the backward as compiled PyTorch (recomputation
     equations through ``torch.compile``, eager when compiling is unavailable). Same interface as
-    :class:`FlashAttentionTriton`."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, is_causal=False):
-        out, lse = flash_forward(q, k, v, is_causal)
-        _save_forward(ctx, q, k, v, out, lse, is_causal)
-        return out
+    :class:`FlashAttentionTriton`, whose forward it shares."""
 
     @staticmethod
     def backward(ctx, grad_out):

@@ -41,6 +41,7 @@ import pandas as pd
 import torch
 from torch import nn
 
+from lab.bench import next_token_loss
 from lab.device import resolve_device, synchronize
 
 MiB = 2**20
@@ -245,8 +246,8 @@ def is_user_frame(frame: dict) -> bool:
     filename = "/" + str(frame.get("filename", "")).replace("\\", "/").lstrip("/")
     if not filename.endswith(".py") and "ipykernel_" not in filename:
         return False
-    if filename.endswith("/lab/memory.py"):  # the measuring harness itself is not an origin (its loss is)
-        return frame.get("name") == "default_loss"
+    if filename.endswith("/lab/memory.py"):  # the measuring harness itself is not an origin (its loss,
+        return False                          # lab.bench.next_token_loss, is)
     if "/lab/" in filename:  # the lab package is user code even when installed in site-packages
         return True
     return not any(s in filename for s in _INTERNAL)
@@ -617,9 +618,7 @@ class CudaMemoryCounter:
 PHASES = ("forward", "backward", "optimizer_step")
 
 
-def default_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over all positions (logits ``(..., vocab)``, integer targets ``(...)``)."""
-    return nn.functional.cross_entropy(output.reshape(-1, output.shape[-1]).float(), target.reshape(-1))
+default_loss = next_token_loss  # mean cross-entropy over all positions
 
 
 def peak_memory_by_phase(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], optimizer: torch.optim.Optimizer,
@@ -846,7 +845,7 @@ def peak_memory_table(model: nn.Module, contexts: Sequence[int], dtypes: Sequenc
     """
     from tqdm import tqdm  # plain text bars: they render in papermill reports
 
-    from lab.device import empty_cache, is_oom
+    from lab.device import empty_cache, error_summary, is_oom
 
     device = next(model.parameters()).device
     vocab = vocab_size or model.lm_head.out_features
@@ -898,7 +897,7 @@ def peak_memory_table(model: nn.Module, contexts: Sequence[int], dtypes: Sequenc
         except Exception as exc:
             if not is_oom(exc):
                 raise
-            row.update(status="oom", error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
+            row.update(status="oom", error=error_summary(exc))
         model.zero_grad(set_to_none=True)
         empty_cache()
         rows.append(row)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -138,10 +138,6 @@ def get_attention(name: str) -> Callable:
     return _ATTENTION[name]
 
 
-def attention_names() -> list[str]:
-    return sorted(set(_ATTENTION) | set(_LAZY_ATTENTION))
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Layers
 
@@ -264,6 +260,3 @@ class TransformerLM(nn.Module):
     def from_size(cls, size: str, **overrides) -> "TransformerLM":
         return cls(config_for(size, **overrides))
 
-
-def with_attention(cfg: ModelConfig, attention: str) -> ModelConfig:
-    return replace(cfg, attention=attention)

@@ -32,7 +32,7 @@ from tqdm import tqdm  # plain text bars: they render in papermill reports
 
 from lab import distributed
 from lab.bench import DTYPES, autocast, lm_loss, random_batch, time_callable
-from lab.device import is_oom, synchronize
+from lab.device import error_summary, is_oom, synchronize
 from lab.model import ModelConfig, TransformerLM, config_for
 from lab.profiling import intersect_intervals, intervals_length, kernel_phase_spans, union_intervals
 
@@ -273,7 +273,7 @@ def run_config(impl: str, size: str | ModelConfig, world_size: int = 2, context:
         per_rank = distributed.launch(sharding_worker, world_size, impl, cfg, batch, dtype, warmup, steps,
                                       trace_path, fsdp_reduce_dtype, device=device, timeout_s=timeout_s)
     except Exception as exc:  # noqa: BLE001 - a failed configuration is a row, not a crashed sweep
-        row.update(status="oom" if is_oom(exc) else "error", error=str(exc).splitlines()[0][:300])
+        row.update(status="oom" if is_oom(exc) else "error", error=error_summary(exc, limit=300))
         return row
     # A step is over when its slowest rank is done: per step the max over ranks, then mean and std.
     samples = torch.tensor([r["step_samples_ms"] for r in per_rank], dtype=torch.float64).max(dim=0).values
