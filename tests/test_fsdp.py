@@ -248,3 +248,18 @@ def test_sharding_benchmark_row_on_cpu(tmp_path):
     summary = overlap_summary(tl).set_index("phase")
     assert {"forward", "backward", "optimizer_step", "step"} <= set(summary.index)
     assert summary.loc["backward", "communication_ms"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["ddp", "sharded_optimizer", "zero1", "fsdp", "torch_zero", "torch_fsdp2"])
+def test_sharding_benchmark_row_on_two_gpus(impl, tmp_path):
+    """Every implementation runs under NCCL on two GPUs, and the sharded state matches the closed form."""
+    from lab.sharding_bench import run_config
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    row = run_config(impl, "tiny", world_size=2, context=64, batch=2, dtype="bf16", warmup=1, steps=2,
+                     device="cuda", trace_path=str(tmp_path / "trace.json") if impl == "fsdp" else None)
+    assert row["status"] == "ok", row["error"]
+    assert row["step_ms"] > 0 and row["peak_after_step_gib"] > 0
+    assert row["optimizer_state_gib"] == pytest.approx(row["expected_optimizer_state_gib"], rel=0.05)
