@@ -27,8 +27,8 @@ artifacts_dir = "artifacts/quick"
 world_size = 2
 configs = None                    # None: xl fp32 and 2.7B bf16, batch 2 per rank, context 512 (full)
 bucket_sizes_mb = None            # None: 1, 10, 100, 1000 (full) or 0.1, 1, 10 (quick)
-warmup = 2
-steps = 6
+warmup = 3
+steps = 12
 
 # %%
 import math

@@ -10,8 +10,9 @@
 # * **ZeRO-1** (`lab.zero1.ZeRO1Optimizer`): the same saving, but the all-reduce becomes a reduce-scatter
 #   (bucketed, overlapping backward), the update happens on the local slice, and an all-gather returns the
 #   parameters, so it communicates exactly what DDP does.
-# * **`lab.FSDP`**: parameters and gradients are sharded too; each layer's weights are all-gathered just
-#   before use (two layers ahead) and dropped right after, and gradients are reduce-scattered.
+# * **`lab.FSDP`**: parameters and gradients are sharded too; each layer's weights (a layer is a transformer
+#   block: seven matrices in one collective) are all-gathered just before use (two layers ahead) and
+#   dropped right after, and gradients are reduce-scattered, one collective per block.
 #
 # Each is compared with PyTorch's own: `DistributedDataParallel`, `ZeroRedundancyOptimizer` and FSDP2
 # (`fully_shard`). Every number in the prose is computed from the result tables.
@@ -21,7 +22,7 @@ quick = True                      # tiny model, gloo on the CPU; the full render
 device = "auto"                   # "auto": NCCL on GPUs when there are enough, else gloo on the CPU
 results_dir = "results/quick"     # the full render passes "results"
 artifacts_dir = "artifacts/quick"
-sizes = None                      # None: 2.7B (full; add "xl" when device time allows) or tiny (quick)
+sizes = None                      # None: xl and 2.7B (full) or tiny (quick)
 impls = ["ddp", "sharded_optimizer", "zero1", "fsdp", "torch_zero", "torch_fsdp2"]
 world_size = 2
 context = None                    # None: 512 (full) or 64 (quick)
@@ -29,7 +30,7 @@ batch = 2                         # per rank
 dtype = "bf16"                    # autocast dtype (and FSDP's compute dtype)
 fsdp_reduce_dtype = None          # None: reduce-scatter in the compute dtype, as FSDP2 does by default
 warmup = 2
-steps = 4
+steps = 8
 profile_impl = "fsdp"             # its step is profiled: compute vs communication on a timeline
 
 # %%
@@ -50,7 +51,7 @@ if quick:
     context = context or 64
     warmup, steps = min(warmup, 1), min(steps, 3)
 else:
-    sizes = sizes or ["2.7B"]
+    sizes = sizes or ["xl", "2.7B"]
     context = context or 512
 if device == "auto":
     device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "cpu"

@@ -121,18 +121,21 @@ def _train_worker(compute_dtype, steps: int, reduce_dtype=None) -> dict:
     return out
 
 
-def _depth_worker(layer_counts, prefetch: int) -> dict:
-    """Most gathered weights alive at once, and the per-step traffic, for models of several depths."""
+def _depth_worker(layer_counts, prefetch: int, per_module: bool = False) -> dict:
+    """Most layers with a gathered weight alive at once, and the per-step traffic, for several depths."""
     r, n = distributed.rank(), distributed.world_size()
     out = {}
     for layers in layer_counts:
         torch.manual_seed(0)
-        model = FSDP(TransformerLM(_config(layers)), prefetch=prefetch)
+        model = FSDP(TransformerLM(_config(layers)), prefetch=prefetch, unit_modules=[] if per_module else None)
         xs, ys = _global_batch(0, n)
         with TrafficLog() as log:
             _loss(model(xs[r]), ys[r]).backward()
+        counts = {}
+        for op, _ in log.calls:
+            counts[op] = counts.get(op, 0) + 1
         out[layers] = {"max_live": model.max_live_gathered, "live_after": model.live_gathered(),
-                       "num_layers": len(model._layers), "calls": log.summary()}
+                       "num_layers": len(model._layers), "calls": log.summary(), "counts": counts}
     # tied weights are refused with a clear error
     tied = TransformerLM(_config(1))
     tied.lm_head.weight = tied.embedding.weight
@@ -142,6 +145,67 @@ def _depth_worker(layer_counts, prefetch: int) -> dict:
     except ValueError as exc:
         out["tied_error"] = str(exc)
     return out
+
+
+class _ReuseModel(torch.nn.Module):
+    """Blocks of two linears: ``a`` runs twice per block, ``b`` only when asked (a layer whose weights do not
+    all get gradients, and a weight whose gradient has two parts)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.ModuleDict(dict(a=torch.nn.Linear(8, 8), b=torch.nn.Linear(8, 6, bias=False)))
+            for _ in range(3))
+
+    def forward(self, x, use_b: bool):
+        for blk in self.blocks:
+            x = torch.tanh(blk["a"](blk["a"](x)))
+            if use_b:
+                x = x + blk["b"](x).sum(-1, keepdim=True)
+        return x.pow(2).mean()
+
+
+def _reuse_worker(uses) -> list[bool]:
+    torch.use_deterministic_algorithms(True)
+    r, n = distributed.rank(), distributed.world_size()
+    torch.manual_seed(0)
+    ref = _ReuseModel()
+    model = FSDP(copy.deepcopy(ref))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    same = []
+    for step, use_b in enumerate(uses):
+        xs = torch.randn(n, 4, 8, generator=torch.Generator().manual_seed(step))
+        opt.zero_grad()
+        model(xs[r], use_b).backward()
+        grads = {}
+        for name, p in model.module.named_parameters():
+            if name in model.sharded_parameter_names():
+                w = model._weights[name]
+                if p.grad is None:
+                    grads[name] = None
+                    continue
+                full = torch.empty(w.padded)
+                all_gather_tensor(full, p.grad)
+                grads[name] = full[:w.numel].view(w.shape)
+            else:
+                grads[name] = p.grad
+        ref_opt.zero_grad()
+        for k in range(n):
+            ref(xs[k], use_b).backward()
+        for p in ref.parameters():
+            if p.grad is not None:
+                p.grad.div_(n)
+        for name, p in ref.named_parameters():
+            g = grads[name]
+            same.append((g is None and p.grad is None) or (g is not None and p.grad is not None and
+                                                         torch.equal(g, p.grad)))
+        opt.step()
+        ref_opt.step()
+        full = model.gather_full_params()
+        same.append(all(torch.equal(full[k], v) for k, v in ref.named_parameters()))
+        same.append(model.live_gathered() == 0)
+    return same
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -199,8 +263,9 @@ def test_fsdp_bf16_compute_is_close_and_keeps_fp32_master_state(reduce_dtype):
 
 
 @pytest.mark.slow
-def test_gathered_weights_are_freed_and_memory_does_not_grow_with_depth():
-    out = distributed.launch(_depth_worker, 2, [1, 2, 4], 2, device="cpu", timeout_s=120)
+@pytest.mark.parametrize("per_module", [False, True], ids=["block_layers", "module_layers"])
+def test_gathered_weights_are_freed_and_memory_does_not_grow_with_depth(per_module):
+    out = distributed.launch(_depth_worker, 2, [1, 2, 4], 2, per_module, device="cpu", timeout_s=120)
     for res in out:
         for layers in (1, 2, 4):
             r = res[layers]
@@ -208,7 +273,12 @@ def test_gathered_weights_are_freed_and_memory_does_not_grow_with_depth():
             # worker thread has not released yet (timing-dependent)
             assert r["max_live"] <= 2 + 2, r
             assert r["live_after"] == 0
-            assert r["num_layers"] == 7 * layers + 2  # 7 linears per block, embedding, head
+            # layers: 7 linears per block (one layer per block by default), the embedding, the head
+            units = 7 * layers if per_module else layers
+            assert r["num_layers"] == units + 2
+            # one collective per layer: all-gathered in forward and again in backward (not the embedding),
+            # one reduce-scatter each, one all-reduce of the norms
+            assert r["counts"] == {"all_gather": 2 * units + 3, "reduce_scatter": units + 2, "all_reduce": 1}
             # traffic: every matrix gathered in forward, again in backward (not the embedding: its backward
             # needs only the indices), one reduce-scatter of fp32 gradients each, one all-reduce of the norms
             calls = r["calls"]
@@ -220,6 +290,12 @@ def test_gathered_weights_are_freed_and_memory_does_not_grow_with_depth():
             assert calls["reduce_scatter"] == matrices
         assert res[4]["max_live"] <= res[1]["max_live"] + 1  # flat in depth, up to the gloo timing slack
         assert "tied" in res["tied_error"]
+
+
+@pytest.mark.slow
+def test_fsdp_weight_used_twice_and_weights_without_gradient_are_exact():
+    for same in distributed.launch(_reuse_worker, 2, [True, False, True, False], device="cpu", timeout_s=120):
+        assert all(same), same
 
 
 def test_fsdp_needs_a_process_group_and_valid_dtype():
