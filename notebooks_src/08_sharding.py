@@ -253,6 +253,24 @@ if len(undecided):
 # (shaded green) and the communication hides under compute.
 
 # %%
+def verdict(size, summary, fwd) -> str:
+    """What keeps the compute lane idle in the forward: late all-gathers, or the host not launching kernels."""
+    idle, exposed = fwd["compute_idle_ms"], fwd["exposed_communication_ms"]
+    if idle <= 0.1 * fwd["window_ms"]:
+        return "The all-gathers finish before the layers need them and the compute lane has no gaps to speak of."
+    if exposed >= 0.5 * idle:
+        return "Most of the idle time is exposed communication: the gathers are on the critical path at this size."
+    text = (f"Exposed communication accounts for only {exposed / idle:.0%} of the idle time: the gathers arrive "
+            "in time, and the rest of the gap is the host launching kernels one after another slower than the GPU "
+            "runs them (a host-bound step at this batch size).")
+    step = summary.set_index("phase")["window_ms"].get("step")
+    if (size, profile_impl) in t.index and step is not None:
+        timed = t.loc[(size, profile_impl), "step_ms"]
+        text += (f" The profiler adds host work of its own: this profiled step took {step:.0f} ms, the timed steps "
+                 f"{timed:.0f} ms.")
+    return text
+
+
 for size, tl in timelines.items():
     fig, ax = plt.subplots(figsize=(12, 3.4))
     sb.plot_timeline(tl, title=f"{profile_impl}, {size}: one training step on rank 0", ax=ax)
@@ -266,11 +284,7 @@ for size, tl in timelines.items():
                    f"{fwd['compute_ms']:.1f} ms and idle {fwd['compute_idle_ms']:.1f} ms "
                    f"({fwd['compute_idle_ms'] / fwd['window_ms']:.0%}); {fwd['overlap_share']:.0%} of the "
                    f"{fwd['communication_ms']:.1f} ms of communication overlaps compute, "
-                   f"{fwd['exposed_communication_ms']:.1f} ms is exposed. "
-                   + ("The all-gathers mostly finish before the layers need them."
-                      if fwd["compute_idle_ms"] <= 0.1 * fwd["window_ms"] else
-                      "The compute lane waits a noticeable share of the forward: gathers (or launch overhead) "
-                      "are on the critical path at this size."))
+                   f"{fwd['exposed_communication_ms']:.1f} ms is exposed. " + verdict(size, summary, fwd))
 
 # %% [markdown]
 # ## FSDP memory saving: expected vs measured
