@@ -158,6 +158,31 @@ class _Peaks:
         return torch.cuda.memory_allocated(self.device) / GiB if self.cuda else math.nan
 
 
+def step_phases(runnable: torch.nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor,
+                targets: torch.Tensor, device: torch.device, dtype: str):
+    """The three phases of a training step of a built implementation (see :func:`build`), each in a profiler
+    range: ``forward() -> loss`` (under autocast for ``dtype``), ``backward(loss)`` (including the
+    wrapper's gradient synchronization, if it has one) and ``optimizer_step()`` (step, then zero_grad)."""
+    finish = getattr(runnable, "finish_gradient_synchronization", None)
+
+    def forward() -> torch.Tensor:
+        with torch.profiler.record_function("forward"), autocast(device, dtype):
+            return lm_loss(runnable, tokens, targets)
+
+    def backward(loss: torch.Tensor) -> None:
+        with torch.profiler.record_function("backward"):
+            loss.backward()
+            if finish is not None:
+                finish()
+
+    def optimizer_step() -> None:
+        with torch.profiler.record_function("optimizer_step"):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    return forward, backward, optimizer_step
+
+
 def sharding_worker(impl: str, cfg: ModelConfig, batch: int, dtype: str, warmup: int, steps: int,
                     trace_path: str | None = None, fsdp_reduce_dtype: str | None = None) -> dict:
     """Inside a launched process: build ``impl``, measure memory by phase, time ``steps`` train steps.
@@ -177,18 +202,10 @@ def sharding_worker(impl: str, cfg: ModelConfig, batch: int, dtype: str, warmup:
     out = {"rank": distributed.rank(), "num_params": num_params, "peak_init_gib": peaks.peak_gib()}
     tokens, targets = random_batch(cfg, batch, device, seed=distributed.rank())
 
-    def forward_backward():
-        with torch.profiler.record_function("forward"), autocast(device, dtype):
-            loss = lm_loss(runnable, tokens, targets)
-        with torch.profiler.record_function("backward"):
-            loss.backward()
-            if hasattr(runnable, "finish_gradient_synchronization"):
-                runnable.finish_gradient_synchronization()
+    forward, backward, optimizer_step = step_phases(runnable, opt, tokens, targets, device, dtype)
 
-    def optimizer_step():
-        with torch.profiler.record_function("optimizer_step"):
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+    def forward_backward():
+        backward(forward())
 
     def train_step():
         forward_backward()

@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 
 from lab import distributed
-from lab.bench import autocast, lm_loss, random_batch
+from lab.bench import random_batch
 from lab.device import synchronize
 from lab.model import TransformerLM, config_for
-from lab.sharding_bench import build
+from lab.sharding_bench import build, step_phases
 
 PAIRS = [("xl", "fsdp", "torch_fsdp2"), ("2.7B", "fsdp", "torch_fsdp2"), ("2.7B", "zero1", "torch_zero")]
 
@@ -34,16 +34,11 @@ def worker(size: str, impls: tuple[str, str], dtype: str, batch: int, warmup: in
         with torch.device(dev):
             model = TransformerLM(cfg)
         runnable, opt, _ = build(impl, model, dev, dtype)
+        forward, backward, optimizer_step = step_phases(runnable, opt, tokens, targets, dev, dtype)
 
-        def step(runnable=runnable, opt=opt):
-            with autocast(dev, dtype):
-                loss = lm_loss(runnable, tokens, targets)
-            loss.backward()
-            finish = getattr(runnable, "finish_gradient_synchronization", None)
-            if finish is not None:
-                finish()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        def step(forward=forward, backward=backward, optimizer_step=optimizer_step):
+            backward(forward())
+            optimizer_step()
 
         steps[impl] = step
     times = {impl: [] for impl in impls}

@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 
 from lab import distributed
-from lab.bench import autocast, lm_loss, random_batch
+from lab.bench import random_batch
 from lab.model import TransformerLM, config_for
-from lab.sharding_bench import build
+from lab.sharding_bench import build, step_phases
 
 CONFIGS = [("2.7B", "single", 1), ("xl", "ddp", 2), ("xl", "fsdp", 2), ("xl", "torch_fsdp2", 2)]
 
@@ -63,20 +63,7 @@ def worker(size: str, impl: str, dtype: str, batch: int):
         runnable, optimizer = model, torch.optim.AdamW(model.parameters(), lr=1e-4)
     else:
         runnable, optimizer, _ = build(impl, model, dev, dtype)
-
-    def fwd():
-        with autocast(dev, dtype):
-            return lm_loss(runnable, tokens, targets)
-
-    def bwd(loss):
-        loss.backward()
-        finish = getattr(runnable, "finish_gradient_synchronization", None)
-        if finish is not None:
-            finish()
-
-    def opt():
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    fwd, bwd, opt = step_phases(runnable, optimizer, tokens, targets, dev, dtype)
 
     rows = _phases(fwd, bwd, opt, dev)
     profile = ""
