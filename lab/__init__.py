@@ -11,18 +11,18 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it
 _LAZY = {
-    "TransformerLM": "lab.model",
-    "ModelConfig": "lab.model",
-    "MODEL_SIZES": "lab.model",
-    "FlashAttentionPytorch": "lab.flash_pytorch",
-    "FlashAttentionTriton": "lab.flash_triton",
-    "NaiveDDP": "lab.ddp",
-    "FlatDDP": "lab.ddp",
-    "DDPIndividualParameters": "lab.ddp",
-    "DDPBucketed": "lab.ddp",
-    "ShardedOptimizer": "lab.sharded_optimizer",
-    "FSDP": "lab.fsdp",
-    "ZeRO1Optimizer": "lab.zero1",
+    "TransformerLM": "lab.model.transformer",
+    "ModelConfig": "lab.model.transformer",
+    "MODEL_SIZES": "lab.model.transformer",
+    "FlashAttentionPytorch": "lab.kernels.flash_pytorch",
+    "FlashAttentionTriton": "lab.kernels.flash_triton",
+    "NaiveDDP": "lab.parallel.ddp",
+    "FlatDDP": "lab.parallel.ddp",
+    "DDPIndividualParameters": "lab.parallel.ddp",
+    "DDPBucketed": "lab.parallel.ddp",
+    "ShardedOptimizer": "lab.parallel.sharded_optimizer",
+    "FSDP": "lab.parallel.fsdp",
+    "ZeRO1Optimizer": "lab.parallel.zero1",
 }
 
 __all__ = sorted(_LAZY)

@@ -1,4 +1,4 @@
-"""Closed forms of lab.accounting against hand arithmetic, the real model and the ring simulator."""
+"""Closed forms of lab.accounting.formulas against hand arithmetic, the real model and the ring simulator."""
 
 import math
 
@@ -8,10 +8,10 @@ import sympy as sp
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from lab import accounting as acc
-from lab.bench import lm_loss
-from lab.model import MODEL_SIZES, ModelConfig, TransformerLM, config_for
-from lab.ring_sim import simulate
+from lab.accounting import formulas as acc
+from lab.bench.lm import lm_loss
+from lab.model.transformer import MODEL_SIZES, ModelConfig, TransformerLM, config_for
+from lab.accounting.ring_sim import simulate
 
 TINY = dict(d_model=24, d_ff=56, num_layers=2, num_heads=3, context_length=16, vocab_size=50)
 

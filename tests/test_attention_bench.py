@@ -1,4 +1,4 @@
-"""Tests for lab.attention_bench: FLOP and memory closed forms against counts, the grid runners' rows."""
+"""Tests for lab.bench.attention: FLOP and memory closed forms against counts, the grid runners' rows."""
 
 import gc
 import importlib.util
@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from lab import attention_bench as ab
-from lab.model import ModelConfig
-from lab.model import naive_attention as model_naive_attention
+from lab.bench import attention as ab
+from lab.model.transformer import ModelConfig
+from lab.model.transformer import naive_attention as model_naive_attention
 
 # ---------------------------------------------------------------------------------------------------------
 # FLOPs
@@ -139,9 +139,9 @@ def test_flash_saved_bytes_closed_form():
     assert ab.flash_attention_saved_bytes(2, 16, 8, "bf16", heads=3) == 4 * 6 * 16 * 8 * 2 + 6 * 16 * 4
 
 
-@pytest.mark.skipif(importlib.util.find_spec("lab.flash_pytorch") is None, reason="lab.flash_pytorch not written yet")
+@pytest.mark.skipif(importlib.util.find_spec("lab.kernels.flash_pytorch") is None, reason="lab.kernels.flash_pytorch not written yet")
 def test_flash_pytorch_saves_what_the_closed_form_says():
-    from lab.flash_pytorch import FlashAttentionPytorch
+    from lab.kernels.flash_pytorch import FlashAttentionPytorch
 
     b, s, d = 2, 64, 16
     q, k, v = (torch.randn(b, s, d, requires_grad=True) for _ in range(3))
@@ -296,7 +296,7 @@ def test_attention_impl_names():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("lab.flash_triton") is None, reason="lab.flash_triton not written yet")
+@pytest.mark.skipif(importlib.util.find_spec("lab.kernels.flash_triton") is None, reason="lab.kernels.flash_triton not written yet")
 def test_flash_grid_runs_interpreted_triton():
     df = ab.run_flash_grid(("triton", "sdpa"), seqs=(32,), ds=(16,), dtypes=("fp32",), cpu_steps=1,
                            device="cpu", progress=False)

@@ -5,8 +5,8 @@ import pandas as pd
 import pytest
 import torch
 
-from lab import bench
-from lab.model import ModelConfig, TransformerLM
+from lab.bench import lm as bench
+from lab.model.transformer import ModelConfig, TransformerLM
 
 TINY = ModelConfig(d_model=32, d_ff=64, num_layers=2, num_heads=4, context_length=16, vocab_size=64)
 

@@ -1,18 +1,18 @@
-"""lab.checkpointing: identical gradients (torch.equal), fewer saved tensors, the expected recomputation."""
+"""lab.model.checkpointing: identical gradients (torch.equal), fewer saved tensors, the expected recomputation."""
 
 import pytest
 import torch
 
-from lab.bench import lm_loss, random_batch
-from lab.checkpointing import (
+from lab.bench.lm import lm_loss, random_batch
+from lab.model.checkpointing import (
     activation_checkpointing,
     best_group_size,
     checkpoint_memory_table,
     nested_memory_model,
     single_level_memory_model,
 )
-from lab.model import ModelConfig, TransformerLM
-from lab.saved_tensors import saved_tensor_report
+from lab.model.transformer import ModelConfig, TransformerLM
+from lab.measure.saved_tensors import saved_tensor_report
 
 CFG = ModelConfig(d_model=32, d_ff=64, num_layers=8, num_heads=2, context_length=16, vocab_size=50)
 

@@ -21,8 +21,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lab import ddp as ddp_module
-from lab import distributed
+from lab.parallel import ddp as ddp_module
+from lab.parallel import launcher as distributed
 
 WRAPPERS = {
     "naive": lambda m: ddp_module.NaiveDDP(m),
@@ -71,7 +71,7 @@ def _make(model_name):
         return ToyModel()
     if model_name == "tied":
         return TiedFrozenModel()
-    from lab.model import TransformerLM, config_for
+    from lab.model.transformer import TransformerLM, config_for
 
     return TransformerLM(config_for("tiny", context_length=8, vocab_size=64))
 
@@ -261,9 +261,9 @@ def test_needs_a_process_group():
 
 
 # --------------------------------------------------------------------------------------------------------
-# lab.ddp_bench: the overhead model, timelines from traces, a small benchmark run
+# lab.bench.ddp: the overhead model, timelines from traces, a small benchmark run
 
-from lab import ddp_bench  # noqa: E402
+from lab.bench import ddp as ddp_bench  # noqa: E402
 
 
 def test_optimal_bucket_is_the_minimum_of_the_model():

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lab import distributed
+from lab.parallel import launcher as distributed
 
 
 # Worker functions live at module level so spawned processes can import them by reference.

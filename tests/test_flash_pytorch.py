@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from lab.flash_pytorch import (
+from lab.kernels.flash_pytorch import (
     FlashAttentionPytorch,
     attention_backward_recompute,
     attention_reference,

@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-ft = pytest.importorskip("lab.flash_triton")
-ftb = pytest.importorskip("lab.flash_triton_backward")
+ft = pytest.importorskip("lab.kernels.flash_triton")
+ftb = pytest.importorskip("lab.kernels.flash_triton_backward")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

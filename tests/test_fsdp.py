@@ -16,11 +16,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lab import distributed
-from lab.collectives import all_gather_tensor
-from lab.fsdp import FSDP
-from lab.model import ModelConfig, TransformerLM
-from lab.sharded_optimizer import TrafficLog
+from lab.parallel import launcher as distributed
+from lab.parallel.collectives import all_gather_tensor
+from lab.parallel.fsdp import FSDP
+from lab.model.transformer import ModelConfig, TransformerLM
+from lab.parallel.sharded_optimizer import TrafficLog
 
 VOCAB = 64
 
@@ -309,7 +309,7 @@ def test_fsdp_needs_a_process_group_and_valid_dtype():
 def test_sharding_benchmark_row_on_cpu(tmp_path):
     """One benchmark configuration end to end (gloo, tiny model): state bytes match the closed form and the
     profiled FSDP step shows compute and gloo communication on the timeline."""
-    from lab.sharding_bench import overlap_summary, run_config
+    from lab.bench.sharding import overlap_summary, run_config
 
     row = run_config("fsdp", "tiny", world_size=2, context=32, batch=2, dtype="fp32", warmup=1, steps=2,
                      device="cpu", trace_path=str(tmp_path / "trace.json"))
@@ -330,7 +330,7 @@ def test_sharding_benchmark_row_on_cpu(tmp_path):
 @pytest.mark.parametrize("impl", ["ddp", "sharded_optimizer", "zero1", "fsdp", "torch_zero", "torch_fsdp2"])
 def test_sharding_benchmark_row_on_two_gpus(impl, tmp_path):
     """Every implementation runs under NCCL on two GPUs, and the sharded state matches the closed form."""
-    from lab.sharding_bench import run_config
+    from lab.bench.sharding import run_config
 
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")

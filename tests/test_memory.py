@@ -1,4 +1,4 @@
-"""lab.memory: snapshot parsing, timeline reconstruction and peak-by-phase logic, on the CPU."""
+"""lab.measure.memory: snapshot parsing, timeline reconstruction and peak-by-phase logic, on the CPU."""
 
 import importlib.util
 import pickle
@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from lab import memory
+from lab.measure import memory
 
 KiB, MiB = 1024, 1024 * 1024
 FIXTURES = Path(__file__).parent / "fixtures"

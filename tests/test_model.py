@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from lab.model import MODEL_SIZES, ModelConfig, TransformerLM, config_for, get_attention
+from lab.model.transformer import MODEL_SIZES, ModelConfig, TransformerLM, config_for, get_attention
 
 
 def closed_form_params(d, f, layers, vocab=10_000):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from lab import render
+from lab.book import render
 
 NOTEBOOKS = render.numbered_notebooks()
 
@@ -26,6 +26,31 @@ def test_notebook_is_stripped_and_parameterised(nb):
     src = "".join(params[0]["source"])
     for name in ("quick", "device", "results_dir", "artifacts_dir"):
         assert f"{name} =" in src, f"{nb.name}: parameters cell lacks {name}"
+
+
+def _cells(nb) -> list[tuple]:
+    return [(c["cell_type"], "".join(c["source"]).strip(), tuple(c.get("metadata", {}).get("tags", [])))
+            for c in nb["cells"]]
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_is_in_sync_with_its_percent_script(nb):
+    """One source per notebook: notebooks/NN.py (jupytext percent script) and NN.ipynb hold the same cells."""
+    jupytext = pytest.importorskip("jupytext")
+    script = nb.with_suffix(".py")
+    assert script.exists(), f"{nb.name} has no paired percent script {script.name} (jupytext --set-formats)"
+    paired = jupytext.read(script)
+    assert _cells(paired) == _cells(json.loads(nb.read_text())), \
+        f"{nb.name} and {script.name} differ: run `jupytext --sync {script}`"
+
+
+def test_sync_check_notices_a_changed_script(tmp_path):
+    """The pairing test above can fail: a script edited without syncing differs from its notebook."""
+    jupytext = pytest.importorskip("jupytext")
+    script = NOTEBOOKS[0].with_suffix(".py")
+    edited = tmp_path / script.name
+    edited.write_text(script.read_text() + "\n# %%\nprint('an edit that was never synced')\n")
+    assert _cells(jupytext.read(edited)) != _cells(json.loads(NOTEBOOKS[0].read_text()))
 
 
 def _digest(folder: Path) -> str:

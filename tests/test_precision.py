@@ -1,4 +1,4 @@
-"""lab.precision: accumulation results against float64 re-computations, observed autocast dtypes, norms."""
+"""lab.bench.precision: accumulation results against float64 re-computations, observed autocast dtypes, norms."""
 
 import math
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from lab import precision
+from lab.bench import precision
 
 
 def _simulate(value, count, acc_dtype, add_dtype):
@@ -102,7 +102,7 @@ def test_speedup_table():
 
 
 def test_mixed_precision_timings_tiny_cpu():
-    from lab.model import ModelConfig
+    from lab.model.transformer import ModelConfig
 
     cfg = ModelConfig(d_model=32, d_ff=64, num_layers=1, num_heads=2, context_length=16, vocab_size=50)
     df = precision.mixed_precision_timings([cfg], context=16, batch=2, warmup=0, steps=1, device="cpu",

@@ -1,7 +1,7 @@
 import pytest
 
-from lab import profiling
-from lab.model import ModelConfig
+from lab.measure import profiling
+from lab.model.transformer import ModelConfig
 
 CFG = ModelConfig(d_model=32, d_ff=64, num_layers=2, num_heads=4, context_length=16, vocab_size=64)
 

@@ -3,7 +3,7 @@ import json
 import pandas as pd
 import pytest
 
-from lab import results
+from lab.measure import results
 
 
 def test_save_results_adds_provenance(tmp_path):

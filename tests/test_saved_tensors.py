@@ -1,11 +1,11 @@
-"""lab.saved_tensors: bytes saved for backward, by operation and module, against hand-computed counts."""
+"""lab.measure.saved_tensors: bytes saved for backward, by operation and module, against hand-computed counts."""
 
 import pytest
 import torch
 from torch import nn
 
-from lab.model import ModelConfig, RMSNorm, TransformerBlock
-from lab.saved_tensors import expected_gradient_bytes, saved_tensor_report
+from lab.model.transformer import ModelConfig, RMSNorm, TransformerBlock
+from lab.measure.saved_tensors import expected_gradient_bytes, saved_tensor_report
 
 
 def test_linear_relu_by_hand():

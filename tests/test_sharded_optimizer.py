@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lab import distributed
-from lab.model import ModelConfig, TransformerLM
-from lab.sharded_optimizer import (
+from lab.parallel import launcher as distributed
+from lab.model.transformer import ModelConfig, TransformerLM
+from lab.parallel.sharded_optimizer import (
     ShardedOptimizer,
     TrafficLog,
     assign_balanced,
@@ -28,7 +28,7 @@ from lab.sharded_optimizer import (
     record_collective,
     ring_bytes_per_rank,
 )
-from lab.zero1 import ZeRO1Optimizer
+from lab.parallel.zero1 import ZeRO1Optimizer
 
 CFG = ModelConfig(d_model=32, d_ff=64, num_layers=2, num_heads=4, context_length=16, vocab_size=64)
 STEPS = 10
@@ -272,11 +272,11 @@ def test_bad_arguments():
 
 
 # ----------------------------------------------------------------------------------------------------------
-# the benchmark's closed forms and table logic (lab.sharding_bench)
+# the benchmark's closed forms and table logic (lab.bench.sharding)
 
 
 def test_expected_state_bytes_closed_form():
-    from lab.sharding_bench import expected_state_bytes
+    from lab.bench.sharding import expected_state_bytes
 
     p, n = 1000, 4
     assert expected_state_bytes("ddp", p, n) == {"params": 4000, "grads": 4000, "optimizer_state": 8000,
@@ -293,7 +293,7 @@ def test_expected_state_bytes_closed_form():
 def test_performance_goals_from_a_table():
     import pandas as pd
 
-    from lab.sharding_bench import performance_goals
+    from lab.bench.sharding import performance_goals
 
     rows = [("ddp", 100, 70), ("sharded_optimizer", 110, 40), ("zero1", 105, 50), ("torch_zero", 108, 45),
             ("fsdp", 150, 27), ("torch_fsdp2", 160, 25)]
@@ -313,7 +313,7 @@ def test_performance_goals_from_a_table():
 def test_overlap_summary_on_a_synthetic_timeline():
     import pandas as pd
 
-    from lab.sharding_bench import overlap_summary
+    from lab.bench.sharding import overlap_summary
 
     # forward 0..10 ms: compute 0-4 and 6-10 (idle 4-6); communication 3-7: overlaps 3-4 and 6-7
     tl = pd.DataFrame([("stream 7", "compute", "gemm", 0.0, 4.0), ("stream 7", "compute", "gemm", 6.0, 4.0),
@@ -333,7 +333,7 @@ def test_overlap_summary_on_a_synthetic_timeline():
 def test_gpu_timeline_phases_include_kernels_launched_by_autograd_threads(tmp_path):
     import json
 
-    from lab.sharding_bench import timeline_events
+    from lab.bench.sharding import timeline_events
 
     # Kineto-shaped trace: CPU phase ranges on the main thread (tid 1); the backward's kernels (a GEMM and an
     # NCCL reduce-scatter) are launched by autograd's device thread (tid 2), so the profiler's own

@@ -48,8 +48,8 @@ def _compile_task(task):
     """Compile one (kernel, d, pass, config) into Triton's cache. Runs in a worker process."""
     import torch
 
-    import lab.flash_triton as ft
-    import lab.flash_triton_backward as ftb
+    import lab.kernels.flash_triton as ft
+    import lab.kernels.flash_triton_backward as ftb
 
     kind, d, pass_, index = task
     n = 8192  # any length divisible by 16 gives the same specialisation as the goal shapes
@@ -72,8 +72,8 @@ def _compile_task(task):
 
 
 def precompile(workers: int):
-    import lab.flash_triton as ft
-    import lab.flash_triton_backward as ftb
+    import lab.kernels.flash_triton as ft
+    import lab.kernels.flash_triton_backward as ftb
 
     tasks = []
     for d in sorted({s[3] for s in GOAL_SHAPES}):
@@ -103,8 +103,8 @@ def bench_shape(b, h, n, d, rows, autotune_log):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from triton.testing import do_bench, do_bench_cudagraph
 
-    import lab.flash_triton as ft
-    import lab.flash_triton_backward as ftb
+    import lab.kernels.flash_triton as ft
+    import lab.kernels.flash_triton_backward as ftb
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     q32, k32, v32, g32 = (torch.randn(b * h, n, d, device="cuda", generator=gen) for _ in range(4))
@@ -214,7 +214,7 @@ def profile_e2e(n=2048, d=64, iters=200):
 
     import torch
 
-    import lab.flash_triton as ft
+    import lab.kernels.flash_triton as ft
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     inp = [torch.randn(1, n, d, device="cuda", generator=gen, dtype=torch.bfloat16).requires_grad_()
@@ -255,7 +255,7 @@ def host_overhead(n=2048, d=64, iters=300):
     import torch
     import torch.nn.functional as F
 
-    import lab.flash_triton as ft
+    import lab.kernels.flash_triton as ft
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, g = (torch.randn(1, n, d, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(4))

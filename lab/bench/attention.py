@@ -1,0 +1,600 @@
+"""Attention benchmarks: the naive PyTorch baseline, torch.compile, and FlashAttention against SDPA.
+
+Three things live here because notebooks 04 and 05 both need them:
+
+* closed forms: attention FLOPs (causal counted pair by pair) and the memory naive attention keeps for
+  backward (the ``batch x seq x seq`` probability matrix), next to what FlashAttention keeps instead;
+* measurements: ``saved_tensor_bytes`` (what autograd really saved, on any device), the naive grid
+  (forward and backward passes timed separately, memory in use before backward, OOM as rows) and the
+  flash grid (``triton.testing.do_bench`` on CUDA, the shared host timer on the CPU);
+* tables built from those rows: eager vs compiled, speedups, the FlashAttention performance goals, and the
+  whole-model ``lm_step`` rows.
+
+Attention functions here take ``fn(q, k, v, causal)`` on ``(batch, seq, d)`` tensors (heads folded into
+the batch), the interface of ``FlashAttentionTriton.apply``.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+import sys
+from collections.abc import Callable, Iterable, Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+import torch._functorch.config  # not imported by ``import torch``; run_naive_grid patches it
+import torch.nn.functional as F
+
+from lab.measure.device import empty_cache, is_oom, resolve_device, synchronize
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PASSES = ("fwd", "bwd", "e2e")
+
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The implementations being compared
+
+
+def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> torch.Tensor:
+    """softmax(Q K^T / sqrt(d)) V as separate PyTorch ops, materializing the (seq x seq) scores.
+
+    The same math as ``lab.model.transformer.naive_attention`` but without its profiler ranges: ``record_function``
+    breaks ``torch.compile`` graphs, and the eager-vs-compiled comparison must compile exactly this code.
+    Works on any leading dimensions: ``(..., seq, d)``.
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    scores = (q @ k.transpose(-2, -1)) * scale
+    if causal:
+        n_q, n_k = q.shape[-2], k.shape[-2]
+        mask = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril(diagonal=n_k - n_q)
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return probs @ v
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> torch.Tensor:
+    """PyTorch SDPA on ``(batch, seq, d)``: viewed as one batch of ``batch`` heads, because the fused
+    (Flash/cuDNN/efficient) backends only accept 4-D input and would otherwise fall back to the math kernel."""
+    return F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), is_causal=causal)[0]
+
+
+def _import_flash(module: str, device: torch.device | None = None):
+    # Interpreted Triton must be switched on before the module defines its @triton.jit kernels.
+    if device is not None and device.type == "cpu" and module not in sys.modules:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import importlib
+
+    return importlib.import_module(module)
+
+
+def attention_impl(name: str, device: torch.device | str = "auto") -> AttentionFn:
+    """The attention function ``fn(q, k, v, causal)`` on ``(batch, seq, d)`` registered under ``name``.
+
+    ``pytorch_naive`` (:func:`naive_attention`), ``sdpa``, ``triton`` (``FlashAttentionTriton``) and
+    ``triton_compiled_bwd`` (Triton forward, backward as compiled PyTorch), ``pytorch_flash``
+    (``FlashAttentionPytorch``, tiled in pure PyTorch). The flash kernels are imported
+    only when asked for; on the CPU ``TRITON_INTERPRET=1`` is set first so Triton runs interpreted.
+    """
+    device = resolve_device(device) if isinstance(device, str) else device
+    if name == "pytorch_naive":
+        return naive_attention
+    if name == "sdpa":
+        return sdpa_attention
+    if name == "triton":
+        cls = _import_flash("lab.kernels.flash_triton", device).FlashAttentionTriton
+        return lambda q, k, v, causal: cls.apply(q, k, v, causal)
+    if name == "triton_compiled_bwd":
+        cls = _import_flash("lab.kernels.flash_triton", device).FlashAttentionTritonCompiledBackward
+        return lambda q, k, v, causal: cls.apply(q, k, v, causal)
+    if name == "pytorch_flash":
+        cls = _import_flash("lab.kernels.flash_pytorch", device).FlashAttentionPytorch
+        return lambda q, k, v, causal: cls.apply(q, k, v, causal)
+    raise ValueError(f"unknown attention implementation {name!r}; choose pytorch_naive, sdpa, triton, "
+                     "triton_compiled_bwd or pytorch_flash")
+
+
+def errors_vs_float64(impls: dict[str, AttentionFn], batch: int = 2, seq: int = 128, d: int = 64,
+                      dtype: str = "fp32", causal: bool = True, device: torch.device | str = "auto",
+                      seed: int = 0) -> pd.DataFrame:
+    """Largest absolute error of each implementation's output and dQ, dK, dV against
+    :func:`naive_attention` computed in float64 on the same (rounded) inputs, one row per implementation
+    (columns ``impl``, ``dtype``, ``out``, ``dq``, ``dk``, ``dv``; errors in float64 units)."""
+    device = resolve_device(device) if isinstance(device, str) else device
+    gen = torch.Generator().manual_seed(seed)
+    base = [torch.randn(batch, seq, d, generator=gen).to(DTYPES[dtype]) for _ in range(4)]
+    ref_in = [t.double().requires_grad_() for t in base[:3]]
+    ref_out = naive_attention(*ref_in, causal)
+    ref = [ref_out, *torch.autograd.grad(ref_out, ref_in, base[3].double())]
+    rows = []
+    for name, fn in impls.items():
+        xs = [t.to(device).requires_grad_() for t in base[:3]]
+        out = fn(*xs, causal)
+        got = [out, *torch.autograd.grad(out, xs, base[3].to(device))]
+        errs = [(g.detach().double().cpu() - r.detach()).abs().max().item() for g, r in zip(got, ref)]
+        rows.append(dict(impl=name, dtype=dtype, **dict(zip(["out", "dq", "dk", "dv"], errs))))
+    return pd.DataFrame(rows)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# FLOPs
+
+
+def attention_pairs(seq_q: int, seq_k: int | None = None, causal: bool = False) -> int:
+    """Number of (query, key) pairs whose score is used: ``seq_q * seq_k``, or with the causal mask
+    (query i sees keys up to i + seq_k - seq_q, bottom-right aligned as in SDPA) the lower triangle."""
+    seq_k = seq_q if seq_k is None else seq_k
+    if seq_q < 1 or seq_k < 1:
+        raise ValueError(f"sequence lengths must be positive, got seq_q={seq_q}, seq_k={seq_k}")
+    if not causal:
+        return seq_q * seq_k
+    offset = seq_k - seq_q
+    # row i keeps min(seq_k, max(0, i + offset + 1)) keys
+    rows = np.arange(seq_q, dtype=np.int64) + offset + 1
+    return int(np.clip(rows, 0, seq_k).sum())
+
+
+def attention_flops(batch: int, seq: int, d: int, causal: bool = False, pass_: str = "fwd",
+                    heads: int = 1, seq_k: int | None = None) -> float:
+    """Matmul FLOPs of attention (multiply and add counted as 2), summed over ``batch * heads``.
+
+    Forward: ``S = Q K^T`` and ``O = P V`` are 2 FLOPs per (pair, feature) each, so ``4 * pairs * d``.
+    Backward: ``dV = P^T dO``, ``dP = dO V^T``, ``dS -> dQ = dS K`` and ``dK = dS^T Q`` are four more
+    matmuls, plus the recomputation of ``S`` that FlashAttention-2 does: ``10 * pairs * d``, i.e. 2.5x the
+    forward (the convention of the FlashAttention papers' benchmarks). End-to-end is their sum, 3.5x.
+    Causal attention counts only the unmasked pairs, ``seq * (seq + 1) / 2``, not ``seq^2 / 2`` (the
+    papers' rounding; the two differ by ``1/seq``). Softmax exponentials and masking are not counted.
+    The same count is used for every implementation, so TFLOP/s compares speed, not work done: the naive
+    version computes the masked half too and does not recompute, yet is credited with these FLOPs.
+    """
+    factor = {"fwd": 4.0, "bwd": 10.0, "e2e": 14.0}
+    if pass_ not in factor:
+        raise ValueError(f"pass_ must be one of {', '.join(factor)}, got {pass_!r}")
+    if min(batch, heads, d) < 1:
+        raise ValueError("batch, heads and d must be positive")
+    return factor[pass_] * batch * heads * attention_pairs(seq, seq_k, causal) * d
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Memory: closed forms and what autograd really saves
+
+
+def dtype_bytes(dtype: str | torch.dtype) -> int:
+    """Bytes per element of a dtype given as ``"fp32"``/``"bf16"``/``"fp16"`` or a ``torch.dtype``."""
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+        dtype = DTYPES[dtype]
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def naive_attention_memory(batch: int, seq: int, d: int, dtype: str | torch.dtype = "fp32",
+                           causal: bool = False) -> pd.DataFrame:
+    """Closed-form memory of :func:`naive_attention` with gradients, term by term, in bytes.
+
+    Rows (``term``, ``formula``, ``bytes``, ``when``):
+
+    * ``saved`` terms are what autograd keeps between forward and backward beyond the inputs: the softmax
+      output ``P`` (saved once, used by both softmax's backward and ``P @ V``'s), and for causal attention
+      the boolean mask (``seq^2`` bytes, not per batch element). ``Q K^T`` saves its inputs (views of q
+      and k, no new memory) and the scalar scale saves nothing.
+    * ``live`` terms are the other tensors allocated when backward starts: q, k, v, the upstream gradient
+      dO and the output.
+    * ``peak`` terms are transient: in the forward two score-sized tensors coexist at every step (``Q K^T``
+      and its scaled copy, then the masked copy, then the scores and ``P``), with the causal ``mask`` and
+      its negation beside them; in the backward ``P`` (retained), ``dP`` and ``dS`` (3 score-sized).
+    """
+    e = dtype_bytes(dtype)
+    sq = batch * seq * seq * e
+    sd = batch * seq * d * e
+    mask = seq * seq if causal else 0
+    rows = [
+        ("probabilities P (saved)", "batch*seq^2*bytes", sq, "saved"),
+        ("causal mask (saved)", "seq^2 * 1 byte", mask, "saved"),
+        ("q, k, v", "3*batch*seq*d*bytes", 3 * sd, "live"),
+        ("upstream gradient dO", "batch*seq*d*bytes", sd, "live"),
+        ("output O", "batch*seq*d*bytes", sd, "live"),
+        ("forward transient: scores beside P (+ the mask before ~)", "batch*seq^2*bytes (+ seq^2)",
+         sq + mask, "peak_forward"),
+        ("backward transient: dP and dS", "2*batch*seq^2*bytes", 2 * sq, "peak_backward"),
+    ]
+    return pd.DataFrame(rows, columns=["term", "formula", "bytes", "when"])
+
+
+def naive_attention_totals(batch: int, seq: int, d: int, dtype: str | torch.dtype = "fp32",
+                           causal: bool = False) -> dict[str, int]:
+    """Sums of :func:`naive_attention_memory` in bytes: ``saved`` (kept for backward beyond the inputs),
+    ``before_backward`` (everything allocated when backward starts: saved + live), ``peak`` (the larger
+    of the forward and backward peaks, a lower bound on what the run needs)."""
+    t = naive_attention_memory(batch, seq, d, dtype, causal).groupby("when")["bytes"].sum()
+    saved, live = int(t.get("saved", 0)), int(t.get("live", 0))
+    peak = saved + live + max(int(t.get("peak_forward", 0)), int(t.get("peak_backward", 0)))
+    return {"saved": saved, "before_backward": saved + live, "peak": peak}
+
+
+def flash_attention_saved_bytes(batch: int, seq: int, d: int, dtype: str | torch.dtype = "fp32",
+                                heads: int = 1) -> int:
+    """Bytes FlashAttention saves for backward: Q, K, V, O (``4 * batch*heads*seq*d`` elements) and the
+    fp32 logsumexp L (``batch*heads*seq``): linear in ``seq``, where naive attention's P is quadratic."""
+    bh = batch * heads
+    return 4 * bh * seq * d * dtype_bytes(dtype) + bh * seq * 4
+
+
+def saved_tensor_bytes(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor, exclude_inputs: bool = True) -> int:
+    """Bytes of the distinct storages autograd saves for backward while running ``fn(*inputs)``.
+
+    Measured with ``torch.autograd.graph.saved_tensors_hooks`` (so it works on the CPU too); a storage
+    saved by several operations counts once, and by default storages of the inputs are left out (they
+    exist anyway). Returns bytes.
+    """
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+        # Detached (same storage): returning an op's own output would tie it to its grad_fn in a cycle
+        # that runs through C++ and that Python's gc cannot break, leaking the seq x seq tensor.
+        return t.detach()
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(*inputs)
+    del out
+    if exclude_inputs:
+        for t in inputs:
+            if isinstance(t, torch.Tensor):
+                seen.pop(t.untyped_storage().data_ptr(), None)
+    return int(sum(seen.values()))
+
+
+def fit_power_law(x: Iterable[float], y: Iterable[float]) -> tuple[float, float]:
+    """Least-squares fit of ``y = c * x**p`` in log-log space; returns ``(p, c)``."""
+    x, y = np.asarray(list(x), dtype=float), np.asarray(list(y), dtype=float)
+    keep = np.isfinite(x) & np.isfinite(y) & (x > 0) & (y > 0)
+    if keep.sum() < 2:
+        raise ValueError("need at least two positive points to fit a power law")
+    p, logc = np.polyfit(np.log(x[keep]), np.log(y[keep]), 1)
+    return float(p), float(np.exp(logc))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The naive grid (notebook 04): forward and backward passes timed separately, memory before backward
+
+
+def _inputs(batch: int, seq: int, d: int, dtype: torch.dtype, device: torch.device, seed: int = 0):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    make = lambda: torch.randn(batch, seq, d, generator=gen).to(device=device, dtype=dtype)
+    q, k, v = (make().requires_grad_() for _ in range(3))
+    return q, k, v, make()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:160] if text else ''}"
+
+
+def _measure_naive(fn: AttentionFn, batch, seq, d, dtype, causal, passes, warmup, device, row) -> None:
+    from lab.bench.lm import time_callable
+
+    torch_dtype = DTYPES[dtype]
+    if device.type == "cuda":
+        # cuBLAS takes its workspace from PyTorch's allocator on first use: create it before the baseline
+        # so that it is not charged to this configuration
+        torch.ones(8, 8, device=device, dtype=torch_dtype) @ torch.ones(8, 8, device=device, dtype=torch_dtype)
+        synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        row["mem_baseline_mib"] = torch.cuda.memory_allocated(device) / 2**20
+    q, k, v, dout = _inputs(batch, seq, d, torch_dtype, device)
+    row["phase"] = "forward"
+    fwd = time_callable(lambda: fn(q, k, v, causal), warmup, passes, device)
+    row.update(fwd_ms=fwd.mean_ms, fwd_std_ms=fwd.std_ms)
+    # one forward whose graph the backward passes reuse (retain_graph), measured before backward starts
+    synchronize(device)
+    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else math.nan
+    out = fn(q, k, v, causal)
+    synchronize(device)
+    if device.type == "cuda":
+        row["mem_before_bwd_mib"] = torch.cuda.memory_allocated(device) / 2**20
+        row["forward_left_mib"] = (torch.cuda.memory_allocated(device) - base) / 2**20
+    row["phase"] = "backward"
+    bwd = time_callable(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True), warmup, passes,
+                        device)
+    row.update(bwd_ms=bwd.mean_ms, bwd_std_ms=bwd.std_ms, phase="saved-tensor count")
+    if device.type == "cuda":
+        row["peak_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
+    out = None  # the lambda above holds the graph through this name: drop it
+    # what autograd keeps, counted tensor by tensor (device independent), once per configuration
+    row["saved_mib"] = saved_tensor_bytes(lambda a, b, c: fn(a, b, c, causal), q, k, v) / 2**20
+
+
+def run_naive_grid(fn: AttentionFn = naive_attention, ds: Sequence[int] = (16, 32, 64, 128),
+                   seqs: Sequence[int] = (256, 1024, 4096, 8192, 16384), batch: int = 8, dtype: str = "fp32",
+                   causal: bool = False, passes: int = 100, warmup: int = 5, compile: bool = False,
+                   impl: str | None = None, device: torch.device | str = "auto",
+                   progress: bool = True) -> pd.DataFrame:
+    """Time ``passes`` forward and ``passes`` backward passes of ``fn`` for every ``d x seq``.
+
+    Each configuration gets fresh ``(batch, seq, d)`` inputs. Forward passes run with gradients enabled (as
+    in training) and each one's graph is dropped; then one forward is kept, the memory in use is read
+    (``torch.cuda.memory_allocated``), and ``passes`` backward passes reuse its graph
+    (``retain_graph=True``). With ``compile=True`` the function is compiled afresh per shape
+    (``torch.compile(dynamic=False)`` after ``torch._dynamo.reset()``), and ``compile_s`` is the time of the
+    first forward+backward (compilation included). Out-of-memory in either phase becomes a row with
+    ``status="oom"`` and ``note`` naming the phase. Times are ms per pass (mean of ``passes`` samples),
+    memory in MiB (NaN on the CPU, except ``saved_mib`` which is measured with saved-tensor hooks), and
+    ``predicted_*_mib`` come from :func:`naive_attention_totals`.
+    """
+    from tqdm import tqdm  # plain text bars: they render in papermill reports
+
+    device = resolve_device(device) if isinstance(device, str) else device
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if passes < 1 or warmup < 0:
+        raise ValueError("passes must be >= 1 and warmup >= 0")
+    impl = impl or getattr(fn, "__name__", "attention")
+    grid = [(d, s) for d in ds for s in seqs]
+    rows = []
+    for d, seq in tqdm(grid, desc=f"{impl}{' compiled' if compile else ''}", disable=not progress):
+        predicted = naive_attention_totals(batch, seq, d, dtype, causal)
+        row = dict(impl=impl, compile=bool(compile), batch=batch, seq_len=seq, d=d, dtype=dtype, causal=causal,
+                   passes=passes, fwd_ms=math.nan, fwd_std_ms=math.nan, bwd_ms=math.nan, bwd_std_ms=math.nan,
+                   mem_baseline_mib=math.nan, mem_before_bwd_mib=math.nan, forward_left_mib=math.nan,
+                   peak_mib=math.nan,
+                   saved_mib=math.nan, predicted_saved_mib=predicted["saved"] / 2**20,
+                   predicted_before_bwd_mib=predicted["before_backward"] / 2**20,
+                   predicted_peak_mib=predicted["peak"] / 2**20, compile_s=math.nan, status="ok", note="")
+        empty_cache()
+        # Compiled backward graphs may donate (reuse) saved buffers, which forbids retain_graph=True; the
+        # backward timing reuses one graph, so donation is switched off (a small memory saving forgone).
+        try:
+            with torch._functorch.config.patch(donated_buffer=False):
+                _run_naive_config(fn, compile, batch, seq, d, dtype, causal, passes, warmup, device, row)
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            row.update(status="oom", note=f"out of memory in {row.get('phase', 'setup')}: {_first_line(exc)}")
+        row.pop("phase", None)
+        rows.append(row)
+        gc.collect()
+        empty_cache()
+    return pd.DataFrame(rows)
+
+
+def _run_naive_config(fn, compile, batch, seq, d, dtype, causal, passes, warmup, device, row) -> None:
+    run = fn
+    if compile:
+        import time
+
+        torch._dynamo.reset()
+        run = torch.compile(fn, dynamic=False)
+        q, k, v, dout = _inputs(batch, seq, d, DTYPES[dtype], device)
+        start = time.perf_counter()
+        torch.autograd.grad(run(q, k, v, causal), (q, k, v), dout)
+        synchronize(device)
+        row["compile_s"] = time.perf_counter() - start
+        del q, k, v, dout
+    _measure_naive(run, batch, seq, d, dtype, causal, passes, warmup, device, row)
+
+
+def eager_vs_compiled(eager: pd.DataFrame, compiled: pd.DataFrame) -> pd.DataFrame:
+    """One row per ``(d, seq_len)``: eager and compiled forward/backward ms, their speedups
+    (eager / compiled, > 1 means compiling helps) and memory before backward for both."""
+    key = ["d", "seq_len"]
+    cols = ["fwd_ms", "bwd_ms", "mem_before_bwd_mib", "saved_mib", "status"]
+    merged = eager[key + cols].merge(compiled[key + cols + ["compile_s"]], on=key, suffixes=("_eager", "_compiled"))
+    merged["fwd_speedup"] = merged["fwd_ms_eager"] / merged["fwd_ms_compiled"]
+    merged["bwd_speedup"] = merged["bwd_ms_eager"] / merged["bwd_ms_compiled"]
+    return merged.sort_values(key).reset_index(drop=True)
+
+
+def saved_memory_scaling(grid: pd.DataFrame, column: str = "saved_mib") -> pd.DataFrame:
+    """Per head dimension ``d``, the exponent ``p`` of ``column ~ seq^p`` fitted over the measured rows
+    (``p_all``) and between the two longest measured sequences (``p_longest``)."""
+    rows = []
+    for d, g in grid[grid["status"] == "ok"].groupby("d"):
+        g = g.dropna(subset=[column]).sort_values("seq_len")
+        if len(g) < 2:
+            continue
+        p_all, _ = fit_power_law(g["seq_len"], g[column])
+        p_last, _ = fit_power_law(g["seq_len"].iloc[-2:], g[column].iloc[-2:])
+        rows.append(dict(d=d, points=len(g), p_all=p_all, p_longest=p_last))
+    return pd.DataFrame(rows)
+
+
+def accounting_config(grid: pd.DataFrame) -> tuple[pd.Series, str]:
+    """The configuration to account for: the smallest (by predicted peak memory) that ran out of memory,
+    else the largest that fit. Returns ``(row, "oom" | "largest_fit")``."""
+    oom = grid[grid["status"] == "oom"]
+    if len(oom):
+        return oom.sort_values("predicted_peak_mib").iloc[0], "oom"
+    return grid.sort_values("predicted_peak_mib").iloc[-1], "largest_fit"
+
+
+def naive_memory_check(row: pd.Series) -> pd.DataFrame:
+    """Predicted vs measured memory (MiB) for one row of :func:`run_naive_grid`: what autograd saved beyond
+    the inputs (saved-tensor hooks, any device), what was allocated when backward started and the peak
+    (``torch.cuda.memory_allocated`` / ``max_memory_allocated`` above the configuration's baseline, i.e.
+    without cuBLAS's workspace; NaN on the CPU or when out of memory)."""
+    base = row.get("mem_baseline_mib", math.nan)
+    checks = [("saved for backward beyond q, k, v", row["predicted_saved_mib"], row["saved_mib"]),
+              ("allocated when backward starts", row["predicted_before_bwd_mib"], row["mem_before_bwd_mib"] - base),
+              ("peak (lower bound)", row["predicted_peak_mib"], row["peak_mib"] - base)]
+    out = pd.DataFrame([dict(quantity=q, predicted_mib=p, measured_mib=m) for q, p, m in checks])
+    out["measured_over_predicted"] = out["measured_mib"] / out["predicted_mib"]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The flash grid (notebook 05): forward, backward, end-to-end per implementation
+
+
+def measure_ms(fn: Callable[[], object], device: torch.device, warmup_ms: float = 5, rep_ms: float = 20,
+               cpu_warmup: int = 1, cpu_steps: int = 3) -> float:
+    """Mean milliseconds per call of ``fn``: ``triton.testing.do_bench(warmup=warmup_ms, rep=rep_ms)`` on
+    CUDA (CUDA events, L2 flushed between calls), ``lab.bench.lm.time_callable`` on the CPU."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms))
+    from lab.bench.lm import time_callable
+
+    return time_callable(fn, cpu_warmup, cpu_steps, device).mean_ms
+
+
+def _measure_flash(fn: AttentionFn, bh, seq, d, dtype, causal, device, timer_kwargs, row) -> None:
+    q, k, v, dout = _inputs(bh, seq, d, DTYPES[dtype], device)
+    row["phase"] = "forward"
+    row["fwd_ms"] = measure_ms(lambda: fn(q, k, v, causal), device, **timer_kwargs)
+    row["phase"] = "backward"
+    out = fn(q, k, v, causal)
+    row["bwd_ms"] = measure_ms(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True), device,
+                               **timer_kwargs)
+    out = None  # free the retained graph (held through the lambda's closure) before end-to-end builds its own
+    row["phase"] = "end-to-end"
+    row["e2e_ms"] = measure_ms(lambda: torch.autograd.grad(fn(q, k, v, causal), (q, k, v), dout), device,
+                               **timer_kwargs)
+
+
+def run_flash_grid(impls: Sequence[str] | dict[str, AttentionFn] = ("triton", "pytorch_naive", "sdpa"),
+                   seqs: Sequence[int] = tuple(2**i for i in range(7, 17)), ds: Sequence[int] = (16, 32, 64, 128),
+                   dtypes: Sequence[str] = ("bf16", "fp32"), batch: int = 1, heads: int = 1, causal: bool = True,
+                   warmup_ms: float = 5, rep_ms: float = 20, cpu_steps: int = 3,
+                   device: torch.device | str = "auto", memory_limit_gib: float | None = None,
+                   progress: bool = True) -> pd.DataFrame:
+    """Forward, backward and end-to-end (forward+backward) latency of each attention implementation.
+
+    ``impls`` are names for :func:`attention_impl` or a dict ``name -> fn(q, k, v, causal)``. Inputs are
+    ``(batch*heads, seq, d)`` (heads folded into the batch, as the kernels take them). Timing is
+    :func:`measure_ms`; backward reuses one forward's graph; gradients are returned, not accumulated.
+    ``pytorch_naive`` configurations whose predicted peak (:func:`naive_attention_totals`) exceeds
+    ``memory_limit_gib`` (default: 1.25x the GPU's memory; no limit on the CPU) are not attempted and
+    recorded as ``status="oom"`` with a note; every other out-of-memory is caught and recorded with the
+    phase it hit. Returns one row per (impl, dtype, d, seq) with ``fwd_ms``, ``bwd_ms``, ``e2e_ms``,
+    ``*_tflops`` (causal FLOPs from :func:`attention_flops`), ``status`` and ``note``.
+    """
+    from tqdm import tqdm  # plain text bars: they render in papermill reports
+
+    device = resolve_device(device) if isinstance(device, str) else device
+    if isinstance(impls, dict):
+        fns = dict(impls)
+    else:
+        fns = {name: attention_impl(name, device) for name in impls}
+    for dt in dtypes:
+        if dt not in DTYPES:
+            raise ValueError(f"unknown dtype {dt!r}; choose one of {', '.join(DTYPES)}")
+    if memory_limit_gib is None and device.type == "cuda":
+        memory_limit_gib = 1.25 * torch.cuda.get_device_properties(device).total_memory / 2**30
+    timer_kwargs = dict(warmup_ms=warmup_ms, rep_ms=rep_ms, cpu_steps=cpu_steps)
+    bh = batch * heads
+    grid = [(dt, d, s, name) for dt in dtypes for d in ds for s in seqs for name in fns]
+    rows = []
+    for dt, d, seq, name in tqdm(grid, desc="attention", disable=not progress):
+        row = dict(impl=name, dtype=dt, batch=batch, heads=heads, seq_len=seq, d=d, causal=causal,
+                   fwd_ms=math.nan, bwd_ms=math.nan, e2e_ms=math.nan, status="ok", note="")
+        need = naive_attention_totals(bh, seq, d, dt, causal)["peak"] / 2**30
+        if name == "pytorch_naive" and memory_limit_gib is not None and need > memory_limit_gib:
+            row.update(status="oom", note=f"not attempted: needs >= {need:.0f} GiB (predicted) "
+                                           f"> {memory_limit_gib:.0f} GiB")
+        else:
+            empty_cache()
+            try:
+                _measure_flash(fns[name], bh, seq, d, dt, causal, device, timer_kwargs, row)
+            except Exception as exc:
+                if not is_oom(exc):
+                    raise
+                row.update(status="oom", note=f"out of memory in {row.get('phase')}: {_first_line(exc)}")
+            row.pop("phase", None)
+            gc.collect()
+            empty_cache()
+        rows.append(row)
+    return add_tflops(pd.DataFrame(rows))
+
+
+def add_tflops(df: pd.DataFrame) -> pd.DataFrame:
+    """Add ``fwd_tflops``, ``bwd_tflops``, ``e2e_tflops``: :func:`attention_flops` / time, in TFLOP/s."""
+    df = df.copy()
+    for p in PASSES:
+        flops = [attention_flops(r.batch, r.seq_len, r.d, bool(r.causal), p, heads=r.heads)
+                 for r in df.itertuples()]
+        df[f"{p}_tflops"] = np.asarray(flops, dtype=float) / (df[f"{p}_ms"].to_numpy(dtype=float) * 1e-3) / 1e12
+    return df
+
+
+CONFIG_KEY = ["dtype", "batch", "heads", "seq_len", "d", "causal"]
+
+
+def add_speedups(df: pd.DataFrame, baselines: Sequence[str] = ("pytorch_naive", "sdpa")) -> pd.DataFrame:
+    """Add ``{pass}_speedup_vs_{baseline}`` = baseline ms / this row's ms for the same configuration
+    (> 1: this implementation is faster). NaN where either side has no time (e.g. out of memory)."""
+    df = df.copy()
+    for base in baselines:
+        ref = df[df["impl"] == base].set_index(CONFIG_KEY)[[f"{p}_ms" for p in PASSES]].add_suffix("_ref")
+        joined = df.join(ref, on=CONFIG_KEY)
+        for p in PASSES:
+            df[f"{p}_speedup_vs_{base}"] = (joined[f"{p}_ms_ref"] / joined[f"{p}_ms"]).to_numpy()
+    return df
+
+
+# The FlashAttention-2 targets: on bf16, causal, d 64/128, seq >= 8192, Triton's forward at least as fast
+# as SDPA, its backward within 0.8x and end-to-end within 0.85x (speed ratios SDPA ms / Triton ms).
+GOALS = {"fwd": 1.0, "bwd": 0.8, "e2e": 0.85}
+
+
+def flash_goals(df: pd.DataFrame, impl: str = "triton", dtype: str = "bf16", ds: Sequence[int] = (64, 128),
+                min_seq: int = 8192, goals: dict[str, float] = GOALS) -> pd.DataFrame:
+    """Per qualifying configuration (causal, ``dtype``, ``d in ds``, ``seq >= min_seq``; both ``impl`` and
+    SDPA measured): the speed ratios ``sdpa_ms / impl_ms`` for fwd, bwd, e2e and whether each meets its
+    goal (``fwd_ok`` etc.). Empty when no configuration qualifies (e.g. the CPU quick profile)."""
+    sel = df[(df["causal"].astype(bool)) & (df["dtype"] == dtype) & (df["d"].isin(ds)) & (df["seq_len"] >= min_seq)]
+    mine = sel[(sel["impl"] == impl) & (sel["status"] == "ok")].set_index(CONFIG_KEY)
+    ref = sel[(sel["impl"] == "sdpa") & (sel["status"] == "ok")].set_index(CONFIG_KEY)
+    both = mine.index.intersection(ref.index)
+    out = pd.DataFrame(index=both)
+    for p, target in goals.items():
+        out[f"{p}_ratio"] = ref.loc[both, f"{p}_ms"] / mine.loc[both, f"{p}_ms"]
+        out[f"{p}_ok"] = out[f"{p}_ratio"] >= target
+    return out.reset_index()
+
+
+def summarize_goals(goals_table: pd.DataFrame, goals: dict[str, float] = GOALS) -> dict:
+    """For each pass: configurations checked, how many meet the goal, and the worst ratio (or NaN)."""
+    summary = {"configs": len(goals_table)}
+    for p, target in goals.items():
+        col = goals_table.get(f"{p}_ratio", pd.Series(dtype=float))
+        summary[p] = dict(target=target, met=int((col >= target).sum()),
+                          worst=float(col.min()) if len(col) else math.nan)
+    summary["all_met"] = bool(len(goals_table)) and all(summary[p]["met"] == len(goals_table) for p in goals)
+    return summary
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Whole-model rows for results/lm_step.csv
+
+LM_STEP_COLUMNS = ["size", "context", "batch", "dtype", "attention", "compile", "world_size", "fwd_ms",
+                   "fwdbwd_ms", "step_ms", "peak_gib", "status"]
+
+
+def lm_step_rows(size, context: int, batch: int, dtype: str, variants: Iterable[tuple[str, bool]],
+                 warmup: int = 2, steps: int = 5, device: torch.device | str = "auto",
+                 progress: bool = True) -> pd.DataFrame:
+    """Time the LM (forward, forward+backward, AdamW train step; ``lab.bench.lm.benchmark_lm``) once per
+    ``(attention, compile)`` variant. Returns the ``lm_step`` columns first, then benchmark_lm's others
+    (std, bwd_ms, error, ...); times in ms, ``peak_gib`` in GiB (NaN on the CPU)."""
+    from tqdm import tqdm  # plain text bars: they render in papermill reports
+
+    from lab.bench.lm import benchmark_lm
+
+    device = resolve_device(device) if isinstance(device, str) else device
+    variants = list(variants)
+    rows = []
+    for attention, compile in tqdm(variants, desc="lm", disable=not progress):
+        if attention.startswith("flash"):
+            # importing the kernel module on the CPU must find TRITON_INTERPRET already set
+            _import_flash(f"lab.{attention}", device)
+        rows.append(benchmark_lm(size, context=context, batch=batch, dtype=dtype, compile=compile,
+                                 attention=attention, warmup=warmup, steps=steps, device=device))
+    df = pd.DataFrame(rows).drop(columns=[c for c in rows[0] if c.endswith("_samples_ms")], errors="ignore")
+    return df[LM_STEP_COLUMNS + [c for c in df.columns if c not in LM_STEP_COLUMNS]]

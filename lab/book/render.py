@@ -1,0 +1,156 @@
+"""Render the lab book: run every numbered notebook through papermill into ``reports/``.
+
+``python -m lab.book.render --profile quick`` runs the CPU-sized book into ``reports/quick`` (results into
+``results/quick``); ``--profile full`` runs the GPU-sized book into ``reports/`` (results into ``results/``).
+The notebooks in ``notebooks/`` are only read, never written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from lab import paths
+
+NOTEBOOKS_DIR = paths.REPO_ROOT / "notebooks"
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Where a profile's reports and results go, and the parameters every notebook receives."""
+
+    name: str
+    quick: bool
+    reports_dir: str
+    results_dir: str
+    artifacts_dir: str
+
+    def parameters(self) -> dict:
+        return dict(quick=self.quick, results_dir=self.results_dir, artifacts_dir=self.artifacts_dir)
+
+
+PROFILES = {
+    "quick": Profile("quick", True, "reports/quick", "results/quick", "artifacts/quick"),
+    "full": Profile("full", False, "reports", "results", "artifacts"),
+}
+
+
+class NotebookFailed(RuntimeError):
+    """A cell raised; the message names the notebook, the cell and the error."""
+
+
+def numbered_notebooks(only: Sequence[str] | None = None) -> list[Path]:
+    """``notebooks/NN_*.ipynb`` in order; ``only`` filters by number prefix (``"01"``) or stem."""
+    books = sorted(p for p in NOTEBOOKS_DIR.glob("[0-9][0-9]_*.ipynb"))
+    if only:
+        wanted = set(only)
+        books = [p for p in books if p.stem[:2] in wanted or p.stem in wanted]
+        missing = wanted - {p.stem[:2] for p in books} - {p.stem for p in books}
+        if missing:
+            raise SystemExit(f"no notebook matches {sorted(missing)}; have: "
+                             f"{', '.join(p.stem for p in sorted(NOTEBOOKS_DIR.glob('[0-9][0-9]_*.ipynb')))}")
+    return books
+
+
+def run_notebook(notebook: Path, output: Path, parameters: dict, log_output: bool = False,
+                 timeout_s: int | None = None) -> Path:
+    """Execute ``notebook`` with papermill into ``output`` (written only if every cell succeeds).
+
+    On failure the partially executed notebook is kept as ``<output>.failed.ipynb`` and
+    :class:`NotebookFailed` names the failing cell.
+    """
+    import papermill as pm
+
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.with_suffix(".running.ipynb")
+    try:
+        pm.execute_notebook(str(notebook), str(tmp), parameters=parameters, cwd=str(paths.REPO_ROOT),
+                            log_output=log_output, progress_bar=False, execution_timeout=timeout_s,
+                            kernel_name="python3")
+    except pm.PapermillExecutionError as exc:
+        failed = output.with_suffix(".failed.ipynb")
+        if tmp.exists():
+            tmp.replace(failed)
+        raise NotebookFailed(f"{notebook.name}: cell {exc.exec_count} raised {exc.ename}: {exc.evalue}\n"
+                             f"(partial output kept in {failed})") from None
+    tmp.replace(output)
+    return output
+
+
+def export_html(executed: Path) -> Path | None:
+    """An HTML copy of an executed notebook beside it (None if nbconvert is not installed)."""
+    try:
+        import nbformat
+        from nbconvert import HTMLExporter
+    except ImportError:
+        print(f"nbconvert is not installed: no HTML for {executed.name} (run `python -m lab.book.render --html-only`"
+              " where it is)", file=sys.stderr)
+        return None
+    body, _ = HTMLExporter().from_notebook_node(nbformat.read(str(executed), as_version=4))
+    html = executed.with_suffix(".html")
+    html.write_text(body, encoding="utf-8")
+    return html
+
+
+def render(profile: str = "quick", only: Sequence[str] | None = None, html: bool = True,
+           log_output: bool = False, extra_parameters: dict | None = None) -> list[Path]:
+    """Run the numbered notebooks for ``profile``; stops at the first failing notebook. Returns the reports."""
+    prof = PROFILES[profile]
+    reports = paths.resolve(prof.reports_dir)
+    params = {**prof.parameters(), **(extra_parameters or {})}
+    done = []
+    for nb in numbered_notebooks(only):
+        start = time.perf_counter()
+        print(f"[render:{profile}] {nb.name} ...", flush=True)
+        out = run_notebook(nb, reports / nb.name, params, log_output=log_output)
+        if html:
+            export_html(out)
+        print(f"[render:{profile}] {nb.name} done in {time.perf_counter() - start:.0f} s -> "
+              f"{out.relative_to(paths.REPO_ROOT)}", flush=True)
+        done.append(out)
+    return done
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m lab.book.render", description=__doc__.split("\n\n")[0])
+    p.add_argument("--profile", choices=list(PROFILES), default="quick",
+                   help="quick: tiny sizes on the CPU into reports/quick; full: GPU sizes into reports/")
+    p.add_argument("--only", nargs="+", help="notebook numbers or stems to run, e.g. 01 03")
+    p.add_argument("--no-html", action="store_true", help="skip the HTML export")
+    p.add_argument("--html-only", action="store_true",
+                   help="only export HTML for the already executed notebooks of the profile")
+    p.add_argument("--log-output", action="store_true", help="stream cell output to the terminal")
+    p.add_argument("-p", "--parameter", nargs=2, action="append", metavar=("NAME", "VALUE"), default=[],
+                   help="extra notebook parameter (value parsed as a Python literal when possible)")
+    args = p.parse_args(argv)
+    if args.html_only:
+        reports = paths.resolve(PROFILES[args.profile].reports_dir)
+        for nb in sorted(reports.glob("[0-9][0-9]_*.ipynb")):
+            if ".failed" in nb.name or ".running" in nb.name:
+                continue
+            print(f"html: {export_html(nb)}")
+        return 0
+    extra = {}
+    for name, value in args.parameter:
+        import ast
+
+        try:
+            extra[name] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            extra[name] = value
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    try:
+        render(args.profile, args.only, html=not args.no_html, log_output=args.log_output, extra_parameters=extra)
+    except NotebookFailed as exc:
+        print(f"\nRENDER FAILED: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

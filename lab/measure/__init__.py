@@ -1,0 +1,8 @@
+"""Measurement: the one timer, the one phased training step, device facts, profiler traces turned into
+timelines and overlap, memory snapshots and saved-tensor accounting, the results store with provenance,
+and the noise-aware verdicts every comparison uses.
+
+Everything here takes any ``nn.Module`` or callable; nothing knows which model it measures.
+
+May import: torch, pandas, numpy, ``lab.paths``, ``lab.dtypes``.
+"""

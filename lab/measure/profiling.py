@@ -1,0 +1,237 @@
+"""Kernel profiles with ``torch.profiler``: top kernels, matmul share, and the cost inside attention.
+
+Nsight Systems may not be installed, so profiles use ``torch.profiler`` with CUDA activities. The model's
+naive attention marks its three phases with ``record_function`` + NVTX ranges, so the same code can be run
+under ``nsys profile`` by a user who has it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import pandas as pd
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from lab.bench.lm import autocast, lm_loss, make_optimizer, random_batch
+from lab.measure.device import resolve_device, synchronize
+from lab.model.transformer import ModelConfig, TransformerLM, config_for
+
+# cuBLAS / CUTLASS / Triton matmul kernel names on Hopper and Ampere, and the aten ops on the CPU.
+_MATMUL = re.compile(r"gemm|nvjet|xmma|cutlass|wgmma|cublas|matmul|^aten::(mm|addmm|bmm|baddbmm|linear)$", re.I)
+_ATTENTION = re.compile(r"flash|fmha|attention|sdpa|cudnn.*mha", re.I)
+ATTENTION_RANGES = ("attention/scores", "attention/softmax", "attention/final_matmul")
+
+
+def kernel_class(name: str) -> str:
+    """``"matmul"``, ``"fused attention"`` or ``"other"`` from a kernel (or CPU op) name."""
+    if _ATTENTION.search(name) and not _MATMUL.search(name):
+        return "fused attention"
+    return "matmul" if _MATMUL.search(name) else "other"
+
+
+def profile_lm(size: str | ModelConfig, mode: str = "forward", context: int = 512, batch: int = 4,
+               dtype: str = "fp32", attention: str = "naive", warmup: int = 3, steps: int = 3,
+               device: str | torch.device = "auto", trace_path: str | Path | None = None):
+    """Profile ``steps`` steps of ``mode`` (forward / forward_backward / train_step) after ``warmup`` steps.
+
+    Returns the ``torch.profiler.profile`` object; if ``trace_path`` is given a Chrome/Perfetto trace is
+    written there (open it in ui.perfetto.dev or chrome://tracing).
+    """
+    device = resolve_device(device) if isinstance(device, str) else device
+    cfg = (config_for(size, context_length=context, attention=attention) if isinstance(size, str)
+           else ModelConfig(**{**size.__dict__, "context_length": context, "attention": attention}))
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = TransformerLM(cfg)
+    optimizer = make_optimizer(model, device) if mode == "train_step" else None
+    tokens, targets = random_batch(cfg, batch, device, context)
+
+    def step():
+        if optimizer is not None:
+            optimizer.zero_grad(set_to_none=True)
+        else:
+            model.zero_grad(set_to_none=True)
+        with autocast(device, dtype):
+            loss = lm_loss(model, tokens, targets)
+        if mode in ("forward_backward", "train_step"):
+            loss.backward()
+        if optimizer is not None:
+            optimizer.step()
+
+    if mode not in ("forward", "forward_backward", "train_step"):
+        raise ValueError(f"unknown mode {mode!r}")
+    for _ in range(warmup):
+        step()
+    synchronize(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    try:  # keep events across the (single) profiling cycle without a warning; older torch lacks the flag
+        profiler = profile(activities=activities, acc_events=True)
+    except TypeError:
+        profiler = profile(activities=activities)
+    with profiler as prof:
+        for i in range(steps):
+            with record_function(f"step {i}"):
+                step()
+            synchronize(device)
+    if trace_path is not None:
+        Path(trace_path).parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(trace_path))
+    prof.lab_steps = steps  # remembered so tables can report per-step numbers
+    return prof
+
+
+def _annotation_names(prof) -> set[str]:
+    """Names of ``record_function`` ranges: the profiler mirrors them onto the GPU timeline, where they must
+    not be mistaken for kernels."""
+    names = {e.name for e in prof.events() if getattr(e, "is_user_annotation", False)}
+    return names | {e.name for e in prof.events() if e.name.startswith("step ") or e.name in ATTENTION_RANGES}
+
+
+def _device_events(prof) -> list:
+    """Kernels, memcpys and memsets on the GPU (not the mirrored annotation ranges)."""
+    skip = _annotation_names(prof)
+    return [e for e in prof.events() if e.device_type == DeviceType.CUDA and e.name not in skip]
+
+
+def kernel_table(prof, top: int | None = 15) -> pd.DataFrame:
+    """Kernels by total GPU time: name, class, calls per step, ms per step, share of GPU time (0..1).
+
+    On the CPU (no kernels) the same table is built from the self CPU time of aten operators.
+    """
+    steps = getattr(prof, "lab_steps", 1)
+    kernels = _device_events(prof)
+    if kernels:
+        rows = [(e.name, e.time_range.elapsed_us()) for e in kernels]
+        source = "gpu kernel"
+    else:
+        rows = [(e.name, e.self_cpu_time_total) for e in prof.events()
+                if e.device_type == DeviceType.CPU and e.name.startswith("aten::")]
+        source = "cpu op"
+    df = pd.DataFrame(rows, columns=["name", "us"])
+    if df.empty:
+        return pd.DataFrame(columns=["name", "class", "calls_per_step", "ms_per_step", "share", "source"])
+    g = df.groupby("name")["us"].agg(["count", "sum"]).reset_index()
+    g["class"] = g["name"].map(kernel_class)
+    g["calls_per_step"] = g["count"] / steps
+    g["ms_per_step"] = g["sum"] / 1e3 / steps
+    g["share"] = g["sum"] / g["sum"].sum()
+    g["source"] = source
+    g = g.sort_values("ms_per_step", ascending=False)[["name", "class", "calls_per_step", "ms_per_step", "share",
+                                                        "source"]]
+    return (g.head(top) if top else g).reset_index(drop=True)
+
+
+def class_shares(prof) -> pd.DataFrame:
+    """GPU (or CPU-op) time per step by kernel class, with each class's share of the total."""
+    full = kernel_table(prof, top=None)
+    g = full.groupby("class")[["ms_per_step", "calls_per_step"]].sum().reset_index()
+    g["share"] = g["ms_per_step"] / g["ms_per_step"].sum()
+    return g.sort_values("ms_per_step", ascending=False).reset_index(drop=True)
+
+
+def range_times(prof, names=ATTENTION_RANGES) -> pd.DataFrame:
+    """Time per step inside each named ``record_function`` range: GPU time of the kernels launched in it
+    (CUDA) or CPU time of the range (CPU)."""
+    steps = getattr(prof, "lab_steps", 1)
+    on_gpu = bool(_device_events(prof))
+    rows = []
+    for name in names:
+        evts = [e for e in prof.events() if e.name == name and e.device_type == DeviceType.CPU]
+        total_us = sum(e.device_time_total if on_gpu else e.cpu_time_total for e in evts)
+        rows.append(dict(range=name, calls_per_step=len(evts) / steps, ms_per_step=total_us / 1e3 / steps))
+    return pd.DataFrame(rows)
+
+
+def step_wall_ms(prof) -> float:
+    """Mean wall time of a profiled step, in ms: compare with the Python timer.
+
+    On the GPU this is the span of the ``step i`` range on the GPU timeline (the CPU side of the range
+    ends as soon as the kernels are queued); on the CPU it is the range itself.
+    """
+    gpu = [e for e in prof.events() if e.name.startswith("step ") and e.device_type == DeviceType.CUDA]
+    evts = gpu or [e for e in prof.events() if e.name.startswith("step ") and e.device_type == DeviceType.CPU]
+    return sum(e.time_range.elapsed_us() for e in evts) / 1e3 / max(len(evts), 1)
+
+
+def gpu_busy_ms(prof) -> float:
+    """Sum of kernel durations per step, in ms (0 on the CPU)."""
+    steps = getattr(prof, "lab_steps", 1)
+    return sum(e.time_range.elapsed_us() for e in _device_events(prof)) / 1e3 / steps
+
+
+def attention_phase_flops(batch: int, heads: int, seq: int, head_dim: int, layers: int = 1) -> dict[str, float]:
+    """FLOPs of the three naive-attention phases (forward), summed over ``layers``.
+
+    QK^T and PV each cost 2·b·h·s²·d; softmax costs about 5 operations per score (max, subtract, exp, sum,
+    divide), the causal mask one more. The ratio softmax/matmul is therefore ~3/(2d): tiny, yet softmax is
+    memory-bound and takes a visible share of the time.
+    """
+    scores = batch * heads * seq * seq
+    return {"attention/scores": 2.0 * scores * head_dim * layers + scores * layers,
+            "attention/softmax": 5.0 * scores * layers,
+            "attention/final_matmul": 2.0 * scores * head_dim * layers}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Interval arithmetic on timelines (compute vs communication lanes of a profiler trace)
+
+
+def union_intervals(intervals) -> list[tuple[float, float]]:
+    """The union of (start, end) intervals as sorted, disjoint pairs (nested or concurrent ones counted once)."""
+    merged: list[list[float]] = []
+    for s, e in sorted(intervals):
+        if merged and s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    return [(s, e) for s, e in merged]
+
+
+def intervals_length(intervals) -> float:
+    """Total length of disjoint intervals."""
+    return sum(e - s for s, e in intervals)
+
+
+def intersect_intervals(a, b) -> list[tuple[float, float]]:
+    """The intersection of two sorted lists of disjoint intervals."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        s, e = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if s < e:
+            out.append((s, e))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def kernel_phase_spans(events: list[dict], kernels: list[dict], ranges: list[dict]) -> list[tuple[str, float, float]]:
+    """GPU extent of CPU ranges in a Chrome trace: (name, start_us, dur_us) for each range, the span of the
+    kernels *launched* while it was open. Empty when the trace has no launch correlation data.
+
+    A CPU range says when work was launched; the GPU runs it later. The profiler's own ``gpu_user_annotation``
+    counts only kernels launched by the thread that opened the range, but backward kernels (and collectives
+    issued from autograd hooks) are launched by autograd's device thread; matching each kernel to its
+    runtime/driver launch call by correlation id catches them.
+    """
+    launch_ts = {e["args"]["correlation"]: e["ts"] for e in events
+                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in (e.get("args") or {})}
+    ranges = sorted(ranges, key=lambda e: e["ts"])
+    if not launch_ts or not ranges:
+        return []
+    spans: dict[int, list[float]] = {}
+    for k in kernels:
+        t = launch_ts.get((k.get("args") or {}).get("correlation"))
+        if t is None:
+            continue
+        for i, r in enumerate(ranges):
+            if r["ts"] <= t <= r["ts"] + r["dur"]:
+                lo, hi = spans.get(i, [math.inf, -math.inf])
+                spans[i] = [min(lo, k["ts"]), max(hi, k["ts"] + k["dur"])]
+                break
+    return [(ranges[i]["name"], lo, hi - lo) for i, (lo, hi) in sorted(spans.items())]

@@ -1,0 +1,20 @@
+"""The Transformer language model (one readable file, ``transformer.py``), its size table, the attention
+registry, and activation checkpointing applied from outside.
+
+The model knows nothing of benchmarking, profiling or parallelism: those take any ``nn.Module`` and are
+applied from outside (torchtitan style).
+
+May import: torch, ``lab.kernels`` (lazily, for the FlashAttention implementations).
+"""
+
+from lab.model.transformer import (
+    MODEL_SIZES,
+    QUICK_SIZES,
+    ModelConfig,
+    RMSNorm,
+    TransformerBlock,
+    TransformerLM,
+    config_for,
+)
+
+__all__ = ["MODEL_SIZES", "QUICK_SIZES", "ModelConfig", "RMSNorm", "TransformerBlock", "TransformerLM", "config_for"]

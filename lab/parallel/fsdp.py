@@ -1,0 +1,518 @@
+"""Fully sharded data parallelism: each rank stores 1/n of every weight matrix and gathers it only to use it.
+
+Why it exists: ZeRO-1 shards the optimizer state but still keeps full parameters and gradients on every
+rank (8 of AdamW's 16 bytes per parameter). FSDP shards those too. Every 2-D parameter (the weight of a
+Linear, an Embedding or any module that owns a matrix) is kept as a flat, padded 1/n *shard*; just before
+the module runs, the shards are all-gathered into the full weight, which is dropped right after the module
+has run. In backward the weight is gathered again where it is needed, and its gradient is reduce-scattered
+straight back into shards, so no rank ever holds the full gradient. Small parameters (1-D: norms, biases)
+are replicated and their gradients all-reduced, as in DDP.
+
+How it works here (no change to the model):
+
+* the module's 2-D parameter is replaced by its shard (``module.parameters()`` yields the shards, so an
+  unmodified ``torch.optim.AdamW`` updates the local shards only);
+* weights are communicated by *layer*: by default every child of an ``nn.ModuleList`` (a transformer
+  block, seven matrices) is one layer, and a matrix outside them (embedding, LM head) is a layer of its
+  own. A layer's shards are concatenated (and cast to ``compute_dtype`` on the way: the cast happens
+  *before* the communication, halving it) and all-gathered in one collective; one copy kernel then splits
+  the result into each weight's full matrix. One collective per layer instead of per matrix matters:
+  each costs tens of microseconds of host time and a fixed latency, and a step is often host-bound;
+* a forward pre-hook on each weight-owning module makes the gathered weight the module's attribute through
+  :class:`_GatherWeight`, an autograd function whose backward hands the gradient back to FSDP; the first
+  module of a layer also starts the all-gathers of the next two layers (prefetch), so communication
+  overlaps compute;
+* a forward hook drops the gathered weight. Autograd would keep it alive for the backward (a matmul saves its
+  weight), so during the forward a ``saved_tensors_hooks`` pair replaces saved gathered weights by a small
+  key; in backward the key is unpacked by gathering the layer again (prefetching two layers ahead in
+  reverse order), and each gathered copy is dropped as soon as its weight's gradient has been produced;
+* once every weight of a layer has its gradient, the layer's gradients are reduce-scattered in one
+  collective (rank r receives its slice of each); these are waited for (at most two stay in flight, each
+  holding one layer's full gradients) and their results divided by the world size and accumulated into
+  the shards' ``.grad`` (fp32); at the end of backward (an autograd-engine callback) the last ones are
+  finished and replicated gradients are all-reduced and averaged.
+  :meth:`FSDP.finish_gradient_synchronization` does the same explicitly and is a no-op when the callback
+  already ran.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lab.parallel.collectives import all_gather_tensor, reduce_scatter_tensor
+from lab.parallel.sharded_optimizer import record_collective
+
+COMPUTE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
+
+
+class _ShardedWeight:
+    """One 2-D parameter: its fp32 shard, and the gathered full weight while it is in use."""
+
+    def __init__(self, module: nn.Module, attr: str, name: str, param: nn.Parameter, rank: int, world: int):
+        self.module, self.attr, self.name = module, attr, name
+        self.shape = param.shape
+        self.numel = param.numel()
+        self.padded = math.ceil(self.numel / world) * world
+        self.shard_numel = self.padded // world
+        flat = torch.zeros(self.padded, dtype=param.dtype, device=param.device)
+        flat[:self.numel] = param.detach().reshape(-1)
+        lo = rank * self.shard_numel
+        self.shard = nn.Parameter(flat[lo:lo + self.shard_numel].clone(), requires_grad=param.requires_grad)
+        self.layer: _Layer | None = None
+        self.index = 0  # position in its layer
+        self.gathered: torch.Tensor | None = None  # the padded flat full weight, once the gather finished
+
+
+class _Layer:
+    """The unit that is gathered, prefetched and reduce-scattered together: by default one transformer block.
+
+    All its weights travel in one all-gather (of the concatenated shards, each rank's slice of every weight
+    side by side) and their gradients in one reduce-scatter, so a block costs two collectives per pass
+    instead of two per matrix: each collective has a fixed host and latency cost, which at small sizes
+    outweighs the bytes.
+    """
+
+    def __init__(self, name: str, weights: list[_ShardedWeight]):
+        self.name, self.weights = name, weights
+        for i, w in enumerate(weights):
+            w.layer, w.index = self, i
+        self.sizes = [w.shard_numel for w in weights]
+        self.shard_numel = sum(self.sizes)
+        self.pending: tuple[Any, torch.Tensor, torch.Tensor] | None = None  # (work, output, input) in flight
+        # this backward's gradients: index -> padded flat full gradient (reduce dtype), and how many
+        # tracked uses (forward applications of _GatherWeight) are still owed a gradient
+        self.grads: dict[int, torch.Tensor] = {}
+        self.expected = 0
+        self.received = 0
+
+
+class _Packed:
+    """What autograd stores instead of a gathered weight it saved for backward."""
+
+    __slots__ = ("offset", "size", "stride", "weight")
+
+    def __init__(self, weight: _ShardedWeight, t: torch.Tensor):
+        self.weight, self.size, self.stride, self.offset = weight, t.size(), t.stride(), t.storage_offset()
+
+
+class _GatherWeight(torch.autograd.Function):
+    """Connects the gathered full weight to its shard in the autograd graph.
+
+    Forward returns the already-gathered flat weight; backward hands its gradient to :class:`FSDP`, which
+    reduce-scatters it (with the rest of its layer's) asynchronously. The shard's gradient is set by FSDP
+    when the reduce-scatter is waited for, not returned here, so that the collective overlaps the rest of
+    the backward.
+    """
+
+    @staticmethod
+    def forward(ctx, shard: torch.Tensor, fsdp: FSDP, weight: _ShardedWeight) -> torch.Tensor:
+        ctx.fsdp, ctx.weight = fsdp, weight
+        return fsdp._take_gathered(weight)
+
+    @staticmethod
+    def backward(ctx, grad_flat: torch.Tensor):
+        ctx.fsdp._gradient_ready(ctx.weight, grad_flat)
+        return None, None, None
+
+
+def _unit_names(module: nn.Module, unit_modules) -> list[str]:
+    """Names of the modules whose 2-D weights form one layer (see :class:`FSDP`'s ``unit_modules``)."""
+    if unit_modules is None:  # every child of a ModuleList: the blocks of a transformer
+        return [f"{name}.{child}" if name else child for name, mod in module.named_modules()
+                if isinstance(mod, nn.ModuleList) for child, _ in mod.named_children()]
+    names = {id(mod): name for name, mod in module.named_modules()}
+    missing = [type(m).__name__ for m in unit_modules if id(m) not in names]
+    if missing:
+        raise ValueError(f"unit_modules must be submodules of the wrapped module; not found: {missing}")
+    return [names[id(m)] for m in unit_modules]
+
+
+class FSDP(nn.Module):
+    """Wrap ``module`` for fully sharded data parallel training (see the module docstring).
+
+    ``compute_dtype`` (None, torch.float32, torch.bfloat16 or torch.float16): the dtype weights are gathered
+    and computed in. With a 16-bit dtype, shards are cast *before* the all-gather, the wrapped module runs
+    under ``torch.autocast(compute_dtype)`` (so activations meet the weights in that dtype; norms stay fp32
+    as autocast decides), and master weights, gradients and the optimizer's update stay fp32.
+    ``reduce_dtype``: the dtype gradients are reduce-scattered in (None: that of the master
+    weights, fp32; bf16 halves the traffic, as FSDP2 does by default with a bf16 ``param_dtype``; the
+    shards' ``.grad`` are fp32 either way). ``prefetch``: how many layers ahead to gather (at most 2).
+    ``unit_modules``: the modules whose 2-D weights are gathered and reduced together as one *layer*
+    (None: every child of an ``nn.ModuleList``, i.e. each transformer block; a weight outside them, such as
+    the embedding, is a layer on its own; an empty list: every weight-owning module is its own layer).
+
+    Every rank starts from rank 0's parameters and buffers (broadcast at construction). Build the optimizer
+    over ``fsdp.parameters()`` *after* wrapping: it sees the local shards and replicated small parameters.
+    Forward and backward are collective calls (all ranks, same model, same order of layers). Tied 2-D
+    parameters (one matrix used by two modules) and modules that read another module's weight are not
+    supported. With ``compute_dtype=None`` under an outer autocast the cast weight copies are saved by
+    autograd outside FSDP's control; pass ``compute_dtype`` instead.
+    """
+
+    def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None,
+                 reduce_dtype: torch.dtype | None = None, prefetch: int = 2, unit_modules=None):
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"FSDP wraps an nn.Module, got {type(module).__name__}")
+        if compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"compute_dtype must be one of {COMPUTE_DTYPES}, got {compute_dtype!r}")
+        if reduce_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"reduce_dtype must be one of {COMPUTE_DTYPES}, got {reduce_dtype!r}")
+        if not 0 <= prefetch <= 2:
+            raise ValueError(f"prefetch must be 0, 1 or 2 layers, got {prefetch}")
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("FSDP needs a torch.distributed process group; run inside lab.parallel.launcher.launch")
+        self.module = module
+        self.compute_dtype = compute_dtype
+        self.reduce_dtype = reduce_dtype
+        self.prefetch = prefetch
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        with torch.no_grad():
+            for t in list(module.parameters()) + list(module.buffers()):
+                dist.broadcast(t, src=0)
+        self._layers: list[_Layer] = []
+        self._weights: dict[str, _ShardedWeight] = {}
+        self._replicated: list[tuple[str, nn.Parameter]] = []
+        owners = self._shard_layout(module, _unit_names(module, unit_modules))
+        for mod, weights in owners:
+            mod.register_forward_pre_hook(self._make_pre_hook(weights))
+            mod.register_forward_hook(self._make_post_hook(weights))
+        # forward bookkeeping
+        self._calls: list[_Layer] = []  # layers in the order this forward first entered them
+        self._entered: set[_Layer] = set()
+        self._packed_layers: set[_Layer] = set()  # layers whose weights autograd saved (needed in backward)
+        self._predicted: list[_Layer] = list(self._layers)  # order of the last forward (registration at first)
+        self._live_storage: dict[int, _ShardedWeight] = {}  # storage pointer of weights in use -> weight
+        # backward bookkeeping
+        self._backward_order: list[_Layer] = []
+        self._backward_position: dict[_Layer, int] = {}
+        self._backward_started: set[_Layer] = set()
+        self._pending_grads: list[tuple[list[_ShardedWeight], Any, torch.Tensor, torch.Tensor]] = []
+        self._callback_queued = False
+        self._needs_sync = False
+        # memory probes: weak references to every gathered full weight (with its layer), and the most layers
+        # with a gathered weight alive at once
+        self._gathered_refs: list[tuple[_Layer, weakref.ref]] = []
+        self.max_live_gathered = 0
+        for _, p in self._replicated:
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(lambda _p: self._mark_backward())
+
+    # ---- construction --------------------------------------------------------------------------------
+
+    def _shard_layout(self, module: nn.Module, unit_names: list[str]):
+        """Shard every 2-D parameter, group the shards into layers; returns [(owner module, its weights)]."""
+        owner: dict[int, str] = {}
+        for name, p in module.named_parameters(remove_duplicate=False):  # check before changing anything
+            if id(p) in owner:
+                raise ValueError(f"parameter {name} is the same tensor as {owner[id(p)]}: tied parameters are "
+                                 "not supported by lab.FSDP")
+            owner[id(p)] = name
+        # innermost unit containing a module name, else the module itself
+        by_length = sorted(unit_names, key=len, reverse=True)
+
+        def unit_of(mod_name: str) -> str:
+            return next((u for u in by_length if mod_name == u or mod_name.startswith(u + ".")), mod_name)
+
+        groups: dict[tuple, list[_ShardedWeight]] = {}
+        owners = []
+        for mod_name, mod in module.named_modules():
+            weights = []
+            for attr, p in list(mod._parameters.items()):
+                if p is None:
+                    continue
+                name = f"{mod_name}.{attr}" if mod_name else attr
+                if p.ndim == 2:
+                    w = _ShardedWeight(mod, attr, name, p, self.rank, self.world)
+                    mod._parameters[attr] = w.shard  # module.parameters() now yields the shard
+                    self._weights[name] = w
+                    weights.append(w)
+                    # one collective carries one dtype: a layer splits by dtype and device if it must
+                    groups.setdefault((unit_of(mod_name), p.dtype, p.device), []).append(w)
+                else:
+                    self._replicated.append((name, p))
+            if weights:
+                owners.append((mod, weights))
+        self._layers = [_Layer(key[0], ws) for key, ws in groups.items()]
+        return owners
+
+    # ---- gathering -----------------------------------------------------------------------------------
+
+    def _gather_dtype(self, layer: _Layer) -> torch.dtype:
+        return self.compute_dtype or layer.weights[0].shard.dtype
+
+    def _start_gather(self, layer: _Layer) -> None:
+        """Launch the all-gather of ``layer``'s weights (no-op if in flight or every weight is gathered)."""
+        if layer.pending is not None or all(w.gathered is not None for w in layer.weights):
+            return
+        dtype = self._gather_dtype(layer)
+        shards = [w.shard.detach() for w in layer.weights]
+        if len(shards) == 1:
+            send = shards[0].to(dtype)  # cast before communicating
+        else:
+            send = torch.empty(layer.shard_numel, dtype=dtype, device=shards[0].device)
+            torch.cat(shards, out=send)  # this rank's slice of every weight, cast on the way
+        out = torch.empty(self.world * layer.shard_numel, dtype=dtype, device=send.device)
+        record_collective("all_gather", out)
+        layer.pending = (all_gather_tensor(out, send, async_op=True), out, send)
+
+    def _complete_gather(self, layer: _Layer) -> None:
+        """Wait for ``layer``'s all-gather and unpack it into one padded flat buffer per weight."""
+        work, out, _ = layer.pending
+        layer.pending = None
+        work.wait()
+        if len(layer.weights) == 1:  # rank-major order is already the weight's flat layout
+            bufs = [out]
+        else:  # out is (rank, concatenated slices): copy each weight's columns out, one kernel for all
+            bufs = [torch.empty(w.padded, dtype=out.dtype, device=out.device) for w in layer.weights]
+            torch.split_with_sizes_copy(out.view(self.world, layer.shard_numel), layer.sizes, dim=1,
+                                        out=[b.view(self.world, s) for b, s in zip(bufs, layer.sizes)])
+        for w, b in zip(layer.weights, bufs):
+            if w.gathered is None:
+                w.gathered = b
+                self._gathered_refs.append((layer, weakref.ref(b)))
+        self._gathered_refs = [(la, r) for la, r in self._gathered_refs if r() is not None]
+        self.max_live_gathered = max(self.max_live_gathered, len({la for la, _ in self._gathered_refs}))
+
+    def _wait_gather(self, w: _ShardedWeight) -> torch.Tensor:
+        if w.gathered is None:
+            if w.layer.pending is None:
+                self._start_gather(w.layer)
+            self._complete_gather(w.layer)
+        return w.gathered
+
+    def _take_gathered(self, w: _ShardedWeight) -> torch.Tensor:
+        return self._wait_gather(w)
+
+    def live_gathered(self) -> int:
+        """Number of gathered full-weight buffers still alive (anywhere: FSDP, autograd, the caller)."""
+        return sum(r() is not None for _, r in self._gathered_refs)
+
+    def _release_layer(self, layer: _Layer) -> None:
+        if layer.pending is not None:  # a prefetch that was not used: let it finish before dropping its buffers
+            layer.pending[0].wait()
+            layer.pending = None
+        for w in layer.weights:
+            w.gathered = None
+
+    # ---- forward ---------------------------------------------------------------------------------------
+
+    def forward(self, *args, **kwargs):
+        """Run the wrapped module; 2-D weights are gathered layer by layer and dropped after use."""
+        self._calls = []
+        self._entered = set()
+        self._packed_layers = set()
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                if self.compute_dtype not in (None, torch.float32):
+                    device_type = next(iter(self._weights.values())).shard.device.type if self._weights else "cpu"
+                    with torch.autocast(device_type=device_type, dtype=self.compute_dtype):
+                        out = self.module(*args, **kwargs)
+                else:
+                    out = self.module(*args, **kwargs)
+        finally:
+            for layer in self._layers:  # prefetched for a layer that did not run
+                self._release_layer(layer)
+        if self._calls:
+            self._predicted = list(self._calls)
+            # Backward needs the weights again in reverse order, but only those autograd saved (an
+            # embedding's backward, for one, needs only the indices).
+            self._backward_order = [la for la in reversed(self._calls) if la in self._packed_layers]
+            self._backward_position = {}
+            for i, layer in enumerate(self._backward_order):
+                self._backward_position.setdefault(layer, i)
+            self._backward_started = set()
+        return out
+
+    def _prefetch_after(self, order: list[_Layer], position: int) -> None:
+        for layer in order[position + 1:position + 1 + self.prefetch]:
+            self._start_gather(layer)
+
+    def _enter(self, layer: _Layer) -> None:
+        """First use of ``layer`` in this forward: gather it and prefetch the next ones."""
+        self._entered.add(layer)
+        self._calls.append(layer)
+        self._start_gather(layer)
+        pos = len(self._calls) - 1
+        if pos < len(self._predicted) and self._predicted[pos] is layer:
+            self._prefetch_after(self._predicted, pos)
+
+    def _make_pre_hook(self, weights: list[_ShardedWeight]):
+        def pre_hook(module, args):
+            for layer in dict.fromkeys(w.layer for w in weights):
+                if layer not in self._entered:
+                    self._enter(layer)
+            track = torch.is_grad_enabled()
+            for w in weights:
+                if track and w.shard.requires_grad:
+                    flat = _GatherWeight.apply(w.shard, self, w)
+                    w.layer.expected += 1  # this use will send a gradient back
+                else:
+                    flat = self._take_gathered(w)
+                full = flat[:w.numel].view(w.shape)
+                module.__dict__[w.attr] = full  # shadows the shard in module._parameters during forward
+                self._live_storage[full.untyped_storage().data_ptr()] = w
+        return pre_hook
+
+    def _make_post_hook(self, weights: list[_ShardedWeight]):
+        def post_hook(module, args, output):
+            for w in weights:
+                full = module.__dict__.pop(w.attr, None)
+                if full is not None:
+                    self._live_storage.pop(full.untyped_storage().data_ptr(), None)
+                w.gathered = None  # the only references left are autograd's, which _pack replaced by keys
+        return post_hook
+
+    def _pack(self, t: torch.Tensor):
+        if self._live_storage and t.layout == torch.strided:
+            w = self._live_storage.get(t.untyped_storage().data_ptr())
+            if w is not None:
+                self._packed_layers.add(w.layer)
+                return _Packed(w, t)
+        return t
+
+    def _unpack(self, packed):
+        if not isinstance(packed, _Packed):
+            return packed
+        w = packed.weight
+        layer = w.layer
+        if layer not in self._backward_started:
+            self._backward_started.add(layer)
+            self._start_gather(layer)
+            pos = self._backward_position.get(layer)
+            if pos is not None:
+                self._prefetch_after(self._backward_order, pos)
+        flat = self._wait_gather(w)
+        return flat.as_strided(packed.size, packed.stride, packed.offset)
+
+    # ---- backward --------------------------------------------------------------------------------------
+
+    def _mark_backward(self) -> None:
+        self._needs_sync = True
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        self._callback_queued = False
+        self._backward_started = set()
+        self._synchronize()
+
+    def _gradient_ready(self, w: _ShardedWeight, grad_flat: torch.Tensor) -> None:
+        """A full weight's gradient exists: drop the gathered copy; once every weight of its layer has its
+        gradient, start the layer's reduce-scatter."""
+        self._mark_backward()
+        w.gathered = None
+        grad = grad_flat.to(self.reduce_dtype or w.shard.dtype)
+        if grad.numel() != w.padded:
+            raise RuntimeError(f"gradient of {w.name} has {grad.numel()} elements, expected {w.padded}")
+        layer = w.layer
+        previous = layer.grads.get(w.index)
+        layer.grads[w.index] = grad if previous is None else previous + grad  # a weight used twice
+        layer.received += 1
+        if layer.received >= layer.expected:
+            self._reduce_scatter(layer)
+
+    def _reduce_scatter(self, layer: _Layer) -> None:
+        """One reduce-scatter for the gradients ``layer`` has collected (rank r receives its slice of each)."""
+        order = sorted(layer.grads)
+        weights = [layer.weights[i] for i in order]
+        grads = [layer.grads[i] for i in order]
+        layer.grads, layer.expected, layer.received = {}, 0, 0
+        if len(grads) == 1:
+            send = grads[0].contiguous()
+        else:  # (rank, concatenated slices): rank r's slice of every gradient side by side
+            send = torch.cat([g.view(self.world, -1) for g in grads], dim=1).view(-1)
+        out = torch.empty(send.numel() // self.world, dtype=send.dtype, device=send.device)
+        record_collective("reduce_scatter", send)
+        work = reduce_scatter_tensor(out, send, async_op=True)
+        self._pending_grads.append((weights, work, out, send))
+        # Keep at most two reduce-scatters in flight: a pending one holds its layer's full-size gradients,
+        # and letting them pile up until the end of backward would hold the whole model's gradient at once.
+        while len(self._pending_grads) > 2:
+            self._finish_reduce_scatter(*self._pending_grads.pop(0))
+
+    def _finish_reduce_scatter(self, weights: list[_ShardedWeight], work, out: torch.Tensor,
+                               send: torch.Tensor) -> None:
+        work.wait()
+        with torch.no_grad():
+            out = out.to(weights[0].shard.dtype)
+            out.div_(self.world)
+            for w, part in zip(weights, out.split([w.shard_numel for w in weights])):
+                if w.shard.grad is None:
+                    w.shard.grad = part
+                else:
+                    w.shard.grad.add_(part)
+
+    def _synchronize(self) -> None:
+        if not self._needs_sync:
+            return
+        self._needs_sync = False
+        for layer in self._layers:  # gradients still owed by a layer whose other weights got none (or were unused)
+            if layer.grads:
+                self._reduce_scatter(layer)
+            layer.expected = layer.received = 0
+        for pending in self._pending_grads:
+            self._finish_reduce_scatter(*pending)
+        self._pending_grads = []
+        with torch.no_grad():
+            # Replicated parameters: one all-reduce of their flattened gradients (missing ones count as 0).
+            params = [p for _, p in self._replicated if p.requires_grad]
+            if params:
+                grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+                flat = torch.cat([g.reshape(-1) for g in grads])
+                record_collective("all_reduce", flat)
+                dist.all_reduce(flat)
+                flat.div_(self.world)
+                offset = 0
+                for p in params:
+                    g = flat[offset:offset + p.numel()].view_as(p)
+                    offset += p.numel()
+                    if p.grad is None:
+                        p.grad = g.clone()
+                    else:
+                        p.grad.copy_(g)
+        for layer in self._layers:  # gathered for backward but never needed (e.g. a frozen branch)
+            self._release_layer(layer)
+
+    def finish_gradient_synchronization(self) -> None:
+        """Wait for every gradient collective of the last backward and average (idempotent).
+
+        Called automatically at the end of each backward; after it, sharded weights' ``.grad`` are fp32
+        shards of the averaged gradient and replicated parameters' ``.grad`` are averaged in place.
+        """
+        self._synchronize()
+
+    # ---- inspection ----------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def gather_full_params(self) -> dict[str, torch.Tensor]:
+        """Every parameter of the wrapped module at full size and fp32: name -> tensor (a collective call)."""
+        out: dict[str, torch.Tensor] = {}
+        for name, p in self.module.named_parameters():
+            w = self._weights.get(name)
+            if w is None:
+                out[name] = p.detach().clone()
+                continue
+            flat = torch.empty(w.padded, dtype=w.shard.dtype, device=w.shard.device)
+            all_gather_tensor(flat, w.shard.detach())
+            out[name] = flat[:w.numel].view(w.shape).clone()
+        return out
+
+    def sharded_parameter_names(self) -> list[str]:
+        """Names of the parameters stored as shards (the 2-D ones)."""
+        return list(self._weights)
+
+    def replicated_parameter_names(self) -> list[str]:
+        """Names of the parameters kept whole on every rank (norms, biases, other non-2-D ones)."""
+        return [n for n, _ in self._replicated]
+
+    def shard_of(self, name: str) -> nn.Parameter:
+        """The local shard parameter of the 2-D parameter ``name`` (flat, padded, 1/world_size of it)."""
+        return self._weights[name].shard

@@ -1,0 +1,340 @@
+"""The one distributed launcher: run a function on N ranks and get every rank's return value back.
+
+Every multi-process notebook, test and CLI in the lab book goes through :func:`launch`::
+
+    from lab.parallel import launcher as distributed
+
+    def allreduce_sum(x):                        # must live in an importable module (see below)
+        t = torch.tensor([x + distributed.rank()], device=distributed.device())
+        torch.distributed.all_reduce(t)
+        return t.item()
+
+    distributed.launch(allreduce_sum, 2, 10.0)   # -> [21.0, 21.0]
+
+Two ways of running, same code:
+
+* **spawned** (the usual case in a notebook or test): ``launch`` starts ``world_size`` fresh processes with
+  ``torch.multiprocessing``'s *spawn* method on this machine, picks a free TCP port for the rendezvous,
+  uses gloo on the CPU and NCCL on GPUs (one GPU per rank), and sends each rank's return value back through
+  a queue. ``fn`` travels to the workers by pickling, i.e. by *reference* (module + name): functions and
+  lambdas defined in a notebook cell are **not** picklable into a spawned process, so notebooks call
+  functions that live in ``lab``.
+* **under torchrun** (``RANK``, ``WORLD_SIZE`` and ``MASTER_ADDR`` are in the environment): the launcher
+  joins the ``env://`` rendezvous torchrun set up, runs ``fn`` in *this* process and returns every rank's
+  value (gathered with ``all_gather_object``). The same script therefore runs on several nodes unchanged.
+
+A worker's exception reaches the caller with the worker's traceback, and the other ranks are terminated
+rather than left waiting in a collective. Process groups get a timeout, and are destroyed at the end.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import io
+import os
+import pickle
+import queue as _queue
+import socket
+import sys
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+# Environment every worker gets before the process group starts. NVLink SHARP (NVLS) multicast and
+# symmetric-memory multicast are unavailable on the shared GPU machines and make NCCL init fail or hang.
+WORKER_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+
+# This process's device, set by the launcher in each worker (None outside a launched function).
+_DEVICE: torch.device | None = None
+
+
+class WorkerError(RuntimeError):
+    """A rank raised (or died); the message carries the rank, the error and the worker's traceback."""
+
+    def __init__(self, rank: int, message: str, worker_traceback: str = ""):
+        self.rank = rank
+        self.worker_traceback = worker_traceback
+        text = f"rank {rank} failed: {message}"
+        if worker_traceback:
+            text += "\n\n--- traceback in the worker ---\n" + worker_traceback
+        super().__init__(text)
+
+
+# --------------------------------------------------------------------------------------------------------
+# helpers used inside a launched function
+
+
+def rank() -> int:
+    """This process's rank (0 when no process group is running)."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    """The number of ranks (1 when no process group is running)."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def local_rank() -> int:
+    """This process's index on its node (the GPU it drives)."""
+    return int(os.environ.get("LOCAL_RANK", rank()))
+
+
+def device() -> torch.device:
+    """This rank's device: ``cuda:<local rank>`` under NCCL, else the CPU."""
+    if _DEVICE is not None:
+        return _DEVICE
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", local_rank())
+    return torch.device("cpu")
+
+
+def is_torchrun() -> bool:
+    """True when this process was started by torchrun (or any launcher that sets the env:// variables)."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+
+
+# --------------------------------------------------------------------------------------------------------
+# choosing device and backend
+
+
+def resolve_backend(world_size: int, backend: str | None = None, device: str | None = None) -> tuple[str, str]:
+    """``(backend, device_type)`` for a run: gloo on the CPU, NCCL on GPUs, from ``device`` "auto"|"cpu"|"cuda".
+
+    Raises ``ValueError`` for a bad name and ``RuntimeError`` when more ranks than GPUs are asked for.
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    device = "auto" if device is None else str(device)
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    if backend is not None and backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo', 'nccl' or None, got {backend!r}")
+    if device == "auto":
+        device = "cuda" if backend != "gloo" and torch.cuda.is_available() else "cpu"
+    if backend is None:
+        backend = "nccl" if device == "cuda" else "gloo"
+    if backend == "nccl" and device != "cuda":
+        raise ValueError("the NCCL backend needs device='cuda'; use gloo for CPU tensors")
+    if device == "cuda":
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if world_size > gpus and not is_torchrun():
+            raise RuntimeError(f"asked for {world_size} ranks on device='cuda' (one GPU per rank) but this "
+                               f"machine has {gpus} GPU(s); use world_size <= {gpus} or device='cpu' (gloo)")
+    return backend, device
+
+
+def free_port() -> int:
+    """A TCP port that is free right now on localhost (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _check_picklable(fn: Callable) -> None:
+    main = sys.modules.get("__main__")
+    if getattr(fn, "__module__", None) == "__main__" and not hasattr(main, "__file__"):
+        raise ValueError(f"{getattr(fn, '__qualname__', fn)!r} is defined in an interactive session (a notebook "
+                         "cell); spawned workers cannot import it. Put it in a module (e.g. lab/...) and pass that.")
+    try:
+        pickle.dumps(fn)
+    except Exception as exc:  # noqa: BLE001 - lambdas, closures, local functions
+        raise ValueError(f"fn must be picklable by reference (a module-level function); {fn!r} is not: {exc}") \
+            from exc
+
+
+def _to_bytes(obj: Any) -> bytes:
+    # torch.save pickles tensors by value (plain pickle through a multiprocessing queue would share them via
+    # shared memory, which dies with the worker); the caller loads onto the CPU.
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _from_bytes(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+
+
+# --------------------------------------------------------------------------------------------------------
+# the worker
+
+
+def _worker(local: int, world: int, port: int, backend: str, device_type: str, timeout_s: float,
+            fn: Callable, args: tuple, kwargs: dict, results) -> None:
+    global _DEVICE
+    os.environ.update(WORKER_ENV)
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(local),
+                       "LOCAL_RANK": str(local), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)})
+    try:
+        if device_type == "cuda":
+            torch.cuda.set_device(local)
+            _DEVICE = torch.device("cuda", local)
+        else:
+            _DEVICE = torch.device("cpu")
+            # N ranks on one CPU: share the cores rather than oversubscribing them N times.
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        init = dict(backend=backend, rank=local, world_size=world, timeout=_dt.timedelta(seconds=timeout_s))
+        if backend == "nccl":
+            init["device_id"] = _DEVICE
+        dist.init_process_group(**init)
+    except BaseException as exc:  # noqa: BLE001 - everything goes back to the caller
+        results.put((local, "error", f"{type(exc).__name__}: {exc}", traceback.format_exc(), False))
+        return
+    try:
+        out = fn(*args, **kwargs)
+    except BaseException as exc:  # noqa: BLE001
+        # report before tearing the group down: the teardown makes the other ranks fail too, and the caller
+        # should see this error (the cause), not theirs (the consequence)
+        results.put((local, "error", f"{type(exc).__name__}: {exc}", traceback.format_exc(),
+                     _is_communication_error(exc)))
+        _destroy_quietly()
+        return
+    # send the result before tearing the group down: a teardown that hangs must not lose it
+    try:
+        results.put((local, "ok", _to_bytes(out)))
+    except BaseException as exc:  # noqa: BLE001 - e.g. an unpicklable return value
+        results.put((local, "error", f"cannot send the return value back: {type(exc).__name__}: {exc}",
+                     traceback.format_exc(), False))
+    _destroy_quietly()
+
+
+def _destroy_quietly() -> None:
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - the group may already be broken by a failed peer
+        pass
+
+
+def _is_communication_error(exc: BaseException) -> bool:
+    """True for errors that a rank gets because a *peer* failed (closed connections, timeouts)."""
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    if names & {"DistError", "DistBackendError", "DistNetworkError", "DistStoreError"}:
+        return True
+    text = str(exc)
+    return any(k in text for k in ("gloo/transport", "Connection closed by peer", "Connection reset",
+                                   "NCCL communicator", "ProcessGroupNCCL", "Socket Timeout"))
+
+
+# --------------------------------------------------------------------------------------------------------
+# the launcher
+
+
+def launch(fn: Callable, world_size: int, *args, backend: str | None = None, device: str | None = None,
+           timeout_s: float = 300, deadline_s: float | None = None, **kwargs) -> list:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; returns the list of the ranks' return values.
+
+    ``device``: "auto" (default: CUDA when present), "cpu" (gloo) or "cuda" (NCCL, one GPU per rank).
+    ``backend``: override ("gloo" also works on GPUs' host processes). ``timeout_s``: the process-group
+    timeout in seconds (a collective that waits longer fails). ``deadline_s``: if set, the whole launch
+    fails with :class:`WorkerError` (ranks terminated) when it takes longer. Inside ``fn`` use :func:`rank`,
+    :func:`world_size` and :func:`device`. Return values come back on the CPU. A failing rank raises
+    :class:`WorkerError` here with its traceback, after the other ranks were terminated.
+    Under torchrun (env:// variables set) ``fn`` runs in this process only and ``world_size`` must match.
+    """
+    if is_torchrun():
+        return _launch_in_torchrun(fn, world_size, args, kwargs, backend, device, timeout_s)
+    backend, device_type = resolve_backend(world_size, backend, device)
+    _check_picklable(fn)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    # not daemonic: a worker may start processes of its own (DataLoader workers, compile workers)
+    procs = [ctx.Process(target=_worker, daemon=False,
+                         args=(r, world_size, port, backend, device_type, timeout_s, fn, args, kwargs, results))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    values: dict[int, Any] = {}
+    started = time.monotonic()
+    try:
+        dead_since: dict[int, float] = {}
+        while len(values) < world_size:
+            if deadline_s is not None and time.monotonic() - started > deadline_s:
+                missing = [r for r in range(world_size) if r not in values]
+                raise WorkerError(missing[0], f"no result after the {deadline_s:.0f} s deadline "
+                                              f"(ranks {missing} still running)")
+            try:
+                item = results.get(timeout=0.2)
+            except _queue.Empty:
+                item = None
+            if item is not None:
+                r, status = item[0], item[1]
+                if status == "error":
+                    raise _root_cause(item, results)
+                values[r] = _from_bytes(item[2])
+                continue
+            # A rank that died without reporting (segfault, killed for memory, NCCL abort): give the queue
+            # a moment to deliver what it may have sent just before exiting, then fail.
+            now = time.monotonic()
+            for r, p in enumerate(procs):
+                if r not in values and p.exitcode is not None:
+                    if now - dead_since.setdefault(r, now) > 5.0:
+                        raise WorkerError(r, f"process exited with code {p.exitcode} without returning a result")
+    finally:
+        if len(values) == world_size:  # success: let the ranks finish their teardown on their own
+            for p in procs:
+                p.join(timeout=30)
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        results.close()
+    return [values[r] for r in range(world_size)]
+
+
+def _root_cause(first: tuple, results, grace_s: float = 2.0) -> WorkerError:
+    """The error to show the caller: the first one that is not a mere consequence of a peer's failure.
+
+    When one rank raises, its peers soon fail too (their collectives lose a partner); their reports may
+    even arrive first, so collect for a moment and prefer an error that is not a communication error.
+    """
+    errors = [first]
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and not any(not e[4] for e in errors):
+        try:
+            item = results.get(timeout=0.1)
+        except _queue.Empty:
+            continue
+        if item[1] == "error":
+            errors.append(item)
+    cause = next((e for e in errors if not e[4]), errors[0])
+    others = [f"rank {e[0]}: {e[2].splitlines()[0][:160]}" for e in errors if e is not cause]
+    message = cause[2] + ("\n(other ranks failed after it: " + "; ".join(others) + ")" if others else "")
+    return WorkerError(cause[0], message, cause[3])
+
+
+def _launch_in_torchrun(fn, world_size, args, kwargs, backend, device, timeout_s) -> list:
+    global _DEVICE
+    env_world = int(os.environ["WORLD_SIZE"])
+    if world_size is not None and world_size != env_world:
+        raise ValueError(f"launch(world_size={world_size}) under torchrun with WORLD_SIZE={env_world}")
+    backend, device_type = resolve_backend(env_world, backend, device)
+    os.environ.update(WORKER_ENV)
+    created = not dist.is_initialized()
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank())
+        _DEVICE = torch.device("cuda", local_rank())
+    else:
+        _DEVICE = torch.device("cpu")
+    if created:
+        init = dict(backend=backend, init_method="env://", timeout=_dt.timedelta(seconds=timeout_s))
+        if backend == "nccl":
+            init["device_id"] = _DEVICE
+        dist.init_process_group(**init)
+    try:
+        out = fn(*args, **kwargs)
+        gathered: list = [None] * env_world
+        dist.all_gather_object(gathered, out)
+        return gathered
+    finally:
+        if created:
+            dist.destroy_process_group()
+        _DEVICE = None
