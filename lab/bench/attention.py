@@ -28,39 +28,24 @@ import torch
 import torch._functorch.config  # not imported by ``import torch``; run_naive_grid patches it
 import torch.nn.functional as F
 
+from lab.model.attention import AttentionFn, get_attention, naive_attention
 from lab.measure.device import empty_cache, is_oom, resolve_device, synchronize
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PASSES = ("fwd", "bwd", "e2e")
 
-AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor]
 
 
 # ----------------------------------------------------------------------------------------------------------
 # The implementations being compared
 
 
-def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> torch.Tensor:
-    """softmax(Q K^T / sqrt(d)) V as separate PyTorch ops, materializing the (seq x seq) scores.
-
-    The same math as ``lab.model.transformer.naive_attention`` but without its profiler ranges: ``record_function``
-    breaks ``torch.compile`` graphs, and the eager-vs-compiled comparison must compile exactly this code.
-    Works on any leading dimensions: ``(..., seq, d)``.
-    """
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    scores = (q @ k.transpose(-2, -1)) * scale
-    if causal:
-        n_q, n_k = q.shape[-2], k.shape[-2]
-        mask = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril(diagonal=n_k - n_q)
-        scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return probs @ v
-
-
-def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> torch.Tensor:
-    """PyTorch SDPA on ``(batch, seq, d)``: viewed as one batch of ``batch`` heads, because the fused
-    (Flash/cuDNN/efficient) backends only accept 4-D input and would otherwise fall back to the math kernel."""
-    return F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), is_causal=causal)[0]
+def sdpa_on_heads(name: str = "sdpa") -> AttentionFn:
+    """An SDPA variant of the registry on ``(batch, seq, d)``: viewed as one batch of ``batch`` heads,
+    because the fused (Flash/cuDNN/efficient) backends only accept 4-D input and would otherwise fall back
+    to the math kernel."""
+    fn = get_attention(name)
+    return lambda q, k, v, causal: fn(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), causal)[0]
 
 
 def _import_flash(module: str, device: torch.device | None = None):
@@ -72,19 +57,25 @@ def _import_flash(module: str, device: torch.device | None = None):
     return importlib.import_module(module)
 
 
-def attention_impl(name: str, device: torch.device | str = "auto") -> AttentionFn:
-    """The attention function ``fn(q, k, v, causal)`` on ``(batch, seq, d)`` registered under ``name``.
+#: The benchmark's implementation names (the ``impl`` column of ``flash_benchmark.csv``).
+IMPLS = ("triton", "triton_compiled_bwd", "pytorch_flash", "pytorch_naive", "sdpa", "sdpa_flash", "sdpa_cudnn",
+         "sdpa_efficient")
 
-    ``pytorch_naive`` (:func:`naive_attention`), ``sdpa``, ``triton`` (``FlashAttentionTriton``) and
-    ``triton_compiled_bwd`` (Triton forward, backward as compiled PyTorch), ``pytorch_flash``
-    (``FlashAttentionPytorch``, tiled in pure PyTorch). The flash kernels are imported
-    only when asked for; on the CPU ``TRITON_INTERPRET=1`` is set first so Triton runs interpreted.
+
+def attention_impl(name: str, device: torch.device | str = "auto") -> AttentionFn:
+    """The attention function ``fn(q, k, v, causal)`` on ``(batch, seq, d)`` called ``name`` in the tables.
+
+    ``pytorch_naive`` (the registry's naive attention), ``sdpa`` and ``sdpa_<backend>`` (SDPA, default or one
+    backend), ``triton`` (``FlashAttentionTriton``), ``triton_compiled_bwd`` (Triton forward, backward as
+    compiled PyTorch) and ``pytorch_flash`` (``FlashAttentionPytorch``, tiled in pure PyTorch). All share
+    the registry's top-left causal convention. The flash kernels are imported only when asked for; on the
+    CPU ``TRITON_INTERPRET=1`` is set first so Triton runs interpreted.
     """
     device = resolve_device(device) if isinstance(device, str) else device
     if name == "pytorch_naive":
         return naive_attention
-    if name == "sdpa":
-        return sdpa_attention
+    if name.startswith("sdpa") and name in IMPLS:
+        return sdpa_on_heads(name)
     if name == "triton":
         cls = _import_flash("lab.kernels.flash_triton", device).FlashAttentionTriton
         return lambda q, k, v, causal: cls.apply(q, k, v, causal)
@@ -94,8 +85,7 @@ def attention_impl(name: str, device: torch.device | str = "auto") -> AttentionF
     if name == "pytorch_flash":
         cls = _import_flash("lab.kernels.flash_pytorch", device).FlashAttentionPytorch
         return lambda q, k, v, causal: cls.apply(q, k, v, causal)
-    raise ValueError(f"unknown attention implementation {name!r}; choose pytorch_naive, sdpa, triton, "
-                     "triton_compiled_bwd or pytorch_flash")
+    raise ValueError(f"unknown attention implementation {name!r}; choose one of {', '.join(IMPLS)}")
 
 
 def errors_vs_float64(impls: dict[str, AttentionFn], batch: int = 2, seq: int = 128, d: int = 64,
@@ -126,16 +116,15 @@ def errors_vs_float64(impls: dict[str, AttentionFn], batch: int = 2, seq: int = 
 
 def attention_pairs(seq_q: int, seq_k: int | None = None, causal: bool = False) -> int:
     """Number of (query, key) pairs whose score is used: ``seq_q * seq_k``, or with the causal mask
-    (query i sees keys up to i + seq_k - seq_q, bottom-right aligned as in SDPA) the lower triangle."""
+    (top-left aligned, as every implementation of ``lab.model.attention``: query i sees keys 0..i) the
+    lower triangle."""
     seq_k = seq_q if seq_k is None else seq_k
     if seq_q < 1 or seq_k < 1:
-        raise ValueError(f"sequence lengths must be positive, got seq_q={seq_q}, seq_k={seq_k}")
+        raise ValueError(f"sequence lengths must be positive, got {seq_q} and {seq_k}")
     if not causal:
         return seq_q * seq_k
-    offset = seq_k - seq_q
-    # row i keeps min(seq_k, max(0, i + offset + 1)) keys
-    rows = np.arange(seq_q, dtype=np.int64) + offset + 1
-    return int(np.clip(rows, 0, seq_k).sum())
+    # row i keeps min(seq_k, i + 1) keys
+    return int(np.minimum(np.arange(1, seq_q + 1, dtype=np.int64), seq_k).sum())
 
 
 def attention_flops(batch: int, seq: int, d: int, causal: bool = False, pass_: str = "fwd",

@@ -8,6 +8,7 @@ May import: torch, ``lab.kernels`` (lazily, for the FlashAttention implementatio
 """
 
 from lab.model.transformer import (
+    LMHead,
     MODEL_SIZES,
     QUICK_SIZES,
     ModelConfig,
@@ -17,4 +18,4 @@ from lab.model.transformer import (
     config_for,
 )
 
-__all__ = ["MODEL_SIZES", "QUICK_SIZES", "ModelConfig", "RMSNorm", "TransformerBlock", "TransformerLM", "config_for"]
+__all__ = ["LMHead", "MODEL_SIZES", "QUICK_SIZES", "ModelConfig", "RMSNorm", "TransformerBlock", "TransformerLM", "config_for"]

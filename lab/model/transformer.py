@@ -6,14 +6,14 @@ parallelism; those are applied from outside. The attention implementation is swi
 
 from __future__ import annotations
 
-import importlib
 import math
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from lab.model.attention import attention_names, get_attention
 
 # Sizes from the spec; batch 4 and vocabulary 10,000 throughout. (Some courses call the 2560-wide model
 # "xl"; here "xl" is the 1600-wide one and the 2560-wide one is "2.7B".)
@@ -44,7 +44,8 @@ class ModelConfig:
     context_length: int = 512
     vocab_size: int = 10_000
     rope_theta: float = 10_000.0
-    attention: str = "sdpa"
+    attention: str = "sdpa"  # a name of lab.model.attention's registry
+    fused_loss: bool = False  # loss through lab.kernels' fused LM head + cross-entropy (no logits in memory)
 
     def __post_init__(self):
         if self.d_model % self.num_heads:
@@ -54,6 +55,8 @@ class ModelConfig:
         for name in ("d_model", "d_ff", "num_layers", "num_heads", "context_length", "vocab_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.attention not in attention_names():
+            raise ValueError(f"unknown attention {self.attention!r}; choose one of {', '.join(attention_names())}")
 
     @property
     def head_dim(self) -> int:
@@ -67,75 +70,6 @@ def config_for(size: str, **overrides) -> ModelConfig:
     if key not in table:
         raise ValueError(f"unknown model size {size!r}; choose one of {', '.join(table)}")
     return ModelConfig(**table[key], **overrides)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Attention implementations: fn(q, k, v, causal) on (batch, heads, seq, head_dim) tensors.
-
-
-def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True) -> torch.Tensor:
-    """Scores, softmax and the weighted sum as three separate ops, each inside a profiler/NVTX range."""
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    with _range("attention/scores"):
-        scores = (q @ k.transpose(-2, -1)) * scale
-        if causal:
-            n_q, n_k = q.shape[-2], k.shape[-2]
-            mask = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril(diagonal=n_k - n_q)
-            scores = scores.masked_fill(~mask, float("-inf"))
-    with _range("attention/softmax"):
-        probs = torch.softmax(scores, dim=-1)
-    with _range("attention/final_matmul"):
-        return probs @ v
-
-
-def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True) -> torch.Tensor:
-    """PyTorch's fused scaled-dot-product attention (FlashAttention/cuDNN/efficient kernels on GPU)."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-
-
-class _range:
-    """A ``torch.profiler.record_function`` range that is also an NVTX range on CUDA (for nsys users)."""
-
-    def __init__(self, name: str):
-        self.name = name
-
-    def __enter__(self):
-        # Under torch.compile the ranges would break the graph; the compiled kernels carry no such ranges.
-        self._active = not torch.compiler.is_compiling()
-        if not self._active:
-            return
-        self._rf = torch.profiler.record_function(self.name)
-        self._rf.__enter__()
-        self._nvtx = torch.cuda.is_available()
-        if self._nvtx:
-            torch.cuda.nvtx.range_push(self.name)
-
-    def __exit__(self, *exc):
-        if not self._active:
-            return
-        if self._nvtx:
-            torch.cuda.nvtx.range_pop()
-        self._rf.__exit__(*exc)
-
-
-_ATTENTION: dict[str, Callable] = {"naive": naive_attention, "sdpa": sdpa_attention}
-# Implementations that live in modules needing Triton: imported only when asked for.
-_LAZY_ATTENTION = {"flash_triton": "lab.kernels.flash_triton", "flash_pytorch": "lab.kernels.flash_pytorch"}
-
-
-def register_attention(name: str, fn: Callable) -> None:
-    """Make ``fn(q, k, v, causal)`` on (batch, heads, seq, d) tensors selectable as ``attention=name``."""
-    _ATTENTION[name] = fn
-
-
-def get_attention(name: str) -> Callable:
-    """The attention function registered under ``name``."""
-    if name not in _ATTENTION and name in _LAZY_ATTENTION:
-        _ATTENTION[name] = importlib.import_module(_LAZY_ATTENTION[name]).flash_attention_bhsd
-    if name not in _ATTENTION:
-        raise ValueError(f"unknown attention {name!r}; choose one of "
-                         f"{', '.join(sorted(set(_ATTENTION) | set(_LAZY_ATTENTION)))}")
-    return _ATTENTION[name]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -181,7 +115,6 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.num_heads = cfg.num_heads
         self.attention = cfg.attention
-        get_attention(cfg.attention)  # fail at construction on an unknown name
         self.q_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.k_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.v_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
@@ -224,6 +157,33 @@ class TransformerBlock(nn.Module):
         return x + self.ffn(self.norm2(x))
 
 
+class LMHead(nn.Linear):
+    """The output projection (an ``nn.Linear`` without bias) that can also return the next-token loss.
+
+    ``head(x)`` gives logits. ``head(x, targets)`` gives the cross-entropy of those logits: materialized
+    (``F.cross_entropy`` on fp32 logits) or, with ``fused=True``, through
+    ``lab.kernels.fused_linear_cross_entropy``, which never holds the ``(tokens, vocab)`` logits in memory.
+    The loss is computed *inside* this module's call so that wrappers that gather the weight around a
+    module call (``lab.FSDP``, FSDP2) see it like any other use of the weight.
+    """
+
+    def __init__(self, d_model: int, vocab_size: int):
+        super().__init__(d_model, vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None, fused: bool = False,
+                reduction: str = "mean", ignore_index: int = -100) -> torch.Tensor:
+        if targets is None:
+            return super().forward(x)
+        hidden, flat_targets = x.reshape(-1, x.shape[-1]), targets.reshape(-1)
+        if fused:
+            from lab.kernels.fused_cross_entropy import fused_linear_cross_entropy
+
+            return fused_linear_cross_entropy(hidden, self.weight, flat_targets, reduction=reduction,
+                                              ignore_index=ignore_index)
+        logits = super().forward(hidden)
+        return F.cross_entropy(logits.float(), flat_targets, reduction=reduction, ignore_index=ignore_index)
+
+
 class TransformerLM(nn.Module):
     """Decoder-only LM: token embedding, ``num_layers`` pre-norm blocks, final RMSNorm, untied LM head."""
 
@@ -233,7 +193,7 @@ class TransformerLM(nn.Module):
         self.embedding = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.num_layers))
         self.norm_final = RMSNorm(cfg.d_model)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head = LMHead(cfg.d_model, cfg.vocab_size)
         self.apply(self._init_weights)
 
     @staticmethod
@@ -244,19 +204,20 @@ class TransformerLM(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.trunc_normal_(module.weight, std=1.0, a=-3, b=3)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits of shape (batch, seq, vocab) for integer tokens of shape (batch, seq)."""
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
+                reduction: str = "mean") -> torch.Tensor:
+        """Logits ``(batch, seq, vocab)`` for integer ``tokens`` ``(batch, seq)``; with ``targets``
+        ``(batch, seq)``, the next-token cross-entropy instead (``reduction`` "mean" or "sum"), through the
+        fused kernel when ``cfg.fused_loss``. The logits and the loss do not depend on ``fused_loss``."""
         x = self.embedding(tokens)
         for block in self.blocks:
             x = block(x)
-        return self.lm_head(self.norm_final(x))
+        x = self.norm_final(x)
+        if targets is None:
+            return self.lm_head(x)
+        return self.lm_head(x, targets, fused=self.cfg.fused_loss, reduction=reduction)
 
     def num_parameters(self, include_embedding: bool = True) -> int:
         """Number of parameters (each shared parameter counted once)."""
         n = sum(p.numel() for p in self.parameters())
         return n if include_embedding else n - self.embedding.weight.numel()
-
-    @classmethod
-    def from_size(cls, size: str, **overrides) -> "TransformerLM":
-        return cls(config_for(size, **overrides))
-

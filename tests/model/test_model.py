@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from lab.model.transformer import MODEL_SIZES, ModelConfig, TransformerLM, config_for, get_attention
+from lab.model import MODEL_SIZES, ModelConfig, TransformerLM, config_for
+from lab.model.attention import attention_names, causal_mask, get_attention
 
 
 def closed_form_params(d, f, layers, vocab=10_000):
@@ -82,3 +83,34 @@ def test_naive_attention_compiles_to_one_graph():
     q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
     compiled = torch.compile(get_attention("naive"), fullgraph=True)
     torch.testing.assert_close(compiled(q, k, v, True), get_attention("naive")(q, k, v, True))
+
+
+def _reference_attention(q, k, v, causal):
+    """float64 textbook attention with the top-left causal mask (query i sees keys 0..i)."""
+    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    if causal:
+        n_q, n_k = q.shape[-2], k.shape[-2]
+        future = torch.arange(n_k)[None, :] > torch.arange(n_q)[:, None]
+        scores = scores.masked_fill(future, float("-inf"))
+    return torch.softmax(scores, -1) @ v
+
+
+@pytest.mark.parametrize("n_q,n_k", [(3, 5), (5, 3), (7, 7)])
+@pytest.mark.parametrize("name", ["naive", "sdpa", "sdpa_math", "flash_pytorch", "flash_triton"])
+def test_every_registered_attention_uses_the_top_left_causal_convention(name, n_q, n_k):
+    """One causal convention for every implementation, also with n_queries != n_keys (the case where
+    bottom-right and top-left alignment differ)."""
+    gen = torch.Generator().manual_seed(n_q * 10 + n_k)
+    dtype = torch.float32 if name == "flash_triton" else torch.float64
+    q = torch.randn(1, 2, n_q, 16, generator=gen, dtype=dtype)
+    k, v = (torch.randn(1, 2, n_k, 16, generator=gen, dtype=dtype) for _ in range(2))
+    for causal in (False, True):
+        got = get_attention(name)(q, k, v, causal)
+        ref = _reference_attention(q.double(), k.double(), v.double(), causal)
+        torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-5)
+
+
+def test_causal_mask_is_top_left():
+    assert causal_mask(3, 5).tolist() == [[True, False, False, False, False], [True, True, False, False, False],
+                                          [True, True, True, False, False]]
+    assert set(attention_names()) >= {"naive", "sdpa", "flash_triton", "flash_pytorch", "sdpa_cudnn"}

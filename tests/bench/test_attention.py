@@ -12,7 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lab.bench import attention as ab
 from lab.model.transformer import ModelConfig
-from lab.model.transformer import naive_attention as model_naive_attention
+from lab.model.attention import naive_attention as model_naive_attention
 
 # ---------------------------------------------------------------------------------------------------------
 # FLOPs
@@ -21,10 +21,10 @@ from lab.model.transformer import naive_attention as model_naive_attention
 def test_attention_pairs_by_hand():
     assert ab.attention_pairs(4) == 16
     assert ab.attention_pairs(4, causal=True) == 4 + 3 + 2 + 1
-    # bottom-right aligned causal mask: query 0 sees keys 0..2, query 1 sees all 4
-    assert ab.attention_pairs(2, 4, causal=True) == 3 + 4
-    # more queries than keys: the first query rows see nothing
-    assert ab.attention_pairs(4, 2, causal=True) == 0 + 0 + 1 + 2
+    # top-left aligned causal mask (as SDPA): query 0 sees key 0, query 1 keys 0..1
+    assert ab.attention_pairs(2, 4, causal=True) == 1 + 2
+    # more queries than keys: the later queries see every key
+    assert ab.attention_pairs(4, 2, causal=True) == 1 + 2 + 2 + 2
     with pytest.raises(ValueError):
         ab.attention_pairs(0)
 
@@ -49,7 +49,7 @@ def test_attention_flops_match_torch_flop_counter():
     b, s, d = 2, 24, 16
     q, k, v = (torch.randn(b, s, d, requires_grad=True) for _ in range(3))
     with FlopCounterMode(display=False) as fwd_counter:
-        out = ab.naive_attention(q, k, v, False)
+        out = model_naive_attention(q, k, v, False)
     with FlopCounterMode(display=False) as bwd_counter:
         out.sum().backward()
     assert fwd_counter.get_total_flops() == ab.attention_flops(b, s, d, False, "fwd")
@@ -60,18 +60,19 @@ def test_attention_flops_match_torch_flop_counter():
 def test_naive_attention_matches_model_and_sdpa_in_float64():
     q, k, v = (torch.randn(3, 20, 8, dtype=torch.float64) for _ in range(3))
     for causal in (False, True):
-        ours = ab.naive_attention(q, k, v, causal)
+        ours = ab.attention_impl("pytorch_naive", "cpu")(q, k, v, causal)
         torch.testing.assert_close(ours, model_naive_attention(q, k, v, causal))
-        torch.testing.assert_close(ab.sdpa_attention(q, k, v, causal),
+        sdpa = ab.attention_impl("sdpa", "cpu")
+        torch.testing.assert_close(sdpa(q, k, v, causal),
                                    torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal))
-        torch.testing.assert_close(ours, ab.sdpa_attention(q, k, v, causal))
+        torch.testing.assert_close(ours, sdpa(q, k, v, causal))
 
 
 def test_errors_vs_float64():
     def off_by_one_percent(q, k, v, causal):
-        return ab.naive_attention(q, k, v, causal) * 1.01
+        return model_naive_attention(q, k, v, causal) * 1.01
 
-    errs = ab.errors_vs_float64({"sdpa": ab.sdpa_attention, "scaled": off_by_one_percent}, batch=2, seq=32, d=16,
+    errs = ab.errors_vs_float64({"sdpa": ab.attention_impl("sdpa", "cpu"), "scaled": off_by_one_percent}, batch=2, seq=32, d=16,
                                 device="cpu").set_index("impl")
     assert (errs.loc["sdpa", ["out", "dq", "dk", "dv"]] < 1e-5).all()
     # a 1% scaled output: the output error is 1% of the largest |output|, and dV (linear in the output
@@ -79,7 +80,7 @@ def test_errors_vs_float64():
     gen = torch.Generator().manual_seed(0)
     q, k, v, do = (torch.randn(2, 32, 16, generator=gen).double() for _ in range(4))
     v.requires_grad_()
-    ref = ab.naive_attention(q, k, v, True)
+    ref = model_naive_attention(q, k, v, True)
     (dv,) = torch.autograd.grad(ref, (v,), do)
     assert errs.loc["scaled", "out"] == pytest.approx(0.01 * ref.abs().max().item(), rel=1e-3)
     assert errs.loc["scaled", "dv"] == pytest.approx(0.01 * dv.abs().max().item(), rel=1e-3)
@@ -94,7 +95,7 @@ def test_errors_vs_float64():
 def test_saved_bytes_closed_form_matches_autograd(dtype, causal):
     b, s, d = 3, 40, 8
     q, k, v = (torch.randn(b, s, d, dtype=ab.DTYPES[dtype], requires_grad=True) for _ in range(3))
-    measured = ab.saved_tensor_bytes(lambda x, y, z: ab.naive_attention(x, y, z, causal), q, k, v)
+    measured = ab.saved_tensor_bytes(lambda x, y, z: model_naive_attention(x, y, z, causal), q, k, v)
     e = 4 if dtype == "fp32" else 2
     closed = b * s * s * e + (s * s if causal else 0)
     assert measured == closed == ab.naive_attention_totals(b, s, d, dtype, causal)["saved"]
@@ -233,7 +234,7 @@ def test_compiled_grid_matches_eager_memory():
 
 
 def test_flash_grid_rows_tflops_and_speedups():
-    impls = {"pytorch_naive": ab.naive_attention, "sdpa": ab.sdpa_attention}
+    impls = {"pytorch_naive": ab.naive_attention, "sdpa": ab.attention_impl("sdpa", "cpu")}
     df = ab.run_flash_grid(impls, seqs=(32, 64), ds=(16,), dtypes=("fp32",), heads=2, cpu_steps=2,
                            device="cpu", progress=False)
     assert len(df) == 4 and (df["status"] == "ok").all()

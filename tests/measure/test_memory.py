@@ -12,7 +12,7 @@ from torch import nn
 from lab.measure import memory
 
 KiB, MiB = 1024, 1024 * 1024
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).parent.parent / "fixtures"
 
 
 def _fixture_module():
