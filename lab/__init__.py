@@ -23,6 +23,7 @@ _LAZY = {
     "ShardedOptimizer": "lab.parallel.sharded_optimizer",
     "FSDP": "lab.parallel.fsdp",
     "ZeRO1Optimizer": "lab.parallel.zero1",
+    "fused_linear_cross_entropy": "lab.kernels.fused_cross_entropy",
 }
 
 __all__ = sorted(_LAZY)

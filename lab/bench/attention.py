@@ -582,7 +582,7 @@ def lm_step_rows(size, context: int, batch: int, dtype: str, variants: Iterable[
     for attention, compile in tqdm(variants, desc="lm", disable=not progress):
         if attention.startswith("flash"):
             # importing the kernel module on the CPU must find TRITON_INTERPRET already set
-            _import_flash(f"lab.{attention}", device)
+            _import_flash(f"lab.kernels.{attention}", device)
         rows.append(benchmark_lm(size, context=context, batch=batch, dtype=dtype, compile=compile,
                                  attention=attention, warmup=warmup, steps=steps, device=device))
     df = pd.DataFrame(rows).drop(columns=[c for c in rows[0] if c.endswith("_samples_ms")], errors="ignore")
