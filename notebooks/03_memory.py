@@ -47,7 +47,7 @@ from lab.model import checkpointing
 from lab.measure import memory, results
 from lab import paths
 from lab.book import plots, report
-from lab.bench.lm import random_batch
+from lab.measure.step import random_batch
 from lab.measure.device import empty_cache, resolve_device
 from lab.model.transformer import ModelConfig, RMSNorm, TransformerLM, config_for
 from lab.measure.saved_tensors import saved_tensor_report

@@ -42,7 +42,7 @@ import matplotlib.pyplot as plt
 import seaborn as sns
 import torch
 
-from lab.parallel import collectives
+from lab.bench import collectives
 from lab.book import report, plots
 from lab.measure import results
 

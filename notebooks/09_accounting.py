@@ -12,7 +12,7 @@
 # Before running anything on a cluster one can predict most of what it will do with a few formulas:
 # how many bytes the training state takes, how many FLOPs a step costs, how long a ring collective
 # needs, and at which batch size a parallel layout stops waiting on the network. This notebook derives
-# those formulas with sympy (`lab.accounting.formulas`), checks the collective ones step by step with a small ring
+# those formulas with sympy (`lab.accounting`), checks the collective ones step by step with a small ring
 # simulator (`lab.accounting.ring_sim`), applies them to a 330-billion-parameter FFN-only model on TPU v5p, and
 # finally compares predicted memory with what the GPU notebooks measured.
 #
@@ -46,7 +46,8 @@ import seaborn as sns
 import sympy as sp
 from IPython.display import Math, display
 
-from lab.accounting import formulas as acc
+from lab import accounting as acc
+from lab.bench import accounting as bench_accounting
 from lab.book import plots, report
 from lab.measure import results
 from lab.model.transformer import MODEL_SIZES, ModelConfig
@@ -405,7 +406,7 @@ report.say(f"Shifting chips from FSDP to TP lowers the compute-bound batch from 
 # knows through `device_type`.)
 
 # %%
-saved_check = acc.saved_activations_check({"check": ModelConfig(**check_model)}, check_batch, check_context)
+saved_check = bench_accounting.saved_activations_check({"check": ModelConfig(**check_model)}, check_batch, check_context)
 report.show_table(saved_check.astype({"batch": str, "context": str}), floatfmt=",.0f")
 report.say(f"The formula predicts the saved bytes exactly in **{int(saved_check.match.sum())} of "
            f"{len(saved_check)}** cases (d_model {check_model['d_model']}, d_ff {check_model['d_ff']}, "
@@ -433,7 +434,7 @@ lm_step = load_measured("lm_step")
 sharding = load_measured("sharding_benchmark")
 found = [n for n, d in [("lm_step", lm_step), ("sharding_benchmark", sharding)] if d is not None]
 missing = [n for n, d in [("lm_step", lm_step), ("sharding_benchmark", sharding)] if d is None]
-check = acc.predicted_vs_measured(lm_step, sharding)
+check = bench_accounting.predicted_vs_measured(lm_step, sharding)
 if missing:
     report.say(f"No {' or '.join(m + '.csv' for m in missing)} in `{measured_results_dir}/` yet: run the GPU "
                "notebooks that measure them, then re-render this one.")

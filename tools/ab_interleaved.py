@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from lab.parallel import launcher as distributed
-from lab.bench.lm import random_batch
+from lab.measure.step import random_batch
 from lab.measure.device import synchronize
 from lab.model.transformer import TransformerLM, config_for
 from lab.bench.sharding import build, step_phases

@@ -1,4 +1,4 @@
-"""A step-by-step simulator of ring collectives, to check the closed forms of :mod:`lab.accounting.formulas`.
+"""A step-by-step simulator of ring collectives, to check the closed forms of :mod:`lab.accounting`.
 
 ``N`` simulated devices sit on a ring; device ``i`` sends only to device ``(i + 1) % N``. Every device's
 link sends ``W`` bytes per second, all devices step together (synchronously), and a step lasts as long as
@@ -6,7 +6,7 @@ its largest message takes: ``latency + max_bytes / W``. The simulator moves real
 checks both *what* the collective computes (the sum for reduce-scatter and all-reduce, the concatenation
 for all-gather) and *what it costs* (bytes each device sent, steps, total time).
 
-Conventions (the same as :mod:`lab.accounting.formulas`): ``S`` is the size in bytes of the *full* array. In an
+Conventions (the same as :mod:`lab.accounting`): ``S`` is the size in bytes of the *full* array. In an
 all-gather each device starts with one ``S/N`` shard and ends with all ``S`` bytes; in a reduce-scatter each
 device starts with ``S`` bytes and ends with the reduced ``S/N`` shard it owns; in an all-reduce each
 device starts and ends with ``S`` bytes.
@@ -179,7 +179,7 @@ def simulate(collective: str, size_bytes: int, n_devices: int, bandwidth: float,
              dtype=np.float64, seed: int = 0) -> RingResult:
     """Simulate ``collective`` on random data whose *full* array is ``size_bytes`` bytes; verifies the values.
 
-    ``size_bytes`` is ``S`` in :mod:`lab.accounting.formulas`'s convention (the all-gathered result, or the array
+    ``size_bytes`` is ``S`` in :mod:`lab.accounting`'s convention (the all-gathered result, or the array
     each device reduces). Raises ``AssertionError`` if a device ends with a wrong result; returns the
     :class:`RingResult` (bytes sent per device, simulated time in seconds).
     """
@@ -203,7 +203,7 @@ def simulate(collective: str, size_bytes: int, n_devices: int, bandwidth: float,
 
 def check_closed_forms(sizes_bytes, devices, bandwidth: float, latency: float = 0.0):
     """Simulate every collective for each ``S`` in ``sizes_bytes`` and ``N`` in ``devices`` and set the
-    result next to :mod:`lab.accounting.formulas`'s closed forms.
+    result next to :mod:`lab.accounting`'s closed forms.
 
     Returns a DataFrame with ``collective``, ``devices``, ``size_bytes``, ``simulated_bytes`` (busiest
     device), ``predicted_bytes``, ``simulated_s``, ``predicted_s``, ``steps`` and ``match`` (bytes equal
@@ -211,7 +211,7 @@ def check_closed_forms(sizes_bytes, devices, bandwidth: float, latency: float = 
     """
     import pandas as pd
 
-    from lab.accounting import formulas as accounting
+    from lab import accounting as accounting
 
     rows = []
     for collective in accounting.COLLECTIVES:

@@ -1,5 +1,7 @@
-"""``python -m lab.bench``: time a Transformer LM (see ``lab.bench.lm``)."""
+"""``python -m lab.bench``: time a Transformer LM (see ``lab.bench.cli``)."""
 
-from lab.bench.lm import main
+import sys
 
-main()
+from lab.bench.cli import main
+
+sys.exit(main())

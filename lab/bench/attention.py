@@ -26,10 +26,9 @@ import numpy as np
 import pandas as pd
 import torch
 import torch._functorch.config  # not imported by ``import torch``; run_naive_grid patches it
-import torch.nn.functional as F
 
-from lab.model.attention import AttentionFn, get_attention, naive_attention
 from lab.measure.device import empty_cache, is_oom, resolve_device, synchronize
+from lab.model.attention import AttentionFn, get_attention, naive_attention
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PASSES = ("fwd", "bwd", "e2e")
@@ -266,7 +265,7 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _measure_naive(fn: AttentionFn, batch, seq, d, dtype, causal, passes, warmup, device, row) -> None:
-    from lab.bench.lm import time_callable
+    from lab.measure.timing import time_callable
 
     torch_dtype = DTYPES[dtype]
     if device.type == "cuda":
@@ -428,7 +427,7 @@ def measure_ms(fn: Callable[[], object], device: torch.device, warmup_ms: float 
         import triton.testing
 
         return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms))
-    from lab.bench.lm import time_callable
+    from lab.measure.timing import time_callable
 
     return time_callable(fn, cpu_warmup, cpu_steps, device).mean_ms
 
@@ -557,33 +556,3 @@ def summarize_goals(goals_table: pd.DataFrame, goals: dict[str, float] = GOALS) 
                           worst=float(col.min()) if len(col) else math.nan)
     summary["all_met"] = bool(len(goals_table)) and all(summary[p]["met"] == len(goals_table) for p in goals)
     return summary
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Whole-model rows for results/lm_step.csv
-
-LM_STEP_COLUMNS = ["size", "context", "batch", "dtype", "attention", "compile", "world_size", "fwd_ms",
-                   "fwdbwd_ms", "step_ms", "peak_gib", "status"]
-
-
-def lm_step_rows(size, context: int, batch: int, dtype: str, variants: Iterable[tuple[str, bool]],
-                 warmup: int = 2, steps: int = 5, device: torch.device | str = "auto",
-                 progress: bool = True) -> pd.DataFrame:
-    """Time the LM (forward, forward+backward, AdamW train step; ``lab.bench.lm.benchmark_lm``) once per
-    ``(attention, compile)`` variant. Returns the ``lm_step`` columns first, then benchmark_lm's others
-    (std, bwd_ms, error, ...); times in ms, ``peak_gib`` in GiB (NaN on the CPU)."""
-    from tqdm import tqdm  # plain text bars: they render in papermill reports
-
-    from lab.bench.lm import benchmark_lm
-
-    device = resolve_device(device) if isinstance(device, str) else device
-    variants = list(variants)
-    rows = []
-    for attention, compile in tqdm(variants, desc="lm", disable=not progress):
-        if attention.startswith("flash"):
-            # importing the kernel module on the CPU must find TRITON_INTERPRET already set
-            _import_flash(f"lab.kernels.{attention}", device)
-        rows.append(benchmark_lm(size, context=context, batch=batch, dtype=dtype, compile=compile,
-                                 attention=attention, warmup=warmup, steps=steps, device=device))
-    df = pd.DataFrame(rows).drop(columns=[c for c in rows[0] if c.endswith("_samples_ms")], errors="ignore")
-    return df[LM_STEP_COLUMNS + [c for c in df.columns if c not in LM_STEP_COLUMNS]]

@@ -6,7 +6,7 @@ behind the backward pass.
   and the single-device step at the same per-rank batch, in one launch; one profiled step per wrapper on
   rank 0 gives the communication time (NCCL kernels on GPUs, gloo's worker-thread spans on the CPU), how
   much of it overlapped compute, and a Chrome trace.
-* :func:`timeline_from_trace` / :func:`plot_timeline` draw compute vs communication from such a trace.
+* the timelines are read and drawn by :mod:`lab.measure.traces` (the one trace reader and timeline plot).
 * :func:`bucket_overhead_ms`, :func:`optimal_bucket` and :func:`fit_bucket_overhead` are the bucketed
   overhead model: with ``n`` buckets of a total ``s`` bytes, per-call overhead ``o`` and bandwidth ``w``,
   the time added after backward is ``n*o + s/(n*w)``.
@@ -14,12 +14,8 @@ behind the backward pass.
 
 from __future__ import annotations
 
-import contextlib
 import gc
-import json
 import math
-import os
-import sys
 from pathlib import Path
 from typing import Sequence
 
@@ -29,13 +25,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lab.parallel import launcher as distributed
 from lab import paths
-from lab.bench.lm import autocast, lm_loss, make_optimizer, random_batch, time_callable
+from lab.measure.device import error_summary, is_oom, synchronize
+from lab.measure.profiling import quiet_profile
+from lab.measure.step import TrainStep, make_optimizer, random_batch
+from lab.measure.timing import time_callable
+from lab.measure.traces import read_trace, step_overlap
+from lab.model import ModelConfig, TransformerLM, config_for
+from lab.parallel import launcher as distributed
 from lab.parallel.ddp import DDPBucketed, DDPIndividualParameters, FlatDDP, NaiveDDP
-from lab.measure.device import error_summary, is_oom
-from lab.model.transformer import ModelConfig, TransformerLM, config_for
-from lab.measure.profiling import intersect_intervals, intervals_length, kernel_phase_spans, union_intervals
 
 IMPLS = ("naive", "flat", "individual", "bucketed", "torch_ddp", "single_gpu")
 TORCH_DDP_BUCKET_MB = 25.0  # torch's default bucket_cap_mb
@@ -104,34 +102,19 @@ def ddp_benchmark_worker(plan: list[tuple[str, float]], cfg: ModelConfig, batch:
                "grad_mb": grad_bytes / 2**20, "n_buckets": math.nan, "comm_ms": math.nan,
                "overlap_frac": math.nan, "timeline": None, "trace": None}
         active = impl != "single_gpu" or r == 0
-        wrapped = optimizer = finish = None
+        wrapped = step = None
         try:
             if active:
                 wrapped = wrap(impl, model, bucket_mb, dev)
                 row["n_buckets"] = _bucket_count(impl, wrapped)
-                optimizer = make_optimizer(model, dev)
-                finish = getattr(wrapped, "finish_gradient_synchronization", None)
-
-                def step():
-                    optimizer.zero_grad(set_to_none=True)
-                    with torch.profiler.record_function("ddp/forward"):
-                        with autocast(dev, dtype):
-                            loss = lm_loss(wrapped, tokens, targets)
-                    with torch.profiler.record_function("ddp/backward"):
-                        loss.backward()
-                    if finish is not None:
-                        with torch.profiler.record_function("ddp/finish"):
-                            finish()
-                    with torch.profiler.record_function("ddp/optimizer"):
-                        optimizer.step()
-
+                step = TrainStep(wrapped, make_optimizer(model, dev), tokens, targets, dtype=dtype)
                 row["samples_ms"] = time_callable(step, warmup, steps, dev).samples_ms
                 if r == 0 and profile_steps > 0:
                     row.update(_profile(step, dev, profile_steps, impl, bucket_mb, cfg, trace_dir))
                 elif profile_steps > 0:
                     for _ in range(profile_steps):  # keep the other ranks in step with the profiled one
                         step()
-                    distributed_sync(dev)
+                    synchronize(dev)
         except Exception as exc:  # noqa: BLE001 - out of memory is a result
             if not is_oom(exc):
                 raise
@@ -140,7 +123,7 @@ def ddp_benchmark_worker(plan: list[tuple[str, float]], cfg: ModelConfig, batch:
             if hasattr(wrapped, "remove_hooks"):
                 wrapped.remove_hooks()
             # drop every reference to the wrapper (its buckets are a full copy of the gradients)
-            wrapped = optimizer = finish = None
+            wrapped = step = None
             model.zero_grad(set_to_none=True)
             gc.collect()
             if dev.type == "cuda":
@@ -149,11 +132,6 @@ def ddp_benchmark_worker(plan: list[tuple[str, float]], cfg: ModelConfig, batch:
             dist.barrier()
         out.append(row)
     return out
-
-
-def distributed_sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
 
 
 def _bucket_count(impl: str, wrapped: nn.Module) -> float:
@@ -170,135 +148,19 @@ def _profile(step, dev, n_steps, impl, bucket_mb, cfg, trace_dir) -> dict:
     activities = [torch.profiler.ProfilerActivity.CPU]
     if dev.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with _quiet_native_stderr(dev.type == "cpu"), torch.profiler.profile(activities=activities) as prof:
+    with quiet_profile(torch.profiler.profile(activities=activities)) as prof:
         for _ in range(n_steps):
             step()
-        distributed_sync(dev)
+        synchronize(dev)
     name = f"ddp_{impl}" + (f"_{bucket_mb:g}mb" if impl in ("bucketed", "torch_ddp") else "") + f"_d{cfg.d_model}.json"
     folder = Path(trace_dir) if trace_dir else Path(paths.artifacts_dir("artifacts/tmp"))
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / name
     prof.export_chrome_trace(str(path))
-    timeline = timeline_from_trace(path)
-    summary = summarize_timeline(timeline)
-    return {"comm_ms": summary["comm_ms"] / n_steps, "overlap_frac": summary["overlap_frac"],
+    timeline = read_trace(path)
+    summary = step_overlap(timeline)
+    return {"comm_ms": summary["communication_ms"] / n_steps, "overlap_frac": summary["overlap_share"],
             "timeline": timeline, "trace": str(path)}
-
-
-@contextlib.contextmanager
-def _quiet_native_stderr(enabled: bool):
-    """Silence file descriptor 2 (the CPU build's profiler prints a line at every start and stop from C++,
-    which would flood a notebook). Python exceptions are unaffected: they travel back to the launcher."""
-    if not enabled:
-        yield
-        return
-    sys.stderr.flush()
-    saved = os.dup(2)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
-
-
-# --------------------------------------------------------------------------------------------------------
-# timelines from Chrome traces
-
-
-def timeline_from_trace(path: str | Path) -> pd.DataFrame:
-    """Compute and communication intervals of a torch.profiler Chrome trace, in ms from the trace start.
-
-    On GPUs: every kernel, ``kind="comm"`` for NCCL kernels and ``"compute"`` otherwise, ``lane`` its CUDA
-    stream. On the CPU (gloo): gloo's collective spans (on gloo's own threads) as ``comm`` and the
-    top-level ATen ops as ``compute``. ``phase`` spans (``ddp/forward`` ...) come as ``kind="phase"``.
-    Returns columns kind, lane, name, start_ms, dur_ms.
-    """
-    events = [e for e in json.loads(Path(path).read_text())["traceEvents"] if e.get("ph") == "X"]
-    kernels = [e for e in events if e.get("cat") == "kernel"]
-    cpu_phases = [e for e in events if e.get("cat") == "user_annotation" and e.get("name", "").startswith("ddp/")]
-    rows = []
-    if kernels:
-        for e in kernels:
-            comm = "nccl" in e["name"].lower()
-            rows.append(("comm" if comm else "compute", f"stream {e.get('args', {}).get('stream', '?')}",
-                         e["name"], e["ts"], e["dur"]))
-        rows += _gpu_phases(events, kernels, cpu_phases)
-    else:
-        for e in events:
-            name = e.get("name", "")
-            if e.get("cat") == "user_annotation" and name.startswith("gloo:"):
-                rows.append(("comm", f"thread {e.get('tid')}", name, e["ts"], e["dur"]))
-            elif e.get("cat") == "cpu_op" and not name.startswith("c10d::"):
-                rows.append(("compute", f"thread {e.get('tid')}", name, e["ts"], e["dur"]))
-        rows += [("phase", "phase", e["name"].removeprefix("ddp/"), e["ts"], e["dur"]) for e in cpu_phases]
-    df = pd.DataFrame(rows, columns=["kind", "lane", "name", "start_us", "dur_us"])
-    if df.empty:
-        return pd.DataFrame(columns=["kind", "lane", "name", "start_ms", "dur_ms"])
-    df["start_ms"] = (df["start_us"] - df["start_us"].min()) / 1e3
-    df["dur_ms"] = df["dur_us"] / 1e3
-    return df.drop(columns=["start_us", "dur_us"]).sort_values("start_ms", ignore_index=True)
-
-
-def _gpu_phases(events, kernels, cpu_phases) -> list[tuple]:
-    """GPU-side spans of the step's phases: each kernel belongs to the phase during which the CPU launched it
-    (see :func:`lab.measure.profiling.kernel_phase_spans`); the profiler's ``gpu_user_annotation`` if that fails."""
-    spans = kernel_phase_spans(events, kernels, cpu_phases)
-    if not spans:
-        return [("phase", "phase", e["name"].removeprefix("ddp/"), e["ts"], e["dur"]) for e in events
-                if e.get("cat") == "gpu_user_annotation" and e.get("name", "").startswith("ddp/")]
-    return [("phase", "phase", name.removeprefix("ddp/"), start, dur) for name, start, dur in spans]
-
-
-def merge_intervals(starts: Sequence[float], ends: Sequence[float]) -> list[tuple[float, float]]:
-    """The union of intervals given as starts and ends, as sorted, disjoint (start, end) pairs."""
-    return union_intervals(zip(starts, ends))
-
-
-def summarize_timeline(timeline: pd.DataFrame) -> dict:
-    """``comm_ms`` (union of communication intervals), ``compute_ms`` and ``overlap_frac``: the share of
-    communication time during which compute was also running."""
-    def union(kind):
-        part = timeline[timeline["kind"] == kind]
-        return merge_intervals(part["start_ms"], part["start_ms"] + part["dur_ms"])
-
-    comm, compute = union("comm"), union("compute")
-    comm_ms = intervals_length(comm)
-    return {"comm_ms": comm_ms, "compute_ms": intervals_length(compute),
-            "overlap_frac": intervals_length(intersect_intervals(comm, compute)) / comm_ms if comm_ms > 0
-            else math.nan}
-
-
-def plot_timeline(timeline: pd.DataFrame, ax=None, title: str = ""):
-    """Draw compute vs communication intervals (and the step's phases) as horizontal bars; returns the axes."""
-    import matplotlib.pyplot as plt
-
-    if ax is None:
-        _, ax = plt.subplots(figsize=(10, 2.2))
-    lanes = [("phase", "phases"), ("compute", "compute"), ("comm", "communication")]
-    colors = {"compute": "tab:blue", "comm": "tab:orange"}
-    phase_colors = {"forward": "#c6dbef", "backward": "#fdd0a2", "finish": "#fcbba1", "optimizer": "#c7e9c0"}
-    for y, (kind, _) in enumerate(lanes):
-        part = timeline[timeline["kind"] == kind]
-        if kind == "phase":
-            total = max(float((timeline["start_ms"] + timeline["dur_ms"]).max()), 1e-9)
-            for _, e in part.iterrows():
-                ax.broken_barh([(e["start_ms"], e["dur_ms"])], (y - 0.4, 0.8),
-                               color=phase_colors.get(e["name"], "0.8"))
-                if e["dur_ms"] > 0.06 * total:  # label only spans wide enough to read
-                    ax.text(e["start_ms"] + e["dur_ms"] / 2, y, e["name"], ha="center", va="center", fontsize=7)
-        else:
-            spans = merge_intervals(part["start_ms"], part["start_ms"] + part["dur_ms"])
-            ax.broken_barh([(s, e - s) for s, e in spans], (y - 0.4, 0.8), color=colors[kind])
-    ax.set_yticks(range(len(lanes)), [label for _, label in lanes])
-    ax.set_ylim(-0.6, len(lanes) - 0.4)
-    ax.invert_yaxis()
-    ax.set_xlabel("time since the profiled step started (ms)")
-    if title:
-        ax.set_title(title)
-    return ax
 
 
 # --------------------------------------------------------------------------------------------------------

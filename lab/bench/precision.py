@@ -9,7 +9,7 @@ Three experiments, each returning a DataFrame for the 02 notebook:
 * :func:`norm_statistics_demo` computes RMSNorm / LayerNorm statistics of large activations with every
   intermediate rounded to fp16 or bf16 and compares them with fp64.
 
-:func:`mixed_precision_timings` times fp32 against bf16 autocast for model sizes via ``lab.bench.lm``.
+:func:`speedup_table` compares fp32 with bf16 autocast timings of ``lab.bench.lm.sweep_lm``.
 """
 
 from __future__ import annotations
@@ -22,19 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-DTYPES: dict[str, torch.dtype] = {"fp64": torch.float64, "fp32": torch.float32, "fp16": torch.float16,
-                                   "bf16": torch.bfloat16}
-
-
-def _dtype(name: str) -> torch.dtype:
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}")
-    return DTYPES[name]
-
-
-def _short(dtype: torch.dtype) -> str:
-    return {v: k for k, v in DTYPES.items()}.get(dtype, str(dtype).replace("torch.", ""))
-
+from lab.dtypes import dtype_name, torch_dtype
 
 # ----------------------------------------------------------------------------------------------------------
 # 1. Accumulation
@@ -63,8 +51,8 @@ def accumulate(value: float = 0.01, count: int = 1000, accumulator: str = "fp32"
     """
     if count < 0:
         raise ValueError(f"count must be non-negative, got {count}")
-    acc = torch.tensor(0.0, dtype=_dtype(accumulator))
-    x = torch.tensor(value, dtype=_dtype(addend))
+    acc = torch.tensor(0.0, dtype=torch_dtype(accumulator))
+    x = torch.tensor(value, dtype=torch_dtype(addend))
     if upcast:
         x = x.to(acc.dtype)
     for _ in range(count):
@@ -84,7 +72,7 @@ def accumulation_experiment(value: float = 0.01, count: int = 1000,
     exact = value * count
     rows = []
     for accumulator, addend, upcast in variants:
-        stored = float(torch.tensor(value, dtype=_dtype(addend)))
+        stored = float(torch.tensor(value, dtype=torch_dtype(addend)))
         result = accumulate(value, count, accumulator, addend, upcast)
         rows.append(dict(accumulator=accumulator, addend=addend, upcast=upcast, addend_value=stored,
                          result=result, exact=exact, abs_error=abs(result - exact),
@@ -130,7 +118,7 @@ def probe_autocast_dtypes(model: nn.Module | None = None, dtype: str = "bf16", d
     rows: list[dict] = []
 
     def record(name: str, kind: str, t: torch.Tensor) -> None:
-        rows.append(dict(tensor=name, kind=kind, dtype=_short(t.dtype), shape=tuple(t.shape), autocast=dtype))
+        rows.append(dict(tensor=name, kind=kind, dtype=dtype_name(t.dtype), shape=tuple(t.shape), autocast=dtype))
 
     for name, p in model.named_parameters():
         record(f"param {name}", "parameter", p)
@@ -140,7 +128,7 @@ def probe_autocast_dtypes(model: nn.Module | None = None, dtype: str = "bf16", d
         handles.append(child.register_forward_hook(
             lambda mod, inp, out, name=name: record(f"{name} output", "activation", out)))
     try:
-        ctx = (torch.autocast(device_type=device.type, dtype=_dtype(dtype)) if dtype != "fp32"
+        ctx = (torch.autocast(device_type=device.type, dtype=torch_dtype(dtype)) if dtype != "fp32"
                else torch.autocast(device_type=device.type, enabled=False))
         with ctx:
             logits = model(x)
@@ -186,7 +174,7 @@ def norm_statistics(x: torch.Tensor, dtype: str) -> dict[str, float]:
     Returns ``mean_square`` (RMSNorm's statistic), ``variance`` (LayerNorm's, as E[x^2] - E[x]^2) and
     ``rms_output_max_error`` (max |RMSNorm(x) computed this way - RMSNorm(x) in fp64|), all as floats.
     """
-    dt = _dtype(dtype)
+    dt = torch_dtype(dtype)
     x64 = x.double()
     xl = x.to(dt)
     mean_square = (xl * xl).mean(-1, keepdim=True)
@@ -234,41 +222,6 @@ def norm_statistics_demo(d_model: int = 1024, scales: Sequence[float] = (1.0, 30
 
 # ----------------------------------------------------------------------------------------------------------
 # 4. Timings
-
-
-def mixed_precision_timings(sizes: Iterable[str], context: int = 512, batch: int = 4,
-                            dtypes: Sequence[str] = ("fp32", "bf16"), warmup: int = 2, steps: int = 3,
-                            device: str = "auto", progress: bool = True, **config_overrides) -> pd.DataFrame:
-    """Forward and forward+backward time of each model size in each dtype (``lab.bench.lm.benchmark_lm``).
-
-    Forward and forward+backward are measured in separate calls, so a model whose backward does not fit
-    still reports its forward time (its row then has ``status="oom"`` and the error names the mode).
-    ``sizes`` are names from ``MODEL_SIZES``, or ``ModelConfig`` objects. Returns one row per (size, dtype)
-    in the ``lm_step`` format (``fwd_ms``, ``fwdbwd_ms`` in ms, ``peak_gib``, ``status``).
-    """
-    from tqdm import tqdm  # plain text bars: they render in papermill reports
-
-    from lab.bench.lm import benchmark_lm
-
-    grid = [(s, d) for s in sizes for d in dtypes]
-    rows = []
-    for size, dt in tqdm(grid, desc="fp32 vs bf16", disable=not progress):
-        kw = dict(context=context, batch=batch, dtype=dt, warmup=warmup, steps=steps, device=device)
-        fwd = benchmark_lm(size, modes=("forward",), **kw)
-        both = benchmark_lm(size, modes=("forward_backward",), **kw)
-        row = dict(both)
-        row["fwd_ms"], row["fwd_std_ms"] = fwd.get("fwd_ms", math.nan), fwd.get("fwd_std_ms", math.nan)
-        row["peak_gib"] = max(fwd["peak_gib"], both["peak_gib"]) if not (
-            math.isnan(fwd["peak_gib"]) or math.isnan(both["peak_gib"])) else both["peak_gib"]
-        failed = [m for m, r in (("forward", fwd), ("forward_backward", both)) if r["status"] != "ok"]
-        row["status"] = "oom" if failed else "ok"
-        row["error"] = "; ".join(f"{m}: {r['error']}" for m, r in (("forward", fwd), ("forward_backward", both))
-                                 if r["status"] != "ok")
-        if not isinstance(size, str):
-            row["size"] = f"d{size.d_model}_L{size.num_layers}"
-        rows.append(row)
-    df = pd.DataFrame(rows)
-    return df.drop(columns=[c for c in df.columns if c.endswith("_samples_ms")])
 
 
 def speedup_table(timings: pd.DataFrame, baseline: str = "fp32", other: str = "bf16") -> pd.DataFrame:

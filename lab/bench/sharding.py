@@ -21,7 +21,6 @@ and optimizer-state tensors and compares them with the closed form (:func:`expec
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,11 +29,14 @@ import pandas as pd
 import torch
 from tqdm import tqdm  # plain text bars: they render in papermill reports
 
-from lab.parallel import launcher as distributed
-from lab.bench.lm import DTYPES, autocast, lm_loss, random_batch, time_callable
+from lab.dtypes import autocast_dtype
 from lab.measure.device import error_summary, is_oom, synchronize
-from lab.model.transformer import ModelConfig, TransformerLM, config_for
-from lab.measure.profiling import intersect_intervals, intervals_length, kernel_phase_spans, union_intervals
+from lab.measure.profiling import quiet_profile
+from lab.measure.step import TrainStep, lm_loss, random_batch
+from lab.measure.timing import time_callable
+from lab.measure.traces import read_trace
+from lab.model import ModelConfig, TransformerLM, config_for
+from lab.parallel import launcher as distributed
 
 IMPLS = ("ddp", "sharded_optimizer", "zero1", "fsdp", "torch_zero", "torch_fsdp2")
 GiB = 2**30
@@ -108,8 +110,8 @@ def build(impl: str, model: TransformerLM, device: torch.device, dtype: str, fsd
         opt = ZeRO1Optimizer(model.parameters(), torch.optim.AdamW, **adamw)
         return model, opt, opt.inner
     if impl == "fsdp":
-        reduce = DTYPES[fsdp_reduce_dtype or dtype] or torch.float32
-        wrapped = FSDP(model, compute_dtype=DTYPES[dtype], reduce_dtype=reduce)
+        reduce = autocast_dtype(fsdp_reduce_dtype or dtype) or torch.float32
+        wrapped = FSDP(model, compute_dtype=autocast_dtype(dtype), reduce_dtype=reduce)
         opt = torch.optim.AdamW(wrapped.parameters(), **adamw)
         return wrapped, opt, opt
     if impl == "torch_zero":
@@ -123,7 +125,8 @@ def build(impl: str, model: TransformerLM, device: torch.device, dtype: str, fsd
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = init_device_mesh(device.type, (distributed.world_size(),))
-        policy = MixedPrecisionPolicy(param_dtype=DTYPES[dtype]) if DTYPES[dtype] else MixedPrecisionPolicy()
+        cast = autocast_dtype(dtype)
+        policy = MixedPrecisionPolicy(param_dtype=cast) if cast else MixedPrecisionPolicy()
         for block in model.blocks:
             fully_shard(block, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
@@ -158,38 +161,13 @@ class _Peaks:
         return torch.cuda.memory_allocated(self.device) / GiB if self.cuda else math.nan
 
 
-def step_phases(runnable: torch.nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor,
-                targets: torch.Tensor, device: torch.device, dtype: str):
-    """The three phases of a training step of a built implementation (see :func:`build`), each in a profiler
-    range: ``forward() -> loss`` (under autocast for ``dtype``), ``backward(loss)`` (including the
-    wrapper's gradient synchronization, if it has one) and ``optimizer_step()`` (step, then zero_grad)."""
-    finish = getattr(runnable, "finish_gradient_synchronization", None)
-
-    def forward() -> torch.Tensor:
-        with torch.profiler.record_function("forward"), autocast(device, dtype):
-            return lm_loss(runnable, tokens, targets)
-
-    def backward(loss: torch.Tensor) -> None:
-        with torch.profiler.record_function("backward"):
-            loss.backward()
-            if finish is not None:
-                finish()
-
-    def optimizer_step() -> None:
-        with torch.profiler.record_function("optimizer_step"):
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-    return forward, backward, optimizer_step
-
-
 def sharding_worker(impl: str, cfg: ModelConfig, batch: int, dtype: str, warmup: int, steps: int,
                     trace_path: str | None = None, fsdp_reduce_dtype: str | None = None) -> dict:
     """Inside a launched process: build ``impl``, measure memory by phase, time ``steps`` train steps.
 
     Returns this rank's measurements: peaks (GiB), the bytes of its parameter / gradient / optimizer-state
     tensors, every step time (ms), and, if ``trace_path`` is given, the profiler timeline of one more step
-    (rank 0 writes the Chrome trace there and returns its kernels as rows; see :func:`timeline_events`).
+    (rank 0 writes the Chrome trace there and returns its intervals as rows; see :func:`lab.measure.traces.read_trace`).
     """
     device = distributed.device()
     peaks = _Peaks(device)
@@ -202,21 +180,13 @@ def sharding_worker(impl: str, cfg: ModelConfig, batch: int, dtype: str, warmup:
     out = {"rank": distributed.rank(), "num_params": num_params, "peak_init_gib": peaks.peak_gib()}
     tokens, targets = random_batch(cfg, batch, device, seed=distributed.rank())
 
-    forward, backward, optimizer_step = step_phases(runnable, opt, tokens, targets, device, dtype)
-
-    def forward_backward():
-        backward(forward())
-
-    def train_step():
-        forward_backward()
-        optimizer_step()
-
+    train_step = TrainStep(runnable, opt, tokens, targets, dtype=dtype)
     for _ in range(max(warmup, 1)):  # at least one step: the optimizer state exists from then on
         train_step()
     # one steady-state step in phases
     out["allocated_start_gib"] = peaks.allocated_gib()
     peaks.reset()
-    forward_backward()
+    train_step.forward_backward()
     out["peak_before_step_gib"] = peaks.peak_gib()
     params = [p for p in runnable.parameters()]
     out["param_bytes"] = _bytes(params)
@@ -239,14 +209,14 @@ def _profile_one_step(train_step, device: torch.device, trace_path: str) -> list
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     synchronize(device)
-    with profile(activities=activities) as prof:
+    with quiet_profile(profile(activities=activities)) as prof:
         train_step()
         synchronize(device)
     if distributed.rank() != 0:
         return None
     Path(trace_path).parent.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(trace_path)
-    return timeline_events(trace_path).to_dict("records")
+    return read_trace(trace_path).to_dict("records")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -273,8 +243,7 @@ def run_config(impl: str, size: str | ModelConfig, world_size: int = 2, context:
     profiler rows) when ``trace_path`` is given. Out-of-memory on any rank gives ``status="oom"``; any other
     failure ``status="error"`` with the message, so a sweep always completes.
     """
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    autocast_dtype(dtype)  # a clear error for an unknown name
     sharded_parts(impl)  # validates the name
     name, cfg = _config(size, context)
     row = dict(impl=impl, world_size=world_size, size=name, context=context, batch=batch, dtype=dtype,
@@ -340,126 +309,6 @@ def run_sharding_benchmark(impls: Sequence[str] = IMPLS, sizes: Sequence[str | M
         row.pop("timeline", None)
         rows.append(row)
     return pd.DataFrame(rows), timelines
-
-
-# ----------------------------------------------------------------------------------------------------------
-# reading the profile: compute vs communication
-
-
-def _is_comm(name: str) -> bool:
-    n = name.lower()
-    return "nccl" in n or n.startswith("gloo:")
-
-
-def timeline_events(trace_path: str | Path) -> pd.DataFrame:
-    """Kernels (GPU) or operators (CPU) of a Chrome trace as rows: lane, kind, name, start_ms, dur_ms.
-
-    GPU: every kernel, its lane the CUDA stream, its kind ``communication`` for NCCL kernels and
-    ``compute`` otherwise. CPU (no kernels): gloo collectives on their worker threads are communication,
-    aten operators on the main thread compute. Phase ranges (forward, backward, optimizer_step) come as
-    rows of kind ``phase`` (on GPUs: the span of the kernels launched during them, see :func:`_gpu_phases`).
-    Times are relative to the first row.
-    """
-    events = [e for e in json.loads(Path(trace_path).read_text())["traceEvents"] if e.get("ph") == "X"]
-    kernels = [e for e in events if e.get("cat") == "kernel"]
-    rows = []
-    if kernels:
-        for e in kernels:
-            stream = (e.get("args") or {}).get("stream", e.get("tid"))
-            rows.append(("stream %s" % stream, "communication" if _is_comm(e["name"]) else "compute", e["name"],
-                         e["ts"], e["dur"]))
-        phase_cat = "gpu_user_annotation"
-        gpu_phases = _gpu_phases(events, kernels)
-        if gpu_phases:
-            rows += gpu_phases
-            phase_cat = None  # the profiler's own gpu_user_annotation misses the backward (see _gpu_phases)
-    else:
-        phases = [e for e in events if e.get("cat") == "user_annotation" and e["name"] == "forward"]
-        main_tid = phases[0]["tid"] if phases else None
-        for e in events:
-            if _is_comm(e["name"]):
-                rows.append((f"gloo thread {e['tid']}", "communication", e["name"], e["ts"], e["dur"]))
-            elif e.get("cat") == "cpu_op" and e["tid"] == main_tid and e["name"].startswith("aten::"):
-                rows.append(("main thread", "compute", e["name"], e["ts"], e["dur"]))
-        phase_cat = "user_annotation"
-    for e in events:
-        if phase_cat is not None and e.get("cat") == phase_cat and e["name"] in _PHASES:
-            rows.append(("phase", "phase", e["name"], e["ts"], e["dur"]))
-    df = pd.DataFrame(rows, columns=["lane", "kind", "name", "start_us", "dur_us"])
-    if df.empty:
-        return pd.DataFrame(columns=["lane", "kind", "name", "start_ms", "dur_ms"])
-    t0 = df["start_us"].min()
-    df["start_ms"] = (df["start_us"] - t0) / 1e3
-    df["dur_ms"] = df["dur_us"] / 1e3
-    return df.drop(columns=["start_us", "dur_us"]).sort_values("start_ms").reset_index(drop=True)
-
-
-_PHASES = ("forward", "backward", "optimizer_step")
-
-
-def _gpu_phases(events: list[dict], kernels: list[dict]) -> list[tuple]:
-    """GPU extent of each phase: the span of the kernels launched while its CPU range was open (the profiler's
-    ``gpu_user_annotation`` misses the backward's kernels, launched by autograd's device thread; see
-    :func:`lab.measure.profiling.kernel_phase_spans`). Empty if the trace has no launch correlation data."""
-    ranges = [e for e in events if e.get("cat") == "user_annotation" and e.get("name") in _PHASES]
-    return [("phase", "phase", name, start, dur) for name, start, dur in kernel_phase_spans(events, kernels, ranges)]
-
-
-def _clip(intervals, lo: float, hi: float):
-    return [(max(s, lo), min(e, hi)) for s, e in intervals if e > lo and s < hi]
-
-
-def overlap_summary(timeline: pd.DataFrame) -> pd.DataFrame:
-    """Per phase: its length, compute busy time, communication time, how much of it overlapped compute,
-    the exposed (non-overlapped) communication, and the compute lanes' idle time, all in ms.
-
-    If the forward's all-gathers finish before the layers need them, the forward's compute idle time is
-    only launch gaps and its exposed communication is small.
-    """
-    comp = union_intervals([(s, s + d) for s, d, k in zip(timeline["start_ms"], timeline["dur_ms"], timeline["kind"])
-                   if k == "compute"])
-    comm = union_intervals([(s, s + d) for s, d, k in zip(timeline["start_ms"], timeline["dur_ms"], timeline["kind"])
-                   if k == "communication"])
-    phases = timeline[timeline["kind"] == "phase"]
-    windows = [(n, s, s + d) for n, s, d in zip(phases["name"], phases["start_ms"], phases["dur_ms"])]
-    if comp or comm:
-        windows.append(("step", min([s for s, _ in comp + comm]), max([e for _, e in comp + comm])))
-    rows = []
-    for name, lo, hi in windows:
-        c, m = _clip(comp, lo, hi), _clip(comm, lo, hi)
-        overlap = intervals_length(intersect_intervals(c, m))
-        compute_ms, comm_ms = intervals_length(c), intervals_length(m)
-        rows.append(dict(phase=name, window_ms=hi - lo, compute_ms=compute_ms, communication_ms=comm_ms,
-                         overlapped_ms=overlap, exposed_communication_ms=comm_ms - overlap,
-                         compute_idle_ms=(hi - lo) - compute_ms,
-                         overlap_share=overlap / comm_ms if comm_ms else math.nan))
-    return pd.DataFrame(rows)
-
-
-def plot_timeline(timeline: pd.DataFrame, title: str = "", ax=None):
-    """Compute and communication lanes as horizontal bars over time, with the phases shaded; returns the axes."""
-    import matplotlib.pyplot as plt
-
-    if ax is None:
-        _, ax = plt.subplots(figsize=(11, 3.2))
-    lanes = [la for la in dict.fromkeys(timeline.loc[timeline["kind"] != "phase", "lane"])]
-    colors = {"compute": "tab:blue", "communication": "tab:orange"}
-    for y, lane in enumerate(lanes):
-        sub = timeline[timeline["lane"] == lane]
-        for kind, part in sub.groupby("kind"):
-            ax.broken_barh(list(zip(part["start_ms"], part["dur_ms"])), (y - 0.4, 0.8), color=colors[kind],
-                           label=kind)
-    shades = {"forward": "tab:green", "backward": "tab:red", "optimizer_step": "tab:purple"}
-    for _, ph in timeline[timeline["kind"] == "phase"].iterrows():
-        ax.axvspan(ph["start_ms"], ph["start_ms"] + ph["dur_ms"], color=shades.get(ph["name"], "grey"),
-                   alpha=0.08, label=ph["name"])
-    handles, labels = ax.get_legend_handles_labels()
-    unique = dict(zip(labels, handles))
-    ax.legend(unique.values(), unique.keys(), loc="upper right", fontsize=8, ncol=len(unique))
-    ax.set_yticks(range(len(lanes)), lanes)
-    ax.set_xlabel("time (ms)")
-    ax.set_title(title)
-    return ax
 
 
 def memory_breakdown(df: pd.DataFrame) -> pd.DataFrame:

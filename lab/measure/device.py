@@ -1,19 +1,32 @@
-"""Device selection and the facts about it that every result carries."""
+"""Device selection and the facts about it that a measurement needs: memory, synchronization, OOM."""
 
 from __future__ import annotations
 
+import gc
+import os
+
 import torch
 
+DEVICE_CHOICES = ("auto", "cpu", "cuda", "cuda:<index>")
 
-def resolve_device(name: str = "auto") -> torch.device:
-    """``"auto"`` picks CUDA when present; asking for CUDA on a machine without it is a clear error."""
+
+def resolve_device(name: str | torch.device = "auto") -> torch.device:
+    """``"auto"`` picks CUDA when present. An unknown name, or CUDA on a machine without it, is a
+    ``ValueError`` of one line that says what is accepted."""
+    if isinstance(name, torch.device):
+        return name
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {name!r}; use one of {', '.join(DEVICE_CHOICES)}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {name!r} is not supported here; use one of {', '.join(DEVICE_CHOICES)}")
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"device {name!r} was asked for but this machine has no CUDA GPU; use 'cpu' or 'auto'")
+        raise ValueError(f"device {name!r} was asked for but this machine has no CUDA GPU; use 'cpu' or 'auto'")
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise RuntimeError(f"device {name!r} does not exist: this machine has {torch.cuda.device_count()} GPU(s)")
+        raise ValueError(f"device {name!r} does not exist: this machine has {torch.cuda.device_count()} GPU(s)")
     return device
 
 
@@ -24,14 +37,20 @@ def synchronize(device: torch.device | str) -> None:
         torch.cuda.synchronize(device)
 
 
-def device_name(device: torch.device | str = "auto") -> str:
-    """A human name for the device: the GPU model, or the CPU's."""
-    device = resolve_device(device) if isinstance(device, str) else device
+def available_memory_bytes(device: torch.device | str) -> int:
+    """Memory a new measurement can use on ``device``: the GPU's total memory (what PyTorch's allocator may
+    grow to), or on the CPU the kernel's ``MemAvailable`` (falls back to physical memory)."""
+    device = resolve_device(device)
     if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    import platform
-
-    return f"CPU ({platform.processor() or platform.machine()})"
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def is_oom(exc: BaseException) -> bool:
@@ -53,8 +72,6 @@ def error_summary(exc: BaseException, limit: int = 200) -> str:
 
 def empty_cache() -> None:
     """Release cached blocks so the next measurement starts from a clean allocator."""
-    import gc
-
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -7,18 +7,54 @@ under ``nsys profile`` by a user who has it.
 
 from __future__ import annotations
 
-import math
+import contextlib
+import os
 import re
+import sys
 from pathlib import Path
 
 import pandas as pd
-import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from lab.bench.lm import autocast, lm_loss, make_optimizer, random_batch
-from lab.measure.device import resolve_device, synchronize
-from lab.model.transformer import ModelConfig, TransformerLM, config_for
+from lab.measure.device import synchronize
+from lab.measure.step import MODES, TrainStep
+
+
+@contextlib.contextmanager
+def silenced_native_stderr(enabled: bool = True):
+    """Silence file descriptor 2 (C++ writes there directly: the CPU build's profiler prints a line at
+    every start and stop). Python exceptions are unaffected."""
+    if not enabled:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+@contextlib.contextmanager
+def quiet_profile(profiler):
+    """Run ``with profiler:`` with the profiler's own start/stop chatter on stderr silenced (only around
+    its start and stop, so that warnings raised by the profiled code still show). Yields the profiler."""
+    with silenced_native_stderr():
+        profiler.__enter__()
+    try:
+        yield profiler
+    except BaseException:
+        with silenced_native_stderr():
+            profiler.__exit__(*sys.exc_info())
+        raise
+    with silenced_native_stderr():
+        profiler.__exit__(None, None, None)
+
 
 # cuBLAS / CUTLASS / Triton matmul kernel names on Hopper and Ampere, and the aten ops on the CPU.
 _MATMUL = re.compile(r"gemm|nvjet|xmma|cutlass|wgmma|cublas|matmul|^aten::(mm|addmm|bmm|baddbmm|linear)$", re.I)
@@ -33,50 +69,30 @@ def kernel_class(name: str) -> str:
     return "matmul" if _MATMUL.search(name) else "other"
 
 
-def profile_lm(size: str | ModelConfig, mode: str = "forward", context: int = 512, batch: int = 4,
-               dtype: str = "fp32", attention: str = "naive", warmup: int = 3, steps: int = 3,
-               device: str | torch.device = "auto", trace_path: str | Path | None = None):
-    """Profile ``steps`` steps of ``mode`` (forward / forward_backward / train_step) after ``warmup`` steps.
+def profile_step(step: TrainStep, mode: str = "forward", warmup: int = 3, steps: int = 3,
+                 trace_path: str | Path | None = None):
+    """Profile ``steps`` steps of ``mode`` (``forward`` / ``forward_backward`` / ``train_step``) of a
+    :class:`~lab.measure.step.TrainStep` after ``warmup`` unprofiled ones, with CPU and (on a GPU) CUDA
+    activities. Each profiled step sits in a ``step i`` range; its phases carry their own ranges.
 
     Returns the ``torch.profiler.profile`` object; if ``trace_path`` is given a Chrome/Perfetto trace is
     written there (open it in ui.perfetto.dev or chrome://tracing).
     """
-    device = resolve_device(device) if isinstance(device, str) else device
-    cfg = (config_for(size, context_length=context, attention=attention) if isinstance(size, str)
-           else ModelConfig(**{**size.__dict__, "context_length": context, "attention": attention}))
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = TransformerLM(cfg)
-    optimizer = make_optimizer(model, device) if mode == "train_step" else None
-    tokens, targets = random_batch(cfg, batch, device, context)
-
-    def step():
-        if optimizer is not None:
-            optimizer.zero_grad(set_to_none=True)
-        else:
-            model.zero_grad(set_to_none=True)
-        with autocast(device, dtype):
-            loss = lm_loss(model, tokens, targets)
-        if mode in ("forward_backward", "train_step"):
-            loss.backward()
-        if optimizer is not None:
-            optimizer.step()
-
-    if mode not in ("forward", "forward_backward", "train_step"):
-        raise ValueError(f"unknown mode {mode!r}")
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
     for _ in range(warmup):
-        step()
-    synchronize(device)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        step.run(mode)
+    synchronize(step.device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if step.device.type == "cuda" else [])
     try:  # keep events across the (single) profiling cycle without a warning; older torch lacks the flag
         profiler = profile(activities=activities, acc_events=True)
     except TypeError:
         profiler = profile(activities=activities)
-    with profiler as prof:
+    with quiet_profile(profiler) as prof:
         for i in range(steps):
             with record_function(f"step {i}"):
-                step()
-            synchronize(device)
+                step.run(mode)
+            synchronize(step.device)
     if trace_path is not None:
         Path(trace_path).parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(trace_path))
@@ -174,64 +190,3 @@ def attention_phase_flops(batch: int, heads: int, seq: int, head_dim: int, layer
     return {"attention/scores": 2.0 * scores * head_dim * layers + scores * layers,
             "attention/softmax": 5.0 * scores * layers,
             "attention/final_matmul": 2.0 * scores * head_dim * layers}
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Interval arithmetic on timelines (compute vs communication lanes of a profiler trace)
-
-
-def union_intervals(intervals) -> list[tuple[float, float]]:
-    """The union of (start, end) intervals as sorted, disjoint pairs (nested or concurrent ones counted once)."""
-    merged: list[list[float]] = []
-    for s, e in sorted(intervals):
-        if merged and s <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], e)
-        else:
-            merged.append([s, e])
-    return [(s, e) for s, e in merged]
-
-
-def intervals_length(intervals) -> float:
-    """Total length of disjoint intervals."""
-    return sum(e - s for s, e in intervals)
-
-
-def intersect_intervals(a, b) -> list[tuple[float, float]]:
-    """The intersection of two sorted lists of disjoint intervals."""
-    out, i, j = [], 0, 0
-    while i < len(a) and j < len(b):
-        s, e = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        if s < e:
-            out.append((s, e))
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return out
-
-
-def kernel_phase_spans(events: list[dict], kernels: list[dict], ranges: list[dict]) -> list[tuple[str, float, float]]:
-    """GPU extent of CPU ranges in a Chrome trace: (name, start_us, dur_us) for each range, the span of the
-    kernels *launched* while it was open. Empty when the trace has no launch correlation data.
-
-    A CPU range says when work was launched; the GPU runs it later. The profiler's own ``gpu_user_annotation``
-    counts only kernels launched by the thread that opened the range, but backward kernels (and collectives
-    issued from autograd hooks) are launched by autograd's device thread; matching each kernel to its
-    runtime/driver launch call by correlation id catches them.
-    """
-    launch_ts = {e["args"]["correlation"]: e["ts"] for e in events
-                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in (e.get("args") or {})}
-    ranges = sorted(ranges, key=lambda e: e["ts"])
-    if not launch_ts or not ranges:
-        return []
-    spans: dict[int, list[float]] = {}
-    for k in kernels:
-        t = launch_ts.get((k.get("args") or {}).get("correlation"))
-        if t is None:
-            continue
-        for i, r in enumerate(ranges):
-            if r["ts"] <= t <= r["ts"] + r["dur"]:
-                lo, hi = spans.get(i, [math.inf, -math.inf])
-                spans[i] = [min(lo, k["ts"]), max(hi, k["ts"] + k["dur"])]
-                break
-    return [(ranges[i]["name"], lo, hi - lo) for i, (lo, hi) in sorted(spans.items())]

@@ -12,21 +12,12 @@ import os
 import platform
 import subprocess
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import pandas as pd
 import torch
 
 from lab import paths
-
-# Headline tables named in the spec, with the columns that identify one measurement. Rows written again
-# with the same key (on the same GPU) replace the old ones; others are appended.
-HEADLINE_KEYS: dict[str, list[str]] = {
-    "flash_benchmark": ["impl", "dtype", "batch", "heads", "seq_len", "d", "causal"],
-    "lm_step": ["size", "context", "batch", "dtype", "attention", "compile", "world_size"],
-    "ddp_benchmark": ["impl", "bucket_mb", "world_size", "size", "context", "batch", "dtype"],
-    "sharding_benchmark": ["impl", "world_size", "size", "context", "batch", "dtype"],
-}
 
 
 def git_commit() -> str:
@@ -101,8 +92,9 @@ def _jsonable(obj: Any) -> Any:
     return str(obj)
 
 
-def with_provenance_columns(df: pd.DataFrame) -> pd.DataFrame:
-    """A copy of ``df`` with ``gpu``, ``torch``, ``commit`` and ``status`` columns filled where missing."""
+def with_provenance_columns(df: pd.DataFrame, source: str | None = None) -> pd.DataFrame:
+    """A copy of ``df`` with ``gpu``, ``torch``, ``commit``, ``status`` (and ``source`` if given) filled where
+    missing."""
     df = df.copy()
     prov = None
     for col in ("gpu", "torch", "commit"):
@@ -112,115 +104,76 @@ def with_provenance_columns(df: pd.DataFrame) -> pd.DataFrame:
     if "status" not in df.columns:
         df["status"] = "ok"
     df["status"] = df["status"].fillna("ok")
+    if source is not None:
+        df["source"] = source
     return df
 
 
 def save_results(df: pd.DataFrame, name: str, results_dir: str | os.PathLike = "results",
-                 params: dict[str, Any] | None = None) -> Path:
-    """Write ``df`` to ``<results_dir>/<name>.csv`` and its provenance to ``<name>.json``; returns the CSV path.
+                 params: dict[str, Any] | None = None, source: str | None = None) -> Path:
+    """Write ``df`` to ``<results_dir>/<name>.csv`` with its provenance in ``<name>.json``; returns the CSV path.
 
-    Headline tables (see ``HEADLINE_KEYS``) are merged with what is already there rather than overwritten,
-    so several notebooks can contribute rows to ``lm_step.csv``.
+    One row is one measurement: rows are never merged or filled from another run. Without ``source`` the
+    table is replaced. With ``source`` (the notebook or command that measured the rows, e.g.
+    ``"01_profiling"``) only that source's earlier rows are replaced and other sources' rows are kept, so
+    several notebooks can keep their rows in one table (``lm_step.csv``); every row then says in its
+    ``source`` column who measured it, and the sidecar keeps each source's provenance under ``"sources"``.
     """
     out = paths.results_dir(results_dir)
-    df = with_provenance_columns(df)
+    df = with_provenance_columns(df, source)
     csv = out / f"{name}.csv"
-    if name in HEADLINE_KEYS and csv.exists():
-        df = merge_rows(pd.read_csv(csv), df, HEADLINE_KEYS[name] + ["gpu"])
-    df.to_csv(csv, index=False)
-    meta = provenance(params)
-    meta["table"] = name
-    meta["rows"] = int(len(df))
     meta_path = out / f"{name}.json"
-    (meta_path).write_text(json.dumps(meta, indent=2) + "\n")
+    meta = provenance(params)
+    if source is None:
+        sidecar = {"table": name, **meta}
+    else:
+        old_meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+        sources = dict(old_meta.get("sources", {})) if isinstance(old_meta.get("sources"), dict) else {}
+        if csv.exists():
+            old = pd.read_csv(csv)
+            if "source" in old.columns:  # a table of rows without a source is replaced whole
+                kept = old[old["source"] != source]
+                sources = {s: v for s, v in sources.items() if s in set(kept["source"])}
+                df = pd.concat([kept, df], ignore_index=True)
+        sources[source] = meta
+        sidecar = {"table": name, "sources": sources}
+    df.to_csv(csv, index=False)
+    sidecar["rows"] = int(len(df))
+    meta_path.write_text(json.dumps(sidecar, indent=2) + "\n")
     return csv
 
 
-def merge_rows(old: pd.DataFrame, new: pd.DataFrame, key: Iterable[str]) -> pd.DataFrame:
-    """``old`` with the rows whose key matches a row of ``new`` replaced by ``new``'s rows.
-
-    A replacing row keeps the old row's values in the columns it leaves empty, so a notebook that measures
-    only the forward does not erase the train-step time another notebook measured for the same configuration
-    on the same GPU.
-    """
-    key = [k for k in key if k in old.columns and k in new.columns]
-    if old.empty or not key:
-        return pd.concat([old, new], ignore_index=True)
-
-    def text(value) -> str:
-        # 512 and 512.0 are the same key (a column read back from CSV with a missing value becomes float)
-        if isinstance(value, float) and value.is_integer():
-            return str(int(value))
-        return str(value)
-
-    def norm(frame: pd.DataFrame) -> pd.Series:
-        # map rather than astype(str): pandas 3 keeps NaN as NaN under astype, and join would fail
-        return frame[key].apply(lambda col: col.map(text)).agg("|".join, axis=1)
-
-    old_keys, new_keys = norm(old), norm(new)
-    replaced = old_keys.isin(set(new_keys))
-    if replaced.any():
-        previous = old[replaced].set_axis(old_keys[replaced]).loc[lambda f: ~f.index.duplicated(keep="last")]
-        filled = new.set_axis(new_keys).combine_first(previous.reindex(new_keys.unique()))
-        filled = filled.loc[new_keys]  # back to new's row order
-        if "status" in filled.columns and "status" in previous.columns:
-            # a mode that ran out of memory before and was not re-measured is still out of memory
-            was_oom = previous["status"].reindex(filled.index).eq("oom").to_numpy()
-            filled.loc[was_oom, "status"] = "oom"
-            if "error" in previous.columns:
-                old_err = previous["error"].reindex(filled.index).fillna("").astype(str).to_numpy()
-                new_err = (filled["error"].fillna("").astype(str).to_numpy() if "error" in filled.columns
-                           else [""] * len(filled))
-                filled["error"] = ["; ".join(dict.fromkeys(e for e in (a, b) if e)) for a, b in zip(new_err, old_err)]
-        columns = list(new.columns) + [c for c in old.columns if c not in new.columns]
-        new = filled[columns].reset_index(drop=True)
-    return pd.concat([old[~replaced], new], ignore_index=True)
-
-
-def combine_results(sources: Iterable[str | os.PathLike], destination: str | os.PathLike = "results") -> list[Path]:
-    """Copy the tables of several result folders (e.g. renders on different machines) into one.
-
-    Headline tables are merged row by row (later sources win for the same key); their sidecar lists the
-    provenance of every contributing source under ``"sources"``. Other tables, their sidecars and figures
-    are copied, later sources replacing earlier ones. Returns the files written.
-    """
-    import shutil
-
-    dst = paths.results_dir(destination)
-    written = []
-    for src in map(paths.resolve, sources):
-        for csv in sorted(src.glob("*.csv")):
-            name = csv.stem
-            meta_src = csv.with_suffix(".json")
-            meta = json.loads(meta_src.read_text()) if meta_src.exists() else {}
-            if name in HEADLINE_KEYS and (dst / csv.name).exists():
-                merged = merge_rows(pd.read_csv(dst / csv.name), pd.read_csv(csv), HEADLINE_KEYS[name] + ["gpu"])
-                merged.to_csv(dst / csv.name, index=False)
-                old = json.loads((dst / f"{name}.json").read_text()) if (dst / f"{name}.json").exists() else {}
-                meta = {"table": name, "rows": int(len(merged)), "sources": old.get("sources", [old]) + [meta]}
-            else:
-                shutil.copyfile(csv, dst / csv.name)
-                if name in HEADLINE_KEYS:
-                    meta = {"table": name, "rows": meta.get("rows"), "sources": [meta]}
-            (dst / f"{name}.json").write_text(json.dumps(meta, indent=2) + "\n")
-            written.append(dst / csv.name)
-        if (src / "figures").is_dir():
-            (dst / "figures").mkdir(exist_ok=True)
-            for fig in (src / "figures").iterdir():
-                shutil.copyfile(fig, dst / "figures" / fig.name)
-                written.append(dst / "figures" / fig.name)
-    return written
-
-
-def load_results(name: str, results_dir: str | os.PathLike = "results") -> pd.DataFrame:
-    """Read a saved table back (so a plot can be redrawn without re-running the measurement)."""
+def load_results(name: str, results_dir: str | os.PathLike = "results", source: str | None = None) -> pd.DataFrame:
+    """Read a saved table back (so a plot can be redrawn without re-running the measurement); only the rows
+    of ``source`` if given."""
     csv = paths.resolve(results_dir) / f"{name}.csv"
     if not csv.exists():
         raise FileNotFoundError(f"no results table {name!r} in {paths.resolve(results_dir)}; run the notebook "
                                 "that measures it first")
-    return pd.read_csv(csv)
+    df = pd.read_csv(csv)
+    if source is not None:
+        if "source" not in df.columns or not (df["source"] == source).any():
+            raise FileNotFoundError(f"results table {name!r} in {paths.resolve(results_dir)} has no rows from "
+                                    f"{source!r}; run it first")
+        df = df[df["source"] == source].reset_index(drop=True)
+    return df
 
 
-def load_metadata(name: str, results_dir: str | os.PathLike = "results") -> dict[str, Any]:
-    """The provenance sidecar of a saved table."""
-    return json.loads((paths.resolve(results_dir) / f"{name}.json").read_text())
+def load_provenance(name: str, results_dir: str | os.PathLike = "results", source: str | None = None) -> dict:
+    """The provenance of a saved table (of one ``source``'s rows in a shared table): GPU, versions, commit,
+    date and parameters of the run that measured it."""
+    meta = json.loads((paths.resolve(results_dir) / f"{name}.json").read_text())
+    if "sources" in meta and isinstance(meta["sources"], dict):
+        if source is None:
+            if len(meta["sources"]) != 1:
+                raise ValueError(f"table {name!r} has rows from {sorted(meta['sources'])}; pass source=")
+            return next(iter(meta["sources"].values()))
+        return meta["sources"][source]
+    return meta
+
+
+def provenance_line(meta: dict) -> str:
+    """``"1 x NVIDIA H200, torch 2.11.0+cu130, commit a1f101041cfc, 2026-11-26"``: who measured a table."""
+    gpu = f"{meta.get('gpu_count')} x {meta.get('gpu_name')}" if meta.get("gpu_count") else "CPU"
+    return (f"{gpu}, torch {meta.get('torch')}, triton {meta.get('triton')}, commit {meta.get('commit')}, "
+            f"{str(meta.get('date', ''))[:10]}")

@@ -8,9 +8,9 @@ May import: torch, ``lab.kernels`` (lazily, for the FlashAttention implementatio
 """
 
 from lab.model.transformer import (
-    LMHead,
     MODEL_SIZES,
     QUICK_SIZES,
+    LMHead,
     ModelConfig,
     RMSNorm,
     TransformerBlock,

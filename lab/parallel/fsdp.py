@@ -45,8 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lab.parallel.collectives import all_gather_tensor, reduce_scatter_tensor
-from lab.parallel.sharded_optimizer import record_collective
+from lab.parallel.collectives import all_gather_tensor, record_collective, reduce_scatter_tensor
 
 COMPUTE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 

@@ -28,65 +28,8 @@ import pandas as pd
 import torch
 import torch.distributed as dist
 
-# --------------------------------------------------------------------------------------------------------
-# communication accounting
-
-COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
-
-
-def ring_bytes_per_rank(op: str, full_bytes: float, world_size: int) -> float:
-    """Bytes each rank sends for one collective on a ring (bandwidth-optimal algorithm), averaged over ranks.
-
-    ``full_bytes`` is the size of the whole tensor: the all-reduced buffer, the gathered output of an
-    all-gather, the input of a reduce-scatter, the broadcast tensor. On a ring of ``n`` ranks a
-    reduce-scatter and an all-gather each send ``(n-1)/n`` of it per rank, an all-reduce twice that, and a
-    pipelined broadcast forwards the tensor along ``n-1`` links, ``(n-1)/n`` of it per rank on average.
-    """
-    if op not in COLLECTIVES:
-        raise ValueError(f"op must be one of {COLLECTIVES}, got {op!r}")
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    n = world_size
-    factor = 2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
-    return factor * full_bytes
-
-
-class TrafficLog:
-    """Context manager recording every collective the sharding code issues while it is active.
-
-    ``calls`` is a list of ``(op, full_bytes)``; :meth:`bytes_per_rank` converts them with
-    :func:`ring_bytes_per_rank`. Used by tests and the notebook to check :func:`optimizer_traffic`.
-    """
-
-    def __init__(self):
-        self.calls: list[tuple[str, int]] = []
-
-    def __enter__(self) -> TrafficLog:
-        _ACTIVE_LOGS.append(self)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        _ACTIVE_LOGS.remove(self)
-
-    def bytes_per_rank(self, world_size: int, op: str | None = None) -> float:
-        """Total ring bytes sent per rank by the recorded calls (only those of ``op`` if given)."""
-        return sum(ring_bytes_per_rank(o, b, world_size) for o, b in self.calls if op is None or o == op)
-
-    def summary(self) -> dict[str, int]:
-        """Full-tensor bytes per collective kind."""
-        out: dict[str, int] = {}
-        for o, b in self.calls:
-            out[o] = out.get(o, 0) + b
-        return out
-
-
-_ACTIVE_LOGS: list[TrafficLog] = []
-
-
-def record_collective(op: str, tensor: torch.Tensor) -> None:
-    """Tell the active :class:`TrafficLog` s that ``op`` runs on ``tensor`` (the full tensor, see above)."""
-    for log in _ACTIVE_LOGS:
-        log.calls.append((op, tensor.numel() * tensor.element_size()))
+from lab.accounting.collectives import ring_bytes_per_rank
+from lab.parallel.collectives import TrafficLog, record_collective  # noqa: F401 - re-exported
 
 
 def optimizer_traffic(num_elements: int | Sequence[int], world_size: int, element_bytes: int = 4) -> pd.DataFrame:

@@ -28,13 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lab.parallel.collectives import all_gather_tensor, reduce_scatter_tensor
-from lab.parallel.sharded_optimizer import (
-    _check_optimizer_cls,
-    _hyperparameters,
-    _require_process_group,
-    record_collective,
-)
+from lab.parallel.collectives import all_gather_tensor, record_collective, reduce_scatter_tensor
+from lab.parallel.sharded_optimizer import _check_optimizer_cls, _hyperparameters, _require_process_group
 
 
 class _Bucket:

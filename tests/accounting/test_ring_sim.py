@@ -1,9 +1,9 @@
-"""The ring simulator computes the right values and its costs match lab.accounting.formulas's closed forms."""
+"""The ring simulator computes the right values and its costs match lab.accounting's closed forms."""
 
 import numpy as np
 import pytest
 
-from lab.accounting import formulas as acc
+from lab import accounting as acc
 from lab.accounting.ring_sim import RingSimulator, expected_result, simulate
 
 COLLECTIVES = ["all_gather", "reduce_scatter", "all_reduce", "alternate_all_reduce"]

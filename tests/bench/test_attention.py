@@ -11,7 +11,6 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from lab.bench import attention as ab
-from lab.model.transformer import ModelConfig
 from lab.model.attention import naive_attention as model_naive_attention
 
 # ---------------------------------------------------------------------------------------------------------
@@ -308,11 +307,3 @@ def test_flash_grid_runs_interpreted_triton():
 # LM rows
 
 
-def test_lm_step_rows_columns():
-    cfg = ModelConfig(vocab_size=64, context_length=16, d_model=32, d_ff=64, num_layers=1, num_heads=2)
-    df = ab.lm_step_rows(cfg, context=16, batch=2, dtype="fp32", variants=[("sdpa", False), ("naive", False)],
-                         warmup=0, steps=1, device="cpu", progress=False)
-    assert list(df.columns[:len(ab.LM_STEP_COLUMNS)]) == ab.LM_STEP_COLUMNS
-    assert df["attention"].tolist() == ["sdpa", "naive"] and (df["status"] == "ok").all()
-    assert (df[["fwd_ms", "fwdbwd_ms", "step_ms"]] > 0).all().all() and (df["world_size"] == 1).all()
-    assert not any(c.endswith("_samples_ms") for c in df.columns)

@@ -101,11 +101,14 @@ def test_speedup_table():
     assert math.isnan(s.loc[("b", "forward+backward"), "speedup"])
 
 
-def test_mixed_precision_timings_tiny_cpu():
-    from lab.model.transformer import ModelConfig
+def test_speedup_table_from_a_real_sweep():
+    from lab.bench.lm import sweep_lm
+    from lab.model import ModelConfig
 
     cfg = ModelConfig(d_model=32, d_ff=64, num_layers=1, num_heads=2, context_length=16, vocab_size=50)
-    df = precision.mixed_precision_timings([cfg], context=16, batch=2, warmup=0, steps=1, device="cpu",
-                                           progress=False)
+    df = sweep_lm([cfg], contexts=[16], dtypes=["fp32", "bf16"], batch=2, warmup=0, steps=1, device="cpu",
+                  progress=False)
     assert list(df["dtype"]) == ["fp32", "bf16"]
     assert (df["status"] == "ok").all() and (df["fwd_ms"] > 0).all() and (df["fwdbwd_ms"] > 0).all()
+    table = precision.speedup_table(df).set_index("mode")
+    assert table.loc["forward", "speedup"] == pytest.approx(df["fwd_ms"].iloc[0] / df["fwd_ms"].iloc[1])

@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from lab.measure import memory
+from lab.measure import memory_snapshot, memory_timeline
+from lab.measure.step import TrainStep, peak_memory_by_phase
 
 KiB, MiB = 1024, 1024 * 1024
 FIXTURES = Path(__file__).parent.parent / "fixtures"
@@ -27,7 +28,7 @@ FIX = _fixture_module()
 
 @pytest.fixture
 def snapshot():
-    return memory.load_snapshot(FIXTURES / "synthetic_snapshot.pickle")
+    return memory_snapshot.load_snapshot(FIXTURES / "synthetic_snapshot.pickle")
 
 
 def test_fixture_is_current_and_readable_by_torch_memory_viz(snapshot):
@@ -42,7 +43,7 @@ def test_fixture_is_current_and_readable_by_torch_memory_viz(snapshot):
 
 
 def test_snapshot_events_parse_actions_sizes_and_user_origin(snapshot):
-    ev = memory.snapshot_events(snapshot, marks=FIX.MARKS)
+    ev = memory_timeline.snapshot_events(snapshot, marks=FIX.MARKS)
     assert list(ev["action"]) == ["free_requested", "free_completed", "segment_alloc", "alloc", "alloc",
                                   "free_requested", "free_completed", "alloc", "free_requested",
                                   "free_completed", "oom"]
@@ -54,7 +55,7 @@ def test_snapshot_events_parse_actions_sizes_and_user_origin(snapshot):
 
 
 def test_active_memory_timeline_values(snapshot):
-    tl = memory.active_memory_timeline(snapshot, marks=FIX.MARKS)
+    tl = memory_timeline.active_memory_timeline(snapshot, marks=FIX.MARKS)
     before = 1 * KiB + 4 * KiB  # A (freed in the trace) and B (alive, no event) existed before recording
     expected = [before, 4 * KiB, 4 * KiB, 4 * KiB + 512 * KiB, 4 * KiB + 512 * KiB + MiB, 4 * KiB + 512 * KiB + MiB,
                 4 * KiB + MiB, 4 * KiB + MiB + 256 * KiB, 4 * KiB + MiB + 256 * KiB, 4 * KiB + 256 * KiB,
@@ -67,32 +68,32 @@ def test_active_memory_timeline_values(snapshot):
 
 
 def test_allocation_lifetimes_and_largest_allocations(snapshot):
-    life = memory.allocation_lifetimes(snapshot, marks=FIX.MARKS)
+    life = memory_timeline.allocation_lifetimes(snapshot, marks=FIX.MARKS)
     rows = {(r.addr, r.alloc_index): (r.size, r.free_index, r.before) for r in life.itertuples()}
     assert rows[(0x1000, -1)] == (1 * KiB, 1, True)
     assert rows[(0x9000, -1)] == (4 * KiB, 11, True)
     assert rows[(0x100000, 3)] == (512 * KiB, 6, False)
     assert rows[(0x180000, 4)] == (MiB, 9, False)
     assert rows[(0x100000, 7)] == (256 * KiB, 11, False)
-    top = memory.largest_allocations(snapshot, n=2, marks=FIX.MARKS)
+    top = memory_timeline.largest_allocations(snapshot, n=2, marks=FIX.MARKS)
     assert top["size_mib"].tolist() == [1.0, 0.5]
     assert top["origin"].tolist() == ["train.py:12:step", "model.py:208:forward < train.py:12:step"]
     assert top["phase"].tolist() == ["forward", "forward"]
-    assert memory.largest_allocations(snapshot, marks=FIX.MARKS, phase="backward")["size_mib"].tolist() == [0.25]
+    assert memory_timeline.largest_allocations(snapshot, marks=FIX.MARKS, phase="backward")["size_mib"].tolist() == [0.25]
 
 
 def test_allocations_by_origin(snapshot):
-    by = memory.allocations_by_origin(snapshot, marks=FIX.MARKS, phase="forward")
+    by = memory_timeline.allocations_by_origin(snapshot, marks=FIX.MARKS, phase="forward")
     assert by["origin"].tolist() == ["train.py:12:step", "model.py:208:forward"]
     assert by["total_mib"].tolist() == [1.0, 0.5] and by["count"].tolist() == [1, 1]
-    every = memory.allocations_by_origin(snapshot).set_index("origin")
+    every = memory_timeline.allocations_by_origin(snapshot).set_index("origin")
     assert every.loc["model.py:208:forward", "count"] == 2  # X (forward) and Z (backward)
     assert every.loc["model.py:208:forward", "total_mib"] == 0.75
     assert every["share"].sum() == 1.0
 
 
 def test_peaks_by_phase_on_fixture(snapshot):
-    peaks = memory.peaks_by_phase(memory.active_memory_timeline(snapshot, marks=FIX.MARKS)).set_index("phase")
+    peaks = memory_timeline.peaks_by_phase(memory_timeline.active_memory_timeline(snapshot, marks=FIX.MARKS)).set_index("phase")
     assert peaks.loc["forward", "peak_index"] == 4
     assert peaks.loc["forward", "peak_gib"] * 2**30 == 4 * KiB + 512 * KiB + MiB
     assert peaks.loc["backward", "peak_gib"] * 2**30 == 4 * KiB + MiB + 256 * KiB
@@ -101,16 +102,16 @@ def test_peaks_by_phase_on_fixture(snapshot):
 
 
 def test_marks_after_all_events_and_phase_lookup():
-    phases = memory.phase_at(np.array([5, 10, 11, 30]), [("b", 20), ("a", 10)], default="-")
+    phases = memory_timeline.phase_at(np.array([5, 10, 11, 30]), [("b", 20), ("a", 10)], default="-")
     assert phases.tolist() == ["-", "a", "a", "b"]
 
 
 def test_user_frame_filter():
-    assert memory.is_user_frame({"filename": "/x/site-packages/lab/model.py", "line": 1, "name": "f"})
-    assert memory.is_user_frame({"filename": "/tmp/ipykernel_123/456.py", "line": 1, "name": "f"})
-    assert not memory.is_user_frame({"filename": "torch/nn/modules/linear.py", "line": 1, "name": "f"})
-    assert not memory.is_user_frame({"filename": "??", "line": 0, "name": "c10::malloc"})
-    assert memory.origin([]) == "?"
+    assert memory_timeline.is_user_frame({"filename": "/x/site-packages/lab/model.py", "line": 1, "name": "f"})
+    assert memory_timeline.is_user_frame({"filename": "/tmp/ipykernel_123/456.py", "line": 1, "name": "f"})
+    assert not memory_timeline.is_user_frame({"filename": "torch/nn/modules/linear.py", "line": 1, "name": "f"})
+    assert not memory_timeline.is_user_frame({"filename": "??", "line": 0, "name": "c10::malloc"})
+    assert memory_timeline.origin([]) == "?"
 
 
 def test_export_memory_viz_html_embeds_the_snapshot(snapshot, tmp_path):
@@ -118,19 +119,19 @@ def test_export_memory_viz_html_embeds_the_snapshot(snapshot, tmp_path):
     import json
     import re
 
-    out = memory.export_memory_viz_html(snapshot, tmp_path / "viz.html")
+    out = memory_snapshot.export_memory_viz_html(snapshot, tmp_path / "viz.html")
     html = out.read_text()
     payload = json.loads(re.search(r"const local_files = (\[.*?\])\n", html).group(1))[0]["base64"]
     assert pickle.loads(base64.b64decode(payload)) == snapshot  # trailing zero padding is ignored by pickle
     with pytest.raises(ValueError):
-        memory.export_memory_viz_html(snapshot, tmp_path / "x.html", kind="nope")
+        memory_snapshot.export_memory_viz_html(snapshot, tmp_path / "x.html", kind="nope")
 
 
 def test_load_snapshot_rejects_other_pickles(tmp_path):
     p = tmp_path / "bad.pickle"
     p.write_bytes(pickle.dumps({"hello": 1}))
     with pytest.raises(ValueError, match="not a memory snapshot"):
-        memory.load_snapshot(p)
+        memory_snapshot.load_snapshot(p)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -205,8 +206,8 @@ def test_peak_memory_by_phase_resets_between_phases():
     counter = FakeCounter(start=100)
     model = ScriptedModel(counter)
     opt = ScriptedSGD(model.parameters(), counter)
-    df = memory.peak_memory_by_phase(model, (torch.ones(3), None), opt, loss_fn=lambda out, _: out.sum(), steps=2,
-                                     counter=counter, device="cpu")
+    step = TrainStep(model, opt, torch.ones(3), None, loss_fn=lambda m, x, _: m(x).sum())
+    df = peak_memory_by_phase(step, steps=2, counter=counter)
     got = [(r.step, r.phase, r.peak_bytes, r.allocated_bytes) for r in df.itertuples()]
     assert got == [(0, "init", 100, 100),
                    (0, "forward", 1300, 1100), (0, "backward", 1600, 100), (0, "optimizer_step", 450, 400),
@@ -219,7 +220,8 @@ def test_peak_memory_by_phase_cpu_fallback_sees_adam_state():
     model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 8))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x, y = torch.randn(64, 256), torch.randint(0, 8, (64,))
-    df = memory.peak_memory_by_phase(model, (x, y), opt, steps=2, device="cpu").set_index(["step", "phase"])
+    step = TrainStep(model, opt, x, y, loss_fn=lambda m, x, y: torch.nn.functional.cross_entropy(m(x), y))
+    df = peak_memory_by_phase(step, steps=2).set_index(["step", "phase"])
     param_bytes = sum(p.numel() * 4 for p in model.parameters())
     n_tensors = len(list(model.parameters()))
     # the first step creates exp_avg and exp_avg_sq (2 x parameter bytes) and a 4-byte step counter each
@@ -236,17 +238,17 @@ def test_peak_memory_by_phase_cpu_fallback_sees_adam_state():
 def test_cpu_recording_round_trip(tmp_path):
     model = nn.Linear(128, 64)
     x = torch.randn(32, 128)
-    with memory.record_memory_snapshot(tmp_path / "s.pickle", device="cpu") as rec:
+    with memory_snapshot.record_memory_snapshot(tmp_path / "s.pickle", device="cpu") as rec:
         rec.mark("forward")
         y = model(x)
         rec.mark("backward")
         y.sum().backward()
-    snap = memory.load_snapshot(tmp_path / "s.pickle")
-    assert memory.load_marks(tmp_path / "s.pickle") == rec.marks
-    top = memory.largest_allocations(snap, n=1, marks=rec.marks, phase="forward")
+    snap = memory_snapshot.load_snapshot(tmp_path / "s.pickle")
+    assert memory_snapshot.load_marks(tmp_path / "s.pickle") == rec.marks
+    top = memory_timeline.largest_allocations(snap, n=1, marks=rec.marks, phase="forward")
     assert top["size_mib"].iloc[0] * MiB == 32 * 64 * 4  # the output of the Linear
     assert "test_memory.py" in top["origin"].iloc[0]
-    grads = memory.largest_allocations(snap, n=10, marks=rec.marks, phase="backward")
+    grads = memory_timeline.largest_allocations(snap, n=10, marks=rec.marks, phase="backward")
     assert 64 * 128 * 4 in (grads["size_mib"] * MiB).round().astype(int).tolist()  # the weight's gradient
 
 
@@ -254,7 +256,7 @@ def test_plot_active_memory_timeline_draws_bands(snapshot):
     import matplotlib
 
     matplotlib.use("Agg")
-    ax = memory.plot_active_memory_timeline(snapshot, marks=FIX.MARKS, top=2)
+    ax = memory_timeline.plot_active_memory_timeline(snapshot, marks=FIX.MARKS, top=2)
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
     # groups are (innermost user frame, phase kind); A and B existed before the trace (5 KiB at the start);
     # by bytes x events Y (1 MiB x 5) and X (512 KiB x 3) beat Z (256 KiB x 4, made in the backward)
@@ -268,15 +270,15 @@ def test_plot_active_memory_timeline_draws_bands(snapshot):
 @pytest.mark.gpu
 def test_cuda_recording_round_trip(tmp_path):
     x = torch.randn(1024, 1024, device="cuda")
-    with memory.record_memory_snapshot(tmp_path / "g.pickle", device="cuda") as rec:
+    with memory_snapshot.record_memory_snapshot(tmp_path / "g.pickle", device="cuda") as rec:
         rec.mark("work")
         y = x @ x
         del y
-    snap = memory.load_snapshot(tmp_path / "g.pickle")
-    top = memory.largest_allocations(snap, n=10, marks=rec.marks)
+    snap = memory_snapshot.load_snapshot(tmp_path / "g.pickle")
+    top = memory_timeline.largest_allocations(snap, n=10, marks=rec.marks)
     assert (top["phase"] == "work").all()  # the trace's time_us and the marks share the host clock
     # the 4 MiB product, made by this test (cuBLAS may also allocate its workspace here)
     product = top[top["size_mib"] == 4.0]
     assert len(product) == 1 and "test_memory.py" in product["origin"].iloc[0]
-    tl = memory.active_memory_timeline(snap, marks=rec.marks)
+    tl = memory_timeline.active_memory_timeline(snap, marks=rec.marks)
     assert tl["active_bytes"].iloc[-1] == torch.cuda.memory_allocated()

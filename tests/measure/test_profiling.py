@@ -1,5 +1,6 @@
 import pytest
 
+from lab.bench.lm import profile_lm
 from lab.measure import profiling
 from lab.model.transformer import ModelConfig
 
@@ -20,7 +21,7 @@ def test_kernel_class(name, expected):
 
 
 def test_profile_tables_on_cpu(tmp_path):
-    prof = profiling.profile_lm(CFG, mode="forward_backward", context=16, batch=2, attention="naive",
+    prof = profile_lm(CFG, mode="forward_backward", context=16, batch=2, attention="naive",
                                 device="cpu", warmup=1, steps=2, trace_path=tmp_path / "t.json")
     assert (tmp_path / "t.json").stat().st_size > 1000
     table = profiling.kernel_table(prof, top=None)
@@ -43,26 +44,3 @@ def test_attention_phase_flops():
     assert f["attention/softmax"] == 5 * scores
 
 
-def test_interval_arithmetic():
-    a = profiling.union_intervals([(5, 7), (0, 2), (1, 3), (6, 6.5)])
-    assert a == [(0, 3), (5, 7)] and profiling.intervals_length(a) == 5
-    b = profiling.union_intervals([(2, 6)])
-    assert profiling.intersect_intervals(a, b) == [(2, 3), (5, 6)]
-    assert profiling.intersect_intervals(a, []) == []
-
-
-def test_kernel_phase_spans_follow_launches_not_threads():
-    # backward's kernel is launched from another thread (autograd's) while the CPU range is open
-    events = [
-        {"cat": "user_annotation", "name": "forward", "ts": 0, "dur": 10, "tid": 1},
-        {"cat": "user_annotation", "name": "backward", "ts": 10, "dur": 10, "tid": 1},
-        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 2, "dur": 1, "args": {"correlation": 1}},
-        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 12, "dur": 1, "tid": 2, "args": {"correlation": 2}},
-        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 15, "dur": 1, "tid": 2, "args": {"correlation": 3}},
-    ]
-    kernels = [{"cat": "kernel", "name": "k1", "ts": 20, "dur": 5, "args": {"correlation": 1}},
-               {"cat": "kernel", "name": "k2", "ts": 26, "dur": 4, "args": {"correlation": 2}},
-               {"cat": "kernel", "name": "k3", "ts": 31, "dur": 9, "args": {"correlation": 3}}]
-    spans = profiling.kernel_phase_spans(events + kernels, kernels, events[:2])
-    assert spans == [("forward", 20, 5), ("backward", 26, 14)]
-    assert profiling.kernel_phase_spans(events[:2] + kernels, kernels, events[:2]) == []  # no launch records

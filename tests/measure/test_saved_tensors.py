@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from lab.model.transformer import ModelConfig, RMSNorm, TransformerBlock
 from lab.measure.saved_tensors import expected_gradient_bytes, saved_tensor_report
+from lab.model.transformer import ModelConfig, RMSNorm, TransformerBlock
 
 
 def test_linear_relu_by_hand():

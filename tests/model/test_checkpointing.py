@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from lab.bench.lm import lm_loss, random_batch
+from lab.measure.saved_tensors import saved_tensor_report
+from lab.measure.step import lm_loss, random_batch
 from lab.model.checkpointing import (
     activation_checkpointing,
     best_group_size,
@@ -12,7 +13,6 @@ from lab.model.checkpointing import (
     single_level_memory_model,
 )
 from lab.model.transformer import ModelConfig, TransformerLM
-from lab.measure.saved_tensors import saved_tensor_report
 
 CFG = ModelConfig(d_model=32, d_ff=64, num_layers=8, num_heads=2, context_length=16, vocab_size=50)
 

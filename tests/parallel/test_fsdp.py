@@ -16,10 +16,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lab.model.transformer import ModelConfig, TransformerLM
 from lab.parallel import launcher as distributed
 from lab.parallel.collectives import all_gather_tensor
 from lab.parallel.fsdp import FSDP
-from lab.model.transformer import ModelConfig, TransformerLM
 from lab.parallel.sharded_optimizer import TrafficLog
 
 VOCAB = 64

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lab.parallel import launcher as distributed
 from lab.model.transformer import ModelConfig, TransformerLM
+from lab.parallel import launcher as distributed
 from lab.parallel.sharded_optimizer import (
     ShardedOptimizer,
     TrafficLog,
@@ -310,57 +310,3 @@ def test_performance_goals_from_a_table():
     assert performance_goals(df).set_index(["impl", "goal"])["met"][("fsdp", "step time <= torch_fsdp2")] is None
 
 
-def test_overlap_summary_on_a_synthetic_timeline():
-    import pandas as pd
-
-    from lab.bench.sharding import overlap_summary
-
-    # forward 0..10 ms: compute 0-4 and 6-10 (idle 4-6); communication 3-7: overlaps 3-4 and 6-7
-    tl = pd.DataFrame([("stream 7", "compute", "gemm", 0.0, 4.0), ("stream 7", "compute", "gemm", 6.0, 4.0),
-                       ("stream 7", "compute", "gemm", 1.0, 1.0),  # nested inside the first: counted once
-                       ("stream 20", "communication", "ncclAllGather", 3.0, 4.0),
-                       ("phase", "phase", "forward", 0.0, 10.0)],
-                      columns=["lane", "kind", "name", "start_ms", "dur_ms"])
-    fwd = overlap_summary(tl).set_index("phase").loc["forward"]
-    assert fwd["compute_ms"] == pytest.approx(8.0)
-    assert fwd["communication_ms"] == pytest.approx(4.0)
-    assert fwd["overlapped_ms"] == pytest.approx(2.0)
-    assert fwd["exposed_communication_ms"] == pytest.approx(2.0)
-    assert fwd["compute_idle_ms"] == pytest.approx(2.0)
-    assert fwd["overlap_share"] == pytest.approx(0.5)
-
-
-def test_gpu_timeline_phases_include_kernels_launched_by_autograd_threads(tmp_path):
-    import json
-
-    from lab.bench.sharding import timeline_events
-
-    # Kineto-shaped trace: CPU phase ranges on the main thread (tid 1); the backward's kernels (a GEMM and an
-    # NCCL reduce-scatter) are launched by autograd's device thread (tid 2), so the profiler's own
-    # gpu_user_annotation "backward" covers only the fill kernel launched from the main thread.
-    ev = [dict(ph="X", cat="user_annotation", name=n, ts=ts, dur=d, tid=1)
-          for n, ts, d in (("forward", 0, 100), ("backward", 100, 200), ("optimizer_step", 300, 50))]
-    ev += [dict(ph="X", cat="gpu_user_annotation", name="backward", ts=151, dur=1, tid=7)]
-    kernels = [("gemm", 10, 20, 7, 5, 1), ("ncclDevKernel_AllGather_RING_LL", 5, 4, 20, 2, 1),
-               ("fill", 151, 1, 7, 101, 1), ("gemm_bwd", 160, 30, 7, 110, 2),
-               ("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL", 195, 40, 20, 150, 2),
-               ("multi_tensor_apply_kernel", 360, 10, 7, 310, 1)]
-    for c, (name, ts, dur, stream, launch, tid) in enumerate(kernels):
-        ev.append(dict(ph="X", cat="cuda_runtime", name="cudaLaunchKernel", ts=launch, dur=1, tid=tid,
-                       args={"correlation": c}))
-        ev.append(dict(ph="X", cat="kernel", name=name, ts=ts, dur=dur, tid=stream,
-                       args={"stream": stream, "correlation": c}))
-    path = tmp_path / "trace.json"
-    path.write_text(json.dumps({"traceEvents": ev}))
-    tl = timeline_events(path)
-    comm = tl[tl["kind"] == "communication"]
-    assert sorted(comm["name"]) == ["ncclDevKernel_AllGather_RING_LL", "ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL"]
-    assert set(tl.loc[tl["kind"] == "compute", "lane"]) == {"stream 7"}
-    phases = tl[tl["kind"] == "phase"].set_index("name")
-    assert len(phases) == 3
-    # times are relative to the first row (the all-gather at 5 us)
-    assert phases.loc["forward", "start_ms"] == pytest.approx(0.0)
-    assert phases.loc["forward", "dur_ms"] == pytest.approx(0.025)  # 5 .. 30 us
-    assert phases.loc["backward", "start_ms"] == pytest.approx(0.146)  # fill at 151 us
-    assert phases.loc["backward", "dur_ms"] == pytest.approx(0.084)  # .. reduce-scatter end at 235 us
-    assert phases.loc["optimizer_step", "dur_ms"] == pytest.approx(0.010)

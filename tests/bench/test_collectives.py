@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from lab.parallel import collectives
+from lab.bench import collectives
 
 
 @pytest.mark.parametrize("n", [1, 2, 4, 6, 8])

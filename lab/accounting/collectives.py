@@ -1,0 +1,130 @@
+"""The one collective cost model: ring all-gather, reduce-scatter, all-reduce (and the alternate
+all-reduce) in time and bytes, symbolic or numeric.
+
+Used by the accounting notebook (closed forms, checked step by step by :mod:`lab.accounting.ring_sim`), by
+the collective benchmark (nccl-tests' bus bandwidth is the ring factor of these formulas) and by the
+sharding code's traffic log (bytes each rank sends).
+
+Conventions (nccl-tests, doc/PERFORMANCE.md): ``S`` is the *full* tensor: the all-reduced buffer, the
+gathered output of an all-gather (each rank contributes ``S / N``), the input of a reduce-scatter (each rank
+keeps ``S / N``).
+"""
+
+from __future__ import annotations
+
+import sympy as sp
+
+from lab.accounting.symbols import N, S, W, alpha
+
+
+def ring_all_gather_time(S=S, N=N, W=W, alpha=0):
+    """Ring all-gather of a full array of S bytes (each device starts with S/N): N-1 steps of S/N bytes.
+
+    Time ``(N-1) (alpha + S / (N W))`` seconds."""
+    return (N - 1) * (alpha + S / (N * W))
+
+
+def ring_reduce_scatter_time(S=S, N=N, W=W, alpha=0):
+    """Ring reduce-scatter of S bytes per device into S/N-byte reduced shards: N-1 steps of S/N bytes.
+
+    Time ``(N-1) (alpha + S / (N W))`` seconds."""
+    return (N - 1) * (alpha + S / (N * W))
+
+
+def ring_all_reduce_time(S=S, N=N, W=W, alpha=0):
+    """Bandwidth-optimal ring all-reduce = reduce-scatter + all-gather: 2(N-1) steps of S/N bytes.
+
+    Time ``2 (N-1) (alpha + S / (N W))`` seconds; tends to ``2 S / W`` for large N."""
+    return 2 * (N - 1) * (alpha + S / (N * W))
+
+
+def alternate_ring_all_reduce_time(S=S, N=N, W=W, alpha=0):
+    """The alternate (naive) ring all-reduce: the *whole* S-byte array of every device travels the ring.
+
+    Each of N-1 steps, every device forwards a full array (its own first, then the one it just received)
+    and adds what it receives, so after N-1 steps each holds the sum of all N. Time
+    ``(N-1) (alpha + S / W)`` seconds: N/2 times the bandwidth-optimal all-reduce (equal at N = 2), but
+    only N-1 latencies instead of 2(N-1)."""
+    return (N - 1) * (alpha + S / W)
+
+
+def ring_all_gather_bytes(S=S, N=N):
+    """Bytes each device sends in a ring all-gather: ``(N-1) S / N``."""
+    return (N - 1) * S / N
+
+
+def ring_reduce_scatter_bytes(S=S, N=N):
+    """Bytes each device sends in a ring reduce-scatter: ``(N-1) S / N``."""
+    return (N - 1) * S / N
+
+
+def ring_all_reduce_bytes(S=S, N=N):
+    """Bytes each device sends in a reduce-scatter + all-gather ring all-reduce: ``2 (N-1) S / N``."""
+    return 2 * (N - 1) * S / N
+
+
+def alternate_ring_all_reduce_bytes(S=S, N=N):
+    """Bytes each device sends in the alternate (whole-array) ring all-reduce: ``(N-1) S``."""
+    return (N - 1) * S
+
+
+COLLECTIVES = {
+    "all_gather": (ring_all_gather_time, ring_all_gather_bytes),
+    "reduce_scatter": (ring_reduce_scatter_time, ring_reduce_scatter_bytes),
+    "all_reduce": (ring_all_reduce_time, ring_all_reduce_bytes),
+    "alternate_all_reduce": (alternate_ring_all_reduce_time, alternate_ring_all_reduce_bytes),
+}
+
+
+def collective_time(name: str, S=S, N=N, W=W, alpha=0):
+    """Time (s) of the ring collective ``name`` (a key of ``COLLECTIVES``)."""
+    if name not in COLLECTIVES:
+        raise ValueError(f"unknown collective {name!r}; choose one of {', '.join(COLLECTIVES)}")
+    return COLLECTIVES[name][0](S, N, W, alpha)
+
+
+def collective_bytes(name: str, S=S, N=N):
+    """Bytes each device sends in the ring collective ``name``."""
+    if name not in COLLECTIVES:
+        raise ValueError(f"unknown collective {name!r}; choose one of {', '.join(COLLECTIVES)}")
+    return COLLECTIVES[name][1](S, N)
+
+
+
+def ring_fraction(n):
+    """``(n-1)/n``: the share of a full tensor each rank sends in one ring all-gather or reduce-scatter
+    (the pass every ring collective is made of). Works on numbers and sympy symbols."""
+    return (n - 1) / n
+
+
+def ring_factor(op: str, world_size: int) -> float:
+    """Bytes each rank sends per byte of the full tensor on a ring of ``world_size`` ranks: ``2(n-1)/n`` for
+    an all-reduce, ``(n-1)/n`` for an all-gather, a reduce-scatter or a pipelined broadcast (which forwards
+    the tensor along ``n-1`` links, ``(n-1)/n`` of it per rank on average). Numeric twin of
+    :func:`collective_bytes` divided by ``S``; it is also nccl-tests' bus-bandwidth factor."""
+    if op not in ("all_reduce", "all_gather", "reduce_scatter", "broadcast"):
+        raise ValueError(f"op must be all_reduce, all_gather, reduce_scatter or broadcast, got {op!r}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    return (2 if op == "all_reduce" else 1) * ring_fraction(world_size)
+
+
+def ring_bytes_per_rank(op: str, full_bytes: float, world_size: int) -> float:
+    """Bytes each rank sends for one collective of a ``full_bytes`` tensor on a ring (see :func:`ring_factor`)."""
+    return ring_factor(op, world_size) * full_bytes
+
+
+def collective_table(size_bytes: float, devices, bandwidth: float, latency: float = 0.0):
+    """Time (s) and bytes sent per device of every ring collective for each device count; a DataFrame."""
+    import pandas as pd
+
+    rows = []
+    for name in COLLECTIVES:
+        # one compiled numeric function per formula, evaluated for every N
+        time_fn = sp.lambdify((S, N, W, alpha), collective_time(name, alpha=alpha))
+        bytes_fn = sp.lambdify((S, N), collective_bytes(name))
+        for n in devices:
+            rows.append(dict(collective=name, devices=n, size_bytes=size_bytes, bandwidth=bandwidth,
+                             time_s=float(time_fn(size_bytes, n, bandwidth, latency)),
+                             bytes_sent=float(bytes_fn(size_bytes, n))))
+    return pd.DataFrame(rows).sort_values(["devices", "collective"], kind="stable", ignore_index=True)

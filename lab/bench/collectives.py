@@ -1,0 +1,243 @@
+"""How fast collectives run: all-reduce, all-gather and reduce-scatter of float32 tensors over gloo (CPU
+processes) or NCCL (one GPU per rank), values checked against closed forms, bandwidths as nccl-tests
+reports them, and the alpha-beta (latency + size / bandwidth) fit. ``python -m lab.bench.collectives``.
+
+Bandwidth conventions are those of nccl-tests (github.com/NVIDIA/nccl-tests, doc/PERFORMANCE.md): ``size``
+is the *full* tensor; **algorithm bandwidth** ``algbw = size / time`` is what the caller sees; **bus
+bandwidth** ``busbw = algbw * factor`` is the traffic each link carries on an optimal ring (the factor is
+:func:`lab.accounting.collectives.ring_factor`: ``2(n-1)/n`` for all-reduce, ``(n-1)/n`` for the others), so
+it compares with the hardware's link bandwidth independently of the number of ranks.
+
+Units: sizes in MiB (2**20 bytes; "1 GB" is 1024 MiB), times in milliseconds, bandwidths in GB/s (10**9 B/s).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import pandas as pd
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from lab.accounting.collectives import ring_factor
+from lab.measure.device import is_oom
+from lab.parallel import launcher as distributed
+from lab.parallel.collectives import all_gather_tensor, reduce_scatter_tensor
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter")
+MIB = 2**20
+
+
+def bus_bandwidth_factor(op: str, world_size: int) -> float:
+    """nccl-tests' busbw / algbw (:func:`lab.accounting.collectives.ring_factor` for the benchmarked ops)."""
+    if op not in OPS:
+        raise ValueError(f"op must be one of {OPS}, got {op!r}")
+    return ring_factor(op, world_size)
+
+
+def algorithm_bandwidth_gbps(size_bytes: float, seconds: float) -> float:
+    """Algorithm bandwidth in GB/s (10**9 B/s): the full tensor size divided by the collective's time."""
+    if seconds <= 0:
+        raise ValueError(f"time must be positive, got {seconds}")
+    return size_bytes / seconds / 1e9
+
+
+def bus_bandwidth_gbps(op: str, size_bytes: float, seconds: float, world_size: int) -> float:
+    """Bus bandwidth in GB/s: algorithm bandwidth times :func:`bus_bandwidth_factor`."""
+    return algorithm_bandwidth_gbps(size_bytes, seconds) * bus_bandwidth_factor(op, world_size)
+
+
+# --------------------------------------------------------------------------------------------------------
+# one collective with known inputs (used for timing and for checking values)
+
+
+def _buffers(op: str, numel: int, n: int, r: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Input and output of ``op`` for a full tensor of ``numel`` floats, filled with exact small integers."""
+    chunk = numel // n
+    if op == "all_reduce":
+        x = torch.full((numel,), float(r + 1), device=device)
+        return x, x
+    if op == "all_gather":
+        return torch.full((chunk,), float(r + 1), device=device), torch.empty(numel, device=device)
+    # reduce_scatter: chunk i of rank r holds (r+1)(i+1), so rank r receives (i=r) (r+1) * n(n+1)/2
+    scale = torch.arange(1, n + 1, device=device, dtype=torch.float32).repeat_interleave(chunk)
+    return scale * float(r + 1), torch.empty(chunk, device=device)
+
+
+def _run(op: str, inp: torch.Tensor, out: torch.Tensor) -> None:
+    if op == "all_reduce":
+        dist.all_reduce(inp)
+    elif op == "all_gather":
+        all_gather_tensor(out, inp)
+    else:
+        reduce_scatter_tensor(out, inp)
+
+
+def _expected(op: str, out: torch.Tensor, n: int, r: int) -> torch.Tensor:
+    """What ``out`` must hold after one collective on the buffers of :func:`_buffers` (exact in fp32)."""
+    if op == "all_reduce":
+        return torch.full_like(out, n * (n + 1) / 2)
+    if op == "all_gather":
+        chunk = out.numel() // n
+        return torch.arange(1, n + 1, device=out.device, dtype=out.dtype).repeat_interleave(chunk)
+    return torch.full_like(out, (r + 1) * n * (n + 1) / 2)
+
+
+def collective_worker(ops: Sequence[str], sizes_bytes: Sequence[int], warmup: int, iters: int) -> list[dict]:
+    """Inside a launched process: time each collective at each size; check its values once.
+
+    Each timed iteration starts after a barrier (so ranks start together) and ends with a device
+    synchronize; returns one dict per (op, size) with this rank's per-iteration seconds.
+    """
+    n, r, dev = distributed.world_size(), distributed.rank(), distributed.device()
+    rows = []
+    for op in ops:
+        for size in sizes_bytes:
+            numel = (size // 4) // n * n  # divisible by n, so every rank's share is the same
+            row = {"op": op, "size_bytes": numel * 4, "rank": r, "samples_s": [], "correct": None, "status": "ok"}
+            try:
+                inp, out = _buffers(op, numel, n, r, dev)
+                _run(op, inp, out)  # one call on known inputs checks the values
+                row["correct"] = bool(torch.equal(out, _expected(op, out, n, r)))
+                for i in range(warmup + iters):
+                    dist.barrier()
+                    _sync(dev)
+                    start = time.perf_counter()
+                    _run(op, inp, out)
+                    _sync(dev)
+                    if i >= warmup:
+                        row["samples_s"].append(time.perf_counter() - start)
+                del inp, out
+            except Exception as exc:  # noqa: BLE001 - out of memory is a result
+                if not is_oom(exc):
+                    raise
+                row["status"] = "oom"
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+            rows.append(row)
+    return rows
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+# --------------------------------------------------------------------------------------------------------
+# the benchmark
+
+
+def plan_world_sizes(world_sizes: Sequence[int], device: str) -> tuple[list[int], str]:
+    """The world sizes that can run on ``device`` ("cpu" or "cuda"), and a sentence about those that cannot."""
+    if device == "cpu":
+        return list(world_sizes), ""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    run = [w for w in world_sizes if w <= gpus]
+    skipped = [w for w in world_sizes if w > gpus]
+    msg = (f"Skipped world size(s) {skipped} on NCCL: this machine has {gpus} GPU(s) and NCCL runs one rank per "
+           "GPU." if skipped else "")
+    return run, msg
+
+
+def benchmark_collectives(ops: Sequence[str] = OPS, sizes_mb: Sequence[float] = (1, 10, 100, 1024),
+                          world_sizes: Sequence[int] = (2, 4, 6), device: str = "cpu", warmup: int = 5,
+                          iters: int = 20, timeout_s: float = 600, progress: bool = True) -> pd.DataFrame:
+    """Time all-reduce / all-gather / reduce-scatter of float32 tensors; one row per (op, world size, size).
+
+    ``device`` "cpu" uses gloo, "cuda" NCCL with one GPU per rank (world sizes larger than the GPU count are
+    skipped, see :func:`plan_world_sizes`). Columns: backend, op, world_size, size_mb (MiB of the full
+    tensor), time_ms (mean over iterations of the slowest rank's time: a collective is done when its last
+    rank is), time_ms_rank_mean (mean over ranks and iterations), time_ms_std (of the per-iteration max),
+    algbw_gbps, busbw_gbps, correct (values checked against the closed form), status.
+    """
+    for op in ops:
+        bus_bandwidth_factor(op, 2)  # validates the name
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' (gloo) or 'cuda' (NCCL), got {device!r}")
+    sizes_bytes = [int(mb * MIB) for mb in sizes_mb]
+    run, _ = plan_world_sizes(world_sizes, device)
+    rows = []
+    for n in tqdm(run, desc=f"collectives on {device}", disable=not progress):
+        per_rank = distributed.launch(collective_worker, n, list(ops), sizes_bytes, warmup, iters,
+                                      device=device, timeout_s=timeout_s)
+        rows.extend(aggregate_over_ranks(per_rank, n, "nccl" if device == "cuda" else "gloo"))
+    return pd.DataFrame(rows)
+
+
+def aggregate_over_ranks(per_rank: list[list[dict]], world_size: int, backend: str) -> list[dict]:
+    """Combine the ranks' samples of :func:`collective_worker` into one row per (op, size) with bandwidths."""
+    rows = []
+    for results in zip(*per_rank):
+        first = results[0]
+        row = {"backend": backend, "op": first["op"], "world_size": world_size,
+               "size_mb": first["size_bytes"] / MIB, "size_bytes": first["size_bytes"],
+               "correct": all(r["correct"] for r in results if r["correct"] is not None),
+               "status": "oom" if any(r["status"] == "oom" for r in results) else "ok"}
+        if row["status"] == "ok":
+            samples = torch.tensor([r["samples_s"] for r in results], dtype=torch.float64)  # (ranks, iters)
+            slowest = samples.max(dim=0).values
+            t = slowest.mean().item()
+            row.update(time_ms=t * 1e3, time_ms_rank_mean=samples.mean().item() * 1e3,
+                       time_ms_std=(slowest.std().item() * 1e3) if slowest.numel() > 1 else 0.0,
+                       algbw_gbps=algorithm_bandwidth_gbps(row["size_bytes"], t),
+                       busbw_gbps=bus_bandwidth_gbps(row["op"], row["size_bytes"], t, world_size))
+        rows.append(row)
+    return rows
+
+
+def latency_bandwidth_fit(df: pd.DataFrame) -> pd.DataFrame:
+    """Fit ``time = latency + size / bandwidth`` (the alpha-beta model) per (backend, op, world_size).
+
+    Least squares over the sizes of :func:`benchmark_collectives`' rows with status ok. Returns columns
+    backend, op, world_size, latency_ms (the fixed cost of one call: what small messages pay) and
+    bandwidth_gbps (the algorithm bandwidth approached by large messages, GB/s).
+    """
+    import numpy as np
+
+    rows = []
+    ok = df[df["status"] == "ok"]
+    for (backend, op, n), part in ok.groupby(["backend", "op", "world_size"]):
+        if len(part) < 2:
+            continue
+        x = part["size_bytes"].to_numpy(float)
+        y = part["time_ms"].to_numpy(float)
+        # weight by 1/time so the small messages (which fix the latency) are not drowned by the big ones
+        w = 1.0 / y
+        a = np.stack([np.ones_like(x), x], axis=1) * w[:, None]
+        (latency, per_byte), *_ = np.linalg.lstsq(a, y * w, rcond=None)
+        rows.append({"backend": backend, "op": op, "world_size": n, "latency_ms": max(float(latency), 0.0),
+                     "bandwidth_gbps": 1.0 / per_byte / 1e6 if per_byte > 0 else float("nan")})
+    return pd.DataFrame(rows)
+
+
+def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
+    """``python -m lab.bench.collectives --device cuda --world-sizes 2 4 --sizes-mb 1 10 100 1024``."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m lab.bench.collectives", description=__doc__.splitlines()[0])
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cpu: gloo between processes; cuda: NCCL, one GPU per rank")
+    p.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
+    p.add_argument("--sizes-mb", nargs="+", type=float, default=[1, 10, 100, 1024])
+    p.add_argument("--world-sizes", nargs="+", type=int, default=[2, 4, 6])
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--results-dir", default=None, help="also save the table as <dir>/collectives.csv")
+    args = p.parse_args(argv)
+    _, skipped = plan_world_sizes(args.world_sizes, args.device)
+    if skipped:
+        print(skipped)
+    df = benchmark_collectives(args.ops, args.sizes_mb, args.world_sizes, args.device, args.warmup, args.iters)
+    cols = ["backend", "op", "world_size", "size_mb", "time_ms", "algbw_gbps", "busbw_gbps", "correct", "status"]
+    print(df[[c for c in cols if c in df.columns]].to_markdown(index=False, floatfmt=".4g"))
+    if args.results_dir:
+        from lab.measure.results import save_results
+
+        print(save_results(df, "collectives", args.results_dir, vars(args)))
+    return df
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""The one timer: every sample kept, the device synchronized, GPU kernels timed with CUDA events.
+
+* :func:`time_callable` times whole steps with a host clock, synchronizing after each one (a training step
+  is what a user waits for, launch overhead included);
+* :func:`time_kernel` times a GPU operation with ``triton.testing.do_bench`` (CUDA events, L2 flushed
+  between calls; every repetition kept), and falls back to :func:`time_callable` on the CPU.
+
+Both return a :class:`Timing` whose samples feed :mod:`lab.measure.verdicts`.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from lab.measure.device import resolve_device, synchronize
+
+
+@dataclass
+class Timing:
+    """Every timed sample in milliseconds, with summary statistics."""
+
+    samples_ms: list[float] = field(default_factory=list)
+
+    @property
+    def mean_ms(self) -> float:
+        return statistics.fmean(self.samples_ms) if self.samples_ms else math.nan
+
+    @property
+    def std_ms(self) -> float:
+        return statistics.stdev(self.samples_ms) if len(self.samples_ms) > 1 else 0.0
+
+    @property
+    def median_ms(self) -> float:
+        return statistics.median(self.samples_ms) if self.samples_ms else math.nan
+
+    @property
+    def cv(self) -> float:
+        """Coefficient of variation (std / mean): above ~0.05 the mean alone is misleading."""
+        return self.std_ms / self.mean_ms if self.samples_ms else math.nan
+
+
+def time_callable(fn: Callable[[], object], warmup: int = 2, steps: int = 5,
+                  device: torch.device | str = "auto") -> Timing:
+    """Run ``fn`` ``warmup`` times untimed, then ``steps`` times timed with a host clock.
+
+    The device is synchronized before and after every timed call, so each sample is the wall time of one
+    complete step (kernel launch overhead included), in milliseconds.
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be at least 1 (a measurement needs a timed step), got {steps}")
+    if warmup < 0:
+        raise ValueError(f"warmup must be >= 0, got {warmup}")
+    device = resolve_device(device) if isinstance(device, str) else device
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    timing = Timing()
+    for _ in range(steps):
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        timing.samples_ms.append((time.perf_counter() - start) * 1e3)
+    return timing
+
+
+def time_kernel(fn: Callable[[], object], device: torch.device | str = "auto", warmup_ms: float = 5,
+                rep_ms: float = 20, cpu_warmup: int = 1, cpu_steps: int = 3) -> Timing:
+    """Milliseconds per call of ``fn``: ``triton.testing.do_bench(warmup=warmup_ms, rep=rep_ms)`` on CUDA
+    (CUDA events around each call, the L2 cache flushed in between, every repetition returned), or
+    :func:`time_callable` with ``cpu_warmup`` / ``cpu_steps`` calls on the CPU."""
+    device = resolve_device(device) if isinstance(device, str) else device
+    if device.type == "cuda":
+        import triton.testing
+
+        samples = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="all")
+        return Timing([float(s) for s in samples])
+    return time_callable(fn, cpu_warmup, cpu_steps, device)

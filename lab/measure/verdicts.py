@@ -1,0 +1,147 @@
+"""Noise-aware verdicts: the one place that decides whether a comparison may say "faster", "slower", "goal
+met" or "no extra cost".
+
+A claim is made only when the difference exceeds the measured spread. From the samples of two
+measurements (or, when only summaries are stored, their mean, standard deviation and count) we form the
+ratio of the subject's typical value to the reference's and a confidence interval for it:
+
+* samples: the ratio of medians, with a bootstrap interval (each side resampled independently);
+* summaries: the ratio of means, with the delta-method normal interval.
+
+For times (lower is better) an interval entirely below 1 says "faster", entirely above 1 "slower", and an
+interval that contains 1 says "within noise". A goal ("at most 0.8x the baseline") is met only when the
+whole interval is within the goal, missed when the whole interval is outside it, and otherwise undecided.
+A measurement with fewer than two samples has no measured spread, so no claim can rest on it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+CONFIDENCE = 0.95
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Subject against reference: ``ratio`` = subject / reference (of medians or means), its interval
+    ``[low, high]``, and ``verdict``: ``"faster"``, ``"slower"``, ``"within noise"`` (for a quantity where
+    lower is better, like time) or ``"higher"``, ``"lower"``, ``"within noise"`` otherwise."""
+
+    ratio: float
+    low: float
+    high: float
+    verdict: str
+    lower_is_better: bool = True
+
+    @property
+    def decided(self) -> bool:
+        """True when the difference exceeds the noise."""
+        return self.verdict != "within noise"
+
+    @property
+    def speedup(self) -> float:
+        """reference / subject: how many times faster the subject is (for times)."""
+        return 1.0 / self.ratio if self.ratio else math.nan
+
+    def describe(self, subject: str, reference: str) -> str:
+        """A clause for generated prose, e.g. ``"Triton is 1.23x faster than SDPA (time ratio 0.81, 95%
+        interval 0.79-0.83)"`` or ``"Triton is within noise of SDPA (...)"``."""
+        interval = f"ratio {self.ratio:.3g}, {CONFIDENCE:.0%} interval {self.low:.3g}-{self.high:.3g}"
+        if not math.isfinite(self.low) or not math.isfinite(self.high):
+            return f"{subject} cannot be told apart from {reference}: no spread was measured (ratio {self.ratio:.3g})"
+        if self.verdict == "within noise":
+            return f"{subject} is within noise of {reference} ({interval})"
+        if self.lower_is_better:
+            if self.verdict == "faster":
+                return f"{subject} is {self.speedup:.3g}x faster than {reference} ({interval})"
+            return f"{subject} is {self.ratio:.3g}x slower than {reference} ({interval})"
+        word = "higher" if self.verdict == "higher" else "lower"
+        return f"{subject} is {self.ratio:.3g}x the value of {reference}, {word} beyond noise ({interval})"
+
+
+def _verdict(low: float, high: float, lower_is_better: bool) -> str:
+    if not (math.isfinite(low) and math.isfinite(high)):
+        return "within noise"
+    if high < 1.0:
+        return "faster" if lower_is_better else "lower"
+    if low > 1.0:
+        return "slower" if lower_is_better else "higher"
+    return "within noise"
+
+
+def compare(subject: Sequence[float], reference: Sequence[float], lower_is_better: bool = True,
+            confidence: float = CONFIDENCE, n_boot: int = 4000, seed: int = 0) -> Comparison:
+    """Compare two sets of samples (e.g. step times in ms) by the ratio of their medians, with a bootstrap
+    confidence interval. Fewer than two samples on either side: no spread, verdict "within noise"."""
+    a = np.asarray([x for x in subject if x is not None and math.isfinite(x)], dtype=float)
+    b = np.asarray([x for x in reference if x is not None and math.isfinite(x)], dtype=float)
+    if len(a) == 0 or len(b) == 0:
+        raise ValueError("compare needs at least one finite sample on each side")
+    ratio = float(np.median(a) / np.median(b))
+    if len(a) < 2 or len(b) < 2:
+        return Comparison(ratio, -math.inf, math.inf, "within noise", lower_is_better)
+    rng = np.random.default_rng(seed)
+    ra = np.median(rng.choice(a, size=(n_boot, len(a))), axis=1)
+    rb = np.median(rng.choice(b, size=(n_boot, len(b))), axis=1)
+    tail = (1 - confidence) / 2
+    low, high = (float(v) for v in np.quantile(ra / rb, [tail, 1 - tail]))
+    return Comparison(ratio, low, high, _verdict(low, high, lower_is_better), lower_is_better)
+
+
+def compare_summaries(mean: float, std: float, n: int, ref_mean: float, ref_std: float, ref_n: int,
+                      lower_is_better: bool = True, confidence: float = CONFIDENCE) -> Comparison:
+    """:func:`compare` for tables that keep only mean, standard deviation and sample count: the ratio of
+    means with a normal (delta-method) interval. ``n < 2`` on either side: no spread, "within noise"."""
+    ratio = mean / ref_mean
+    if n < 2 or ref_n < 2 or not all(math.isfinite(v) for v in (std, ref_std)):
+        return Comparison(ratio, -math.inf, math.inf, "within noise", lower_is_better)
+    from statistics import NormalDist
+
+    z = NormalDist().inv_cdf(0.5 + confidence / 2)
+    se = abs(ratio) * math.sqrt((std / mean) ** 2 / n + (ref_std / ref_mean) ** 2 / ref_n)
+    low, high = ratio - z * se, ratio + z * se
+    return Comparison(ratio, low, high, _verdict(low, high, lower_is_better), lower_is_better)
+
+
+@dataclass(frozen=True)
+class GoalCheck:
+    """A goal on a ratio ("subject / reference <= target" for times): ``met`` is True, False, or None when the
+    interval straddles the target (undecided within the noise)."""
+
+    comparison: Comparison
+    target: float
+
+    @property
+    def met(self) -> bool | None:
+        c = self.comparison
+        at_most = c.lower_is_better
+        if not (math.isfinite(c.low) and math.isfinite(c.high)):
+            return None
+        if (c.high <= self.target) if at_most else (c.low >= self.target):
+            return True
+        if (c.low > self.target) if at_most else (c.high < self.target):
+            return False
+        return None
+
+    @property
+    def word(self) -> str:
+        """``"met"``, ``"missed"`` or ``"undecided (within noise)"``."""
+        return {True: "met", False: "missed", None: "undecided (within noise)"}[self.met]
+
+    def describe(self, subject: str, reference: str) -> str:
+        """``"goal <= 0.8x torch DDP: met (ratio 0.73, 95% interval 0.70-0.76)"``."""
+        c = self.comparison
+        sign = "<=" if c.lower_is_better else ">="
+        interval = (f"{CONFIDENCE:.0%} interval {c.low:.3g}-{c.high:.3g}" if math.isfinite(c.low)
+                    else "no spread measured")
+        return f"goal {subject} {sign} {self.target:g}x {reference}: {self.word} (ratio {c.ratio:.3g}, {interval})"
+
+
+def check_goal(subject: Sequence[float], reference: Sequence[float], target: float, lower_is_better: bool = True,
+               **kwargs) -> GoalCheck:
+    """Is ``median(subject) / median(reference)`` within ``target`` beyond the noise? (see :class:`GoalCheck`)."""
+    return GoalCheck(compare(subject, reference, lower_is_better, **kwargs), target)

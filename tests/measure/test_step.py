@@ -1,0 +1,93 @@
+"""The one phased training step: phase names in the profiler, what each mode runs, per-mode peaks."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from lab.measure.step import MODES, PHASES, TrainStep, lm_loss, make_optimizer, measure_mode, random_batch
+from lab.model import ModelConfig, TransformerLM
+
+TINY = ModelConfig(d_model=32, d_ff=64, num_layers=2, num_heads=4, context_length=16, vocab_size=64)
+
+
+def _step(optimizer=True, dtype="fp32"):
+    torch.manual_seed(0)
+    model = TransformerLM(TINY)
+    opt = make_optimizer(model, "cpu") if optimizer else None
+    return TrainStep(model, opt, *random_batch(TINY, 2, "cpu"), dtype=dtype)
+
+
+def test_train_step_equals_a_hand_written_step():
+    step = _step()
+    torch.manual_seed(0)
+    reference = TransformerLM(TINY)
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-4, weight_decay=0.01)
+    loss = torch.nn.functional.cross_entropy(reference(step.tokens).reshape(-1, 64), step.targets.reshape(-1))
+    loss.backward()
+    opt.step()
+    step()
+    for a, b in zip(step.model.parameters(), reference.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert all(p.grad is None for p in step.model.parameters())  # zero_grad(set_to_none) ends the step
+
+
+def test_phases_are_profiler_ranges_with_fixed_names():
+    step = _step()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step()
+    names = [e.name for e in prof.events() if e.name in PHASES]
+    assert names == list(PHASES)
+
+
+def test_forward_backward_starts_from_fresh_gradients():
+    step = _step(optimizer=False)
+    step.forward_backward()
+    first = [p.grad.clone() for p in step.model.parameters()]
+    step.forward_backward()  # not accumulated onto the previous gradients
+    for a, p in zip(first, step.model.parameters()):
+        torch.testing.assert_close(p.grad, a)
+
+
+def test_wrappers_finish_their_gradient_synchronization_in_backward():
+    class Wrapper(nn.Module):
+        def __init__(self, module):
+            super().__init__()
+            self.module, self.finished = module, 0
+
+        def forward(self, *args):
+            return self.module(*args)
+
+        def finish_gradient_synchronization(self):
+            self.finished += 1
+
+    torch.manual_seed(0)
+    wrapper = Wrapper(TransformerLM(TINY))
+    step = TrainStep(wrapper, None, *random_batch(TINY, 2, "cpu"))
+    step.forward_backward()
+    assert wrapper.finished == 1
+
+
+def test_measure_mode_times_and_peaks():
+    step = _step()
+    for mode in MODES:
+        timings, peak = measure_mode(step, mode, warmup=1, steps=2)
+        assert all(len(t.samples_ms) == 2 for t in timings.values())
+        assert math.isnan(peak)  # no allocator statistics on the CPU
+    timings, _ = measure_mode(step, "forward_backward", warmup=0, steps=3)
+    assert set(timings) == {"fwdbwd", "bwd"}
+    assert all(b <= fb for b, fb in zip(timings["bwd"].samples_ms, timings["fwdbwd"].samples_ms))
+    with pytest.raises(ValueError, match="unknown mode"):
+        measure_mode(step, "inference")
+    with pytest.raises(ValueError, match="steps"):
+        measure_mode(step, "forward", steps=0)
+
+
+def test_lm_loss_is_the_models_own_loss_and_an_unknown_dtype_fails_early():
+    step = _step()
+    logits = step.model(step.tokens)
+    expected = torch.nn.functional.cross_entropy(logits.reshape(-1, 64).float(), step.targets.reshape(-1))
+    torch.testing.assert_close(lm_loss(step.model, step.tokens, step.targets), expected)
+    with pytest.raises(ValueError, match="unknown training dtype"):
+        TrainStep(step.model, None, step.tokens, step.targets, dtype="fp8")

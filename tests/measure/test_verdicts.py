@@ -1,0 +1,58 @@
+"""Verdicts claim a difference only beyond the measured spread."""
+
+import math
+
+import numpy as np
+import pytest
+
+from lab.measure.verdicts import check_goal, compare, compare_summaries
+
+
+def _samples(center, spread, n=12, seed=0):
+    return list(center + spread * np.random.default_rng(seed).standard_normal(n))
+
+
+def test_clear_difference_is_claimed_both_ways():
+    fast, slow = _samples(10.0, 0.1), _samples(20.0, 0.2, seed=1)
+    c = compare(fast, slow)
+    assert c.verdict == "faster" and c.ratio == pytest.approx(0.5, rel=0.02) and c.high < 1
+    assert "2" in c.describe("A", "B") and "faster than B" in c.describe("A", "B")
+    assert compare(slow, fast).verdict == "slower"
+
+
+def test_difference_inside_the_noise_is_not_claimed():
+    # 3% apart but with 20% spread: no claim
+    a, b = _samples(10.0, 2.0, seed=2), _samples(10.3, 2.0, seed=3)
+    c = compare(a, b)
+    assert c.verdict == "within noise" and c.low < 1 < c.high and not c.decided
+    assert "within noise of" in c.describe("A", "B")
+
+
+def test_one_sample_has_no_spread():
+    c = compare([10.0], [20.0])
+    assert c.verdict == "within noise" and math.isinf(c.high)
+    assert "no spread" in c.describe("A", "B")
+    with pytest.raises(ValueError):
+        compare([], [1.0])
+
+
+def test_higher_is_better_words():
+    assert compare(_samples(300, 1), _samples(200, 1, seed=4), lower_is_better=False).verdict == "higher"
+
+
+def test_summaries_delta_method():
+    c = compare_summaries(10.0, 0.1, 10, 20.0, 0.2, 10)
+    assert c.verdict == "faster" and c.ratio == 0.5
+    # se of the ratio = 0.5 * sqrt(2 * 0.01^2 / 10) = 0.002236; 95% half-width 0.00438
+    assert c.high - c.ratio == pytest.approx(1.959964 * 0.5 * math.sqrt(2 * 1e-4 / 10), rel=1e-5)
+    assert compare_summaries(10.0, 3.0, 5, 10.5, 3.0, 5).verdict == "within noise"
+    assert compare_summaries(10.0, 0.0, 1, 20.0, 0.0, 1).verdict == "within noise"
+
+
+def test_goals_met_missed_undecided():
+    ours, stock = _samples(7.0, 0.05), _samples(10.0, 0.05, seed=5)
+    assert check_goal(ours, stock, 0.8).met is True
+    assert check_goal(ours, stock, 0.6).met is False
+    undecided = check_goal(_samples(8.0, 0.8, seed=6), _samples(10.0, 0.8, seed=7), 0.8)
+    assert undecided.met is None and "undecided" in undecided.describe("ours", "stock")
+    assert check_goal([8.0], [10.0], 0.9).met is None
