@@ -1,26 +1,46 @@
-"""What a notebook shows besides plots: the provenance banner and prose generated from data."""
+"""What a notebook shows besides plots: the provenance banner, the answers at the top, tables that are
+measured (or replayed from ``results/``) with their provenance, and prose generated from data.
+
+A notebook makes one :class:`Chapter` after its parameters cell::
+
+    book = report.Chapter("01_profiling", params, results_dir, replay=replay)
+    book.show_machine()
+    book.show_answers()                       # filled in as the notebook runs
+    lm = book.table("lm_step", lambda: bench.sweep_lm(...))
+    book.answer("How long does a step take?", f"...{lm.step_ms.max():.1f} ms...", section="End-to-end timing")
+
+``table`` measures and saves (rows tagged with the notebook as their source), or, with ``replay=True``,
+reads this notebook's rows back from ``results/`` and says which machine and commit measured them, so a
+report can be re-rendered anywhere without re-measuring.
+"""
 
 from __future__ import annotations
 
+import math
+import re
+from collections.abc import Callable
 from typing import Any
 
 import pandas as pd
 
-from lab.measure.results import provenance
+from lab.measure import results as store
 
 
-def _display_markdown(text: str) -> None:
+def _display_markdown(text: str, display_id: str | None = None, update: bool = False) -> None:
     try:
-        from IPython.display import Markdown, display
+        from IPython.display import Markdown, display, update_display
 
-        display(Markdown(text))
+        if update:
+            update_display(Markdown(text), display_id=display_id)
+        else:
+            display(Markdown(text), display_id=display_id)
     except ImportError:  # plain Python: print instead
         print(text)
 
 
 def machine_banner(params: dict[str, Any] | None = None) -> str:
     """A Markdown paragraph naming the machine, versions, commit and date; shown at the top of each report."""
-    p = provenance(params)
+    p = store.provenance(params)
     gpu = f"**{p['gpu_count']} x {p['gpu_name']}** (driver {p['driver']}, CUDA {p['cuda']})" if p["gpu_count"] \
         else f"**CPU only** ({p['host_cpu']})"
     knobs = ", ".join(f"`{k}={v!r}`" for k, v in (params or {}).items())
@@ -38,8 +58,103 @@ def say(text: str) -> None:
     _display_markdown(text)
 
 
+def warn(text: str) -> None:
+    """Display a visible warning box in the report."""
+    _display_markdown(f"> ⚠️ **Warning.** {text}")
+
+
 def show_table(df: pd.DataFrame, floatfmt: str = ".3g", max_rows: int = 60) -> None:
     """Show a DataFrame as a Markdown table (readable in the HTML report and in plain text)."""
     if len(df) > max_rows:
         df = df.head(max_rows)
     _display_markdown(df.to_markdown(index=False, floatfmt=floatfmt))
+
+
+def anchor(section: str) -> str:
+    """The HTML anchor nbconvert gives a Markdown heading (``"## Warm-up: why"`` -> ``#Warm-up:-why``)."""
+    return "#" + re.sub(r"\s+", "-", section.strip().lstrip("#").strip())
+
+
+class Chapter:
+    """One notebook's view of the book: its name (the ``source`` of the rows it saves), parameters, results
+    folder, replay switch, and the answers shown at its top."""
+
+    def __init__(self, notebook: str, params: dict[str, Any], results_dir: str = "results", replay: bool = False):
+        self.notebook, self.params, self.results_dir, self.replay = notebook, dict(params), results_dir, replay
+        self.answers: list[tuple[str, str, str | None]] = []
+        self._answers_id = f"answers-{notebook}"
+
+    # ---- the top of the report -------------------------------------------------------------------------
+
+    def show_machine(self) -> None:
+        """The banner; when replaying, it also says that the tables were measured elsewhere (see each table)."""
+        show_machine({**self.params, "replay": self.replay})
+        if self.replay:
+            say("> **Replayed:** the tables below were read from `results/`, not measured in this render; each "
+                "one names the machine and commit that measured it.")
+
+    def show_answers(self) -> None:
+        """Display the answers box (empty now, completed by :meth:`answer` as the notebook runs)."""
+        _display_markdown(self._answers_markdown(), display_id=self._answers_id)
+
+    def answer(self, question: str, text: str, section: str | None = None) -> None:
+        """Add one answer (generated from data) to the box at the top, linked to ``section``'s heading."""
+        self.answers.append((question, text, section))
+        _display_markdown(self._answers_markdown(), display_id=self._answers_id, update=True)
+
+    def _answers_markdown(self) -> str:
+        if not self.answers:
+            return "**Answers** (filled in from this render's tables as the notebook runs.)"
+        lines = ["**Answers**", ""]
+        for q, a, section in self.answers:
+            link = f" ([→]({anchor(section)}))" if section else ""
+            lines.append(f"- *{q}* {a}{link}")
+        return "\n".join(lines)
+
+    # ---- tables ----------------------------------------------------------------------------------------
+
+    def table(self, name: str, measure: Callable[[], pd.DataFrame], save: Callable[[pd.DataFrame], pd.DataFrame]
+              | None = None) -> pd.DataFrame:
+        """Measure a table and save it (rows tagged with this notebook as their source; ``save`` may pick
+        the columns written), or, when replaying, read this notebook's rows of ``name`` back and show who
+        measured them. Returns the table (with every column, when measured)."""
+        if self.replay:
+            df = store.load_results(name, self.results_dir, source=self.notebook)
+            say(f"*`{name}`: measured on {store.provenance_line(self.provenance(name))}.*")
+            return df
+        df = measure()
+        store.save_results(save(df) if save else df, name, self.results_dir, self.params, source=self.notebook)
+        return df
+
+    def check_consistency(self, name: str = "lm_step") -> list[str]:
+        """Warn visibly where another notebook measured one of this notebook's configurations in ``name`` and
+        the two disagree beyond their noise (:mod:`lab.book.consistency`); returns the warnings."""
+        from lab.book.consistency import consistency_sentences
+
+        try:
+            table = store.load_results(name, self.results_dir)
+        except FileNotFoundError:
+            return []
+        sentences = consistency_sentences(table, self.notebook)
+        for s in sentences:
+            warn(s)
+        return sentences
+
+    def provenance(self, name: str, source: str | None = None) -> dict:
+        """Provenance of ``name``'s rows from ``source`` (default: this notebook)."""
+        return store.load_provenance(name, self.results_dir, source or self.notebook)
+
+    def other(self, name: str, source: str | None = None) -> pd.DataFrame:
+        """Another notebook's current results (``source`` its name; None for a table with one producer), with a
+        line saying which machine and commit measured them."""
+        df = store.load_results(name, self.results_dir, source=source)
+        meta = store.load_provenance(name, self.results_dir, source)
+        say(f"*`{name}`{f' (from {source})' if source else ''}: measured on {store.provenance_line(meta)}.*")
+        return df
+
+
+def fmt(value: float, digits: int = 3) -> str:
+    """A number for prose: ``3`` significant digits, ``"n/a"`` for NaN."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    return f"{value:.{digits}g}"

@@ -1,0 +1,58 @@
+"""Render-time consistency: the same configuration measured by two notebooks must agree within its noise.
+
+``lm_step.csv`` holds rows from several notebooks (its ``source`` column). Where two sources measured the
+same configuration (size, context, batch, dtype, attention, compile, fused loss, world size) on the same
+GPU, their times are compared with :func:`lab.measure.verdicts.compare_summaries` mode by mode; a
+difference beyond the noise is reported, and a notebook shows it as a visible warning.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pandas as pd
+
+from lab.measure.verdicts import compare_summaries
+
+CONFIG = ["size", "context", "batch", "dtype", "attention", "compile", "fused_loss", "world_size", "gpu"]
+MODES = ("fwd", "fwdbwd", "step")
+
+
+def disagreements(table: pd.DataFrame, config: list[str] = CONFIG, modes=MODES) -> pd.DataFrame:
+    """One row per (configuration, mode, pair of sources) whose times differ beyond the noise: the two
+    sources, their mean times (ms) and the ratio with its interval. Rows without a ``source``, a time, a
+    standard deviation or a sample count are skipped (no spread, no claim)."""
+    if "source" not in table.columns:
+        return pd.DataFrame()
+    keys = [c for c in config if c in table.columns]
+    ok = table[table.get("status", "ok") == "ok"] if "status" in table.columns else table
+    rows = []
+    for key, group in ok.groupby(keys, dropna=False):
+        if group["source"].nunique() < 2:
+            continue
+        for (_, a), (_, b) in itertools.combinations(group.iterrows(), 2):
+            if a["source"] == b["source"]:
+                continue
+            for m in modes:
+                need = [f"{m}_ms", f"{m}_std_ms"]
+                if not all(c in group.columns for c in need) or a[need].isna().any() or b[need].isna().any():
+                    continue
+                n_a, n_b = int(a.get("steps", 0) or 0), int(b.get("steps", 0) or 0)
+                c = compare_summaries(a[f"{m}_ms"], a[f"{m}_std_ms"], n_a, b[f"{m}_ms"], b[f"{m}_std_ms"], n_b)
+                if c.decided:
+                    rows.append({**dict(zip(keys, key)), "mode": m, "source_a": a["source"], "source_b": b["source"],
+                                 "ms_a": a[f"{m}_ms"], "ms_b": b[f"{m}_ms"], "ratio": c.ratio, "low": c.low,
+                                 "high": c.high})
+    return pd.DataFrame(rows)
+
+
+def consistency_sentences(table: pd.DataFrame, notebook: str) -> list[str]:
+    """Warnings for the disagreements that involve ``notebook``'s rows, one sentence each."""
+    d = disagreements(table)
+    if d.empty:
+        return []
+    d = d[(d["source_a"] == notebook) | (d["source_b"] == notebook)]
+    return [f"{r['size']} at context {r['context']} ({r['dtype']}, {r['attention']}"
+            f"{', compiled' if r.get('compile') else ''}): {r['mode']} took {r['ms_a']:.4g} ms in {r['source_a']} "
+            f"and {r['ms_b']:.4g} ms in {r['source_b']} (ratio {r['ratio']:.3g}, interval {r['low']:.3g}-"
+            f"{r['high']:.3g}): the two notebooks disagree beyond their noise." for _, r in d.iterrows()]

@@ -1,0 +1,44 @@
+"""The chapter machinery: measured or replayed tables with provenance, answers linked to sections."""
+
+import pandas as pd
+import pytest
+
+from lab.book import report
+
+
+def test_table_measures_saves_and_replays(tmp_path, capsys):
+    book = report.Chapter("01_profiling", {"quick": True}, str(tmp_path))
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return pd.DataFrame({"size": ["tiny"], "fwd_ms": [1.5]})
+
+    df = book.table("lm_step", measure)
+    assert calls == [1] and df["fwd_ms"].tolist() == [1.5]
+    replay = report.Chapter("01_profiling", {"quick": True}, str(tmp_path), replay=True)
+    again = replay.table("lm_step", measure)
+    assert calls == [1]  # not measured again
+    assert again["fwd_ms"].tolist() == [1.5] and again["source"].tolist() == ["01_profiling"]
+    assert "measured on" in capsys.readouterr().out
+    with pytest.raises(FileNotFoundError):
+        report.Chapter("05_flash", {}, str(tmp_path), replay=True).table("lm_step", measure)
+
+
+def test_answers_are_collected_with_links():
+    book = report.Chapter("01_profiling", {}, "results")
+    book.answer("How slow is the first step?", "2.3x the steady state.", section="Warm-up: why the first steps")
+    md = book._answers_markdown()
+    assert "*How slow is the first step?* 2.3x the steady state." in md
+    assert "(#Warm-up:-why-the-first-steps)" in md
+
+
+def test_check_consistency_warns_about_this_notebooks_rows(tmp_path, capsys):
+    base = dict(size="small", context=512, batch=4, dtype="bf16", attention="sdpa", compile=False, fused_loss=False,
+                world_size=1, gpu="G", status="ok", steps=10)
+    from lab.measure.results import save_results
+
+    save_results(pd.DataFrame([{**base, "fwd_ms": 10.0, "fwd_std_ms": 0.1}]), "lm_step", tmp_path, source="a")
+    save_results(pd.DataFrame([{**base, "fwd_ms": 20.0, "fwd_std_ms": 0.1}]), "lm_step", tmp_path, source="b")
+    warnings = report.Chapter("b", {}, str(tmp_path)).check_consistency()
+    assert len(warnings) == 1 and "Warning" in capsys.readouterr().out
