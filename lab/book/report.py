@@ -28,14 +28,18 @@ from lab.measure import results as store
 
 def _display_markdown(text: str, display_id: str | None = None, update: bool = False) -> None:
     try:
+        from IPython import get_ipython
         from IPython.display import Markdown, display, update_display
 
+        if get_ipython() is None:  # plain Python (a script, a test): print the text itself
+            raise ImportError
         if update:
             update_display(Markdown(text), display_id=display_id)
         else:
             display(Markdown(text), display_id=display_id)
-    except ImportError:  # plain Python: print instead
-        print(text)
+    except ImportError:
+        if not update:
+            print(text)
 
 
 def machine_banner(params: dict[str, Any] | None = None) -> str:
