@@ -69,17 +69,13 @@ def _model(args) -> str | ModelConfig:
 def refuse_what_cannot_fit(size, contexts, batch, dtype, modes, device) -> None:
     """On the CPU, refuse a configuration whose predicted peak exceeds the available memory: the operating
     system would kill the process instead of raising an error that could become an ``oom`` row."""
-    from lab.accounting import training_memory
-    from lab.bench.lm import lm_config
-    from lab.measure.device import available_memory_bytes
+    from lab.bench.lm import lm_config, predicted_peak_bytes
 
     if device.type != "cpu":
         return
-    available = available_memory_bytes(device)
-    precision = {"fp32": "fp32", "bf16": "bf16_autocast", "fp16": "bf16_autocast"}[dtype]
     for context in contexts:
         name, cfg = lm_config(size, context)
-        need = max(training_memory(cfg, batch, context, precision, mode, device_type="cpu")["total"] for mode in modes)
+        need, available = predicted_peak_bytes(cfg, batch, context, dtype, modes, device)
         if need > 0.9 * available:
             raise cli.UsageError(f"{name} at context {context}, batch {batch} ({dtype}) needs about "
                                  f"{need / 2**30:.1f} GiB for {'/'.join(modes)}, but this CPU has "

@@ -35,6 +35,18 @@ def lm_config(size: str | ModelConfig, context: int, attention: str = "sdpa",
     return size, config_for(size, context_length=context, attention=attention, fused_loss=fused_loss)
 
 
+def predicted_peak_bytes(cfg: ModelConfig, batch: int, context: int, dtype: str, modes: Sequence[str],
+                         device: torch.device) -> tuple[int, int]:
+    """``(predicted peak bytes of the largest mode, bytes available on device)`` from
+    :func:`lab.accounting.training_memory` (an estimate: temporaries such as the logits are not counted)."""
+    from lab.accounting import training_memory
+    from lab.measure.device import available_memory_bytes
+
+    precision = "fp32" if dtype == "fp32" else "bf16_autocast"
+    need = max(training_memory(cfg, batch, context, precision, m, device_type=device.type)["total"] for m in modes)
+    return need, available_memory_bytes(device)
+
+
 def benchmark_lm(size: str | ModelConfig, context: int = 512, batch: int = 4,
                  modes: str | Sequence[str] = MODES, dtype: str = "fp32", compile: bool = False,
                  attention: str = "sdpa", fused_loss: bool = False, warmup: int = 2, steps: int = 5,
@@ -69,6 +81,12 @@ def benchmark_lm(size: str | ModelConfig, context: int = 512, batch: int = 4,
     empty_cache()
     failures = []
     model = step = None
+    need, available = predicted_peak_bytes(cfg, batch, context, dtype, modes, device)
+    if device.type == "cpu" and need > 0.9 * available:
+        # on the CPU the kernel's OOM killer ends the process instead of raising: do not start
+        row.update(status="oom", error=f"not attempted: needs about {need / 2**30:.1f} GiB, this CPU has "
+                                       f"{available / 2**30:.1f} GiB available")
+        return row
     try:
         torch.manual_seed(seed)
         with torch.device(device):  # initialise on the device: a 10B model would take minutes on the CPU

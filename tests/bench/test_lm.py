@@ -94,3 +94,12 @@ def test_warmup_study_runs_fresh_processes():
     wu = bench.warmup_study(TINY, warmups=(0, 2), steps=3, context=8, batch=2, device="cpu", progress=False)
     assert sorted(wu["warmup"].unique()) == [0, 2]
     assert (wu.groupby("warmup")["step"].count() == 3).all() and (wu["fwdbwd_ms"] > 0).all()
+
+
+def test_a_cpu_run_that_cannot_fit_is_not_attempted(monkeypatch):
+    import lab.measure.device as device
+
+    monkeypatch.setattr(device, "available_memory_bytes", lambda d: 2**20)  # a 1 MiB machine
+    row = bench.benchmark_lm(TINY, context=16, batch=2, warmup=0, steps=1, device="cpu")
+    assert row["status"] == "oom" and row["error"].startswith("not attempted: needs about")
+    assert math.isnan(row["fwd_ms"])
