@@ -97,9 +97,7 @@ def test_warmup_study_runs_fresh_processes():
 
 
 def test_a_cpu_run_that_cannot_fit_is_not_attempted(monkeypatch):
-    import lab.measure.device as device
-
-    monkeypatch.setattr(device, "available_memory_bytes", lambda d: 2**20)  # a 1 MiB machine
+    monkeypatch.setattr(bench, "predicted_peak_bytes", lambda *a: (2**21, 2**20))  # needs 2 MiB, has 1 MiB
     row = bench.benchmark_lm(TINY, context=16, batch=2, warmup=0, steps=1, device="cpu")
     assert row["status"] == "oom" and row["error"].startswith("not attempted: needs about")
     assert math.isnan(row["fwd_ms"])
