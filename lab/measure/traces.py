@@ -91,6 +91,31 @@ def kernel_phase_spans(events: list[dict], kernels: list[dict], ranges: list[dic
     return [(ranges[i]["name"], lo, hi - lo) for i, (lo, hi) in sorted(spans.items())]
 
 
+def kernels_by_range(trace: str | Path | dict, range_names: tuple[str, ...]) -> pd.DataFrame:
+    """Every GPU kernel of a trace with the innermost of ``range_names`` (CPU ``record_function`` ranges, on
+    any thread) that was open when the kernel was *launched* (matched by correlation id; ``""`` if none).
+
+    Returns columns ``name``, ``stream``, ``start_ms`` (from the first kernel), ``dur_ms``, ``range``; empty
+    without kernels (a CPU trace).
+    """
+    data = trace if isinstance(trace, dict) else json.loads(Path(trace).read_text())
+    events = [e for e in data["traceEvents"] if e.get("ph") == "X"]
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    if not kernels:
+        return pd.DataFrame(columns=["name", "stream", "start_ms", "dur_ms", "range"])
+    launch_ts = {e["args"]["correlation"]: e["ts"] for e in events
+                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in (e.get("args") or {})}
+    ranges = sorted((e for e in events if e.get("cat") == "user_annotation" and e.get("name") in range_names),
+                    key=lambda e: e["dur"])  # innermost (shortest) first
+    t0 = min(k["ts"] for k in kernels)
+    rows = []
+    for k in kernels:
+        t = launch_ts.get((k.get("args") or {}).get("correlation"))
+        where = next((r["name"] for r in ranges if t is not None and r["ts"] <= t <= r["ts"] + r["dur"]), "")
+        rows.append(((k["name"]), (k.get("args") or {}).get("stream"), (k["ts"] - t0) / 1e3, k["dur"] / 1e3, where))
+    return pd.DataFrame(rows, columns=["name", "stream", "start_ms", "dur_ms", "range"])
+
+
 def is_communication(name: str) -> bool:
     """NCCL kernels (GPU) and gloo collective spans (CPU)."""
     n = name.lower()

@@ -133,15 +133,24 @@ class CausalSelfAttention(nn.Module):
         return self.o_proj(y.transpose(1, 2).reshape(b, t, d))
 
 
+class SiLUGate(nn.Module):
+    """``silu(a) * b``, SwiGLU's gate: a module of its own (no parameters) so that it can be compiled from
+    outside without the matrices around it."""
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return F.silu(a) * b
+
+
 class SwiGLU(nn.Module):
     def __init__(self, d_model: int, d_ff: int):
         super().__init__()
         self.w1 = nn.Linear(d_model, d_ff, bias=False)
         self.w2 = nn.Linear(d_ff, d_model, bias=False)
         self.w3 = nn.Linear(d_model, d_ff, bias=False)
+        self.gate = SiLUGate()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(self.gate(self.w1(x), self.w3(x)))
 
 
 class TransformerBlock(nn.Module):

@@ -19,7 +19,7 @@ How it works here (no change to the model):
   the result into each weight's full matrix. One collective per layer instead of per matrix matters:
   each costs tens of microseconds of host time and a fixed latency, and a step is often host-bound;
 * a forward pre-hook on each weight-owning module makes the gathered weight the module's attribute through
-  :class:`_GatherWeight`, an autograd function whose backward hands the gradient back to FSDP; the first
+  :class:`GatherWeight`, an autograd function whose backward hands the gradient back to FSDP; the first
   module of a layer also starts the all-gathers of the next two layers (prefetch), so communication
   overlaps compute;
 * a forward hook drops the gathered weight. Autograd would keep it alive for the backward (a matmul saves its
@@ -37,99 +37,18 @@ How it works here (no change to the model):
 
 from __future__ import annotations
 
-import math
 import weakref
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
 
 from lab.parallel.collectives import all_gather_tensor, record_collective, reduce_scatter_tensor
+from lab.parallel.fsdp_layout import GatherWeight, Layer, Packed, ShardedWeight, unit_names
 
 COMPUTE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
-
-
-class _ShardedWeight:
-    """One 2-D parameter: its fp32 shard, and the gathered full weight while it is in use."""
-
-    def __init__(self, module: nn.Module, attr: str, name: str, param: nn.Parameter, rank: int, world: int):
-        self.module, self.attr, self.name = module, attr, name
-        self.shape = param.shape
-        self.numel = param.numel()
-        self.padded = math.ceil(self.numel / world) * world
-        self.shard_numel = self.padded // world
-        flat = torch.zeros(self.padded, dtype=param.dtype, device=param.device)
-        flat[:self.numel] = param.detach().reshape(-1)
-        lo = rank * self.shard_numel
-        self.shard = nn.Parameter(flat[lo:lo + self.shard_numel].clone(), requires_grad=param.requires_grad)
-        self.layer: _Layer | None = None
-        self.index = 0  # position in its layer
-        self.gathered: torch.Tensor | None = None  # the padded flat full weight, once the gather finished
-
-
-class _Layer:
-    """The unit that is gathered, prefetched and reduce-scattered together: by default one transformer block.
-
-    All its weights travel in one all-gather (of the concatenated shards, each rank's slice of every weight
-    side by side) and their gradients in one reduce-scatter, so a block costs two collectives per pass
-    instead of two per matrix: each collective has a fixed host and latency cost, which at small sizes
-    outweighs the bytes.
-    """
-
-    def __init__(self, name: str, weights: list[_ShardedWeight]):
-        self.name, self.weights = name, weights
-        for i, w in enumerate(weights):
-            w.layer, w.index = self, i
-        self.sizes = [w.shard_numel for w in weights]
-        self.shard_numel = sum(self.sizes)
-        self.pending: tuple[Any, torch.Tensor, torch.Tensor] | None = None  # (work, output, input) in flight
-        # this backward's gradients: index -> padded flat full gradient (reduce dtype), and how many
-        # tracked uses (forward applications of _GatherWeight) are still owed a gradient
-        self.grads: dict[int, torch.Tensor] = {}
-        self.expected = 0
-        self.received = 0
-
-
-class _Packed:
-    """What autograd stores instead of a gathered weight it saved for backward."""
-
-    __slots__ = ("offset", "size", "stride", "weight")
-
-    def __init__(self, weight: _ShardedWeight, t: torch.Tensor):
-        self.weight, self.size, self.stride, self.offset = weight, t.size(), t.stride(), t.storage_offset()
-
-
-class _GatherWeight(torch.autograd.Function):
-    """Connects the gathered full weight to its shard in the autograd graph.
-
-    Forward returns the already-gathered flat weight; backward hands its gradient to :class:`FSDP`, which
-    reduce-scatters it (with the rest of its layer's) asynchronously. The shard's gradient is set by FSDP
-    when the reduce-scatter is waited for, not returned here, so that the collective overlaps the rest of
-    the backward.
-    """
-
-    @staticmethod
-    def forward(ctx, shard: torch.Tensor, fsdp: FSDP, weight: _ShardedWeight) -> torch.Tensor:
-        ctx.fsdp, ctx.weight = fsdp, weight
-        return fsdp._take_gathered(weight)
-
-    @staticmethod
-    def backward(ctx, grad_flat: torch.Tensor):
-        ctx.fsdp._gradient_ready(ctx.weight, grad_flat)
-        return None, None, None
-
-
-def _unit_names(module: nn.Module, unit_modules) -> list[str]:
-    """Names of the modules whose 2-D weights form one layer (see :class:`FSDP`'s ``unit_modules``)."""
-    if unit_modules is None:  # every child of a ModuleList: the blocks of a transformer
-        return [f"{name}.{child}" if name else child for name, mod in module.named_modules()
-                if isinstance(mod, nn.ModuleList) for child, _ in mod.named_children()]
-    names = {id(mod): name for name, mod in module.named_modules()}
-    missing = [type(m).__name__ for m in unit_modules if id(m) not in names]
-    if missing:
-        raise ValueError(f"unit_modules must be submodules of the wrapped module; not found: {missing}")
-    return [names[id(m)] for m in unit_modules]
 
 
 class FSDP(nn.Module):
@@ -175,29 +94,31 @@ class FSDP(nn.Module):
         with torch.no_grad():
             for t in list(module.parameters()) + list(module.buffers()):
                 dist.broadcast(t, src=0)
-        self._layers: list[_Layer] = []
-        self._weights: dict[str, _ShardedWeight] = {}
+        self._layers: list[Layer] = []
+        self._weights: dict[str, ShardedWeight] = {}
         self._replicated: list[tuple[str, nn.Parameter]] = []
-        owners = self._shard_layout(module, _unit_names(module, unit_modules))
+        owners = self._shard_layout(module, unit_names(module, unit_modules))
         for mod, weights in owners:
             mod.register_forward_pre_hook(self._make_pre_hook(weights))
             mod.register_forward_hook(self._make_post_hook(weights))
         # forward bookkeeping
-        self._calls: list[_Layer] = []  # layers in the order this forward first entered them
-        self._entered: set[_Layer] = set()
-        self._packed_layers: set[_Layer] = set()  # layers whose weights autograd saved (needed in backward)
-        self._predicted: list[_Layer] = list(self._layers)  # order of the last forward (registration at first)
-        self._live_storage: dict[int, _ShardedWeight] = {}  # storage pointer of weights in use -> weight
+        self._in_forward = False
+        self._recompute_order: list[Layer] = []  # reverse forward order: what a checkpointed backward recomputes
+        self._calls: list[Layer] = []  # layers in the order this forward first entered them
+        self._entered: set[Layer] = set()
+        self._packed_layers: set[Layer] = set()  # layers whose weights autograd saved (needed in backward)
+        self._predicted: list[Layer] = list(self._layers)  # order of the last forward (registration at first)
+        self._live_storage: dict[int, ShardedWeight] = {}  # storage pointer of weights in use -> weight
         # backward bookkeeping
-        self._backward_order: list[_Layer] = []
-        self._backward_position: dict[_Layer, int] = {}
-        self._backward_started: set[_Layer] = set()
-        self._pending_grads: list[tuple[list[_ShardedWeight], Any, torch.Tensor, torch.Tensor]] = []
+        self._backward_order: list[Layer] = []
+        self._backward_position: dict[Layer, int] = {}
+        self._backward_started: set[Layer] = set()
+        self._pending_grads: list[tuple[list[ShardedWeight], Any, torch.Tensor, torch.Tensor]] = []
         self._callback_queued = False
         self._needs_sync = False
         # memory probes: weak references to every gathered full weight (with its layer), and the most layers
         # with a gathered weight alive at once
-        self._gathered_refs: list[tuple[_Layer, weakref.ref]] = []
+        self._gathered_refs: list[tuple[Layer, weakref.ref]] = []
         self.max_live_gathered = 0
         for _, p in self._replicated:
             if p.requires_grad:
@@ -219,7 +140,7 @@ class FSDP(nn.Module):
         def unit_of(mod_name: str) -> str:
             return next((u for u in by_length if mod_name == u or mod_name.startswith(u + ".")), mod_name)
 
-        groups: dict[tuple, list[_ShardedWeight]] = {}
+        groups: dict[tuple, list[ShardedWeight]] = {}
         owners = []
         for mod_name, mod in module.named_modules():
             weights = []
@@ -228,7 +149,7 @@ class FSDP(nn.Module):
                     continue
                 name = f"{mod_name}.{attr}" if mod_name else attr
                 if p.ndim == 2:
-                    w = _ShardedWeight(mod, attr, name, p, self.rank, self.world)
+                    w = ShardedWeight(mod, attr, name, p, self.rank, self.world)
                     mod._parameters[attr] = w.shard  # module.parameters() now yields the shard
                     self._weights[name] = w
                     weights.append(w)
@@ -238,15 +159,15 @@ class FSDP(nn.Module):
                     self._replicated.append((name, p))
             if weights:
                 owners.append((mod, weights))
-        self._layers = [_Layer(key[0], ws) for key, ws in groups.items()]
+        self._layers = [Layer(key[0], ws) for key, ws in groups.items()]
         return owners
 
     # ---- gathering -----------------------------------------------------------------------------------
 
-    def _gather_dtype(self, layer: _Layer) -> torch.dtype:
+    def _gather_dtype(self, layer: Layer) -> torch.dtype:
         return self.compute_dtype or layer.weights[0].shard.dtype
 
-    def _start_gather(self, layer: _Layer) -> None:
+    def _start_gather(self, layer: Layer) -> None:
         """Launch the all-gather of ``layer``'s weights (no-op if in flight or every weight is gathered)."""
         if layer.pending is not None or all(w.gathered is not None for w in layer.weights):
             return
@@ -261,7 +182,7 @@ class FSDP(nn.Module):
         record_collective("all_gather", out)
         layer.pending = (all_gather_tensor(out, send, async_op=True), out, send)
 
-    def _complete_gather(self, layer: _Layer) -> None:
+    def _complete_gather(self, layer: Layer) -> None:
         """Wait for ``layer``'s all-gather and unpack it into one padded flat buffer per weight."""
         work, out, _ = layer.pending
         layer.pending = None
@@ -279,21 +200,25 @@ class FSDP(nn.Module):
         self._gathered_refs = [(la, r) for la, r in self._gathered_refs if r() is not None]
         self.max_live_gathered = max(self.max_live_gathered, len({la for la, _ in self._gathered_refs}))
 
-    def _wait_gather(self, w: _ShardedWeight) -> torch.Tensor:
+    def _wait_gather(self, w: ShardedWeight) -> torch.Tensor:
         if w.gathered is None:
             if w.layer.pending is None:
                 self._start_gather(w.layer)
             self._complete_gather(w.layer)
         return w.gathered
 
-    def _take_gathered(self, w: _ShardedWeight) -> torch.Tensor:
+    def _prefetch_after(self, order: list[Layer], position: int) -> None:
+        for layer in order[position + 1:position + 1 + self.prefetch]:
+            self._start_gather(layer)
+
+    def _take_gathered(self, w: ShardedWeight) -> torch.Tensor:
         return self._wait_gather(w)
 
     def live_gathered(self) -> int:
         """Number of gathered full-weight buffers still alive (anywhere: FSDP, autograd, the caller)."""
         return sum(r() is not None for _, r in self._gathered_refs)
 
-    def _release_layer(self, layer: _Layer) -> None:
+    def _release_layer(self, layer: Layer) -> None:
         if layer.pending is not None:  # a prefetch that was not used: let it finish before dropping its buffers
             layer.pending[0].wait()
             layer.pending = None
@@ -307,6 +232,7 @@ class FSDP(nn.Module):
         self._calls = []
         self._entered = set()
         self._packed_layers = set()
+        self._in_forward = True
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 if self.compute_dtype not in (None, torch.float32):
@@ -316,6 +242,7 @@ class FSDP(nn.Module):
                 else:
                     out = self.module(*args, **kwargs)
         finally:
+            self._in_forward = False
             for layer in self._layers:  # prefetched for a layer that did not run
                 self._release_layer(layer)
         if self._calls:
@@ -327,13 +254,10 @@ class FSDP(nn.Module):
             for i, layer in enumerate(self._backward_order):
                 self._backward_position.setdefault(layer, i)
             self._backward_started = set()
+            self._recompute_order = list(reversed(self._calls))
         return out
 
-    def _prefetch_after(self, order: list[_Layer], position: int) -> None:
-        for layer in order[position + 1:position + 1 + self.prefetch]:
-            self._start_gather(layer)
-
-    def _enter(self, layer: _Layer) -> None:
+    def _enter(self, layer: Layer) -> None:
         """First use of ``layer`` in this forward: gather it and prefetch the next ones."""
         self._entered.add(layer)
         self._calls.append(layer)
@@ -342,24 +266,46 @@ class FSDP(nn.Module):
         if pos < len(self._predicted) and self._predicted[pos] is layer:
             self._prefetch_after(self._predicted, pos)
 
-    def _make_pre_hook(self, weights: list[_ShardedWeight]):
-        def pre_hook(module, args):
-            for layer in dict.fromkeys(w.layer for w in weights):
+    def _gather_for(self, weights: list[ShardedWeight]) -> None:
+        """Have every weight of ``weights`` gathered (and the next layers prefetched) before a module runs."""
+        layers = list(dict.fromkeys(w.layer for w in weights))
+        for layer in layers:
+            if self._in_forward:
                 if layer not in self._entered:
                     self._enter(layer)
-            track = torch.is_grad_enabled()
+            elif layer in self._recompute_order:
+                # activation checkpointing recomputes this module during backward: prefetch the ones before it
+                self._prefetch_after(self._recompute_order, self._recompute_order.index(layer))
+        for w in weights:
+            self._wait_gather(w)
+
+    def _make_pre_hook(self, weights: list[ShardedWeight]):
+        def pre_hook(module, args):
+            # Gathers are FSDP's business, not the module's computation: they run outside any dispatch mode
+            # (selective activation checkpointing replays a region's ops one for one in the recomputation,
+            # and the prefetching pattern differs between the forward and the recomputation).
+            with _disable_current_modes():
+                self._gather_for(weights)
+            # Only the forward's uses send gradients back: a recomputation's graph is thrown away once its
+            # saved tensors are taken, so counting its uses would wait for gradients that never come.
+            track = torch.is_grad_enabled() and self._in_forward
             for w in weights:
                 if track and w.shard.requires_grad:
-                    flat = _GatherWeight.apply(w.shard, self, w)
+                    flat = GatherWeight.apply(w.shard, self, w)
                     w.layer.expected += 1  # this use will send a gradient back
                 else:
-                    flat = self._take_gathered(w)
+                    with _disable_current_modes():
+                        flat = self._take_gathered(w)
+                        if torch.is_grad_enabled() and w.shard.requires_grad:
+                            # a recomputation: autograd must save what the forward saved, where the weight
+                            # required grad (a matmul then also saves its input); this graph is thrown away
+                            flat = flat.detach().requires_grad_()
                 full = flat[:w.numel].view(w.shape)
                 module.__dict__[w.attr] = full  # shadows the shard in module._parameters during forward
                 self._live_storage[full.untyped_storage().data_ptr()] = w
         return pre_hook
 
-    def _make_post_hook(self, weights: list[_ShardedWeight]):
+    def _make_post_hook(self, weights: list[ShardedWeight]):
         def post_hook(module, args, output):
             for w in weights:
                 full = module.__dict__.pop(w.attr, None)
@@ -373,11 +319,11 @@ class FSDP(nn.Module):
             w = self._live_storage.get(t.untyped_storage().data_ptr())
             if w is not None:
                 self._packed_layers.add(w.layer)
-                return _Packed(w, t)
+                return Packed(w, t)
         return t
 
     def _unpack(self, packed):
-        if not isinstance(packed, _Packed):
+        if not isinstance(packed, Packed):
             return packed
         w = packed.weight
         layer = w.layer
@@ -403,7 +349,7 @@ class FSDP(nn.Module):
         self._backward_started = set()
         self._synchronize()
 
-    def _gradient_ready(self, w: _ShardedWeight, grad_flat: torch.Tensor) -> None:
+    def _gradient_ready(self, w: ShardedWeight, grad_flat: torch.Tensor) -> None:
         """A full weight's gradient exists: drop the gathered copy; once every weight of its layer has its
         gradient, start the layer's reduce-scatter."""
         self._mark_backward()
@@ -418,7 +364,7 @@ class FSDP(nn.Module):
         if layer.received >= layer.expected:
             self._reduce_scatter(layer)
 
-    def _reduce_scatter(self, layer: _Layer) -> None:
+    def _reduce_scatter(self, layer: Layer) -> None:
         """One reduce-scatter for the gradients ``layer`` has collected (rank r receives its slice of each)."""
         order = sorted(layer.grads)
         weights = [layer.weights[i] for i in order]
@@ -437,7 +383,7 @@ class FSDP(nn.Module):
         while len(self._pending_grads) > 2:
             self._finish_reduce_scatter(*self._pending_grads.pop(0))
 
-    def _finish_reduce_scatter(self, weights: list[_ShardedWeight], work, out: torch.Tensor,
+    def _finish_reduce_scatter(self, weights: list[ShardedWeight], work, out: torch.Tensor,
                                send: torch.Tensor) -> None:
         work.wait()
         with torch.no_grad():
@@ -504,6 +450,22 @@ class FSDP(nn.Module):
             out[name] = flat[:w.numel].view(w.shape).clone()
         return out
 
+    @torch.no_grad()
+    def gather_full_grads(self) -> dict[str, torch.Tensor]:
+        """Every parameter's averaged gradient at full size: name -> tensor (None where there is none; a
+        collective call). For checking against a single-process step."""
+        out: dict[str, torch.Tensor | None] = {}
+        for name, p in self.module.named_parameters():
+            w = self._weights.get(name)
+            if w is None:
+                out[name] = None if p.grad is None else p.grad.detach().clone()
+                continue
+            shard = w.shard.grad if w.shard.grad is not None else torch.zeros_like(w.shard)
+            flat = torch.empty(w.padded, dtype=shard.dtype, device=shard.device)
+            all_gather_tensor(flat, shard.detach().contiguous())
+            out[name] = flat[:w.numel].view(w.shape).clone()
+        return out
+
     def sharded_parameter_names(self) -> list[str]:
         """Names of the parameters stored as shards (the 2-D ones)."""
         return list(self._weights)
@@ -511,7 +473,3 @@ class FSDP(nn.Module):
     def replicated_parameter_names(self) -> list[str]:
         """Names of the parameters kept whole on every rank (norms, biases, other non-2-D ones)."""
         return [n for n, _ in self._replicated]
-
-    def shard_of(self, name: str) -> nn.Parameter:
-        """The local shard parameter of the 2-D parameter ``name`` (flat, padded, 1/world_size of it)."""
-        return self._weights[name].shard

@@ -132,3 +132,17 @@ def test_cpu_trace_gloo_threads_are_communication(tmp_path):
     back = traces.overlap_summary(tl).set_index("phase").loc["backward"]
     assert back["communication_ms"] == pytest.approx(0.04) and back["overlapped_ms"] == pytest.approx(0.03)
     assert traces.plot_timeline(tl, title="cpu").get_title() == "cpu"
+
+
+def test_kernels_by_range_picks_the_innermost_range_open_at_launch():
+    ev = [dict(ph="X", cat="user_annotation", name="backward", ts=0, dur=100, tid=1),
+          dict(ph="X", cat="user_annotation", name="recompute", ts=10, dur=20, tid=2),
+          dict(ph="X", cat="user_annotation", name="optimizer_step", ts=100, dur=10, tid=1)]
+    for c, (launch, name) in enumerate(((15, "gemm_recomputed"), (50, "gemm_backward"), (105, "adam"), (200, "late"))):
+        ev.append(dict(ph="X", cat="cuda_runtime", name="cudaLaunchKernel", ts=launch, dur=1, args={"correlation": c}))
+        ev.append(dict(ph="X", cat="kernel", name=name, ts=launch + 100, dur=5, args={"stream": 7, "correlation": c}))
+    k = traces.kernels_by_range({"traceEvents": ev}, ("backward", "recompute", "optimizer_step")).set_index("name")
+    assert k.loc["gemm_recomputed", "range"] == "recompute" and k.loc["gemm_backward", "range"] == "backward"
+    assert k.loc["adam", "range"] == "optimizer_step" and k.loc["late", "range"] == ""
+    assert k.loc["gemm_recomputed", "start_ms"] == 0 and k.loc["adam", "dur_ms"] == pytest.approx(0.005)
+    assert traces.kernels_by_range({"traceEvents": ev[:3]}, ("backward",)).empty

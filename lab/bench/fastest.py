@@ -1,0 +1,202 @@
+"""Timing the recipes of :mod:`lab.recipes.fastest_step`: step time (``triton.testing.do_bench`` of one
+complete step), peak memory and memory by category, tokens/s, MFU, and time by phase from one profiled
+step. ``python -m lab.fastest`` is its command line.
+
+Every recipe of one configuration runs in the same processes one after the other (the model rebuilt for
+each), so the stock baseline and the book's step are measured side by side on the same GPUs in one run.
+Out-of-memory is a row (``status="oom"``), never a crash.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from lab.measure.device import empty_cache, error_summary, is_oom, synchronize
+from lab.measure.profiling import quiet_profile
+from lab.measure.timing import time_callable, time_kernel
+from lab.parallel import launcher
+from lab.recipes.fastest_step import CONFIGS, Recipe, StepConfig, build_step, mfu, model_flops_per_step
+
+GiB = 2**30
+#: Kernel classes of a step's time, in the order they are assigned (a kernel launched inside ``recompute``
+#: counts as recomputation whatever it computes).
+PHASE_COLUMNS = ["recompute_ms", "optimizer_ms", "attention_ms", "matmul_ms", "loss_ms", "other_kernels_ms",
+                 "exposed_communication_ms", "idle_ms"]
+
+
+def kernel_phase(name: str, launched_in: str) -> str:
+    """The phase a kernel's time belongs to: ``recompute`` or ``optimizer`` by where it was launched, else
+    ``attention``, ``matmul``, ``loss``, ``communication`` or ``other`` by its name."""
+    from lab.measure.profiling import kernel_class
+
+    n = name.lower()
+    if "nccl" in n:
+        return "communication"
+    if launched_in == "recompute":
+        return "recompute"
+    if launched_in == "optimizer_step":
+        return "optimizer"
+    if "lce" in n or "cross_entropy" in n or "log_softmax" in n or "nll_loss" in n:
+        return "loss"
+    if "flash" in n or "attn" in n or "attention" in n or "fmha" in n:
+        return "attention"
+    return "matmul" if kernel_class(name) == "matmul" else "other_kernels"
+
+
+def phase_breakdown(trace_path: str | Path, steps: int = 1) -> dict[str, float]:
+    """Milliseconds per step by phase (:data:`PHASE_COLUMNS`) from a profiled step's Chrome trace: kernel
+    time by :func:`kernel_phase`, the communication that overlapped no compute, and the time the compute
+    streams were idle (launch gaps, waiting)."""
+    from lab.measure.traces import kernels_by_range, read_trace, step_overlap
+
+    kernels = kernels_by_range(trace_path, ("forward", "backward", "optimizer_step", "recompute"))
+    out = dict.fromkeys(PHASE_COLUMNS, 0.0)
+    if kernels.empty:
+        return {k: math.nan for k in out}
+    phases = [kernel_phase(n, r) for n, r in zip(kernels["name"], kernels["range"])]
+    for phase, dur in zip(phases, kernels["dur_ms"]):
+        if phase != "communication":
+            out[f"{phase}_ms"] += dur / steps
+    overlap = step_overlap(read_trace(trace_path))
+    out["exposed_communication_ms"] = (overlap["communication_ms"] - overlap["overlapped_ms"]) / steps
+    window = overlap.get("window_ms", math.nan)
+    out["idle_ms"] = (window - overlap["compute_ms"]) / steps if window == window else math.nan
+    return out
+
+
+def _state_bytes(step) -> dict[str, int]:
+    """Bytes of this rank's parameters, gradients and optimizer state (sharded tensors count their local part)."""
+    def local(t):
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size()
+
+    params = [p for p in step.model.parameters()]
+    state = [v for s in step.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.ndim > 0]
+    return dict(params=sum(local(p) for p in params), grads=sum(local(p) for p in params),
+                optimizer=sum(local(t) for t in state))
+
+
+def measure_recipe(config: StepConfig, recipe: Recipe, device: torch.device, warmup_ms: float = 1,
+                   rep_ms: float = 3000, profile: bool = True, trace_dir: str | None = None, seed: int = 0) -> dict:
+    """One recipe on this rank: build, the first step (compilation and autotuning included), then
+    ``triton.testing.do_bench`` of whole steps (``rep_ms`` of them; at least one), the peak memory of those
+    steps, memory by category, and one profiled step's phases. Returns this rank's row."""
+    row = dict(impl=recipe.name, config=config.name, world_size=config.world_size, status="ok", error="",
+               step_ms=math.nan, step_std_ms=math.nan, step_samples_ms=[], first_step_s=math.nan,
+               peak_gib=math.nan, params_gib=math.nan, grads_gib=math.nan, optimizer_gib=math.nan,
+               activations_and_other_gib=math.nan, **dict.fromkeys(PHASE_COLUMNS, math.nan),
+               recipe=repr(recipe.for_world(config.world_size)))
+    rank = launcher.rank()
+    empty_cache()
+    step = None
+    try:
+        step = build_step(config, recipe, device, seed, rank)
+        synchronize(device)
+        start = time.perf_counter()
+        step()
+        synchronize(device)
+        row["first_step_s"] = time.perf_counter() - start
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            timing = time_kernel(step, device, warmup_ms=warmup_ms, rep_ms=rep_ms)
+            row["peak_gib"] = torch.cuda.max_memory_allocated(device) / GiB
+        else:
+            timing = time_callable(step, warmup=0, steps=2, device=device)
+        row.update(step_ms=timing.median_ms, step_std_ms=timing.std_ms, step_samples_ms=timing.samples_ms)
+        state = _state_bytes(step)
+        row.update({f"{k}_gib": v / GiB for k, v in state.items()})
+        if row["peak_gib"] == row["peak_gib"]:
+            row["activations_and_other_gib"] = row["peak_gib"] - sum(state.values()) / GiB
+        if profile:
+            row.update(_profile(step, device, trace_dir, f"fastest_{config.name}_{recipe.name}_rank{rank}.json"))
+    except Exception as exc:  # noqa: BLE001 - out of memory is a result
+        if not is_oom(exc):
+            raise
+        row.update(status="oom", error=error_summary(exc))
+    step = None  # noqa: F841
+    gc.collect()
+    empty_cache()
+    return row
+
+
+def _profile(step, device: torch.device, trace_dir: str | None, name: str) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    from lab import paths
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    synchronize(device)
+    with quiet_profile(profile(activities=activities)) as prof:
+        step()
+        synchronize(device)
+    folder = Path(trace_dir) if trace_dir else paths.artifacts_dir("artifacts/traces")
+    folder.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(folder / name))
+    return phase_breakdown(folder / name)
+
+
+def fastest_worker(config_name: str, recipes: list[Recipe], warmup_ms: float, rep_ms: float, profile: bool,
+                   trace_dir: str | None) -> list[dict]:
+    """Inside a launched process: every recipe of ``config_name`` in turn on this rank; returns the rows."""
+    config = CONFIGS[config_name]
+    device = launcher.device()
+    return [measure_recipe(config, r, device, warmup_ms, rep_ms, profile, trace_dir) for r in recipes]
+
+
+def matmul_ceiling_tflops(device: torch.device | str = "cuda", n: int = 8192) -> float:
+    """bf16 matmul rate of this GPU (TFLOP/s): ``triton.testing.do_bench`` median of an ``n^3`` product on
+    random data; NaN on the CPU."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return math.nan
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    ms = time_kernel(lambda: a @ b, device, warmup_ms=25, rep_ms=200).median_ms
+    return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
+def benchmark(config_name: str, recipes: Sequence[Recipe], world_size: int | None = None, device: str = "auto",
+              warmup_ms: float = 1, rep_ms: float = 3000, profile: bool = True, trace_dir: str | None = None,
+              peak_tflops: float | None = None, timeout_s: float = 1800) -> pd.DataFrame:
+    """Every recipe of the configuration on ``world_size`` ranks (default: the configuration's), side by side
+    in the same processes. One row per recipe with ``impl``, ``config``, ``world_size``, ``step_ms`` (median
+    over the timed steps of rank 0), ``step_std_ms``, ``peak_gib`` (the largest over ranks), memory by
+    category on rank 0, phase times, ``tokens_per_s``, ``mfu`` (against ``peak_tflops`` per GPU: by default
+    the bf16 matmul rate measured here, :func:`matmul_ceiling_tflops`; datasheet MFU in ``mfu_datasheet``)."""
+    config = CONFIGS[config_name]
+    world_size = world_size or config.world_size
+    if world_size != config.world_size:
+        import dataclasses
+
+        config = dataclasses.replace(config, world_size=world_size)
+    per_rank = launcher.launch(fastest_worker, world_size, config_name, list(recipes), warmup_ms, rep_ms, profile,
+                               trace_dir, device=device, timeout_s=timeout_s)
+    if peak_tflops is None:
+        peak_tflops = matmul_ceiling_tflops("cuda") if torch.cuda.is_available() else math.nan
+    rows = []
+    for ranks in zip(*per_rank):
+        row = dict(ranks[0])
+        peaks = [r["peak_gib"] for r in ranks if r["peak_gib"] == r["peak_gib"]]
+        row["peak_gib"] = max(peaks) if peaks else math.nan
+        if any(r["status"] == "oom" for r in ranks):
+            row.update(status="oom", error=next(r["error"] for r in ranks if r["error"]))
+        row["tokens_per_s"] = config.tokens_per_step / (row["step_ms"] * 1e-3) if row["step_ms"] else math.nan
+        row["model_tflop_per_step"] = model_flops_per_step(config) / 1e12
+        row["matmul_ceiling_tflops"] = peak_tflops
+        row["mfu"] = mfu(config, row["step_ms"], peak_tflops)
+        row["mfu_datasheet"] = mfu(config, row["step_ms"], 989.0)  # H100/H200 SXM dense bf16
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def results_table(df: pd.DataFrame) -> pd.DataFrame:
+    """The spec's ``fastest_step.csv`` columns first, the samples dropped."""
+    first = ["impl", "config", "world_size", "step_ms", "peak_gib", "tokens_per_s", "mfu", "status"]
+    df = df.drop(columns=[c for c in df.columns if c.endswith("_samples_ms")])
+    return df[first + [c for c in df.columns if c not in first]]

@@ -1,0 +1,83 @@
+"""``python -m lab.fastest``: the fastest training step built from the book's parts, beside stock PyTorch.
+
+    python -m lab.fastest --config leaderboard --world-size 2     # two GPUs: the course's leaderboard step
+    python -m lab.fastest --config 2.7B                           # one GPU: 2.7B, batch 4, context 512
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from lab import cli
+
+
+def parser() -> cli.Parser:
+    from lab.recipes.fastest_step import CONFIGS
+
+    p = cli.Parser(prog="python -m lab.fastest", description="Time the book's fastest training step (and the stock "
+                   "PyTorch step) for a configuration; prints step time, peak memory, tokens/s and MFU.")
+    p.add_argument("--config", choices=list(CONFIGS), default="2.7B",
+                   help="leaderboard: 8.1B params, 32k context, 2 GPUs; 2.7B: batch 4, context 512, 1 GPU")
+    p.add_argument("--world-size", type=cli.positive_int, default=None, help="ranks (default: the config's)")
+    p.add_argument("--recipes", nargs="+", default=["project", "stock_compiled"],
+                   help="project, stock_eager, stock_compiled, and the ablations (no_flash_attention, no_fused_loss, "
+                        "full_recompute, no_compile, foreach_adamw, fp32_master_weights), or 'all'")
+    p.add_argument("--rep-ms", type=float, default=3000.0, help="do_bench repetition budget in ms (>= 1 step)")
+    p.add_argument("--no-profile", action="store_true", help="skip the profiled step (phase breakdown)")
+    p.add_argument("--device", default="auto", help="auto, cuda or cpu (cpu: gloo, for trying the code path)")
+    p.add_argument("--results-dir", default=None, help="also save the rows as <dir>/fastest_step.csv")
+    return p
+
+
+def choose_recipes(config, names: Sequence[str]):
+    """The named recipes of ``config`` (``all``: the book's, both stock steps and every ablation)."""
+    from lab.recipes.fastest_step import ablations, recipes_for
+
+    base = recipes_for(config)
+    known = {**base, **{r.name: r for r in ablations(base["project"])}}
+    if list(names) == ["all"]:
+        return list(known.values())
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise cli.UsageError(f"unknown recipe {unknown[0]!r}; choose from {', '.join(known)} or 'all'")
+    return [known[n] for n in names]
+
+
+def fastest_main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    import torch
+
+    from lab.bench.fastest import benchmark, results_table
+    from lab.recipes.fastest_step import CONFIGS
+
+    config = CONFIGS[args.config]
+    world = args.world_size or config.world_size
+    if args.device in ("auto", "cuda"):
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus == 0 and args.device == "cuda":
+            raise cli.UsageError("--device cuda was asked for but this machine has no CUDA GPU")
+        if gpus and world > gpus:
+            raise cli.UsageError(f"--world-size {world} needs {world} GPUs; this machine has {gpus}")
+        if gpus == 0 and args.config == "leaderboard":
+            raise cli.UsageError("the leaderboard step needs two GPUs with about 60 GiB each; this machine has no GPU")
+    device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
+    device = "cpu" if device == "auto" else device
+    df = benchmark(args.config, choose_recipes(config, args.recipes), world, device, rep_ms=args.rep_ms,
+                   profile=not args.no_profile)
+    table = results_table(df)
+    cols = ["impl", "config", "world_size", "status", "step_ms", "peak_gib", "tokens_per_s", "mfu", "first_step_s"]
+    print(table[cols].to_markdown(index=False, floatfmt=".4g"))
+    if args.results_dir:
+        from lab.measure.results import save_results
+
+        print(save_results(table, "fastest_step", args.results_dir, vars(args), source="lab.fastest"), file=sys.stderr)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return cli.run(fastest_main, argv, prog="python -m lab.fastest")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""The pieces :class:`lab.parallel.fsdp.FSDP` is built from: one sharded weight, the layer that is gathered
+and reduce-scattered as a unit, the key autograd stores instead of a gathered weight, and the autograd
+function that connects a gathered weight to its shard.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from lab.parallel.fsdp import FSDP
+
+
+class ShardedWeight:
+    """One 2-D parameter: its fp32 shard, and the gathered full weight while it is in use."""
+
+    def __init__(self, module: nn.Module, attr: str, name: str, param: nn.Parameter, rank: int, world: int):
+        self.module, self.attr, self.name = module, attr, name
+        self.shape = param.shape
+        self.numel = param.numel()
+        self.padded = math.ceil(self.numel / world) * world
+        self.shard_numel = self.padded // world
+        flat = torch.zeros(self.padded, dtype=param.dtype, device=param.device)
+        flat[:self.numel] = param.detach().reshape(-1)
+        lo = rank * self.shard_numel
+        self.shard = nn.Parameter(flat[lo:lo + self.shard_numel].clone(), requires_grad=param.requires_grad)
+        self.layer: Layer | None = None
+        self.index = 0  # position in its layer
+        self.gathered: torch.Tensor | None = None  # the padded flat full weight, once the gather finished
+
+
+class Layer:
+    """The unit that is gathered, prefetched and reduce-scattered together: by default one transformer block.
+
+    All its weights travel in one all-gather (of the concatenated shards, each rank's slice of every weight
+    side by side) and their gradients in one reduce-scatter, so a block costs two collectives per pass
+    instead of two per matrix: each collective has a fixed host and latency cost, which at small sizes
+    outweighs the bytes.
+    """
+
+    def __init__(self, name: str, weights: list[ShardedWeight]):
+        self.name, self.weights = name, weights
+        for i, w in enumerate(weights):
+            w.layer, w.index = self, i
+        self.sizes = [w.shard_numel for w in weights]
+        self.shard_numel = sum(self.sizes)
+        self.pending: tuple[Any, torch.Tensor, torch.Tensor] | None = None  # (work, output, input) in flight
+        # this backward's gradients: index -> padded flat full gradient (reduce dtype), and how many
+        # tracked uses (forward applications of GatherWeight) are still owed a gradient
+        self.grads: dict[int, torch.Tensor] = {}
+        self.expected = 0
+        self.received = 0
+
+
+class Packed:
+    """What autograd stores instead of a gathered weight it saved for backward."""
+
+    __slots__ = ("offset", "size", "stride", "weight")
+
+    def __init__(self, weight: ShardedWeight, t: torch.Tensor):
+        self.weight, self.size, self.stride, self.offset = weight, t.size(), t.stride(), t.storage_offset()
+
+
+class GatherWeight(torch.autograd.Function):
+    """Connects the gathered full weight to its shard in the autograd graph.
+
+    Forward returns the already-gathered flat weight; backward hands its gradient to :class:`FSDP`, which
+    reduce-scatters it (with the rest of its layer's) asynchronously. The shard's gradient is set by FSDP
+    when the reduce-scatter is waited for, not returned here, so that the collective overlaps the rest of
+    the backward.
+    """
+
+    @staticmethod
+    def forward(ctx, shard: torch.Tensor, fsdp: FSDP, weight: ShardedWeight) -> torch.Tensor:
+        ctx.fsdp, ctx.weight = fsdp, weight
+        return fsdp._take_gathered(weight)
+
+    @staticmethod
+    def backward(ctx, grad_flat: torch.Tensor):
+        ctx.fsdp._gradient_ready(ctx.weight, grad_flat)
+        return None, None, None
+
+
+def unit_names(module: nn.Module, unit_modules) -> list[str]:
+    """Names of the modules whose 2-D weights form one layer (see :class:`FSDP`'s ``unit_modules``)."""
+    if unit_modules is None:  # every child of a ModuleList: the blocks of a transformer
+        return [f"{name}.{child}" if name else child for name, mod in module.named_modules()
+                if isinstance(mod, nn.ModuleList) for child, _ in mod.named_children()]
+    names = {id(mod): name for name, mod in module.named_modules()}
+    missing = [type(m).__name__ for m in unit_modules if id(m) not in names]
+    if missing:
+        raise ValueError(f"unit_modules must be submodules of the wrapped module; not found: {missing}")
+    return [names[id(m)] for m in unit_modules]

@@ -1,0 +1,278 @@
+"""The fastest training step the book's own parts make, and the stock PyTorch step it is measured against.
+
+A :class:`Recipe` is configuration as data: which attention, whether the LM-head loss is fused, how the
+model is sharded, what each block saves for backward, what is compiled and which AdamW. :func:`build_step`
+turns a model configuration and a recipe into a :class:`lab.measure.step.TrainStep`; the same model code
+(``lab.model.TransformerLM``) runs in every recipe, with parameters and outputs unchanged.
+
+The book's recipe (:data:`PROJECT`):
+
+* **attention**: the Triton FlashAttention-2 kernels (``lab.kernels.flash_triton``, a ``torch.library`` op);
+* **loss**: the fused LM head + cross-entropy (``lab.kernels.fused_cross_entropy``): the ``(tokens, vocab)``
+  logits never exist (at the leaderboard's 32k tokens x 152k vocabulary they would be 10 GB in bf16);
+* **sharding**: ``lab.FSDP``, one all-gather and one reduce-scatter per transformer block, prefetching two
+  blocks ahead in forward and in the backward's recomputation;
+* **checkpointing** ``save_attention``: every block is recomputed in backward except its attention output
+  (selective activation checkpointing: the attention op's results are saved, everything else recomputed).
+  At 32k tokens attention is ~40% of a block's forward FLOPs, and its outputs are only ``T x d_model`` per
+  block, so saving them costs ~0.25 GB per block and removes the most expensive recomputation;
+* **compile** ``pointwise``: ``torch.compile`` of the modules without matrices (RMSNorm, RoPE, the SwiGLU
+  gate), which fuses their memory-bound chains of elementwise kernels; the matmuls are cuBLAS either way,
+  and compiling whole blocks would trace into FSDP's hooks;
+* **AdamW**: ``torch.optim.AdamW(fused=True)``: one multi-tensor kernel for the whole update (the foreach
+  version launches several kernels per parameter group, the for-loop one per parameter).
+
+The stock baseline (:data:`STOCK_EAGER`, :data:`STOCK_COMPILED`) is what a PyTorch user writes: FSDP2
+``fully_shard`` per block and at the root, SDPA, ``torch.utils.checkpoint`` on every block, materialized
+logits with ``F.cross_entropy``, fused AdamW; per-block ``torch.compile`` or eager.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lab.measure.step import TrainStep, random_batch
+from lab.model import ModelConfig, TransformerLM, config_for
+
+#: The course's 2026 leaderboard model: 34 layers, d_model 4,096, d_ff 11,008, 32 heads, vocabulary 151,936,
+#: 32,768 tokens of context, bf16 parameters; batch 2 (one sequence per GPU on two GPUs).
+LEADERBOARD = ModelConfig(d_model=4096, d_ff=11008, num_layers=34, num_heads=32, vocab_size=151_936,
+                          context_length=32_768)
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """A model, its context, the batch per rank and the number of ranks: what one step trains."""
+
+    name: str
+    model: ModelConfig
+    context: int
+    batch_per_rank: int
+    world_size: int
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.context * self.batch_per_rank * self.world_size
+
+
+CONFIGS = {
+    "leaderboard": StepConfig("leaderboard", LEADERBOARD, 32_768, 1, 2),
+    "2.7B": StepConfig("2.7B", config_for("2.7B", context_length=512), 512, 4, 1),
+}
+
+CHECKPOINTS = ("none", "block", "save_attention")
+COMPILES = ("none", "pointwise", "block", "model")
+PRECISIONS = ("bf16", "bf16_autocast", "fp32")
+SHARDINGS = ("none", "fsdp", "fsdp2")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How to build the step (see the module docstring). ``precision``: ``bf16`` parameters, gradients and
+    AdamW state (the leaderboard's rule); ``bf16_autocast``: fp32 master weights, matmuls under bf16 autocast
+    (the course's 2.7B reference); ``fp32``: everything fp32 (exact comparisons in tests)."""
+
+    name: str = "project"
+    attention: str = "flash_triton"
+    fused_loss: bool = True
+    sharding: str = "fsdp"
+    checkpoint: str = "save_attention"
+    compile: str = "pointwise"
+    fused_adamw: bool = True
+    precision: str = "bf16"
+
+    def __post_init__(self):
+        for field, allowed in (("checkpoint", CHECKPOINTS), ("compile", COMPILES), ("sharding", SHARDINGS),
+                               ("precision", PRECISIONS)):
+            if getattr(self, field) not in allowed:
+                raise ValueError(f"{field} must be one of {', '.join(allowed)}, got {getattr(self, field)!r}")
+
+    def for_world(self, world_size: int) -> Recipe:
+        """The same recipe on ``world_size`` ranks: one rank shards nothing."""
+        return self if world_size > 1 or self.sharding == "none" else dataclasses.replace(self, sharding="none")
+
+
+PROJECT = Recipe()
+STOCK_EAGER = Recipe("stock_eager", attention="sdpa", fused_loss=False, sharding="fsdp2", checkpoint="block",
+                     compile="none")
+STOCK_COMPILED = dataclasses.replace(STOCK_EAGER, name="stock_compiled", compile="block")
+
+#: One GPU, where the model fits without sharding or recomputation: the book's step compiles the whole model
+#: (the Triton attention and fused loss are ops inside its graph) and keeps bf16 parameters; the stock step
+#: is the course's reference, fp32 master weights under bf16 autocast, whole-model torch.compile, fused AdamW.
+PROJECT_ONE_GPU = Recipe(sharding="none", checkpoint="none", compile="model")
+STOCK_ONE_GPU_COMPILED = Recipe("stock_compiled", attention="sdpa", fused_loss=False, sharding="none",
+                                checkpoint="none", compile="model", precision="bf16_autocast")
+STOCK_ONE_GPU_EAGER = dataclasses.replace(STOCK_ONE_GPU_COMPILED, name="stock_eager", compile="none")
+
+
+def recipes_for(config: StepConfig) -> dict[str, Recipe]:
+    """The book's recipe and the two stock baselines for ``config`` (sharded and checkpointed on several
+    GPUs, neither on one)."""
+    if config.world_size > 1:
+        return {r.name: r for r in (PROJECT, STOCK_EAGER, STOCK_COMPILED)}
+    return {r.name: r for r in (PROJECT_ONE_GPU, STOCK_ONE_GPU_EAGER, STOCK_ONE_GPU_COMPILED)}
+
+
+def ablations(recipe: Recipe = PROJECT) -> list[Recipe]:
+    """``recipe`` with each optimization switched off alone (named ``no_<what>``)."""
+    out = []
+    for name, change in (("no_flash_attention", dict(attention="sdpa")), ("no_fused_loss", dict(fused_loss=False)),
+                         ("full_recompute", dict(checkpoint="block")), ("no_compile", dict(compile="none")),
+                         ("foreach_adamw", dict(fused_adamw=False)), ("fp32_master_weights", dict(precision="bf16_autocast"))):
+        if recipe.checkpoint == "none" and name == "full_recompute":
+            continue  # nothing is recomputed: no checkpointing to switch off
+        if any(getattr(recipe, k) != v for k, v in change.items()):
+            out.append(dataclasses.replace(recipe, name=name, **change))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# activation checkpointing per block
+
+
+def _saved_ops() -> set:
+    """The attention operators whose outputs ``save_attention`` keeps (every attention implementation of
+    the registry that runs as one op)."""
+    ops = set()
+    aten = torch.ops.aten
+    for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention",
+                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu"):
+        if hasattr(aten, name):
+            ops.add(getattr(aten, name).default)
+    try:
+        import lab.kernels.flash_triton  # noqa: F401 - registers torch.ops.lab.*
+
+        ops.add(torch.ops.lab.flash_attention_forward.default)
+    except (ImportError, AttributeError):
+        pass
+    return ops
+
+
+class CheckpointedBlock(nn.Module):
+    """Run ``block`` under non-reentrant ``torch.utils.checkpoint``: ``policy="block"`` saves only the block's
+    input and recomputes the rest in backward; ``"save_attention"`` also keeps the attention op's outputs
+    (selective activation checkpointing). The recomputation runs inside a profiler range ``recompute``."""
+
+    def __init__(self, block: nn.Module, policy: str = "block"):
+        super().__init__()
+        if policy not in ("block", "save_attention"):
+            raise ValueError(f"policy must be 'block' or 'save_attention', got {policy!r}")
+        self.block, self.policy = block, policy
+
+    def _run(self, x: torch.Tensor) -> torch.Tensor:
+        # The same range op in the forward and in the recomputation (selective checkpointing replays the
+        # forward's ops one for one), named by which one this is: inside backward it is the recomputation.
+        name = "recompute" if torch._C._current_graph_task_id() != -1 else "block"
+        with torch.profiler.record_function(name):
+            return self.block(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        if not torch.is_grad_enabled():
+            return self.block(x)
+        if self.policy == "block":
+            return checkpoint(self._run, x, use_reentrant=False)
+        from functools import partial
+
+        from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+        saved = _saved_ops()
+
+        def policy(ctx, op, *args, **kwargs):
+            return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+        return checkpoint(self._run, x, use_reentrant=False,
+                          context_fn=partial(create_selective_checkpoint_contexts, policy))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# building the step
+
+
+def _compile_pointwise(model: TransformerLM) -> None:
+    from lab.model.transformer import RMSNorm, RotaryEmbedding, SiLUGate
+
+    for module in model.modules():
+        if isinstance(module, (RMSNorm, RotaryEmbedding, SiLUGate)):
+            module.compile()
+
+
+def build_model(cfg: ModelConfig, recipe: Recipe, device: torch.device, seed: int = 0) -> nn.Module:
+    """``TransformerLM(cfg)`` with the recipe's attention, loss, dtype, checkpointing, compilation and sharding
+    applied from outside, in torchtitan's order (checkpoint, compile, shard). Every rank builds the same
+    initial weights (``seed``); the sharding wrappers broadcast rank 0's anyway."""
+    cfg = dataclasses.replace(cfg, attention=recipe.attention, fused_loss=recipe.fused_loss)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = TransformerLM(cfg)
+    if recipe.precision == "bf16":
+        model.to(torch.bfloat16)
+    if recipe.checkpoint != "none":
+        model.blocks = nn.ModuleList(CheckpointedBlock(b, recipe.checkpoint) for b in model.blocks)
+    if recipe.compile == "pointwise":
+        _compile_pointwise(model)
+    elif recipe.compile == "block":
+        for block in model.blocks:
+            block.compile()
+    elif recipe.compile == "model":
+        if recipe.sharding == "fsdp":
+            raise ValueError("compile='model' would trace into lab.FSDP's hooks; use 'pointwise' with fsdp")
+        model.compile()
+    if recipe.sharding == "fsdp":
+        from lab.parallel.fsdp import FSDP
+
+        return FSDP(model)
+    if recipe.sharding == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        from lab.parallel import launcher
+
+        mesh = init_device_mesh(device.type, (launcher.world_size(),))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    return model
+
+
+def summed_loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The leaderboard's loss: next-token cross-entropy summed over every position."""
+    return model(tokens, targets, reduction="sum")
+
+
+def build_step(config: StepConfig, recipe: Recipe, device: torch.device, seed: int = 0, rank: int = 0) -> TrainStep:
+    """The training step of ``config`` built with ``recipe`` on this rank: zero_grad, forward, summed loss,
+    backward (with the wrapper's gradient synchronization), AdamW step. Each rank draws its own sequences."""
+    recipe = recipe.for_world(config.world_size)
+    model = build_model(config.model, recipe, device, seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=recipe.fused_adamw,
+                                  foreach=None if recipe.fused_adamw else True)
+    tokens, targets = random_batch(config.model, config.batch_per_rank, device, config.context, seed=seed + 1 + rank)
+    dtype = "bf16" if recipe.precision == "bf16_autocast" else "fp32"  # bf16 parameters need no autocast
+    return TrainStep(model, optimizer, tokens, targets, dtype=dtype, loss_fn=summed_loss)
+
+
+def model_flops_per_step(config: StepConfig) -> float:
+    """Model FLOPs of one step over all ranks, without recomputation: 3x the forward's matmul FLOPs with the
+    causal mask's half of the attention scores (the convention of MFU)."""
+    from lab.accounting import forward_flops
+
+    cfg, tokens = config.model, config.context * config.batch_per_rank * config.world_size
+    full = forward_flops(cfg, config.batch_per_rank * config.world_size, config.context)
+    scores = tokens * cfg.num_layers * 4 * config.context * cfg.d_model  # both T x T matmuls, full square
+    return 3.0 * (full - scores / 2)
+
+
+def mfu(config: StepConfig, step_ms: float, peak_tflops_per_gpu: float) -> float:
+    """Model FLOP utilisation: model FLOPs per second per GPU over ``peak_tflops_per_gpu``."""
+    if not step_ms or math.isnan(step_ms):
+        return math.nan
+    return model_flops_per_step(config) / config.world_size / (step_ms * 1e-3) / (peak_tflops_per_gpu * 1e12)
