@@ -84,12 +84,15 @@ def _state_bytes(step) -> dict[str, int]:
 
 
 def measure_recipe(config: StepConfig, recipe: Recipe, device: torch.device, warmup_ms: float = 1,
-                   rep_ms: float = 3000, profile: bool = True, trace_dir: str | None = None, seed: int = 0) -> dict:
+                   rep_ms: float = 3000, profile: bool = True, trace_dir: str | None = None, seed: int = 0,
+                   host_steps: int = 0) -> dict:
     """One recipe on this rank: build, the first step (compilation and autotuning included), then
-    ``triton.testing.do_bench`` of whole steps (``rep_ms`` of them; at least one), the peak memory of those
-    steps, memory by category, and one profiled step's phases. Returns this rank's row."""
+    ``triton.testing.do_bench`` of whole steps (``rep_ms`` of them; do_bench also runs five steps to estimate
+    their time), or with ``host_steps`` that many steps timed by the host clock (cheaper, for ablations),
+    the peak memory of those steps, memory by category, and one profiled step's phases. Returns this rank's
+    row (``timer`` says which timer)."""
     row = dict(impl=recipe.name, config=config.name, world_size=config.world_size, status="ok", error="",
-               step_ms=math.nan, step_std_ms=math.nan, step_samples_ms=[], first_step_s=math.nan,
+               step_ms=math.nan, step_std_ms=math.nan, step_n=0, step_samples_ms=[], first_step_s=math.nan,
                peak_gib=math.nan, params_gib=math.nan, grads_gib=math.nan, optimizer_gib=math.nan,
                activations_and_other_gib=math.nan, **dict.fromkeys(PHASE_COLUMNS, math.nan),
                recipe=repr(recipe.for_world(config.world_size)))
@@ -105,11 +108,14 @@ def measure_recipe(config: StepConfig, recipe: Recipe, device: torch.device, war
         row["first_step_s"] = time.perf_counter() - start
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-            timing = time_kernel(step, device, warmup_ms=warmup_ms, rep_ms=rep_ms)
-            row["peak_gib"] = torch.cuda.max_memory_allocated(device) / GiB
+        if device.type == "cuda" and not host_steps:
+            timing, row["timer"] = time_kernel(step, device, warmup_ms=warmup_ms, rep_ms=rep_ms), "do_bench"
         else:
-            timing = time_callable(step, warmup=0, steps=2, device=device)
-        row.update(step_ms=timing.median_ms, step_std_ms=timing.std_ms, step_samples_ms=timing.samples_ms)
+            timing, row["timer"] = time_callable(step, warmup=0, steps=max(host_steps, 2), device=device), "host"
+        if device.type == "cuda":
+            row["peak_gib"] = torch.cuda.max_memory_allocated(device) / GiB
+        row.update(step_ms=timing.median_ms, step_std_ms=timing.std_ms, step_n=len(timing.samples_ms),
+                   step_samples_ms=timing.samples_ms)
         state = _state_bytes(step)
         row.update({f"{k}_gib": v / GiB for k, v in state.items()})
         if row["peak_gib"] == row["peak_gib"]:
@@ -142,12 +148,13 @@ def _profile(step, device: torch.device, trace_dir: str | None, name: str) -> di
     return phase_breakdown(folder / name)
 
 
-def fastest_worker(config_name: str, recipes: list[Recipe], warmup_ms: float, rep_ms: float, profile: bool,
-                   trace_dir: str | None) -> list[dict]:
-    """Inside a launched process: every recipe of ``config_name`` in turn on this rank; returns the rows."""
-    config = CONFIGS[config_name]
+def fastest_worker(config: StepConfig, recipes: list[Recipe], warmup_ms: float, rep_ms: float, profile: bool,
+                   trace_dir: str | None, headline: tuple[str, ...]) -> list[dict]:
+    """Inside a launched process: every recipe in turn on this rank (the ``headline`` ones timed with
+    do_bench and profiled, the others with two host-timed steps); returns the rows."""
     device = launcher.device()
-    return [measure_recipe(config, r, device, warmup_ms, rep_ms, profile, trace_dir) for r in recipes]
+    return [measure_recipe(config, r, device, warmup_ms, rep_ms, profile and r.name in headline, trace_dir,
+                           host_steps=0 if r.name in headline else 2) for r in recipes]
 
 
 def matmul_ceiling_tflops(device: torch.device | str = "cuda", n: int = 8192) -> float:
@@ -161,22 +168,25 @@ def matmul_ceiling_tflops(device: torch.device | str = "cuda", n: int = 8192) ->
     return 2 * n**3 / (ms * 1e-3) / 1e12
 
 
-def benchmark(config_name: str, recipes: Sequence[Recipe], world_size: int | None = None, device: str = "auto",
+def benchmark(config: str | StepConfig, recipes: Sequence[Recipe], world_size: int | None = None, device: str = "auto",
               warmup_ms: float = 1, rep_ms: float = 3000, profile: bool = True, trace_dir: str | None = None,
-              peak_tflops: float | None = None, timeout_s: float = 1800) -> pd.DataFrame:
+              peak_tflops: float | None = None, timeout_s: float = 1800,
+              headline: Sequence[str] = ("project", "stock_eager", "stock_compiled")) -> pd.DataFrame:
     """Every recipe of the configuration on ``world_size`` ranks (default: the configuration's), side by side
     in the same processes. One row per recipe with ``impl``, ``config``, ``world_size``, ``step_ms`` (median
     over the timed steps of rank 0), ``step_std_ms``, ``peak_gib`` (the largest over ranks), memory by
     category on rank 0, phase times, ``tokens_per_s``, ``mfu`` (against ``peak_tflops`` per GPU: by default
-    the bf16 matmul rate measured here, :func:`matmul_ceiling_tflops`; datasheet MFU in ``mfu_datasheet``)."""
-    config = CONFIGS[config_name]
+    the bf16 matmul rate measured here, :func:`matmul_ceiling_tflops`; datasheet MFU in ``mfu_datasheet``).
+    The ``headline`` recipes are timed with do_bench and profiled; the others (ablations) with two host-timed
+    steps."""
+    config = CONFIGS[config] if isinstance(config, str) else config
     world_size = world_size or config.world_size
     if world_size != config.world_size:
         import dataclasses
 
         config = dataclasses.replace(config, world_size=world_size)
-    per_rank = launcher.launch(fastest_worker, world_size, config_name, list(recipes), warmup_ms, rep_ms, profile,
-                               trace_dir, device=device, timeout_s=timeout_s)
+    per_rank = launcher.launch(fastest_worker, world_size, config, list(recipes), warmup_ms, rep_ms, profile,
+                               trace_dir, tuple(headline), device=device, timeout_s=timeout_s)
     if peak_tflops is None:
         peak_tflops = matmul_ceiling_tflops("cuda") if torch.cuda.is_available() else math.nan
     rows = []

@@ -7,7 +7,6 @@ The notebooks in ``notebooks/`` are only read, never written.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -15,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from lab import paths
+from lab import cli, paths
+from lab.cli import UsageError
 
 NOTEBOOKS_DIR = paths.REPO_ROOT / "notebooks"
 
@@ -52,9 +52,55 @@ def numbered_notebooks(only: Sequence[str] | None = None) -> list[Path]:
         books = [p for p in books if p.stem[:2] in wanted or p.stem in wanted]
         missing = wanted - {p.stem[:2] for p in books} - {p.stem for p in books}
         if missing:
-            raise SystemExit(f"no notebook matches {sorted(missing)}; have: "
+            raise UsageError(f"no notebook matches {sorted(missing)[0]!r}; have: "
                              f"{', '.join(p.stem for p in sorted(NOTEBOOKS_DIR.glob('[0-9][0-9]_*.ipynb')))}")
     return books
+
+
+def notebook_parameters(notebook: Path) -> dict[str, object]:
+    """The names (and default values, where they are literals) assigned in a notebook's cell tagged
+    ``parameters``: what ``-p NAME VALUE`` may set."""
+    import ast
+    import json
+
+    cells = json.loads(Path(notebook).read_text())["cells"]
+    tagged = [c for c in cells if "parameters" in c.get("metadata", {}).get("tags", [])]
+    if not tagged:
+        return {}
+    out: dict[str, object] = {}
+    for node in ast.parse("".join(tagged[0]["source"])).body:
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    try:
+                        out[target.id] = ast.literal_eval(node.value)
+                    except ValueError:
+                        out[target.id] = None
+    return out
+
+
+def check_parameters(notebooks: Sequence[Path], parameters: dict) -> None:
+    """Refuse, in one line, a parameter that a notebook to render does not have (a misspelt name would
+    otherwise be ignored and the whole notebook run with its defaults)."""
+    for nb in notebooks:
+        known = notebook_parameters(nb)
+        unknown = sorted(set(parameters) - set(known))
+        if unknown:
+            raise UsageError(f"unknown parameter {unknown[0]!r} for {nb.stem}; it accepts: {', '.join(known)}")
+
+
+def parse_value(name: str, text: str) -> object:
+    """A ``-p`` value as a Python literal (``[small, medium]`` is refused: quote the strings); a plain word
+    stays a string (``-p device cuda``)."""
+    import ast
+
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        if text[:1] in "[({'\"" or text[-1:] in "])}'\"":
+            raise UsageError(f"parameter {name}: cannot read {text!r} as a Python literal (write lists as "
+                             f"\"['small', 'medium']\")") from None
+        return text
 
 
 def run_notebook(notebook: Path, output: Path, parameters: dict, log_output: bool = False,
@@ -68,6 +114,8 @@ def run_notebook(notebook: Path, output: Path, parameters: dict, log_output: boo
 
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.with_suffix(".running.ipynb")
+    # progress bars are for terminals: keep them out of the stored outputs of a rendered report
+    os.environ.setdefault("TQDM_DISABLE", "1")
     try:
         pm.execute_notebook(str(notebook), str(tmp), parameters=parameters, cwd=str(paths.REPO_ROOT),
                             log_output=log_output, progress_bar=False, execution_timeout=timeout_s,
@@ -76,8 +124,9 @@ def run_notebook(notebook: Path, output: Path, parameters: dict, log_output: boo
         failed = output.with_suffix(".failed.ipynb")
         if tmp.exists():
             tmp.replace(failed)
-        raise NotebookFailed(f"{notebook.name}: cell {exc.exec_count} raised {exc.ename}: {exc.evalue}\n"
-                             f"(partial output kept in {failed})") from None
+        evalue = (exc.evalue or "").strip().splitlines()
+        raise NotebookFailed(f"{notebook.name}: cell {exc.exec_count} raised {exc.ename}: "
+                             f"{evalue[0] if evalue else ''} (partial output kept in {failed})") from None
     tmp.replace(output)
     return output
 
@@ -103,8 +152,10 @@ def render(profile: str = "quick", only: Sequence[str] | None = None, html: bool
     prof = PROFILES[profile]
     reports = paths.resolve(prof.reports_dir)
     params = {**prof.parameters(), **(extra_parameters or {})}
+    books = numbered_notebooks(only)
+    check_parameters(books, extra_parameters or {})
     done = []
-    for nb in numbered_notebooks(only):
+    for nb in books:
         start = time.perf_counter()
         print(f"[render:{profile}] {nb.name} ...", flush=True)
         out = run_notebook(nb, reports / nb.name, params, log_output=log_output)
@@ -116,8 +167,8 @@ def render(profile: str = "quick", only: Sequence[str] | None = None, html: bool
     return done
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m lab.book.render", description=__doc__.split("\n\n")[0])
+def render_main(argv: Sequence[str] | None = None) -> int:
+    p = cli.Parser(prog="python -m lab.render", description=__doc__.split("\n\n")[0])
     p.add_argument("--profile", choices=list(PROFILES), default="quick",
                    help="quick: tiny sizes on the CPU into reports/quick; full: GPU sizes into reports/")
     p.add_argument("--only", nargs="+", help="notebook numbers or stems to run, e.g. 01 03")
@@ -126,7 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="only export HTML for the already executed notebooks of the profile")
     p.add_argument("--log-output", action="store_true", help="stream cell output to the terminal")
     p.add_argument("-p", "--parameter", nargs=2, action="append", metavar=("NAME", "VALUE"), default=[],
-                   help="extra notebook parameter (value parsed as a Python literal when possible)")
+                   help="notebook parameter, e.g. -p sizes \"['small', 'medium']\" (a Python literal, or a word)")
     args = p.parse_args(argv)
     if args.html_only:
         reports = paths.resolve(PROFILES[args.profile].reports_dir)
@@ -135,21 +186,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                 continue
             print(f"html: {export_html(nb)}")
         return 0
-    extra = {}
-    for name, value in args.parameter:
-        import ast
-
-        try:
-            extra[name] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            extra[name] = value
+    extra = {name: parse_value(name, value) for name, value in args.parameter}
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     try:
         render(args.profile, args.only, html=not args.no_html, log_output=args.log_output, extra_parameters=extra)
     except NotebookFailed as exc:
-        print(f"\nRENDER FAILED: {exc}", file=sys.stderr)
+        print(f"python -m lab.render: error: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return cli.run(render_main, argv, prog="python -m lab.render")
 
 
 if __name__ == "__main__":

@@ -44,9 +44,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lab.measure.process import describe_exit
+
 # Environment every worker gets before the process group starts. NVLink SHARP (NVLS) multicast and
 # symmetric-memory multicast are unavailable on the shared GPU machines and make NCCL init fail or hang.
 WORKER_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+# Set for the children's start only (read by torch's C++ logging when it loads): quiet workers.
+CHILD_ENV = {**WORKER_ENV, "TORCH_CPP_LOG_LEVEL": "ERROR"}
 
 # This process's device, set by the launcher in each worker (None outside a launched function).
 _DEVICE: torch.device | None = None
@@ -238,6 +242,10 @@ def launch(fn: Callable, world_size: int, *args, backend: str | None = None, dev
     if is_torchrun():
         return _launch_in_torchrun(fn, world_size, args, kwargs, backend, device, timeout_s)
     backend, device_type = resolve_backend(world_size, backend, device)
+    cores = os.cpu_count() or 1
+    if device_type == "cpu" and world_size > 4 * cores:
+        raise ValueError(f"asked for {world_size} CPU ranks on a machine with {cores} cores; at most {4 * cores} "
+                         "are allowed (each rank is a full process)")
     _check_picklable(fn)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -246,8 +254,19 @@ def launch(fn: Callable, world_size: int, *args, backend: str | None = None, dev
     procs = [ctx.Process(target=_worker, daemon=False,
                          args=(r, world_size, port, backend, device_type, timeout_s, fn, args, kwargs, results))
              for r in range(world_size)]
-    for p in procs:
-        p.start()
+    # The children inherit this environment when they start: C++ logging (gloo's and the TCP store's
+    # connection notices) set to errors only there, before they import torch.
+    saved = {k: os.environ.get(k) for k in CHILD_ENV}
+    os.environ.update(CHILD_ENV)
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     values: dict[int, Any] = {}
     started = time.monotonic()
     try:
@@ -273,7 +292,8 @@ def launch(fn: Callable, world_size: int, *args, backend: str | None = None, dev
             for r, p in enumerate(procs):
                 if r not in values and p.exitcode is not None:
                     if now - dead_since.setdefault(r, now) > 5.0:
-                        raise WorkerError(r, f"process exited with code {p.exitcode} without returning a result")
+                        raise WorkerError(r, f"process {describe_exit(p.exitcode)} without returning a result "
+                                             "(its own output, if any, is above on stderr)")
     finally:
         if len(values) == world_size:  # success: let the ranks finish their teardown on their own
             for p in procs:

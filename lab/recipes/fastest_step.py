@@ -63,6 +63,9 @@ class StepConfig:
 CONFIGS = {
     "leaderboard": StepConfig("leaderboard", LEADERBOARD, 32_768, 1, 2),
     "2.7B": StepConfig("2.7B", config_for("2.7B", context_length=512), 512, 4, 1),
+    # CPU-sized stand-ins of the two (gloo ranks, Triton interpreted): the quick book and the tests
+    "tiny": StepConfig("tiny", config_for("tiny", context_length=64, vocab_size=512), 64, 1, 2),
+    "tiny_one_rank": StepConfig("tiny_one_rank", config_for("tiny", context_length=64, vocab_size=512), 64, 2, 1),
 }
 
 CHECKPOINTS = ("none", "block", "save_attention")
@@ -122,9 +125,10 @@ def recipes_for(config: StepConfig) -> dict[str, Recipe]:
 def ablations(recipe: Recipe = PROJECT) -> list[Recipe]:
     """``recipe`` with each optimization switched off alone (named ``no_<what>``)."""
     out = []
-    for name, change in (("no_flash_attention", dict(attention="sdpa")), ("no_fused_loss", dict(fused_loss=False)),
-                         ("full_recompute", dict(checkpoint="block")), ("no_compile", dict(compile="none")),
-                         ("foreach_adamw", dict(fused_adamw=False)), ("fp32_master_weights", dict(precision="bf16_autocast"))):
+    switches = (("no_flash_attention", dict(attention="sdpa")), ("no_fused_loss", dict(fused_loss=False)),
+                ("full_recompute", dict(checkpoint="block")), ("no_compile", dict(compile="none")),
+                ("foreach_adamw", dict(fused_adamw=False)), ("fp32_master_weights", dict(precision="bf16_autocast")))
+    for name, change in switches:
         if recipe.checkpoint == "none" and name == "full_recompute":
             continue  # nothing is recomputed: no checkpointing to switch off
         if any(getattr(recipe, k) != v for k, v in change.items()):

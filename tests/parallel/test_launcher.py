@@ -27,6 +27,17 @@ def _fail_on_rank_one(message):
     return "unreachable"
 
 
+def _killed_on_rank_one():
+    if distributed.rank() == 1:
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)  # what the kernel's out-of-memory killer does
+    import time
+
+    time.sleep(60)
+    return distributed.rank()
+
+
 def _sleep_on_rank_one(seconds):
     if distributed.rank() == 1:
         import time
@@ -88,5 +99,16 @@ def test_deadline_stops_a_stuck_launch():
 
     start = time.monotonic()
     with pytest.raises(distributed.WorkerError, match="deadline") as info:
-        distributed.launch(_sleep_on_rank_one, 2, 120, device="cpu", deadline_s=5)
-    assert info.value.rank == 1 and time.monotonic() - start < 60
+        distributed.launch(_sleep_on_rank_one, 2, 300, device="cpu", deadline_s=20)
+    assert info.value.rank == 1 and time.monotonic() - start < 120
+
+
+def test_a_killed_worker_says_how_it_died():
+    with pytest.raises(distributed.WorkerError, match="killed by SIGKILL .likely out of memory") as info:
+        distributed.launch(_killed_on_rank_one, 2, device="cpu", deadline_s=50)
+    assert info.value.rank == 1
+
+
+def test_too_many_cpu_ranks_are_refused():
+    with pytest.raises(ValueError, match="CPU ranks on a machine with"):
+        distributed.launch(_rank_report, 4 * (os.cpu_count() or 1) + 1, 0.0, device="cpu")

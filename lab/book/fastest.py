@@ -1,0 +1,163 @@
+"""Notebook 10's tables, plots and prose: the book's fastest step against stock PyTorch.
+
+Every verdict comes from :mod:`lab.measure.verdicts` on the measured spread of the step times (a claim only
+beyond the noise); every number from the rows of this render's ``fastest_step`` table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pandas as pd
+
+from lab.book.report import fmt
+from lab.measure.verdicts import compare_summaries
+from lab.recipes.fastest_step import CONFIGS, StepConfig, ablations, model_flops_per_step, recipes_for
+
+PHASES = ["recompute_ms", "attention_ms", "matmul_ms", "loss_ms", "optimizer_ms", "other_kernels_ms",
+          "exposed_communication_ms", "idle_ms"]
+MEMORY = ["params_gib", "grads_gib", "optimizer_gib", "activations_and_other_gib"]
+
+
+def recipes(config: StepConfig, quick: bool, ablate: bool = True) -> list:
+    """The book's recipe, both stock steps and (``ablate``) each optimization switched off alone. On the
+    CPU (``quick``) nothing is compiled: inductor's C++ compile would take longer than the whole quick book."""
+    out = list(recipes_for(config).values()) + (ablations(recipes_for(config)["project"]) if ablate else [])
+    if quick:
+        out = [dataclasses.replace(r, compile="none") for r in out]
+        out = [r for i, r in enumerate(out) if r.name != "no_compile"]
+    return out
+
+
+def config_table(names) -> pd.DataFrame:
+    """What each configuration trains: model shape, tokens per step, ranks, parameters, model TFLOP per step."""
+    from lab.accounting import parameter_count
+
+    rows = []
+    for name in names:
+        c = CONFIGS[name]
+        m = c.model
+        rows.append(dict(config=name, d_model=m.d_model, d_ff=m.d_ff, layers=m.num_layers, heads=m.num_heads,
+                         vocab=m.vocab_size, context=c.context, batch=c.batch_per_rank * c.world_size,
+                         world_size=c.world_size, params_B=parameter_count(m) / 1e9,
+                         model_tflop_per_step=model_flops_per_step(c) / 1e12))
+    return pd.DataFrame(rows)
+
+
+def _comparison(row: pd.Series, ref: pd.Series):
+    return compare_summaries(row["step_ms"], row["step_std_ms"], int(row["step_n"]), ref["step_ms"],
+                             ref["step_std_ms"], int(ref["step_n"]))
+
+
+def versus_table(df: pd.DataFrame, reference: str = "stock_compiled") -> pd.DataFrame:
+    """Each recipe's step against ``reference``'s: time ratio with its interval and the verdict."""
+    ok = df[df["status"] == "ok"].set_index("impl")
+    rows = []
+    for impl, row in ok.iterrows():
+        if reference not in ok.index:
+            break
+        c = _comparison(row, ok.loc[reference])
+        rows.append(dict(impl=impl, step_ms=row["step_ms"], ratio_to_reference=c.ratio, low=c.low, high=c.high,
+                         verdict=c.verdict if impl != reference else "reference"))
+    for impl in df.loc[df["status"] != "ok", "impl"]:
+        rows.append(dict(impl=impl, step_ms=math.nan, verdict="out of memory"))
+    return pd.DataFrame(rows)
+
+
+def goal_sentence(df: pd.DataFrame, config: str, target: float, reference: str = "stock_compiled",
+                  on_gpu: bool = True) -> str:
+    """The goal "project <= target x reference" decided within the noise, with the numbers."""
+    ok = df[df["status"] == "ok"].set_index("impl")
+    if "project" not in ok.index or reference not in ok.index:
+        missing = [i for i in ("project", reference) if i not in ok.index]
+        return f"The {config} goal cannot be checked: {', '.join(missing)} has no time (see the table)."
+    c = _comparison(ok.loc["project"], ok.loc[reference])
+    if not math.isfinite(c.high):
+        met = "undecided (fewer than two timed steps, no spread)"
+    elif c.high <= target:
+        met = "met"
+    elif c.low > target:
+        met = "missed"
+    else:
+        met = "undecided within the noise"
+    where = "" if on_gpu else " (a CPU render: these times say nothing about GPUs)"
+    return (f"**{config}**: the book's step takes {fmt(ok.loc['project', 'step_ms'], 4)} ms against "
+            f"{fmt(ok.loc[reference, 'step_ms'], 4)} ms for {reference.replace('_', ' ')}, a ratio of "
+            f"{c.ratio:.3f} (95% interval {c.low:.3f}-{c.high:.3f}); the goal (<= {target}x) is **{met}**{where}.")
+
+
+def ablation_table(df: pd.DataFrame, base: str = "project") -> pd.DataFrame:
+    """What each optimization is worth: the step with it switched off alone, the time it adds (ms and x) and
+    whether that exceeds the noise."""
+    ok = df[df["status"] == "ok"].set_index("impl")
+    if base not in ok.index:
+        return pd.DataFrame()
+    rows = []
+    for impl, row in ok.iterrows():
+        if impl == base or impl.startswith("stock"):
+            continue
+        c = _comparison(row, ok.loc[base])
+        rows.append(dict(switched_off=impl, step_ms=row["step_ms"], added_ms=row["step_ms"] - ok.loc[base, "step_ms"],
+                         ratio=c.ratio, verdict={"slower": "helps", "faster": "hurts"}.get(c.verdict, "within noise"),
+                         peak_gib=row.get("peak_gib", math.nan)))
+    for impl in df.loc[(df["status"] != "ok") & ~df["impl"].str.startswith("stock"), "impl"]:
+        rows.append(dict(switched_off=impl, verdict="out of memory without it"))
+    return pd.DataFrame(rows)
+
+
+def plot_phases(df: pd.DataFrame, title: str = "", ax=None):
+    """Stacked horizontal bars: each profiled recipe's step time by phase (ms)."""
+    import matplotlib.pyplot as plt
+
+    data = df[df[PHASES].notna().any(axis=1)].set_index("impl")[PHASES]
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 0.8 + 0.6 * max(len(data), 1)))
+    if data.empty:
+        ax.set_title(f"{title}: no GPU kernels were profiled")
+        return ax
+    data.rename(columns=lambda c: c.removesuffix("_ms").replace("_", " ")).plot.barh(stacked=True, ax=ax, width=0.7)
+    ax.set_xlabel("ms per step")
+    ax.set_ylabel("")
+    ax.set_title(title)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    return ax
+
+
+def plot_memory(df: pd.DataFrame, title: str = "", ax=None):
+    """Stacked bars: peak memory per GPU by category (GiB) for each recipe that ran."""
+    import matplotlib.pyplot as plt
+
+    data = df[df["status"] == "ok"].set_index("impl")[MEMORY]
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 0.8 + 0.5 * max(len(data), 1)))
+    data.rename(columns=lambda c: c.removesuffix("_gib").replace("_", " ")).plot.barh(stacked=True, ax=ax, width=0.7)
+    ax.set_xlabel("GiB per GPU at the step's peak")
+    ax.set_ylabel("")
+    ax.set_title(title)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    return ax
+
+
+def phase_sentence(df: pd.DataFrame, impl: str = "project") -> str:
+    """Where the step's time goes, largest phases first (profiled step, ms per step)."""
+    row = df.set_index("impl").loc[impl] if impl in set(df["impl"]) else None
+    if row is None or row[PHASES].isna().all():
+        return f"No GPU profile of {impl} (on the CPU there are no kernels to attribute)."
+    parts = row[PHASES].dropna().sort_values(ascending=False)
+    total = parts.sum()
+    text = ", ".join(f"{name.removesuffix('_ms').replace('_', ' ')} {fmt(ms, 3)} ms ({ms / total:.0%})"
+                     for name, ms in parts.items() if ms > 0.005 * total)
+    return f"One profiled step of {impl}: {text}."
+
+
+def mfu_sentence(df: pd.DataFrame, on_gpu: bool) -> str:
+    """MFU of the book's step against the matmul ceiling measured on this card and the datasheet."""
+    ok = df[(df["status"] == "ok") & (df["impl"] == "project")]
+    if not on_gpu or ok.empty or not math.isfinite(ok["mfu"].iloc[0]):
+        return "Model-FLOP utilisation is only meaningful on a GPU; this render has none."
+    r = ok.iloc[0]
+    return (f"The book's step does {r['model_tflop_per_step']:.4g} TFLOP of model FLOPs per step: "
+            f"{r['tokens_per_s']:.4g} tokens/s, {r['mfu']:.1%} of the {r['matmul_ceiling_tflops']:.0f} TFLOP/s "
+            f"bf16 matmul ceiling measured on this card ({r['mfu_datasheet']:.1%} of the 989 TFLOP/s datasheet); "
+            f"the gap to the ceiling is {1 - r['mfu']:.0%} of the step.")

@@ -1,0 +1,142 @@
+# ---
+# jupyter:
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 10 · The fastest step: the book's parts composed
+#
+# Notebooks 05 and 08 measured the book's kernels and sharding one by one. Here they are composed into one
+# training step and set against what a PyTorch user writes, measured side by side in the same run on the
+# same GPUs:
+#
+# * **the course's 2026 leaderboard step**: 8.1 B parameters (d_model 4,096, d_ff 11,008, 34 layers, 32
+#   heads, vocabulary 151,936), context 32,768, bf16 parameters, one sequence per GPU on two GPUs, AdamW,
+#   the cross-entropy summed; one complete step (zero_grad, forward, loss, backward, optimizer step) timed
+#   with `triton.testing.do_bench`;
+# * **the 2.7B step on one GPU**: batch 4, context 512.
+#
+# The book's recipe (`lab.recipes.fastest_step.PROJECT`): the Triton FlashAttention-2 kernels, the fused
+# LM-head cross-entropy (the 10 GB of logits never exist), `lab.FSDP` (one all-gather and one reduce-scatter
+# per block, prefetched), selective activation checkpointing that keeps each block's attention output and
+# recomputes the rest, `torch.compile` of the modules without matrices, fused AdamW. The stock step: FSDP2
+# `fully_shard` per block and at the root, SDPA, `torch.utils.checkpoint` on every block, materialized
+# logits, fused AdamW, eager and with each block compiled. Every optimization is then switched off alone.
+
+# %% tags=["parameters"]
+quick = True                      # CPU-sized stand-ins on gloo with Triton interpreted; the full render sets False
+device = "auto"
+results_dir = "results/quick"     # the full render passes "results"
+artifacts_dir = "artifacts/quick"
+replay = False                    # True: re-render from results/ without measuring
+configs = None                    # None: ["leaderboard", "2.7B"] (full) or ["tiny", "tiny_one_rank"] (quick)
+ablate = True                     # each optimization switched off alone (the ablation table)
+rep_ms = 3000                     # do_bench repetition budget of the headline steps (at least one step)
+goal = {"leaderboard": 0.8, "2.7B": 0.85, "tiny": 0.8, "tiny_one_rank": 0.85}  # book / stock compiled
+loss_shapes = None                # (vocab, d_model, tokens) of the loss benchmark; None: the defaults below
+
+# %%
+import matplotlib.pyplot as plt
+import pandas as pd
+
+from lab.bench import fastest as bench
+from lab.bench import fused_loss
+from lab.book import fastest, plots, report
+from lab.measure.device import resolve_device
+from lab.recipes.fastest_step import CONFIGS
+
+dev = resolve_device(device)
+on_gpu = dev.type == "cuda"
+configs = configs or (["tiny", "tiny_one_rank"] if quick else ["leaderboard", "2.7B"])
+loss_shapes = loss_shapes or ([(512, 64, 256)] if quick else [(151_936, 4096, 32_768), (10_000, 2560, 16_384)])
+params = dict(quick=quick, device=str(dev), configs=configs, ablate=ablate, rep_ms=rep_ms, goal=goal,
+              loss_shapes=loss_shapes)
+book = report.Chapter("10_fastest_step", params, results_dir, replay=replay)
+plots.set_style()
+book.show_machine()
+book.show_answers()
+
+# %% [markdown]
+# ## The configurations
+#
+# Model FLOPs count every matmul once forward and twice backward, with the causal half of the attention
+# scores, and no recomputation: the numerator of MFU.
+
+# %%
+report.show_table(fastest.config_table(configs), floatfmt=".4g")
+
+# %% [markdown]
+# ## Stock PyTorch against the book's step
+#
+# Each recipe runs in the same processes one after the other, the model rebuilt for each. The book's step and
+# both stock steps are timed with `triton.testing.do_bench` (median of whole steps) and profiled once; the
+# ablations with two host-timed steps. `first_step_s` is the first step including compilation and autotuning.
+
+# %%
+runs = book.table("fastest_step", lambda: pd.concat(
+    [bench.benchmark(name, fastest.recipes(CONFIGS[name], quick, ablate), device=str(dev), rep_ms=rep_ms,
+                     trace_dir=artifacts_dir) for name in configs], ignore_index=True), save=bench.results_table)
+for name in configs:
+    table = runs[runs["config"] == name]
+    report.show_table(table[["impl", "status", "step_ms", "step_std_ms", "peak_gib", "tokens_per_s", "mfu",
+                             "first_step_s", "timer"]], floatfmt=".4g")
+    report.show_table(fastest.versus_table(table), floatfmt=".3g")
+    report.say(fastest.goal_sentence(table, name, goal[name], on_gpu=on_gpu))
+    book.answer(f"Is the book's {name} step at most {goal[name]}x the stock compiled step?",
+                fastest.goal_sentence(table, name, goal[name], on_gpu=on_gpu), "Stock PyTorch against the book's step")
+
+# %% [markdown]
+# ## Where the time goes
+#
+# One profiled step: each GPU kernel's time assigned to recomputation or the optimizer by where it was
+# launched, else to attention, matmuls or the loss by its name; communication counts only where no compute
+# ran beside it; `idle` is the time the compute streams waited (launch gaps, exposed communication).
+
+# %%
+for name in configs:
+    table = runs[runs["config"] == name]
+    fastest.plot_phases(table, f"{name}: time by phase (ms per step)")
+    plt.show()
+    report.say(fastest.phase_sentence(table))
+    report.say(fastest.mfu_sentence(table, on_gpu))
+book.answer("Where does the book's step spend its time?", fastest.phase_sentence(runs[runs["config"] == configs[0]]),
+            "Where the time goes")
+
+# %% [markdown]
+# ## Memory by category
+#
+# Parameters, gradients and AdamW state on one GPU (sharded where the recipe shards them), and everything
+# else at the step's peak: activations kept for backward, the recomputed block, gathered weights, the loss.
+
+# %%
+for name in configs:
+    fastest.plot_memory(runs[runs["config"] == name], f"{name}: peak memory per GPU")
+    plt.show()
+
+# %% [markdown]
+# ## Ablations: what each optimization is worth
+#
+# The book's step with one optimization switched off, measured in the same run: `helps` means the step is
+# slower without it beyond the noise.
+
+# %%
+for name in configs:
+    report.say(f"**{name}**")
+    report.show_table(fastest.ablation_table(runs[runs["config"] == name]), floatfmt=".4g")
+
+# %% [markdown]
+# ## The loss without the logits
+#
+# The fused LM head + cross-entropy against PyTorch with materialized logits (eager and compiled) and a
+# chunked PyTorch loss, forward+backward, at the leaderboard's vocabulary and at the course models' 10,000.
+# `peak_extra_gib` is the memory the loss needs beyond its inputs and outputs.
+
+# %%
+losses = book.table("fused_loss", lambda: fused_loss.add_ratios(fused_loss.sweep(shapes=loss_shapes, device=dev)))
+report.show_table(losses, floatfmt=".4g")
+report.say(fastest.fused_loss_sentence(losses, on_gpu))
+book.answer("Does the fused loss remove the logits' memory without costing time?",
+            fastest.fused_loss_sentence(losses, on_gpu), "The loss without the logits")
