@@ -23,6 +23,8 @@ def parser() -> cli.Parser:
     p.add_argument("--recipes", nargs="+", default=["project", "stock_compiled"],
                    help="project, stock_eager, stock_compiled, and the ablations (no_flash_attention, no_fused_loss, "
                         "full_recompute, no_compile, foreach_adamw, fp32_master_weights), or 'all'")
+    p.add_argument("--num-layers", type=cli.positive_int, default=None,
+                   help="override the model's layer count (a quicker try of the same step shape)")
     p.add_argument("--rep-ms", type=float, default=3000.0, help="do_bench repetition budget in ms (>= 1 step)")
     p.add_argument("--no-profile", action="store_true", help="skip the profiled step (phase breakdown)")
     p.add_argument("--device", default="auto", help="auto, cuda or cpu (cpu: gloo, for trying the code path)")
@@ -52,6 +54,11 @@ def fastest_main(argv: Sequence[str] | None = None) -> int:
     from lab.recipes.fastest_step import CONFIGS
 
     config = CONFIGS[args.config]
+    if args.num_layers:
+        import dataclasses
+
+        config = dataclasses.replace(config, name=f"{config.name}_{args.num_layers}layers",
+                                     model=dataclasses.replace(config.model, num_layers=args.num_layers))
     world = args.world_size or config.world_size
     if args.device in ("auto", "cuda"):
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -63,7 +70,7 @@ def fastest_main(argv: Sequence[str] | None = None) -> int:
             raise cli.UsageError("the leaderboard step needs two GPUs with about 60 GiB each; this machine has no GPU")
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
     device = "cpu" if device == "auto" else device
-    df = benchmark(args.config, choose_recipes(config, args.recipes), world, device, rep_ms=args.rep_ms,
+    df = benchmark(config, choose_recipes(config, args.recipes), world, device, rep_ms=args.rep_ms,
                    profile=not args.no_profile)
     table = results_table(df)
     cols = ["impl", "config", "world_size", "status", "step_ms", "peak_gib", "tokens_per_s", "mfu", "first_step_s"]
