@@ -108,11 +108,11 @@ def lse_and_target_logit(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     return torch.logsumexp(partial, dim=1), target_logit
 
 
-def chunk_columns(n: int, v: int, dtype: torch.dtype) -> int:
+def chunk_columns(n: int, v: int, dtype: torch.dtype, interpret: bool | None = None) -> int:
     """Vocabulary columns per backward chunk: as many as :data:`SCRATCH_BYTES` holds for ``n`` tokens, a
     multiple of the tile widths (so that every chunk but the last needs no K mask), at least one tile, at
-    most the (rounded up) vocabulary."""
-    align = max(K.config("dlogits", dtype)["BLOCK_N"], K.config("matmul", dtype)["BLOCK_K"])
+    most the (rounded up) vocabulary. ``interpret``: as in :func:`fused_cross_entropy_kernels.config`."""
+    align = max(K.config("dlogits", dtype, interpret)["BLOCK_N"], K.config("matmul", dtype, interpret)["BLOCK_K"])
     element_size = torch.empty((), dtype=dtype).element_size()
     columns = _round_down(SCRATCH_BYTES // max(1, n * element_size), align)
     return min(max(columns, align), _round_up(v, align))

@@ -47,21 +47,24 @@ CONFIGS: dict[tuple[str, str], dict] = {
 }
 _INTERPRET_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=1)
 
-#: Alternatives the GPU check script times at the goal shape (bf16): kernel -> list of configs.
+#: Alternatives the GPU check script times at the goal shape (bf16): kernel -> list of configs ("lse" also
+#: serves the dlogits kernel). ``tools/fused_loss_gpu_check.py --compile-only candidates`` compiles them for
+#: sm_90a on any machine and reports registers, spills and shared memory.
 CANDIDATES: dict[str, list[dict]] = {
     "lse": [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=g, num_warps=w, num_stages=s)
             for m, n, k, g, w, s in [(128, 128, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4), (128, 256, 64, 8, 8, 3),
-                                     (128, 128, 64, 8, 4, 4), (128, 64, 64, 8, 4, 4), (64, 128, 64, 8, 4, 4),
-                                     (128, 128, 128, 8, 8, 2), (128, 128, 64, 16, 8, 3)]],
+                                     (128, 64, 64, 8, 4, 4), (64, 128, 64, 8, 4, 4), (128, 128, 128, 8, 8, 2),
+                                     (128, 128, 64, 16, 8, 3), (128, 128, 64, 4, 8, 3)]],
     "matmul": [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=g, num_warps=w, num_stages=s)
                for m, n, k, g, w, s in [(128, 256, 64, 8, 8, 3), (128, 256, 64, 8, 8, 4), (128, 128, 64, 8, 8, 4),
-                                        (128, 128, 64, 8, 4, 4), (64, 256, 64, 8, 8, 4), (128, 256, 32, 8, 8, 4)]],
+                                        (128, 128, 64, 8, 8, 3), (64, 256, 64, 8, 8, 4), (128, 256, 32, 8, 8, 4)]],
 }
 
 
-def config(kernel: str, dtype: torch.dtype) -> dict:
-    """Launch keywords (tile sizes, GROUP_M, num_warps, num_stages) of ``kernel`` for inputs of ``dtype``."""
-    if INTERPRET:
+def config(kernel: str, dtype: torch.dtype, interpret: bool | None = None) -> dict:
+    """Launch keywords (tile sizes, GROUP_M, num_warps, num_stages) of ``kernel`` for inputs of ``dtype``;
+    ``interpret`` (default: whether this process interprets Triton) picks the interpreter's small config."""
+    if INTERPRET if interpret is None else interpret:
         return dict(_INTERPRET_CONFIG)
     return dict(CONFIGS[(kernel, "fp32" if dtype == torch.float32 else "16bit")])
 
@@ -204,6 +207,23 @@ def _softmax_grad_kernel(L, LSE, T, GL, GT, n_rows, V, stride_l, BLOCK: tl.const
 
 
 @triton.jit
+def _tile_offsets(stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    return tl.arange(0, BLOCK_M)[:, None] * stride + tl.arange(0, BLOCK_N)[None, :]
+
+
+@triton.jit
+def _matmul_step(acc, a_ptrs, b_ptrs, rk, k, K, EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + one K block of A @ B (the K tail masked unless EVEN_K)."""
+    if EVEN_K:
+        a = tl.load(a_ptrs)
+        b = tl.load(b_ptrs)
+    else:
+        a = tl.load(a_ptrs, mask=rk[None, :] < K - k, other=0.0)
+        b = tl.load(b_ptrs, mask=rk[:, None] < K - k, other=0.0)
+    return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
 def _matmul_kernel(A, B, C_IN, C, FLAGS, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
                    stride_fm, stride_fk, num_pid_m, num_pid_n,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -211,34 +231,34 @@ def _matmul_kernel(A, B, C_IN, C, FLAGS, M, N, K, stride_am, stride_ak, stride_b
                    USE_FLAGS: tl.constexpr, FLAG_M: tl.constexpr, FLAG_K: tl.constexpr):
     """``C = A @ B (+ C_IN)`` with an fp32 accumulator, stored in C's dtype; C and C_IN share strides (unit
     column stride). ``USE_FLAGS``: the K block ``k`` of output row tile ``m`` is skipped when
-    ``FLAGS[m * BLOCK_M // FLAG_M, k // FLAG_K] == 0`` (needs FLAG_M % BLOCK_M == FLAG_K % BLOCK_K == 0)."""
+    ``FLAGS[m * BLOCK_M // FLAG_M, k // FLAG_K] == 0`` (needs FLAG_M % BLOCK_M == FLAG_K % BLOCK_K == 0).
+    Without flags the loop has no branch, so Triton pipelines its loads as in a plain GEMM."""
     pid_m, pid_n = _grouped_pid(num_pid_m, num_pid_n, GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     a_ptrs = A + (rm % M).to(tl.int64)[:, None] * stride_am + rk[None, :].to(tl.int64) * stride_ak
     b_ptrs = B + rk[:, None].to(tl.int64) * stride_bk + (rn % N).to(tl.int64)[None, :] * stride_bn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # C tile: one int64 base offset and int32 offsets within the tile (cheap to keep or recompute)
+    c_base = (pid_m * BLOCK_M).to(tl.int64) * stride_cm + pid_n * BLOCK_N
+    if HAS_C_IN:  # start from C_IN (beta = 1): adding it after the loop would need a second tile of registers
+        acc = tl.load(C_IN + c_base + _tile_offsets(stride_cm, BLOCK_M, BLOCK_N),
+                      mask=(rm < M)[:, None] & (rn < N)[None, :], other=0.0)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     flag_ptr = FLAGS + ((pid_m * BLOCK_M) // FLAG_M) * stride_fm
     for k in range(0, K, BLOCK_K):
-        live = True
         if USE_FLAGS:
-            live = tl.load(flag_ptr + (k // FLAG_K) * stride_fk) != 0
-        if live:
-            if EVEN_K:
-                a = tl.load(a_ptrs)
-                b = tl.load(b_ptrs)
-            else:
-                a = tl.load(a_ptrs, mask=rk[None, :] < K - k, other=0.0)
-                b = tl.load(b_ptrs, mask=rk[:, None] < K - k, other=0.0)
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            if tl.load(flag_ptr + (k // FLAG_K) * stride_fk) != 0:
+                acc = _matmul_step(acc, a_ptrs, b_ptrs, rk, k, K, EVEN_K, PRECISION)
+        else:
+            acc = _matmul_step(acc, a_ptrs, b_ptrs, rk, k, K, EVEN_K, PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
-    c_offs = rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
-    c_mask = (rm < M)[:, None] & (rn < N)[None, :]
-    if HAS_C_IN:
-        acc += tl.load(C_IN + c_offs, mask=c_mask, other=0.0)
-    tl.store(C + c_offs, acc.to(C.dtype.element_ty), mask=c_mask)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(C + c_base + _tile_offsets(stride_cm, BLOCK_M, BLOCK_N), acc.to(C.dtype.element_ty),
+             mask=(rm < M)[:, None] & (rn < N)[None, :])
 
 
 # ------------------------------------------------------------------------------------------ host launchers
