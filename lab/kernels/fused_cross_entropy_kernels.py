@@ -124,7 +124,11 @@ def _logits_tile(H, W, rows, cols, n_rows, n_cols, D, stride_h, stride_w,
 
 
 # ------------------------------------------------------------------------------------------------ forward
-@triton.jit
+# Token counts are not specialised on divisibility by 16 (one compiled kernel serves every batch size) where
+# that costs nothing; the vocabulary, the chunk width and the matmul's M and N are: without it the modulo row
+# indexing loses its contiguity (no vectorised loads along a unit-stride M, so no pipelining) and the lse
+# kernel needs 187 instead of 128 registers (``tools/fused_loss_gpu_check.py --compile-only`` shows both).
+@triton.jit(do_not_specialize=["n_rows", "num_pid_m", "num_pid_n"])
 def _lse_kernel(H, W, T, P, TGT, L, n_rows, V, D, stride_h, stride_w, stride_p, stride_l, num_pid_m, num_pid_n,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                 EVEN_K: tl.constexpr, PRECISION: tl.constexpr, STORE_LOGITS: tl.constexpr):
@@ -155,7 +159,7 @@ def _lse_kernel(H, W, T, P, TGT, L, n_rows, V, D, stride_h, stride_w, stride_p, 
 
 
 # ----------------------------------------------------------------------------------------------- backward
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "v0", "num_pid_m", "num_pid_n"])
 def _dlogits_kernel(H, W, T, LSE, GL, GT, S, FLAGS, n_rows, width, v0, D, stride_h, stride_w, stride_s, stride_f,
                     threshold, num_pid_m, num_pid_n,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -192,7 +196,7 @@ def _dlogits_kernel(H, W, T, LSE, GL, GT, S, FLAGS, n_rows, width, v0, D, stride
         tl.store(s_ptrs, dz.to(S.dtype.element_ty), mask=inside)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _softmax_grad_kernel(L, LSE, T, GL, GT, n_rows, V, stride_l, BLOCK: tl.constexpr):
     """In place over stored logits (gradients-in-forward mode): ``L = exp(L - lse) * GL + onehot * GT``.
     Grid (rows, column blocks)."""
@@ -223,7 +227,7 @@ def _matmul_step(acc, a_ptrs, b_ptrs, rk, k, K, EVEN_K: tl.constexpr, PRECISION:
     return tl.dot(a, b, acc, input_precision=PRECISION)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["K", "num_pid_m", "num_pid_n"])
 def _matmul_kernel(A, B, C_IN, C, FLAGS, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
                    stride_fm, stride_fk, num_pid_m, num_pid_n,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
