@@ -191,11 +191,10 @@ def benchmark_loss(impl: str, vocab: int, d_model: int, tokens: int, dtype: str 
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     row = dict(impl=impl, vocab=vocab, d_model=d_model, tokens=tokens, dtype=dtype, fwdbwd_ms=math.nan,
                fwd_ms=math.nan, peak_extra_gib=math.nan, tflops=math.nan, status="ok", error="", device=str(device))
-    tensors: tuple = ()
+    hidden = weight = targets = None
     try:
         loss_fn = fn if fn is not None else loss_impl(impl)
-        tensors = make_inputs(vocab, d_model, tokens, dtype, device, seed)
-        hidden, weight, targets = tensors
+        hidden, weight, targets = make_inputs(vocab, d_model, tokens, dtype, device, seed)
 
         def fwdbwd():
             return torch.autograd.grad(loss_fn(hidden, weight, targets), (hidden, weight))
@@ -212,7 +211,7 @@ def benchmark_loss(impl: str, vocab: int, d_model: int, tokens: int, dtype: str 
             raise
         row.update(status="oom" if is_oom(exc) else "error", error=error_summary(exc))
     finally:
-        del tensors
+        hidden = weight = targets = None  # the closures above hold these cells: free the GBs before the next row
         empty_cache()
     return row
 

@@ -83,11 +83,17 @@ def test_matches_float64(shape, reduction, dtype):
 @pytest.mark.parametrize("grad_in_forward", [False, True], ids=["recompute", "grad_in_forward"])
 def test_many_chunks(monkeypatch, grad_in_forward, dtype):
     """Several vocabulary chunks (the fp32 d_hidden accumulator: first, middle and last chunk) in the
-    recompute backward; several token chunks (the fp32 d_weight accumulator) with gradients in the forward."""
-    monkeypatch.setattr(fce, "SCRATCH_BYTES", 45 * 4 * 32)  # 32 columns for 45 fp32 rows -> 4 chunks of V=110
-    monkeypatch.setattr(fce, "FORWARD_GRAD_CHUNK_TOKENS", 16)  # 3 token chunks, the last one ragged
-    hidden, weight, targets = inputs(45, 24, 110, DTYPES[dtype], scale=3.0, ignore_every=5)
-    assert fce.chunk_columns(45, 110, torch.float32) == 32
+    recompute backward; several token chunks (the fp32 d_weight accumulator) with gradients in the forward.
+    Sizes follow the tile configs in use (16 interpreted, 64-128 compiled)."""
+    dt = DTYPES[dtype]
+    align = max(kernels.config("dlogits", dt)["BLOCK_N"], kernels.config("matmul", dt)["BLOCK_K"])
+    rows = kernels.config("lse", dt)["BLOCK_M"]
+    n, v = 2 * rows + 13, 5 * align + 7  # 3 token chunks, the last ragged; 3 vocabulary chunks of 2, 2, 1+ tiles
+    element = 4 if dt == torch.float32 or kernels.interpreter_needs_fp32(dt) else 2
+    monkeypatch.setattr(fce, "SCRATCH_BYTES", n * element * 2 * align)
+    monkeypatch.setattr(fce, "FORWARD_GRAD_CHUNK_TOKENS", rows)
+    assert fce.chunk_columns(n, v, torch.float32 if element == 4 else dt) == 2 * align
+    hidden, weight, targets = inputs(n, 24, v, dt, scale=3.0, ignore_every=5)
     for reduction in ("mean", "sum"):
         check(hidden, weight, targets, dtype, reduction, grad_in_forward=grad_in_forward)
 
@@ -223,12 +229,14 @@ def test_compile_fullgraph_matches_eager(grad_in_forward):
     backend = "inductor" if DEVICE == "cuda" else "aot_eager"
     torch._dynamo.reset()
     compiled = torch.compile(loss_fn, fullgraph=True, backend=backend)
-    loss, grads = loss_fn(hidden, weight, targets), None
+    loss = loss_fn(hidden, weight, targets)
     grads = torch.autograd.grad(loss, (hidden, weight))
     c_loss = compiled(hidden, weight, targets)
     c_grads = torch.autograd.grad(c_loss, (hidden, weight))
-    assert torch.equal(loss, c_loss)
-    assert all(torch.equal(a, b) for a, b in zip(grads, c_grads))
+    # aot_eager runs the same ops: bitwise equal; Inductor may sum the per-token losses in another order
+    tol = dict(rtol=0, atol=0) if backend == "aot_eager" else dict(rtol=1e-6, atol=1e-6)
+    for a, b in zip((loss, *grads), (c_loss, *c_grads)):
+        torch.testing.assert_close(b, a, **tol)
 
 
 # ------------------------------------------------------------------------------------------------ the model
@@ -301,6 +309,7 @@ def _fsdp_worker() -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not kernels.INTERPRET, reason="gloo ranks on the CPU need the Triton interpreter")
 def test_fused_loss_inside_fsdp_matches_single_process():
     for res in distributed.launch(_fsdp_worker, 2, device="cpu", timeout_s=120):
         assert res["loss"] == pytest.approx(res["ref_loss"], rel=1e-6)
