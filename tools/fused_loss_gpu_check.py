@@ -1,30 +1,26 @@
-"""GPU check of the fused LM head + cross-entropy: correctness at real sizes, torch.compile, speed and memory.
+"""GPU check of the fused LM head + cross-entropy: correctness at real sizes, speed, memory, torch.compile.
 
-Run from the repository root on a machine with one CUDA GPU (about 4 minutes on an H100)::
+Run from the repository root on one CUDA GPU (about 4 minutes on an H100); files go to $OUT (default ./out)::
 
-    OUT=/some/dir python tools/fused_loss_gpu_check.py [--budget-s 230] [--skip-candidates]
+    OUT=/some/dir python tools/fused_loss_gpu_check.py [--budget-s 210] [--skip-candidates]
 
-Parts, in this order (each in try/except; a part whose estimated duration would end after the time
-budget is skipped and the log says so; the candidates stop at the budget):
+Parts, in order; each in try/except; a part starts only if its estimated end is within the budget:
 
-1. ``correctness``: fused loss and gradients (recompute mode, gradients-in-forward mode, the skip threshold)
-   against the materialized loss in fp32 without TF32, next to the materialized bf16 loss's own error, at
-   (N, D, V) = (2048, 4096, 151936) with flat (std 1) and peaked (std 8) logits, (1999, 8192, 32003) and
-   (4096, 768, 10000);
-2. ``benchmark goal`` and ``benchmark small``: :func:`lab.bench.fused_loss.benchmark_loss` for fused,
-   fused_grad_in_forward, torch, torch_compiled and torch_chunked at (V, D, N) = (151936, 4096, 32768),
-   then (10000, {768, 2560}, 16384), bf16: fwd and fwd+bwd median ms, peak extra GiB (and the closed-form
-   prediction), TFLOP/s (6 N D V), ratios to torch_compiled and to torch;
-3. ``compile``: ``torch.compile(fullgraph=True)`` (Inductor) of the loss and of a small TransformerLM with
-   ``fused_loss=True`` under bf16 autocast, against eager;
-4. ``candidates``: each kernel alone at the goal shape for every config in
-   ``fused_cross_entropy_kernels.CANDIDATES`` (and cuBLAS on the same GEMMs); then the fused loss again at
-   the goal shape with the fastest configs (row "fused (fastest candidates)").
+1. correctness: the fused loss and gradients (recompute, gradients-in-forward, skip threshold 2^-12) and
+   the materialized bf16 loss against the materialized loss in fp32 (no TF32), (N, D, V) = (2048, 4096,
+   151936) with flat (std 1) and peaked (std 8) logits, (1999, 8192, 32003), (4096, 768, 10000);
+2. benchmark: :func:`lab.bench.fused_loss.benchmark_loss` of fused, fused_grad_in_forward, torch,
+   torch_compiled, torch_chunked at (V, D, N) = (151936, 4096, 32768), then (10000, {768, 2560}, 16384),
+   bf16: median ms, peak extra GiB (and the closed-form prediction), TFLOP/s (6 N D V), ratios;
+3. compile: ``torch.compile(fullgraph=True)`` of the loss and of a TransformerLM with ``fused_loss=True``
+   under bf16 autocast, against eager;
+4. candidates: each kernel alone at the goal shape for every config of ``CANDIDATES`` (and cuBLAS on the
+   same GEMMs), then the fused loss again with the fastest ones ("fused (fastest candidates)").
 
-Writes log.txt, correctness.csv, compile.csv, benchmark.csv, candidates.csv, summary.md under $OUT
-(default ./out) and prints the summary. ``--compile-only`` needs no GPU: it compiles every kernel variant
-for sm_90a with Triton's bundled ptxas (arguments specialised as the JIT would at the goal shape) and
-reports registers, spills and shared memory.
+Files: log.txt (line by line), correctness.csv, benchmark.csv, compile.csv, candidates.csv, summary.md
+(also printed). ``--compile-only`` needs no GPU: every kernel variant compiled for sm_90a by Triton's
+bundled ptxas, arguments specialised as the JIT would at the goal shape: registers, spills, shared memory.
+``--smoke`` runs every part on the CPU (interpreted Triton, tiny shapes): a check of the script only.
 """
 
 from __future__ import annotations
@@ -32,7 +28,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import subprocess
 import sys
 import time
 import traceback
@@ -71,96 +66,27 @@ def _empty_cache() -> None:
         torch.cuda.empty_cache()
 IMPLS = ("fused", "fused_grad_in_forward", "torch", "torch_compiled", "torch_chunked")
 START = time.time()
-_LOG: list[str] = []
+LOG_PATH: Path | None = None  # log.txt under --out, appended line by line (survives a killed run)
 
 
 def log(*parts) -> None:
     line = f"[{time.time() - START:6.1f}s] " + " ".join(str(p) for p in parts)
     print(line, flush=True)
-    _LOG.append(line)
+    if LOG_PATH is not None:
+        with open(LOG_PATH, "a") as f:
+            f.write(line + "\n")
 
 
 # ------------------------------------------------------------------------------------ compile only (CPU)
-def compile_only(which: str = "default", arch: int = 90) -> list[dict]:
-    """Compile every kernel variant for ``sm_<arch>a`` without a GPU, with the default configs of bf16 and
-    fp32 (``which="default"``) or every bf16 candidate (``"candidates"``); returns one row per compile with
-    registers, spill bytes, shared memory (from ``ptxas -v``) and whether wgmma is used."""
-    import re
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+def compile_only(which: str = "default") -> list[dict]:
+    """:func:`lab.kernels.fused_cross_entropy_kernels.compile_report` for sm_90a, logged row by row."""
     from lab.kernels import fused_cross_entropy_kernels as K
 
-    ptxas = Path(triton.__file__).parent / "backends/nvidia/bin/ptxas"
-    target = GPUTarget("cuda", arch, 32)
-    # arguments the JIT does not mark divisible by 16: floats, flag strides, do_not_specialize sizes
-    no_hint = {"threshold", "stride_fm", "stride_fk", "stride_f"}
-
-    def build(fn, types: dict, consts: dict, cfg: dict, ones=()):
-        meta = {k: v for k, v in cfg.items() if k not in ("num_warps", "num_stages")}
-        consts = {**consts, **meta, **{o: 1 for o in ones}}  # the JIT turns int arguments equal to 1 into constants
-        sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
-        # the JIT marks 16-byte aligned pointers and ints divisible by 16 (all of them at the goal shape)
-        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-                 if sig[n] != "constexpr" and n not in no_hint and n not in fn.do_not_specialize}
-        compiled = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=target,
-                                  options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
-        ptx = Path(os.environ.get("TMPDIR", "/tmp")) / f"fused_loss_{os.getpid()}.ptx"
-        ptx.write_text(compiled.asm["ptx"])
-        info = subprocess.run([str(ptxas), f"-arch=sm_{arch}a", "-v", str(ptx), "-o", os.devnull],
-                              capture_output=True, text=True).stderr
-        ptx.unlink()
-        regs = re.search(r"Used (\d+) registers", info)
-        spills = re.search(r"(\d+) bytes spill stores", info)
-        return dict(registers=int(regs.group(1)) if regs else -1, spill_bytes=int(spills.group(1)) if spills else -1,
-                    shared_kib=compiled.metadata.shared / 1024, wgmma="wgmma" in compiled.asm["ptx"])
-
-    variants = []
-    for dtype in ("bf16", "fp32") if which == "default" else ("bf16",):
-        p = "*" + dtype
-        lse_t = {"H": p, "W": p, "T": "*i64", "P": "*fp32", "TGT": "*fp32", "L": p}
-        dl_t = {"H": p, "W": p, "T": "*i64", "LSE": "*fp32", "GL": "*fp32", "GT": "*fp32", "S": p,
-                "FLAGS": "*i32", "threshold": "fp32"}
-        mm_out = {"A": p, "B": p, "C_IN": "*fp32", "C": p, "FLAGS": "*i32"}
-        mm_acc = {**mm_out, "C": "*fp32"}
-        common = {"EVEN_K": True, "PRECISION": "tf32"}
-        cls = "fp32" if dtype == "fp32" else "16bit"
-        tiles = K.CANDIDATES["lse"] if which == "candidates" else [K.CONFIGS[("lse", cls)]]
-        for cfg in tiles:
-            variants += [(f"lse {dtype}", K._lse_kernel, lse_t, {**common, "STORE_LOGITS": False}, cfg, ()),
-                         (f"lse+store {dtype}", K._lse_kernel, lse_t, {**common, "STORE_LOGITS": True}, cfg, ())]
-        for cfg in K.CANDIDATES["lse"] if which == "candidates" else [K.CONFIGS[("dlogits", cls)]]:
-            variants += [(f"dlogits {dtype}", K._dlogits_kernel, dl_t, {**common, "USE_FLAGS": False}, cfg, ()),
-                         (f"dlogits+flags {dtype}", K._dlogits_kernel, dl_t, {**common, "USE_FLAGS": True}, cfg, ())]
-        dl_cfg = K.CONFIGS[("dlogits", cls)]
-        flags_on = {**common, "USE_FLAGS": True, "FLAG_M": dl_cfg["BLOCK_M"], "FLAG_K": dl_cfg["BLOCK_N"]}
-        flags_off = {**common, "USE_FLAGS": False, "FLAG_M": 1, "FLAG_K": 1}
-        for cfg in K.CANDIDATES["matmul"] if which == "candidates" else [K.CONFIGS[("matmul", cls)]]:
-            variants += [(f"matmul dW {dtype}", K._matmul_kernel, mm_out, {**flags_off, "HAS_C_IN": False}, cfg,
-                          ("stride_am", "stride_bn")),
-                         (f"matmul dH+= {dtype}", K._matmul_kernel, mm_acc, {**flags_off, "HAS_C_IN": True}, cfg,
-                          ("stride_ak", "stride_bn")),
-                         (f"matmul dH+= flags {dtype}", K._matmul_kernel, mm_acc, {**flags_on, "HAS_C_IN": True}, cfg,
-                          ("stride_ak", "stride_bn", "stride_fk"))]
-        variants.append((f"softmax_grad {dtype}", K._softmax_grad_kernel, {"L": p, "LSE": "*fp32", "T": "*i64",
-                         "GL": "*fp32", "GT": "*fp32"}, {}, dict(BLOCK=1024, num_warps=4, num_stages=1), ()))
-    rows = []
-    for name, fn, types, consts, cfg, ones in variants:
-        row = dict(kernel=name, config=_cfg_str(cfg) if "BLOCK_M" in cfg else str(cfg))
-        try:
-            row.update(build(fn, types, consts, cfg, ones))
-        except Exception as exc:  # noqa: BLE001 - a config that does not compile is a result
-            row.update(error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
-        rows.append(row)
-        log(f"{name:>18} {row['config']}: "
+    rows = K.compile_report(which, arch=90)
+    for row in rows:
+        log(f"{row['kernel']:>22} {row['config']}: "
             + ", ".join(f"{k}={v}" for k, v in row.items() if k not in ("kernel", "config")))
     return rows
-
-
-def _cfg_str(cfg: dict) -> str:
-    return "{BLOCK_M}x{BLOCK_N}x{BLOCK_K} g{GROUP_M} w{num_warps} s{num_stages}".format(**cfg)
 
 
 # ------------------------------------------------------------------------------------------- GPU parts
@@ -317,7 +243,7 @@ def part_candidates(deadline: float) -> tuple[list[dict], dict]:
             calls = {"matmul dW": lambda: K.launch_matmul(scratch.t(), h, dw, cfg),
                      "matmul dH+=": lambda: K.launch_matmul(scratch, w[:width], acc, cfg, c_in=acc)}
         for name, call in calls.items():
-            row = dict(kernel=name, config=_cfg_str(cfg))
+            row = dict(kernel=name, config=K.config_name(cfg))
             try:
                 ms = _bench_ms(call)
                 row.update(ms=ms, tflops=flops[name] / ms / 1e9)
@@ -337,13 +263,36 @@ def part_candidates(deadline: float) -> tuple[list[dict], dict]:
 
 
 def apply_best(chosen: dict) -> None:
-    """Put the fastest candidates into ``CONFIGS`` (the matmul: the faster on the sum of both GEMMs is not
-    tracked separately; dW and dH+= usually agree, dH+= wins ties)."""
+    """Put the fastest candidates into ``CONFIGS`` (for the GEMMs: the fastest on dH+=)."""
     from lab.kernels import fused_cross_entropy_kernels as K
 
     for kernel, key in (("lse", "lse"), ("dlogits", "dlogits"), ("matmul dH+=", "matmul")):
         if kernel in chosen:
             K.CONFIGS[(key, "16bit")] = dict(chosen[kernel])
+
+
+def goal_lines(bench) -> list[str]:
+    """The issue's two goals at the goal shape, for every fused row: (a) peak extra memory <= 5% of the
+    materialized loss (eager; compiled shown too), (b) fwd+bwd time <= 1.0x torch_compiled."""
+    v, d, n = GOAL
+    at = bench[(bench["vocab"] == v) & (bench["d_model"] == d) & (bench["tokens"] == n)]
+    ok = at[at["status"] == "ok"].set_index("impl")
+    lines = []
+    for impl in [i for i in ok.index if str(i).startswith("fused")]:
+        row = ok.loc[impl]
+        parts = [f"- {impl}: {row['fwdbwd_ms']:.1f} ms, {row['peak_extra_gib']:.3f} GiB extra"]
+        for base in ("torch", "torch_compiled"):
+            if base in ok.index:
+                mem = row["peak_extra_gib"] / ok.loc[base, "peak_extra_gib"]
+                parts.append(f"memory {100 * mem:.1f}% of {base}" + (" (goal a: <= 5%)" if base == "torch" else ""))
+        if "torch_compiled" in ok.index:
+            parts.append(f"time {row['fwdbwd_ms'] / ok.loc['torch_compiled', 'fwdbwd_ms']:.2f}x torch_compiled "
+                         "(goal b: <= 1.0x)")
+        lines.append(", ".join(parts))
+    missing = [i for i in ("torch", "torch_compiled") if i not in ok.index]
+    if missing:
+        lines.append(f"- no ok row for {missing} at this shape (out of memory or not run): see benchmark.csv")
+    return lines
 
 
 def summary_md(correct, compiled, bench, cands, chosen) -> str:
@@ -358,6 +307,7 @@ def summary_md(correct, compiled, bench, cands, chosen) -> str:
     except Exception:  # noqa: BLE001
         pass
     if bench is not None and len(bench):
+        out += ["## Goals at (V, D, N) = " + str(GOAL), ""] + goal_lines(bench) + [""]
         cols = ["impl", "vocab", "d_model", "tokens", "fwd_ms", "fwdbwd_ms", "tflops", "peak_extra_gib",
                 "predicted_extra_gib", "time_vs_torch_compiled", "memory_vs_torch_compiled", "memory_vs_torch",
                 "status"]
@@ -368,9 +318,11 @@ def summary_md(correct, compiled, bench, cands, chosen) -> str:
     if compiled:
         out += ["## torch.compile(fullgraph=True) vs eager", "", pd.DataFrame(compiled).to_markdown(index=False), ""]
     if cands:
+        from lab.kernels.fused_cross_entropy_kernels import config_name
+
         table = pd.DataFrame(cands).to_markdown(index=False, floatfmt=".3g")
         out += ["## Kernel candidates at the goal shape", "", table, "",
-                f"fastest: { {k: _cfg_str(v) for k, v in chosen.items()} }", ""]
+                f"fastest: { {k: config_name(v) for k, v in chosen.items()} }", ""]
     return "\n".join(out)
 
 
@@ -386,12 +338,14 @@ def main() -> int:
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    global LOG_PATH
+    LOG_PATH = out / "log.txt"
+    LOG_PATH.write_text("")
     import pandas as pd
 
     if args.compile_only:
         rows = compile_only(args.compile_only)
         pd.DataFrame(rows).to_csv(out / "compile_only.csv", index=False)
-        (out / "log.txt").write_text("\n".join(_LOG) + "\n")
         failed = [r for r in rows if "error" in r]
         spilled = [r for r in rows if r.get("spill_bytes", 0) != 0]
         print(f"{len(rows)} kernels compiled for sm_90a: {len(failed)} failed, {len(spilled)} spill registers")
@@ -424,32 +378,33 @@ def main() -> int:
         finally:
             _empty_cache()
 
+    frames = []
+
+    def save_benchmark(frame):
+        """Append a part's rows and rewrite benchmark.csv with the ratios (every part's results survive)."""
+        nonlocal bench
+        if frame is not None:
+            from lab.bench.fused_loss import add_ratios
+
+            frames.append(frame)
+            bench = add_ratios(add_ratios(pd.concat(frames, ignore_index=True), "torch_compiled"), "torch")
+            bench.to_csv(out / "benchmark.csv", index=False)
+
     correct = run("correctness", part_correctness) or []
     pd.DataFrame(correct).to_csv(out / "correctness.csv", index=False)
-    frames = [run("benchmark goal", lambda: part_benchmark([GOAL]))]
-    frames.append(run("benchmark small", lambda: part_benchmark(SMALL)))
+    save_benchmark(run("benchmark goal", lambda: part_benchmark([GOAL])))
+    save_benchmark(run("benchmark small", lambda: part_benchmark(SMALL)))
     compiled = run("compile", part_compile) or []
     pd.DataFrame(compiled).to_csv(out / "compile.csv", index=False)
-    if not args.skip_candidates:
-        res = run("candidates", lambda: part_candidates(deadline))
-        if res:
-            cands, chosen = res
-            pd.DataFrame(cands).to_csv(out / "candidates.csv", index=False)
-            apply_best(chosen)
-            tuned = run("benchmark goal tuned", lambda: part_benchmark([GOAL], ("fused",)))
-            if tuned is not None:
-                frames.append(tuned.assign(impl="fused (fastest candidates)"))
-    frames = [f for f in frames if f is not None]
-    bench = pd.concat(frames, ignore_index=True) if frames else None
-    if bench is not None:
-        from lab.bench.fused_loss import add_ratios
-
-        bench = add_ratios(add_ratios(bench, "torch_compiled"), "torch")
-        bench.to_csv(out / "benchmark.csv", index=False)
+    if not args.skip_candidates and (res := run("candidates", lambda: part_candidates(deadline))):
+        cands, chosen = res
+        pd.DataFrame(cands).to_csv(out / "candidates.csv", index=False)
+        apply_best(chosen)
+        tuned = run("benchmark goal tuned", lambda: part_benchmark([GOAL], ("fused",)))
+        save_benchmark(None if tuned is None else tuned.assign(impl="fused (fastest candidates)"))
     text = summary_md(correct, compiled, bench, cands, chosen)
     (out / "summary.md").write_text(text)
     log(f"done in {time.time() - START:.0f} s; files in {out}")
-    (out / "log.txt").write_text("\n".join(_LOG) + "\n")
     print(text)
     return 0
 

@@ -22,11 +22,14 @@ the reduction dimension needs masks; out-of-range rows and columns are masked in
 
 Tile configs: :data:`CONFIGS` (chosen for Hopper, see ``notes/fused_loss.md``; ``tools/fused_loss_gpu_check.py``
 times the candidates in :data:`CANDIDATES`); under ``TRITON_INTERPRET=1`` one small config.
+:func:`compile_report` compiles every variant for sm_90a without a GPU and reports registers and spills.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+from pathlib import Path
 
 import torch
 import triton
@@ -329,3 +332,89 @@ def launch_matmul(a, b, out, cfg: dict, c_in=None, flags=None, flag_block: tuple
         grid_m, grid_n, EVEN_K=k % meta["BLOCK_K"] == 0, PRECISION=dot_precision(a.dtype),
         HAS_C_IN=c_in is not None, USE_FLAGS=flags is not None, FLAG_M=flag_block[0], FLAG_K=flag_block[1],
         **meta, **launch)
+
+
+# ------------------------------------------------------------------------------------ inspection (no GPU)
+def config_name(cfg: dict) -> str:
+    """``"128x128x64 g8 w8 s3"``: tile sizes, GROUP_M, warps, stages of a launch config."""
+    return "{BLOCK_M}x{BLOCK_N}x{BLOCK_K} g{GROUP_M} w{num_warps} s{num_stages}".format(**cfg)
+
+
+def compile_report(which: str = "default", arch: int = 90) -> list[dict]:
+    """Compile every kernel variant for ``sm_<arch>a`` on any machine (no GPU: Triton's bundled ptxas), with
+    the default configs of bf16 and fp32 (``which="default"``) or every bf16 candidate (``"candidates"``).
+    Arguments are specialised as the JIT would at the goal shape (pointers 16-byte aligned, sizes and strides
+    divisible by 16 except the ``do_not_specialize`` ones, unit strides constant). Returns one row per
+    compile: kernel, config, registers, spill_bytes, shared_kib, wgmma (or error). Run this process without
+    ``TRITON_INTERPRET`` (interpreted kernels cannot be compiled)."""
+    import re
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    ptxas = Path(triton.__file__).parent / "backends/nvidia/bin/ptxas"
+    if not ptxas.exists():
+        raise FileNotFoundError(f"No such file: {ptxas} (this Triton build ships no ptxas)")
+    target = GPUTarget("cuda", arch, 32)
+    # arguments the JIT does not mark divisible by 16: floats, flag strides, do_not_specialize sizes
+    no_hint = {"threshold", "stride_fm", "stride_fk", "stride_f"}
+
+    def build(fn, types: dict, consts: dict, cfg: dict, ones=()):
+        meta = {k: v for k, v in cfg.items() if k not in ("num_warps", "num_stages")}
+        consts = {**consts, **meta, **{o: 1 for o in ones}}  # the JIT turns int arguments equal to 1 into constants
+        sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+        # the JIT marks 16-byte aligned pointers and ints divisible by 16 (all of them at the goal shape)
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+                 if sig[n] != "constexpr" and n not in no_hint and n not in fn.do_not_specialize}
+        compiled = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=target,
+                                  options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+        ptx = Path(os.environ.get("TMPDIR", "/tmp")) / f"fused_loss_{os.getpid()}.ptx"
+        ptx.write_text(compiled.asm["ptx"])
+        info = subprocess.run([str(ptxas), f"-arch=sm_{arch}a", "-v", str(ptx), "-o", os.devnull],
+                              capture_output=True, text=True).stderr
+        ptx.unlink()
+        regs = re.search(r"Used (\d+) registers", info)
+        spills = re.search(r"(\d+) bytes spill stores", info)
+        return dict(registers=int(regs.group(1)) if regs else -1, spill_bytes=int(spills.group(1)) if spills else -1,
+                    shared_kib=compiled.metadata.shared / 1024, wgmma="wgmma" in compiled.asm["ptx"])
+
+    variants = []
+    for dtype in ("bf16", "fp32") if which == "default" else ("bf16",):
+        p, cls = "*" + dtype, "fp32" if dtype == "fp32" else "16bit"
+        lse_t = {"H": p, "W": p, "T": "*i64", "P": "*fp32", "TGT": "*fp32", "L": p}
+        dl_t = {**lse_t, "LSE": "*fp32", "GL": "*fp32", "GT": "*fp32", "S": p, "FLAGS": "*i32", "threshold": "fp32"}
+        mm_t = {"A": p, "B": p, "C_IN": "*fp32", "C": p, "FLAGS": "*i32"}
+        base = {"EVEN_K": True, "PRECISION": "tf32"}
+        dl = CONFIGS[("dlogits", cls)]
+        off, on = {"USE_FLAGS": False, "FLAG_M": 1, "FLAG_K": 1}, {"FLAG_M": dl["BLOCK_M"], "FLAG_K": dl["BLOCK_N"]}
+
+        def configs(kernel):
+            return CANDIDATES["lse" if kernel == "dlogits" else kernel] if which == "candidates" else \
+                [CONFIGS[(kernel, cls)]]
+
+        # (name, kernel, pointer types, constexprs, config, int arguments equal to 1 in the real launches)
+        variants += [(f"{name} {dtype}", _lse_kernel, lse_t, {**base, "STORE_LOGITS": store}, cfg, ())
+                     for cfg in configs("lse") for name, store in (("lse", False), ("lse+store", True))]
+        variants += [(f"{name} {dtype}", _dlogits_kernel, dl_t, {**base, "USE_FLAGS": flags}, cfg, ())
+                     for cfg in configs("dlogits") for name, flags in (("dlogits", False), ("dlogits+flags", True))]
+        for cfg in configs("matmul"):
+            variants += [(f"matmul dW {dtype}", _matmul_kernel, mm_t, {**base, **off, "HAS_C_IN": False}, cfg,
+                          ("stride_am", "stride_bn")),
+                         (f"matmul dH+= {dtype}", _matmul_kernel, {**mm_t, "C": "*fp32"},
+                          {**base, **off, "HAS_C_IN": True}, cfg, ("stride_ak", "stride_bn")),
+                         (f"matmul dH+= flags {dtype}", _matmul_kernel, {**mm_t, "C": "*fp32"},
+                          {**base, **on, "USE_FLAGS": True, "HAS_C_IN": True}, cfg,
+                          ("stride_ak", "stride_bn", "stride_fk"))]
+        variants.append((f"softmax_grad {dtype}", _softmax_grad_kernel, {"L": p, "LSE": "*fp32", "T": "*i64",
+                         "GL": "*fp32", "GT": "*fp32"}, {}, dict(BLOCK=1024, num_warps=4, num_stages=1), ()))
+    rows = []
+    for name, fn, types, consts, cfg, ones in variants:
+        row = dict(kernel=name, config=config_name(cfg) if "BLOCK_M" in cfg else str(cfg))
+        try:
+            row.update(build(fn, types, consts, cfg, ones))
+        except Exception as exc:  # noqa: BLE001 - a config that does not compile is a result
+            row.update(error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
+        rows.append(row)
+    return rows
+
+
