@@ -15,7 +15,7 @@ The implementations (``impl`` column), each ``fn(hidden (N, D), weight (V, D), t
 
 Every implementation is credited with the same useful work, ``6 N D V`` FLOPs (the three GEMMs of the
 materialized loss), so ``tflops`` compares speed, not work done. Timing: ``triton.testing.do_bench`` median
-on CUDA (L2 flushed between calls), the host timer of :mod:`lab.bench.lm` on the CPU.
+on CUDA (L2 flushed between calls), the host timer of :mod:`lab.measure.timing` on the CPU.
 """
 
 from __future__ import annotations
@@ -149,15 +149,11 @@ def make_inputs(vocab: int, d_model: int, tokens: int, dtype: str = "bf16", devi
 
 def time_ms(fn: Callable[[], object], device: torch.device, warmup_ms: float = 25, rep_ms: float = 100,
             cpu_steps: int = 3) -> float:
-    """Median milliseconds per call of ``fn``: ``triton.testing.do_bench(..., return_mode="median")`` on CUDA,
-    :func:`lab.bench.lm.time_callable` (one warm-up, ``cpu_steps`` timed calls) on the CPU."""
-    if device.type == "cuda":
-        import triton.testing
+    """Median milliseconds per call of ``fn`` (:func:`lab.measure.timing.time_kernel`: do_bench on CUDA, the
+    host timer with one warm-up and ``cpu_steps`` timed calls on the CPU)."""
+    from lab.measure.timing import time_kernel
 
-        return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
-    from lab.bench.lm import time_callable
-
-    return time_callable(fn, 1, cpu_steps, device).median_ms
+    return time_kernel(fn, device, warmup_ms, rep_ms, cpu_warmup=1, cpu_steps=cpu_steps).median_ms
 
 
 def peak_extra_bytes(fn: LossFn, hidden, weight, targets) -> int:
