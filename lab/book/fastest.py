@@ -161,3 +161,34 @@ def mfu_sentence(df: pd.DataFrame, on_gpu: bool) -> str:
             f"{r['tokens_per_s']:.4g} tokens/s, {r['mfu']:.1%} of the {r['matmul_ceiling_tflops']:.0f} TFLOP/s "
             f"bf16 matmul ceiling measured on this card ({r['mfu_datasheet']:.1%} of the 989 TFLOP/s datasheet); "
             f"the gap to the ceiling is {1 - r['mfu']:.0%} of the step.")
+
+
+def fused_loss_sentence(losses: pd.DataFrame, on_gpu: bool, memory_goal: float = 0.05, time_goal: float = 1.0) -> str:
+    """The fused loss's two goals at each benchmarked shape: extra memory <= ``memory_goal`` x the materialized
+    eager loss's, forward+backward time <= ``time_goal`` x ``torch.compile`` of the materialized loss."""
+    if not on_gpu:
+        return ("This render has no GPU: the loss ran through the Triton interpreter, so its times and the memory "
+                "goals are not measured here (the GPU render reports them).")
+    ok = losses[losses["status"] == "ok"]
+    parts = []
+    for (vocab, d, tokens), shape in ok.groupby(["vocab", "d_model", "tokens"]):
+        by = shape.set_index("impl")
+        if "fused" not in by.index:
+            continue
+        f = by.loc["fused"]
+        text = f"vocabulary {vocab:,}, width {d:,}, {tokens:,} tokens: fused {f['fwdbwd_ms']:.4g} ms"
+        if "torch_compiled" in by.index:
+            ratio = f["fwdbwd_ms"] / by.loc["torch_compiled", "fwdbwd_ms"]
+            text += f", {ratio:.2f}x the compiled materialized loss (time goal {'met' if ratio <= time_goal else 'missed'})"
+        if "torch" in by.index and by.loc["torch", "peak_extra_gib"] > 0:
+            share = f["peak_extra_gib"] / by.loc["torch", "peak_extra_gib"]
+            text += (f"; {f['peak_extra_gib']:.3g} GiB beyond inputs and outputs, {share:.1%} of the materialized "
+                     f"loss's {by.loc['torch', 'peak_extra_gib']:.3g} GiB (memory goal "
+                     f"{'met' if share <= memory_goal else 'missed'})")
+        elif "torch" not in by.index:
+            text += "; the materialized loss ran out of memory at this shape"
+        parts.append(text)
+    oom = losses[losses["status"] == "oom"]
+    if len(oom):
+        parts.append("out of memory: " + ", ".join(f"{r.impl} at vocabulary {r.vocab:,}" for r in oom.itertuples()))
+    return ("; ".join(parts) + ".") if parts else "No fused-loss row ran."
