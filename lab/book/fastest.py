@@ -179,7 +179,8 @@ def fused_loss_sentence(losses: pd.DataFrame, on_gpu: bool, memory_goal: float =
         text = f"vocabulary {vocab:,}, width {d:,}, {tokens:,} tokens: fused {f['fwdbwd_ms']:.4g} ms"
         if "torch_compiled" in by.index:
             ratio = f["fwdbwd_ms"] / by.loc["torch_compiled", "fwdbwd_ms"]
-            text += f", {ratio:.2f}x the compiled materialized loss (time goal {'met' if ratio <= time_goal else 'missed'})"
+            verdict = "met" if ratio <= time_goal else "missed"
+            text += f", {ratio:.2f}x the compiled materialized loss (time goal {verdict})"
         if "torch" in by.index and by.loc["torch", "peak_extra_gib"] > 0:
             share = f["peak_extra_gib"] / by.loc["torch", "peak_extra_gib"]
             text += (f"; {f['peak_extra_gib']:.3g} GiB beyond inputs and outputs, {share:.1%} of the materialized "
