@@ -1,0 +1,81 @@
+"""Notebook 10's presentation: verdicts within the noise, ablations, phase and memory plots, the loss goals."""
+
+import math
+
+import matplotlib
+import pandas as pd
+
+from lab.book import fastest
+
+matplotlib.use("Agg")
+
+
+def _row(impl, ms, std=1.0, n=8, status="ok", **extra):
+    base = dict(impl=impl, config="leaderboard", status=status, step_ms=ms, step_std_ms=std, step_n=n, peak_gib=60.0,
+                tokens_per_s=65536 / ms * 1e3, mfu=0.5, mfu_datasheet=0.4, matmul_ceiling_tflops=780.0,
+                model_tflop_per_step=4745.0, params_gib=8.0, grads_gib=8.0, optimizer_gib=16.0,
+                activations_and_other_gib=28.0)
+    base.update({c: math.nan for c in fastest.PHASES})
+    base.update(extra)
+    return base
+
+
+def test_goal_is_met_missed_or_undecided_from_the_spread():
+    df = pd.DataFrame([_row("project", 4500.0, 10.0), _row("stock_compiled", 6000.0, 10.0)])
+    assert "**met**" in fastest.goal_sentence(df, "leaderboard", 0.8)
+    assert "**missed**" in fastest.goal_sentence(df, "leaderboard", 0.7)
+    noisy = pd.DataFrame([_row("project", 4700.0, 400.0, n=3), _row("stock_compiled", 6000.0, 400.0, n=3)])
+    assert "undecided within the noise" in fastest.goal_sentence(noisy, "leaderboard", 0.8)
+    one = pd.DataFrame([_row("project", 4500.0, 0.0, n=1), _row("stock_compiled", 6000.0, 0.0, n=1)])
+    assert "no spread" in fastest.goal_sentence(one, "leaderboard", 0.8)
+    assert "cannot be checked" in fastest.goal_sentence(df[df.impl == "project"], "leaderboard", 0.8)
+    assert "CPU render" in fastest.goal_sentence(df, "tiny", 0.8, on_gpu=False)
+
+
+def test_versus_and_ablation_tables():
+    df = pd.DataFrame([_row("project", 100.0, 0.5), _row("stock_compiled", 150.0, 0.5),
+                       _row("no_fused_loss", 120.0, 0.5), _row("no_compile", 100.2, 5.0),
+                       _row("full_recompute", math.nan, math.nan, status="oom")])
+    v = fastest.versus_table(df).set_index("impl")
+    assert v.loc["project", "verdict"] == "faster" and v.loc["stock_compiled", "verdict"] == "reference"
+    assert v.loc["full_recompute", "verdict"] == "out of memory"
+    a = fastest.ablation_table(df).set_index("switched_off")
+    assert a.loc["no_fused_loss", "verdict"] == "helps" and a.loc["no_fused_loss", "added_ms"] == 20.0
+    assert a.loc["no_compile", "verdict"] == "within noise"
+    assert a.loc["full_recompute", "verdict"] == "out of memory without it"
+    assert "stock_compiled" not in a.index
+
+
+def test_phase_sentence_plots_and_mfu():
+    phases = dict(recompute_ms=1000.0, attention_ms=2000.0, matmul_ms=1500.0, loss_ms=100.0, optimizer_ms=50.0,
+                  other_kernels_ms=200.0, exposed_communication_ms=20.0, idle_ms=130.0)
+    df = pd.DataFrame([_row("project", 5000.0, **phases), _row("stock_compiled", 6000.0)])
+    s = fastest.phase_sentence(df)
+    assert s.startswith("One profiled step of project: attention 2e+03 ms (40%)") and "idle" in s
+    assert "no CPU" not in s and "No GPU profile" in fastest.phase_sentence(df, "stock_compiled")
+    assert fastest.plot_phases(df, "t").get_title() == "t"
+    assert fastest.plot_memory(df, "m").get_title() == "m"
+    assert "50.0% of the 780 TFLOP/s" in fastest.mfu_sentence(df, on_gpu=True)
+    assert "only meaningful on a GPU" in fastest.mfu_sentence(df, on_gpu=False)
+
+
+def test_fused_loss_goals():
+    rows = [dict(impl="fused", vocab=151936, d_model=4096, tokens=32768, fwdbwd_ms=300.0, peak_extra_gib=0.75,
+                 status="ok"),
+            dict(impl="torch", vocab=151936, d_model=4096, tokens=32768, fwdbwd_ms=400.0, peak_extra_gib=55.6,
+                 status="ok"),
+            dict(impl="torch_compiled", vocab=151936, d_model=4096, tokens=32768, fwdbwd_ms=200.0,
+                 peak_extra_gib=18.5, status="ok")]
+    s = fastest.fused_loss_sentence(pd.DataFrame(rows), on_gpu=True)
+    assert "1.50x the compiled materialized loss (time goal missed)" in s
+    assert "1.3% of the materialized loss's 55.6 GiB (memory goal met)" in s
+    assert "no GPU" in fastest.fused_loss_sentence(pd.DataFrame(rows), on_gpu=False)
+
+
+def test_quick_recipes_compile_nothing():
+    from lab.recipes.fastest_step import CONFIGS
+
+    quick = fastest.recipes(CONFIGS["tiny"], quick=True)
+    assert all(r.compile == "none" for r in quick) and "no_compile" not in [r.name for r in quick]
+    assert [r.name for r in quick][:3] == ["project", "stock_eager", "stock_compiled"]
+    assert len(fastest.config_table(["leaderboard"])) == 1
