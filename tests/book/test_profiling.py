@@ -15,6 +15,22 @@ from lab.paths import REPO_ROOT
 matplotlib.use("Agg")
 
 
+def notebook_code(name: str) -> list[str]:
+    """The non-blank, non-comment lines of the code cells of notebooks/<name>.py."""
+    jupytext = pytest.importorskip("jupytext")
+    nb = jupytext.read(REPO_ROOT / "notebooks" / f"{name}.py")
+    return [ln.strip() for c in nb.cells if c.cell_type == "code" for ln in c.source.splitlines()
+            if ln.strip() and not ln.strip().startswith("#")]
+
+
+def test_notebook_holds_no_logic():
+    lines = notebook_code("01_profiling")
+    assert len(lines) <= 100, f"01_profiling has {len(lines)} lines of code (budget 100)"
+    assert not [ln for ln in lines if ln.startswith(("def ", "class ", "for ", "while "))]
+    assert all("lambda:" in ln for ln in lines if "lambda" in ln)  # only deferred calls, no arguments
+    assert any(ln.startswith("replay = False") for ln in lines)
+
+
 # ---- settings -------------------------------------------------------------------------------------------
 
 
