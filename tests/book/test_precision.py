@@ -5,6 +5,7 @@ import math
 
 import matplotlib
 import pandas as pd
+import pytest
 
 from lab.bench import precision as experiments
 from lab.book import precision
@@ -212,3 +213,13 @@ def test_device_caveat(capsys):
     assert capsys.readouterr().out == ""
     precision.show_device_caveat("cpu")
     assert "Warning" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("budget,name", [(70, "02_mixed_precision")])
+def test_notebook_holds_no_logic(budget, name):
+    from tests.book.test_profiling import notebook_code
+
+    lines = notebook_code(name)
+    assert len(lines) <= budget, f"{name} has {len(lines)} lines of code (budget {budget})"
+    assert not [ln for ln in lines if ln.startswith(("def ", "class ", "for ", "while "))]
+    assert all("lambda:" in ln for ln in lines if "lambda" in ln)  # only deferred calls, no arguments
