@@ -182,6 +182,11 @@ def backward_ratios(samples: pd.DataFrame, keys: Sequence[str] = ("size", "conte
     return pd.DataFrame(rows, columns=[*keys, "fwd_median_ms", "bwd_median_ms", "ratio", "low", "high", "verdict"])
 
 
+def _int(x) -> str:
+    """A context or batch for prose: ``512``, also when a CSV read it back as ``512.0``."""
+    return str(int(x)) if isinstance(x, (int, float)) and float(x).is_integer() else str(x)
+
+
 def _by_params(df: pd.DataFrame) -> pd.DataFrame:
     return df.sort_values("params", kind="stable") if "params" in df and df["params"].notna().all() else df
 
@@ -197,7 +202,7 @@ def _oom_phrase(lm: pd.DataFrame) -> str:
     oom = lm[lm["status"] != "ok"] if "status" in lm else lm.iloc[:0]
     if oom.empty:
         return ""
-    where = ", ".join(f"{r['size']} at context {r['context']} {r['dtype']} ({_failed_modes(r.get('error'))})"
+    where = ", ".join(f"{r['size']} at context {_int(r['context'])} {r['dtype']} ({_failed_modes(r.get('error'))})"
                       for _, r in oom.iterrows())
     return f"Out of memory (recorded as rows, not measured): {where}."
 
@@ -246,7 +251,7 @@ def timing_paragraph(lm: pd.DataFrame, ratios: pd.DataFrame, default_context: in
     if len(configs):
         worst = noisy.iloc[0]
         parts.append(f"The spread is large (standard deviation above 5% of the mean) in {len(configs)} of {len(lm)} "
-                     f"configurations, worst for {worst['size']} at context {worst['context']} {worst['dtype']} "
+                     f"configurations, worst for {worst['size']} at context {_int(worst['context'])} {worst['dtype']} "
                      f"({worst['phase']} std {worst['cv']:.0%} of the mean): there a mean alone misleads, which is "
                      "why the comparisons here use medians and intervals.")
     else:
@@ -335,8 +340,8 @@ def dtype_paragraph(speed: pd.DataFrame, on: str) -> str:
     text = " ".join(f"{m.capitalize()}: bf16 autocast is {counts_phrase(verdict_counts(speed, m))}." for m in modes)
     fb = speed[(speed["mode"] == modes[-1]) & speed["speedup"].notna()]
     best, worst = fb.loc[fb["speedup"].idxmax()], fb.loc[fb["speedup"].idxmin()]
-    text += (f" In {modes[-1]}, the largest speedup is for {best['size']} at context {best['context']}: "
-             f"{speedup_clause(best)}; the smallest for {worst['size']} at context {worst['context']}: "
+    text += (f" In {modes[-1]}, the largest speedup is for {best['size']} at context {_int(best['context'])}: "
+             f"{speedup_clause(best)}; the smallest for {worst['size']} at context {_int(worst['context'])}: "
              f"{speedup_clause(worst)}.")
     if on == "cpu":
         text += (" On a CPU, bf16 speed depends on the CPU's bf16 instructions and library kernels, and at toy "
@@ -469,6 +474,8 @@ def warmup_paragraph(wu: pd.DataFrame, on: str) -> str:
                  f"{num(cold['median'])} and {num(warm['median'])} ms. ")
     if cs.first.verdict == "slower" and len(cs.first_ms) > 1:
         text += GPU_FIRST_STEP if on == "cuda" else CPU_FIRST_STEP
+    elif len(cs.first_ms) < 2:
+        text += "With one cold process this render cannot tell, so it claims no cause."
     else:
         text += "This render shows no first-step cost beyond its noise, so it claims no cause for one."
         if on == "cpu":
@@ -483,7 +490,9 @@ def warmup_answer(wu: pd.DataFrame, on: str) -> str:
     if cs.first is None:
         return "Not measured."
     ratio = f"{num(cs.first.ratio)}x the steady state"
-    if cs.first.verdict != "slower" or len(cs.first_ms) < 2:
+    if len(cs.first_ms) < 2:
+        return f"Undecided: one cold process, no spread ({ratio})."
+    if cs.first.verdict != "slower":
         return f"Here it is not, beyond noise ({ratio}, {_interval(cs.first)})."
     cause = ("one-time CUDA setup: context, kernel loading, cuBLAS handles and algorithm choice, allocator growth"
              if on == "cuda" else "one-time CPU-side setup (memory first touched, kernel selection, thread pool; "
@@ -635,9 +644,9 @@ def profile_caption(steps: pd.DataFrame, kernels: pd.DataFrame, trace_dir: str |
     r = steps.iloc[0]
     trace_dir = Path(trace_dir)
     shown = trace_dir.relative_to(paths.REPO_ROOT) if trace_dir.is_relative_to(paths.REPO_ROOT) else trace_dir
-    return (f"Profiled **{r['size']}** at context {r['context']}, batch {r['batch']}, fp32, {r['attention']} "
-            f"attention, {int(r['profiled_steps'])} steps per mode; times are {time_unit(kernels)[1]}; traces in "
-            f"`{shown}` (open them at ui.perfetto.dev).")
+    return (f"Profiled **{r['size']}** at context {_int(r['context'])}, batch {_int(r['batch'])}, fp32, "
+            f"{r['attention']} attention, {int(r['profiled_steps'])} steps per mode; times are "
+            f"{time_unit(kernels)[1]}; traces in `{shown}` (open them at ui.perfetto.dev).")
 
 
 def profile_timer_sentence(steps: pd.DataFrame, lm: pd.DataFrame) -> str:

@@ -134,6 +134,8 @@ def test_timing_paragraph_quotes_the_tables():
     text = profiling.timing_paragraph(lm, ratios, 64)
     assert "At context 64 (fp32) the forward takes 10 ms for a and 40 ms for b (medians)." in text
     assert "in 1 of 4 configurations, worst for a at context 32 fp32 (fwd std 20% of the mean)" in text
+    from_csv = profiling.timing_paragraph(lm.astype({"context": float}), ratios, 64)  # NaN rows make ints floats
+    assert "at context 32 fp32" in from_csv and "32.0" not in from_csv
     assert "Out of memory (recorded as rows, not measured): b at context 32 fp32 (forward_backward/train_step)." in text
     quiet = profiling.timing_paragraph(lm.iloc[:2], ratios, 64)
     assert "Every standard deviation is below 5% of its mean." in quiet
@@ -226,6 +228,9 @@ def test_warmup_paragraph_makes_no_claim_within_noise():
     assert profiling.warmup_answer(flat, "cuda").startswith("Here it is not, beyond noise")
     one = profiling.warmup_paragraph(_warmup(first=(100.0,)), "cuda")
     assert "one cold process" in one and "no claim is made" in one and profiling.GPU_FIRST_STEP not in one
+    assert "cannot tell" in one and "no first-step cost" not in one
+    assert profiling.warmup_answer(_warmup(first=(100.0,)), "cuda") == ("Undecided: one cold process, no spread "
+                                                                        "(10x the steady state).")
 
 
 def test_warmup_study_that_failed_makes_no_claim():
