@@ -300,7 +300,7 @@ def plot_timings(lm: pd.DataFrame):
                         color=colors[size], linestyle=styles[dtype], label=f"{size} {dtype}")
         contexts = sorted(ok["context"].unique())
         ax.set(xscale="log", yscale="log", xlabel="context length", ylabel="ms per step (median ± std)", title=title)
-        ax.set_xticks(contexts, [str(c) for c in contexts])
+        ax.set_xticks(contexts, [_int(c) for c in contexts])
         ax.minorticks_off()
     axes[1].legend(title="size, dtype", fontsize=8)
     return fig
@@ -325,7 +325,7 @@ def plot_speedup_by_context(speed: pd.DataFrame):
         ax.axhline(1.0, color="grey", linestyle=":")
         contexts = sorted(speed["context"].unique())
         ax.set(xscale="log", xlabel="context length", ylabel="speedup over fp32 (×)", title=f"bf16 autocast, {mode}")
-        ax.set_xticks(contexts, [str(c) for c in contexts])
+        ax.set_xticks(contexts, [_int(c) for c in contexts])
         ax.minorticks_off()
         ax.legend(title="size", fontsize=8)
     return fig
@@ -333,14 +333,14 @@ def plot_speedup_by_context(speed: pd.DataFrame):
 
 def dtype_paragraph(speed: pd.DataFrame, on: str) -> str:
     """bf16 autocast against fp32 at every size and context: verdict counts per mode, the best and worst
-    decided speedups, and (on the CPU) that none of it carries over to GPUs. Markdown."""
+    speedups (each with its verdict), and (on the CPU) that none of it carries over to GPUs. Markdown."""
     modes = [m for m in ("forward", "forward+backward") if m in set(speed["mode"])]
     if not modes or speed["speedup"].notna().sum() == 0:
         return "bf16 autocast and fp32 were not both measured in any configuration."
     text = " ".join(f"{m.capitalize()}: bf16 autocast is {counts_phrase(verdict_counts(speed, m))}." for m in modes)
     fb = speed[(speed["mode"] == modes[-1]) & speed["speedup"].notna()]
     best, worst = fb.loc[fb["speedup"].idxmax()], fb.loc[fb["speedup"].idxmin()]
-    text += (f" In {modes[-1]}, the largest speedup is for {best['size']} at context {_int(best['context'])}: "
+    text += (f" In {modes[-1]}, the largest speedup estimate is for {best['size']} at context {_int(best['context'])}: "
              f"{speedup_clause(best)}; the smallest for {worst['size']} at context {_int(worst['context'])}: "
              f"{speedup_clause(worst)}.")
     if on == "cpu":

@@ -169,7 +169,7 @@ def test_dtype_paragraph_counts_verdicts_and_warns_on_the_cpu():
     assert (speed["verdict"] == "faster").all()
     cpu = profiling.dtype_paragraph(speed, "cpu")
     assert cpu.startswith("Forward: bf16 autocast is faster beyond noise in 4 of 4 configurations.")
-    assert "In forward+backward, the largest speedup is for" in cpu and "2x faster than fp32" in cpu
+    assert "In forward+backward, the largest speedup estimate is for" in cpu and "2x faster than fp32" in cpu
     assert "say nothing about GPU ones" in cpu
     assert "say nothing about GPU ones" not in profiling.dtype_paragraph(speed, "cuda")
     assert profiling.dtype_answer(speed, "cpu") == ("Forward+backward on cpu: faster beyond noise in 4 of 4 "
