@@ -9,256 +9,170 @@
 # %% [markdown]
 # # 01 · Profiling: where a Transformer's training time goes
 #
-# We time the language model end to end (forward, backward, full AdamW step) for every size in the
-# spec, study why the first steps are slow, and then look inside one step with `torch.profiler`: which
-# kernels run, how much of the time is matrix multiplication, and what softmax costs inside attention.
+# We time the language model end to end (forward, backward, full AdamW step) for every size and context length
+# in the spec, in fp32 and under bf16 autocast; study why the first steps of a process are slow; and then look
+# inside one step with `torch.profiler`: which kernels run, how much of the time is matrix multiplication, and
+# what softmax costs inside attention.
 #
-# Every number in the prose below is computed from the result tables, so it stays true when the book is
-# re-rendered on another machine.
+# **How to read the numbers.** Every number in the prose is computed from this render's tables (or, with
+# `replay=True`, from the tables saved in `results/`, which say which machine measured them). A step time is
+# the median of several timed steps; a comparison ("faster", "costs more", "slow") is made only when the 95%
+# interval of the ratio of medians excludes 1 (`lab.measure.verdicts`), and says "within noise" otherwise. A
+# render on a CPU says which of its findings do not carry over to GPUs.
 
 # %% tags=["parameters"]
-quick = True                      # tiny models on the CPU; the full render sets False
+quick = True                      # toy sizes on the CPU; the full render (GPU) sets False
 device = "auto"
 results_dir = "results/quick"     # the full render passes "results"
 artifacts_dir = "artifacts/quick"
-sizes = None                      # None: every spec size (full) or the toy sizes (quick)
+replay = False                    # True: read the tables back from results_dir instead of measuring
+sizes = None                      # None: every spec size (full) or tiny and mini (quick)
 contexts = None                   # None: 128, 256, 512, 1024 (full) or 32, 64 (quick)
-default_context = None            # the context at which the train step is also timed
+default_context = None            # the context at which the train step is also timed: 512 (full), 64 (quick)
+dtypes = ("fp32", "bf16")         # training precisions: fp32, and bf16 autocast
 batch = 4
-warmup = 3
-steps = 6
-warmup_size = None                # model for the warm-up study
-profile_size = None               # model for the kernel profile
-profile_context = None
+warmup = None                     # untimed steps before the timed ones: 3 (full), 1 (quick)
+steps = None                      # timed steps per mode: 8 (full), 7 (quick)
+warmup_size = None                # model of the warm-up study: large (full), tiny (quick)
+warmups = (0, 1, 2, 5)            # warm-up counts of the study, each in a fresh process
+cold_runs = None                  # fresh processes without warm-up (samples of the first step): 3 (full), 2 (quick)
+profile_size = None               # model of the kernel profile: 2.7B (full), mini (quick)
+profile_context = None            # 512 (full), 64 (quick)
+profile_steps = 3                 # profiled steps per mode
 
 # %%
-import pandas as pd
+from functools import partial
+
 import matplotlib.pyplot as plt
-import seaborn as sns
 
-from lab.bench import lm as bench
-from lab.measure import profiling, results
-from lab.book import report, plots
 from lab import paths
-from lab.model.transformer import MODEL_SIZES, config_for
+from lab.bench import lm as bench
+from lab.bench.precision import speedup_table
+from lab.book import plots, profiling, report
+from lab.book.precision import speedup_display
 
-if quick:
-    sizes = sizes or ["tiny", "mini"]
-    contexts = contexts or [32, 64]
-    default_context = default_context or 64
-    warmup, steps = min(warmup, 2), min(steps, 3)
-    warmup_size = warmup_size or "mini"
-    profile_size = profile_size or "mini"
-    profile_context = profile_context or 64
-else:
-    sizes = sizes or list(MODEL_SIZES)
-    contexts = contexts or [128, 256, 512, 1024]
-    default_context = default_context or 512
-    warmup_size = warmup_size or "large"
-    profile_size = profile_size or "2.7B"
-    profile_context = profile_context or 512
-
-params = dict(quick=quick, device=device, sizes=sizes, contexts=contexts, default_context=default_context,
-              batch=batch, warmup=warmup, steps=steps, warmup_size=warmup_size, profile_size=profile_size,
-              profile_context=profile_context)
+s = profiling.settings(quick, device, sizes=sizes, contexts=contexts, default_context=default_context, dtypes=dtypes,
+                       batch=batch, warmup=warmup, steps=steps, warmup_size=warmup_size, warmups=warmups,
+                       cold_runs=cold_runs, profile_size=profile_size, profile_context=profile_context,
+                       profile_steps=profile_steps)
 plots.set_style()
-report.show_machine(params)
+book = report.Chapter("01_profiling", s.params(), results_dir, replay=replay)
+book.show_machine()
+book.show_answers()
 
 # %% [markdown]
 # ## The models
 #
 # Vocabulary 10,000, batch 4, pre-norm RMSNorm, RoPE, SwiGLU, causal multi-head attention, untied LM head.
-# (Some courses call the 2560-wide model "xl"; here "xl" is the 1600-wide one and that one is "2.7B".)
+# (Some courses call the 2560-wide model "xl"; here "xl" is the 1600-wide one and that one is "2.7B".) The quick
+# profile uses two toy sizes, `tiny` and `mini`, that are not in the spec's table.
 
 # %%
-import torch
-from lab.model.transformer import TransformerLM
-
-def count_params(size):
-    with torch.device("meta"):  # no memory: only the shapes are needed
-        return TransformerLM(config_for(size)).num_parameters()
-
-size_table = pd.DataFrame([{"size": s, **config_for(s).__dict__, "params_M": count_params(s) / 1e6}
-                           for s in sizes]).drop(columns=["rope_theta", "attention", "context_length"])
-report.show_table(size_table, floatfmt=".1f")
+report.show_table(profiling.size_table(s.sizes), floatfmt=".1f")
 
 # %% [markdown]
-# ## End-to-end timing: every size and context
+# ## End-to-end timing
 #
-# `lab.bench.lm.benchmark_lm` builds the model, runs `warmup` untimed steps and then `steps` timed ones,
-# synchronizing the GPU after every step. Forward and backward are timed separately inside each
-# forward+backward step. At the default context the full AdamW train step is timed as well.
-# fp32 here; mixed precision is the subject of notebook 02.
+# `lab.bench.lm.sweep_lm` builds each model, runs `warmup` untimed steps and then `steps` timed ones of each
+# mode, synchronizing the GPU after every step: the forward alone, forward+backward (the backward is timed on its
+# own inside each of those steps), and at the default context the full AdamW train step. Each mode is measured on
+# its own, with its own peak memory, and out-of-memory is a row (`status="oom"`), not a crash. Every size and
+# context is measured in fp32 and under bf16 autocast. The rows go into the headline table `lm_step.csv`
+# (tagged with this notebook as their source), every timed sample into `01_lm_samples.csv`.
 
 # %%
-raw = bench.sweep_lm(sizes, contexts, dtypes=["fp32"], batch=batch, warmup=warmup, steps=steps, device=device,
-                     modes=lambda s, c: bench.MODES if c == default_context else ("forward", "forward_backward"))
-lm = bench.lm_step_table(raw)
-results.save_results(lm, "lm_step", results_dir, params)
-samples = bench.samples_long(raw)
-results.save_results(samples, "01_lm_samples", results_dir, params)
-ok = lm[lm.fwd_ms.notna()]  # a row that ran out of memory in backward still has its forward
-cols = ["size", "context", "status", "params", "fwd_ms", "fwd_std_ms", "bwd_ms", "bwd_std_ms", "step_ms", "step_std_ms",
-        "peak_gib"]
-report.show_table(lm[cols].assign(params=lm["params"] / 1e6).rename(columns={"params": "params_M"}),
-                  floatfmt=".2f")
+lm = book.table("lm_step", lambda: bench.sweep_lm(s.sizes, s.contexts, s.dtypes, modes=s.modes_for, batch=s.batch,
+                                                  warmup=s.warmup, steps=s.steps, device=s.device),
+                save=bench.lm_step_table)
+samples = book.table("01_lm_samples", lambda: bench.samples_long(lm))
+on = profiling.measured_on(lm)
+profiling.show_device_caveat(on)
+book.check_consistency("lm_step")
+report.show_table(profiling.timing_table(lm), floatfmt=".4g")
 
 # %%
-fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=False)
-for ax, phase in zip(axes, ["fwd", "bwd"]):
-    for size, g in ok.groupby("size", sort=False):
-        ax.errorbar(g["context"], g[f"{phase}_ms"], yerr=g[f"{phase}_std_ms"], marker="o", capsize=3, label=size)
-    ax.set(xscale="log", yscale="log", xlabel="context length", ylabel="ms per step",
-           title={"fwd": "forward", "bwd": "backward"}[phase])
-    ax.set_xticks(contexts, [str(c) for c in contexts])
-axes[1].legend(title="size")
+profiling.plot_timings(lm)
 plt.show()
 
 # %%
-ok = ok.assign(bwd_over_fwd=ok["bwd_ms"] / ok["fwd_ms"], fwd_cv=ok["fwd_std_ms"] / ok["fwd_ms"],
-               bwd_cv=ok["bwd_std_ms"] / ok["bwd_ms"])
-noisy = ok[(ok.fwd_cv > 0.05) | (ok.bwd_cv > 0.05)]
-oom = lm[lm.status == "oom"]
-at_default = ok[ok.context == default_context].set_index("size")
-ratio = ok["bwd_over_fwd"].dropna()
-text = (f"Backward costs **{ratio.min():.1f}x to {ratio.max():.1f}x** the forward (median {ratio.median():.1f}x): "
-        "it computes two matrix products per forward one (gradients of inputs and of weights). ")
-if len(at_default) >= 2:
-    big, small = at_default.index[-1], at_default.index[0]
-    text += (f"At context {default_context} the forward takes {at_default.loc[small, 'fwd_ms']:.1f} ms for "
-             f"{small} and {at_default.loc[big, 'fwd_ms']:.1f} ms for {big}. ")
-if len(noisy):
-    worst = noisy.sort_values("fwd_cv").iloc[-1]
-    text += (f"Variability is high (std above 5% of the mean) in {len(noisy)} of {len(ok)} configurations, "
-             f"worst for {worst['size']} at context {worst['context']} "
-             f"(forward std {100 * worst['fwd_cv']:.0f}% of the mean): the smallest steps are dominated by "
-             "kernel-launch and Python overhead, which jitters. ")
-else:
-    text += "Variability is low everywhere: every standard deviation is below 5% of its mean. "
-if len(oom):
-    failed_modes = lambda err: "/".join(part.split(":")[0] for part in err.split("; "))
-    text += ("Out of memory: " + ", ".join(f"{r['size']} at context {r['context']} ({failed_modes(r['error'])})"
-                                           for _, r in oom.iterrows()) + ". ")
-report.say(text)
+ratios = profiling.backward_ratios(samples)
+report.say(profiling.timing_paragraph(lm, ratios, s.default_context))
+book.answer("How long does a train step take?", profiling.step_answer(lm, s.default_context),
+            section="End-to-end timing")
+book.answer("What does the backward cost next to the forward?", profiling.backward_answer(ratios),
+            section="End-to-end timing")
+
+# %% [markdown]
+# ### bf16 autocast at every context
+#
+# The same sweep under bf16 autocast (fp32 master weights, matmuls in bf16). The speedup is the fp32 median over
+# the bf16 median, with its 95% interval; notebook 02 looks at mixed precision in depth.
+
+# %%
+speed = speedup_table(samples, keys=("size", "context"))
+report.show_table(speedup_display(speed), floatfmt=".3g")
+profiling.plot_speedup_by_context(speed)
+plt.show()
+report.say(profiling.dtype_paragraph(speed, on))
+book.answer("Does bf16 autocast speed up every size and context?", profiling.dtype_answer(speed, on),
+            section="bf16 autocast at every context")
 
 # %% [markdown]
 # ## Warm-up: why the first steps are slow
 #
-# Each warm-up setting runs in a **fresh Python process** (via `python -m lab.bench.lm --json`), because the cost
-# we want to see is paid once per process: creating the CUDA context, loading kernels into it, creating the
-# cuBLAS handle and choosing its algorithms for each new shape, and growing the caching allocator's pool by
-# `cudaMalloc`. None of that is the model's steady-state cost, which is why benchmarks warm up first.
+# Each warm-up setting runs in a **fresh Python process** (`python -m lab.bench --json`), because what warm-up
+# hides is paid once per process; the settings without warm-up run in several processes, so that the first
+# step has more than one sample and can be compared with the steady state (every step after the most warm-up)
+# beyond the noise. What a cold process pays for depends on the device: on a GPU it is mostly CUDA setup
+# (context, kernel loading, cuBLAS handles, allocator growth); on a CPU other one-time costs. The paragraph below
+# the plot says which applies to this render, and whether the first step is slow here at all.
 
 # %%
-wu = bench.warmup_study(warmup_size, warmups=(0, 1, 2, 5), steps=steps, context=default_context, batch=batch,
-                        device=device)
-results.save_results(wu, "01_warmup", results_dir, params)
-fig, ax = plt.subplots(figsize=(9, 4.5))
-sns.lineplot(data=wu, x="step", y="fwdbwd_ms", hue="warmup", marker="o", ax=ax, palette="viridis")
-ax.set(yscale="log", xlabel="timed step index", ylabel="forward+backward ms",
-       title=f"{warmup_size}: timed steps after 0, 1, 2, 5 warm-up steps (each a fresh process)")
+wu = book.table("01_warmup", lambda: bench.warmup_study(s.warmup_size, warmups=s.warmup_runs, steps=s.steps,
+                                                        context=s.default_context, batch=s.batch, device=s.device))
+profiling.plot_warmup(wu, s.warmup_size)
 plt.show()
-summary = wu.groupby("warmup")["fwdbwd_ms"].agg(["mean", "std", "median", "max"]).reset_index()
-report.show_table(summary.astype({"warmup": str}), floatfmt=".2f")
-
-# %%
-cold = wu[(wu.warmup == 0) & (wu.step == 0)]["fwdbwd_ms"].iloc[0]
-steady = wu[wu.warmup == 5]["fwdbwd_ms"].median()
-second = wu[(wu.warmup == 0) & (wu.step == 1)]["fwdbwd_ms"].iloc[0]
-report.say(f"Without warm-up the first timed step takes **{cold:.1f} ms**, {cold / steady:.1f}x the steady-state "
-           f"median of {steady:.1f} ms measured after 5 warm-up steps; the second step already takes "
-           f"{second:.1f} ms ({second / steady:.2f}x). With no warm-up the mean over {steps} steps is "
-           f"{summary.loc[summary.warmup == 0, 'mean'].iloc[0]:.1f} ms and its std "
-           f"{summary.loc[summary.warmup == 0, 'std'].iloc[0]:.1f} ms, against "
-           f"{summary.loc[summary.warmup == 5, 'mean'].iloc[0]:.1f} ± "
-           f"{summary.loc[summary.warmup == 5, 'std'].iloc[0]:.1f} ms with 5: one cold step is enough to distort "
-           "both. One or two warm-up steps remove most of the effect; the first step pays for one-time setup "
-           "(context, kernel loading, library handles and algorithm selection, allocator growth).")
+report.show_table(profiling.warmup_summary(wu), floatfmt=".3g")
+report.say(profiling.warmup_paragraph(wu, on))
+book.answer("Why is the first step slow?", profiling.warmup_answer(wu, on),
+            section="Warm-up: why the first steps are slow")
 
 # %% [markdown]
 # ## Inside one step: a kernel profile
 #
-# `lab.measure.profiling.profile_lm` runs warm-up steps, then profiles a few steps with `torch.profiler`
-# (CPU and CUDA activities) using the **naive** attention, whose three phases carry `record_function` and
-# NVTX ranges. Each profile is also exported as a Chrome/Perfetto trace into the artifacts folder
-# (git-ignored, regenerated by this cell; open it at ui.perfetto.dev).
+# `lab.bench.lm.profile_lm` runs warm-up steps, then profiles a few steps of each mode with `torch.profiler`
+# (CPU and, on a GPU, CUDA activities) using the **naive** attention, whose three phases carry `record_function`
+# and NVTX ranges (so the same code can be run under `nsys`). Each profile is exported as a Chrome/Perfetto trace
+# into the artifacts folder (git-ignored; this cell regenerates it). On a GPU the tables list kernels by GPU time;
+# on a CPU there are no kernels, and they list aten operators by their own CPU time instead.
 
 # %%
 trace_dir = paths.artifacts_dir(artifacts_dir) / "traces"
-profiles, kernel_tables, shares = {}, [], []
-for mode in bench.MODES:
-    prof = profiling.profile_lm(profile_size, mode=mode, context=profile_context, batch=batch,
-                                attention="naive", device=device, warmup=3, steps=3,
-                                trace_path=trace_dir / f"01_{profile_size}_{mode}.json")
-    profiles[mode] = prof
-    kernel_tables.append(profiling.kernel_table(prof, top=None).assign(mode=mode))
-    shares.append(profiling.class_shares(prof).assign(mode=mode))
-kernels = pd.concat(kernel_tables, ignore_index=True)
-shares = pd.concat(shares, ignore_index=True)
-results.save_results(kernels, "01_kernels", results_dir, params)
-report.say(f"Profiled **{profile_size}** at context {profile_context}, batch {batch}, fp32; traces in "
-           f"`{trace_dir.relative_to(paths.REPO_ROOT) if trace_dir.is_relative_to(paths.REPO_ROOT) else trace_dir}`. "
-           f"Time source: {kernels['source'].iloc[0]}s.")
+profiles = profiling.KernelProfiles(partial(bench.profile_lm, device=s.device, steps=s.profile_steps),
+                                    s.profile_size, s.profile_context, s.batch, trace_dir)
+kernels = book.table("01_kernels", profiles.kernels)
+profile_steps_table = book.table("01_profile_steps", profiles.step_times)
+report.say(profiling.profile_caption(profile_steps_table, kernels, trace_dir))
+profiling.show_top_kernels(kernels)
 
 # %%
-for mode in bench.MODES:
-    report.say(f"**Top kernels, {mode}** (per step)")
-    top = kernels[kernels["mode"] == mode].head(8).copy()
-    top["name"] = top["name"].str.slice(0, 90)
-    report.show_table(top[["name", "class", "calls_per_step", "ms_per_step", "share"]], floatfmt=".3g")
-
-# %%
-fig, ax = plt.subplots(figsize=(8, 4))
-pivot = shares.pivot(index="mode", columns="class", values="share").reindex(list(bench.MODES)).fillna(0)
-pivot.plot.barh(stacked=True, ax=ax, colormap="tab10")
-ax.set(xlabel="share of kernel time", ylabel="", title=f"{profile_size}: matmul vs other kernels")
-ax.legend(loc="lower right")
+profiling.plot_class_shares(kernels, s.profile_size)
 plt.show()
-mm = shares[shares["class"] == "matmul"].set_index("mode")["share"]
-top_other = kernels[(kernels["class"] != "matmul") & (kernels["mode"] == "forward")].iloc[0]
-report.say(f"Matrix multiplications take **{100 * mm.get('forward', 0):.0f}%** of the kernel time in the forward "
-           f"pass, {100 * mm.get('forward_backward', 0):.0f}% in forward+backward and "
-           f"{100 * mm.get('train_step', 0):.0f}% in the full train step (the optimizer adds elementwise "
-           f"kernels). The largest non-matmul kernel in the forward is `{top_other['name'][:70]}` "
-           f"({100 * top_other['share']:.1f}% of forward time, {top_other['calls_per_step']:.0f} calls per step): "
-           "elementwise and reduction kernels are memory-bound, so their share is far above their share of FLOPs.")
-
-# %%
-fwd_prof = profiles["forward"]
-python_fwd = at_default.loc[profile_size, "fwd_ms"] if (profile_size in at_default.index
-                                                         and profile_context == default_context) else None
-busy, wall = profiling.gpu_busy_ms(fwd_prof), profiling.step_wall_ms(fwd_prof)
-text = f"The profiler sees a forward step of **{wall:.1f} ms** wall time"
-if busy:
-    text += f", of which kernels are busy {busy:.1f} ms ({100 * busy / wall:.0f}%)"
-if python_fwd is not None:
-    text += (f"; the Python timer measured {python_fwd:.1f} ms for the same configuration with SDPA attention "
-             f"in the sweep (the profile uses naive attention and adds profiler overhead)")
-report.say(text + ".")
+report.say(profiling.matmul_paragraph(kernels))
+report.say(profiling.profile_timer_sentence(profile_steps_table, lm))
+book.answer("How much of the time is matrix multiplication?", profiling.matmul_answer(kernels),
+            section="Inside one step: a kernel profile")
 
 # %% [markdown]
 # ### Softmax against the two matrix products inside attention
 #
-# The naive attention's three ranges (`attention/scores`, `attention/softmax`, `attention/final_matmul`)
-# are summed over the forward step. FLOPs: each matmul costs 2·b·h·s²·d, softmax about 5 operations per score.
+# The naive attention's three ranges (`attention/scores`, `attention/softmax`, `attention/final_matmul`) summed
+# over the forward step. FLOPs: each matmul costs 2·b·h·s²·d, softmax about 5 operations per score (max,
+# subtract, exp, sum, divide) and the causal mask one more; so softmax has about 3/(2d) of the matmuls' FLOPs.
 
 # %%
-ranges = profiling.range_times(fwd_prof)
-cfg = config_for(profile_size)
-flops = profiling.attention_phase_flops(batch, cfg.num_heads, profile_context, cfg.head_dim, cfg.num_layers)
-ranges["gflop_per_step"] = ranges["range"].map(flops) / 1e9
-ranges["tflop_per_s"] = ranges["gflop_per_step"] / ranges["ms_per_step"]
-report.show_table(ranges, floatfmt=".3g")
-r = ranges.set_index("range")
-matmul_ms = r.loc["attention/scores", "ms_per_step"] + r.loc["attention/final_matmul", "ms_per_step"]
-matmul_gf = r.loc["attention/scores", "gflop_per_step"] + r.loc["attention/final_matmul", "gflop_per_step"]
-rt_ratio = r.loc["attention/softmax", "ms_per_step"] / matmul_ms
-fl_ratio = r.loc["attention/softmax", "gflop_per_step"] / matmul_gf
-results.save_results(ranges.assign(runtime_ratio=rt_ratio, flop_ratio=fl_ratio), "01_attention_ranges",
-                     results_dir, params)
-report.say(f"Softmax takes **{rt_ratio:.2f}x** the time of the two attention matmuls together but only "
-           f"**{fl_ratio:.3f}x** their FLOPs: per FLOP it is {rt_ratio / fl_ratio:.0f}x more expensive "
-           f"({r.loc['attention/softmax', 'tflop_per_s']:.3g} TFLOP/s against "
-           f"{matmul_gf / matmul_ms:.3g} TFLOP/s for the matmuls). Softmax does a handful of operations per score "
-           "but reads and writes the whole b·h·s² score matrix, so it is bound by memory bandwidth, not "
-           "arithmetic; fusing it into the matmuls (FlashAttention, notebook 05) removes those round trips.")
+ranges = book.table("01_attention_ranges", profiles.attention_ranges)
+report.show_table(profiling.attention_table(ranges), floatfmt=".3g")
+report.say(profiling.softmax_paragraph(ranges, on))
+book.answer("What does softmax cost inside attention?", profiling.softmax_answer(ranges),
+            section="Softmax against the two matrix products inside attention")

@@ -9,7 +9,8 @@ Three experiments, each returning a DataFrame for the 02 notebook:
 * :func:`norm_statistics_demo` computes RMSNorm / LayerNorm statistics of large activations with every
   intermediate rounded to fp16 or bf16 and compares them with fp64.
 
-:func:`speedup_table` compares fp32 with bf16 autocast timings of ``lab.bench.lm.sweep_lm``.
+:func:`speedup_table` compares fp32 with bf16 autocast timings of ``lab.bench.lm.sweep_lm`` sample by sample,
+with the noise-aware verdicts of :mod:`lab.measure.verdicts`.
 """
 
 from __future__ import annotations
@@ -17,12 +18,15 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 
+import numpy as np
 import pandas as pd
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from lab.dtypes import dtype_name, torch_dtype
+from lab.measure.device import resolve_device
+from lab.measure.verdicts import compare
 
 # ----------------------------------------------------------------------------------------------------------
 # 1. Accumulation
@@ -161,6 +165,15 @@ def autocast_dtype_table(dtypes: Sequence[str] = ("fp32", "fp16", "bf16"),
     return wide.assign(kind=kinds.reindex(order).values).reset_index()
 
 
+def autocast_dtype_tables(device: str | torch.device = "auto",
+                          dtypes: Sequence[str] = ("fp32", "fp16", "bf16")) -> pd.DataFrame:
+    """:func:`autocast_dtype_table` on ``device`` and, when that is a GPU, on the CPU as well (the two
+    autocast op lists differ): the wide tables stacked, with a ``device`` column (``cuda`` / ``cpu``)."""
+    dev = resolve_device(device) if isinstance(device, str) else torch.device(device)
+    devices = [dev] + ([torch.device("cpu")] if dev.type == "cuda" else [])
+    return pd.concat([autocast_dtype_table(dtypes, d).assign(device=d.type) for d in devices], ignore_index=True)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # 3. Why normalisation statistics stay in fp32
 
@@ -223,20 +236,40 @@ def norm_statistics_demo(d_model: int = 1024, scales: Sequence[float] = (1.0, 30
 # ----------------------------------------------------------------------------------------------------------
 # 4. Timings
 
+#: What each phase of a ``lab.bench.lm.samples_long`` table measures.
+PHASE_NAMES = {"fwd": "forward", "bwd": "backward", "fwdbwd": "forward+backward", "step": "train step"}
 
-def speedup_table(timings: pd.DataFrame, baseline: str = "fp32", other: str = "bf16") -> pd.DataFrame:
-    """Speedup of ``other`` over ``baseline`` per size and mode: ``baseline_ms / other_ms`` (>1 is faster).
 
-    Returns columns ``size``, ``mode`` (forward, forward+backward), ``<baseline>_ms``, ``<other>_ms``,
-    ``speedup``, ``params``. Sizes where either measurement is missing (OOM) get NaN.
+def speedup_table(samples: pd.DataFrame, baseline: str = "fp32", other: str = "bf16",
+                  keys: Sequence[str] = ("size",), phases: Sequence[str] = ("fwd", "fwdbwd")) -> pd.DataFrame:
+    """Speedup of training dtype ``other`` over ``baseline`` for each configuration ``keys`` and phase, with a
+    noise-aware verdict.
+
+    ``samples`` is the long table of :func:`lab.bench.lm.samples_long` (``dtype``, ``phase``, ``ms`` and the
+    ``keys`` columns; one row per timed step). The speedup is the ratio of medians ``baseline / other`` (>1:
+    ``other`` is faster) and its 95% interval comes from :func:`lab.measure.verdicts.compare`, whose verdict
+    (``faster``, ``slower`` or ``within noise``, said of ``other``) is the only word prose may use. A
+    configuration that one dtype did not measure (out of memory) gets ``"not measured"`` and NaN.
+
+    Returns columns ``keys``, ``phase``, ``mode``, ``<baseline>_median_ms``, ``<other>_median_ms``,
+    ``speedup``, ``speedup_low``, ``speedup_high``, ``verdict``, ``n_<baseline>``, ``n_<other>``.
     """
+    keys = list(keys)
     rows = []
-    for size, g in timings.groupby("size", sort=False):
-        by = g.set_index("dtype")
-        for col, mode in (("fwd_ms", "forward"), ("fwdbwd_ms", "forward+backward")):
-            b = by[col].get(baseline, math.nan)
-            o = by[col].get(other, math.nan)
-            rows.append({"size": size, "mode": mode, f"{baseline}_ms": b, f"{other}_ms": o,
-                         "speedup": b / o if o and not math.isnan(o) else math.nan,
-                         "params": by["params"].max() if "params" in by else math.nan})
+    for config, mine in samples.groupby(keys, sort=False):
+        for phase in phases:
+            cell = mine[mine["phase"] == phase]
+            b = cell.loc[cell["dtype"] == baseline, "ms"].dropna().tolist()
+            o = cell.loc[cell["dtype"] == other, "ms"].dropna().tolist()
+            row = {**dict(zip(keys, config)), "phase": phase, "mode": PHASE_NAMES.get(phase, phase),
+                   f"{baseline}_median_ms": float(np.median(b)) if b else math.nan,
+                   f"{other}_median_ms": float(np.median(o)) if o else math.nan,
+                   "speedup": math.nan, "speedup_low": math.nan, "speedup_high": math.nan,
+                   "verdict": "not measured", f"n_{baseline}": len(b), f"n_{other}": len(o)}
+            if b and o:
+                c = compare(o, b)
+                row.update(speedup=c.speedup, verdict=c.verdict,
+                           speedup_low=1 / c.high if math.isfinite(c.high) and c.high > 0 else math.nan,
+                           speedup_high=1 / c.low if math.isfinite(c.low) and c.low > 0 else math.nan)
+            rows.append(row)
     return pd.DataFrame(rows)

@@ -87,28 +87,64 @@ def test_norm_statistics_matches_float64_formula():
     assert s["rms_output_max_error"] == 0.0
 
 
-def test_speedup_table():
+def _samples(size, dtype, phase, values, context=64):
+    return [dict(size=size, context=context, dtype=dtype, phase=phase, step=i, ms=v) for i, v in enumerate(values)]
+
+
+def test_speedup_table_uses_medians_and_verdicts():
     import pandas as pd
 
-    t = pd.DataFrame([dict(size="a", dtype="fp32", fwd_ms=10.0, fwdbwd_ms=30.0, params=5),
-                      dict(size="a", dtype="bf16", fwd_ms=4.0, fwdbwd_ms=10.0, params=5),
-                      dict(size="b", dtype="fp32", fwd_ms=8.0, fwdbwd_ms=math.nan, params=7),
-                      dict(size="b", dtype="bf16", fwd_ms=4.0, fwdbwd_ms=math.nan, params=7)])
-    s = precision.speedup_table(t).set_index(["size", "mode"])
-    assert s.loc[("a", "forward"), "speedup"] == 2.5
-    assert s.loc[("a", "forward+backward"), "speedup"] == 3.0
-    assert s.loc[("b", "forward"), "speedup"] == 2.0
-    assert math.isnan(s.loc[("b", "forward+backward"), "speedup"])
+    rows = (_samples("a", "fp32", "fwd", [10.0, 10.1, 9.9, 10.0, 50.0])      # one outlier: the median ignores it
+            + _samples("a", "bf16", "fwd", [4.0, 4.1, 3.9, 4.0, 4.0])
+            + _samples("a", "fp32", "fwdbwd", [30.0, 20.0, 40.0, 25.0, 35.0])  # noisy and overlapping
+            + _samples("a", "bf16", "fwdbwd", [28.0, 33.0, 22.0, 38.0, 30.0])
+            + _samples("b", "fp32", "fwd", [8.0, 8.1, 7.9])                    # bf16 ran out of memory
+            + _samples("b", "fp32", "fwdbwd", [9.0, 9.1, 8.9]))
+    s = precision.speedup_table(pd.DataFrame(rows)).set_index(["size", "phase"])
+    assert s.loc[("a", "fwd"), "speedup"] == pytest.approx(10.0 / 4.0)
+    assert s.loc[("a", "fwd"), "fp32_median_ms"] == 10.0 and s.loc[("a", "fwd"), "n_bf16"] == 5
+    assert s.loc[("a", "fwd"), "verdict"] == "faster"
+    assert s.loc[("a", "fwd"), "speedup_low"] <= 2.5 <= s.loc[("a", "fwd"), "speedup_high"]
+    assert s.loc[("a", "fwdbwd"), "verdict"] == "within noise"
+    assert s.loc[("a", "fwdbwd"), "mode"] == "forward+backward"
+    assert s.loc[("b", "fwd"), "verdict"] == "not measured" and math.isnan(s.loc[("b", "fwd"), "speedup"])
+    assert list(s.index.get_level_values("size")) == ["a", "a", "b", "b"]
+
+
+def test_speedup_table_one_sample_makes_no_claim():
+    import pandas as pd
+
+    rows = _samples("a", "fp32", "fwd", [10.0]) + _samples("a", "bf16", "fwd", [1.0])
+    s = precision.speedup_table(pd.DataFrame(rows), phases=("fwd",)).iloc[0]
+    assert s["speedup"] == 10.0 and s["verdict"] == "within noise" and math.isnan(s["speedup_low"])
+
+
+def test_speedup_table_by_context():
+    import pandas as pd
+
+    rows = [r for c in (32, 64) for r in _samples("a", "fp32", "fwd", [2.0 * c, 2.0 * c + 1], context=c)
+            + _samples("a", "bf16", "fwd", [c, c + 1.0], context=c)]
+    s = precision.speedup_table(pd.DataFrame(rows), keys=("size", "context"), phases=("fwd",))
+    assert s["context"].tolist() == [32, 64]
+    assert s["speedup"].tolist() == pytest.approx([64.5 / 32.5, 128.5 / 64.5])
 
 
 def test_speedup_table_from_a_real_sweep():
-    from lab.bench.lm import sweep_lm
+    from lab.bench.lm import samples_long, sweep_lm
     from lab.model import ModelConfig
 
     cfg = ModelConfig(d_model=32, d_ff=64, num_layers=1, num_heads=2, context_length=16, vocab_size=50)
-    df = sweep_lm([cfg], contexts=[16], dtypes=["fp32", "bf16"], batch=2, warmup=0, steps=1, device="cpu",
+    df = sweep_lm([cfg], contexts=[16], dtypes=["fp32", "bf16"], batch=2, warmup=0, steps=3, device="cpu",
                   progress=False)
     assert list(df["dtype"]) == ["fp32", "bf16"]
     assert (df["status"] == "ok").all() and (df["fwd_ms"] > 0).all() and (df["fwdbwd_ms"] > 0).all()
-    table = precision.speedup_table(df).set_index("mode")
-    assert table.loc["forward", "speedup"] == pytest.approx(df["fwd_ms"].iloc[0] / df["fwd_ms"].iloc[1])
+    table = precision.speedup_table(samples_long(df)).set_index("phase")
+    assert table.loc["fwd", "speedup"] == pytest.approx(df["fwd_median_ms"].iloc[0] / df["fwd_median_ms"].iloc[1])
+    assert table.loc["fwd", "n_fp32"] == 3
+    assert table.loc["fwd", "verdict"] in ("faster", "slower", "within noise")
+
+
+def test_autocast_dtype_tables_on_the_cpu():
+    t = precision.autocast_dtype_tables("cpu")
+    assert set(t["device"]) == {"cpu"}
+    assert t.set_index("tensor").loc["fc1 output", "autocast bf16"] == "bf16"
