@@ -48,7 +48,7 @@ import matplotlib.pyplot as plt
 from lab import paths
 from lab.bench import lm as bench
 from lab.bench.precision import speedup_table
-from lab.book import plots, profiling, report
+from lab.book import kernel_profiles, plots, profiling, report, warmup
 from lab.book.precision import speedup_display
 
 s = profiling.settings(quick, device, sizes=sizes, contexts=contexts, default_context=default_context, dtypes=dtypes,
@@ -130,11 +130,11 @@ book.answer("Does bf16 autocast speed up every size and context?", profiling.dty
 # %%
 wu = book.table("01_warmup", lambda: bench.warmup_study(s.warmup_size, warmups=s.warmup_runs, steps=s.steps,
                                                         context=s.default_context, batch=s.batch, device=s.device))
-profiling.plot_warmup(wu, s.warmup_size)
+warmup.plot_warmup(wu, s.warmup_size)
 plt.show()
-report.show_table(profiling.warmup_summary(wu), floatfmt=".3g")
-report.say(profiling.warmup_paragraph(wu, on))
-book.answer("Why is the first step slow?", profiling.warmup_answer(wu, on),
+report.show_table(warmup.warmup_summary(wu), floatfmt=".3g")
+report.say(warmup.warmup_paragraph(wu, on))
+book.answer("Why is the first step slow?", warmup.warmup_answer(wu, on),
             section="Warm-up: why the first steps are slow")
 
 # %% [markdown]
@@ -148,19 +148,19 @@ book.answer("Why is the first step slow?", profiling.warmup_answer(wu, on),
 
 # %%
 trace_dir = paths.artifacts_dir(artifacts_dir) / "traces"
-profiles = profiling.KernelProfiles(partial(bench.profile_lm, device=s.device, steps=s.profile_steps),
+profiles = kernel_profiles.KernelProfiles(partial(bench.profile_lm, device=s.device, steps=s.profile_steps),
                                     s.profile_size, s.profile_context, s.batch, trace_dir)
 kernels = book.table("01_kernels", profiles.kernels)
 profile_steps_table = book.table("01_profile_steps", profiles.step_times)
-report.say(profiling.profile_caption(profile_steps_table, kernels, trace_dir))
-profiling.show_top_kernels(kernels)
+report.say(kernel_profiles.profile_caption(profile_steps_table, kernels, trace_dir))
+kernel_profiles.show_top_kernels(kernels)
 
 # %%
-profiling.plot_class_shares(kernels, s.profile_size)
+kernel_profiles.plot_class_shares(kernels, s.profile_size)
 plt.show()
-report.say(profiling.matmul_paragraph(kernels))
-report.say(profiling.profile_timer_sentence(profile_steps_table, lm))
-book.answer("How much of the time is matrix multiplication?", profiling.matmul_answer(kernels),
+report.say(kernel_profiles.matmul_paragraph(kernels))
+report.say(kernel_profiles.profile_timer_sentence(profile_steps_table, lm))
+book.answer("How much of the time is matrix multiplication?", kernel_profiles.matmul_answer(kernels),
             section="Inside one step: a kernel profile")
 
 # %% [markdown]
@@ -172,7 +172,7 @@ book.answer("How much of the time is matrix multiplication?", profiling.matmul_a
 
 # %%
 ranges = book.table("01_attention_ranges", profiles.attention_ranges)
-report.show_table(profiling.attention_table(ranges), floatfmt=".3g")
-report.say(profiling.softmax_paragraph(ranges, on))
-book.answer("What does softmax cost inside attention?", profiling.softmax_answer(ranges),
+report.show_table(kernel_profiles.attention_table(ranges), floatfmt=".3g")
+report.say(kernel_profiles.softmax_paragraph(ranges, on))
+book.answer("What does softmax cost inside attention?", kernel_profiles.softmax_answer(ranges),
             section="Softmax against the two matrix products inside attention")

@@ -119,7 +119,10 @@ def run_notebook(notebook: Path, output: Path, parameters: dict, log_output: boo
     try:
         pm.execute_notebook(str(notebook), str(tmp), parameters=parameters, cwd=str(paths.REPO_ROOT),
                             log_output=log_output, progress_bar=False, execution_timeout=timeout_s,
-                            kernel_name="python3")
+                            kernel_name="python3",
+                            # the kernel's own start-up notices (e.g. "running over TCP without encryption"
+                            # on a local, loopback-only connection) are not the notebook's output
+                            extra_arguments=["--IPKernelApp.log_level=ERROR"])
     except pm.PapermillExecutionError as exc:
         failed = output.with_suffix(".failed.ipynb")
         if tmp.exists():

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from lab.bench.precision import speedup_table
-from lab.book import profiling
+from lab.book import kernel_profiles, profiling, warmup
 from lab.paths import REPO_ROOT
 
 matplotlib.use("Agg")
@@ -200,48 +200,48 @@ def _warmup(first=(100.0, 120.0), steady=10.0):
 
 
 def test_cold_start_compares_first_steps_with_the_steady_state():
-    cs = profiling.cold_start(_warmup())
+    cs = warmup.cold_start(_warmup())
     assert cs.first_ms == [100.0, 120.0] and cs.steady_warmup == 5 and len(cs.steady_ms) == 5
     assert cs.first.verdict == "slower" and cs.first.ratio == pytest.approx(110.0 / 10.0)
     assert cs.second.verdict == "within noise"
-    summary = profiling.warmup_summary(_warmup()).set_index("warmup")
+    summary = warmup.warmup_summary(_warmup()).set_index("warmup")
     assert summary.loc[0, "processes"] == 2 and summary.loc[0, "steps"] == 10
     assert summary.loc[0, "first_step"] == 110.0 and summary.loc[5, "processes"] == 1
 
 
 def test_warmup_paragraph_explains_by_the_measured_device():
-    gpu = profiling.warmup_paragraph(_warmup(), "cuda")
+    gpu = warmup.warmup_paragraph(_warmup(), "cuda")
     assert "first timed step takes **110 ms** (median of 2 cold processes), **11x** the steady-state median" in gpu
     assert "slower beyond noise (95% interval" in gpu
-    assert profiling.GPU_FIRST_STEP in gpu and "page faults" not in gpu
-    cpu = profiling.warmup_paragraph(_warmup(), "cpu")
-    assert profiling.CPU_FIRST_STEP in cpu and "cudaMalloc" not in cpu and "creating the CUDA context" not in cpu
-    assert "CUDA setup costs appear on GPUs only" in profiling.warmup_answer(_warmup(), "cpu")
-    assert "context, kernel loading, cuBLAS" in profiling.warmup_answer(_warmup(), "cuda")
+    assert warmup.GPU_FIRST_STEP in gpu and "page faults" not in gpu
+    cpu = warmup.warmup_paragraph(_warmup(), "cpu")
+    assert warmup.CPU_FIRST_STEP in cpu and "cudaMalloc" not in cpu and "creating the CUDA context" not in cpu
+    assert "CUDA setup costs appear on GPUs only" in warmup.warmup_answer(_warmup(), "cpu")
+    assert "context, kernel loading, cuBLAS" in warmup.warmup_answer(_warmup(), "cuda")
 
 
 def test_warmup_paragraph_makes_no_claim_within_noise():
     flat = _warmup(first=(10.0, 10.1))
-    text = profiling.warmup_paragraph(flat, "cpu")
+    text = warmup.warmup_paragraph(flat, "cpu")
     assert "within noise" in text and "claims no cause" in text
-    assert profiling.CPU_FIRST_STEP not in text and profiling.GPU_FIRST_STEP not in text
-    assert profiling.warmup_answer(flat, "cuda").startswith("Here it is not, beyond noise")
-    one = profiling.warmup_paragraph(_warmup(first=(100.0,)), "cuda")
-    assert "one cold process" in one and "no claim is made" in one and profiling.GPU_FIRST_STEP not in one
+    assert warmup.CPU_FIRST_STEP not in text and warmup.GPU_FIRST_STEP not in text
+    assert warmup.warmup_answer(flat, "cuda").startswith("Here it is not, beyond noise")
+    one = warmup.warmup_paragraph(_warmup(first=(100.0,)), "cuda")
+    assert "one cold process" in one and "no claim is made" in one and warmup.GPU_FIRST_STEP not in one
     assert "cannot tell" in one and "no first-step cost" not in one
-    assert profiling.warmup_answer(_warmup(first=(100.0,)), "cuda") == ("Undecided: one cold process, no spread "
+    assert warmup.warmup_answer(_warmup(first=(100.0,)), "cuda") == ("Undecided: one cold process, no spread "
                                                                         "(10x the steady state).")
 
 
 def test_warmup_study_that_failed_makes_no_claim():
     failed = pd.DataFrame([dict(warmup=w, step=0, status="oom") for w in (0, 1, 2, 5)])
-    assert profiling.cold_start(failed).first is None
-    assert "no cold first step and steady-state steps to compare" in profiling.warmup_paragraph(failed, "cuda")
-    assert profiling.warmup_answer(failed, "cuda") == "Not measured."
+    assert warmup.cold_start(failed).first is None
+    assert "no cold first step and steady-state steps to compare" in warmup.warmup_paragraph(failed, "cuda")
+    assert warmup.warmup_answer(failed, "cuda") == "Not measured."
 
 
 def test_plot_warmup_one_line_per_count():
-    fig = profiling.plot_warmup(_warmup(), "tiny")
+    fig = warmup.plot_warmup(_warmup(), "tiny")
     ax = fig.axes[0]
     assert len(ax.lines) == 3 and ax.get_yscale() == "log" and ax.get_title().startswith("tiny:")
 
@@ -264,30 +264,30 @@ def _kernels(source="gpu kernel"):
 
 
 def test_class_shares_and_matmul_paragraph_on_a_gpu():
-    shares = profiling.class_shares(_kernels()).set_index(["mode", "class"])["share"]
+    shares = kernel_profiles.class_shares(_kernels()).set_index(["mode", "class"])["share"]
     assert shares[("forward", "matmul")] == pytest.approx(0.8)
     assert shares[("train_step", "matmul")] == pytest.approx(24 / 34)
-    text = profiling.matmul_paragraph(_kernels())
+    text = kernel_profiles.matmul_paragraph(_kernels())
     assert text.startswith("Matrix multiplications take **80%** of the GPU kernel time in the forward pass, 80% in "
                            "forward+backward and 71% in the full train step (the optimizer adds elementwise kernels)")
     assert "`softmax_warp_forward` (20.0% of forward time, 4 calls per step)" in text and "memory-bound" in text
-    assert profiling.matmul_answer(_kernels()) == ("80% of forward, 80% of forward+backward, 71% of train step "
+    assert kernel_profiles.matmul_answer(_kernels()) == ("80% of forward, 80% of forward+backward, 71% of train step "
                                                    "(GPU kernel time).")
 
 
 def test_matmul_paragraph_on_a_cpu_makes_no_gpu_claim():
-    text = profiling.matmul_paragraph(_kernels("cpu op"))
+    text = kernel_profiles.matmul_paragraph(_kernels("cpu op"))
     assert "of the CPU operator time" in text and "largest non-matmul operator" in text
     assert "memory-bound" not in text and "do not predict a GPU's kernel mix" in text
 
 
 def test_top_kernels_tables(capsys):
-    top = profiling.top_kernels(_kernels(), "train_step", n=2)
+    top = kernel_profiles.top_kernels(_kernels(), "train_step", n=2)
     assert top["name"].tolist() == ["sm90_gemm", "softmax_warp_forward"]
-    profiling.show_top_kernels(_kernels("cpu op"), n=1)
+    kernel_profiles.show_top_kernels(_kernels("cpu op"), n=1)
     out = capsys.readouterr().out
     assert "**Top operators, forward** (per step)" in out and "**Top operators, train_step**" in out
-    fig = profiling.plot_class_shares(_kernels(), "2.7B")
+    fig = kernel_profiles.plot_class_shares(_kernels(), "2.7B")
     assert fig.axes[0].get_title() == "2.7B: matmul vs other"
 
 
@@ -299,13 +299,13 @@ def _steps(busy=300.0):
 def test_profile_timer_sentence():
     lm = _lm([dict(size="2.7B", context=512, dtype="fp32", fwd_median_ms=309.0),
               dict(size="2.7B", context=512, dtype="bf16", fwd_median_ms=40.0)])
-    text = profiling.profile_timer_sentence(_steps(), lm)
+    text = kernel_profiles.profile_timer_sentence(_steps(), lm)
     assert text == ("The profiler sees a forward step of **320 ms** wall time, of which kernels are busy 300 ms "
                     "(94%); the Python timer measured 309 ms (median) for the same size and context in the sweep, "
                     "with sdpa attention instead of naive and without the profiler's overhead.")
-    cpu = profiling.profile_timer_sentence(_steps(busy=0.0), lm.iloc[:0])
+    cpu = kernel_profiles.profile_timer_sentence(_steps(busy=0.0), lm.iloc[:0])
     assert cpu == "The profiler sees a forward step of **320 ms** wall time."
-    caption = profiling.profile_caption(_steps(), _kernels(), REPO_ROOT / "artifacts" / "traces")
+    caption = kernel_profiles.profile_caption(_steps(), _kernels(), REPO_ROOT / "artifacts" / "traces")
     assert "Profiled **2.7B** at context 512, batch 4, fp32, naive attention, 3 steps per mode" in caption
     assert "`artifacts/traces`" in caption
 
@@ -319,25 +319,25 @@ def _ranges(softmax_ms=2.4):
 
 
 def test_softmax_ratios_and_paragraph():
-    r = profiling.softmax_ratios(_ranges())
+    r = kernel_profiles.softmax_ratios(_ranges())
     assert r["runtime"] == pytest.approx(2.4 / 19.4) and r["flops"] == pytest.approx(5.37 / 345.0)
-    gpu = profiling.softmax_paragraph(_ranges(), "cuda")
+    gpu = kernel_profiles.softmax_paragraph(_ranges(), "cuda")
     assert gpu.startswith("Softmax takes **0.12x** the time of the two attention matmuls together for **0.016x** "
                           "their FLOPs: per FLOP it is 7.9x more expensive")
     assert "bound by memory bandwidth" in gpu
-    cpu = profiling.softmax_paragraph(_ranges(), "cpu")
+    cpu = kernel_profiles.softmax_paragraph(_ranges(), "cpu")
     assert "These are CPU times" in cpu and "is for GPU renders" in cpu
-    cheap = profiling.softmax_paragraph(_ranges(softmax_ms=0.1), "cuda")
+    cheap = kernel_profiles.softmax_paragraph(_ranges(softmax_ms=0.1), "cuda")
     assert "x less expensive" in cheap
-    assert profiling.softmax_answer(_ranges()).startswith("0.12x the time of the two attention matmuls for 0.016x")
-    assert list(profiling.attention_table(_ranges()).columns) == ["range", "calls_per_step", "ms_per_step",
+    assert kernel_profiles.softmax_answer(_ranges()).startswith("0.12x the time of the two attention matmuls for 0.016x")
+    assert list(kernel_profiles.attention_table(_ranges()).columns) == ["range", "calls_per_step", "ms_per_step",
                                                                   "gflop_per_step", "tflop_per_s"]
 
 
 def test_kernel_profiles_are_taken_on_first_use_only(tmp_path):
     calls = []
     fake = lambda size, **kw: calls.append((size, kw["mode"], kw["trace_path"].name)) or object()
-    profiles = profiling.KernelProfiles(fake, "mini", 64, 4, tmp_path)
+    profiles = kernel_profiles.KernelProfiles(fake, "mini", 64, 4, tmp_path)
     assert calls == []  # a replayed notebook builds the object but never asks for a table
     first = profiles.profiler("forward")
     assert profiles.profiler("forward") is first and calls == [("mini", "forward", "01_mini_forward.json")]
@@ -348,7 +348,7 @@ def test_kernel_profiles_of_a_toy_model(tmp_path):
     from lab.model import ModelConfig
 
     cfg = ModelConfig(d_model=32, d_ff=64, num_layers=1, num_heads=2, context_length=16, vocab_size=64)
-    profiles = profiling.KernelProfiles(partial(profile_lm, device="cpu", warmup=1, steps=1), cfg, 16, 2, tmp_path)
+    profiles = kernel_profiles.KernelProfiles(partial(profile_lm, device="cpu", warmup=1, steps=1), cfg, 16, 2, tmp_path)
     kernels = profiles.kernels()
     assert list(dict.fromkeys(kernels["mode"])) == ["forward", "forward_backward", "train_step"]
     assert (kernels["source"] == "cpu op").all() and (kernels["class"] == "matmul").any()
