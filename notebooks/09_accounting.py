@@ -283,7 +283,8 @@ report.say(acc_book.saved_check_sentence(saved_check, check_model))
 # %%
 lm_step = acc_book.measured_results(book, "lm_step", "01_profiling")
 sharding = acc_book.measured_results(book, "sharding_benchmark", "08_sharding")
-check = book.table("accounting_memory_check", lambda: bench_accounting.predicted_vs_measured(lm_step, sharding))
+check = bench_accounting.predicted_vs_measured(lm_step, sharding)
+acc_book.save_memory_check(book, check)
 acc_book.show_memory_check(check, memory_tolerance, [lm_step, sharding]);
 book.answer("Does the predicted peak memory match the GPU measurements?",
             acc_book.memory_check_answer(check, memory_tolerance), section="5 · Predicted vs measured memory")

@@ -423,6 +423,14 @@ def measured_results(book: Chapter, name: str, source: str, columns: list[str] |
     return df
 
 
+def save_memory_check(book: Chapter, check: pd.DataFrame, name: str = "accounting_memory_check") -> None:
+    """Save the predicted-vs-measured rows as this notebook's ``name`` table (also when empty, so an older
+    comparison does not linger); nothing when replaying. The comparison itself is always made afresh from
+    the other notebooks' current results, which is what a replay of this notebook should show."""
+    if not book.replay:
+        store.save_results(check, name, book.results_dir, book.params, source=book.notebook)
+
+
 def memory_check_display(check: pd.DataFrame) -> pd.DataFrame:
     """The predicted-vs-measured rows, sorted, with the columns worth reading."""
     if check.empty:

@@ -74,7 +74,8 @@ def shown(df: pd.DataFrame, head: int | None = None) -> pd.DataFrame:
 def missing_snapshot_sentence(snapshot_path: str | os.PathLike) -> str:
     """What to say when a timeline cannot be drawn because its snapshot is not on this machine."""
     return (f"No snapshot at `{snapshot_path}` on this machine (snapshots are regenerable artifacts, not "
-            "committed): render with `replay=False` to record it; the phase table below comes from `results/`.")
+            "committed), so no timeline is drawn: render with `replay=False` to record it. The phase table comes "
+            "from the results.")
 
 
 def phase_peaks_from_snapshot(snapshot: dict, marks) -> pd.DataFrame:
@@ -149,7 +150,8 @@ def export_snapshot_pages(folder: str | os.PathLike, names, titles: dict | None 
 def pages_sentence(pages: pd.DataFrame) -> str:
     """Which snapshot pages open offline and which need the web, from :func:`export_snapshot_pages`."""
     if pages.empty:
-        return "No snapshot was recorded in this render, so no snapshot page was written."
+        return ("No snapshot pickle is on this machine, so no snapshot page was written in this render (render with "
+                "`replay=False` to record them).")
     offline = pages[pages["works_offline"]]
     online = pages[~pages["works_offline"]]
     parts = []

@@ -177,3 +177,15 @@ def test_memory_check_lists_disagreements_plainly(capsys):
     assert "the CPU measures none" in ab.memory_check_sentence(empty, 0.25, tables_read=1)
     assert ab.show_comparisons(empty, 0.25) is None and ab.memory_check_display(empty).empty
     assert math.isclose(ab.disagreements(check, 1.0).shape[0], 0)
+
+
+def test_memory_check_is_saved_unless_replaying(tmp_path):
+    book = Chapter("09_accounting", {"quick": True}, str(tmp_path))
+    ab.save_memory_check(book, _check())
+    saved = store.load_results("accounting_memory_check", str(tmp_path), source="09_accounting")
+    assert saved["ratio"].tolist() == [1.1, 0.5, 1.0]
+    ab.save_memory_check(book, pd.DataFrame())  # an empty comparison replaces the older one
+    assert store.load_results("accounting_memory_check", str(tmp_path)).empty
+    replaying = Chapter("09_accounting", {}, str(tmp_path / "other"), replay=True)
+    ab.save_memory_check(replaying, _check())
+    assert not (tmp_path / "other").exists()

@@ -50,7 +50,7 @@ def test_offline_page_is_self_contained_and_memory_viz_is_not(snapshot_dir):
     assert pages["works_offline"].tolist() == [True, False]
     sentence = mb.pages_sentence(pages)
     assert "forward.offline.html" in sentence and "`cdn.jsdelivr.net`" in sentence
-    assert mb.pages_sentence(pages.iloc[:0]).startswith("No snapshot")
+    assert mb.pages_sentence(pages.iloc[:0]).startswith("No snapshot pickle is on this machine")
 
 
 def test_external_resources_finds_every_kind_of_link():
