@@ -15,6 +15,7 @@ import seaborn as sns
 import sympy as sp
 
 from lab import accounting as acc
+from lab import paths
 from lab.book.report import Chapter, fmt, say, show_table
 from lab.measure import results as store
 
@@ -427,8 +428,17 @@ def save_memory_check(book: Chapter, check: pd.DataFrame, name: str = "accountin
     """Save the predicted-vs-measured rows as this notebook's ``name`` table (also when empty, so an older
     comparison does not linger); nothing when replaying. The comparison itself is always made afresh from
     the other notebooks' current results, which is what a replay of this notebook should show."""
-    if not book.replay:
-        store.save_results(check, name, book.results_dir, book.params, source=book.notebook)
+    if book.replay:
+        return
+    csv = paths.resolve(book.results_dir) / f"{name}.csv"
+    if csv.exists():
+        header = pd.read_csv(csv, nrows=0).columns
+        if "source" in header and "table" not in header:
+            # written before rows carried their provenance, when `source` named the compared table: that
+            # column would be taken for the notebook that wrote the rows, so the old table goes whole
+            csv.unlink()
+            csv.with_suffix(".json").unlink(missing_ok=True)
+    store.save_results(check, name, book.results_dir, book.params, source=book.notebook)
 
 
 def memory_check_display(check: pd.DataFrame) -> pd.DataFrame:

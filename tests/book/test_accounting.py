@@ -189,3 +189,14 @@ def test_memory_check_is_saved_unless_replaying(tmp_path):
     replaying = Chapter("09_accounting", {}, str(tmp_path / "other"), replay=True)
     ab.save_memory_check(replaying, _check())
     assert not (tmp_path / "other").exists()
+
+
+def test_an_old_memory_check_is_replaced_whole(tmp_path):
+    """The old check named the compared table in a `source` column; saving must not keep its rows as if they
+    came from another notebook."""
+    old = _check().rename(columns={"table": "source"})
+    old.to_csv(tmp_path / "accounting_memory_check.csv", index=False)
+    (tmp_path / "accounting_memory_check.json").write_text("{}")
+    ab.save_memory_check(Chapter("09_accounting", {}, str(tmp_path)), _check().iloc[:1])
+    saved = store.load_results("accounting_memory_check", str(tmp_path))
+    assert len(saved) == 1 and saved["source"].tolist() == ["09_accounting"] and saved["table"].tolist() == ["lm_step"]
