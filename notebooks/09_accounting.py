@@ -12,7 +12,7 @@
 # Before running anything on a cluster one can predict most of what it will do with a few formulas:
 # how many bytes the training state takes, how many FLOPs a step costs, how long a ring collective
 # needs, and at which batch size a parallel layout stops waiting on the network. This notebook derives
-# those formulas with sympy (`lab.accounting`), answers the XXL questions about a 220-billion-parameter
+# those formulas with sympy (`lab.accounting`), answers the XXL questions about a very large
 # FFN-only model on H100s and TPU v5p, checks the collective formulas step by step with a small ring
 # simulator (`lab.accounting.ring_sim`), and finally compares predicted memory with what the GPU notebooks
 # (01 profiling, 08 sharding) measured, reading their current results with their provenance.

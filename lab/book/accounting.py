@@ -516,9 +516,17 @@ def show_comparisons(check: pd.DataFrame, tolerance: float):
     return memory_check_figure(check, tolerance)
 
 
-def memory_check_answer(check: pd.DataFrame, tolerance: float) -> str:
-    if check.empty:
-        return "nothing to compare yet (no measured GPU peak in the results)."
-    bad = disagreements(check, tolerance)
-    return (f"{len(check) - len(bad)} of {len(check)} measured peaks are within ±{tolerance:.0%} of the "
-            f"prediction; {len(bad)} are not (listed in the section).")
+def memory_check_answer(check: pd.DataFrame, tolerance: float,
+                        compared=("lm_step", "sharding_benchmark")) -> str:
+    """Per table of ``compared``: how many measured peaks are within ``tolerance`` of the prediction, or that
+    none was compared."""
+    parts = []
+    for table in compared:
+        rows = check[check["table"] == table] if not check.empty else check
+        if rows.empty:
+            parts.append(f"`{table}`: no measured peak compared")
+            continue
+        bad = disagreements(rows, tolerance)
+        parts.append(f"`{table}`: {len(rows) - len(bad)} of {len(rows)} measured peaks within ±{tolerance:.0%} of "
+                     "the prediction" + (f", {len(bad)} not (listed in the section)" if len(bad) else ""))
+    return "; ".join(parts) + "."

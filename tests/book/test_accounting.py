@@ -169,8 +169,13 @@ def test_memory_check_lists_disagreements_plainly(capsys):
     assert "because" not in text and "transient" not in text  # numbers, not explanations
     shown = ab.show_memory_check(check, 0.25, [check, None])
     assert shown["impl"].tolist() == ["train_step"] and "| train_step" in capsys.readouterr().out
-    assert ab.memory_check_answer(check, 0.25) == ("2 of 3 measured peaks are within ±25% of the prediction; 1 are "
-                                                   "not (listed in the section).")
+    assert ab.memory_check_answer(check, 0.25) == (
+        "`lm_step`: 1 of 2 measured peaks within ±25% of the prediction, 1 not (listed in the section); "
+        "`sharding_benchmark`: 1 of 1 measured peaks within ±25% of the prediction.")
+    assert ab.memory_check_answer(check[check["table"] == "sharding_benchmark"], 0.25).startswith(
+        "`lm_step`: no measured peak compared; `sharding_benchmark`: 1 of 1")
+    assert ab.memory_check_answer(pd.DataFrame(), 0.25) == ("`lm_step`: no measured peak compared; "
+                                                            "`sharding_benchmark`: no measured peak compared.")
     assert ab.memory_check_figure(check, 0.25) is not None
     empty = pd.DataFrame()
     assert ab.memory_check_sentence(empty, 0.25, tables_read=0).startswith("So there is no measured peak")
