@@ -382,6 +382,7 @@ class MemoryExperiment:
         ``dtype``."""
         s = self.setup
         tables = []
+        empty_cache()  # what earlier measurements left (an optimizer in a reference cycle) must not count
         step = self._step(s.timeline_context, optimizer=False)
         rec = record_training_snapshot(step, self.snapshot_path("forward"), forward_only=True,
                                        max_entries=s.max_entries)
@@ -421,12 +422,14 @@ class MemoryExperiment:
 
     def phase_peaks(self, steps: int = 2) -> pd.DataFrame:
         """:func:`lab.measure.step.peak_memory_by_phase` of ``steps`` AdamW steps at the timeline context."""
+        empty_cache()
         with silenced_native_stderr(self.device.type == "cpu"):
             return peak_memory_by_phase(self._step(self.setup.timeline_context), steps=steps)
 
     def peak_memory(self, progress: bool = True) -> pd.DataFrame:
         """:func:`peak_memory_table` over the setup's contexts and dtypes, with the model's ``size``."""
         s = self.setup
+        empty_cache()
         return peak_memory_table(self.model, s.peak_contexts, s.peak_dtypes, batch=s.batch,
                                  progress=progress).assign(size=s.size)
 
@@ -481,6 +484,7 @@ class MemoryExperiment:
         memory (``modelled_mib``) and the modelled peak ``modelled_peak_gib`` = 4 x the fp32 parameters
         (weights, gradients, AdamW's two moments) + the modelled activations."""
         s = self.setup
+        empty_cache()
         tokens, targets = random_batch(s.model, s.batch, self.device, context=s.checkpoint_context)
         sweep = checkpoint_sweep(self.model, tokens, targets, s.checkpoint_group_sizes, include_nested=True,
                                  dtype=s.dtype, timing_steps=s.timing_steps, progress=progress)
