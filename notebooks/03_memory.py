@@ -15,17 +15,25 @@
 # memory by phase and across context lengths and dtypes. Then we account for what autograd saves for the
 # backward pass ("residuals") and trade it for recomputation with activation checkpointing.
 #
-# Snapshot pickles and the memory_viz HTML pages go to `artifacts_dir` (git-ignored); this report shows
-# plots and tables derived from them. Every number in the prose is computed from the tables.
+# The full profile measures the 2.7B model (d_model 2560, 32 blocks; some courses call it "xl") on a GPU;
+# the quick profile a 4-block toy on the CPU. On a CPU, snapshots come from `torch.profiler`'s memory
+# timeline converted to the memory_viz format (the CPU has no caching allocator to record), so sizes there
+# are exact tensor sizes without the CUDA allocator's rounding.
+#
+# Snapshot pickles and their HTML pages go to `artifacts_dir` (git-ignored, regenerable by re-running this
+# notebook); the report shows plots and tables derived from them. Every number in the prose is computed from
+# the tables, and the answers at the top link to the section that measured them. With `replay=True` the
+# tables are read back from `results_dir` instead of measured.
 
 # %% tags=["parameters"]
 quick = True                      # a toy model on the CPU; the full render sets False
 device = "auto"
 results_dir = "results/quick"     # the full render passes "results"
 artifacts_dir = "artifacts/quick"
-size = None                       # None: "2.7B" (full) or a 4-block toy (quick)
+replay = False                    # True: read this notebook's tables from results_dir instead of measuring
+size = None                       # None: "2.7B" (full) or the 4-block "mini" toy (quick)
 batch = 4
-dtype = "fp32"                    # dtype of the timelines and of the checkpointing sweep
+dtype = "fp32"                    # training dtype of the timelines, block accounting and checkpointing sweep
 timeline_context = None           # None: 512 (full) or 64 (quick)
 peak_contexts = None              # None: 128, 256, 512, 2048 (full) or 32, 64 (quick)
 peak_dtypes = ["fp32", "bf16"]
@@ -34,139 +42,78 @@ checkpoint_context = None         # None: 2048 (full) or 64 (quick)
 checkpoint_group_sizes = None     # None: no checkpointing and every divisor of the number of blocks
 compile_rmsnorm = True            # RMSNorm saved tensors eager vs torch.compile'd
 max_entries = 1_000_000           # allocator events kept by the snapshot recorder
+timing_steps = 2                  # timed steps per checkpointing configuration
+top_allocations = 10
 
 # %%
-import math
-import os
-
-import matplotlib.pyplot as plt
-import pandas as pd
-import torch
-
-from lab.model import checkpointing
-from lab.measure import memory, results
-from lab import paths
+from lab.bench import memory as bench_memory
+from lab.book import memory as memory_book
 from lab.book import plots, report
-from lab.measure.step import random_batch
-from lab.measure.device import empty_cache, resolve_device
-from lab.model.transformer import ModelConfig, RMSNorm, TransformerLM, config_for
-from lab.measure.saved_tensors import saved_tensor_report
+from lab.book.memory import shown
 
-dev = resolve_device(device)
-if quick:
-    cfg = ModelConfig(d_model=64, d_ff=256, num_layers=4, num_heads=4, context_length=64, vocab_size=1000)
-    size_name = size or "toy (d64, 4 blocks)"
-    timeline_context = timeline_context or 64
-    peak_contexts = peak_contexts or [32, 64]
-    checkpoint_context = checkpoint_context or 64
-else:
-    size_name = size or "2.7B"
-    timeline_context = timeline_context or 512
-    peak_contexts = peak_contexts or [128, 256, 512, 2048]
-    checkpoint_context = checkpoint_context or 2048
-    cfg = config_for(size_name)
-block_context = block_context or checkpoint_context
-cfg = ModelConfig(**{**cfg.__dict__, "context_length": max([timeline_context, checkpoint_context, block_context]
-                                                           + list(peak_contexts))})
-checkpoint_group_sizes = checkpoint_group_sizes or [None] + [k for k in range(1, cfg.num_layers + 1)
-                                                             if cfg.num_layers % k == 0]
-autocast_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-art = paths.artifacts_dir(f"{artifacts_dir}/03_memory")
-
-params = dict(quick=quick, device=str(dev), size=size_name, d_model=cfg.d_model, num_layers=cfg.num_layers,
-              batch=batch, dtype=dtype, timeline_context=timeline_context, peak_contexts=list(peak_contexts),
-              peak_dtypes=list(peak_dtypes), block_context=block_context, checkpoint_context=checkpoint_context,
-              checkpoint_group_sizes=[k for k in checkpoint_group_sizes], compile_rmsnorm=compile_rmsnorm)
+setup = bench_memory.MemorySetup.resolve(
+    quick, size=size, batch=batch, dtype=dtype, timeline_context=timeline_context, peak_contexts=peak_contexts,
+    peak_dtypes=peak_dtypes, block_context=block_context, checkpoint_context=checkpoint_context,
+    checkpoint_group_sizes=checkpoint_group_sizes, compile_rmsnorm=compile_rmsnorm, max_entries=max_entries,
+    timing_steps=timing_steps)
+exp = bench_memory.MemoryExperiment(setup, device, artifacts_dir)
+book = report.Chapter("03_memory", dict(quick=quick, device=str(exp.device), **setup.params()), results_dir,
+                      replay=replay)
 plots.set_style()
-report.show_machine(params)
-if dev.type == "cpu":
-    report.say("_On the CPU, snapshots come from `torch.profiler`'s memory timeline converted to the "
-               "memory_viz format (the CPU has no caching allocator to record); the sizes are exact tensor "
-               "sizes, without the CUDA allocator's rounding._")
+book.show_machine()
+book.show_answers()
 
 # %% [markdown]
 # ## The residual stream
 #
-# Every block reads and writes one `batch × context × d_model` activation, the residual stream. In fp32
-# (4 bytes per element) its size is:
+# Every block reads and writes one `batch × context × d_model` activation, the residual stream. It is what
+# a checkpointed group keeps for the backward, so its size sets the price of a checkpoint. In fp32 (4 bytes
+# per element):
 
 # %%
-MiB, GiB = 2**20, 2**30
-fmt = memory.format_bytes
-residual = pd.DataFrame([dict(context=c, batch=batch, d_model=cfg.d_model,
-                              residual_mib=checkpointing.residual_stream_bytes(batch, c, cfg.d_model, 4) / MiB)
-                         for c in sorted(set(peak_contexts) | {timeline_context, checkpoint_context})])
-results.save_results(residual, "memory_residual_stream", results_dir, params)
-report.show_table(residual, floatfmt=".4g")
-r_ck = residual.set_index("context").loc[checkpoint_context, "residual_mib"] * MiB
-report.say(f"For the {size_name} model (d_model {cfg.d_model}) at batch {batch} and context {checkpoint_context}, "
-           f"one residual-stream activation is {batch} × {checkpoint_context} × {cfg.d_model} × 4 bytes = "
-           f"**{fmt(r_ck)}** ({r_ck / MiB:,.4g} MiB); the {cfg.num_layers} block inputs alone are "
-           f"{fmt(cfg.num_layers * r_ck)}.")
+residual = book.table("memory_residual_stream", lambda: bench_memory.residual_stream_table(setup))
+report.show_table(shown(residual), floatfmt=".4g")
+report.say(memory_book.residual_sentence(residual, setup))
+book.answer("How large is the residual stream?", memory_book.residual_sentence(residual, setup),
+            section="The residual stream")
 
 # %% [markdown]
-# ## Timelines: a forward pass, and two full training steps
+# ## Timelines: a forward pass, and two training steps
 #
-# `lab.measure.memory.record_training_snapshot` runs the region under `record_memory_snapshot` (on CUDA,
-# `torch.cuda.memory._record_memory_history`; the pickle opens in memory_viz) and marks each phase.
-# The plot stacks the largest allocations as coloured bands at the bottom, as memory_viz does; the
-# black line is all active memory, and each phase's peak is marked.
+# `MemoryExperiment.record_timelines` runs the region under `lab.measure.memory_snapshot.record_memory_snapshot`
+# (on CUDA, `torch.cuda.memory._record_memory_history`) and marks each phase of the one phased `TrainStep`:
+# `forward`, `backward`, `optimizer step`. The plots stack the largest groups of allocations as coloured bands
+# at the bottom, as memory_viz does; the black line is all active memory, and each phase's peak is marked.
 
 # %%
-torch.manual_seed(0)
-with torch.device(dev):
-    model = TransformerLM(cfg)
-param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-tokens, targets = random_batch(cfg, batch, dev, context=timeline_context)
-
-fwd_rec = memory.record_training_snapshot(model, (tokens, targets), art / "forward.pickle", forward_only=True,
-                                          autocast_dtype=autocast_dtype, max_entries=max_entries)
-fig, ax = plt.subplots(figsize=(11, 4.5))
-memory.plot_active_memory_timeline(fwd_rec.snapshot, fwd_rec.marks, ax=ax,
-                                   title=f"{size_name}: one forward pass (context {timeline_context}, {dtype})")
-plots.save_figure(fig, "03_timeline_forward", results_dir)
-plt.show()
-fwd_peaks = memory.peaks_by_phase(memory.active_memory_timeline(fwd_rec.snapshot, marks=fwd_rec.marks))
-report.show_table(fwd_peaks, floatfmt=".4g")
+phases = book.table("memory_timeline_phases", exp.record_timelines)
+report.show_table(memory_book.phase_peaks_display(phases, "forward"), floatfmt=".4g")
+memory_book.show_timeline(exp.snapshot_path("forward"),
+                          f"{setup.size}: one forward pass (context {setup.timeline_context}, {setup.dtype})");
 
 # %%
-optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == "cuda")
-step_rec = memory.record_training_snapshot(model, (tokens, targets), art / "train_step.pickle", optimizer=optimizer,
-                                           steps=2, autocast_dtype=autocast_dtype, blocks=model.blocks,
-                                           max_entries=max_entries)
-fig, ax = plt.subplots(figsize=(11, 4.5))
-memory.plot_active_memory_timeline(step_rec.snapshot, step_rec.marks, ax=ax,
-                                   title=f"{size_name}: two AdamW training steps (context {timeline_context}, {dtype})")
-plots.save_figure(fig, "03_timeline_train_step", results_dir)
-plt.show()
-step_peaks = memory.peaks_by_phase(memory.active_memory_timeline(step_rec.snapshot, marks=step_rec.marks))
-step_peaks = step_peaks[step_peaks["phase"].isin([m[0] for m in step_rec.marks if m[0] != "end"])]
-results.save_results(step_peaks.assign(context=timeline_context, dtype=dtype), "memory_timeline_phases",
-                     results_dir, params)
-report.show_table(step_peaks, floatfmt=".4g")
-html = [memory.export_memory_viz_html(rec.snapshot, art / f"{name}.html")
-        for name, rec in (("forward", fwd_rec), ("train_step", step_rec))]
-shown = [os.path.relpath(h, paths.REPO_ROOT) if paths.resolve(h).is_relative_to(paths.REPO_ROOT) else str(h)
-         for h in html]
-report.say(f"memory_viz pages for offline viewing: `{shown[0]}`, `{shown[1]}` (the snapshot is embedded; the viewer "
-           f"script loads from a CDN); the pickles beside them open in pytorch.org/memory_viz.")
+report.show_table(memory_book.phase_peaks_display(phases, "train_step"), floatfmt=".4g")
+report.say(memory_book.timeline_sentences(phases, setup.parameter_bytes))
+book.answer("Which phase is each timeline's peak?", memory_book.timeline_answer(phases),
+            section="Timelines: a forward pass, and two training steps")
+memory_book.show_timeline(exp.snapshot_path("train_step"),
+                          f"{setup.size}: two AdamW steps (context {setup.timeline_context}, {setup.dtype})");
+
+# %% [markdown]
+# ### Opening a snapshot in a browser, online or not
+#
+# torch's memory_viz page (`torch.cuda._memory_viz.trace_plot`) embeds the snapshot but imports its viewer
+# script, `MemoryViz.js`, from a CDN: without a network it is a blank page. So each snapshot also gets a
+# self-contained page, `lab.book.memory.offline_snapshot_html`: the timeline above as an embedded PNG, the
+# peak of each phase and the largest allocations, no script at all. The table says what each page loads
+# from the web, read off the pages themselves.
 
 # %%
-sp = step_peaks.set_index("phase")
-g = lambda phase, col: sp.loc[phase, col] * GiB
-top = sp["peak_gib"].idxmax()
-state = g("optimizer step 1", "end_gib") - g("forward 1", "start_gib")  # grads are freed again by zero_grad
-second = g("optimizer step 2", "end_gib") - g("optimizer step 1", "end_gib")
-report.say(
-    f"The highest peak of the two steps is in **{top}** ({fmt(g(top, 'peak_gib'))}). The forward pass builds up "
-    f"{fmt(g('forward 1', 'end_gib') - g('forward 1', 'start_gib'))} of activations saved for the backward "
-    f"(peak {fmt(g('forward 1', 'peak_gib'))}); the backward frees them while it allocates the gradients "
-    f"(peak {fmt(g('backward 1', 'peak_gib'))}). After the first optimizer step (and `zero_grad`), memory is "
-    f"{fmt(state)} above where step 1 started: AdamW's state, created on first use — two moment buffers, "
-    f"expected {fmt(2 * param_bytes)} (2 × the parameters). After the second step it is "
-    f"{fmt(abs(second))} {'higher' if second >= 0 else 'lower'} than after the first: no new state. "
-    f"That is why step 2's peaks (forward {fmt(g('forward 2', 'peak_gib'))}, backward "
-    f"{fmt(g('backward 2', 'peak_gib'))}) exceed step 1's: the optimizer state now lives through the whole step.")
+pages = memory_book.export_snapshot_pages(exp.artifacts, ["forward", "train_step"])
+report.show_table(pages)
+report.say(memory_book.pages_sentence(pages))
+book.answer("Which snapshot page works offline?", memory_book.pages_sentence(pages),
+            section="Opening a snapshot in a browser, online or not")
 
 # %% [markdown]
 # ### The largest allocations of the forward pass, and where they come from
@@ -175,31 +122,25 @@ report.say(
 # own code (innermost first).
 
 # %%
-largest = memory.largest_allocations(fwd_rec.snapshot, n=10, marks=fwd_rec.marks, phase="forward 1")
-results.save_results(largest, "memory_largest_forward_allocations", results_dir, params)
-report.show_table(largest.drop(columns=["category"] if not largest["category"].any() else []), floatfmt=".4g")
-origins = memory.allocations_by_origin(fwd_rec.snapshot, marks=fwd_rec.marks, phase="forward 1")
-report.show_table(origins.head(10), floatfmt=".4g")
-logits_mib = batch * timeline_context * cfg.vocab_size * 4 / MiB
-ffn_mib = batch * timeline_context * cfg.d_ff * 4 / MiB
-report.say(
-    f"The largest forward allocation is {largest['size_mib'].iloc[0]:,.4g} MiB, from `{largest['origin'].iloc[0]}`. "
-    f"For comparison, the logits are batch × context × vocab × 4 bytes = {logits_mib:,.4g} MiB and one FFN "
-    f"hidden activation batch × context × d_ff × 4 bytes = {ffn_mib:,.4g} MiB "
-    f"({cfg.d_ff // cfg.d_model}× the residual stream). By origin, `{origins['origin'].iloc[0]}` allocates the most "
-    f"in the forward pass: {origins['count'].iloc[0]} allocations, {origins['total_mib'].iloc[0]:,.4g} MiB in all "
-    f"({origins['share'].iloc[0]:.0%} of the forward's allocations).")
+largest = book.table("memory_largest_forward_allocations", lambda: exp.largest_allocations(top_allocations))
+origins = book.table("memory_allocations_by_origin", exp.allocations_by_origin)
+report.show_table(shown(largest), floatfmt=".4g")
+report.show_table(shown(origins), floatfmt=".4g")
+report.say(memory_book.largest_allocations_sentence(largest, origins, setup))
+book.answer("What are the largest allocations of a forward pass, and where do they come from?",
+            memory_book.largest_allocations_answer(largest, origins),
+            section="The largest allocations of the forward pass, and where they come from")
 
 # %% [markdown]
 # ### Peak memory by phase
 #
-# `lab.measure.memory.peak_memory_by_phase` resets the peak statistic before each phase (on CUDA,
-# `max_memory_allocated`; on the CPU it reads the same numbers off a recorded timeline).
+# `lab.measure.step.peak_memory_by_phase` resets the peak statistic before each phase (on CUDA,
+# `max_memory_allocated`; on the CPU it reads the same numbers off a recorded timeline). `init` is what
+# exists before the first step: the parameters (and, from the second step on, AdamW's state).
 
 # %%
-by_phase = memory.peak_memory_by_phase(model, (tokens, targets), optimizer, steps=1 if quick else 2,
-                                       autocast_dtype=autocast_dtype)
-report.show_table(by_phase, floatfmt=".4g")
+by_phase = book.table("memory_phase_peaks", exp.phase_peaks)
+report.show_table(shown(by_phase), floatfmt=".4g")
 
 # %% [markdown]
 # ### Gradient memory per block, read off the backward timeline
@@ -209,71 +150,26 @@ report.show_table(by_phase, floatfmt=".4g")
 # gradient per parameter (block 0's window also computes the embedding's gradient).
 
 # %%
-grads = memory.gradient_memory_per_block(step_rec.snapshot, step_rec.marks, step_rec.detail_marks, model.blocks)
-results.save_results(grads, "memory_gradients_per_block", results_dir, params)
-report.show_table(grads.head(4), floatfmt=".4g")
-fig, ax = plt.subplots(figsize=(9, 3.5))
-ax.bar(grads["block"], grads["measured_mib"], label="measured (survives the backward)")
-ax.plot(grads["block"], grads["expected_mib"], "k_", markersize=14, label="expected: parameter bytes")
-ax.set_xlabel("block")
-ax.set_ylabel("gradient memory (MiB)")
-ax.set_title("Gradient memory per block, from the backward timeline")
-ax.legend(loc="lower right")
-plots.save_figure(fig, "03_gradients_per_block", results_dir)
-plt.show()
-inner = grads[grads["block"] > 0]
-report.say(
-    f"Blocks 1–{cfg.num_layers - 1} each leave {inner['measured_mib'].median():,.4g} MiB of gradients "
-    f"(min {inner['measured_mib'].min():,.4g}, max {inner['measured_mib'].max():,.4g}) against "
-    f"{inner['expected_mib'].iloc[0]:,.4g} MiB expected from their parameters (ratio "
-    f"{inner['ratio'].median():.3f}); block 0 leaves {grads.loc[grads['block'] == 0, 'measured_mib'].item():,.4g} "
-    f"MiB, the extra {grads.loc[grads['block'] == 0, 'measured_mib'].item() - grads['expected_mib'].iloc[0]:,.4g} "
-    f"MiB being the embedding's gradient ({model.embedding.weight.numel() * 4 / MiB:,.4g} MiB).")
-del optimizer, fwd_rec, step_rec
-empty_cache()
+grads = book.table("memory_gradients_per_block", exp.gradients_per_block)
+report.show_table(shown(grads, head=4), floatfmt=".4g")
+report.say(memory_book.gradients_sentence(grads, setup.embedding_bytes))
+book.answer("How much gradient memory does each block leave?", memory_book.gradients_answer(grads),
+            section="Gradient memory per block, read off the backward timeline")
+memory_book.gradients_figure(grads);
 
 # %% [markdown]
 # ## Peak memory across context lengths, fp32 vs bf16 autocast
 #
-# Forward pass (with autograd recording, as in training) and a full training step (two AdamW steps, so the
-# optimizer state is included). Configurations that do not fit are rows with `status = oom`.
+# Forward pass (with autograd recording, as in training) and a full training step (AdamW's state created
+# first, so every measured step carries it). Configurations that do not fit are rows with `status = oom`.
 
 # %%
-peaks = memory.peak_memory_table(model, peak_contexts, peak_dtypes, batch=batch)
-results.save_results(peaks.assign(size=size_name), "memory_peaks", results_dir, params)
-table = peaks.assign(peak=lambda d: d.apply(lambda r: f"{r['peak_gib']:.4g}" if r["status"] == "ok" else "OOM",
-                                              axis=1)).pivot_table(index=["mode", "context"], columns="dtype",
-                                                                   values="peak", aggfunc="first")
-report.say(f"**Peak memory (GiB)** of {size_name}, batch {batch}")
-report.show_table(table.reset_index())
-
-# %%
-ok = peaks[peaks["status"] == "ok"].pivot_table(index=["mode", "context"], columns="dtype", values="peak_gib")
-oom_rows = peaks[peaks["status"] != "ok"]
-if {"fp32", "bf16"} <= set(ok.columns):
-    both = ok.dropna(subset=["fp32", "bf16"]).assign(change=lambda d: d["bf16"] / d["fp32"] - 1)
-    lines = []
-    for mode in ("forward", "train_step"):
-        if mode not in both.index.get_level_values(0):
-            continue
-        m = both.loc[mode]
-        parts = [f"{m.loc[c, 'change']:+.1%} at context {c} ({m.loc[c, 'fp32']:.3g} → {m.loc[c, 'bf16']:.3g} GiB)"
-                 for c in sorted({m.index.min(), m.index.max()})]
-        lines.append(f"{'the forward pass' if mode == 'forward' else 'a training step'}: " + ", ".join(parts))
-    changes = both["change"]
-    report.say(
-        f"bf16 autocast changes peak memory by between {changes.min():+.1%} and {changes.max():+.1%} — "
-        + "; ".join(lines) + ". It is far from halving it: autocast saves the activations for the backward in "
-        "bf16 (half the bytes of the matmul outputs), but parameters, gradients and AdamW's two moments stay "
-        "fp32, autocast caches a bf16 copy of every weight for the duration of the forward (half the parameter "
-        "bytes more), and the norms, softmax and loss still produce fp32 tensors. "
-        + ("So the saving grows with the activations' share of memory, i.e. with the context length"
-           if both["change"].groupby(level=0).apply(lambda c: c.iloc[-1] <= c.iloc[0]).all()
-           else "Here the saving does not grow steadily with the context length")
-        + (", and where the activations are small the weight copies make bf16 use *more* memory."
-           if changes.max() > 0 else "."))
-if len(oom_rows):
-    report.say(f"Out of memory: {', '.join(f'{r.mode} at context {r.context} in {r.dtype}' for r in oom_rows.itertuples())}.")
+peaks = book.table("memory_peaks", exp.peak_memory)
+report.say(f"**Peak memory (GiB)** of {setup.size}, batch {setup.batch}")
+report.show_table(memory_book.peak_pivot(peaks))
+report.say(memory_book.mixed_precision_sentence(peaks))
+book.answer("Does mixed precision change peak memory, and why?", memory_book.mixed_precision_answer(peaks),
+            section="Peak memory across context lengths, fp32 vs bf16 autocast")
 
 # %% [markdown]
 # ## What a block saves for the backward pass
@@ -281,30 +177,15 @@ if len(oom_rows):
 # `lab.measure.saved_tensors.saved_tensor_report` installs `torch.autograd.graph.saved_tensors_hooks` and names
 # the operation (grad_fn) that saved each tensor by walking the autograd graph. Tensors that share storage
 # (a view, or one input saved by the q, k and v projections) are counted once, since autograd keeps the
-# whole storage alive once; parameters that are saved (a matmul's weight) are listed apart because they
-# exist anyway.
+# whole storage alive; parameters that are saved (a matmul's weight) are not counted because they exist
+# anyway.
 
 # %%
-block = model.blocks[0]
-x = torch.randn(batch, block_context, cfg.d_model, device=dev, requires_grad=True)
-ctx_cast = torch.autocast(dev.type, dtype=autocast_dtype) if autocast_dtype else torch.autocast(dev.type,
-                                                                                                enabled=False)
-with ctx_cast:
-    saved = saved_tensor_report(block, x)
-ops = saved.by_op()
-results.save_results(ops.assign(context=block_context, dtype=dtype), "memory_block_saved_by_op", results_dir,
-                     params)
-report.show_table(ops.head(8), floatfmt=".3g")
-report.show_table(saved.by_module(depth=2).head(8), floatfmt=".3g")
-top5 = ops.head(5)
-report.say(
-    f"One block at batch {batch}, context {block_context} saves **{fmt(saved.total_bytes)}** for the backward "
-    f"({saved.total_bytes / checkpointing.residual_stream_bytes(batch, block_context, cfg.d_model, 4):.1f}× its "
-    f"input). The five largest contributors: "
-    + ", ".join(f"`{r.op}` {fmt(r.bytes)} ({r.share:.0%})" for r in top5.itertuples())
-    + f" — together {top5['share'].sum():.0%}.")
-del x, saved
-empty_cache()
+ops = book.table("memory_block_saved_by_op", exp.block_saved_by_op)
+modules = book.table("memory_block_saved_by_module", exp.block_saved_by_module)
+report.show_table(shown(ops, head=8), floatfmt=".3g")
+report.show_table(shown(modules, head=8), floatfmt=".3g")
+report.say(memory_book.block_saved_sentence(ops))
 
 # %% [markdown]
 # ### RMSNorm, eager vs `torch.compile`
@@ -313,25 +194,11 @@ empty_cache()
 # needs. Compiled, the whole norm becomes one fused function whose backward recomputes the cheap parts.
 
 # %%
-norm = RMSNorm(cfg.d_model).to(dev)
-xn = torch.randn(batch, block_context, cfg.d_model, device=dev, requires_grad=True)
-norm_rows = []
-for label, fn in [("eager", norm)] + ([("compiled", torch.compile(norm))] if compile_rmsnorm else []):
-    rep = saved_tensor_report(norm, xn, forward=fn)
-    norm_rows.append(dict(rmsnorm=label, saved_mib=rep.total_bytes / MiB,
-                          saved_inputs=rep.total_bytes / (xn.numel() * 4),
-                          ops=", ".join(f"{o} ({b / MiB:,.3g} MiB)" for o, b in rep.by_op()[["op", "bytes"]].values)))
-norm_table = pd.DataFrame(norm_rows)
-results.save_results(norm_table.assign(context=block_context), "memory_rmsnorm_saved", results_dir, params)
-report.show_table(norm_table, floatfmt=".4g")
-nt = norm_table.set_index("rmsnorm")
-if "compiled" in nt.index:
-    report.say(f"Eager RMSNorm saves {fmt(nt.loc['eager', 'saved_mib'] * MiB)} "
-               f"({nt.loc['eager', 'saved_inputs']:.2f}× its input); compiled, "
-               f"{fmt(nt.loc['compiled', 'saved_mib'] * MiB)} ({nt.loc['compiled', 'saved_inputs']:.2f}×): fusion keeps "
-               f"the input and the per-row statistic and recomputes the normalised activations in the backward.")
-del xn, norm
-empty_cache()
+norm = book.table("memory_rmsnorm_saved", exp.rmsnorm_saved)
+report.show_table(shown(norm), floatfmt=".4g")
+report.say(memory_book.rmsnorm_sentence(norm))
+book.answer("What does a block save for the backward, and what does fusing RMSNorm change?",
+            memory_book.saved_tensors_answer(ops, norm), section="What a block saves for the backward pass")
 
 # %% [markdown]
 # ## Activation checkpointing
@@ -364,79 +231,24 @@ empty_cache()
 # (`torch.equal`) to the plain model.
 
 # %%
-A = ops["bytes"].sum() * (checkpoint_context / block_context)
-r = checkpointing.residual_stream_bytes(batch, checkpoint_context, cfg.d_model, 4)
-model_table = checkpointing.checkpoint_memory_table(cfg.num_layers, r, A)
-k_star = math.sqrt(cfg.num_layers * r / A)
-report.show_table(model_table, floatfmt=".4g")
-report.say(f"With r = {fmt(r)} and A = {fmt(A)} per block at context {checkpoint_context}, the "
-           f"model's optimum is k* = √(N·r/A) = {k_star:.2f}, so among divisors of {cfg.num_layers} it predicts "
-           f"k = {checkpointing.best_group_size(cfg.num_layers, r, A)} "
-           f"({fmt(model_table.loc[model_table['strategy'] == 'single', 'modelled_bytes'].min())} of activations, "
-           f"vs {fmt(model_table.loc[model_table['strategy'] == 'none', 'modelled_bytes'].item())} without "
-           f"checkpointing and {fmt(model_table.loc[model_table['strategy'] == 'nested', 'modelled_bytes'].item())} "
-           f"nested).")
+ck_model = book.table("memory_checkpoint_model",
+                      lambda: bench_memory.checkpoint_model(setup, ops["bytes"].sum(), ops["context"].iloc[0]))
+report.show_table(shown(ck_model), floatfmt=".4g")
+report.say(memory_book.checkpoint_model_sentence(ck_model, setup.model.num_layers, setup.checkpoint_context))
 
 # %% [markdown]
 # ### Measured: peak memory of a training step for each group size
 #
 # The AdamW state is created first, so every measured step carries parameters, gradients and optimizer
-# state as in steady-state training.
+# state as in steady-state training. The model's prediction adds 4 × the fp32 parameters (weights, gradients,
+# two AdamW moments) to the modelled activations; it leaves out the logits and other temporaries.
 
 # %%
-ck_batch = random_batch(cfg, batch, dev, context=checkpoint_context)
-sweep = checkpointing.checkpoint_sweep(model, ck_batch, checkpoint_group_sizes, include_nested=True,
-                                       autocast_dtype=autocast_dtype)
-static_gib = 4 * param_bytes / GiB  # parameters, gradients and AdamW's two moments, all fp32
-sweep = sweep.merge(model_table[["strategy", "group_size", "modelled_mib"]], on=["strategy", "group_size"],
-                    how="left")
-sweep["modelled_peak_gib"] = static_gib + sweep["modelled_mib"] / 1024
-results.save_results(sweep.assign(size=size_name, context=checkpoint_context, batch=batch, dtype=dtype),
-                     "memory_checkpoint_sweep", results_dir, params)
-report.show_table(sweep.drop(columns=["error"]), floatfmt=".4g")
-
-# %%
-single = sweep[(sweep["strategy"] == "single") & (sweep["status"] == "ok")].sort_values("group_size")
-fig, ax = plt.subplots()
-ax.plot(single["group_size"], single["peak_gib"], "o-", label="measured peak")
-ax.plot(single["group_size"], single["modelled_peak_gib"], "s--", label="model: 4×params + (N/k)·r + k·A")
-for label, row in sweep[sweep["strategy"].isin(["none", "nested"])].set_index("strategy").iterrows():
-    if row["status"] == "ok":
-        ax.axhline(row["peak_gib"], linestyle=":", color="grey")
-        ax.text(single["group_size"].max(), row["peak_gib"], f" {label}", va="bottom", ha="right", fontsize=9)
-ax.set_xscale("log", base=2)
-ax.set_xlabel("blocks per checkpointed group (k)")
-ax.set_ylabel("peak memory of a train step (GiB)")
-ax.set_title(f"{size_name}, batch {batch}, context {checkpoint_context}, {dtype}")
-ax.legend()
-plots.save_figure(fig, "03_checkpoint_sweep", results_dir)
-plt.show()
-
-# %%
-if len(single):
-    best = single.loc[single["peak_gib"].idxmin()]
-    ks = single["group_size"].tolist()
-    i = ks.index(best["group_size"])
-    def describe(j):
-        row = single.iloc[j]
-        return f"k = {int(row['group_size'])}: {fmt(row['peak_gib'] * GiB)} ({row['step_ms'] / 1e3:.3g} s)"
-    neighbours = [describe(j) for j in (i - 1, i + 1) if 0 <= j < len(single)]
-    none = sweep[sweep["strategy"] == "none"].iloc[0]
-    nested = sweep[sweep["strategy"] == "nested"].iloc[0]
-    fails = sweep[sweep["status"] != "ok"]
-    report.say(
-        f"The best single-level group size is **k = {int(best['group_size'])}**, peaking at "
-        f"**{fmt(best['peak_gib'] * GiB)}** ({best['step_ms'] / 1e3:.3g} s per step); its neighbours: "
-        + "; ".join(neighbours) + ". "
-        + (f"Without checkpointing the step peaks at {fmt(none['peak_gib'] * GiB)} ({none['step_ms'] / 1e3:.3g} s). "
-           if none["status"] == "ok" else "Without checkpointing the step does not fit (OOM). ")
-        + (f"Nested checkpointing peaks at {fmt(nested['peak_gib'] * GiB)} ({nested['step_ms'] / 1e3:.3g} s, "
-           f"{nested['step_ms'] / best['step_ms']:.2f}× the time of k = {int(best['group_size'])}). "
-           if nested["status"] == "ok" else "Nested checkpointing ran out of memory. ")
-        + (f"It saves no memory over k = {int(best['group_size'])} here (within 2%): with groups that small the "
-           f"{cfg.num_layers} saved group inputs are only {fmt(cfg.num_layers * r)}, and the peak is set by "
-           f"parameters, gradients and optimizer state ({fmt(4 * param_bytes)}) plus the activations of the one "
-           f"block being recomputed and the logits, which nesting does not shrink. "
-           if nested["status"] == "ok" and abs(nested["peak_gib"] / best["peak_gib"] - 1) < 0.02 else "")
-        + (f"Out of memory: {', '.join(str(int(g)) if not math.isnan(g) else s for s, g in zip(fails['strategy'], fails['group_size']))}."
-           if len(fails) else ""))
+sweep = book.table("memory_checkpoint_sweep", lambda: exp.checkpoint_sweep(ck_model))
+report.show_table(shown(sweep), floatfmt=".4g")
+report.say(memory_book.checkpoint_sentence(sweep, setup.parameter_bytes))
+book.answer("Which checkpointing is memory-optimal, and which block size is best measured?",
+            memory_book.checkpoint_answer(sweep),
+            section="Measured: peak memory of a training step for each group size")
+memory_book.checkpoint_figure(sweep, f"{setup.size}, batch {setup.batch}, context {setup.checkpoint_context}, "
+                              f"{setup.dtype}");

@@ -12,72 +12,68 @@
 # Before running anything on a cluster one can predict most of what it will do with a few formulas:
 # how many bytes the training state takes, how many FLOPs a step costs, how long a ring collective
 # needs, and at which batch size a parallel layout stops waiting on the network. This notebook derives
-# those formulas with sympy (`lab.accounting`), checks the collective ones step by step with a small ring
-# simulator (`lab.accounting.ring_sim`), applies them to a 330-billion-parameter FFN-only model on TPU v5p, and
-# finally compares predicted memory with what the GPU notebooks measured.
+# those formulas with sympy (`lab.accounting`), answers the XXL questions about a very large
+# FFN-only model on H100s and TPU v5p, checks the collective formulas step by step with a small ring
+# simulator (`lab.accounting.ring_sim`), and finally compares predicted memory with what the GPU notebooks
+# (01 profiling, 08 sharding) measured, reading their current results with their provenance.
 #
-# Nothing here needs a GPU. Every number in the prose is computed from the tables.
+# Nothing here needs a GPU: the full profile renders on a CPU from the committed results. Every number in
+# the prose is computed from the tables, and the answers at the top link to their sections.
 
 # %% tags=["parameters"]
-quick = True                      # only shrinks the simulator's arrays; all formulas are cheap
-device = "auto"                   # unused: this notebook computes, it does not measure
-results_dir = "results/quick"     # the full render passes "results"
+quick = True                      # formulas are cheap: the quick and full profiles compute the same tables
+device = "auto"                   # unused: this notebook computes, it does not measure on a GPU
+results_dir = "results/quick"     # the full render passes "results" (where 01's and 08's GPU results are)
 artifacts_dir = "artifacts/quick"
-measured_results_dir = "results"  # where the GPU renders saved lm_step.csv and sharding_benchmark.csv
-sizes = None                      # model sizes for the memory table (None: every size in the spec)
+replay = False                    # True: read this notebook's tables from results_dir instead of computing
+sizes = None                      # model sizes for the memory and FLOP tables (None: every size in the spec)
 batch = 4                         # sequences per step for the memory and FLOP tables
 context = 512
 collective_size_bytes = 1e9       # S for the collective table and plot
 ring_bandwidth = 450e9            # W, bytes/s each device sends (H100 NVLink 4: 450 GB/s per direction)
-ring_devices = None               # N for the plot (None: 2 ... 64)
+ring_devices = list(range(2, 65))  # N for the collective table and plot
 sim_devices = [2, 3, 4, 8]        # N checked by the simulator
-sim_sizes_bytes = None            # S checked by the simulator (None: depends on quick)
-xxl_activation_tokens = 2048      # tokens whose activations one device holds (one 2048-token sequence)
+sim_sizes_bytes = [8 * 240, 8 * 24_000, 8 * 2_400_000]  # S checked by the simulator
+xxl_tokens = 2048                 # tokens whose activations one device holds (one 2048-token sequence)
 xxl_token_counts = [0, 1, 512, 2048, 8192]
+tpu_mesh = {"X": 16, "Y": 4, "M_X": 2, "M_Y": 1}  # the question's FSDP (X over M_X axes) and TP (Y over M_Y) mesh
+ffn_matrices = 3                  # the FFN of section 4: SwiGLU's three matrices, as in the book's model
 gpu_flops = 989e12                # C of an H100 SXM, dense bf16 FLOP/s, for the GPU FFN example
 ffn_tokens = 65536                # B for the GPU FFN example (tokens per step)
 check_model = {"d_model": 128, "d_ff": 352, "num_layers": 2, "num_heads": 4}  # model whose saved tensors are counted
 check_batch, check_context = 2, 64
+memory_tolerance = 0.25           # a measured peak further than this from the prediction is listed as a disagreement
 
 # %%
-import matplotlib.pyplot as plt
-import pandas as pd
-import seaborn as sns
-import sympy as sp
-from IPython.display import Math, display
-
 from lab import accounting as acc
-from lab.bench import accounting as bench_accounting
-from lab.book import plots, report
-from lab.measure import results
-from lab.model.transformer import MODEL_SIZES, ModelConfig
 from lab.accounting.ring_sim import check_closed_forms
+from lab.bench import accounting as bench_accounting
+from lab.book import accounting as acc_book
+from lab.book import plots, report
+from lab.book.memory import shown
+from lab.model.transformer import ModelConfig
 
-sizes = sizes or list(MODEL_SIZES)
-ring_devices = ring_devices or list(range(2, 65))
-sim_sizes_bytes = sim_sizes_bytes or ([8 * 240, 8 * 2400] if quick else [8 * 240, 8 * 24000, 8 * 2400000])
-params = dict(quick=quick, device=device, results_dir=results_dir, artifacts_dir=artifacts_dir,
-              measured_results_dir=measured_results_dir, sizes=sizes, batch=batch, context=context,
-              collective_size_bytes=collective_size_bytes, ring_bandwidth=ring_bandwidth,
-              sim_devices=sim_devices, sim_sizes_bytes=sim_sizes_bytes,
-              xxl_activation_tokens=xxl_activation_tokens, xxl_token_counts=xxl_token_counts, gpu_flops=gpu_flops,
-              ffn_tokens=ffn_tokens, check_model=check_model, check_batch=check_batch, check_context=check_context)
+book = report.Chapter("09_accounting", dict(
+    quick=quick, device=device, sizes=sizes, batch=batch, context=context, collective_size_bytes=collective_size_bytes,
+    ring_bandwidth=ring_bandwidth, sim_devices=sim_devices, sim_sizes_bytes=sim_sizes_bytes, xxl_tokens=xxl_tokens,
+    xxl_token_counts=xxl_token_counts, tpu_mesh=tpu_mesh, ffn_matrices=ffn_matrices, gpu_flops=gpu_flops,
+    ffn_tokens=ffn_tokens, check_model=check_model, check_batch=check_batch, check_context=check_context,
+    memory_tolerance=memory_tolerance), results_dir, replay=replay)
 plots.set_style()
-report.show_machine(params)
-
-
-def show_eq(lhs, rhs):
-    """Display ``lhs = rhs`` with rhs a sympy expression."""
-    display(Math(f"{lhs} = {sp.latex(rhs)}"))
+book.show_machine()
+book.show_answers()
 
 # %% [markdown]
 # ## 1 · Memory and FLOPs of the language model
 #
 # `TransformerLM` has an untied embedding and LM head, and per block the q/k/v/o projections, SwiGLU's
-# three matrices and two RMSNorm weights (no biases):
+# three matrices and two RMSNorm weights (no biases). FLOPs count matrix multiplications only, $2mnk$ each:
+# per token and block the forward does $2\cdot 4D^2$ (projections) $+\,2\cdot 3DF$ (SwiGLU)
+# $+\,2\cdot 2TD$ (the two $T\times T$ score matmuls, the full square), and the LM head $2DV$; backward is
+# twice the forward. The tests match these counts with the real model and `torch.utils.flop_counter`.
 
 # %%
-show_eq(r"P", sp.expand(acc.parameter_count_expr()))
+acc_book.show_parameter_count();
 
 # %% [markdown]
 # Per parameter, AdamW training keeps the weight, its gradient and two moments (m, v). Three precision
@@ -89,106 +85,93 @@ show_eq(r"P", sp.expand(acc.parameter_count_expr()))
 # | `bf16_autocast` | 4 B (fp32 master) | 4 B | 8 B | bf16 copy of every matrix (2 B), kept for backward |
 # | `bf16` (pure) | 2 B | 2 B | 4 B | — |
 #
-# Saved activations are counted tensor by tensor from what `lab.model.transformer` does (the tests check the count
-# against `torch.autograd.graph.saved_tensors_hooks` byte for byte). Per token and block with SDPA in fp32
-# that is $11D + 4F + H + 2$ elements: each RMSNorm saves its input, the normalised input, the
+# Saved activations are counted tensor by tensor from what `lab.model.transformer` does (section 6 checks
+# the count against `torch.autograd.graph.saved_tensors_hooks` byte for byte). Per token and block with SDPA
+# in fp32 that is $11D + 4F + H + 2$ elements: each RMSNorm saves its input, the normalised input, the
 # reciprocal RMS and its output; attention q, k, v, its output and the log-sum-exp; the o_proj input; and
 # SwiGLU four $F$-wide tensors. Autocast saves most of them in bf16 but keeps the norms in fp32, and every
 # Linear saves its own bf16 cast of its input.
 
 # %%
-memory = acc.memory_table(sizes, batch, context)
-report.show_table(memory, floatfmt=".2f")
-
-# %%
-parts = ["params_gib", "grads_gib", "optimizer_gib", "weight_copies_gib", "activations_gib"]
-fig, axes = plt.subplots(1, 3, figsize=(14, 4), sharey=True)
-for ax, prec in zip(axes, ["fp32", "bf16_autocast", "bf16"]):
-    sub = memory[memory.precision == prec].set_index("size")[parts]
-    sub.columns = [c.replace("_gib", "") for c in sub.columns]
-    sub.plot.bar(stacked=True, ax=ax, legend=ax is axes[-1], logy=False)
-    ax.set_title(prec)
-    ax.set_ylabel("GiB (predicted)")
-axes[-1].legend(bbox_to_anchor=(1.02, 1), loc="upper left")
-fig.suptitle(f"Training memory by kind, batch {batch} x context {context}")
-plt.show()
-
-# %%
-big = memory[(memory["size"] == sizes[-1])].set_index("precision")
-act_share = big.loc["fp32", "activations_gib"] / big.loc["fp32", "total_gib"]
-report.say(f"For the {sizes[-1]} model at batch {batch} and context {context}, a fp32 AdamW step needs "
-           f"**{big.loc['fp32', 'total_gib']:.1f} GiB**, of which {act_share:.0%} are saved activations. "
-           f"Autocast changes the total to {big.loc['bf16_autocast', 'total_gib']:.1f} GiB: it saves "
-           f"{big.loc['fp32', 'activations_gib'] - big.loc['bf16_autocast', 'activations_gib']:.1f} GiB of "
-           f"activations but adds {big.loc['bf16_autocast', 'weight_copies_gib']:.1f} GiB of bf16 weight copies "
-           f"and keeps the fp32 state; only pure bf16 halves the state "
-           f"({big.loc['bf16', 'total_gib']:.1f} GiB in total).")
-
-# %% [markdown]
-# FLOPs count matrix multiplications only, $2mnk$ each. Per token and block the forward does
-# $2\cdot 4D^2$ (projections) $+\,2\cdot 3DF$ (SwiGLU) $+\,2\cdot 2TD$ (the two $T\times T$ score matmuls,
-# the full square), and the LM head $2DV$; backward is twice the forward (one product for the input
-# gradient, one for the weight gradient). The tests match this count with `torch.utils.flop_counter`.
-
-# %%
-show_eq(r"\mathrm{FLOPs}_{\mathrm{fwd}}", acc.forward_flops_expr())
-flops = acc.flops_table(sizes, batch, context)
-report.show_table(flops, floatfmt=".3g")
-report.say(f"At context {context}, attention's score matmuls are {flops.attention_share.max():.1%} of the "
-           f"forward FLOPs for the {flops.loc[flops.attention_share.idxmax(), 'size']} model and "
-           f"{flops.attention_share.min():.1%} for the {flops.loc[flops.attention_share.idxmin(), 'size']} "
-           "model: the matrices grow with $D^2$, the scores only with $D$.")
+configs = bench_accounting.size_configs(sizes, context)
+memory = book.table("accounting_memory", lambda: acc.memory_table(configs, batch, context))
+flops = book.table("accounting_flops", lambda: acc.flops_table(configs, batch, context))
+report.show_table(shown(memory), floatfmt=".2f")
+report.say(acc_book.memory_sentence(memory, batch, context))
+report.show_table(shown(flops), floatfmt=".3g")
+report.say(acc_book.flops_sentence(flops, context))
+book.answer("How much memory does an AdamW step of the largest model take?",
+            acc_book.memory_sentence(memory, batch, context), section="1 · Memory and FLOPs of the language model")
+acc_book.memory_figure(memory, batch, context);
 
 # %% [markdown]
 # ## 2 · The XXL FFN-only model
 #
-# $D = 16384$, $F = 53248$, 126 blocks of SwiGLU only (three $D \times F$ matrices each). Assumptions:
-# fp32 master weights, gradients and AdamW m and v (16 bytes per parameter); saved activations in bf16,
-# per token and block $D + 4F$ elements (the FFN input shared by $W_1$ and $W_3$, $W_1$'s output for SiLU's
-# backward, SiLU of it and $W_3$'s output for the product, and the product as $W_2$'s input); memory in
-# decimal GB as devices are sold (H100: 80 GB, TPU v5p: 95 GB).
+# The question: $D = 16384$, $F = 53248$, 126 blocks, each FFN **two linear layers**, up ($D\times F$) and
+# down ($F\times D$), no activation function; attention, embeddings and the output layer are left out. No
+# activation checkpointing; master weights, accumulated gradients and AdamW state in fp32 (16 bytes per
+# parameter), saved activations and gradient communication in bf16. Each block saves the inputs of its two
+# matrices, $D + F$ elements per token. Memory is counted in decimal GB as devices are sold (H100: 80 GB,
+# TPU v5p: 95 GB). Beside it stands the SwiGLU variant (three matrices, $D + 4F$ saved elements per token),
+# the FFN of the book's own model.
+#
+# **(a)** fp32 state, bf16 activations and H100s:
 
 # %%
-xxl = acc.xxl_memory(xxl_activation_tokens)
-show_eq(r"P_{XXL} = 3 D F L", sp.Integer(xxl["params"]))
-xxl_table = pd.DataFrame([
-    dict(quantity="parameters", value=xxl["params"], unit="count"),
-    dict(quantity="fp32 state (weights + grads + AdamW m, v)", value=xxl["state_bytes"] / acc.GB, unit="GB"),
-    dict(quantity="bf16 saved activations per token", value=xxl["activation_bytes_per_token"] / 1e6, unit="MB"),
-    dict(quantity=f"bf16 saved activations, {xxl_activation_tokens} tokens", value=xxl["activation_bytes"] / acc.GB,
-         unit="GB"),
-    dict(quantity="H100s (80 GB) to hold the state", value=xxl["devices_to_hold_state"], unit="GPUs"),
-    dict(quantity=f"H100s (80 GB) to hold state + activations of {xxl_activation_tokens} tokens",
-         value=xxl["devices_to_hold"], unit="GPUs"),
-])
-report.show_table(xxl_table, floatfmt=",.4g")
-report.say(f"The XXL model has {xxl['params'] / 1e9:.1f} B parameters. Its fp32 training state takes "
-           f"**{xxl['state_bytes'] / 1e12:.2f} TB**, the memory of **{xxl['devices_to_hold_state']} H100s** "
-           f"before a single activation is stored. Each token adds "
-           f"{xxl['activation_bytes_per_token'] / 1e6:.1f} MB of bf16 activations, so one sequence of "
-           f"{xxl_activation_tokens} tokens adds {xxl['activation_bytes'] / acc.GB:.0f} GB "
-           f"({xxl['devices_to_hold']} H100s in all).")
+acc_book.show_xxl_equations();
+xxl = book.table("accounting_xxl_memory", lambda: bench_accounting.xxl_table(xxl_tokens))
+report.show_table(acc_book.xxl_display(xxl), floatfmt=",.4g")
+report.say(acc_book.xxl_sentence(xxl))
+book.answer("XXL (a): fp32 state, bf16 activations, H100s?", acc_book.xxl_answer(xxl),
+            section="2 · The XXL FFN-only model")
 
 # %% [markdown]
-# **FSDP.** Shard the weights, gradients and optimizer state, and half of the activations (in practice
-# every other layer's), over $N$ devices:
+# **(b) FSDP.** Shard the weights, gradients and optimizer state, and half of the activations (in practice
+# every other layer's), over $N$ devices; the expression above, $M_{\mathrm{device}}(N)$, must stay under
+# 95 GB. The activations depend on how many tokens a device holds, so the table gives $N$ for several.
 
 # %%
-state_s, act_s, n_s = sp.symbols("M_{state} M_{act} N", positive=True)
-show_eq(r"M_{\mathrm{device}}(N)", acc.fsdp_memory_per_device(state_s, act_s, n_s))
-fsdp = acc.fsdp_table(xxl_token_counts)
-shown = fsdp.assign(tokens=fsdp.tokens.map("{:,}".format),
-                    devices_needed=fsdp.devices_needed.map(lambda n: "none fits" if pd.isna(n) else f"{int(n):,}"))
-report.show_table(shown, floatfmt=",.1f")
-row = fsdp.set_index("tokens")
-state_only = acc.devices_needed(xxl["state_bytes"], 0, acc.TPU_V5P["memory_bytes"])
-report.say(f"With the state alone, **N = {state_only}** devices bring it under 95 GB per device "
-           f"({xxl['state_bytes'] / acc.GB / state_only:.1f} GB each). " + " ".join(
-               f"With the activations of {t:,} token{'s' * (t != 1)}, N = {int(r.devices_needed)}."
-               if pd.notna(r.devices_needed)
-               else f"With the activations of {t:,} tokens no N suffices: the unsharded half alone is "
-                    f"{r.activations_gb / 2:.0f} GB."
-               for t, r in row[row.index > 0].iterrows()))
+fsdp = book.table("accounting_xxl_fsdp", lambda: bench_accounting.xxl_fsdp_table(xxl_token_counts))
+report.show_table(acc_book.fsdp_display(fsdp), floatfmt=",.1f")
+report.say(acc_book.fsdp_sentence(fsdp))
+book.answer("XXL (b): per-device memory with FSDP, and N for 95 GB?", acc_book.fsdp_answer(fsdp, xxl_tokens),
+            section="2 · The XXL FFN-only model")
+
+# %% [markdown]
+# **(c) When is the forward compute bound on TPU v5p?** The scaling book's mesh notation:
+# $W_{\mathrm{ici}} = 2\cdot 9\cdot 10^{10}$ B/s (both directions of a link), $C = 4.6\cdot 10^{14}$ FLOP/s,
+# FSDP over $X = 16$ chips spanning $M_X = 2$ mesh axes (bandwidth $M_X W_{\mathrm{ici}}$), TP over $Y = 4$
+# chips on $M_Y = 1$ axis; bf16 weights and activations ($p = 2$); $(n-1)/n \approx 1$. The input is sharded
+# $B$ over $X$ and $D$ over $Y$, so each chip works on $B/X$ tokens and $F/Y$ columns. Per chip, for one FFN
+# forward of the question's two matrices:
+
+# %%
+acc_book.show_tpu_equations();
+
+# %% [markdown]
+# Compute bound means both communications hide behind the math:
+# $T_{\mathrm{math}} \ge T_{\mathrm{FSDP}} \iff \frac{B}{X} \ge \frac{C}{W_{\mathrm{ici}} M_X}$, and
+# $T_{\mathrm{math}} \ge T_{\mathrm{TP}} \iff Y \le \frac{F M_Y W_{\mathrm{ici}}}{C}$ for two matrices (no $B$
+# in it; $\frac{3 F M_Y W_{\mathrm{ici}}}{2C}$ for SwiGLU's three).
+
+# %%
+tpu = book.table("accounting_tpu_batch", lambda: bench_accounting.tpu_batch_table(**tpu_mesh))
+report.show_table(shown(tpu), floatfmt=",.1f")
+report.say(acc_book.tpu_sentence(tpu, tpu_mesh))
+book.answer("XXL (c): at what per-device and overall batch is the forward compute bound?", acc_book.tpu_answer(tpu),
+            section="2 · The XXL FFN-only model")
+
+# %% [markdown]
+# **(d) Keeping throughput at a smaller batch.** The binding constraint is the FSDP one,
+# $B \ge X\,\frac{C}{W_{\mathrm{ici}} M_X}$: weights must arrive as fast as the math consumes them. Each
+# trick attacks one factor of it:
+
+# %%
+tricks = book.table("accounting_tpu_tricks", lambda: bench_accounting.tpu_tricks_table(**tpu_mesh))
+report.show_table(acc_book.tricks_display(shown(tricks)), floatfmt=",.0f")
+report.say(acc_book.tricks_sentence(tricks))
+book.answer("XXL (d): which tricks keep throughput at a smaller batch?", acc_book.tricks_answer(tricks),
+            section="2 · The XXL FFN-only model")
 
 # %% [markdown]
 # ## 3 · Ring collectives
@@ -203,32 +186,14 @@ report.say(f"With the state alone, **N = {state_only}** devices bring it under 9
 #   $S$ bytes it last received and adds what arrives; $N-1$ steps of $S$.
 
 # %%
-for name, fn in [("all-gather", acc.ring_all_gather_time), ("reduce-scatter", acc.ring_reduce_scatter_time),
-                 ("all-reduce", acc.ring_all_reduce_time), ("alternate all-reduce", acc.alternate_ring_all_reduce_time)]:
-    show_eq(rf"T_{{\text{{{name}}}}}", fn(alpha=acc.alpha))
-ratio = sp.simplify(acc.alternate_ring_all_reduce_time() / acc.ring_all_reduce_time())
-show_eq(r"\frac{T_{\text{alternate}}}{T_{\text{all-reduce}}}\Big|_{\alpha=0}", ratio)
-
-# %%
-coll = acc.collective_table(collective_size_bytes, ring_devices, ring_bandwidth)
-coll["time_ms"] = coll.time_s * 1e3
-shown = coll[coll.devices.isin([2, 4, 8, 16, 64])].pivot(index="devices", columns="collective", values="time_ms")
-report.show_table(shown.reset_index().astype({"devices": str}), floatfmt=".3f")
-fig, ax = plt.subplots()
-# all-gather and reduce-scatter cost the same: dashes keep both visible
-sns.lineplot(data=coll, x="devices", y="time_ms", hue="collective", style="collective", ax=ax)
-ax.set_yscale("log")
-ax.set_xlabel("devices N")
-ax.set_ylabel("time (ms)")
-ax.set_title(f"Ring collectives, S = {collective_size_bytes / 1e9:g} GB, W = {ring_bandwidth / 1e9:g} GB/s")
-plt.show()
-t = coll.set_index(["collective", "devices"]).time_ms
-n_last = max(ring_devices)
-report.say(f"For S = {collective_size_bytes / 1e9:g} GB and W = {ring_bandwidth / 1e9:g} GB/s, the ring "
-           f"all-reduce takes {t['all_reduce', 2]:.2f} ms on 2 devices and {t['all_reduce', n_last]:.2f} ms on "
-           f"{n_last}: it saturates at $2S/W$ = {2 * collective_size_bytes / ring_bandwidth * 1e3:.2f} ms. The "
-           f"alternate one grows linearly, to {t['alternate_all_reduce', n_last]:.1f} ms "
-           f"({t['alternate_all_reduce', n_last] / t['all_reduce', n_last]:.0f}x) at N = {n_last}.")
+acc_book.show_collective_equations();
+coll = book.table("accounting_collectives",
+                  lambda: acc.collective_table(collective_size_bytes, ring_devices, ring_bandwidth))
+report.show_table(acc_book.collectives_pivot(coll), floatfmt=".3f")
+report.say(acc_book.collectives_sentence(coll))
+book.answer("How long do the ring collectives take?", acc_book.collectives_sentence(coll),
+            section="3 · Ring collectives")
+acc_book.collectives_figure(coll);
 
 # %% [markdown]
 # **The simulator** (`lab.accounting.ring_sim`) moves real numpy arrays chunk by chunk around the ring, checks every
@@ -236,11 +201,12 @@ report.say(f"For S = {collective_size_bytes / 1e9:g} GB and W = {ring_bandwidth 
 # (a per-step latency of 1 µs included, to check the $\alpha$ terms too).
 
 # %%
-sim = check_closed_forms(sim_sizes_bytes, sim_devices, ring_bandwidth, latency=1e-6)
-report.show_table(sim.astype({"devices": str, "size_bytes": str, "steps": str}), floatfmt=".6g")
-report.say(f"The simulator agrees with the closed forms in **{int(sim.match.sum())} of {len(sim)}** cases "
-           f"(bytes exactly, time to 1e-12), for N in {sorted(set(sim.devices))} and S in "
-           f"{sorted(set(sim.size_bytes))} bytes; every device ended with the right values.")
+sim = book.table("accounting_ring_sim_check",
+                 lambda: check_closed_forms(sim_sizes_bytes, sim_devices, ring_bandwidth, latency=1e-6))
+report.show_table(shown(sim).astype({"devices": str, "size_bytes": str, "steps": str}), floatfmt=".6g")
+report.say(acc_book.simulator_sentence(sim))
+book.answer("Does a step-by-step simulation agree with the closed forms?", acc_book.simulator_sentence(sim),
+            section="3 · Ring collectives")
 
 # %% [markdown]
 # ## 4 · One SwiGLU FFN under DP, FSDP, TP and 2-D parallelism
@@ -261,143 +227,35 @@ report.say(f"The simulator agrees with the closed forms in **{int(sim.match.sum(
 # own; on one **shared** link the two axes' times add.
 
 # %%
-rows = []
-for strategy in acc.STRATEGIES:
-    for phase in acc.PHASES:
-        c = acc.ffn_costs(strategy, phase)
-        comm = " + ".join(sp.latex(sp.factor(v)) for v in c["comm_time"].values())
-        rows.append(dict(strategy=strategy, phase=phase, flops_per_device=f"${sp.latex(c['flops'])}$",
-                         comm_time=f"${comm}$"))
-report.show_table(pd.DataFrame(rows))
+report.show_table(acc_book.ffn_cost_table(ffn_matrices))
 
 # %% [markdown]
 # Setting $T_{\mathrm{compute}} = T_{\mathrm{comm}}$ and solving for the device count gives the largest $N$
-# before communication dominates (training, forward + backward):
+# before communication dominates (training, forward + backward). DP and FSDP stop scaling when the tokens
+# per device fall below about $pC/(3W)$ and $pC/(2W)$: their traffic is a fixed amount of weights while the
+# compute per device shrinks. TP's limit does not depend on the batch at all, only on $F$: its traffic and
+# its compute both scale with the tokens. That is why 2-D parallelism multiplies the two limits.
 
 # %%
-for strategy in ("dp", "fsdp", "tp"):
-    show_eq(rf"N_{{\max}}^{{\mathrm{{{strategy.upper()}}}}}", acc.max_devices(strategy, "train"))
-over = acc.max_devices("fsdp_tp", "train", "overlapped")
-show_eq(r"X_{\max},\ Y_{\max}\ \text{(overlapped)}", sp.Tuple(over["X"], over["Y"]))
-shared = acc.max_devices("fsdp_tp", "train", "shared")
-show_eq(r"(X, Y)^{*}\ \text{(shared link)}", sp.Tuple(shared["X"], shared["Y"]))
-show_eq(r"N_{\max}^{\mathrm{2D,\,shared}}", sp.factor(shared["N"]))
+acc_book.show_max_device_equations(ffn_matrices);
 
 # %% [markdown]
-# DP and FSDP stop scaling when the tokens per device fall below about $pC/(3W)$ and $pC/(2W)$: their
-# traffic is a fixed amount of weights while the compute per device shrinks. TP's limit does not depend on
-# the batch at all, only on $F$: its traffic and its compute both scale with the tokens. That is why 2-D
-# parallelism multiplies the two limits.
-#
-# Numbers for the XXL FFN on H100s connected by NVLink (bf16 communication, $p = 2$):
+# Numbers for the XXL FFN's sizes on H100s connected by NVLink (bf16 communication, $p = 2$):
 
 # %%
-gpu = dict(B=ffn_tokens, D=acc.XXL["d_model"], F=acc.XXL["d_ff"], C=gpu_flops, W=ring_bandwidth,
-           W_X=ring_bandwidth, W_Y=ring_bandwidth, p=2)
-limits = []
-for strategy in ("dp", "fsdp", "tp"):
-    for phase in acc.PHASES:
-        limits.append(dict(strategy=strategy, phase=phase, network="either",
-                           max_devices=float(acc.max_devices(strategy, phase, **gpu))))
-for network in ("overlapped", "shared"):
-    for phase in acc.PHASES:
-        m = acc.max_devices("fsdp_tp", phase, network, **gpu)
-        limits.append(dict(strategy="fsdp_tp", phase=phase, network=network, max_devices=float(m["N"]),
-                           X=float(m["X"]), Y=float(m["Y"])))
-limits = pd.DataFrame(limits)
-report.show_table(limits, floatfmt=",.1f")
-lim = limits.set_index(["strategy", "phase", "network"]).max_devices
-report.say(f"With B = {ffn_tokens:,} tokens, C = {gpu_flops / 1e12:.0f} TFLOP/s and W = {ring_bandwidth / 1e9:.0f} GB/s, "
-           f"training stays compute bound up to {lim['dp', 'train', 'either']:.0f} devices with DP, "
-           f"{lim['fsdp', 'train', 'either']:.0f} with FSDP, {lim['tp', 'train', 'either']:.0f} with TP, and "
-           f"{lim['fsdp_tp', 'train', 'overlapped']:,.0f} with FSDP x TP on separate links "
-           f"({lim['fsdp_tp', 'train', 'shared']:,.0f} if both share one link).")
-
-# %%
-sweep = acc.ffn_strategy_table([2**k for k in range(1, 11)], "train", **gpu)
-long = sweep.melt(id_vars=["strategy", "devices"], value_vars=["compute_s", "comm_s"], var_name="time",
-                  value_name="seconds")
-g = sns.relplot(data=long, x="devices", y="seconds", hue="time", col="strategy", kind="line", marker="o",
-                height=3.5, aspect=1.1)
-g.set(xscale="log", yscale="log")
-g.figure.suptitle(f"One XXL FFN training step on H100s, B = {ffn_tokens:,} tokens", y=1.04)
-plt.show()
-at = sweep.set_index(["strategy", "devices"])
-n_show = 64 if 64 in set(sweep.devices) else int(sweep.devices.max())
-report.say(f"Where communication cannot overlap compute its time adds to every step, not only beyond the "
-           f"crossover: at {n_show} devices FSDP runs at "
-           f"{at.loc[('fsdp', n_show), 'efficiency_overlapped']:.0%} of peak with the gathers overlapped and "
-           f"{at.loc[('fsdp', n_show), 'efficiency_serial']:.0%} without; TP at "
-           f"{at.loc[('tp', n_show), 'efficiency_overlapped']:.0%} and {at.loc[('tp', n_show), 'efficiency_serial']:.0%}.")
+limits = book.table("accounting_ffn_limits",
+                    lambda: bench_accounting.ffn_limits_table(ffn_tokens, gpu_flops, ring_bandwidth, ffn_matrices))
+report.show_table(shown(limits), floatfmt=",.1f")
+report.say(acc_book.limits_sentence(limits, ffn_tokens, gpu_flops, ring_bandwidth))
+ffn_sweep = book.table("accounting_ffn_sweep", lambda: bench_accounting.ffn_sweep_table(
+    ffn_tokens, gpu_flops, ring_bandwidth, matrices=ffn_matrices))
+report.say(acc_book.ffn_sweep_sentence(ffn_sweep))
+book.answer("How far do DP, FSDP, TP and 2-D scale one SwiGLU FFN?", acc_book.limits_answer(limits),
+            section="4 · One SwiGLU FFN under DP, FSDP, TP and 2-D parallelism")
+acc_book.ffn_sweep_figure(ffn_sweep, ffn_tokens);
 
 # %% [markdown]
-# ## 5 · When is the XXL forward compute bound on TPU v5p?
-#
-# The scaling book's mesh notation: $W_{\mathrm{ici}} = 2\cdot 9\cdot 10^{10}$ B/s (both directions of a
-# link), $C = 4.6\cdot 10^{14}$ FLOP/s, FSDP over $X = 16$ chips spanning $M_X = 2$ mesh axes (bandwidth
-# $M_X W_{\mathrm{ici}}$), TP over $Y = 4$ chips on $M_Y = 1$ axis; bf16 weights and activations ($p = 2$);
-# $(n-1)/n \approx 1$. The input is sharded $B$ over $X$ and $D$ over $Y$, so each chip works on $B/X$ tokens
-# and $F/Y$ columns. Per chip, for one FFN forward:
-
-# %%
-t = acc.fsdp_tp_forward_times(exact=False)
-show_eq(r"T_{\mathrm{math}}", t["compute"])
-show_eq(r"T_{\mathrm{FSDP}}\ (\text{all-gather } 3DF/Y \text{ weights over } X)", t["fsdp"])
-show_eq(r"T_{\mathrm{TP}}\ (\text{all-gather} + \text{reduce-scatter of } (B/X) \times D \text{ over } Y)", t["tp"])
-
-# %% [markdown]
-# Compute bound means both communications hide behind the math:
-# $T_{\mathrm{math}} \ge T_{\mathrm{FSDP}} \iff \frac{B}{X} \ge \frac{C}{W_{\mathrm{ici}} M_X}$, and
-# $T_{\mathrm{math}} \ge T_{\mathrm{TP}} \iff Y \le \frac{3 F M_Y W_{\mathrm{ici}}}{2C}$ (no $B$ in it).
-# (With three matrices per FFN the TP bound is 3/2 of the book's two-matrix $F M_Y W_{\mathrm{ici}}/C$.)
-
-# %%
-tpu = {acc.X: 16, acc.Y: 4, acc.M_X: 2, acc.M_Y: 1, acc.C: acc.TPU_V5P["C"], acc.W_ici: acc.TPU_V5P["W_ici"],
-       acc.F: acc.XXL["d_ff"], acc.D: acc.XXL["d_model"]}
-bound = acc.fsdp_tp_compute_bound_batch("overlapped")
-exact = acc.fsdp_tp_compute_bound_batch("overlapped", exact=True)
-added = acc.fsdp_tp_compute_bound_batch("shared")
-show_eq(r"B_{\min}", bound["B"])
-show_eq(r"\frac{B_{\min}}{X}", bound["per_fsdp_shard"])
-tp_ratio = float((t["compute"] / t["tp"]).subs(tpu))
-tpu_rows = pd.DataFrame([
-    dict(case="scaling book (n-1)/n = 1", per_fsdp_shard=float(bound["per_fsdp_shard"].subs(tpu)),
-         per_chip=float(bound["per_chip"].subs(tpu)), total=float(bound["B"].subs(tpu))),
-    dict(case="exact ring factor (X-1)/X", per_fsdp_shard=float(exact["per_fsdp_shard"].subs(tpu)),
-         per_chip=float(exact["per_chip"].subs(tpu)), total=float(exact["B"].subs(tpu))),
-    dict(case="FSDP and TP times added", per_fsdp_shard=float(added["per_fsdp_shard"].subs(tpu)),
-         per_chip=float(added["per_chip"].subs(tpu)), total=float(added["B"].subs(tpu))),
-])
-report.show_table(tpu_rows, floatfmt=",.0f")
-b = tpu_rows.iloc[0]
-report.say(f"Each chip must see **B/X ≥ {b.per_fsdp_shard:,.0f} tokens** (the four TP chips of a group share "
-           f"them, so that is {b.per_chip:,.0f} tokens per chip if counted over all X·Y = 64 chips), an overall "
-           f"batch of **B ≥ {b.total:,.0f} tokens** — about {b.total / 2048:.0f} sequences of 2048. TP over Y = 4 "
-           f"is comfortably compute bound: its math takes {tp_ratio:.1f}x its communication. If the FSDP and "
-           f"TP transfers could not run at the same time, the bound would rise to "
-           f"{tpu_rows.iloc[2].total:,.0f} tokens.")
-
-# %% [markdown]
-# **Keeping throughput at a smaller batch.** The binding constraint is the FSDP one,
-# $B \ge X\,\frac{C}{W_{\mathrm{ici}} M_X}$: weights must arrive as fast as the math consumes them. Each
-# trick attacks one factor of it:
-
-# %%
-tricks = acc.tpu_batch_tricks()
-show = tricks.copy()
-show["condition"] = "$" + show.condition + "$"
-report.show_table(show, floatfmt=",.0f")
-tr = tricks.set_index("trick").batch_tokens
-report.say(f"Shifting chips from FSDP to TP lowers the compute-bound batch from {tr.iloc[0]:,.0f} to "
-           f"{tr.iloc[1]:,.0f} tokens on the same 64 chips; spreading FSDP over all three ICI axes gives "
-           f"{tr.iloc[2]:,.0f}, and gathering fp8 weights {tr.iloc[3]:,.0f}. Gradient accumulation leaves the "
-           "bound where it is: each microbatch all-gathers the weights again. Pipeline stages remove the "
-           "weight traffic altogether, at the price of a pipeline bubble that itself needs several "
-           "microbatches to hide. Overlapping the all-gather of layer $i+1$ with the math of layer $i$ "
-           "(prefetch) is what makes the 'hide behind compute' conditions above the right ones at all.")
-
-# %% [markdown]
-# ## 6 · Predicted vs measured memory
+# ## 5 · Predicted vs measured memory
 #
 # **Saved activations, exactly.** First the part of the prediction that can be checked to the byte on any
 # machine: run a forward + loss on the CPU under `lab.measure.saved_tensors.saved_tensor_report` (which sees every
@@ -406,70 +264,33 @@ report.say(f"Shifting chips from FSDP to TP lowers the compute-bound batch from 
 # knows through `device_type`.)
 
 # %%
-saved_check = bench_accounting.saved_activations_check({"check": ModelConfig(**check_model)}, check_batch, check_context)
-report.show_table(saved_check.astype({"batch": str, "context": str}), floatfmt=",.0f")
-report.say(f"The formula predicts the saved bytes exactly in **{int(saved_check.match.sum())} of "
-           f"{len(saved_check)}** cases (d_model {check_model['d_model']}, d_ff {check_model['d_ff']}, "
-           f"{check_model['num_layers']} blocks, batch {check_batch} x context {check_context}).")
+saved_check = book.table("accounting_saved_activations_check", lambda: bench_accounting.saved_activations_check(
+    {"check": ModelConfig(**check_model)}, check_batch, check_context))
+report.show_table(shown(saved_check).astype({"batch": str, "context": str}), floatfmt=",.0f")
+report.say(acc_book.saved_check_sentence(saved_check, check_model))
 
 # %% [markdown]
-# **Peak memory on the GPU.** The profiling/memory notebooks store `peak_gib` (peak allocated memory over the measurement) in
-# `lm_step.csv`, the sharding notebook `peak_*_gib` per rank in `sharding_benchmark.csv`. We predict
-# params + grads + AdamW + weight copies + saved activations for each measured row (the forward-only rows
-# without grads and AdamW) and look at the ratio. The prediction leaves out transients (logits and their
-# gradient, AdamW scratch, allocator rounding) and assumes every activation and every gradient is alive
-# at once, so neither exact agreement nor a fixed ratio is expected; the ratio shows which effect wins.
-# Compiled rows save fewer activations than eager (fusion), which the eager count does not know.
+# **Peak memory on the GPU.** 01 profiling stores, for each configuration, each mode's own peak allocated
+# memory (`fwd_peak_gib`, `fwdbwd_peak_gib`, `step_peak_gib`, measured in the same steps as that mode's time)
+# in `lm_step.csv`; 08 sharding stores per-rank peaks by phase in `sharding_benchmark.csv`. For each lm_step
+# mode we predict what that mode holds: parameters, autocast's weight copies and saved activations, plus the
+# gradients (forward + backward) and AdamW's state (train step). For each sharding row we predict a
+# steady-state step per rank (state divided by the ranks where the implementation shards it) and set it
+# against the largest of its peaks. The prediction counts no temporaries (logits and their gradient, AdamW
+# scratch, allocator rounding) and counts every activation and gradient as alive at once. Rows further from
+# the prediction than the stated tolerance are listed as they are.
 
 # %%
-def load_measured(name):
-    try:
-        df = results.load_results(name, measured_results_dir)
-    except FileNotFoundError:
-        return None
-    return df
-
-
-lm_step = load_measured("lm_step")
-sharding = load_measured("sharding_benchmark")
-found = [n for n, d in [("lm_step", lm_step), ("sharding_benchmark", sharding)] if d is not None]
-missing = [n for n, d in [("lm_step", lm_step), ("sharding_benchmark", sharding)] if d is None]
+lm_step = acc_book.measured_results(book, "lm_step", "01_profiling")
+sharding = acc_book.measured_results(book, "sharding_benchmark", "08_sharding")
 check = bench_accounting.predicted_vs_measured(lm_step, sharding)
-if missing:
-    report.say(f"No {' or '.join(m + '.csv' for m in missing)} in `{measured_results_dir}/` yet: run the GPU "
-               "notebooks that measure them, then re-render this one.")
-if check.empty and found:
-    report.say(f"{' and '.join(n + '.csv' for n in found)} in `{measured_results_dir}/` hold no successful rows "
-               "with a measured peak memory (the CPU cannot measure one), so there is nothing to compare yet.")
-if not check.empty:
-    cols = ["source", "impl", "size", "context", "batch", "dtype", "attention", "compile", "world_size",
-            "predicted_gib", "measured_gib",
-            "ratio", "params_gib", "grads_gib", "optimizer_gib", "weight_copies_gib", "activations_gib"]
-    report.show_table(check[cols].sort_values(["source", "size", "context"]), floatfmt=".3g")
-    fig, ax = plt.subplots(figsize=(6, 6))
-    sns.scatterplot(data=check, x="predicted_gib", y="measured_gib", hue="dtype", style="source", ax=ax)
-    hi = float(max(check.predicted_gib.max(), check.measured_gib.max())) * 1.1
-    ax.plot([0, hi], [0, hi], color="gray", lw=1, ls="--", label="measured = predicted")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("predicted peak (GiB)")
-    ax.set_ylabel("measured peak (GiB)")
-    ax.legend(bbox_to_anchor=(1.02, 1), loc="upper left")
-    plt.show()
-    by = check.groupby("source").ratio.agg(["median", "min", "max", "count"])
-    report.say("Measured / predicted peak memory: " + "; ".join(
-        f"{src}: median {r['median']:.2f} (range {r['min']:.2f}–{r['max']:.2f}, {int(r['count'])} rows)"
-        for src, r in by.iterrows()) + ". A ratio above 1 means transients the formula leaves out; below 1, "
-           "that backward freed activations before the gradients were all allocated.")
+acc_book.save_memory_check(book, check)
+acc_book.show_memory_check(check, memory_tolerance, [lm_step, sharding]);
+book.answer("Does the predicted peak memory match the GPU measurements?",
+            acc_book.memory_check_answer(check, memory_tolerance), section="5 · Predicted vs measured memory")
 
 # %% [markdown]
-# ## Saved results
+# Every comparison, and the same as a plot (the band is the tolerance):
 
 # %%
-for name, df in [("accounting_memory", memory), ("accounting_flops", flops), ("accounting_collectives", coll),
-                 ("accounting_saved_activations_check", saved_check),
-                 ("accounting_ring_sim_check", sim), ("accounting_ffn_limits", limits),
-                 ("accounting_xxl_fsdp", fsdp), ("accounting_tpu_batch", tpu_rows),
-                 ("accounting_tpu_tricks", tricks)] + ([("accounting_memory_check", check)] if not check.empty else []):
-    results.save_results(df, name, results_dir, params)
-report.say(f"Tables saved under `{results_dir}/` (accounting_*.csv with provenance sidecars).")
+acc_book.show_comparisons(check, memory_tolerance);

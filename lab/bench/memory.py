@@ -1,27 +1,53 @@
 """The 03 notebook's memory experiments on a language model: a training step recorded as a snapshot with
-its phases (and each block's backward) marked, gradient memory per block, and peak memory by context
-and dtype.
+its phases (and each block's backward) marked, gradient memory per block, peak memory by phase, context and
+dtype, what one block and one RMSNorm save for the backward, and the activation-checkpointing sweep.
+
+:class:`MemorySetup` is the configuration (every size and switch, resolved from a notebook's parameters);
+:class:`MemoryExperiment` runs the measurements on a model it builds on first use, so a replayed render
+(tables read back from ``results/``) never builds the model. Every measurement returns a DataFrame.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
 
 import pandas as pd
 import torch
 from torch import nn
 
-from lab.dtypes import autocast_dtype
-from lab.measure.memory_snapshot import MemoryRecording, record_memory_snapshot
-from lab.measure.memory_timeline import gradient_bytes_by_window, measure_peak_bytes
-from lab.measure.step import TrainStep
+from lab import paths
+from lab.dtypes import autocast, autocast_dtype
+from lab.measure.device import empty_cache, error_summary, is_oom, resolve_device
+from lab.measure.memory_snapshot import MemoryRecording, load_marks, load_snapshot, record_memory_snapshot
+from lab.measure.memory_timeline import (
+    active_memory_timeline,
+    allocations_by_origin,
+    gradient_bytes_by_window,
+    largest_allocations,
+    measure_peak_bytes,
+    peaks_by_phase,
+)
+from lab.measure.profiling import silenced_native_stderr
+from lab.measure.step import TrainStep, make_optimizer, peak_memory_by_phase, random_batch
+from lab.measure.timing import time_callable
+from lab.model import ModelConfig, RMSNorm, TransformerLM, config_for
+from lab.model.checkpointing import activation_checkpointing, checkpoint_memory_table, residual_stream_bytes
 
 MiB = 2**20
 GiB = 2**30
+
+
+# ----------------------------------------------------------------------------------------------------------
+# recording a training step
+
 
 def record_training_snapshot(step: TrainStep, path: str | os.PathLike, steps: int = 2, forward_only: bool = False,
                              blocks: Sequence[nn.Module] | None = None,
@@ -50,8 +76,10 @@ def record_training_snapshot(step: TrainStep, path: str | os.PathLike, steps: in
         for i, block in enumerate(blocks):
             handles.append(block.register_full_backward_pre_hook(block_mark(i)))
     step.model.zero_grad(set_to_none=True)
+    # the CPU build's profiler prints a line at every start and stop: keep the report clean
+    quiet = silenced_native_stderr(step.device.type == "cpu")
     try:
-        with record_memory_snapshot(path, max_entries=max_entries, device=step.device) as rec:
+        with quiet, record_memory_snapshot(path, max_entries=max_entries, device=step.device) as rec:
             for i in range(1, (1 if forward_only else steps) + 1):
                 current["step"] = i
                 rec.mark(f"forward {i}")
@@ -103,6 +131,17 @@ def gradient_memory_per_block(snapshot: dict, marks: Sequence[tuple[str, int]],
         drop=True)
 
 
+def recording_phase_peaks(snapshot: dict, marks: Sequence[tuple[str, int]]) -> pd.DataFrame:
+    """Peak, start and end active memory of each marked phase of a recording (GiB), without the unmarked
+    stretch before the first mark and the ``end`` mark's tail."""
+    peaks = peaks_by_phase(active_memory_timeline(snapshot, marks=marks))
+    return peaks[~peaks["phase"].isin(["", "end"])].reset_index(drop=True)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# peak memory across contexts and dtypes
+
+
 def peak_memory_table(model: nn.Module, contexts: Sequence[int], dtypes: Sequence[str] = ("fp32", "bf16"),
                       batch: int = 4, progress: bool = True,
                       make_optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None = None) -> pd.DataFrame:
@@ -118,7 +157,6 @@ def peak_memory_table(model: nn.Module, contexts: Sequence[int], dtypes: Sequenc
     """
     from tqdm import tqdm
 
-    from lab.measure.device import empty_cache, error_summary, is_oom
     from lab.measure.step import make_optimizer as default_optimizer
 
     device = next(model.parameters()).device
@@ -144,7 +182,8 @@ def peak_memory_table(model: nn.Module, contexts: Sequence[int], dtypes: Sequenc
         step = TrainStep(model, optimizer, *batch_of(context), dtype=dt)
         row = dict(context=context, batch=batch, dtype=dt, mode=mode, peak_gib=math.nan, status="ok", error="")
         try:
-            row["peak_gib"] = measure_peak_bytes(lambda s=step, m=mode: s.run(m), device) / GiB
+            with silenced_native_stderr(device.type == "cpu"):
+                row["peak_gib"] = measure_peak_bytes(lambda s=step, m=mode: s.run(m), device) / GiB
         except Exception as exc:
             if not is_oom(exc):
                 raise
@@ -153,3 +192,306 @@ def peak_memory_table(model: nn.Module, contexts: Sequence[int], dtypes: Sequenc
         empty_cache()
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# activation checkpointing, measured
+
+
+def checkpoint_sweep(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor,
+                     group_sizes: Sequence[int | None], include_nested: bool = True, dtype: str = "fp32",
+                     timing_steps: int = 2, progress: bool = True,
+                     optimizer: torch.optim.Optimizer | None = None) -> pd.DataFrame:
+    """Peak memory and time of one AdamW :class:`~lab.measure.step.TrainStep` for each checkpointing
+    configuration of ``model`` (see :func:`lab.model.checkpointing.activation_checkpointing`).
+
+    ``group_sizes`` lists single-level group sizes (``None`` = no checkpointing); ``include_nested`` adds
+    the nested strategy. The AdamW state is created first by one unmeasured step under the nested strategy
+    (the most frugal), so every measured step carries it, as in steady-state training. The peak of one step
+    comes from :func:`lab.measure.memory_timeline.measure_peak_bytes`; ``step_ms`` (mean) and
+    ``step_std_ms`` from ``timing_steps`` more steps timed by :func:`lab.measure.timing.time_callable`.
+    Out-of-memory is a row. Returns columns ``strategy`` (``none``, ``single``, ``nested``), ``group_size``
+    (NaN but for ``single``), ``peak_gib``, ``step_ms``, ``step_std_ms``, ``status``, ``error``.
+    """
+    from tqdm import tqdm  # plain text bars: they render in papermill reports
+
+    device = tokens.device
+    optimizer = optimizer or make_optimizer(model, device)
+    step = TrainStep(model, optimizer, tokens, targets, dtype=dtype)
+    with activation_checkpointing(model, strategy="nested"):
+        step()  # creates the AdamW state
+    configs = [("single", k) for k in group_sizes] + ([("nested", None)] if include_nested else [])
+    rows = []
+    for strategy, k in tqdm(configs, desc="checkpoint sweep", disable=not progress):
+        row = dict(strategy="none" if (strategy == "single" and k is None) else strategy,
+                   group_size=k if k is not None else math.nan, peak_gib=math.nan, step_ms=math.nan,
+                   step_std_ms=math.nan, status="ok", error="")
+        try:
+            with activation_checkpointing(model, group_size=k, strategy=strategy):
+                with silenced_native_stderr(device.type == "cpu"):
+                    row["peak_gib"] = measure_peak_bytes(step, device) / GiB
+                timing = time_callable(step, warmup=0, steps=timing_steps, device=device)
+                row.update(step_ms=timing.mean_ms, step_std_ms=timing.std_ms)
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            row.update(status="oom", error=error_summary(exc))
+        model.zero_grad(set_to_none=True)
+        empty_cache()
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the notebook's configuration and experiments
+
+
+@dataclass(frozen=True)
+class MemorySetup:
+    """Every size and switch of the memory experiments, with the defaults of the full (GPU) profile.
+
+    ``model`` is the model's configuration (its ``context_length`` covers every context used);
+    ``dtype`` the training dtype of the timelines, block accounting and checkpointing sweep;
+    ``peak_contexts`` x ``peak_dtypes`` the grid of the peak-memory table. Build it with :meth:`resolve`.
+    """
+
+    size: str
+    model: ModelConfig
+    batch: int = 4
+    dtype: str = "fp32"
+    timeline_context: int = 512
+    peak_contexts: tuple[int, ...] = (128, 256, 512, 2048)
+    peak_dtypes: tuple[str, ...] = ("fp32", "bf16")
+    block_context: int = 2048
+    checkpoint_context: int = 2048
+    checkpoint_group_sizes: tuple[int | None, ...] = (None, 1, 2, 4, 8, 16, 32)
+    compile_rmsnorm: bool = True
+    max_entries: int = 1_000_000
+    timing_steps: int = 2
+
+    @classmethod
+    def resolve(cls, quick: bool, size: str | None = None, batch: int = 4, dtype: str = "fp32",
+                timeline_context: int | None = None, peak_contexts: Sequence[int] | None = None,
+                peak_dtypes: Sequence[str] = ("fp32", "bf16"), block_context: int | None = None,
+                checkpoint_context: int | None = None, checkpoint_group_sizes: Sequence[int | None] | None = None,
+                compile_rmsnorm: bool = True, max_entries: int = 1_000_000, timing_steps: int = 2) -> MemorySetup:
+        """Fill every ``None`` with the profile's default: the 2.7B model at contexts 512 (timelines), 128, 256,
+        512 and 2048 (peaks) and 2048 (blocks, checkpointing) in full; the ``mini`` toy model (4 blocks) at
+        64, (32, 64) and 64 with ``quick``. Checkpoint group sizes default to no checkpointing and every
+        divisor of the number of blocks."""
+        autocast_dtype(dtype)
+        size = size or ("mini" if quick else "2.7B")
+        timeline_context = timeline_context or (64 if quick else 512)
+        peak_contexts = tuple(peak_contexts or ((32, 64) if quick else (128, 256, 512, 2048)))
+        checkpoint_context = checkpoint_context or (64 if quick else 2048)
+        block_context = block_context or checkpoint_context
+        longest = max(timeline_context, checkpoint_context, block_context, *peak_contexts)
+        cfg = config_for(size, context_length=longest)
+        if checkpoint_group_sizes is None:
+            checkpoint_group_sizes = [None] + [k for k in range(1, cfg.num_layers + 1) if cfg.num_layers % k == 0]
+        return cls(size=size, model=cfg, batch=batch, dtype=dtype, timeline_context=timeline_context,
+                   peak_contexts=peak_contexts, peak_dtypes=tuple(peak_dtypes), block_context=block_context,
+                   checkpoint_context=checkpoint_context, checkpoint_group_sizes=tuple(checkpoint_group_sizes),
+                   compile_rmsnorm=compile_rmsnorm, max_entries=max_entries, timing_steps=timing_steps)
+
+    def params(self) -> dict:
+        """The resolved knobs as plain values, for a chapter's provenance."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "model"}
+        out.update(d_model=self.model.d_model, d_ff=self.model.d_ff, num_layers=self.model.num_layers,
+                   num_heads=self.model.num_heads, vocab_size=self.model.vocab_size)
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
+
+    def residual_bytes(self, context: int, bytes_per_element: int = 4) -> int:
+        """Bytes of one residual-stream activation, batch x context x d_model (fp32 by default)."""
+        return residual_stream_bytes(self.batch, context, self.model.d_model, bytes_per_element)
+
+    @property
+    def parameter_bytes(self) -> int:
+        """Bytes of the fp32 parameters (from the closed form; no model is built)."""
+        from lab.accounting import parameter_count
+
+        return 4 * parameter_count(self.model)
+
+    @property
+    def embedding_bytes(self) -> int:
+        """Bytes of the fp32 embedding table (and so of its gradient)."""
+        return 4 * self.model.vocab_size * self.model.d_model
+
+
+def residual_stream_table(setup: MemorySetup, contexts: Sequence[int] | None = None) -> pd.DataFrame:
+    """The residual stream's size (batch x context x d_model, fp32) at each context of ``setup`` (or
+    ``contexts``): columns ``context``, ``batch``, ``d_model``, ``num_layers``, ``residual_bytes``,
+    ``residual_mib`` and ``all_block_inputs_mib`` (one per block)."""
+    contexts = contexts or sorted({*setup.peak_contexts, setup.timeline_context, setup.checkpoint_context})
+    rows = [dict(context=c, batch=setup.batch, d_model=setup.model.d_model, num_layers=setup.model.num_layers,
+                 residual_bytes=setup.residual_bytes(c)) for c in contexts]
+    df = pd.DataFrame(rows)
+    df["residual_mib"] = df["residual_bytes"] / MiB
+    df["all_block_inputs_mib"] = df["residual_mib"] * df["num_layers"]
+    return df
+
+
+def checkpoint_model(setup: MemorySetup, block_saved_bytes: float, block_context: int | None = None) -> pd.DataFrame:
+    """:func:`lab.model.checkpointing.checkpoint_memory_table` for ``setup``'s model at its checkpoint context:
+    r = one residual-stream activation, A = ``block_saved_bytes`` (what one block saves, measured at
+    ``block_context``) scaled linearly to the checkpoint context. Adds the columns ``boundary_bytes`` (r),
+    ``block_bytes`` (A) and ``k_star`` (the continuous optimum sqrt(N r / A))."""
+    scale = setup.checkpoint_context / (block_context or setup.block_context)
+    a = float(block_saved_bytes) * scale
+    r = setup.residual_bytes(setup.checkpoint_context)
+    n = setup.model.num_layers
+    table = checkpoint_memory_table(n, r, a)
+    return table.assign(boundary_bytes=r, block_bytes=a, k_star=math.sqrt(n * r / a))
+
+
+class MemoryExperiment:
+    """The 03 notebook's measurements for one :class:`MemorySetup` on ``device``.
+
+    The model (seeded) is built on first use; snapshots and their HTML pages go to
+    ``<artifacts_dir>/03_memory``. Each method measures and returns one table.
+    """
+
+    def __init__(self, setup: MemorySetup, device: str | torch.device = "auto",
+                 artifacts_dir: str | os.PathLike = "artifacts", seed: int = 0):
+        self.setup, self.seed = setup, seed
+        self.device = resolve_device(device)
+        self.artifacts = paths.resolve(artifacts_dir) / "03_memory"
+        self._block_report = None
+
+    @cached_property
+    def model(self) -> TransformerLM:
+        torch.manual_seed(self.seed)
+        with torch.device(self.device):
+            return TransformerLM(self.setup.model)
+
+    def snapshot_path(self, name: str) -> Path:
+        """Where the snapshot pickle ``name`` (``forward``, ``train_step``) is written."""
+        return self.artifacts / f"{name}.pickle"
+
+    def _step(self, context: int, optimizer: bool = True) -> TrainStep:
+        tokens, targets = random_batch(self.setup.model, self.setup.batch, self.device, context=context)
+        opt = make_optimizer(self.model, self.device) if optimizer else None
+        return TrainStep(self.model, opt, tokens, targets, dtype=self.setup.dtype)
+
+    # ---- timelines -------------------------------------------------------------------------------------
+
+    def record_timelines(self) -> pd.DataFrame:
+        """Record a forward pass (``forward.pickle``) and two AdamW steps with every block's backward marked
+        (``train_step.pickle``) at the timeline context. Returns the peak of each phase of both recordings:
+        ``recording``, ``phase``, ``peak_gib``, ``start_gib``, ``end_gib``, the trace indices, ``context``,
+        ``dtype``."""
+        s = self.setup
+        tables = []
+        empty_cache()  # what earlier measurements left (an optimizer in a reference cycle) must not count
+        step = self._step(s.timeline_context, optimizer=False)
+        rec = record_training_snapshot(step, self.snapshot_path("forward"), forward_only=True,
+                                       max_entries=s.max_entries)
+        tables.append(recording_phase_peaks(rec.snapshot, rec.marks).assign(recording="forward"))
+        del rec, step
+        empty_cache()
+        step = self._step(s.timeline_context)
+        rec = record_training_snapshot(step, self.snapshot_path("train_step"), steps=2, blocks=self.model.blocks,
+                                       max_entries=s.max_entries)
+        tables.append(recording_phase_peaks(rec.snapshot, rec.marks).assign(recording="train_step"))
+        del rec, step
+        empty_cache()
+        df = pd.concat(tables, ignore_index=True).assign(context=s.timeline_context, dtype=s.dtype)
+        return df[["recording", "phase", "peak_gib", "start_gib", "end_gib", "start_index", "end_index",
+                   "peak_index", "context", "dtype"]]
+
+    def _recording(self, name: str) -> tuple[dict, list, list]:
+        path = self.snapshot_path(name)
+        if not path.exists():
+            raise FileNotFoundError(f"no snapshot {path}: run record_timelines() first")
+        return load_snapshot(path), load_marks(path), load_marks(path, "detail_marks")
+
+    def largest_allocations(self, n: int = 10) -> pd.DataFrame:
+        """The ``n`` largest allocations of the recorded forward pass, with the code that made them."""
+        snapshot, marks, _ = self._recording("forward")
+        return largest_allocations(snapshot, n=n, marks=marks, phase="forward 1")
+
+    def allocations_by_origin(self, n: int = 10) -> pd.DataFrame:
+        """The recorded forward pass's allocations grouped by the line of user code that made them."""
+        snapshot, marks, _ = self._recording("forward")
+        return allocations_by_origin(snapshot, marks=marks, phase="forward 1").head(n)
+
+    def gradients_per_block(self) -> pd.DataFrame:
+        """:func:`gradient_memory_per_block` of the recorded training step's first backward."""
+        snapshot, marks, detail = self._recording("train_step")
+        return gradient_memory_per_block(snapshot, marks, detail, self.model.blocks)
+
+    def phase_peaks(self, steps: int = 2) -> pd.DataFrame:
+        """:func:`lab.measure.step.peak_memory_by_phase` of ``steps`` AdamW steps at the timeline context."""
+        empty_cache()
+        with silenced_native_stderr(self.device.type == "cpu"):
+            return peak_memory_by_phase(self._step(self.setup.timeline_context), steps=steps)
+
+    def peak_memory(self, progress: bool = True) -> pd.DataFrame:
+        """:func:`peak_memory_table` over the setup's contexts and dtypes, with the model's ``size``."""
+        s = self.setup
+        empty_cache()
+        return peak_memory_table(self.model, s.peak_contexts, s.peak_dtypes, batch=s.batch,
+                                 progress=progress).assign(size=s.size)
+
+    # ---- what is saved for the backward ----------------------------------------------------------------
+
+    def _block(self):
+        if self._block_report is None:
+            from lab.measure.saved_tensors import saved_tensor_report
+
+            s = self.setup
+            x = torch.randn(s.batch, s.block_context, s.model.d_model, device=self.device, requires_grad=True)
+            with autocast(self.device, s.dtype):
+                self._block_report = saved_tensor_report(self.model.blocks[0], x)
+        return self._block_report
+
+    def block_saved_by_op(self) -> pd.DataFrame:
+        """What one TransformerBlock saves for the backward at the block context, per operation (bytes, MiB,
+        share), with ``context``, ``batch``, ``dtype`` and ``input_bytes`` (the block's fp32 input)."""
+        s = self.setup
+        return self._block().by_op().assign(context=s.block_context, batch=s.batch, dtype=s.dtype,
+                                            input_bytes=s.residual_bytes(s.block_context))
+
+    def block_saved_by_module(self, depth: int = 2) -> pd.DataFrame:
+        """The same bytes per submodule of the block (``attn``, ``ffn.w2``, ...)."""
+        s = self.setup
+        return self._block().by_module(depth=depth).assign(context=s.block_context, dtype=s.dtype)
+
+    def rmsnorm_saved(self) -> pd.DataFrame:
+        """What one RMSNorm saves for the backward, eager and (with ``compile_rmsnorm``) ``torch.compile``'d:
+        ``rmsnorm``, ``saved_bytes``, ``saved_mib``, ``saved_inputs`` (in units of its fp32 input) and
+        ``ops`` (operation: bytes)."""
+        from lab.measure.saved_tensors import saved_tensor_report
+
+        s = self.setup
+        norm = RMSNorm(s.model.d_model).to(self.device)
+        x = torch.randn(s.batch, s.block_context, s.model.d_model, device=self.device, requires_grad=True)
+        variants = [("eager", norm)] + ([("compiled", torch.compile(norm))] if s.compile_rmsnorm else [])
+        rows = []
+        for label, fn in variants:
+            rep = saved_tensor_report(norm, x, forward=fn)
+            ops = rep.by_op()
+            rows.append(dict(rmsnorm=label, saved_bytes=rep.total_bytes, saved_mib=rep.total_bytes / MiB,
+                             saved_inputs=rep.total_bytes / (x.numel() * 4), context=s.block_context,
+                             ops=", ".join(f"{o} ({b / MiB:,.3g} MiB)" for o, b in ops[["op", "bytes"]].values)))
+        return pd.DataFrame(rows)
+
+    # ---- checkpointing ---------------------------------------------------------------------------------
+
+    def checkpoint_sweep(self, modelled: pd.DataFrame | None = None, progress: bool = True) -> pd.DataFrame:
+        """:func:`checkpoint_sweep` at the checkpoint context for every group size of the setup and the nested
+        strategy. With ``modelled`` (:func:`checkpoint_model`), each row also gets its modelled activation
+        memory (``modelled_mib``) and the modelled peak ``modelled_peak_gib`` = 4 x the fp32 parameters
+        (weights, gradients, AdamW's two moments) + the modelled activations."""
+        s = self.setup
+        empty_cache()
+        tokens, targets = random_batch(s.model, s.batch, self.device, context=s.checkpoint_context)
+        sweep = checkpoint_sweep(self.model, tokens, targets, s.checkpoint_group_sizes, include_nested=True,
+                                 dtype=s.dtype, timing_steps=s.timing_steps, progress=progress)
+        empty_cache()
+        sweep = sweep.assign(size=s.size, context=s.checkpoint_context, batch=s.batch, dtype=s.dtype)
+        if modelled is not None:
+            sweep = sweep.merge(modelled[["strategy", "group_size", "modelled_mib"]], on=["strategy", "group_size"],
+                                how="left")
+            sweep["modelled_peak_gib"] = 4 * s.parameter_bytes / GiB + sweep["modelled_mib"] / 1024
+        return sweep

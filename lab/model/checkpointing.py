@@ -19,6 +19,10 @@ activations (A >> r, about 30 x r in this model):
   ("early stop"), so recomputing a segment runs only its first half: the second half is a checkpoint
   whose only saved tensor is its input. Over N = 2^L blocks that is N/2 for each of the L - 1 inner
   levels plus N for the leaves: (L + 1) * N / 2 extra block forwards (instead of L * N without early stop).
+
+The memory models here are closed forms; the measured sweep (peak memory and time of a training step for
+each strategy) is :func:`lab.bench.memory.checkpoint_sweep`, since ``lab.model`` does not import the
+measuring code.
 """
 
 from __future__ import annotations
@@ -170,64 +174,3 @@ def residual_stream_bytes(batch: int, context: int, d_model: int, bytes_per_elem
     """Bytes of one residual-stream activation (batch x context x d_model elements): the input every block
     receives, and what a checkpointed group keeps for the backward."""
     return batch * context * d_model * bytes_per_element
-
-
-def checkpoint_sweep(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
-                     group_sizes: Sequence[int | None], include_nested: bool = True,
-                     autocast_dtype: torch.dtype | None = None, progress: bool = True,
-                     optimizer: torch.optim.Optimizer | None = None) -> pd.DataFrame:
-    """Peak memory and time of one AdamW training step for each checkpointing configuration.
-
-    ``group_sizes`` lists single-level group sizes (``None`` = no checkpointing); ``include_nested`` adds
-    the nested strategy. The optimizer state is created first by one untimed step under the most
-    memory-frugal configuration (so every measured step includes it, as in steady-state training). Peak
-    memory comes from :func:`lab.measure.memory.measure_peak_bytes`; ``step_ms`` is the wall time of that step (on
-    the CPU, whose peak is read from a profiler run, of one more unprofiled step). Out-of-memory is a row.
-    Returns columns ``strategy``, ``group_size``, ``peak_gib``, ``step_ms``, ``status``, ``error``.
-    """
-    import time
-
-    from tqdm import tqdm  # plain text bars: they render in papermill reports
-
-    from lab.measure.device import empty_cache, error_summary, is_oom, synchronize
-    from lab.measure.memory import default_loss, measure_peak_bytes
-
-    device = next(model.parameters()).device
-    inputs, targets = batch
-    optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-
-    def step():
-        ctx = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
-        with ctx:
-            loss = default_loss(model(inputs), targets)
-        loss.backward()
-        del loss
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    with activation_checkpointing(model, strategy="nested"):
-        step()  # creates the AdamW state
-    configs = [("single", k) for k in group_sizes] + ([("nested", None)] if include_nested else [])
-    rows = []
-    for strategy, k in tqdm(configs, desc="checkpoint sweep", disable=not progress):
-        row = dict(strategy="none" if (strategy == "single" and k is None) else strategy,
-                   group_size=k if k is not None else math.nan, peak_gib=math.nan, step_ms=math.nan,
-                   status="ok", error="")
-        try:
-            with activation_checkpointing(model, group_size=k, strategy=strategy):
-                start = time.perf_counter()
-                row["peak_gib"] = measure_peak_bytes(step, device) / 2**30
-                synchronize(device)
-                row["step_ms"] = (time.perf_counter() - start) * 1e3
-                if device.type == "cpu":  # the CPU's peak comes from a profiler run: time a plain step too
-                    start = time.perf_counter()
-                    step()
-                    row["step_ms"] = (time.perf_counter() - start) * 1e3
-        except Exception as exc:
-            if not is_oom(exc):
-                raise
-            row.update(status="oom", error=error_summary(exc))
-        optimizer.zero_grad(set_to_none=True)
-        empty_cache()
-        rows.append(row)
-    return pd.DataFrame(rows)

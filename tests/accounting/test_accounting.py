@@ -192,7 +192,8 @@ def test_ffn_costs_by_hand():
     assert acc.as_float(dp["flops"], **v) == 18 * 96 * 8 * 24 / 4  # 82,944
     assert acc.as_float(dp["comm_bytes"]["N"], **v) == 2 * 3 / 4 * 4608  # 6,912
     assert acc.as_float(acc.ffn_costs("dp", "forward", matrices=3)["comm_bytes"]["N"], **v) == 0
-    assert acc.as_float(acc.ffn_costs("fsdp", "train", matrices=3)["comm_bytes"]["N"], **v) == 3 * 3 / 4 * 4608  # 10,368
+    fsdp_train = acc.ffn_costs("fsdp", "train", matrices=3)
+    assert acc.as_float(fsdp_train["comm_bytes"]["N"], **v) == 3 * 3 / 4 * 4608  # 10,368
     assert acc.as_float(acc.ffn_costs("fsdp", "forward", matrices=3)["comm_bytes"]["N"], **v) == 3 / 4 * 4608  # 3,456
     tp = acc.ffn_costs("tp", "forward", matrices=3)
     assert acc.as_float(tp["comm_bytes"]["N"], **v) == 2 * 3 / 4 * 6144  # 9,216
@@ -436,7 +437,7 @@ def test_predicted_vs_measured_rows():
              peak_before_step_gib=1.5, peak_after_step_gib=1.2, status="ok"),
     ])
     out = predicted_vs_measured(lm_step, sharding)
-    assert list(out.source) == ["lm_step", "lm_step", "sharding_benchmark", "sharding_benchmark"]
+    assert list(out["table"]) == ["lm_step", "lm_step", "sharding_benchmark", "sharding_benchmark"]
     cfg = config_for("small", context_length=128)
     step = acc.training_memory(cfg, 4, 128, "fp32", "train_step")
     assert out.iloc[0].impl == "train_step"
@@ -470,3 +471,61 @@ def test_saved_activations_check_agrees_with_lab_saved_tensors():
     # RoPE tables 2 blocks x 12 positions x 8 (head_dim) x 4 B = 768
     row = table[(table.attention == "sdpa") & (table.precision == "fp32")].iloc[0]
     assert row.measured_bytes == 141_984 + 18_292 + 768
+
+
+# ---------------------------------------------------------------------------------------------- 09's tables
+
+
+def test_xxl_table_by_hand():
+    from lab.bench.accounting import xxl_table
+
+    t = xxl_table(2048).set_index("matrices")
+    # two matrices: 2 x 16,384 x 53,248 x 126 = 219,848,638,464 parameters; 16 B each = 3,517.58 GB -> 44 H100s
+    assert t.loc[2, "params"] == 219_848_638_464
+    assert t.loc[2, "state_gb"] == pytest.approx(3517.578215424)
+    parts = t.loc[2, "weights_gb"] + t.loc[2, "grads_gb"] + t.loc[2, "optimizer_gb"]
+    assert parts == pytest.approx(t.loc[2, "state_gb"])
+    assert t.loc[2, "devices_for_state"] == 44
+    # saved per token: (16,384 + 53,248) x 2 B x 126 blocks = 17,547,264 B; x 2048 tokens = 35.94 GB -> 45 H100s
+    assert t.loc[2, "activation_mb_per_token"] == pytest.approx(17.547264)
+    assert t.loc[2, "activations_gb"] == pytest.approx(17_547_264 * 2048 / 1e9)
+    assert t.loc[2, "devices_for_all"] == 45
+    # SwiGLU: 3/2 of the parameters; (D + 4F) saved per token
+    assert t.loc[3, "params"] == 3 * 219_848_638_464 // 2
+    assert t.loc[3, "activation_mb_per_token"] == pytest.approx((16384 + 4 * 53248) * 2 * 126 / 1e6)
+
+
+def test_xxl_fsdp_and_tpu_tables():
+    from lab.bench.accounting import TPU_MESH, tpu_batch_table, tpu_tricks_table, xxl_fsdp_table
+
+    fsdp = xxl_fsdp_table([0, 2048]).set_index(["matrices", "tokens"])
+    assert fsdp.loc[(2, 0), "devices_needed"] == 38  # 3,517.6 / 95 = 37.03
+    # (3,517.58 + 35.94 / 2) / (95 - 35.94 / 2) = 45.9 -> 46
+    assert fsdp.loc[(2, 2048), "devices_needed"] == 46
+    tpu = tpu_batch_table(**TPU_MESH).set_index(["matrices", "case"])
+    base = tpu.loc[(2, "large X: (X-1)/X = 1")]
+    assert base["per_fsdp_shard"] == pytest.approx(4.6e14 / (1.8e11 * 2))
+    assert base["total"] == pytest.approx(16 * 4.6e14 / 3.6e11)
+    assert base["per_chip"] == pytest.approx(base["total"] / 64)
+    # exact ring: T_math = T_FSDP (X-1)/X  ->  B/X = (15/16) C / (W M_X)
+    assert tpu.loc[(2, "exact ring factor (X-1)/X"), "total"] == pytest.approx(15 / 16 * base["total"])
+    # TP: 4 B D F / (X Y C) against 4 B D / (X W M_Y): ratio F W M_Y / (Y C); max Y = F W M_Y / C
+    assert base["tp_math_over_comm"] == pytest.approx(53248 * 1.8e11 / (4 * 4.6e14))
+    assert base["tp_max_y"] == pytest.approx(53248 * 1.8e11 / 4.6e14)
+    assert tpu.loc[(3, "large X: (X-1)/X = 1"), "total"] == pytest.approx(base["total"])  # independent of the FFN
+    tricks = tpu_tricks_table().set_index("trick")["batch_tokens"]
+    assert tricks.iloc[0] == pytest.approx(base["total"])
+    assert tricks.iloc[1] == pytest.approx(4 * 4.6e14 / 3.6e11)  # Y = 16 (the largest power of 2 <= 20.8): X = 4
+
+
+def test_size_configs_and_ffn_limits():
+    from lab.bench.accounting import ffn_limits_table, size_configs
+
+    configs = size_configs(["small", "2.7B"], 256)
+    assert list(configs) == ["small", "2.7B"] and configs["2.7B"].context_length == 256
+    limits = ffn_limits_table(10**6, 10**15, 10**11, matrices=3, d_model=8, d_ff=8192)
+    lim = limits.set_index(["strategy", "phase", "network"])["max_devices"]
+    # the hand-checked limits of test_max_devices_by_hand (B = 1e6, W = 1e11, C = 1e15, p = 2)
+    assert lim["dp", "train", "either"] == 151 and lim["fsdp", "train", "either"] == 101
+    assert lim["tp", "train", "either"] == pytest.approx(2.8432)
+    assert math.isinf(lim["dp", "forward", "either"])

@@ -1,0 +1,207 @@
+"""lab.book.accounting: the 09 notebook's equations, sentences, plots and the reading of other notebooks'
+results (absent, old format, new format), from small synthetic tables."""
+
+import json
+import math
+
+import matplotlib
+import pandas as pd
+import pytest
+
+matplotlib.use("Agg")
+
+from lab.bench import accounting as ba  # noqa: E402
+from lab.book import accounting as ab  # noqa: E402
+from lab.book.report import Chapter  # noqa: E402
+from lab.measure import results as store  # noqa: E402
+
+
+def test_equations_are_latex_of_the_closed_forms(capsys):
+    assert ab.show_equation("x", 2) == "x = 2"
+    assert "$$x = 2$$" in capsys.readouterr().out  # plain Python: printed, not displayed
+    p, saved, m = ab.show_xxl_equations(2)
+    assert p.endswith("= 2 D F L") and saved.endswith("= D + F") and "M_{state}" in m
+    assert ab.show_xxl_equations(3)[1].endswith("= D + 4 F")
+    collectives = ab.show_collective_equations()
+    assert len(collectives) == 5 and collectives[-1].endswith(r"= \frac{N}{2}")
+    tpu = ab.show_tpu_equations(2)
+    assert tpu[3] == r"B_{\min} = \frac{C X}{M_{X} W_{ici}}"
+    table = ab.ffn_cost_table(3)
+    assert table.loc[(table.strategy == "dp") & (table.phase == "train"), "flops_per_device"].item() == \
+        r"$\frac{18 B D F}{N}$"
+
+
+def test_xxl_sentences_answer_the_question_as_posed():
+    xxl = ba.xxl_table(2048)
+    text = ab.xxl_sentence(xxl)
+    # 2 x 16384 x 53248 x 126 = 219.8 B parameters x 16 B = 3,517.6 GB = 44 H100s; (D + F) x 2 B x 126 per token
+    assert "has 219.8 B parameters" in text and "(879 + 879 + 1,759 GB) take **3.52 TB**" in text
+    assert "**44 H100s**" in text and "**17.5 MB per token**: 35.9 GB for 2,048 tokens (45 H100s in all)" in text
+    assert "With SwiGLU's three matrices the state is 5.28 TB (66 H100s)" in text
+    assert ab.xxl_answer(xxl).startswith("3.52 TB of fp32 state (44 H100s)")
+    shown = ab.xxl_display(xxl)
+    assert shown.columns.tolist() == ["quantity", "2 matrices (the question)", "SwiGLU (3 matrices)"]
+    assert "bf16 saved activations of the tokens (GB), 2,048 tokens" in shown["quantity"].tolist()
+
+
+def test_fsdp_sentence():
+    fsdp = ba.xxl_fsdp_table([0, 1, 2048, 8192])
+    text = ab.fsdp_sentence(fsdp)
+    # state only: 3,517.6 GB / 95 GB = 37.03 -> 38; with 2048 tokens (35.9 GB): (3517.6 + 18.0) / (95 - 18.0) -> 46
+    assert text.startswith("With the question's two matrices, the state alone needs **N = 38**")
+    assert "1 token: N = 38" in text and "2,048 tokens: N = 46" in text
+    assert "8,192 tokens: none fits (the unsharded half alone is 237 GB)" in text  # SwiGLU
+    assert ab.fsdp_answer(fsdp, 2048).endswith("N = 38 for the state alone, N = 46 with 2,048 tokens of "
+                                               "activations (95 GB TPU v5p).")
+    shown = ab.fsdp_display(fsdp)
+    assert shown["devices_needed"].tolist()[-1] == "none fits" and shown["tokens"].tolist()[2] == "2,048"
+
+
+def test_tpu_and_tricks_sentences():
+    tpu = ba.tpu_batch_table(**ba.TPU_MESH)
+    text = ab.tpu_sentence(tpu, ba.TPU_MESH)
+    # C / (W_ici M_X) = 4.6e14 / 3.6e11 = 1,277.8 tokens per FSDP shard; x X = 16 -> 20,444
+    assert "**B/X ≥ 1,278 tokens**" in text and "319 tokens per chip over all X·Y = 64 chips" in text
+    assert "**B ≥ 20,444 tokens**" in text and "exact ring factor it is 19,167 tokens" in text
+    # TP: compute / comm = F M_Y W_ici / (Y C) = 53248 x 1.8e11 / (4 x 4.6e14) = 5.21 for two matrices
+    assert "compute bound by a factor 5.2 (up to Y = 21)" in text
+    assert ab.tpu_answer(tpu) == "per device (FSDP shard) B/X ≥ 1,278 tokens (319 per chip); overall B ≥ 20,444 tokens."
+    tricks = ba.tpu_tricks_table()
+    assert "from 20,444 to 5,111 tokens" in ab.tricks_sentence(tricks)
+    assert ab.tricks_display(tricks)["condition"].str.startswith("$").all()
+    assert "not gradient accumulation" in ab.tricks_answer(tricks)
+
+
+def test_collective_and_simulator_sentences():
+    import lab.accounting as acc
+
+    coll = acc.collective_table(1e9, [2, 4, 64], 450e9)
+    text = ab.collectives_sentence(coll)
+    assert "2.22 ms on 2 devices and 4.38 ms on 64" in text and "to 140.0 ms (32x) at N = 64" in text
+    pivot = ab.collectives_pivot(coll, devices=(2, 64))
+    assert pivot["devices"].tolist() == ["2", "64"] and pivot["all_reduce"].iloc[0] == pytest.approx(2.2222, 1e-4)
+    assert ab.collectives_figure(coll).axes[0].get_yscale() == "log"
+    sim = pd.DataFrame(dict(devices=[2, 4], size_bytes=[8, 8], match=[True, False]))
+    assert ab.simulator_sentence(sim).startswith("The simulator agrees with the closed forms in **1 of 2**")
+
+
+def test_language_model_sentences_and_figure():
+    memory = pd.DataFrame([dict(size="big", precision=p, params_gib=a, grads_gib=a, optimizer_gib=2 * a,
+                                weight_copies_gib=w, activations_gib=act, total_gib=4 * a + w + act)
+                           for p, a, w, act in [("fp32", 10, 0, 20), ("bf16_autocast", 10, 5, 12), ("bf16", 5, 0, 10)]])
+    text = ab.memory_sentence(memory, 4, 512)
+    assert "an fp32 AdamW step needs **60.0 GiB**, of which 33% are saved activations" in text
+    assert "changes the total to 57.0 GiB: it saves 8.0 GiB of activations but adds 5.0 GiB" in text
+    assert "(30.0 GiB in total)" in text
+    assert len(ab.memory_figure(memory, 4, 512).axes) == 3
+    flops = pd.DataFrame(dict(size=["a", "b"], attention_share=[0.07, 0.02]))
+    assert "7.0% of the forward FLOPs for the a model and 2.0% for the b model" in ab.flops_sentence(flops, 512)
+
+
+def test_limits_and_sweep_sentences():
+    limits = ba.ffn_limits_table(65536, 989e12, 450e9, 3)
+    assert ab.limits_sentence(limits, 65536, 989e12, 450e9).endswith(
+        "up to 46 devices with DP, 31 with FSDP, 56 with TP, and 1,711 with FSDP x TP on separate links "
+        "(450 if both share one link).")
+    sweep = ba.ffn_sweep_table(65536, 989e12, 450e9, devices=(2, 64), matrices=3)
+    text = ab.ffn_sweep_sentence(sweep)
+    assert "at 64 devices FSDP runs at 47% of peak with the gathers overlapped and 32% without" in text
+    assert ab.ffn_sweep_figure(sweep, 65536) is not None
+
+
+# ---------------------------------------------------------------------------------------------- measured results
+
+
+def _lm_rows():
+    return pd.DataFrame([dict(size="small", context=128, batch=4, dtype="fp32", attention="sdpa", compile=False,
+                              world_size=1, fwd_ms=1.0, fwdbwd_ms=2.0, step_ms=3.0, fwd_peak_gib=1.0,
+                              fwdbwd_peak_gib=2.0, step_peak_gib=3.9, status="ok")])
+
+
+def test_measured_results_absent_other_source_and_new_format(tmp_path, capsys):
+    book = Chapter("09_accounting", {}, str(tmp_path))
+    assert ab.measured_results(book, "lm_step", "01_profiling") is None
+    assert "No `" in capsys.readouterr().out
+    store.save_results(_lm_rows(), "lm_step", str(tmp_path), source="04_attention")
+    assert ab.measured_results(book, "lm_step", "01_profiling") is None
+    assert "has no rows from 01_profiling" in capsys.readouterr().out
+    store.save_results(_lm_rows(), "lm_step", str(tmp_path), source="01_profiling")
+    df = ab.measured_results(book, "lm_step", "01_profiling")
+    assert len(df) == 1 and (df["source"] == "01_profiling").all()
+    assert "(from 01_profiling): measured on CPU" in capsys.readouterr().out
+
+
+def test_measured_results_old_format(tmp_path, capsys):
+    """A table written before rows had a source: read whole, provenance from its sidecar (a list of runs in
+    lm_step's old format), and a clear sentence when the per-mode peak columns are missing."""
+    old = _lm_rows().drop(columns=["fwd_peak_gib", "fwdbwd_peak_gib", "step_peak_gib"]).assign(peak_gib=3.9)
+    old.to_csv(tmp_path / "lm_step.csv", index=False)
+    run = dict(gpu_count=1, gpu_name="NVIDIA H200", torch="2.11", triton="3.6", commit="abc", date="2026-11-26T02")
+    (tmp_path / "lm_step.json").write_text(json.dumps({"table": "lm_step", "sources": [run, run]}))
+    book = Chapter("09_accounting", {}, str(tmp_path))
+    assert ab.measured_results(book, "lm_step", "01_profiling") is None
+    out = capsys.readouterr().out
+    assert "1 rows written before rows carried a `source` column" in out
+    assert out.count("1 x NVIDIA H200, torch 2.11, triton 3.6, commit abc, 2026-11-26") == 1
+    assert "has no `fwd_peak_gib`, `fwdbwd_peak_gib`, `step_peak_gib` column" in out
+    # the same old format with the per-mode columns is read and compared
+    _lm_rows().to_csv(tmp_path / "lm_step.csv", index=False)
+    df = ab.measured_results(book, "lm_step", "01_profiling")
+    assert df is not None and ba.predicted_vs_measured(df, None)["impl"].tolist() == [
+        "forward", "forward_backward", "train_step"]
+
+
+def _check():
+    return pd.DataFrame(dict(table=["lm_step", "lm_step", "sharding_benchmark"], impl=["forward", "train_step", "ddp"],
+                             size="small", context=128, batch=4, dtype="fp32", world_size=[1, 1, 2],
+                             predicted_gib=[1.0, 4.0, 2.0], measured_gib=[1.1, 2.0, 2.0], ratio=[1.1, 0.5, 1.0]))
+
+
+def test_memory_check_lists_disagreements_plainly(capsys):
+    check = _check()
+    bad = ab.disagreements(check, 0.25)
+    assert bad["impl"].tolist() == ["train_step"]
+    text = ab.memory_check_sentence(check, 0.25)
+    assert text.startswith("`lm_step`: 1 of 2 comparisons agree within ±25% (measured / predicted from 0.5 to 1.1, "
+                           "median 0.8); 1 do not.")
+    assert "`sharding_benchmark`: 1 of 1 comparisons agree" in text
+    assert text.endswith("The 1 rows beyond ±25%, as measured:")
+    assert "because" not in text and "transient" not in text  # numbers, not explanations
+    shown = ab.show_memory_check(check, 0.25, [check, None])
+    assert shown["impl"].tolist() == ["train_step"] and "| train_step" in capsys.readouterr().out
+    assert ab.memory_check_answer(check, 0.25) == (
+        "`lm_step`: 1 of 2 measured peaks within ±25% of the prediction, 1 not (listed in the section); "
+        "`sharding_benchmark`: 1 of 1 measured peaks within ±25% of the prediction.")
+    assert ab.memory_check_answer(check[check["table"] == "sharding_benchmark"], 0.25).startswith(
+        "`lm_step`: no measured peak compared; `sharding_benchmark`: 1 of 1")
+    assert ab.memory_check_answer(pd.DataFrame(), 0.25) == ("`lm_step`: no measured peak compared; "
+                                                            "`sharding_benchmark`: no measured peak compared.")
+    assert ab.memory_check_figure(check, 0.25) is not None
+    empty = pd.DataFrame()
+    assert ab.memory_check_sentence(empty, 0.25, tables_read=0).startswith("So there is no measured peak")
+    assert "the CPU measures none" in ab.memory_check_sentence(empty, 0.25, tables_read=1)
+    assert ab.show_comparisons(empty, 0.25) is None and ab.memory_check_display(empty).empty
+    assert math.isclose(ab.disagreements(check, 1.0).shape[0], 0)
+
+
+def test_memory_check_is_saved_unless_replaying(tmp_path):
+    book = Chapter("09_accounting", {"quick": True}, str(tmp_path))
+    ab.save_memory_check(book, _check())
+    saved = store.load_results("accounting_memory_check", str(tmp_path), source="09_accounting")
+    assert saved["ratio"].tolist() == [1.1, 0.5, 1.0]
+    ab.save_memory_check(book, pd.DataFrame())  # an empty comparison replaces the older one
+    assert store.load_results("accounting_memory_check", str(tmp_path)).empty
+    replaying = Chapter("09_accounting", {}, str(tmp_path / "other"), replay=True)
+    ab.save_memory_check(replaying, _check())
+    assert not (tmp_path / "other").exists()
+
+
+def test_an_old_memory_check_is_replaced_whole(tmp_path):
+    """The old check named the compared table in a `source` column; saving must not keep its rows as if they
+    came from another notebook."""
+    old = _check().rename(columns={"table": "source"})
+    old.to_csv(tmp_path / "accounting_memory_check.csv", index=False)
+    (tmp_path / "accounting_memory_check.json").write_text("{}")
+    ab.save_memory_check(Chapter("09_accounting", {}, str(tmp_path)), _check().iloc[:1])
+    saved = store.load_results("accounting_memory_check", str(tmp_path))
+    assert len(saved) == 1 and saved["source"].tolist() == ["09_accounting"] and saved["table"].tolist() == ["lm_step"]

@@ -1,0 +1,205 @@
+"""lab.book.memory: the 03 notebook's sentences, tables, plots and snapshot pages, from small synthetic inputs."""
+
+import importlib.util
+import json
+import math
+import shutil
+from pathlib import Path
+
+import matplotlib
+import pandas as pd
+import pytest
+
+matplotlib.use("Agg")
+
+from lab.bench.memory import MemorySetup  # noqa: E402
+from lab.book import memory as mb  # noqa: E402
+from lab.model import ModelConfig  # noqa: E402
+
+MiB, GiB = 2**20, 2**30
+FIXTURES = Path(__file__).parent.parent / "fixtures"
+
+
+@pytest.fixture
+def snapshot_dir(tmp_path):
+    """The synthetic snapshot of tests/fixtures with its phase marks in the sidecar the recorder writes."""
+    spec = importlib.util.spec_from_file_location("fix", FIXTURES / "make_snapshot_fixture.py")
+    fix = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fix)
+    shutil.copy(FIXTURES / "synthetic_snapshot.pickle", tmp_path / "forward.pickle")
+    (tmp_path / "forward.phases.json").write_text(json.dumps({"marks": fix.MARKS}))
+    return tmp_path
+
+
+SETUP = MemorySetup(size="toy", model=ModelConfig(d_model=64, d_ff=256, num_layers=4, num_heads=4, context_length=64,
+                                                  vocab_size=1000), batch=4, timeline_context=64, block_context=64,
+                    checkpoint_context=64, peak_contexts=(32, 64))
+
+
+def test_offline_page_is_self_contained_and_memory_viz_is_not(snapshot_dir):
+    pages = mb.export_snapshot_pages(snapshot_dir, ["forward", "missing"], titles={"forward": "a <toy> forward"})
+    assert pages["page"].tolist() == ["offline (PNG + tables)", "memory_viz"]  # no pickle, no pages
+    offline = Path(pages.loc[0, "path"]).read_text()
+    assert "data:image/png;base64," in offline and "<script" not in offline
+    assert "a &lt;toy&gt; forward" in offline  # the title is escaped
+    assert "model.py:208:forward" in offline  # the largest allocations' origins are in the page
+    assert mb.external_resources(offline) == []
+    viz = Path(pages.loc[1, "path"]).read_text()
+    assert mb.external_resources(viz) == [
+        "https://cdn.jsdelivr.net/gh/pytorch/pytorch@main/torch/utils/viz/MemoryViz.js"]
+    assert pages["works_offline"].tolist() == [True, False]
+    sentence = mb.pages_sentence(pages)
+    assert "forward.offline.html" in sentence and "`cdn.jsdelivr.net`" in sentence
+    assert mb.pages_sentence(pages.iloc[:0]).startswith("No snapshot pickle is on this machine")
+
+
+def test_external_resources_finds_every_kind_of_link():
+    page = ('<link rel="stylesheet" href="https://a.example/s.css"><img src="//b.example/i.png">'
+            '<script type="module">import {x} from "https://c.example/m.js"</script>'
+            '<style>@import "https://d.example/f.css"; .x{background:url(https://e.example/p.png)}</style>'
+            '<a>https://not-loaded.example is only text</a><img src="data:image/png;base64,AAAA">')
+    assert mb.external_resources(page) == ["//b.example/i.png", "https://a.example/s.css", "https://c.example/m.js",
+                                           "https://d.example/f.css", "https://e.example/p.png"]
+
+
+def test_timeline_figure_and_missing_snapshot(snapshot_dir, capsys):
+    fig = mb.timeline_figure(snapshot_dir / "forward.pickle", "toy")
+    assert fig.axes[0].get_title() == "toy"
+    assert mb.show_timeline(snapshot_dir / "nothing.pickle") is None
+    assert "No snapshot at" in capsys.readouterr().out
+
+
+def _phases():
+    rows = [("forward", "forward 1", 2.0, 1.0, 1.8), ("forward", "after forward", 1.8, 1.8, 1.0),
+            ("train_step", "forward 1", 2.0, 1.0, 1.8), ("train_step", "backward 1", 2.2, 1.8, 1.4),
+            ("train_step", "optimizer_step 1", 2.5, 1.4, 1.5), ("train_step", "forward 2", 2.5, 1.5, 2.3),
+            ("train_step", "backward 2", 2.7, 2.3, 1.9), ("train_step", "optimizer_step 2", 2.5, 1.9, 1.5)]
+    return pd.DataFrame(rows, columns=["recording", "phase", "peak_gib", "start_gib", "end_gib"])
+
+
+def test_timeline_sentences_name_each_peak():
+    phases = _phases()
+    text = mb.timeline_sentences(phases, parameter_bytes=0.25 * GiB)
+    assert "peaks at **2 GiB** in its own phase (`forward 1`), having built up 819 MiB" in text
+    assert "highest peak is in **backward 2** (2.7 GiB)" in text
+    # optimizer state = end of optimizer step 1 - start of forward 1 = 0.5 GiB; expected 2 x 0.25 GiB
+    assert "memory is 512 MiB above where step 1 started" in text and "expected 512 MiB" in text
+    assert "After step 2 memory is 0 B higher" in text
+    assert mb.timeline_answer(phases) == ("a forward pass peaks in `forward 1` at 2 GiB; two AdamW steps peak in "
+                                          "`backward 2` at 2.7 GiB.")
+    assert mb.phase_peaks_display(phases, "train_step")["phase"].iloc[2] == "optimizer step 1"
+
+
+def test_residual_and_largest_allocation_sentences():
+    residual = pd.DataFrame(dict(context=[64], batch=[4], d_model=[64], num_layers=[4], residual_bytes=[65536]))
+    text = mb.residual_sentence(residual, SETUP)
+    assert "4 × 64 × 64 × 4 bytes = **64 KiB** (0.0625 MiB); the 4 block inputs alone are 256 KiB" in text
+    largest = pd.DataFrame(dict(size_mib=[0.977, 0.25], origin=["head.py:1:f", "ffn.py:2:g"]))
+    origins = pd.DataFrame(dict(origin=["ffn.py:2:g"], count=[8], total_mib=[2.0], share=[0.5]))
+    text = mb.largest_allocations_sentence(largest, origins, SETUP)
+    # logits 4 x 64 x 1000 x 4 B = 0.9766 MiB; FFN hidden 4 x 64 x 256 x 4 B = 0.25 MiB
+    assert "the logits are batch × context × vocab × 4 bytes = 0.9766 MiB" in text
+    assert "= 0.25 MiB (4× the residual stream)" in text and "8 allocations, 2 MiB in all (50%" in text
+    assert mb.largest_allocations_answer(largest, origins).startswith("0.977 MiB from `head.py:1:f`")
+
+
+def _peaks():
+    rows = [("forward", 128, "fp32", 10.0, "ok"), ("forward", 128, "bf16", 12.0, "ok"),
+            ("forward", 2048, "fp32", 40.0, "ok"), ("forward", 2048, "bf16", 30.0, "ok"),
+            ("train_step", 128, "fp32", 50.0, "ok"), ("train_step", 128, "bf16", 50.0, "ok"),
+            ("train_step", 2048, "fp32", math.nan, "oom"), ("train_step", 2048, "bf16", 90.0, "ok")]
+    return pd.DataFrame(rows, columns=["mode", "context", "dtype", "peak_gib", "status"])
+
+
+def test_peak_pivot_and_mixed_precision_sentence():
+    pivot = mb.peak_pivot(_peaks())
+    assert pivot.columns.tolist() == ["mode", "context", "bf16", "fp32"]
+    assert pivot.loc[(pivot["mode"] == "train_step") & (pivot["context"] == 2048), "fp32"].item() == "OOM"
+    text = mb.mixed_precision_sentence(_peaks())
+    assert "between -25.0% and +20.0%" in text
+    assert "the forward pass: +20.0% at context 128 (10 → 12 GiB), -25.0% at context 2048 (40 → 30 GiB)" in text
+    assert "a training step: +0.0% at context 128" in text
+    assert "The saving grows with the context length" in text and "use *more* memory" in text
+    assert "Out of memory: train_step at context 2048 in fp32." in text
+    assert mb.mixed_precision_answer(_peaks()).startswith("only a little: from -25.0% (forward, context 2048)")
+
+
+def test_saved_tensor_sentences():
+    ops = pd.DataFrame(dict(op=["Mul", "Mm", "Silu"], bytes=[6 * MiB, 3 * MiB, 1 * MiB], share=[0.6, 0.3, 0.1],
+                            batch=4, context=64, dtype="fp32", input_bytes=1 * MiB))
+    text = mb.block_saved_sentence(ops, top=2)
+    assert "saves **10 MiB** for the backward (10.0× its input)" in text
+    assert "`Mul` 6 MiB (60%), `Mm` 3 MiB (30%) — together 90%" in text
+    norm = pd.DataFrame(dict(rmsnorm=["eager", "compiled"], saved_bytes=[2 * MiB, MiB], saved_inputs=[2.0, 1.0]))
+    assert "compiled, 1 MiB (1.00×): fusion keeps the input" in mb.rmsnorm_sentence(norm)
+    assert "not measured" in mb.rmsnorm_sentence(norm.iloc[:1])
+    assert mb.saved_tensors_answer(ops, norm) == ("10 MiB per block (10.0× its input), 60% of it from `Mul`; "
+                                                  "RMSNorm saves 2.00× its input eager and 1.00× compiled.")
+
+
+def test_gradient_sentence_and_figure():
+    grads = pd.DataFrame(dict(block=[0, 1, 2], measured_bytes=[3 * MiB, MiB, MiB], expected_bytes=[MiB] * 3,
+                              measured_mib=[3.0, 1.0, 1.0], expected_mib=[1.0] * 3, ratio=[3.0, 1.0, 1.0]))
+    text = mb.gradients_sentence(grads, embedding_bytes=2 * MiB)
+    assert "Blocks 1–2 each leave 1 MiB of gradients" in text and "median ratio 1.000" in text
+    assert "block 0 leaves 3 MiB, 2 MiB more than its parameters" in text and "gradient (2 MiB)" in text
+    assert mb.gradients_answer(grads).startswith("1 MiB per block, 1.000×")
+    fig = mb.gradients_figure(grads)
+    assert [p.get_height() for p in fig.axes[0].patches] == [3.0, 1.0, 1.0]
+
+
+def _sweep():
+    rows = [("none", math.nan, 60.0, 1000.0, "ok"), ("single", 1, 40.0, 1400.0, "ok"),
+            ("single", 2, 41.0, 1350.0, "ok"), ("single", 4, 45.0, 1300.0, "ok"), ("single", 8, math.nan,
+                                                                                  math.nan, "oom"),
+            ("nested", math.nan, 40.2, 2000.0, "ok")]
+    return pd.DataFrame(rows, columns=["strategy", "group_size", "peak_gib", "step_ms", "status"])
+
+
+def test_best_group_and_its_neighbours():
+    b = mb.best_group(_sweep())
+    assert b["best"]["group_size"] == 1 and b["smaller"] is None and b["larger"]["group_size"] == 2
+    middle = _sweep()
+    middle.loc[2, "peak_gib"] = 39.0
+    b = mb.best_group(middle)
+    assert (b["smaller"]["group_size"], b["best"]["group_size"], b["larger"]["group_size"]) == (1, 2, 4)
+    oom_neighbour = _sweep()
+    oom_neighbour.loc[3, "peak_gib"] = 30.0  # k = 4 best, k = 8 (its larger neighbour) out of memory
+    b = mb.best_group(oom_neighbour)
+    assert b["best"]["group_size"] == 4 and b["larger"]["status"] == "oom"
+    assert mb.best_group(_sweep().assign(status="oom"))["best"] is None
+
+
+def test_checkpoint_sentences_and_figure():
+    text = mb.checkpoint_sentence(_sweep(), parameter_bytes=8 * GiB)
+    assert "best single-level group size is **k = 1**, peaking at **40 GiB** (1.4 s per step)" in text
+    assert "its neighbours: k = 2: 41 GiB (1.35 s)." in text
+    assert "Without checkpointing the step peaks at 60 GiB (1 s, 0.71× the time of k = 1)" in text
+    assert "With nested checkpointing the step peaks at 40.2 GiB (2 s, 1.43×" in text
+    assert "Nesting saves no measurable memory over k = 1 (within 2%): 32 GiB of that peak" in text
+    answer = mb.checkpoint_answer(_sweep())
+    assert "best single level is k = 1 at 40 GiB (neighbours k = 2: 41 GiB (1.35 s))" in answer
+    assert answer.endswith("; nested peaks at 40.2 GiB.")
+    oom = _sweep()
+    oom.loc[3, "peak_gib"] = 30.0
+    assert "k = 8: out of memory" in mb.checkpoint_sentence(oom, parameter_bytes=GiB)
+    fig = mb.checkpoint_figure(_sweep().assign(modelled_peak_gib=50.0), "toy")
+    assert [line.get_label() for line in fig.axes[0].lines[:2]] == ["measured peak", "model: 4×params + (N/k)·r + k·A"]
+    assert list(fig.axes[0].lines[0].get_xdata()) == [1, 2, 4]
+
+
+def test_checkpoint_model_sentence():
+    model = pd.DataFrame(dict(strategy=["none", "single", "single", "nested"], group_size=[math.nan, 1, 2, math.nan],
+                              modelled_bytes=[40 * MiB, 14 * MiB, 24 * MiB, 12 * MiB],
+                              extra_forwards=[0, 1, 1, 1.5], boundary_bytes=MiB, block_bytes=10 * MiB, k_star=0.63))
+    text = mb.checkpoint_model_sentence(model, num_blocks=4, context=64)
+    assert "r = 1 MiB and A = 10 MiB" in text and "k* = √(N·r/A) = 0.63" in text
+    assert "predicts k = 1 (14 MiB of activations, vs 40 MiB without" in text
+    assert "memory-optimal strategy: 12 MiB, for 1.5 extra forwards" in text
+
+
+def test_shown_drops_provenance_columns():
+    df = pd.DataFrame(dict(a=[1, 2], gpu="cpu", torch="2", commit="x", source="03", status="ok", error=""))
+    assert mb.shown(df).columns.tolist() == ["a"]
+    assert "status" in mb.shown(df.assign(status=["ok", "oom"])).columns
+    assert len(mb.shown(df, head=1)) == 1
