@@ -49,7 +49,7 @@ top_allocations = 10
 from lab.bench import memory as bench_memory
 from lab.book import memory as memory_book
 from lab.book import plots, report
-from lab.book.memory import shown
+from lab.book.report import shown
 
 setup = bench_memory.MemorySetup.resolve(
     quick, size=size, batch=batch, dtype=dtype, timeline_context=timeline_context, peak_contexts=peak_contexts,

@@ -15,11 +15,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from lab.parallel import launcher as distributed
-from lab.measure.step import random_batch
-from lab.measure.device import synchronize
-from lab.model.transformer import TransformerLM, config_for
 from lab.bench.sharding import build, step_phases
+from lab.measure.device import synchronize
+from lab.measure.step import random_batch
+from lab.model.transformer import TransformerLM, config_for
+from lab.parallel import launcher as distributed
 
 PAIRS = [("xl", "fsdp", "torch_fsdp2"), ("2.7B", "fsdp", "torch_fsdp2"), ("2.7B", "zero1", "torch_zero")]
 

@@ -19,10 +19,10 @@ import pandas as pd
 import torch
 import torch.distributed as dist
 
-from lab.parallel import launcher as distributed
+from lab.bench.sharding import build, step_phases
 from lab.measure.step import random_batch
 from lab.model.transformer import TransformerLM, config_for
-from lab.bench.sharding import build, step_phases
+from lab.parallel import launcher as distributed
 
 CONFIGS = [("2.7B", "single", 1), ("xl", "ddp", 2), ("xl", "fsdp", 2), ("xl", "torch_fsdp2", 2)]
 

@@ -185,10 +185,6 @@ def benchmark(config: str | StepConfig, recipes: Sequence[Recipe], world_size: i
         import dataclasses
 
         config = dataclasses.replace(config, world_size=world_size)
-    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
-        import os
-
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # the ranks inherit it: Triton kernels run interpreted
     per_rank = launcher.launch(fastest_worker, world_size, config, list(recipes), warmup_ms, rep_ms, profile,
                                trace_dir, tuple(headline), device=device, timeout_s=timeout_s)
     if peak_tflops is None:

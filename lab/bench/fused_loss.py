@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import gc
 import math
-import os
-import sys
 from collections.abc import Callable, Iterable, Sequence
 
 import pandas as pd
@@ -190,8 +188,6 @@ def benchmark_loss(impl: str, vocab: int, d_model: int, tokens: int, dtype: str 
     row = dict(impl=impl, vocab=vocab, d_model=d_model, tokens=tokens, dtype=dtype, fwdbwd_ms=math.nan,
                fwd_ms=math.nan, peak_extra_gib=math.nan, tflops=math.nan, status="ok", error="", device=str(device))
     hidden = weight = targets = None
-    if device.type == "cpu" and "lab.kernels.fused_cross_entropy_kernels" not in sys.modules:
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined: run them interpreted
     try:
         loss_fn = fn if fn is not None else loss_impl(impl)
         hidden, weight, targets = make_inputs(vocab, d_model, tokens, dtype, device, seed)

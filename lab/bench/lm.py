@@ -159,10 +159,6 @@ def compare_variants(size: str | ModelConfig, variants: Iterable[dict], context:
     variants = [dict(v) for v in variants]
     rows = []
     for variant in tqdm(variants, desc="lm variants", disable=not progress):
-        if str(variant.get("attention", "")).startswith("flash") and device.type == "cpu":
-            import os
-
-            os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels' module is first imported
         rows.append(benchmark_lm(size, context=context, batch=batch, dtype=dtype, modes=modes, warmup=warmup,
                                  steps=steps, device=device, **variant))
     return lm_step_table(pd.DataFrame(rows))

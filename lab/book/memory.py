@@ -61,16 +61,6 @@ def show_timeline(snapshot_path: str | os.PathLike, title: str | None = None, to
     return fig
 
 
-def shown(df: pd.DataFrame, head: int | None = None) -> pd.DataFrame:
-    """A result table for display: without the provenance columns every saved row carries (``gpu``, ``torch``,
-    ``commit``, ``source``; ``status`` and ``error`` when every row is ``ok``), first ``head`` rows."""
-    drop = [c for c in ("gpu", "torch", "commit", "source") if c in df.columns]
-    if "status" in df.columns and (df["status"] == "ok").all():
-        drop += [c for c in ("status", "error") if c in df.columns]
-    out = df.drop(columns=drop)
-    return out.head(head) if head else out
-
-
 def missing_snapshot_sentence(snapshot_path: str | os.PathLike) -> str:
     """What to say when a timeline cannot be drawn because its snapshot is not on this machine."""
     return (f"No snapshot at `{snapshot_path}` on this machine (snapshots are regenerable artifacts, not "

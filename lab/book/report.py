@@ -74,6 +74,16 @@ def show_table(df: pd.DataFrame, floatfmt: str = ".3g", max_rows: int = 60) -> N
     _display_markdown(df.to_markdown(index=False, floatfmt=floatfmt))
 
 
+def shown(df: pd.DataFrame, head: int | None = None) -> pd.DataFrame:
+    """A result table for display: without the provenance columns every saved row carries (``gpu``, ``torch``,
+    ``commit``, ``source``; ``status`` and ``error`` when every row is ``ok``), first ``head`` rows."""
+    drop = [c for c in ("gpu", "torch", "commit", "source") if c in df.columns]
+    if "status" in df.columns and (df["status"] == "ok").all():
+        drop += [c for c in ("status", "error") if c in df.columns]
+    out = df.drop(columns=drop)
+    return out.head(head) if head else out
+
+
 def anchor(section: str) -> str:
     """The HTML anchor nbconvert gives a Markdown heading (``"## Warm-up: why"`` -> ``#Warm-up:-why``)."""
     return "#" + re.sub(r"\s+", "-", section.strip().lstrip("#").strip())

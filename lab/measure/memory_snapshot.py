@@ -98,8 +98,10 @@ def record_memory_snapshot(path: str | os.PathLike, max_entries: int = 1_000_000
     elif dev.type == "cpu":
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
-                     with_stack=True) as prof:
+        from lab.measure.profiling import quiet_profile
+
+        with quiet_profile(profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
+                                   with_stack=True)) as prof:
             yield rec
         rec.snapshot = snapshot_from_profile(prof)
     else:
@@ -206,7 +208,8 @@ def snapshot_from_profile(prof) -> dict:
 
 def export_memory_viz_html(snapshot: dict | str | os.PathLike, html_path: str | os.PathLike,
                            kind: str = "active") -> Path:
-    """Write memory_viz's HTML page for a snapshot, viewable offline in a browser.
+    """Write memory_viz's HTML page for a snapshot. It is NOT fully offline: the page embeds the snapshot but
+    loads the viewer's script from the web (see below); :func:`lab.book.memory` has a self-contained page.
 
     ``kind="active"`` is the "Active Memory Timeline" (``torch.cuda._memory_viz.trace_plot``),
     ``"segments"`` the "Allocator State History" (``segment_plot``). The snapshot is embedded in the page;

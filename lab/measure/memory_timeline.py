@@ -46,8 +46,8 @@ def is_user_frame(frame: dict) -> bool:
     filename = "/" + str(frame.get("filename", "")).replace("\\", "/").lstrip("/")
     if not filename.endswith(".py") and "ipykernel_" not in filename:
         return False
-    if filename.endswith("/lab/memory.py"):  # the measuring harness itself is not an origin (its loss,
-        return False                          # lab.bench.lm.next_token_loss, is)
+    if any(h in filename for h in ("/lab/measure/", "/lab/bench/")):  # the measuring harness is not an origin
+        return False                                                    # (the model code it calls is)
     if "/lab/" in filename:  # the lab package is user code even when installed in site-packages
         return True
     return not any(s in filename for s in _INTERNAL)

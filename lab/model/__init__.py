@@ -18,4 +18,5 @@ from lab.model.transformer import (
     config_for,
 )
 
-__all__ = ["LMHead", "MODEL_SIZES", "QUICK_SIZES", "ModelConfig", "RMSNorm", "TransformerBlock", "TransformerLM", "config_for"]
+__all__ = ["LMHead", "MODEL_SIZES", "QUICK_SIZES", "ModelConfig", "RMSNorm", "TransformerBlock", "TransformerLM",
+           "config_for"]

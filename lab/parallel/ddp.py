@@ -42,8 +42,8 @@ class _DataParallel(nn.Module):
     def __init__(self, module: nn.Module):
         super().__init__()
         if not dist.is_initialized():
-            raise RuntimeError(f"{type(self).__name__} needs a process group; run it under lab.parallel.launcher.launch "
-                               "or torchrun")
+            raise RuntimeError(f"{type(self).__name__} needs a process group; run it under "
+                               "lab.parallel.launcher.launch or torchrun")
         self.module = module
         self.world_size = dist.get_world_size()
         self._sync = True

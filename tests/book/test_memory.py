@@ -200,6 +200,8 @@ def test_checkpoint_model_sentence():
 
 def test_shown_drops_provenance_columns():
     df = pd.DataFrame(dict(a=[1, 2], gpu="cpu", torch="2", commit="x", source="03", status="ok", error=""))
-    assert mb.shown(df).columns.tolist() == ["a"]
-    assert "status" in mb.shown(df.assign(status=["ok", "oom"])).columns
-    assert len(mb.shown(df, head=1)) == 1
+    from lab.book.report import shown
+
+    assert shown(df).columns.tolist() == ["a"]
+    assert "status" in shown(df.assign(status=["ok", "oom"])).columns
+    assert len(shown(df, head=1)) == 1

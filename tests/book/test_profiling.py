@@ -329,7 +329,8 @@ def test_softmax_ratios_and_paragraph():
     assert "These are CPU times" in cpu and "is for GPU renders" in cpu
     cheap = kernel_profiles.softmax_paragraph(_ranges(softmax_ms=0.1), "cuda")
     assert "x less expensive" in cheap
-    assert kernel_profiles.softmax_answer(_ranges()).startswith("0.12x the time of the two attention matmuls for 0.016x")
+    answer = kernel_profiles.softmax_answer(_ranges())
+    assert answer.startswith("0.12x the time of the two attention matmuls for 0.016x")
     assert list(kernel_profiles.attention_table(_ranges()).columns) == ["range", "calls_per_step", "ms_per_step",
                                                                   "gflop_per_step", "tflop_per_s"]
 
@@ -348,7 +349,8 @@ def test_kernel_profiles_of_a_toy_model(tmp_path):
     from lab.model import ModelConfig
 
     cfg = ModelConfig(d_model=32, d_ff=64, num_layers=1, num_heads=2, context_length=16, vocab_size=64)
-    profiles = kernel_profiles.KernelProfiles(partial(profile_lm, device="cpu", warmup=1, steps=1), cfg, 16, 2, tmp_path)
+    profile = partial(profile_lm, device="cpu", warmup=1, steps=1)
+    profiles = kernel_profiles.KernelProfiles(profile, cfg, 16, 2, tmp_path)
     kernels = profiles.kernels()
     assert list(dict.fromkeys(kernels["mode"])) == ["forward", "forward_backward", "train_step"]
     assert (kernels["source"] == "cpu op").all() and (kernels["class"] == "matmul").any()

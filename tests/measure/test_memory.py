@@ -79,7 +79,8 @@ def test_allocation_lifetimes_and_largest_allocations(snapshot):
     assert top["size_mib"].tolist() == [1.0, 0.5]
     assert top["origin"].tolist() == ["train.py:12:step", "model.py:208:forward < train.py:12:step"]
     assert top["phase"].tolist() == ["forward", "forward"]
-    assert memory_timeline.largest_allocations(snapshot, marks=FIX.MARKS, phase="backward")["size_mib"].tolist() == [0.25]
+    backward = memory_timeline.largest_allocations(snapshot, marks=FIX.MARKS, phase="backward")
+    assert backward["size_mib"].tolist() == [0.25]
 
 
 def test_allocations_by_origin(snapshot):
@@ -93,7 +94,8 @@ def test_allocations_by_origin(snapshot):
 
 
 def test_peaks_by_phase_on_fixture(snapshot):
-    peaks = memory_timeline.peaks_by_phase(memory_timeline.active_memory_timeline(snapshot, marks=FIX.MARKS)).set_index("phase")
+    timeline = memory_timeline.active_memory_timeline(snapshot, marks=FIX.MARKS)
+    peaks = memory_timeline.peaks_by_phase(timeline).set_index("phase")
     assert peaks.loc["forward", "peak_index"] == 4
     assert peaks.loc["forward", "peak_gib"] * 2**30 == 4 * KiB + 512 * KiB + MiB
     assert peaks.loc["backward", "peak_gib"] * 2**30 == 4 * KiB + MiB + 256 * KiB
