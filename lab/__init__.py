@@ -6,8 +6,18 @@ Public names are imported lazily so that ``import lab`` works on a machine witho
 from __future__ import annotations
 
 import importlib
+import os
+
+import torch
 
 __version__ = "0.1.0"
+
+# Triton compiles for GPUs only; without one, the book's kernels run in Triton's interpreter (slow, for
+# small shapes: the tests and the quick book). Triton reads the switch when it is first imported (its own
+# library functions, tl.max and tl.sum among them, are defined then), and torch imports Triton as soon as
+# torch.compile's machinery loads, so it must be set here, before anything else in lab runs.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # public name -> module that defines it
 _LAZY = {

@@ -7,13 +7,3 @@ checks. Kernels run compiled on a CUDA GPU or interpreted on the CPU (``TRITON_I
 
 May import: torch, triton, numpy. Nothing else from ``lab``.
 """
-
-import os as _os
-
-import torch as _torch
-
-# Triton compiles for GPUs only: on a machine without one, the kernels run in Triton's interpreter (slow,
-# for small shapes: tests and the quick book). This must happen before any kernel is defined, i.e. here,
-# before the first kernel module is imported; an explicit TRITON_INTERPRET wins.
-if not _torch.cuda.is_available():
-    _os.environ.setdefault("TRITON_INTERPRET", "1")
