@@ -46,7 +46,7 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from lab.parallel.collectives import all_gather_tensor, record_collective, reduce_scatter_tensor
-from lab.parallel.fsdp_layout import GatherWeight, Layer, Packed, ShardedWeight, unit_names
+from lab.parallel.fsdp_layout import GatherWeight, Layer, Packed, ShardedWeight, shard_layout, unit_names
 
 COMPUTE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 
@@ -128,38 +128,8 @@ class FSDP(nn.Module):
 
     def _shard_layout(self, module: nn.Module, unit_names: list[str]):
         """Shard every 2-D parameter, group the shards into layers; returns [(owner module, its weights)]."""
-        owner: dict[int, str] = {}
-        for name, p in module.named_parameters(remove_duplicate=False):  # check before changing anything
-            if id(p) in owner:
-                raise ValueError(f"parameter {name} is the same tensor as {owner[id(p)]}: tied parameters are "
-                                 "not supported by lab.FSDP")
-            owner[id(p)] = name
-        # innermost unit containing a module name, else the module itself
-        by_length = sorted(unit_names, key=len, reverse=True)
-
-        def unit_of(mod_name: str) -> str:
-            return next((u for u in by_length if mod_name == u or mod_name.startswith(u + ".")), mod_name)
-
-        groups: dict[tuple, list[ShardedWeight]] = {}
-        owners = []
-        for mod_name, mod in module.named_modules():
-            weights = []
-            for attr, p in list(mod._parameters.items()):
-                if p is None:
-                    continue
-                name = f"{mod_name}.{attr}" if mod_name else attr
-                if p.ndim == 2:
-                    w = ShardedWeight(mod, attr, name, p, self.rank, self.world)
-                    mod._parameters[attr] = w.shard  # module.parameters() now yields the shard
-                    self._weights[name] = w
-                    weights.append(w)
-                    # one collective carries one dtype: a layer splits by dtype and device if it must
-                    groups.setdefault((unit_of(mod_name), p.dtype, p.device), []).append(w)
-                else:
-                    self._replicated.append((name, p))
-            if weights:
-                owners.append((mod, weights))
-        self._layers = [Layer(key[0], ws) for key, ws in groups.items()]
+        self._layers, owners = shard_layout(module, unit_names, self.rank, self.world, self._weights,
+                                            self._replicated)
         return owners
 
     # ---- gathering -----------------------------------------------------------------------------------

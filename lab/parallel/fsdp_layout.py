@@ -95,3 +95,42 @@ def unit_names(module: nn.Module, unit_modules) -> list[str]:
     if missing:
         raise ValueError(f"unit_modules must be submodules of the wrapped module; not found: {missing}")
     return [names[id(m)] for m in unit_modules]
+
+
+def shard_layout(module: nn.Module, unit_names: list[str], rank: int, world: int, weights: dict,
+                 replicated: list) -> tuple[list[Layer], list]:
+    """Replace every 2-D parameter of ``module`` by its shard (recorded in ``weights``; the others are appended
+    to ``replicated``), group the shards into layers (one per unit of ``unit_names``, split by dtype and
+    device). Returns ``(layers, [(owner module, its weights)])``."""
+    owner: dict[int, str] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):  # check before changing anything
+        if id(p) in owner:
+            raise ValueError(f"parameter {name} is the same tensor as {owner[id(p)]}: tied parameters are "
+                             "not supported by lab.FSDP")
+        owner[id(p)] = name
+    # innermost unit containing a module name, else the module itself
+    by_length = sorted(unit_names, key=len, reverse=True)
+
+    def unit_of(mod_name: str) -> str:
+        return next((u for u in by_length if mod_name == u or mod_name.startswith(u + ".")), mod_name)
+
+    groups: dict[tuple, list[ShardedWeight]] = {}
+    owners = []
+    for mod_name, mod in module.named_modules():
+        owned = []
+        for attr, p in list(mod._parameters.items()):
+            if p is None:
+                continue
+            name = f"{mod_name}.{attr}" if mod_name else attr
+            if p.ndim == 2:
+                w = ShardedWeight(mod, attr, name, p, rank, world)
+                mod._parameters[attr] = w.shard  # module.parameters() now yields the shard
+                weights[name] = w
+                owned.append(w)
+                # one collective carries one dtype: a layer splits by dtype and device if it must
+                groups.setdefault((unit_of(mod_name), p.dtype, p.device), []).append(w)
+            else:
+                replicated.append((name, p))
+        if owned:
+            owners.append((mod, owned))
+    return [Layer(key[0], ws) for key, ws in groups.items()], owners
