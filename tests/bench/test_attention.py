@@ -205,8 +205,9 @@ def test_eager_vs_compiled_table():
 def test_eager_vs_compiled_verdicts_follow_the_noise():
     """A 2x difference with a 1% spread over 100 passes is "faster"; a 1% difference with a 20% spread is not."""
     eager = pd.DataFrame(dict(d=[16, 16], seq_len=[64, 128], fwd_ms=[2.0, 1.0], fwd_std_ms=[0.02, 0.2],
-                              bwd_ms=[4.0, 4.0], bwd_std_ms=[0.04, 0.04], passes=[100, 100], mem_baseline_mib=[10.0, 10],
-                              mem_before_bwd_mib=[12.0, 14.0], saved_mib=[1.0, 4.0], status=["ok", "ok"]))
+                              bwd_ms=[4.0, 4.0], bwd_std_ms=[0.04, 0.04], passes=[100, 100],
+                              mem_baseline_mib=[10.0, 10.0], mem_before_bwd_mib=[12.0, 14.0], saved_mib=[1.0, 4.0],
+                              status=["ok", "ok"]))
     compiled = eager.assign(fwd_ms=[1.0, 0.99], bwd_ms=[8.0, 4.0], mem_before_bwd_mib=[11.0, 14.0])
     t = ab.eager_vs_compiled(eager, compiled)
     assert t["fwd_verdict"].tolist() == ["faster", "within noise"]
