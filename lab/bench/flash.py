@@ -87,9 +87,11 @@ def errors_vs_float64(impls: dict[str, AttentionFn], batch: int = 2, seq: int = 
     device = resolve_device(device) if isinstance(device, str) else device
     gen = torch.Generator().manual_seed(seed)
     base = [torch.randn(batch, seq, d, generator=gen).to(DTYPES[dtype]) for _ in range(4)]
-    ref_in = [t.double().requires_grad_() for t in base[:3]]
+    # the reference in float64 on the device itself (a GPU does it in milliseconds), brought back to the CPU
+    ref_in = [t.to(device).double().requires_grad_() for t in base[:3]]
     ref_out = naive_attention(*ref_in, causal)
-    ref = [ref_out, *torch.autograd.grad(ref_out, ref_in, base[3].double())]
+    ref = [t.detach().cpu() for t in (ref_out, *torch.autograd.grad(ref_out, ref_in, base[3].to(device).double()))]
+    del ref_in, ref_out
     rows = []
     for name, fn in impls.items():
         row = dict(impl=name, dtype=dtype, d=d, seq_len=seq, out=math.nan, dq=math.nan, dk=math.nan, dv=math.nan,
