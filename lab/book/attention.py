@@ -385,9 +385,9 @@ def lm_compile_speedups(lm: pd.DataFrame) -> pd.DataFrame:
 
 
 def lm_table(lm: pd.DataFrame) -> pd.DataFrame:
-    """The ``lm_step`` columns a reader compares."""
+    """The ``lm_step`` columns a reader compares (``error`` says which mode ran out of memory)."""
     cols = ["size", "compile", "fwd_ms", "fwdbwd_ms", "step_ms", "fwd_peak_gib", "fwdbwd_peak_gib", "step_peak_gib",
-            "status"]
+            "status", "error"]
     return lm[[c for c in cols if c in lm.columns]]
 
 

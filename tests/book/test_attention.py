@@ -141,6 +141,7 @@ def test_lm_compile_speedups_and_sentence():
     assert "10B forward" in text and "Did not fit (every mode or some): 10B eager, 10B compiled" in text
     assert present.plot_lm_compile(present.lm_compile_speedups(lm)) is not None
     assert list(present.lm_table(lm).columns)[:3] == ["size", "compile", "fwd_ms"]
+    assert list(present.lm_table(lm).columns)[-2:] == ["status", "error"]
 
 
 def test_size_text():
