@@ -248,6 +248,14 @@ def fit_power_law(x: Iterable[float], y: Iterable[float]) -> tuple[float, float]
 # The naive grid (notebook 04): forward and backward passes timed separately, memory before backward
 
 
+def progress_bar(iterable: Iterable, desc: str, progress: bool = True):
+    """A tqdm bar over ``iterable`` when ``progress``; otherwise none. ``disable`` is passed only to switch
+    the bar off, so that ``TQDM_DISABLE=1`` (set by the book's renderer) keeps bars out of rendered reports."""
+    from tqdm import tqdm
+
+    return tqdm(iterable, desc=desc) if progress else tqdm(iterable, desc=desc, disable=True)
+
+
 def _inputs(batch: int, seq: int, d: int, dtype: torch.dtype, device: torch.device, seed: int = 0):
     gen = torch.Generator(device="cpu").manual_seed(seed)
     make = lambda: torch.randn(batch, seq, d, generator=gen).to(device=device, dtype=dtype)
@@ -315,8 +323,6 @@ def run_naive_grid(fn: AttentionFn = naive_attention, ds: Sequence[int] = (16, 3
     :func:`naive_attention_totals`, ``gpu`` names the device (``"cpu"`` on the CPU) and ``gpu_memory_gib``
     is its total memory (NaN on the CPU).
     """
-    from tqdm import tqdm  # plain text bars: they render in papermill reports
-
     from lab.measure.results import gpu_label
 
     device = resolve_device(device) if isinstance(device, str) else device
@@ -333,7 +339,7 @@ def run_naive_grid(fn: AttentionFn = naive_attention, ds: Sequence[int] = (16, 3
     grid = [(d, s, c) for d in ds for s in seqs for c in compiles]
     label = {(False,): "", (True,): " compiled"}.get(compiles, " eager and compiled")
     rows = []
-    for d, seq, compiled in tqdm(grid, desc=f"{impl}{label}", disable=not progress):
+    for d, seq, compiled in progress_bar(grid, f"{impl}{label}", progress):
         predicted = naive_attention_totals(batch, seq, d, dtype, causal)
         row = dict(impl=impl, compile=compiled, batch=batch, seq_len=seq, d=d, dtype=dtype, causal=causal,
                    passes=passes, fwd_ms=math.nan, fwd_std_ms=math.nan, bwd_ms=math.nan, bwd_std_ms=math.nan,

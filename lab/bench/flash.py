@@ -32,6 +32,7 @@ from lab.bench.attention import (
     attention_impl,
     interpret_triton_on_cpu,  # noqa: F401 - part of this module's interface: notebook 05 calls it first
     naive_attention_totals,
+    progress_bar,
 )
 from lab.measure.device import empty_cache, is_oom, resolve_device
 from lab.measure.timing import Timing, time_kernel
@@ -118,13 +119,11 @@ def correctness_grid(impls: Sequence[str], ds: Sequence[int] = (64, 80, 96, 128)
                      device: torch.device | str = "auto", progress: bool = True) -> pd.DataFrame:
     """:func:`errors_vs_float64` of every implementation (names for :func:`attention_impl`) at every head
     dimension and dtype: one row per (impl, dtype, d)."""
-    from tqdm import tqdm
-
     device = resolve_device(device) if isinstance(device, str) else device
     fns = {name: attention_impl(name, device) for name in impls}
     grid = [(dt, d) for dt in dtypes for d in ds]
     tables = [errors_vs_float64(fns, batch, seq, d, dt, causal, device)
-              for dt, d in tqdm(grid, desc="correctness", disable=not progress)]
+              for dt, d in progress_bar(grid, "correctness", progress)]
     return pd.concat(tables, ignore_index=True)
 
 
@@ -206,8 +205,6 @@ def run_flash_grid(impls: Sequence[str] | dict[str, AttentionFn] = ("triton", "p
     with those times, ``*_tflops`` (FLOPs from :func:`attention_flops`), ``sweep`` (the label given),
     ``gpu`` (``"cpu"`` on the CPU), ``status`` and ``note``.
     """
-    from tqdm import tqdm
-
     from lab.measure.results import gpu_label
 
     device = resolve_device(device) if isinstance(device, str) else device
@@ -221,7 +218,7 @@ def run_flash_grid(impls: Sequence[str] | dict[str, AttentionFn] = ("triton", "p
     timer_kwargs = dict(warmup_ms=warmup_ms, rep_ms=rep_ms, cpu_steps=cpu_steps)
     grid = [(dt, shape, name) for dt in dtypes for shape in shapes for name in fns]
     rows = []
-    for dt, sh, name in tqdm(grid, desc=f"attention {sweep}".strip(), disable=not progress):
+    for dt, sh, name in progress_bar(grid, f"attention {sweep}".strip(), progress):
         bh = sh.batch * sh.heads
         row = dict(sweep=sweep, impl=name, dtype=dt, batch=sh.batch, heads=sh.heads, seq_len=sh.seq, d=sh.d,
                    causal=sh.causal, gpu=gpu, status="ok", note="")

@@ -281,3 +281,14 @@ def test_lm_eager_vs_compiled_runs_each_size_eager_then_compiled(monkeypatch):
     assert [c[0] for c in calls] == ["tiny", "mini"]
     assert calls[0][1] == [dict(attention="sdpa"), dict(attention="sdpa", compile=True)]
     assert df["size"].tolist() == ["tiny", "tiny", "mini", "mini"] and df["compile"].tolist() == [False, True] * 2
+
+
+def test_progress_bar_leaves_the_switch_to_the_environment(monkeypatch):
+    """With progress on, no ``disable`` is passed, so tqdm's TQDM_DISABLE default (the renderer's) applies."""
+    import tqdm
+
+    calls = []
+    monkeypatch.setattr(tqdm, "tqdm", lambda iterable, **kwargs: calls.append(kwargs) or iterable)
+    assert list(ab.progress_bar(range(2), "x", progress=True)) == [0, 1]
+    ab.progress_bar(range(2), "x", progress=False)
+    assert calls == [dict(desc="x"), dict(desc="x", disable=True)]
