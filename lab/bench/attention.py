@@ -7,8 +7,9 @@ Three things live here because notebooks 04 and 05 both need them:
 * measurements: ``saved_tensor_bytes`` (what autograd really saved, on any device), the naive grid
   (forward and backward passes timed separately, memory in use before backward, OOM as rows) and the
   flash grid (``triton.testing.do_bench`` on CUDA, the shared host timer on the CPU);
-* tables built from those rows: eager vs compiled, speedups, the FlashAttention performance goals, and the
-  whole-model ``lm_step`` rows.
+* tables built from those rows: eager vs compiled (with noise-aware verdicts), the power law of the saved
+  memory, the configuration to account for; and the whole model eager against compiled, size by size
+  (``lm_step`` rows, notebook 04). The FlashAttention grid and its goals live in :mod:`lab.bench.flash`.
 
 Attention functions here take ``fn(q, k, v, causal)`` on ``(batch, seq, d)`` tensors (heads folded into
 the batch), the interface of ``FlashAttentionTriton.apply``.
@@ -47,10 +48,27 @@ def sdpa_on_heads(name: str = "sdpa") -> AttentionFn:
     return lambda q, k, v, causal: fn(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), causal)[0]
 
 
+def interpret_triton_on_cpu(device: torch.device | str) -> bool:
+    """On the CPU, switch Triton to its interpreter (``TRITON_INTERPRET=1``) so that the book's kernels run
+    there; returns whether Triton runs interpreted. Call it before anything imports ``triton`` (the
+    provenance banner does, to report its version): Triton reads the switch when it is first imported, and
+    a process that imported it without the switch cannot run the kernels on the CPU (a clear error, not a
+    wrong result)."""
+    device = resolve_device(device) if isinstance(device, str) else device
+    if device.type != "cpu":
+        return os.environ.get("TRITON_INTERPRET") == "1"
+    if os.environ.get("TRITON_INTERPRET") != "1" and "triton" in sys.modules:
+        raise RuntimeError("Triton was imported before TRITON_INTERPRET=1 was set, so its kernels cannot run "
+                           "interpreted on the CPU in this process; call interpret_triton_on_cpu(device) first "
+                           "(or start Python with TRITON_INTERPRET=1)")
+    os.environ["TRITON_INTERPRET"] = "1"
+    return True
+
+
 def _import_flash(module: str, device: torch.device | None = None):
-    # Interpreted Triton must be switched on before the module defines its @triton.jit kernels.
+    # Interpreted Triton must be switched on before triton is first imported.
     if device is not None and device.type == "cpu" and module not in sys.modules:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+        interpret_triton_on_cpu(device)
     import importlib
 
     return importlib.import_module(module)
@@ -230,6 +248,14 @@ def fit_power_law(x: Iterable[float], y: Iterable[float]) -> tuple[float, float]
 # The naive grid (notebook 04): forward and backward passes timed separately, memory before backward
 
 
+def progress_bar(iterable: Iterable, desc: str, progress: bool = True):
+    """A tqdm bar over ``iterable`` when ``progress``; otherwise none. ``disable`` is passed only to switch
+    the bar off, so that ``TQDM_DISABLE=1`` (set by the book's renderer) keeps bars out of rendered reports."""
+    from tqdm import tqdm
+
+    return tqdm(iterable, desc=desc) if progress else tqdm(iterable, desc=desc, disable=True)
+
+
 def _inputs(batch: int, seq: int, d: int, dtype: torch.dtype, device: torch.device, seed: int = 0):
     gen = torch.Generator(device="cpu").manual_seed(seed)
     make = lambda: torch.randn(batch, seq, d, generator=gen).to(device=device, dtype=dtype)
@@ -278,7 +304,7 @@ def _measure_naive(fn: AttentionFn, batch, seq, d, dtype, causal, passes, warmup
 
 def run_naive_grid(fn: AttentionFn = naive_attention, ds: Sequence[int] = (16, 32, 64, 128),
                    seqs: Sequence[int] = (256, 1024, 4096, 8192, 16384), batch: int = 8, dtype: str = "fp32",
-                   causal: bool = False, passes: int = 100, warmup: int = 5, compile: bool = False,
+                   causal: bool = False, passes: int = 100, warmup: int = 5, compile: bool | Sequence[bool] = False,
                    impl: str | None = None, device: torch.device | str = "auto",
                    progress: bool = True) -> pd.DataFrame:
     """Time ``passes`` forward and ``passes`` backward passes of ``fn`` for every ``d x seq``.
@@ -288,36 +314,47 @@ def run_naive_grid(fn: AttentionFn = naive_attention, ds: Sequence[int] = (16, 3
     (``torch.cuda.memory_allocated``), and ``passes`` backward passes reuse its graph
     (``retain_graph=True``). With ``compile=True`` the function is compiled afresh per shape
     (``torch.compile(dynamic=False)`` after ``torch._dynamo.reset()``), and ``compile_s`` is the time of the
-    first forward+backward (compilation included). Out-of-memory in either phase becomes a row with
-    ``status="oom"`` and ``note`` naming the phase. Times are ms per pass (mean of ``passes`` samples),
-    memory in MiB (NaN on the CPU, except ``saved_mib`` which is measured with saved-tensor hooks), and
-    ``predicted_*_mib`` come from :func:`naive_attention_totals`.
+    first forward+backward (compilation included). ``compile=(False, True)`` measures each configuration
+    eagerly and then compiled, one right after the other (side by side, so that a comparison of the two is
+    not a comparison of two moments of the machine); the ``compile`` column tells the rows apart.
+    Out-of-memory in either phase becomes a row with ``status="oom"`` and ``note`` naming the phase. Times
+    are ms per pass (mean and standard deviation of ``passes`` samples), memory in MiB (NaN on the CPU,
+    except ``saved_mib`` which is measured with saved-tensor hooks), ``predicted_*_mib`` come from
+    :func:`naive_attention_totals`, ``gpu`` names the device (``"cpu"`` on the CPU) and ``gpu_memory_gib``
+    is its total memory (NaN on the CPU).
     """
-    from tqdm import tqdm  # plain text bars: they render in papermill reports
+    from lab.measure.results import gpu_label
 
     device = resolve_device(device) if isinstance(device, str) else device
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     if passes < 1 or warmup < 0:
         raise ValueError("passes must be >= 1 and warmup >= 0")
+    compiles = (bool(compile),) if isinstance(compile, bool) else tuple(bool(c) for c in compile)
+    if not compiles:
+        raise ValueError("compile must be a bool or a non-empty sequence of bools")
     impl = impl or getattr(fn, "__name__", "attention")
-    grid = [(d, s) for d in ds for s in seqs]
+    gpu = gpu_label() if device.type == "cuda" else "cpu"
+    memory_gib = torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else math.nan
+    grid = [(d, s, c) for d in ds for s in seqs for c in compiles]
+    label = {(False,): "", (True,): " compiled"}.get(compiles, " eager and compiled")
     rows = []
-    for d, seq in tqdm(grid, desc=f"{impl}{' compiled' if compile else ''}", disable=not progress):
+    for d, seq, compiled in progress_bar(grid, f"{impl}{label}", progress):
         predicted = naive_attention_totals(batch, seq, d, dtype, causal)
-        row = dict(impl=impl, compile=bool(compile), batch=batch, seq_len=seq, d=d, dtype=dtype, causal=causal,
+        row = dict(impl=impl, compile=compiled, batch=batch, seq_len=seq, d=d, dtype=dtype, causal=causal,
                    passes=passes, fwd_ms=math.nan, fwd_std_ms=math.nan, bwd_ms=math.nan, bwd_std_ms=math.nan,
                    mem_baseline_mib=math.nan, mem_before_bwd_mib=math.nan, forward_left_mib=math.nan,
                    peak_mib=math.nan,
                    saved_mib=math.nan, predicted_saved_mib=predicted["saved"] / 2**20,
                    predicted_before_bwd_mib=predicted["before_backward"] / 2**20,
-                   predicted_peak_mib=predicted["peak"] / 2**20, compile_s=math.nan, status="ok", note="")
+                   predicted_peak_mib=predicted["peak"] / 2**20, compile_s=math.nan, gpu=gpu,
+                   gpu_memory_gib=memory_gib, status="ok", note="")
         empty_cache()
         # Compiled backward graphs may donate (reuse) saved buffers, which forbids retain_graph=True; the
         # backward timing reuses one graph, so donation is switched off (a small memory saving forgone).
         try:
             with torch._functorch.config.patch(donated_buffer=False):
-                _run_naive_config(fn, compile, batch, seq, d, dtype, causal, passes, warmup, device, row)
+                _run_naive_config(fn, compiled, batch, seq, d, dtype, causal, passes, warmup, device, row)
         except Exception as exc:
             if not is_oom(exc):
                 raise
@@ -346,14 +383,40 @@ def _run_naive_config(fn, compile, batch, seq, d, dtype, causal, passes, warmup,
 
 
 def eager_vs_compiled(eager: pd.DataFrame, compiled: pd.DataFrame) -> pd.DataFrame:
-    """One row per ``(d, seq_len)``: eager and compiled forward/backward ms, their speedups
-    (eager / compiled, > 1 means compiling helps) and memory before backward for both."""
+    """One row per ``(d, seq_len)``: eager and compiled forward/backward ms, their speedups (eager /
+    compiled, > 1 means compiling helps), the verdict of each (:func:`lab.measure.verdicts.compare_summaries`
+    of the two means with their spread over ``passes`` samples: ``"faster"``/``"slower"`` when the compiled
+    pass differs beyond the noise, else ``"within noise"``; empty where either side has no time) and the
+    memory in use before backward (above the configuration's baseline) and saved for backward for both."""
     key = ["d", "seq_len"]
-    cols = ["fwd_ms", "bwd_ms", "mem_before_bwd_mib", "saved_mib", "status"]
-    merged = eager[key + cols].merge(compiled[key + cols + ["compile_s"]], on=key, suffixes=("_eager", "_compiled"))
-    merged["fwd_speedup"] = merged["fwd_ms_eager"] / merged["fwd_ms_compiled"]
-    merged["bwd_speedup"] = merged["bwd_ms_eager"] / merged["bwd_ms_compiled"]
+    eager, compiled = (_with_memory_above_baseline(t) for t in (eager, compiled))
+    cols = ["fwd_ms", "fwd_std_ms", "bwd_ms", "bwd_std_ms", "passes", "mem_before_bwd_mib", "mem_above_baseline_mib",
+            "saved_mib", "status"]
+    cols = [c for c in cols if c in eager.columns and c in compiled.columns]
+    extra = [c for c in ("compile_s",) if c in compiled.columns]
+    merged = eager[key + cols].merge(compiled[key + cols + extra], on=key, suffixes=("_eager", "_compiled"))
+    for p in ("fwd", "bwd"):
+        merged[f"{p}_speedup"] = merged[f"{p}_ms_eager"] / merged[f"{p}_ms_compiled"]
+        merged[f"{p}_verdict"] = [_compiled_verdict(r, p) for _, r in merged.iterrows()]
     return merged.sort_values(key).reset_index(drop=True)
+
+
+def _compiled_verdict(row: pd.Series, p: str) -> str:
+    from lab.measure.verdicts import compare_summaries
+
+    names = [f"{p}_ms_compiled", f"{p}_std_ms_compiled", "passes_compiled", f"{p}_ms_eager", f"{p}_std_ms_eager",
+             "passes_eager"]
+    if not all(n in row.index for n in names) or pd.isna(row[names]).any():
+        return ""
+    c = compare_summaries(row[names[0]], row[names[1]], int(row[names[2]]), row[names[3]], row[names[4]],
+                          int(row[names[5]]))
+    return c.verdict
+
+
+def _with_memory_above_baseline(grid: pd.DataFrame) -> pd.DataFrame:
+    if "mem_baseline_mib" not in grid.columns or "mem_before_bwd_mib" not in grid.columns:
+        return grid
+    return grid.assign(mem_above_baseline_mib=grid["mem_before_bwd_mib"] - grid["mem_baseline_mib"])
 
 
 def saved_memory_scaling(grid: pd.DataFrame, column: str = "saved_mib") -> pd.DataFrame:
@@ -391,3 +454,23 @@ def naive_memory_check(row: pd.Series) -> pd.DataFrame:
     out = pd.DataFrame([dict(quantity=q, predicted_mib=p, measured_mib=m) for q, p, m in checks])
     out["measured_over_predicted"] = out["measured_mib"] / out["predicted_mib"]
     return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The whole model (notebook 04): eager against compiled, size by size
+
+
+def lm_eager_vs_compiled(sizes: Sequence[str], context: int = 512, batch: int = 4, dtype: str = "bf16",
+                         modes: Sequence[str] = ("forward", "forward_backward", "train_step"),
+                         attention: str = "sdpa", warmup: int = 2, steps: int = 5,
+                         device: torch.device | str = "auto", progress: bool = True) -> pd.DataFrame:
+    """:func:`lab.bench.lm.compare_variants` of each size eagerly and under ``torch.compile(model)``, the two
+    one right after the other in this process: ``lm_step`` rows (each mode's mean, standard deviation over
+    ``steps`` samples and peak memory). A size that does not fit is a row with ``status="oom"`` whose modes
+    that fit keep their numbers."""
+    from lab.bench.lm import compare_variants
+
+    variants = [dict(attention=attention), dict(attention=attention, compile=True)]
+    tables = [compare_variants(size, variants, context=context, batch=batch, dtype=dtype, modes=modes,
+                               warmup=warmup, steps=steps, device=device, progress=progress) for size in sizes]
+    return pd.concat(tables, ignore_index=True)

@@ -198,6 +198,55 @@ def test_eager_vs_compiled_table():
     compiled = eager.assign(fwd_ms=[1.0, 2.0], bwd_ms=[4.0, 8.0], compile_s=[3.0, 3.0])
     t = ab.eager_vs_compiled(eager, compiled)
     assert t["fwd_speedup"].tolist() == [2.0, 4.0] and t["bwd_speedup"].tolist() == [1.0, 2.0]
+    # no spread was recorded: no verdict
+    assert t["fwd_verdict"].tolist() == ["", ""]
+
+
+def test_eager_vs_compiled_verdicts_follow_the_noise():
+    """A 2x difference with a 1% spread over 100 passes is "faster"; a 1% difference with a 20% spread is not."""
+    eager = pd.DataFrame(dict(d=[16, 16], seq_len=[64, 128], fwd_ms=[2.0, 1.0], fwd_std_ms=[0.02, 0.2],
+                              bwd_ms=[4.0, 4.0], bwd_std_ms=[0.04, 0.04], passes=[100, 100],
+                              mem_baseline_mib=[10.0, 10.0], mem_before_bwd_mib=[12.0, 14.0], saved_mib=[1.0, 4.0],
+                              status=["ok", "ok"]))
+    compiled = eager.assign(fwd_ms=[1.0, 0.99], bwd_ms=[8.0, 4.0], mem_before_bwd_mib=[11.0, 14.0])
+    t = ab.eager_vs_compiled(eager, compiled)
+    assert t["fwd_verdict"].tolist() == ["faster", "within noise"]
+    assert t["bwd_verdict"].tolist() == ["slower", "within noise"]
+    # memory compared above each configuration's baseline
+    assert t["mem_above_baseline_mib_eager"].tolist() == [2.0, 4.0]
+    assert t["mem_above_baseline_mib_compiled"].tolist() == [1.0, 4.0]
+
+
+def test_naive_grid_measures_eager_and_compiled_side_by_side(monkeypatch):
+    """compile=(False, True): each configuration eager then compiled, one right after the other."""
+    order = []
+
+    def fake_run(fn, compiled, batch, seq, d, dtype, causal, passes, warmup, device, row):
+        order.append((d, seq, compiled))
+        row.update(fwd_ms=1.0, bwd_ms=2.0)
+
+    monkeypatch.setattr(ab, "_run_naive_config", fake_run)
+    df = ab.run_naive_grid(ds=(8, 16), seqs=(32,), passes=1, warmup=0, compile=(False, True), device="cpu",
+                           progress=False)
+    assert order == [(8, 32, False), (8, 32, True), (16, 32, False), (16, 32, True)]
+    assert df["compile"].tolist() == [False, True, False, True]
+    assert (df["gpu"] == "cpu").all() and df["gpu_memory_gib"].isna().all()
+    with pytest.raises(ValueError):
+        ab.run_naive_grid(ds=(8,), seqs=(32,), compile=(), device="cpu", progress=False)
+
+
+def test_interpret_triton_on_cpu_refuses_too_late(monkeypatch):
+    import sys
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setitem(sys.modules, "triton", object())
+    with pytest.raises(RuntimeError, match="before TRITON_INTERPRET"):
+        ab.interpret_triton_on_cpu("cpu")
+    monkeypatch.delitem(sys.modules, "triton")
+    assert ab.interpret_triton_on_cpu("cpu") is True
+    import os
+
+    assert os.environ["TRITON_INTERPRET"] == "1"
 
 
 @pytest.mark.slow
@@ -215,6 +264,31 @@ def test_attention_impl_names():
 
 
 # ---------------------------------------------------------------------------------------------------------
-# LM rows
+# The whole model, eager against compiled
 
 
+def test_lm_eager_vs_compiled_runs_each_size_eager_then_compiled(monkeypatch):
+    import lab.bench.lm as lm
+
+    calls = []
+
+    def fake_compare(size, variants, **kwargs):
+        calls.append((size, [dict(v) for v in variants], kwargs["modes"]))
+        return pd.DataFrame([dict(size=size, compile=bool(v.get("compile", False))) for v in variants])
+
+    monkeypatch.setattr(lm, "compare_variants", fake_compare)
+    df = ab.lm_eager_vs_compiled(["tiny", "mini"], context=32, batch=2, dtype="fp32", device="cpu", progress=False)
+    assert [c[0] for c in calls] == ["tiny", "mini"]
+    assert calls[0][1] == [dict(attention="sdpa"), dict(attention="sdpa", compile=True)]
+    assert df["size"].tolist() == ["tiny", "tiny", "mini", "mini"] and df["compile"].tolist() == [False, True] * 2
+
+
+def test_progress_bar_leaves_the_switch_to_the_environment(monkeypatch):
+    """With progress on, no ``disable`` is passed, so tqdm's TQDM_DISABLE default (the renderer's) applies."""
+    import tqdm
+
+    calls = []
+    monkeypatch.setattr(tqdm, "tqdm", lambda iterable, **kwargs: calls.append(kwargs) or iterable)
+    assert list(ab.progress_bar(range(2), "x", progress=True)) == [0, 1]
+    ab.progress_bar(range(2), "x", progress=False)
+    assert calls == [dict(desc="x"), dict(desc="x", disable=True)]

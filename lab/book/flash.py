@@ -1,0 +1,519 @@
+"""Notebook 05's settings, tables, plots and prose: FlashAttention-2 in Triton against PyTorch.
+
+Every sentence is built from this render's tables (``flash_correctness``, ``flash_benchmark``,
+``flash_course_timing``, ``lm_step``); every "faster"/"slower", "goal met"/"missed" comes from
+:mod:`lab.measure.verdicts` on the measured spread. Times measured on the CPU come from Triton's
+interpreter (``TRITON_INTERPRET=1``): they show that the code runs, and every sentence built from them says
+so instead of claiming a speedup.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import pandas as pd
+import torch
+
+from lab.bench import flash as fl
+from lab.bench.attention import DTYPES, PASSES, attention_flops
+from lab.book.attention import with_profile_defaults
+from lab.book.report import fmt
+from lab.measure.verdicts import GoalCheck, compare_summaries
+
+# ----------------------------------------------------------------------------------------------------------
+# Settings
+
+
+#: The full profile: one H100 in about four minutes (see the notebook's parameters for the quick one).
+FULL = dict(check_impls=("triton", "triton_compiled_bwd", "pytorch_flash", "pytorch_naive", "sdpa", "sdpa_flash",
+                         "sdpa_cudnn", "sdpa_efficient"),
+            check_ds=(64, 80, 96, 128), check_seq=1024, shapes=tuple(fl.LM_SHAPES), pytorch_flash_max_seq=2048,
+            fp32_seqs=(1024, 4096, 16384), fp32_ds=(64, 128), course_shape=(16, 16384, 64),
+            course_compile=(True, False), lm_size="2.7B", lm_context=512, lm_batch=4, lm_dtype="bf16",
+            lm_compile=(False, True), lm_warmup=2, lm_steps=5)
+#: The quick profile: tiny shapes, Triton interpreted on the CPU, no torch.compile (inductor would dominate).
+QUICK = dict(check_impls=("triton", "pytorch_flash", "pytorch_naive", "sdpa", "sdpa_flash", "sdpa_cudnn"),
+             check_ds=(16, 80, 96), check_seq=64, shapes=(fl.Shape(1, 2, 64, 16), fl.Shape(2, 1, 64, 32, False)),
+             pytorch_flash_max_seq=64, fp32_seqs=(64, 128), fp32_ds=(16,), course_shape=(1, 64, 16),
+             course_compile=(False,), lm_size="tiny", lm_context=32, lm_batch=2, lm_dtype="fp32", lm_compile=(False,),
+             lm_warmup=1, lm_steps=2)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Notebook 05's knobs after the profile's defaults are filled in (see :func:`settings`)."""
+
+    quick: bool
+    device: str
+    check_impls: tuple
+    check_ds: tuple
+    check_dtypes: tuple
+    check_seq: int
+    impls: tuple
+    shapes: tuple
+    dtypes: tuple
+    pytorch_flash_max_seq: int
+    pytorch_flash_dtypes: tuple
+    fp32_impls: tuple
+    fp32_seqs: tuple
+    fp32_ds: tuple
+    warmup_ms: float
+    rep_ms: float
+    cpu_steps: int
+    course_shape: tuple
+    course_compile: tuple
+    course_goal_ms: float
+    lm_size: str
+    lm_context: int
+    lm_batch: int
+    lm_dtype: str
+    lm_compile: tuple
+    lm_warmup: int
+    lm_steps: int
+
+    def __post_init__(self):
+        # shapes may come from a parameters cell as lists [batch, heads, seq, d, causal]
+        object.__setattr__(self, "shapes", tuple(s if isinstance(s, fl.Shape) else fl.Shape(*s) for s in self.shapes))
+
+    @property
+    def sweeps(self) -> dict:
+        """The two sweeps of ``flash_benchmark``: LM-like shapes in bf16/fp16 against every SDPA backend and the
+        tiled PyTorch version, and the batch-1 fp32 length sweep against naive PyTorch and SDPA."""
+        return {"lm": dict(impls=self.impls, shapes=self.shapes, dtypes=self.dtypes,
+                           skip=fl.skip_pytorch_flash(self.pytorch_flash_max_seq, self.pytorch_flash_dtypes)),
+                "fp32": dict(impls=self.fp32_impls, shapes=fl.grid_shapes(self.fp32_seqs, self.fp32_ds),
+                             dtypes=("fp32",))}
+
+    @property
+    def lm_variants(self) -> list[dict]:
+        """The LM's variants in measuring order: SDPA then FlashAttention-Triton, eager then compiled."""
+        return [dict(attention=a, compile=c) for c in self.lm_compile for a in ("sdpa", "flash_triton")]
+
+    def params(self) -> dict:
+        """The knobs as a plain dict (the banner and the results' provenance)."""
+        out = asdict(self)
+        out["shapes"] = [list(asdict(s).values()) for s in self.shapes]
+        return out
+
+
+def settings(quick: bool, device, **knobs) -> Settings:
+    """The notebook's :class:`Settings`: ``knobs`` as given, None filled from :data:`QUICK` or :data:`FULL`."""
+    return Settings(quick=quick, device=str(device), **with_profile_defaults(knobs, QUICK if quick else FULL))
+
+
+def interpreted(df: pd.DataFrame) -> bool:
+    """True when the rows were measured on the CPU (Triton interpreted), from their ``gpu`` (or ``device``)
+    column; such times say nothing about a GPU."""
+    for col in ("gpu", "device"):
+        if col in df.columns and len(df):
+            return bool(df[col].astype(str).str.lower().isin(["cpu", "nan"]).all())
+    return False
+
+
+INTERPRETED_NOTE = ("These times were measured on the CPU with Triton's interpreter (`TRITON_INTERPRET=1`), which "
+                    "runs each kernel instance in Python: they show that the code runs end to end, and say nothing "
+                    "about speed on a GPU. No speedup is claimed from them.")
+#: What each sentence built from interpreted times says instead of a claim.
+INTERPRETED_SHORT = ("Measured with Triton interpreted on the CPU: these times say nothing about a GPU, so no claim is "
+                     "made.")
+
+
+def warn_if_interpreted(df: pd.DataFrame) -> bool:
+    """Show :data:`INTERPRETED_NOTE` as a warning when ``df`` was measured on the CPU; returns whether it was."""
+    from lab.book.report import warn
+
+    if interpreted(df):
+        warn(INTERPRETED_NOTE)
+        return True
+    return False
+
+
+def shape_label(batch: int, heads: int, seq: int, d: int, causal: bool) -> str:
+    """``"1x16x16384 d64 causal"``: batch x heads x tokens, head dim, mask."""
+    return f"{int(batch)}x{int(heads)}x{int(seq)} d{int(d)} {'causal' if bool(causal) else 'full'}"
+
+
+def _labelled(df: pd.DataFrame) -> pd.DataFrame:
+    return df.assign(shape=[shape_label(r.batch, r.heads, r.seq_len, r.d, r.causal) for r in df.itertuples()])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Correctness
+
+
+def correctness_summary(errors: pd.DataFrame, factor: float = 4.0) -> pd.DataFrame:
+    """Per implementation and dtype: the head dims checked, the worst error of output and gradients against
+    float64, and the worst ratio to naive PyTorch's error in the same dtype and d (its rounding level, floored
+    at one machine epsilon of the dtype). ``verdict``: ``"agrees"`` when every ratio is at most ``factor``,
+    ``"too large"`` otherwise, ``"not supported"`` where it ran at no d; ``unsupported_d`` lists the head
+    dims it could not run."""
+    errors = errors.copy()
+    errors["worst"] = errors[["out", "dq", "dk", "dv"]].max(axis=1)
+    naive = errors[errors["impl"] == "pytorch_naive"].set_index(["dtype", "d"])["worst"]
+    floor = errors["dtype"].map(lambda dt: torch.finfo(DTYPES[dt]).eps)
+    level = [max(naive.get((dt, d), 0.0), f) for dt, d, f in zip(errors["dtype"], errors["d"], floor)]
+    errors["ratio"] = errors["worst"] / np.asarray(level)
+    rows = []
+    for (impl, dtype), g in errors.groupby(["impl", "dtype"], sort=False):
+        ran = g[g["status"] == "ok"]
+        unsupported = [int(d) for d in g.loc[g["status"] != "ok", "d"]]
+        ratio = ran["ratio"].max() if len(ran) else math.nan
+        verdict = "not supported" if ran.empty else ("agrees" if ratio <= factor else "too large")
+        rows.append(dict(impl=impl, dtype=dtype, ds=", ".join(str(int(d)) for d in ran["d"]),
+                         worst_error=ran["worst"].max() if len(ran) else math.nan, ratio_to_naive=ratio,
+                         verdict=verdict, unsupported_d=", ".join(map(str, unsupported))))
+    return pd.DataFrame(rows)
+
+
+def correctness_sentence(summary: pd.DataFrame, factor: float = 4.0) -> str:
+    """Whether every implementation agrees with float64 to its dtype's rounding, which do not, and which
+    could not run some head dims (and why, from the notes of the errors table)."""
+    ran = summary[summary["verdict"] != "not supported"]
+    bad = ran[ran["verdict"] == "too large"]
+    if ran.empty:
+        return "No implementation ran."
+    if bad.empty:
+        worst = ran.loc[ran["ratio_to_naive"].idxmax()]
+        text = (f"Every implementation that ran agrees with float64 as closely as naive PyTorch in the same dtype "
+                f"(within {factor:g}x its error): the worst is {worst['impl']} in {worst['dtype']} at "
+                f"{fmt(worst['ratio_to_naive'], 2)}x (largest error {worst['worst_error']:.1e}).")
+    else:
+        text = "Errors beyond the dtype's rounding (more than " + f"{factor:g}x naive PyTorch's): " + "; ".join(
+            f"{r.impl} {r.dtype} {fmt(r.ratio_to_naive)}x ({r.worst_error:.1e})" for r in bad.itertuples()) + "."
+    gaps = summary[summary["unsupported_d"] != ""]
+    if len(gaps):
+        text += " Not supported here: " + "; ".join(
+            f"{r.impl} {r.dtype}" + (f" at d = {r.unsupported_d}" if r.ds else "") for r in gaps.itertuples()) + \
+            " (see the `note` column)."
+    return text
+
+
+def flops_example(seqs=(1024, 8192), d: int = 64) -> pd.DataFrame:
+    """GFLOP per pass for one sequence of each length, full and causal (the count every TFLOP/s uses)."""
+    return pd.DataFrame([dict(seq_len=s, d=d, causal=c, **{f"{p}_gflop": attention_flops(1, s, d, c, p) / 1e9
+                                                           for p in PASSES})
+                         for s in seqs for c in (False, True)])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The grid: latency, status, speedups, TFLOP/s
+
+
+def latency_table(bench: pd.DataFrame, sweep: str = "lm") -> pd.DataFrame:
+    """One row per (shape, dtype), one column per implementation: ``"fwd / bwd / e2e"`` median ms, or the
+    row's status (``skipped``, ``unsupported``, ``oom``)."""
+    df = _labelled(bench[bench["sweep"] == sweep])
+    if df.empty:
+        return pd.DataFrame()
+    cell = [f"{r.fwd_ms:.3g} / {r.bwd_ms:.3g} / {r.e2e_ms:.3g}" if r.status == "ok" else r.status
+            for r in df.itertuples()]
+    table = df.assign(cell=cell).pivot_table(index=["shape", "dtype"], columns="impl", values="cell",
+                                             aggfunc="first", sort=False)
+    return table[[i for i in dict.fromkeys(df["impl"]) if i in table.columns]].reset_index()
+
+
+def status_table(bench: pd.DataFrame) -> pd.DataFrame:
+    """The rows that did not run (skipped, unsupported, out of memory) with the reason."""
+    df = _labelled(bench[bench["status"] != "ok"])
+    return df[["sweep", "impl", "dtype", "shape", "status", "note"]].reset_index(drop=True)
+
+
+def status_sentence(bench: pd.DataFrame) -> str:
+    """How many configurations ran, and why the others did not (counted by implementation and status)."""
+    ok = int((bench["status"] == "ok").sum())
+    text = f"{ok} of {len(bench)} configurations ran."
+    others = bench[bench["status"] != "ok"]
+    if len(others):
+        counts = others.groupby(["impl", "status"], sort=False).size()
+        text += " The rest: " + "; ".join(f"{impl} {status} ×{n}" for (impl, status), n in counts.items()) + \
+            " (the table gives each reason)."
+    return text
+
+
+def speedup_table(bench: pd.DataFrame, sweep: str = "lm", impl: str = "triton", references=None) -> pd.DataFrame:
+    """:func:`lab.bench.flash.versus` of ``impl`` against each reference on one sweep (default: every other
+    implementation measured), with a ``shape`` label: speedup = reference / impl (> 1: ``impl`` faster)."""
+    df = bench[bench["sweep"] == sweep]
+    references = references or [i for i in dict.fromkeys(df["impl"]) if i != impl]
+    return _labelled(fl.versus(df, impl, references))
+
+
+def speedup_display(speedups: pd.DataFrame, pass_: str = "e2e", interpreted_: bool = False) -> pd.DataFrame:
+    """One pass of :func:`speedup_table`, one row per (shape, dtype), one column per reference:
+    ``"1.23x faster"`` / ``"0.8x slower"`` / ``"0.98x ≈"`` (within noise); the bare ratio, with no verdict,
+    for interpreted times."""
+    df = speedups[speedups["pass"] == pass_]
+    if df.empty:
+        return pd.DataFrame()
+    mark = {"faster": " faster", "slower": " slower", "within noise": " ≈"}
+    cell = [f"{r.speedup:.3g}x{'' if interpreted_ else mark.get(r.verdict, '')}" for r in df.itertuples()]
+    table = df.assign(cell=cell).pivot_table(index=["shape", "dtype"], columns="reference", values="cell",
+                                             aggfunc="first", sort=False)
+    return table.reset_index()
+
+
+def plot_speedup_heatmap(speedups: pd.DataFrame, impl: str = "triton", interpreted_: bool = False):
+    """Heatmaps of ``impl``'s speedup over each reference (columns) per shape and dtype (rows), one panel
+    per pass; colour on a log2 scale centred on 1, "≈" where within noise. Interpreted times are titled as
+    meaningless for a GPU. Returns the figure (None if empty)."""
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    if speedups.empty:
+        return None
+    passes = [p for p in PASSES if p in set(speedups["pass"])]
+    height = 0.45 * speedups.groupby(["shape", "dtype"]).ngroups + 1.5
+    fig, axes = plt.subplots(1, len(passes), figsize=(4.2 * len(passes), height), squeeze=False, sharey=True)
+    for ax, p in zip(axes[0], passes):
+        d = speedups[speedups["pass"] == p].assign(row=lambda x: x["shape"] + " " + x["dtype"])
+        value = d.pivot_table(index="row", columns="reference", values="speedup", sort=False)
+        noted = d.assign(text=[f"{s:.2g}" + ("" if v != "within noise" else "≈") for s, v in
+                               zip(d["speedup"], d["verdict"])])
+        text = noted.pivot_table(index="row", columns="reference", values="text", aggfunc="first", sort=False)
+        sns.heatmap(np.log2(value), annot=text.reindex_like(value), fmt="", cmap="RdBu", center=0, cbar=False,
+                    ax=ax, annot_kws=dict(size=8))
+        ax.set_title(f"{impl} {p} speedup{' (interpreted: not a GPU speed)' if interpreted_ else ''}")
+        ax.set_xlabel("reference")
+        ax.set_ylabel("")
+    fig.tight_layout()
+    return fig
+
+
+def speed_sentence(speedups: pd.DataFrame, impl: str = "triton", pass_: str = "e2e", interpreted_: bool = False) -> str:
+    """Against each reference: on how many (shape, dtype) ``impl`` is faster, slower or within noise
+    (end to end by default) and the range of speedups; on the CPU, the interpreter caveat instead."""
+    if interpreted_:
+        return INTERPRETED_SHORT
+    df = speedups[speedups["pass"] == pass_]
+    if df.empty:
+        return f"No configuration was measured for both {impl} and a reference."
+    parts = []
+    for ref, g in df.groupby("reference", sort=False):
+        faster, slower = int((g["verdict"] == "faster").sum()), int((g["verdict"] == "slower").sum())
+        parts.append(f"against {ref} faster on {faster}, slower on {slower}, within noise on "
+                     f"{len(g) - faster - slower} of {len(g)} (speedup {fmt(g['speedup'].min())}–"
+                     f"{fmt(g['speedup'].max())}x)")
+    name = {"e2e": "end to end (forward + backward)", "fwd": "forward", "bwd": "backward"}[pass_]
+    return f"{impl.capitalize()}, {name}: " + "; ".join(parts) + "."
+
+
+def tflops_table(bench: pd.DataFrame, sweep: str = "lm", pass_: str = "e2e") -> pd.DataFrame:
+    """TFLOP/s of one pass (causal FLOPs counted pair by pair) per (shape, dtype) and implementation."""
+    df = _labelled(bench[(bench["sweep"] == sweep) & (bench["status"] == "ok")])
+    if df.empty:
+        return pd.DataFrame()
+    table = df.pivot_table(index=["shape", "dtype"], columns="impl", values=f"{pass_}_tflops", sort=False)
+    return table.reset_index()
+
+
+def tflops_sentence(bench: pd.DataFrame, impl: str = "triton", sweep: str = "lm", interpreted_: bool = False) -> str:
+    """``impl``'s best forward, backward and end-to-end TFLOP/s per dtype, beside the best reference's."""
+    df = bench[(bench["sweep"] == sweep) & (bench["status"] == "ok")]
+    mine = df[df["impl"] == impl]
+    if mine.empty:
+        return f"{impl} has no measured configuration in this sweep."
+    parts = []
+    for dt, g in mine.groupby("dtype", sort=False):
+        others = df[(df["dtype"] == dt) & (df["impl"] != impl)]
+        best_other = (others.loc[others["e2e_tflops"].idxmax()] if len(others) and others["e2e_tflops"].notna().any()
+                      else None)
+        text = (f"{dt}: at best {fmt(g['fwd_tflops'].max())} TFLOP/s forward, {fmt(g['bwd_tflops'].max())} backward, "
+                f"{fmt(g['e2e_tflops'].max())} end to end")
+        if best_other is not None:
+            text += f" (best other end to end: {best_other['impl']} {fmt(best_other['e2e_tflops'])})"
+        parts.append(text)
+    out = f"{impl.capitalize()} reaches " + "; ".join(parts) + "."
+    return out + (" " + INTERPRETED_SHORT if interpreted_ else "")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The goals
+
+
+GOAL_COLUMNS = ["shape", "dtype", "fwd_ratio", "fwd_goal", "bwd_ratio", "bwd_goal", "e2e_ratio", "e2e_goal"]
+
+
+def goals_display(goals: pd.DataFrame) -> pd.DataFrame:
+    """The goals table with a shape label: speed ratio (SDPA ms / Triton ms) and met/missed/undecided per pass."""
+    if goals.empty:
+        return pd.DataFrame(columns=GOAL_COLUMNS)
+    return _labelled(goals)[GOAL_COLUMNS]
+
+
+def goals_sentence(goals: pd.DataFrame, goal_targets: dict = fl.GOALS, interpreted_: bool = False) -> str:
+    """The verdict on the goals (:func:`lab.bench.flash.flash_goals`' table): all met, or for each pass how
+    many configurations meet, miss or cannot be decided, and the shape furthest from its goal."""
+    if interpreted_:
+        return "The goals are about GPU speed; they are not evaluated on interpreted Triton. " + INTERPRETED_SHORT
+    summary = fl.summarize_goals(goals, goal_targets)
+    if summary["configs"] == 0:
+        return ("No configuration qualifies for the performance goals here (they need bf16 or fp16 with batch × heads "
+                "≥ 16, measured for both Triton and the default SDPA backend), so they are not evaluated in this run.")
+    n = summary["configs"]
+    goals_text = ", ".join(f"{p} ≥ {t:g}x" for p, t in goal_targets.items())
+    if summary["all_met"]:
+        return (f"All goals met on all {n} configurations ({goals_text} the default SDPA backend's speed, each "
+                f"beyond the noise); the closest is {_worst_clause(summary, goal_targets)}.")
+    parts = []
+    for p, t in goal_targets.items():
+        s = summary[p]
+        parts.append(f"{p}: {s['met']} met, {s['missed']} missed, {s['undecided']} undecided of {n}")
+    return (f"The goals ({goals_text} SDPA's speed) do not all hold: " + "; ".join(parts) + ". Furthest from its "
+            f"goal: {_worst_clause(summary, goal_targets)}.")
+
+
+def _worst_clause(summary: dict, goal_targets: dict) -> str:
+    gaps = {p: summary[p]["worst"] / t for p, t in goal_targets.items() if math.isfinite(summary[p]["worst"])}
+    if not gaps:
+        return "n/a"
+    p = min(gaps, key=gaps.get)
+    c = summary[p]["worst_config"]
+    label = shape_label(c["batch"], c["heads"], c["seq_len"], c["d"], c["causal"]) + f" {c['dtype']}"
+    return (f"{p} on {label} at {fmt(summary[p]['worst'])}x against a goal of {goal_targets[p]:g}x "
+            f"({fmt(100 * abs(gaps[p] - 1), 2)}% {'above' if gaps[p] >= 1 else 'below'} it)")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The fp32 sweep
+
+
+def fp32_sentence(bench: pd.DataFrame, impl: str = "triton", sweep: str = "fp32", interpreted_: bool = False) -> str:
+    """Is fp32 ``impl`` ever slower than naive PyTorch or SDPA in fp32? From the sweep's verdicts, per
+    reference and pass: where it is slower beyond the noise (shapes listed for end to end)."""
+    if interpreted_:
+        return "Whether fp32 Triton is ever slower than naive PyTorch or SDPA is a GPU question. " + INTERPRETED_SHORT
+    vs = speedup_table(bench, sweep, impl)
+    if vs.empty:
+        return f"No fp32 configuration was measured for both {impl} and a reference."
+    parts = []
+    for ref, g in vs.groupby("reference", sort=False):
+        slower = g[g["verdict"] == "slower"]
+        e2e = slower[slower["pass"] == "e2e"]
+        counts = ", ".join(f"{p} {int((slower['pass'] == p).sum())}/{int((g['pass'] == p).sum())}" for p in PASSES)
+        where = (": end to end on " + ", ".join(f"{r.shape} ({fmt(r.speedup, 2)}x)" for r in e2e.itertuples())
+                 if len(e2e) else "")
+        parts.append(f"than {ref} it is slower beyond the noise in {counts}{where}" if len(slower)
+                     else f"it is never slower than {ref} beyond the noise")
+    ever = (vs["verdict"] == "slower").any()
+    return (f"{'Yes' if ever else 'No'}: in fp32 (batch 1, one head) {impl} " + "; ".join(parts) + ".")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The course's timing test
+
+
+def course_goal(row: pd.Series, goal_ms: float = fl.COURSE_GOAL_MS) -> GoalCheck:
+    """``mean ms <= goal_ms`` decided within the measured spread of the timing (the goal has none)."""
+    n = int(row.get("n", 0) or 0)
+    return GoalCheck(compare_summaries(row["mean_ms"], row["std_ms"], n, goal_ms, 0.0, 2), 1.0)
+
+
+def course_table(course: pd.DataFrame, goal_ms: float = fl.COURSE_GOAL_MS) -> pd.DataFrame:
+    """The timing test's rows with the goal's verdict (met / missed / undecided; not evaluated on the CPU)."""
+    words = [course_goal(r, goal_ms).word if not _on_cpu(r) else "not evaluated (CPU)" for _, r in course.iterrows()]
+    cols = ["compiled", "batch", "seq_len", "d", "dtype", "ms", "std_ms", "n", "gpu"]
+    return course[[c for c in cols if c in course.columns]].assign(goal_ms=goal_ms, goal=words)
+
+
+def _on_cpu(row: pd.Series) -> bool:
+    return str(row.get("gpu", "cpu")).lower() in ("cpu", "nan")
+
+
+def course_sentence(course: pd.DataFrame, goal_ms: float = fl.COURSE_GOAL_MS) -> str:
+    """The course test's times against its H100 goal, saying which device ran them and whether the goal
+    applies there."""
+    if course.empty:
+        return "The timing test did not run."
+    gpu = str(course["gpu"].iloc[0]) if "gpu" in course.columns else "unknown"
+    r0 = course.iloc[0]
+    shape = f"{int(r0['batch'])} x {int(r0['seq_len'])} x {int(r0['d'])}, bf16, causal"
+    times = "; ".join(f"{'compiled' if bool(r['compiled']) else 'eager'} {fmt(r['ms'])} ms (± {fmt(r['std_ms'], 2)}, "
+                      f"{int(r['n'])} samples)" for _, r in course.iterrows())
+    if gpu.lower() in ("cpu", "nan"):
+        return (f"Forward + backward at {shape} on the CPU: {times}. " + INTERPRETED_SHORT +
+                f" The course's goal ({goal_ms:g} ms at 16 x 16384 x 64 on an H100) is not evaluated.")
+    verdicts = "; ".join(f"{'compiled' if bool(r['compiled']) else 'eager'}: "
+                         f"{course_goal(r, goal_ms).describe('time', f'{goal_ms:g} ms')}"
+                         for _, r in course.iterrows())
+    if "H100" in gpu:
+        where = f"It ran on an {gpu}, the GPU the goal is set for: the goal applies."
+    else:
+        where = (f"It ran on {gpu}, not an H100: the goal is set for an H100, so the verdict below is only a "
+                 "pointer, not a pass or fail.")
+    return f"Forward + backward at {shape}: {times}. {where} Against {goal_ms:g} ms: {verdicts}."
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The language model
+
+
+def _versus_row(row: pd.Series, ref: pd.DataFrame, mode: str) -> tuple[float, str]:
+    if ref.empty:
+        return math.nan, ""
+    e = ref.iloc[0]
+    c = compare_summaries(row[f"{mode}_ms"], row[f"{mode}_std_ms"], int(row["steps"]), e[f"{mode}_ms"],
+                          e[f"{mode}_std_ms"], int(e["steps"]))
+    return c.speedup, c.verdict
+
+
+def lm_versus(lm: pd.DataFrame, mode: str = "step") -> pd.DataFrame:
+    """One row per LM variant: its mean ``mode`` time (ms) and peak (GiB); against SDPA with the same
+    ``compile`` setting (``speedup_vs_sdpa`` = SDPA / this, > 1: faster) and, when compiled, against its own
+    eager run (``speedup_vs_eager``), each with its verdict (``compare_summaries`` over the timed steps).
+    A variant that did not run is a row whose ``verdict_vs_sdpa`` is its status; interpreted (CPU) rows get
+    no verdicts."""
+    ok = lm[lm["status"] == "ok"].assign(compile=lambda x: x["compile"].astype(bool))
+    claims = not interpreted(lm)
+    rows = []
+    for _, r in ok.iterrows():
+        sdpa = ok[(ok["attention"] == "sdpa") & (ok["compile"] == r["compile"])]
+        eager = ok[(ok["attention"] == r["attention"]) & ~ok["compile"]]
+        vs_sdpa = _versus_row(r, sdpa if r["attention"] != "sdpa" else sdpa.iloc[0:0], mode)
+        vs_eager = _versus_row(r, eager if r["compile"] else eager.iloc[0:0], mode)
+        rows.append(dict(attention=r["attention"], compile=r["compile"], ms=r[f"{mode}_ms"],
+                         std_ms=r[f"{mode}_std_ms"], peak_gib=r.get(f"{mode}_peak_gib", math.nan),
+                         speedup_vs_sdpa=vs_sdpa[0], verdict_vs_sdpa=vs_sdpa[1] if claims else "",
+                         speedup_vs_eager=vs_eager[0], verdict_vs_eager=vs_eager[1] if claims else ""))
+    for _, r in lm[lm["status"] != "ok"].iterrows():
+        rows.append(dict(attention=r["attention"], compile=bool(r["compile"]), ms=math.nan,
+                         verdict_vs_sdpa=r["status"]))
+    return pd.DataFrame(rows, columns=["attention", "compile", "ms", "std_ms", "peak_gib", "speedup_vs_sdpa",
+                                       "verdict_vs_sdpa", "speedup_vs_eager", "verdict_vs_eager"])
+
+
+def lm_sentence(lm: pd.DataFrame, versus: pd.DataFrame) -> str:
+    """The train step with FlashAttention-Triton against SDPA, eager and compiled, with verdicts, and what
+    compiling did to each (on the CPU: the times and the interpreter caveat, no claim)."""
+    if lm.empty:
+        return "The model was not measured."
+    r0 = lm.iloc[0]
+    where = f"{r0['size']} train step (batch {int(r0['batch'])}, context {int(r0['context'])}, {r0['dtype']})"
+    ran = versus[versus["ms"].notna()]
+    flash = ran[ran["attention"] == "flash_triton"]
+    if flash.empty:
+        return f"{where}: FlashAttention-Triton did not run (see the table)."
+    sdpa = ran[ran["attention"] == "sdpa"].set_index("compile")["ms"]
+    claims = not interpreted(lm)
+    words = {"faster": "faster than SDPA", "slower": "slower than SDPA", "within noise": "within noise of SDPA"}
+    parts = []
+    for _, r in flash.iterrows():
+        reference = fmt(sdpa.get(r["compile"], math.nan), 4)
+        clause = f"{'compiled' if r['compile'] else 'eager'} {fmt(r['ms'], 4)} ms vs SDPA {reference} ms"
+        if claims and r["verdict_vs_sdpa"]:
+            clause += f" ({fmt(r['speedup_vs_sdpa'])}x, {words[r['verdict_vs_sdpa']]})"
+        parts.append(clause)
+    text = f"{where} with FlashAttention-Triton: " + "; ".join(parts) + "."
+    compiled = ran[ran["verdict_vs_eager"].astype(str) != ""]
+    if claims and len(compiled):
+        text += " Compiling the model: " + "; ".join(
+            f"{r['attention']} {fmt(r['speedup_vs_eager'])}x ({r['verdict_vs_eager']})" for _, r in compiled.iterrows()
+        ) + " (eager time / compiled time)."
+    if not claims:
+        text += " " + INTERPRETED_SHORT
+    failed = lm[lm["status"] != "ok"]
+    if len(failed):
+        text += " Did not run: " + ", ".join(f"{r['attention']}{' compiled' if bool(r['compile']) else ''} "
+                                              f"({r['status']})" for _, r in failed.iterrows()) + "."
+    return text

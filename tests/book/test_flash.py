@@ -1,0 +1,207 @@
+"""lab.book.flash: notebook 05's settings, tables and sentences, from small synthetic tables."""
+
+import math
+
+import matplotlib
+import pandas as pd
+import pytest
+
+from lab.bench import flash as fl
+from lab.book import flash as present
+
+matplotlib.use("Agg")
+
+GPU = "NVIDIA H100 80GB HBM3"
+
+
+def _knobs(**given):
+    knobs = dict(check_impls=None, check_ds=None, check_dtypes=["bf16", "fp32"], check_seq=None,
+                 impls=["triton", "sdpa"], shapes=None, dtypes=["bf16", "fp16"], pytorch_flash_max_seq=None,
+                 pytorch_flash_dtypes=["bf16"], fp32_impls=["triton", "sdpa", "pytorch_naive"], fp32_seqs=None,
+                 fp32_ds=None, warmup_ms=5, rep_ms=20, cpu_steps=2, course_shape=None, course_compile=None,
+                 course_goal_ms=4.6, lm_size=None, lm_context=None, lm_batch=None, lm_dtype=None, lm_compile=None,
+                 lm_warmup=None, lm_steps=None)
+    knobs.update(given)
+    return knobs
+
+
+def test_settings_profiles_shapes_and_variants():
+    full = present.settings(False, "cuda", **_knobs())
+    assert full.shapes == fl.LM_SHAPES and full.check_ds == (64, 80, 96, 128) and full.lm_size == "2.7B"
+    assert full.course_shape == (16, 16384, 64) and full.course_compile == (True, False)
+    assert full.lm_variants == [dict(attention="sdpa", compile=False), dict(attention="flash_triton", compile=False),
+                                dict(attention="sdpa", compile=True), dict(attention="flash_triton", compile=True)]
+    sweeps = full.sweeps
+    assert sweeps["lm"]["dtypes"] == ("bf16", "fp16") and sweeps["fp32"]["dtypes"] == ("fp32",)
+    assert len(sweeps["fp32"]["shapes"]) == 6 and sweeps["lm"]["skip"]("pytorch_flash", fl.LM_SHAPES[0], "bf16")
+    quick = present.settings(True, "cpu", **_knobs(shapes=[[1, 2, 32, 16, True]]))
+    assert quick.shapes == (fl.Shape(1, 2, 32, 16, True),) and quick.lm_variants == [
+        dict(attention="sdpa", compile=False), dict(attention="flash_triton", compile=False)]
+    assert "triton_compiled_bwd" not in quick.check_impls and quick.course_compile == (False,)
+    assert quick.params()["shapes"] == [[1, 2, 32, 16, True]]
+
+
+def _errors(impl, dtype, d, worst, status="ok"):
+    e = worst if status == "ok" else math.nan
+    return dict(impl=impl, dtype=dtype, d=d, seq_len=64, out=e / 2, dq=e, dk=e / 3, dv=e / 4, status=status,
+                note="" if status == "ok" else "not supported: ValueError: head dimension d=80 is not supported")
+
+
+def test_correctness_summary_and_sentence():
+    errors = pd.DataFrame([
+        _errors("pytorch_naive", "bf16", 64, 1e-2), _errors("pytorch_naive", "bf16", 80, 2e-2),
+        _errors("triton", "bf16", 64, 2e-2), _errors("triton", "bf16", 80, 0, status="unsupported"),
+        _errors("sdpa_cudnn", "bf16", 64, 0, status="unsupported"),
+        _errors("sdpa_cudnn", "bf16", 80, 0, status="unsupported"),
+        _errors("pytorch_naive", "fp32", 64, 5e-8), _errors("sdpa", "fp32", 64, 2e-7)])
+    s = present.correctness_summary(errors).set_index(["impl", "dtype"])
+    assert s.loc[("triton", "bf16"), "ratio_to_naive"] == pytest.approx(2.0)
+    assert s.loc[("triton", "bf16"), "verdict"] == "agrees" and s.loc[("triton", "bf16"), "unsupported_d"] == "80"
+    assert s.loc[("sdpa_cudnn", "bf16"), "verdict"] == "not supported"
+    # naive fp32's error 5e-8 is below the floor of one fp32 epsilon (1.19e-7): the ratio is taken to the floor
+    assert s.loc[("sdpa", "fp32"), "ratio_to_naive"] == pytest.approx(2e-7 / 2**-23)
+    text = present.correctness_sentence(present.correctness_summary(errors))
+    assert text.startswith("Every implementation that ran agrees with float64")
+    assert "the worst is triton in bf16 at 2x" in text
+    assert "Not supported here: triton bf16 at d = 80; sdpa_cudnn bf16" in text
+    bad = pd.concat([errors, pd.DataFrame([_errors("triton", "fp32", 64, 1e-3)])], ignore_index=True)
+    text = present.correctness_sentence(present.correctness_summary(bad))
+    assert text.startswith("Errors beyond the dtype's rounding (more than 4x naive PyTorch's): triton fp32")
+
+
+def _row(impl, shape, dtype, ms, std=0.01, n=50, sweep="lm", status="ok", note="", gpu=GPU):
+    row = dict(sweep=sweep, impl=impl, dtype=dtype, batch=shape.batch, heads=shape.heads, seq_len=shape.seq,
+               d=shape.d, causal=shape.causal, gpu=gpu, status=status, note=note)
+    for p, factor in (("fwd", 1.0), ("bwd", 2.0), ("e2e", 3.0)):
+        t = ms * factor if status == "ok" else math.nan
+        row.update({f"{p}_ms": t, f"{p}_mean_ms": t, f"{p}_std_ms": std * t, f"{p}_n": n if status == "ok" else 0})
+    return row
+
+
+A, B = fl.Shape(1, 16, 4096, 64), fl.Shape(8, 16, 2048, 128, False)
+
+
+def _bench(gpu=GPU):
+    rows = [_row("triton", A, "bf16", 1.0, gpu=gpu), _row("sdpa", A, "bf16", 1.2, gpu=gpu),
+            _row("sdpa_cudnn", A, "bf16", 1.0, std=0.2, n=5, gpu=gpu),
+            _row("pytorch_flash", A, "bf16", 0, status="skipped", note="not run beyond 2048 tokens", gpu=gpu),
+            _row("triton", B, "bf16", 2.0, gpu=gpu), _row("sdpa", B, "bf16", 1.0, gpu=gpu),
+            _row("sdpa_cudnn", B, "bf16", 0, status="unsupported", note="not supported: no kernel", gpu=gpu),
+            _row("pytorch_flash", B, "bf16", 50.0, gpu=gpu),
+            _row("triton", fl.Shape(1, 1, 1024, 64), "fp32", 1.0, sweep="fp32", gpu=gpu),
+            _row("sdpa", fl.Shape(1, 1, 1024, 64), "fp32", 0.5, sweep="fp32", gpu=gpu),
+            _row("pytorch_naive", fl.Shape(1, 1, 1024, 64), "fp32", 2.0, sweep="fp32", gpu=gpu)]
+    return fl.add_tflops(pd.DataFrame(rows))
+
+
+def test_latency_and_status_tables():
+    bench = _bench()
+    lat = present.latency_table(bench, "lm")
+    assert lat.columns.tolist() == ["shape", "dtype", "triton", "sdpa", "sdpa_cudnn", "pytorch_flash"]
+    assert lat.iloc[0]["shape"] == "1x16x4096 d64 causal" and lat.iloc[0]["triton"] == "1 / 2 / 3"
+    assert lat.iloc[0]["pytorch_flash"] == "skipped" and lat.iloc[1]["sdpa_cudnn"] == "unsupported"
+    st = present.status_table(bench)
+    assert st["status"].tolist() == ["skipped", "unsupported"] and "2048" in st["note"].iloc[0]
+    assert present.status_sentence(bench) == ("9 of 11 configurations ran. The rest: pytorch_flash skipped ×1; "
+                                              "sdpa_cudnn unsupported ×1 (the table gives each reason).")
+
+
+def test_speedups_sentences_and_heatmap():
+    bench = _bench()
+    sp = present.speedup_table(bench, "lm")
+    e2e = sp[sp["pass"] == "e2e"].set_index(["shape", "reference"])
+    assert e2e.loc[("1x16x4096 d64 causal", "sdpa"), "speedup"] == pytest.approx(1.2)
+    assert e2e.loc[("1x16x4096 d64 causal", "sdpa"), "verdict"] == "faster"
+    assert e2e.loc[("1x16x4096 d64 causal", "sdpa_cudnn"), "verdict"] == "within noise"
+    assert e2e.loc[("8x16x2048 d128 full", "sdpa"), "verdict"] == "slower"
+    assert e2e.loc[("8x16x2048 d128 full", "pytorch_flash"), "speedup"] == pytest.approx(25.0)
+    shown = present.speedup_display(sp, "e2e")
+    assert shown.iloc[0]["sdpa"] == "1.2x faster" and shown.iloc[0]["sdpa_cudnn"] == "1x ≈"
+    assert present.speedup_display(sp, "e2e", interpreted_=True).iloc[0]["sdpa"] == "1.2x"
+    text = present.speed_sentence(sp)
+    assert text.startswith("Triton, end to end (forward + backward): against sdpa faster on 1, slower on 1, "
+                           "within noise on 0 of 2 (speedup 0.5–1.2x)")
+    assert "against sdpa_cudnn faster on 0, slower on 0, within noise on 1 of 1" in text
+    assert present.speed_sentence(sp, interpreted_=True) == present.INTERPRETED_SHORT
+    assert present.plot_speedup_heatmap(sp) is not None
+    tf = present.tflops_table(bench, "lm")
+    assert tf.iloc[0]["triton"] == pytest.approx(fl.attention_flops(1, 4096, 64, True, "e2e", heads=16) / 3e-3 / 1e12)
+    assert "Triton reaches bf16: at best" in present.tflops_sentence(bench)
+
+
+def test_goals_sentence():
+    bench = _bench()
+    goals = fl.flash_goals(bench)
+    shown = present.goals_display(goals)
+    assert shown["shape"].tolist() == ["1x16x4096 d64 causal", "8x16x2048 d128 full"]
+    text = present.goals_sentence(goals)
+    assert text.startswith("The goals (fwd ≥ 1x, bwd ≥ 0.9x, e2e ≥ 0.95x SDPA's speed) do not all hold: "
+                           "fwd: 1 met, 1 missed, 0 undecided of 2")
+    assert "Furthest from its goal: fwd on 8x16x2048 d128 full bf16 at 0.5x against a goal of 1x (50% below it)" in text
+    met = fl.flash_goals(bench[bench["seq_len"] == 4096])
+    assert present.goals_sentence(met).startswith("All goals met on all 1 configurations")
+    assert "No configuration qualifies" in present.goals_sentence(fl.flash_goals(bench[bench["heads"] < 16]))
+    assert "not evaluated on interpreted Triton" in present.goals_sentence(goals, interpreted_=True)
+
+
+def test_fp32_sentence_says_whether_triton_is_ever_slower():
+    text = present.fp32_sentence(_bench())
+    assert text.startswith("Yes: in fp32 (batch 1, one head) triton than sdpa it is slower beyond the noise in "
+                           "fwd 1/1, bwd 1/1, e2e 1/1: end to end on 1x1x1024 d64 causal (0.5x)")
+    assert "it is never slower than pytorch_naive beyond the noise" in text
+    faster = _bench()
+    faster.loc[(faster["sweep"] == "fp32") & (faster["impl"] == "sdpa"), ["fwd_mean_ms", "bwd_mean_ms",
+                                                                          "e2e_mean_ms"]] = [5.0, 10.0, 15.0]
+    assert present.fp32_sentence(faster).startswith("No: in fp32")
+    assert "GPU question" in present.fp32_sentence(_bench(), interpreted_=True)
+
+
+def test_interpreted_is_read_from_the_rows():
+    assert present.interpreted(_bench(gpu="cpu")) and not present.interpreted(_bench())
+    assert present.interpreted(pd.DataFrame(dict(device=["cpu"])))
+    assert not present.interpreted(pd.DataFrame(dict(device=["cuda:0"])))
+
+
+def _course(ms, std, gpu, compiled=True, n=20):
+    return dict(test="course flash timing", compiled=compiled, batch=16, seq_len=16384, d=64, dtype="bf16",
+                causal=True, ms=ms, mean_ms=ms, std_ms=std, n=n, gpu=gpu, goal_ms=4.6)
+
+
+def test_course_sentence_and_goal():
+    h100 = pd.DataFrame([_course(4.0, 0.05, GPU), _course(4.59, 0.3, GPU, compiled=False)])
+    assert present.course_table(h100)["goal"].tolist() == ["met", "undecided (within noise)"]
+    text = present.course_sentence(h100)
+    assert "compiled 4 ms (± 0.05, 20 samples); eager 4.59 ms" in text
+    assert "the GPU the goal is set for: the goal applies" in text and "compiled: goal time <= 1x 4.6 ms: met" in text
+    h200 = pd.DataFrame([_course(5.0, 0.05, "NVIDIA H200")])
+    text = present.course_sentence(h200)
+    assert "It ran on NVIDIA H200, not an H100" in text and "missed" in text
+    cpu = pd.DataFrame([_course(400.0, 10.0, "cpu", compiled=False, n=2)])
+    assert present.course_table(cpu)["goal"].tolist() == ["not evaluated (CPU)"]
+    assert "is not evaluated" in present.course_sentence(cpu) and present.INTERPRETED_SHORT in \
+        present.course_sentence(cpu)
+
+
+def _lm(attention, compile, step, std=0.01, device="cuda:0", status="ok"):
+    return dict(size="2.7B", context=512, batch=4, dtype="bf16", attention=attention, compile=compile, steps=5,
+                step_ms=step, step_std_ms=std * step, step_peak_gib=40.0, device=device, status=status)
+
+
+def test_lm_versus_and_sentence():
+    lm = pd.DataFrame([_lm("sdpa", False, 400.0), _lm("flash_triton", False, 380.0),
+                       _lm("sdpa", True, 300.0), _lm("flash_triton", True, 301.0, std=0.2)])
+    vs = present.lm_versus(lm).set_index(["attention", "compile"])
+    assert vs.loc[("flash_triton", False), "speedup_vs_sdpa"] == pytest.approx(400 / 380)
+    assert vs.loc[("flash_triton", False), "verdict_vs_sdpa"] == "faster"
+    assert vs.loc[("flash_triton", True), "verdict_vs_sdpa"] == "within noise"
+    assert vs.loc[("sdpa", True), "verdict_vs_eager"] == "faster" and vs.loc[("sdpa", False), "verdict_vs_sdpa"] == ""
+    text = present.lm_sentence(lm, present.lm_versus(lm))
+    assert text.startswith("2.7B train step (batch 4, context 512, bf16) with FlashAttention-Triton: eager 380 ms vs "
+                           "SDPA 400 ms (1.05x, faster than SDPA); compiled 301 ms vs SDPA 300 ms")
+    assert "within noise of SDPA" in text and "Compiling the model: sdpa 1.33x (faster)" in text
+    cpu = pd.DataFrame([_lm("sdpa", False, 400.0, device="cpu"), _lm("flash_triton", False, 4000.0, device="cpu")])
+    text = present.lm_sentence(cpu, present.lm_versus(cpu))
+    assert "slower" not in text and present.INTERPRETED_SHORT in text
+    assert (present.lm_versus(cpu)["verdict_vs_sdpa"] == "").all()
+    failed = pd.DataFrame([_lm("sdpa", False, 400.0), _lm("flash_triton", False, math.nan, status="oom")])
+    assert "FlashAttention-Triton did not run" in present.lm_sentence(failed, present.lm_versus(failed))
