@@ -8,6 +8,7 @@ The notebooks in ``notebooks/`` are only read, never written.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -130,8 +131,37 @@ def run_notebook(notebook: Path, output: Path, parameters: dict, log_output: boo
         evalue = (exc.evalue or "").strip().splitlines()
         raise NotebookFailed(f"{notebook.name}: cell {exc.exec_count} raised {exc.ename}: "
                              f"{evalue[0] if evalue else ''} (partial output kept in {failed})") from None
+    strip_progress_bars(tmp)
     tmp.replace(output)
     return output
+
+
+_BAR = re.compile(r"\d+%\|.*\||\d+(?:\.\d+)?(?:it/s|s/it)\]")
+
+
+def strip_progress_bars(executed: Path) -> int:
+    """Remove progress-bar lines (tqdm writes them to stderr) from an executed notebook's stored outputs: a
+    report keeps results, not the terminal's animation. Returns the number of lines removed."""
+    import json
+
+    nb = json.loads(Path(executed).read_text())
+    removed = 0
+    for cell in nb.get("cells", []):
+        kept = []
+        for out in cell.get("outputs", []):
+            if out.get("output_type") == "stream" and out.get("name") == "stderr":
+                text = "".join(out.get("text", ""))
+                lines = [ln for ln in re.split(r"(?<=[\r\n])", text) if ln]
+                clean = [ln for ln in lines if not _BAR.search(ln)]
+                removed += len(lines) - len(clean)
+                if not "".join(clean).strip():
+                    continue
+                out["text"] = "".join(clean)
+            kept.append(out)
+        if "outputs" in cell:
+            cell["outputs"] = kept
+    Path(executed).write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
+    return removed
 
 
 def export_html(executed: Path) -> Path | None:

@@ -37,11 +37,13 @@ def git_commit() -> str:
 
 
 def _triton_version() -> str | None:
-    try:
-        import triton
+    """Triton's version from its package metadata (importing it here would fix Triton's interpreter switch
+    before lab sets it)."""
+    from importlib import metadata
 
-        return triton.__version__
-    except Exception:  # noqa: BLE001 - any import failure means "not available"
+    try:
+        return metadata.version("triton")
+    except metadata.PackageNotFoundError:
         return None
 
 
