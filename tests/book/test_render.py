@@ -42,9 +42,10 @@ def test_cli_errors_are_one_line(argv, phrase, capsys):
 def test_progress_bars_are_stripped_from_stored_outputs(tmp_path):
     import json
 
+    bars = ["lm sweep:  50%|#####     | 2/4 [00:01<00:01,  1.9it/s]\r",
+            "lm sweep: 100%|##########| 4/4 [00:02<00:00,  1.9it/s]\n"]
     nb = {"cells": [{"cell_type": "code", "outputs": [
-        {"output_type": "stream", "name": "stderr", "text": ["lm sweep:  50%|#####     | 2/4 [00:01<00:01,  1.9it/s]\r",
-                                                              "lm sweep: 100%|##########| 4/4 [00:02<00:00,  1.9it/s]\n"]},
+        {"output_type": "stream", "name": "stderr", "text": bars},
         {"output_type": "stream", "name": "stderr", "text": ["a real warning\n"]},
         {"output_type": "stream", "name": "stdout", "text": ["50%|kept on stdout|\n"]}]}]}
     path = tmp_path / "nb.ipynb"
