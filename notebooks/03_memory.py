@@ -47,11 +47,12 @@ top_allocations = 10
 
 # %%
 from lab.bench import memory as bench_memory
+from lab.bench import memory_setup
 from lab.book import memory as memory_book
-from lab.book import plots, report
+from lab.book import plots, report, snapshot_pages
 from lab.book.report import shown
 
-setup = bench_memory.MemorySetup.resolve(
+setup = memory_setup.MemorySetup.resolve(
     quick, size=size, batch=batch, dtype=dtype, timeline_context=timeline_context, peak_contexts=peak_contexts,
     peak_dtypes=peak_dtypes, block_context=block_context, checkpoint_context=checkpoint_context,
     checkpoint_group_sizes=checkpoint_group_sizes, compile_rmsnorm=compile_rmsnorm, max_entries=max_entries,
@@ -71,7 +72,7 @@ book.show_answers()
 # per element):
 
 # %%
-residual = book.table("memory_residual_stream", lambda: bench_memory.residual_stream_table(setup))
+residual = book.table("memory_residual_stream", lambda: memory_setup.residual_stream_table(setup))
 report.show_table(shown(residual), floatfmt=".4g")
 report.say(memory_book.residual_sentence(residual, setup))
 book.answer("How large is the residual stream?", memory_book.residual_sentence(residual, setup),
@@ -88,31 +89,31 @@ book.answer("How large is the residual stream?", memory_book.residual_sentence(r
 # %%
 phases = book.table("memory_timeline_phases", exp.record_timelines)
 report.show_table(memory_book.phase_peaks_display(phases, "forward"), floatfmt=".4g")
-memory_book.show_timeline(exp.snapshot_path("forward"),
-                          f"{setup.size}: one forward pass (context {setup.timeline_context}, {setup.dtype})");
+snapshot_pages.show_timeline(exp.snapshot_path("forward"),
+                             f"{setup.size}: one forward pass (context {setup.timeline_context}, {setup.dtype})");
 
 # %%
 report.show_table(memory_book.phase_peaks_display(phases, "train_step"), floatfmt=".4g")
 report.say(memory_book.timeline_sentences(phases, setup.parameter_bytes))
 book.answer("Which phase is each timeline's peak?", memory_book.timeline_answer(phases),
             section="Timelines: a forward pass, and two training steps")
-memory_book.show_timeline(exp.snapshot_path("train_step"),
-                          f"{setup.size}: two AdamW steps (context {setup.timeline_context}, {setup.dtype})");
+snapshot_pages.show_timeline(exp.snapshot_path("train_step"),
+                             f"{setup.size}: two AdamW steps (context {setup.timeline_context}, {setup.dtype})");
 
 # %% [markdown]
 # ### Opening a snapshot in a browser, online or not
 #
 # torch's memory_viz page (`torch.cuda._memory_viz.trace_plot`) embeds the snapshot but imports its viewer
 # script, `MemoryViz.js`, from a CDN: without a network it is a blank page. So each snapshot also gets a
-# self-contained page, `lab.book.memory.offline_snapshot_html`: the timeline above as an embedded PNG, the
+# self-contained page, `lab.book.snapshot_pages.offline_snapshot_html`: the timeline above as an embedded PNG, the
 # peak of each phase and the largest allocations, no script at all. The table says what each page loads
 # from the web, read off the pages themselves.
 
 # %%
-pages = memory_book.export_snapshot_pages(exp.artifacts, ["forward", "train_step"])
+pages = snapshot_pages.export_snapshot_pages(exp.artifacts, ["forward", "train_step"])
 report.show_table(pages)
-report.say(memory_book.pages_sentence(pages))
-book.answer("Which snapshot page works offline?", memory_book.pages_sentence(pages),
+report.say(snapshot_pages.pages_sentence(pages))
+book.answer("Which snapshot page works offline?", snapshot_pages.pages_sentence(pages),
             section="Opening a snapshot in a browser, online or not")
 
 # %% [markdown]
@@ -232,7 +233,7 @@ book.answer("What does a block save for the backward, and what does fusing RMSNo
 
 # %%
 ck_model = book.table("memory_checkpoint_model",
-                      lambda: bench_memory.checkpoint_model(setup, ops["bytes"].sum(), ops["context"].iloc[0]))
+                      lambda: memory_setup.checkpoint_model(setup, ops["bytes"].sum(), ops["context"].iloc[0]))
 report.show_table(shown(ck_model), floatfmt=".4g")
 report.say(memory_book.checkpoint_model_sentence(ck_model, setup.model.num_layers, setup.checkpoint_context))
 

@@ -50,7 +50,8 @@ from lab.accounting.ring_sim import check_closed_forms
 from lab.bench import accounting as bench_accounting
 from lab.book import accounting as acc_book
 from lab.book import plots, report
-from lab.book.memory import shown
+from lab.book import xxl as xxl_book
+from lab.book.report import shown
 from lab.model.transformer import ModelConfig
 
 book = report.Chapter("09_accounting", dict(
@@ -118,11 +119,11 @@ acc_book.memory_figure(memory, batch, context);
 # **(a)** fp32 state, bf16 activations and H100s:
 
 # %%
-acc_book.show_xxl_equations();
+xxl_book.show_xxl_equations();
 xxl = book.table("accounting_xxl_memory", lambda: bench_accounting.xxl_table(xxl_tokens))
-report.show_table(acc_book.xxl_display(xxl), floatfmt=",.4g")
-report.say(acc_book.xxl_sentence(xxl))
-book.answer("XXL (a): fp32 state, bf16 activations, H100s?", acc_book.xxl_answer(xxl),
+report.show_table(xxl_book.xxl_display(xxl), floatfmt=",.4g")
+report.say(xxl_book.xxl_sentence(xxl))
+book.answer("XXL (a): fp32 state, bf16 activations, H100s?", xxl_book.xxl_answer(xxl),
             section="2 · The XXL FFN-only model")
 
 # %% [markdown]
@@ -132,9 +133,9 @@ book.answer("XXL (a): fp32 state, bf16 activations, H100s?", acc_book.xxl_answer
 
 # %%
 fsdp = book.table("accounting_xxl_fsdp", lambda: bench_accounting.xxl_fsdp_table(xxl_token_counts))
-report.show_table(acc_book.fsdp_display(fsdp), floatfmt=",.1f")
-report.say(acc_book.fsdp_sentence(fsdp))
-book.answer("XXL (b): per-device memory with FSDP, and N for 95 GB?", acc_book.fsdp_answer(fsdp, xxl_tokens),
+report.show_table(xxl_book.fsdp_display(fsdp), floatfmt=",.1f")
+report.say(xxl_book.fsdp_sentence(fsdp))
+book.answer("XXL (b): per-device memory with FSDP, and N for 95 GB?", xxl_book.fsdp_answer(fsdp, xxl_tokens),
             section="2 · The XXL FFN-only model")
 
 # %% [markdown]
@@ -146,7 +147,7 @@ book.answer("XXL (b): per-device memory with FSDP, and N for 95 GB?", acc_book.f
 # forward of the question's two matrices:
 
 # %%
-acc_book.show_tpu_equations();
+xxl_book.show_tpu_equations();
 
 # %% [markdown]
 # Compute bound means both communications hide behind the math:
@@ -157,8 +158,8 @@ acc_book.show_tpu_equations();
 # %%
 tpu = book.table("accounting_tpu_batch", lambda: bench_accounting.tpu_batch_table(**tpu_mesh))
 report.show_table(shown(tpu), floatfmt=",.1f")
-report.say(acc_book.tpu_sentence(tpu, tpu_mesh))
-book.answer("XXL (c): at what per-device and overall batch is the forward compute bound?", acc_book.tpu_answer(tpu),
+report.say(xxl_book.tpu_sentence(tpu, tpu_mesh))
+book.answer("XXL (c): at what per-device and overall batch is the forward compute bound?", xxl_book.tpu_answer(tpu),
             section="2 · The XXL FFN-only model")
 
 # %% [markdown]
@@ -168,9 +169,9 @@ book.answer("XXL (c): at what per-device and overall batch is the forward comput
 
 # %%
 tricks = book.table("accounting_tpu_tricks", lambda: bench_accounting.tpu_tricks_table(**tpu_mesh))
-report.show_table(acc_book.tricks_display(shown(tricks)), floatfmt=",.0f")
-report.say(acc_book.tricks_sentence(tricks))
-book.answer("XXL (d): which tricks keep throughput at a smaller batch?", acc_book.tricks_answer(tricks),
+report.show_table(xxl_book.tricks_display(shown(tricks)), floatfmt=",.0f")
+report.say(xxl_book.tricks_sentence(tricks))
+book.answer("XXL (d): which tricks keep throughput at a smaller batch?", xxl_book.tricks_answer(tricks),
             section="2 · The XXL FFN-only model")
 
 # %% [markdown]

@@ -2,20 +2,19 @@
 its phases (and each block's backward) marked, gradient memory per block, peak memory by phase, context and
 dtype, what one block and one RMSNorm save for the backward, and the activation-checkpointing sweep.
 
-:class:`MemorySetup` is the configuration (every size and switch, resolved from a notebook's parameters);
-:class:`MemoryExperiment` runs the measurements on a model it builds on first use, so a replayed render
-(tables read back from ``results/``) never builds the model. Every measurement returns a DataFrame.
+:class:`~lab.bench.memory_setup.MemorySetup` is the configuration (every size and switch, resolved from a
+notebook's parameters); :class:`MemoryExperiment` runs the measurements on a model it builds on first use, so
+a replayed render (tables read back from ``results/``) never builds the model. Every measurement returns a
+DataFrame.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import torch
 from torch import nn
 
 from lab import paths
+from lab.bench.memory_setup import MemorySetup
 from lab.dtypes import autocast, autocast_dtype
 from lab.measure.device import empty_cache, error_summary, is_oom, resolve_device
 from lab.measure.memory_snapshot import MemoryRecording, load_marks, load_snapshot, record_memory_snapshot
@@ -38,8 +38,8 @@ from lab.measure.memory_timeline import (
 from lab.measure.profiling import silenced_native_stderr
 from lab.measure.step import TrainStep, make_optimizer, peak_memory_by_phase, random_batch
 from lab.measure.timing import time_callable
-from lab.model import ModelConfig, RMSNorm, TransformerLM, config_for
-from lab.model.checkpointing import activation_checkpointing, checkpoint_memory_table, residual_stream_bytes
+from lab.model import RMSNorm, TransformerLM
+from lab.model.checkpointing import activation_checkpointing
 
 MiB = 2**20
 GiB = 2**30
@@ -243,105 +243,7 @@ def checkpoint_sweep(model: nn.Module, tokens: torch.Tensor, targets: torch.Tens
 
 
 # ----------------------------------------------------------------------------------------------------------
-# the notebook's configuration and experiments
-
-
-@dataclass(frozen=True)
-class MemorySetup:
-    """Every size and switch of the memory experiments, with the defaults of the full (GPU) profile.
-
-    ``model`` is the model's configuration (its ``context_length`` covers every context used);
-    ``dtype`` the training dtype of the timelines, block accounting and checkpointing sweep;
-    ``peak_contexts`` x ``peak_dtypes`` the grid of the peak-memory table. Build it with :meth:`resolve`.
-    """
-
-    size: str
-    model: ModelConfig
-    batch: int = 4
-    dtype: str = "fp32"
-    timeline_context: int = 512
-    peak_contexts: tuple[int, ...] = (128, 256, 512, 2048)
-    peak_dtypes: tuple[str, ...] = ("fp32", "bf16")
-    block_context: int = 2048
-    checkpoint_context: int = 2048
-    checkpoint_group_sizes: tuple[int | None, ...] = (None, 1, 2, 4, 8, 16, 32)
-    compile_rmsnorm: bool = True
-    max_entries: int = 1_000_000
-    timing_steps: int = 2
-
-    @classmethod
-    def resolve(cls, quick: bool, size: str | None = None, batch: int = 4, dtype: str = "fp32",
-                timeline_context: int | None = None, peak_contexts: Sequence[int] | None = None,
-                peak_dtypes: Sequence[str] = ("fp32", "bf16"), block_context: int | None = None,
-                checkpoint_context: int | None = None, checkpoint_group_sizes: Sequence[int | None] | None = None,
-                compile_rmsnorm: bool = True, max_entries: int = 1_000_000, timing_steps: int = 2) -> MemorySetup:
-        """Fill every ``None`` with the profile's default: the 2.7B model at contexts 512 (timelines), 128, 256,
-        512 and 2048 (peaks) and 2048 (blocks, checkpointing) in full; the ``mini`` toy model (4 blocks) at
-        64, (32, 64) and 64 with ``quick``. Checkpoint group sizes default to no checkpointing and every
-        divisor of the number of blocks."""
-        autocast_dtype(dtype)
-        size = size or ("mini" if quick else "2.7B")
-        timeline_context = timeline_context or (64 if quick else 512)
-        peak_contexts = tuple(peak_contexts or ((32, 64) if quick else (128, 256, 512, 2048)))
-        checkpoint_context = checkpoint_context or (64 if quick else 2048)
-        block_context = block_context or checkpoint_context
-        longest = max(timeline_context, checkpoint_context, block_context, *peak_contexts)
-        cfg = config_for(size, context_length=longest)
-        if checkpoint_group_sizes is None:
-            checkpoint_group_sizes = [None] + [k for k in range(1, cfg.num_layers + 1) if cfg.num_layers % k == 0]
-        return cls(size=size, model=cfg, batch=batch, dtype=dtype, timeline_context=timeline_context,
-                   peak_contexts=peak_contexts, peak_dtypes=tuple(peak_dtypes), block_context=block_context,
-                   checkpoint_context=checkpoint_context, checkpoint_group_sizes=tuple(checkpoint_group_sizes),
-                   compile_rmsnorm=compile_rmsnorm, max_entries=max_entries, timing_steps=timing_steps)
-
-    def params(self) -> dict:
-        """The resolved knobs as plain values, for a chapter's provenance."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "model"}
-        out.update(d_model=self.model.d_model, d_ff=self.model.d_ff, num_layers=self.model.num_layers,
-                   num_heads=self.model.num_heads, vocab_size=self.model.vocab_size)
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
-
-    def residual_bytes(self, context: int, bytes_per_element: int = 4) -> int:
-        """Bytes of one residual-stream activation, batch x context x d_model (fp32 by default)."""
-        return residual_stream_bytes(self.batch, context, self.model.d_model, bytes_per_element)
-
-    @property
-    def parameter_bytes(self) -> int:
-        """Bytes of the fp32 parameters (from the closed form; no model is built)."""
-        from lab.accounting import parameter_count
-
-        return 4 * parameter_count(self.model)
-
-    @property
-    def embedding_bytes(self) -> int:
-        """Bytes of the fp32 embedding table (and so of its gradient)."""
-        return 4 * self.model.vocab_size * self.model.d_model
-
-
-def residual_stream_table(setup: MemorySetup, contexts: Sequence[int] | None = None) -> pd.DataFrame:
-    """The residual stream's size (batch x context x d_model, fp32) at each context of ``setup`` (or
-    ``contexts``): columns ``context``, ``batch``, ``d_model``, ``num_layers``, ``residual_bytes``,
-    ``residual_mib`` and ``all_block_inputs_mib`` (one per block)."""
-    contexts = contexts or sorted({*setup.peak_contexts, setup.timeline_context, setup.checkpoint_context})
-    rows = [dict(context=c, batch=setup.batch, d_model=setup.model.d_model, num_layers=setup.model.num_layers,
-                 residual_bytes=setup.residual_bytes(c)) for c in contexts]
-    df = pd.DataFrame(rows)
-    df["residual_mib"] = df["residual_bytes"] / MiB
-    df["all_block_inputs_mib"] = df["residual_mib"] * df["num_layers"]
-    return df
-
-
-def checkpoint_model(setup: MemorySetup, block_saved_bytes: float, block_context: int | None = None) -> pd.DataFrame:
-    """:func:`lab.model.checkpointing.checkpoint_memory_table` for ``setup``'s model at its checkpoint context:
-    r = one residual-stream activation, A = ``block_saved_bytes`` (what one block saves, measured at
-    ``block_context``) scaled linearly to the checkpoint context. Adds the columns ``boundary_bytes`` (r),
-    ``block_bytes`` (A) and ``k_star`` (the continuous optimum sqrt(N r / A))."""
-    scale = setup.checkpoint_context / (block_context or setup.block_context)
-    a = float(block_saved_bytes) * scale
-    r = setup.residual_bytes(setup.checkpoint_context)
-    n = setup.model.num_layers
-    table = checkpoint_memory_table(n, r, a)
-    return table.assign(boundary_bytes=r, block_bytes=a, k_star=math.sqrt(n * r / a))
+# the notebook's experiments
 
 
 class MemoryExperiment:
@@ -480,9 +382,9 @@ class MemoryExperiment:
 
     def checkpoint_sweep(self, modelled: pd.DataFrame | None = None, progress: bool = True) -> pd.DataFrame:
         """:func:`checkpoint_sweep` at the checkpoint context for every group size of the setup and the nested
-        strategy. With ``modelled`` (:func:`checkpoint_model`), each row also gets its modelled activation
-        memory (``modelled_mib``) and the modelled peak ``modelled_peak_gib`` = 4 x the fp32 parameters
-        (weights, gradients, AdamW's two moments) + the modelled activations."""
+        strategy. With ``modelled`` (:func:`~lab.bench.memory_setup.checkpoint_model`), each row also gets its
+        modelled activation memory (``modelled_mib``) and the modelled peak ``modelled_peak_gib`` = 4 x the fp32
+        parameters (weights, gradients, AdamW's two moments) + the modelled activations."""
         s = self.setup
         empty_cache()
         tokens, targets = random_batch(s.model, s.batch, self.device, context=s.checkpoint_context)

@@ -1,72 +1,22 @@
-"""lab.book.memory: the 03 notebook's sentences, tables, plots and snapshot pages, from small synthetic inputs."""
+"""lab.book.memory: the 03 notebook's sentences, tables and plots, from small synthetic inputs."""
 
-import importlib.util
-import json
 import math
-import shutil
-from pathlib import Path
 
 import matplotlib
 import pandas as pd
-import pytest
 
 matplotlib.use("Agg")
 
-from lab.bench.memory import MemorySetup  # noqa: E402
+from lab.bench.memory_setup import MemorySetup  # noqa: E402
 from lab.book import memory as mb  # noqa: E402
 from lab.model import ModelConfig  # noqa: E402
 
 MiB, GiB = 2**20, 2**30
-FIXTURES = Path(__file__).parent.parent / "fixtures"
-
-
-@pytest.fixture
-def snapshot_dir(tmp_path):
-    """The synthetic snapshot of tests/fixtures with its phase marks in the sidecar the recorder writes."""
-    spec = importlib.util.spec_from_file_location("fix", FIXTURES / "make_snapshot_fixture.py")
-    fix = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fix)
-    shutil.copy(FIXTURES / "synthetic_snapshot.pickle", tmp_path / "forward.pickle")
-    (tmp_path / "forward.phases.json").write_text(json.dumps({"marks": fix.MARKS}))
-    return tmp_path
 
 
 SETUP = MemorySetup(size="toy", model=ModelConfig(d_model=64, d_ff=256, num_layers=4, num_heads=4, context_length=64,
                                                   vocab_size=1000), batch=4, timeline_context=64, block_context=64,
                     checkpoint_context=64, peak_contexts=(32, 64))
-
-
-def test_offline_page_is_self_contained_and_memory_viz_is_not(snapshot_dir):
-    pages = mb.export_snapshot_pages(snapshot_dir, ["forward", "missing"], titles={"forward": "a <toy> forward"})
-    assert pages["page"].tolist() == ["offline (PNG + tables)", "memory_viz"]  # no pickle, no pages
-    offline = Path(pages.loc[0, "path"]).read_text()
-    assert "data:image/png;base64," in offline and "<script" not in offline
-    assert "a &lt;toy&gt; forward" in offline  # the title is escaped
-    assert "model.py:208:forward" in offline  # the largest allocations' origins are in the page
-    assert mb.external_resources(offline) == []
-    viz = Path(pages.loc[1, "path"]).read_text()
-    assert mb.external_resources(viz) == [
-        "https://cdn.jsdelivr.net/gh/pytorch/pytorch@main/torch/utils/viz/MemoryViz.js"]
-    assert pages["works_offline"].tolist() == [True, False]
-    sentence = mb.pages_sentence(pages)
-    assert "forward.offline.html" in sentence and "`cdn.jsdelivr.net`" in sentence
-    assert mb.pages_sentence(pages.iloc[:0]).startswith("No snapshot pickle is on this machine")
-
-
-def test_external_resources_finds_every_kind_of_link():
-    page = ('<link rel="stylesheet" href="https://a.example/s.css"><img src="//b.example/i.png">'
-            '<script type="module">import {x} from "https://c.example/m.js"</script>'
-            '<style>@import "https://d.example/f.css"; .x{background:url(https://e.example/p.png)}</style>'
-            '<a>https://not-loaded.example is only text</a><img src="data:image/png;base64,AAAA">')
-    assert mb.external_resources(page) == ["//b.example/i.png", "https://a.example/s.css", "https://c.example/m.js",
-                                           "https://d.example/f.css", "https://e.example/p.png"]
-
-
-def test_timeline_figure_and_missing_snapshot(snapshot_dir, capsys):
-    fig = mb.timeline_figure(snapshot_dir / "forward.pickle", "toy")
-    assert fig.axes[0].get_title() == "toy"
-    assert mb.show_timeline(snapshot_dir / "nothing.pickle") is None
-    assert "No snapshot at" in capsys.readouterr().out
 
 
 def _phases():
