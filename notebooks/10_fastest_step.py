@@ -32,7 +32,7 @@ device = "auto"
 results_dir = "results/quick"     # the full render passes "results"
 artifacts_dir = "artifacts/quick"
 replay = False                    # True: re-render from results/ without measuring
-configs = None                    # None: ["leaderboard", "2.7B"] (full) or ["tiny", "tiny_one_rank"] (quick)
+configs = None                    # None: ["leaderboard", "2.7B"] (full) or ["tiny"] (quick)
 ablate = True                     # each optimization switched off alone (the ablation table)
 rep_ms = 3000                     # do_bench repetition budget of the headline steps (at least one step)
 goal = {"leaderboard": 0.8, "2.7B": 0.85, "tiny": 0.8, "tiny_one_rank": 0.85}  # book / stock compiled
@@ -50,7 +50,7 @@ from lab.recipes.fastest_step import CONFIGS
 
 dev = resolve_device(device)
 on_gpu = dev.type == "cuda"
-configs = configs or (["tiny", "tiny_one_rank"] if quick else ["leaderboard", "2.7B"])
+configs = configs or (["tiny"] if quick else ["leaderboard", "2.7B"])
 loss_shapes = loss_shapes or ([(512, 64, 256)] if quick else [(151_936, 4096, 32_768), (10_000, 2560, 16_384)])
 params = dict(quick=quick, device=str(dev), configs=configs, ablate=ablate, rep_ms=rep_ms, goal=goal,
               loss_shapes=loss_shapes)

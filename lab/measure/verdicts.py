@@ -95,15 +95,17 @@ def compare(subject: Sequence[float], reference: Sequence[float], lower_is_bette
 def compare_summaries(mean: float, std: float, n: int, ref_mean: float, ref_std: float, ref_n: int,
                       lower_is_better: bool = True, confidence: float = CONFIDENCE) -> Comparison:
     """:func:`compare` for tables that keep only mean, standard deviation and sample count: the ratio of
-    means with a normal (delta-method) interval. ``n < 2`` on either side: no spread, "within noise"."""
+    means with a delta-method interval on the log scale (``ratio * exp(+-z * se)``, ``se`` the standard error
+    of the log ratio: always positive, and symmetric in relative terms). ``n < 2`` on either side: no spread,
+    "within noise"."""
     ratio = mean / ref_mean
-    if n < 2 or ref_n < 2 or not all(math.isfinite(v) for v in (std, ref_std)):
+    if n < 2 or ref_n < 2 or not all(math.isfinite(v) for v in (std, ref_std)) or ratio <= 0:
         return Comparison(ratio, -math.inf, math.inf, "within noise", lower_is_better)
     from statistics import NormalDist
 
     z = NormalDist().inv_cdf(0.5 + confidence / 2)
-    se = abs(ratio) * math.sqrt((std / mean) ** 2 / n + (ref_std / ref_mean) ** 2 / ref_n)
-    low, high = ratio - z * se, ratio + z * se
+    se = math.sqrt((std / mean) ** 2 / n + (ref_std / ref_mean) ** 2 / ref_n)
+    low, high = ratio * math.exp(-z * se), ratio * math.exp(z * se)
     return Comparison(ratio, low, high, _verdict(low, high, lower_is_better), lower_is_better)
 
 

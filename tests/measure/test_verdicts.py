@@ -43,8 +43,12 @@ def test_higher_is_better_words():
 def test_summaries_delta_method():
     c = compare_summaries(10.0, 0.1, 10, 20.0, 0.2, 10)
     assert c.verdict == "faster" and c.ratio == 0.5
-    # se of the ratio = 0.5 * sqrt(2 * 0.01^2 / 10) = 0.002236; 95% half-width 0.00438
-    assert c.high - c.ratio == pytest.approx(1.959964 * 0.5 * math.sqrt(2 * 1e-4 / 10), rel=1e-5)
+    # se of the log ratio = sqrt(2 * 0.01^2 / 10) = 0.004472; the interval is 0.5 * exp(+-1.96 * 0.004472)
+    se = math.sqrt(2 * 1e-4 / 10)
+    assert c.high == pytest.approx(0.5 * math.exp(1.959964 * se), rel=1e-6)
+    assert c.low == pytest.approx(0.5 * math.exp(-1.959964 * se), rel=1e-6)
+    huge = compare_summaries(10.0, 30.0, 3, 10.0, 30.0, 3)
+    assert huge.low > 0 and huge.verdict == "within noise"
     assert compare_summaries(10.0, 3.0, 5, 10.5, 3.0, 5).verdict == "within noise"
     assert compare_summaries(10.0, 0.0, 1, 20.0, 0.0, 1).verdict == "within noise"
 
