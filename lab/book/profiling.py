@@ -4,12 +4,13 @@ from its result tables.
 The notebook measures four things and saves each through :class:`lab.book.report.Chapter` (so it can be
 replayed): the ``lm_step`` sweep with its every timed sample (``01_lm_samples``), the warm-up study
 (``01_warmup``, presented by :mod:`lab.book.warmup`), and the kernel profiles (``01_kernels``,
-``01_profile_steps``, ``01_attention_ranges``, taken and presented by :mod:`lab.book.kernel_profiles`).
-Each function here takes those tables and returns a table, a figure or a string. Comparisons
-(backward against forward, bf16 against fp32, the first step against the steady state) use
-:func:`lab.measure.verdicts.compare` on the samples: the ratio of medians with a bootstrap interval, so one noisy sample cannot flip a claim, and "within noise" where the interval contains 1.
-Explanations that hold on a GPU only (CUDA context, cuBLAS, memory-bound kernels) are given only when the
-data was measured on a GPU; a CPU render says what does not carry over.
+``01_profile_steps``, ``01_attention_ranges``, taken and presented by :mod:`lab.book.kernel_profiles`). Each
+function here takes those tables and returns a table, a figure or a string. Comparisons (backward against
+forward, bf16 against fp32, the first step against the steady state) use :func:`lab.measure.verdicts.compare`
+on the samples: the ratio of medians with a bootstrap interval, so one noisy sample cannot flip a claim, and
+"within noise" where the interval contains 1. Explanations that hold on a GPU only (CUDA context, cuBLAS,
+memory-bound kernels) are given only when the data was measured on a GPU; a CPU render says what does not
+carry over.
 """
 
 from __future__ import annotations
