@@ -5,7 +5,7 @@ VPY := $(VENV)/bin/python
 # CPU build by default; on a GPU machine: make book-full TORCH=torch (or your pinned CUDA build)
 TORCH ?= torch==2.13.0
 
-.PHONY: setup book book-full html test test-fast lint clean
+.PHONY: setup book book-full html test test-fast lint sync clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -34,7 +34,10 @@ test-fast: $(VPY)     ## everything except the notebook renders and other slow t
 	$(VPY) -m pytest -q -m "not slow"
 
 lint: $(VPY)
-	$(VPY) -m ruff check lab tests
+	$(VPY) -m ruff check lab tests examples tools
+
+sync: $(VPY)          ## update each notebook pair (notebooks/NN.py <-> NN.ipynb) from whichever was edited last
+	$(VPY) -m jupytext --quiet --sync notebooks/[0-9][0-9]_*.py
 
 clean:
 	rm -rf reports/quick results/quick artifacts
