@@ -33,8 +33,9 @@
 # (`lab.bench.interleaved`): round after round, each runs its steps in an order rotated every round, step by
 # step when every copy of the model fits in memory, otherwise rebuilt for each turn. Each reports the median
 # and the spread over rounds, and every comparison below is a verdict on those per-round samples
-# (`lab.measure.verdicts`): "faster" only when the 95 % interval of the time ratio excludes 1, otherwise
-# "within noise".
+# (`lab.measure.verdicts`), paired by round: the *ratio* is the median over rounds of the two wrappers' time
+# ratio within the same round (a slow round slows both and cancels), with a bootstrap 95 % interval;
+# "faster" only when the interval excludes 1, otherwise "within noise".
 
 # %% tags=["parameters"]
 quick = True                      # tiny model with gloo on the CPU; the full render sets False

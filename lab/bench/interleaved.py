@@ -245,3 +245,25 @@ def samples(value) -> list[float]:
     if value is None or (isinstance(value, float) and math.isnan(value)) or value == "":
         return []
     return [float(v) for v in json.loads(value)]
+
+
+def compare_rounds(subject: Sequence[float], reference: Sequence[float], lower_is_better: bool = True):
+    """The verdict of :func:`lab.measure.verdicts.compare` on two implementations' per-round samples, paired
+    by round when both have the same rounds: the per-round ratios subject/reference against 1, i.e. the
+    median ratio with a bootstrap interval over rounds. Pairing is what interleaving buys: both ran in the
+    same round, side by side, so a slow round (the host busy) slows both and cancels in their ratio, where
+    comparing the two sets of samples unpaired would count it as noise. Unequal rounds (an implementation
+    left the rotation): the unpaired comparison of the two sets."""
+    from lab.measure.verdicts import compare
+
+    a, b = [float(x) for x in subject], [float(x) for x in reference]
+    if len(a) != len(b) or not a or any(x <= 0 for x in b):
+        return compare(a, b, lower_is_better)
+    return compare([x / y for x, y in zip(a, b)], [1.0] * len(a), lower_is_better)
+
+
+def goal_rounds(subject: Sequence[float], reference: Sequence[float], target: float, lower_is_better: bool = True):
+    """:func:`lab.measure.verdicts.check_goal` on per-round samples, paired as in :func:`compare_rounds`."""
+    from lab.measure.verdicts import GoalCheck
+
+    return GoalCheck(compare_rounds(subject, reference, lower_is_better), target)

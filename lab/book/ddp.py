@@ -3,8 +3,8 @@
 The input is the ``ddp_benchmark`` table of :meth:`lab.bench.ddp.DDPRun.measure`: one row per (config,
 impl, bucket size) with the median step time over interleaved rounds and every round's sample
 (``step_samples_ms``). Every "faster", "slower", "within noise" and "goal met" comes from
-:mod:`lab.measure.verdicts` on those samples; overlap percentages are measured numbers of one profiled step
-(no spread), never a verdict.
+:mod:`lab.measure.verdicts` on those samples, paired by round (:func:`lab.bench.interleaved.compare_rounds`);
+overlap percentages are measured numbers of one profiled step (no spread), never a verdict.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import pandas as pd
 
 from lab import paths
 from lab.bench.ddp import fit_bucket_overhead, optimal_bucket
-from lab.bench.interleaved import samples
+from lab.bench.interleaved import compare_rounds, goal_rounds, samples
 from lab.book.communication import duration
-from lab.measure.verdicts import CONFIDENCE, check_goal, compare
+from lab.measure.verdicts import CONFIDENCE
 
 HOOKED = ("individual", "bucketed")
 
@@ -68,8 +68,9 @@ def best(ok: pd.DataFrame, impls=("bucketed",)) -> pd.Series | None:
 
 
 def _cmp(a, b):
-    """The verdict of row ``a`` against row ``b`` (Series or itertuples rows) on their per-round samples."""
-    return compare(samples(a.step_samples_ms), samples(b.step_samples_ms))
+    """The verdict of row ``a`` against row ``b`` (Series or itertuples rows) on their per-round samples,
+    paired by round (:func:`lab.bench.interleaved.compare_rounds`)."""
+    return compare_rounds(samples(a.step_samples_ms), samples(b.step_samples_ms))
 
 
 def plot_step_times(bench: pd.DataFrame):
@@ -398,7 +399,8 @@ def goal_config(bench: pd.DataFrame) -> str:
 
 def goal_checks(bench: pd.DataFrame, config: str, vs_torch_ddp: float = 1.0, vs_single: float = 1.1) -> pd.DataFrame:
     """The best bucketed step against torch DDP (at most ``vs_torch_ddp`` times its time) and against one device
-    (at most ``vs_single`` times), each from :func:`lab.measure.verdicts.check_goal` on the per-round samples.
+    (at most ``vs_single`` times), each from :func:`lab.measure.verdicts.check_goal` on the per-round samples
+    (paired by round, :func:`lab.bench.interleaved.goal_rounds`).
     Columns goal, subject, reference, target, ratio, low, high, result (met, missed, or undecided within
     noise, or "not measured")."""
     ok = _ok(bench, config)
@@ -411,7 +413,7 @@ def goal_checks(bench: pd.DataFrame, config: str, vs_torch_ddp: float = 1.0, vs_
             rows.append(dict(goal=goal, subject=None, reference=name, target=target, ratio=math.nan, low=math.nan,
                              high=math.nan, result="not measured"))
             continue
-        g = check_goal(samples(b.step_samples_ms), samples(ref.step_samples_ms), target)
+        g = goal_rounds(samples(b.step_samples_ms), samples(ref.step_samples_ms), target)
         c = g.comparison
         rows.append(dict(goal=goal, subject=b.label, reference=name, target=target, ratio=c.ratio, low=c.low,
                          high=c.high, result=g.word))

@@ -61,6 +61,19 @@ def test_summarize_rounds_median_quartiles_and_samples_through_json():
     assert interleaved.samples(float("nan")) == [] and interleaved.samples([1, 2]) == [1.0, 2.0]
 
 
+def test_paired_rounds_cancel_a_drifting_host():
+    """Rounds alternate between a quiet and a busy host; A is 10 % faster than B in every round."""
+    host = [10.0, 30.0] * 5
+    a, b = [0.9 * h for h in host], host
+    assert compare(a, b).verdict == "within noise"  # unpaired, the host's drift swamps the difference
+    paired = interleaved.compare_rounds(a, b)
+    assert paired.verdict == "faster" and paired.ratio == pytest.approx(0.9)
+    assert interleaved.goal_rounds(a, b, 0.95).met is True and interleaved.goal_rounds(a, b, 0.85).met is False
+    assert interleaved.compare_rounds(b, a).verdict == "slower"
+    assert interleaved.compare_rounds(a[:-1], b).ratio == compare(a[:-1], b).ratio  # unequal rounds: unpaired
+    assert interleaved.compare_rounds([1.0], [2.0]).verdict == "within noise"  # one round: no spread
+
+
 # ----------------------------------------------------------------------------------------------------------
 # a real run: module-level workers, so that spawned processes can import them
 
