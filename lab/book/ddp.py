@@ -140,7 +140,8 @@ def cost_answer(bench: pd.DataFrame) -> str:
             continue
         c = _cmp(fastest, single)
         parts.append(f"{config}: the fastest wrapper, {fastest.label}, takes {fastest.step_ms:.3g} ms against "
-                     f"{single.step_ms:.3g} ms on one device ({c.verdict}, ratio {c.ratio:.3g})")
+                     f"{single.step_ms:.3g} ms on one device (medians); paired by round it is {c.verdict} "
+                     f"(median per-round ratio {c.ratio:.3g})")
     return "; ".join(parts) + "."
 
 

@@ -259,7 +259,7 @@ def time_answer(comparisons: pd.DataFrame) -> str:
     if vs.empty:
         return "not measured."
     return "; ".join(f"{size}: " + ", ".join(f"{r.impl} {r.verdict} (ratio {r.ratio:.3g})" for r in part.itertuples())
-                     for size, part in vs.groupby("size", sort=False)) + " (against DDP, over the interleaved rounds)."
+                     for size, part in vs.groupby("size", sort=False)) + " (against DDP; ratio: median per-round time ratio)."
 
 
 def memory_sentences(df: pd.DataFrame) -> str:
