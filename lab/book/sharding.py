@@ -258,8 +258,9 @@ def time_answer(comparisons: pd.DataFrame) -> str:
     vs = comparisons[comparisons["reference"] == "ddp"]
     if vs.empty:
         return "not measured."
-    return "; ".join(f"{size}: " + ", ".join(f"{r.impl} {r.verdict} (ratio {r.ratio:.3g})" for r in part.itertuples())
-                     for size, part in vs.groupby("size", sort=False)) + " (against DDP; ratio: median per-round time ratio)."
+    per_size = [f"{size}: " + ", ".join(f"{r.impl} {r.verdict} (ratio {r.ratio:.3g})" for r in part.itertuples())
+                for size, part in vs.groupby("size", sort=False)]
+    return "; ".join(per_size) + " (against DDP; ratio: the median per-round time ratio)."
 
 
 def memory_sentences(df: pd.DataFrame) -> str:
