@@ -88,7 +88,7 @@ def test_benchmark_ddp_interleaved_on_gloo(tmp_path):
 
 def test_benchmark_ddp_rebuilt_each_turn(tmp_path):
     df = ddp_bench.benchmark_ddp("tiny", context=16, batch=2, device="cpu",
-                                 impls=("flat", "individual", "bucketed", "single_gpu"), bucket_sizes_mb=(0.05,),
+                                 impls=("torch_ddp", "individual", "bucketed", "single_gpu"), bucket_sizes_mb=(0.05,),
                                  interleaving=Interleaving(rounds=2, steps_per_round=2, warmup=1, schedule="rebuild"),
                                  profile_steps=0, artifacts_dir=str(tmp_path))
     assert (df["status"] == "ok").all() and (df["schedule"] == "rebuild").all() and (df["rounds"] == 2).all()
