@@ -6,8 +6,8 @@ fit (otherwise they are rebuilt for each turn), the order rotated every round, r
 before every step, so both see the same host conditions. Prints each one's median and spread over rounds
 and the verdict of A against B (:func:`lab.bench.interleaved.compare_rounds`: the per-round ratios, paired).
 
-    NCCL_NVLS_ENABLE=0 python tools/ab_interleaved.py        # two GPUs
-    python tools/ab_interleaved.py cpu                        # smoke test, tiny model, gloo
+    PYTHONPATH=. NCCL_NVLS_ENABLE=0 python tools/ab_interleaved.py        # two GPUs
+    PYTHONPATH=. python tools/ab_interleaved.py cpu                        # smoke test, tiny model, gloo
 """
 import sys
 import time
