@@ -43,9 +43,9 @@ warmup = 5
 iters = 20
 
 # %%
-from lab.bench import collectives
-from lab.book import communication as comm
-from lab.book import plots, report
+from lab.bench import collectives  # noqa: E402 - after the parameters cell
+from lab.book import communication as comm  # noqa: E402 - after the parameters cell
+from lab.book import plots, report  # noqa: E402 - after the parameters cell
 
 grid_plan = collectives.plan_grid(quick, device, world_sizes, ops, gpu_sizes_mb, cpu_sizes_mb, warmup, iters)
 params = dict(quick=quick, device=device, **grid_plan.params())
@@ -75,7 +75,7 @@ report.say(comm.cpu_sharing_sentence(grid))
 # the limit.
 
 # %%
-comm.plot_bandwidth(grid);
+bandwidth_plot = comm.plot_bandwidth(grid)
 
 # %% [markdown]
 # ## The alpha-beta model
@@ -89,7 +89,7 @@ comm.plot_bandwidth(grid);
 # %%
 fits = book.table("collectives_latency_bandwidth", lambda: collectives.latency_bandwidth_fit(grid))
 report.show_table(fits, floatfmt=".4g")
-comm.plot_times_with_fit(grid, fits);
+comm.plot_times_with_fit(grid, fits)
 report.say(comm.latency_bandwidth_sentences(fits))
 report.say(comm.backend_sentence(grid))
 book.answer("What does one all-reduce call cost?", comm.latency_bandwidth_answer(fits),

@@ -15,10 +15,10 @@
 #
 # | wrapper | communication | what it costs |
 # |---|---|---|
-# | `NaiveDDP` | one blocking all-reduce per parameter, after backward | per-call latency × #parameters, no overlap |
-# | `FlatDDP` | one all-reduce of all gradients flattened, after backward | one call, but still no overlap |
-# | `DDPIndividualParameters` | async all-reduce per parameter from a post-accumulate-grad hook | overlaps backward, but many calls |
-# | `DDPBucketed(bucket_size_mb)` | async all-reduce per bucket (reverse parameter order) as soon as it is full | overlap *and* few calls |
+# | `NaiveDDP` | a blocking all-reduce per parameter, after backward | latency × #parameters, no overlap |
+# | `FlatDDP` | one all-reduce of all gradients flattened, after backward | one call, still no overlap |
+# | `DDPIndividualParameters` | an async all-reduce per parameter, from its gradient hook | overlap, many calls |
+# | `DDPBucketed(bucket_size_mb)` | an async all-reduce per bucket (reverse order), once full | overlap, few calls |
 #
 # and `torch.nn.parallel.DistributedDataParallel` is the reference. All of them match single-process
 # training bit for bit in fp32 on the CPU (`tests/parallel/test_ddp.py`: gloo, 2 processes, tied and frozen
@@ -54,9 +54,9 @@ goal_vs_torch_ddp = 1.0           # the best bucketed step at most this many tim
 goal_vs_single = 1.1              # ... and the single-device step's
 
 # %%
-from lab.bench import ddp as ddp_bench
-from lab.book import ddp as ddp_book
-from lab.book import plots, report
+from lab.bench import ddp as ddp_bench  # noqa: E402 - after the parameters cell
+from lab.book import ddp as ddp_book  # noqa: E402 - after the parameters cell
+from lab.book import plots, report  # noqa: E402 - after the parameters cell
 
 run = ddp_bench.plan_run(quick, device, world_size, configs, bucket_sizes_mb, rounds, steps_per_round, warmup,
                          schedule)
@@ -80,7 +80,7 @@ report.say(run.note)
 # %%
 bench = book.table("ddp_benchmark", lambda: run.measure(artifacts_dir))
 report.show_table(ddp_book.step_table(bench), floatfmt=".3g")
-ddp_book.plot_step_times(bench);
+ddp_book.plot_step_times(bench)
 report.say(ddp_book.wrapper_sentences(bench))
 book.answer("What does data parallelism cost over one device?", ddp_book.cost_answer(bench),
             section="Step time and communication time")
@@ -97,7 +97,7 @@ book.answer("What does data parallelism cost over one device?", ddp_book.cost_an
 # %%
 shown_config = ddp_book.timeline_config(bench)
 shown = ddp_book.shown_timelines(bench, shown_config)
-ddp_book.plot_timelines(shown, shown_config, results_dir);
+ddp_book.plot_timelines(shown, shown_config, results_dir)
 overlap = ddp_book.overlap_table(shown)
 report.show_table(overlap, floatfmt=".3g")
 report.say(ddp_book.overlap_sentences(overlap, bench, shown_config))
@@ -127,7 +127,7 @@ book.answer("Does the all-reduce overlap the backward pass, and does that save t
 alpha_beta = ddp_book.cite_alpha_beta(book, run.backend, world_size)
 model = book.table("ddp_overhead_model", lambda: ddp_book.overhead_model(bench, alpha_beta))
 report.show_table(model, floatfmt=".3g")
-ddp_book.plot_overhead_model(bench, model);
+ddp_book.plot_overhead_model(bench, model)
 report.say(ddp_book.overhead_model_sentences(model))
 book.answer("Which bucket size is best, and does the overhead model predict it?", ddp_book.overhead_answer(model),
             section="The bucketed overhead model")

@@ -54,9 +54,9 @@ profile_impl = "fsdp"             # its step is profiled: compute vs communicati
 fsdp_memory_factor = 1.1          # goal: FSDP's peak at most this many times FSDP2's
 
 # %%
-from lab.bench import sharding as sharding_bench
-from lab.book import plots, report
-from lab.book import sharding as sharding_book
+from lab.bench import sharding as sharding_bench  # noqa: E402 - after the parameters cell
+from lab.book import plots, report  # noqa: E402 - after the parameters cell
+from lab.book import sharding as sharding_book  # noqa: E402 - after the parameters cell
 
 run = sharding_bench.plan_run(quick, device, world_size, sizes, impls, context, batch, dtype, fsdp_reduce_dtype, rounds,
                               steps_per_round, warmup, schedule, profile_impl)
@@ -110,8 +110,8 @@ book.answer("What does each scheme communicate?", sharding_book.traffic_answer(c
 df = book.table("sharding_benchmark", lambda: run.measure(artifacts_dir))
 report.show_table(sharding_book.benchmark_table(df), floatfmt=".3g")
 report.say(sharding_book.failures(df))
-sharding_book.plot_step_times(df);
-sharding_book.plot_peaks(df, results_dir);
+sharding_book.plot_step_times(df)
+sharding_book.plot_peaks(df, results_dir)
 report.say(sharding_book.peaks_sentence(df))
 
 # %% [markdown]
@@ -126,7 +126,7 @@ report.say(sharding_book.peaks_sentence(df))
 breakdown = sharding_bench.memory_breakdown(df)
 report.show_table(breakdown, floatfmt=".3g")
 report.say(sharding_book.breakdown_sentence(breakdown, world_size))
-sharding_book.plot_breakdown(breakdown);
+sharding_book.plot_breakdown(breakdown)
 report.say(sharding_book.memory_sentences(df))
 book.answer("How much memory does each scheme save per rank?", sharding_book.memory_answer(df),
             section="Where the memory goes: parameters, gradients, optimizer state, activations")
