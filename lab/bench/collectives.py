@@ -199,8 +199,11 @@ def plan_grid(quick: bool, device: str = "auto", world_sizes: Sequence[int] = (2
     gpu_world_sizes, note = [], ""
     if quick:
         note = "The quick profile measures gloo only (CPU processes); the full render adds NCCL on the GPUs."
-    elif device != "cpu":
+    elif device == "cpu":
+        note = "device='cpu': only gloo (CPU processes) is measured."
+    else:
         gpu_world_sizes, note = plan_world_sizes(world_sizes, "cuda", gpus)
+        note = note or f"NCCL runs every requested world size ({', '.join(map(str, gpu_world_sizes))} GPUs)."
     return CollectiveGrid(tuple(ops), tuple(world_sizes), tuple(float(s) for s in cpu_sizes_mb),
                           tuple(gpu_world_sizes), tuple(float(s) for s in gpu_sizes_mb), warmup, iters, note)
 

@@ -257,7 +257,7 @@ def _relative(path: str | None) -> str | None:
 class DDPRun:
     """What notebook 07 measures: each of ``configs`` (dicts of size, dtype, batch per rank, context) on
     ``world_size`` ranks of ``device`` ("cuda": NCCL; "cpu": gloo), bucketed at ``bucket_sizes_mb``, timed
-    with ``interleaving``. ``note`` says why a full profile fell back to the CPU (empty otherwise)."""
+    with ``interleaving``. ``note`` says where it runs and why (:func:`where_to_run`)."""
 
     device: str
     world_size: int
@@ -289,6 +289,20 @@ class DDPRun:
         return pd.concat(tables, ignore_index=True)
 
 
+def where_to_run(quick: bool, device: str, world_size: int, gpus: int | None = None) -> tuple[bool, str]:
+    """``(on_gpu, sentence)``: whether a notebook's run uses ``world_size`` GPUs (the full profile, when the
+    machine has them and ``device`` allows) or CPU processes with gloo, and a sentence saying which and why."""
+    if gpus is None:
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if quick:
+        return False, f"Quick profile: a tiny model on {world_size} CPU processes with gloo."
+    if device != "cpu" and gpus >= world_size:
+        return True, f"Full profile: {world_size} GPUs with NCCL."
+    why = "device='cpu' was asked for" if device == "cpu" else f"this machine has {gpus} GPU(s)"
+    return False, (f"The full profile needs {world_size} GPUs and {why}; this render runs the CPU-sized version "
+                   "with gloo instead.")
+
+
 def plan_run(quick: bool, device: str = "auto", world_size: int = 2, configs: Sequence[dict] | None = None,
              bucket_sizes_mb: Sequence[float] | None = None, rounds: int | None = None,
              steps_per_round: int | None = None, warmup: int | None = None, schedule: str = "auto") -> DDPRun:
@@ -296,10 +310,7 @@ def plan_run(quick: bool, device: str = "auto", world_size: int = 2, configs: Se
     bf16 (batch 2 per rank, context 512), buckets of 1, 10, 100 and 1000 MiB, 6 rounds of 3 steps. Quick, or
     without enough GPUs: a tiny model with gloo on the CPU, buckets of 0.1, 1 and 10 MiB, 20 rounds of 1 step.
     ``None`` picks these defaults."""
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    on_gpu = not quick and device != "cpu" and gpus >= world_size
-    note = "" if quick or on_gpu else (f"The full profile needs {world_size} GPUs and this machine has {gpus}; "
-                                       "this render runs the CPU-sized version with gloo instead.")
+    on_gpu, note = where_to_run(quick, device, world_size)
     if on_gpu:
         configs = configs or [dict(size="xl", dtype="fp32", batch=2, context=512),
                               dict(size="2.7B", dtype="bf16", batch=2, context=512)]

@@ -37,7 +37,7 @@ import pandas as pd
 import torch
 from tqdm import tqdm  # plain text bars: they render in papermill reports
 
-from lab.bench.ddp import model_config, parameter_count, resolve_schedule
+from lab.bench.ddp import model_config, parameter_count, resolve_schedule, where_to_run
 from lab.bench.interleaved import Interleaving, combine_ranks, summarize_rounds, time_interleaved
 from lab.dtypes import autocast_dtype
 from lab.measure.device import error_summary, is_oom, synchronize
@@ -391,8 +391,8 @@ def memory_breakdown(df: pd.DataFrame) -> pd.DataFrame:
 class ShardingRun:
     """What notebook 08 measures: ``impls`` on each of ``sizes`` with ``world_size`` ranks of ``device``
     ("cuda": NCCL; "cpu": gloo), ``batch`` sequences of ``context`` tokens per rank under ``dtype`` autocast;
-    step times with ``interleaving``; ``profile_impl``'s step profiled. ``note`` says why a full profile fell
-    back to the CPU (empty otherwise)."""
+    step times with ``interleaving``; ``profile_impl``'s step profiled. ``note`` says where it runs and why
+    (:func:`lab.bench.ddp.where_to_run`)."""
 
     device: str
     world_size: int
@@ -432,10 +432,7 @@ def plan_run(quick: bool, device: str = "auto", world_size: int = 2, sizes: Sequ
     """The notebook's settings made concrete. Full profile on ``world_size`` GPUs: xl and 2.7B at context
     512, 6 rounds of 3 steps (rebuilt each turn unless all copies fit). Quick, or without enough GPUs: the
     tiny model at context 64 with gloo on the CPU, 20 rounds of 1 step. ``None`` picks these defaults."""
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    on_gpu = not quick and device != "cpu" and gpus >= world_size
-    note = "" if quick or on_gpu else (f"The full profile needs {world_size} GPUs and this machine has {gpus}; "
-                                       "this render runs the CPU-sized version with gloo instead.")
+    on_gpu, note = where_to_run(quick, device, world_size)
     r, s, w = (6, 3, 2) if on_gpu else (20, 1, 1)
     interleaving = Interleaving(rounds=rounds or r, steps_per_round=steps_per_round or s,
                                 warmup=w if warmup is None else warmup, schedule=schedule)

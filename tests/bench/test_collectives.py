@@ -58,6 +58,8 @@ def test_plan_grid_quick_full_and_without_gpus():
     assert full.cpu_world_sizes == (2, 4, 6) and full.gpu_world_sizes == (2,)
     assert full.gpu_sizes_mb == (1, 10, 100, 1024) and "cannot run 4, 6 ranks" in full.note
     assert collectives.plan_grid(False, device="cpu", gpus=8).gpu_world_sizes == ()
+    assert collectives.plan_grid(False, world_sizes=[2, 4], gpus=4).note == "NCCL runs every requested world size " \
+        "(2, 4 GPUs)."
     assert full.params()["gpu_world_sizes"] == [2] and "note" not in full.params()
     with pytest.raises(ValueError):
         collectives.plan_grid(True, ops=["broadcast"])

@@ -53,12 +53,16 @@ def test_plan_keys_and_schedules():
 def test_plan_run_profiles():
     quick = ddp_bench.plan_run(True)
     assert quick.device == "cpu" and quick.backend == "gloo" and quick.configs[0]["size"] == "tiny"
-    assert quick.bucket_sizes_mb == (0.1, 1, 10) and quick.interleaving.steps_per_round == 1 and quick.note == ""
+    assert quick.bucket_sizes_mb == (0.1, 1, 10) and quick.interleaving.steps_per_round == 1
+    assert quick.note == "Quick profile: a tiny model on 2 CPU processes with gloo."
     custom = ddp_bench.plan_run(True, rounds=3, warmup=0, schedule="rebuild", bucket_sizes_mb=[2])
     assert (custom.interleaving.rounds, custom.interleaving.warmup, custom.bucket_sizes_mb) == (3, 0, (2.0,))
     if torch.cuda.device_count() < 2:  # the full profile falls back to the CPU, and says so
         full = ddp_bench.plan_run(False)
         assert full.device == "cpu" and "needs 2 GPUs" in full.note
+    assert ddp_bench.where_to_run(False, "auto", 2, gpus=2) == (True, "Full profile: 2 GPUs with NCCL.")
+    on_gpu, note = ddp_bench.where_to_run(False, "cpu", 2, gpus=8)
+    assert not on_gpu and "device='cpu' was asked for" in note
     params = quick.params()
     assert params["run_device"] == "cpu" and params["rounds"] == quick.interleaving.rounds
 

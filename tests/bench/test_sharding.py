@@ -38,7 +38,7 @@ def test_expected_state_and_traffic_tables():
 
 def test_plan_run_profiles():
     quick = sharding.plan_run(True)
-    assert quick.device == "cpu" and quick.sizes == ("tiny",) and quick.context == 64 and quick.note == ""
+    assert quick.device == "cpu" and quick.sizes == ("tiny",) and quick.context == 64 and "Quick" in quick.note
     assert quick.interleaving.steps_per_round == 1 and quick.impls == sharding.IMPLS
     assert quick.params()["rounds"] == quick.interleaving.rounds
     custom = sharding.plan_run(True, sizes=["small"], context=128, rounds=3, warmup=0, schedule="rebuild")
