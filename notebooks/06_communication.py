@@ -38,7 +38,7 @@ replay = False                    # True: read this notebook's tables from resul
 ops = ["all_reduce", "all_gather", "reduce_scatter"]
 world_sizes = [2, 4, 6]           # gloo: CPU processes, all of them; NCCL: one rank per GPU, as many as there are
 gpu_sizes_mb = [1, 10, 100, 1024]  # MiB of float32 (1024 MiB is 1 GiB)
-cpu_sizes_mb = None               # None: 1/16, 1/4, 1 MiB (quick) or 1, 10, 100 MiB (full: gloo at 1 GiB takes minutes)
+cpu_sizes_mb = None               # None: 1/16, 1/2, 4 MiB (quick) or 1, 10, 100 MiB (full: gloo at 1 GiB takes minutes)
 warmup = 5
 iters = 20
 

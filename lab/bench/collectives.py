@@ -187,13 +187,13 @@ def plan_grid(quick: bool, device: str = "auto", world_sizes: Sequence[int] = (2
               gpu_sizes_mb: Sequence[float] = (1, 10, 100, 1024), cpu_sizes_mb: Sequence[float] | None = None,
               warmup: int = 5, iters: int = 20, gpus: int | None = None) -> CollectiveGrid:
     """The notebook's grid made concrete. gloo always runs every world size as CPU processes, at
-    ``cpu_sizes_mb`` (default 1, 10, 100 MiB; quick: 1/16, 1/4, 1 MiB and at most 3 warm-up and 10 timed
+    ``cpu_sizes_mb`` (default 1, 10, 100 MiB; quick: 1/16, 1/2, 4 MiB and at most 3 warm-up and 10 timed
     calls: gloo is slow and a 2-core CPU runs 6 processes). NCCL runs, unless ``quick`` or ``device="cpu"``,
     the world sizes the GPUs allow at ``gpu_sizes_mb``; ``note`` explains the others."""
     for op in ops:
         bus_bandwidth_factor(op, 2)  # validates the name
     if cpu_sizes_mb is None:
-        cpu_sizes_mb = (1 / 16, 1 / 4, 1) if quick else (1, 10, 100)
+        cpu_sizes_mb = (1 / 16, 1 / 2, 4) if quick else (1, 10, 100)
     if quick:
         warmup, iters = min(warmup, 3), min(iters, 10)
     gpu_world_sizes, note = [], ""
