@@ -19,8 +19,8 @@ import pandas as pd
 import torch
 import torch.distributed as dist
 
-from lab.bench.sharding import build, step_phases
-from lab.measure.step import random_batch
+from lab.bench.sharding import build_impl
+from lab.measure.step import TrainStep, random_batch
 from lab.model.transformer import TransformerLM, config_for
 from lab.parallel import launcher as distributed
 
@@ -62,8 +62,9 @@ def worker(size: str, impl: str, dtype: str, batch: int):
     if impl == "single":
         runnable, optimizer = model, torch.optim.AdamW(model.parameters(), lr=1e-4)
     else:
-        runnable, optimizer, _ = build(impl, model, dev, dtype)
-    fwd, bwd, opt = step_phases(runnable, optimizer, tokens, targets, dev, dtype)
+        runnable, optimizer, _ = build_impl(impl, model, dev, dtype)
+    step = TrainStep(runnable, optimizer, tokens, targets, dtype=dtype)  # the book's one phased step
+    fwd, bwd, opt = step.forward, step.backward, step.optimizer_step
 
     rows = _phases(fwd, bwd, opt, dev)
     profile = ""

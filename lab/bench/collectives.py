@@ -9,12 +9,17 @@ bandwidth** ``busbw = algbw * factor`` is the traffic each link carries on an op
 it compares with the hardware's link bandwidth independently of the number of ranks.
 
 Units: sizes in MiB (2**20 bytes; "1 GB" is 1024 MiB), times in milliseconds, bandwidths in GB/s (10**9 B/s).
+A call's time is that of its slowest rank, and a table's time the median over iterations; every iteration's
+time is kept (``samples_ms``) for :mod:`lab.measure.verdicts`.
 """
 
 from __future__ import annotations
 
+import json
+import statistics
 import time
 from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 
 import pandas as pd
 import torch
@@ -129,16 +134,78 @@ def _sync(dev: torch.device) -> None:
 # the benchmark
 
 
-def plan_world_sizes(world_sizes: Sequence[int], device: str) -> tuple[list[int], str]:
-    """The world sizes that can run on ``device`` ("cpu" or "cuda"), and a sentence about those that cannot."""
+def plan_world_sizes(world_sizes: Sequence[int], device: str, gpus: int | None = None) -> tuple[list[int], str]:
+    """The world sizes that can run on ``device`` ("cpu": gloo, any number of processes; "cuda": NCCL, one
+    GPU per rank), and a sentence about those that cannot (empty when all can). ``gpus`` defaults to this
+    machine's GPU count."""
     if device == "cpu":
         return list(world_sizes), ""
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus is None:
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     run = [w for w in world_sizes if w <= gpus]
     skipped = [w for w in world_sizes if w > gpus]
-    msg = (f"Skipped world size(s) {skipped} on NCCL: this machine has {gpus} GPU(s) and NCCL runs one rank per "
-           "GPU." if skipped else "")
+    if not skipped:
+        return run, ""
+    sizes = ", ".join(str(w) for w in skipped)
+    msg = (f"NCCL cannot run {sizes} ranks here: this machine has {gpus} GPU(s) and "
+           f"NCCL runs one rank per GPU, so its grid stops at {max(run)} ranks." if run else
+           f"NCCL cannot run here: this machine has {gpus} GPU(s) and NCCL runs one rank per GPU; only gloo "
+           "(CPU processes) is measured.")
     return run, msg
+
+
+@dataclass(frozen=True)
+class CollectiveGrid:
+    """What notebook 06 measures: ``ops`` over gloo with ``cpu_world_sizes`` CPU processes at ``cpu_sizes_mb``,
+    and over NCCL with ``gpu_world_sizes`` GPUs at ``gpu_sizes_mb`` (empty: no NCCL part); ``warmup`` untimed
+    and ``iters`` timed calls each. ``note`` says which requested world sizes NCCL cannot run, and why."""
+
+    ops: tuple[str, ...] = OPS
+    cpu_world_sizes: tuple[int, ...] = (2, 4, 6)
+    cpu_sizes_mb: tuple[float, ...] = (1, 10, 100)
+    gpu_world_sizes: tuple[int, ...] = ()
+    gpu_sizes_mb: tuple[float, ...] = (1, 10, 100, 1024)
+    warmup: int = 5
+    iters: int = 20
+    note: str = ""
+
+    def params(self) -> dict:
+        """The resolved settings, for a report's provenance."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items() if k != "note"}
+
+    def measure(self, progress: bool = True) -> pd.DataFrame:
+        """The gloo grid, then the NCCL grid, as one table (see :func:`benchmark_collectives`)."""
+        tables = [benchmark_collectives(self.ops, self.cpu_sizes_mb, self.cpu_world_sizes, "cpu", self.warmup,
+                                        self.iters, progress=progress)]
+        if self.gpu_world_sizes:
+            tables.append(benchmark_collectives(self.ops, self.gpu_sizes_mb, self.gpu_world_sizes, "cuda",
+                                                self.warmup, self.iters, progress=progress))
+        return pd.concat(tables, ignore_index=True)
+
+
+def plan_grid(quick: bool, device: str = "auto", world_sizes: Sequence[int] = (2, 4, 6), ops: Sequence[str] = OPS,
+              gpu_sizes_mb: Sequence[float] = (1, 10, 100, 1024), cpu_sizes_mb: Sequence[float] | None = None,
+              warmup: int = 5, iters: int = 20, gpus: int | None = None) -> CollectiveGrid:
+    """The notebook's grid made concrete. gloo always runs every world size as CPU processes, at
+    ``cpu_sizes_mb`` (default 1, 10, 100 MiB; quick: 1/16, 1/2, 4 MiB and at most 3 warm-up and 10 timed
+    calls: gloo is slow and a 2-core CPU runs 6 processes). NCCL runs, unless ``quick`` or ``device="cpu"``,
+    the world sizes the GPUs allow at ``gpu_sizes_mb``; ``note`` explains the others."""
+    for op in ops:
+        bus_bandwidth_factor(op, 2)  # validates the name
+    if cpu_sizes_mb is None:
+        cpu_sizes_mb = (1 / 16, 1 / 2, 4) if quick else (1, 10, 100)
+    if quick:
+        warmup, iters = min(warmup, 3), min(iters, 10)
+    gpu_world_sizes, note = [], ""
+    if quick:
+        note = "The quick profile measures gloo only (CPU processes); the full render adds NCCL on the GPUs."
+    elif device == "cpu":
+        note = "device='cpu': only gloo (CPU processes) is measured."
+    else:
+        gpu_world_sizes, note = plan_world_sizes(world_sizes, "cuda", gpus)
+        note = note or f"NCCL runs every requested world size ({', '.join(map(str, gpu_world_sizes))} GPUs)."
+    return CollectiveGrid(tuple(ops), tuple(world_sizes), tuple(float(s) for s in cpu_sizes_mb),
+                          tuple(gpu_world_sizes), tuple(float(s) for s in gpu_sizes_mb), warmup, iters, note)
 
 
 def benchmark_collectives(ops: Sequence[str] = OPS, sizes_mb: Sequence[float] = (1, 10, 100, 1024),
@@ -148,8 +215,11 @@ def benchmark_collectives(ops: Sequence[str] = OPS, sizes_mb: Sequence[float] = 
 
     ``device`` "cpu" uses gloo, "cuda" NCCL with one GPU per rank (world sizes larger than the GPU count are
     skipped, see :func:`plan_world_sizes`). Columns: backend, op, world_size, size_mb (MiB of the full
-    tensor), time_ms (mean over iterations of the slowest rank's time: a collective is done when its last
-    rank is), time_ms_rank_mean (mean over ranks and iterations), time_ms_std (of the per-iteration max),
+    tensor), time_ms (median over iterations of the slowest rank's time: a collective is done when its last
+    rank is; the median, so that an iteration in which the OS preempted a process does not set the number),
+    time_ms_mean (nccl-tests' mean of the same), time_ms_rank_mean (mean over ranks and iterations),
+    time_ms_std (of the per-iteration max),
+    samples_ms (every iteration's slowest-rank time as a JSON list: what verdicts are drawn from),
     algbw_gbps, busbw_gbps, correct (values checked against the closed form), status.
     """
     for op in ops:
@@ -178,9 +248,11 @@ def aggregate_over_ranks(per_rank: list[list[dict]], world_size: int, backend: s
         if row["status"] == "ok":
             samples = torch.tensor([r["samples_s"] for r in results], dtype=torch.float64)  # (ranks, iters)
             slowest = samples.max(dim=0).values
-            t = slowest.mean().item()
-            row.update(time_ms=t * 1e3, time_ms_rank_mean=samples.mean().item() * 1e3,
+            t = statistics.median(slowest.tolist())
+            row.update(time_ms=t * 1e3, time_ms_mean=slowest.mean().item() * 1e3,
+                       time_ms_rank_mean=samples.mean().item() * 1e3,
                        time_ms_std=(slowest.std().item() * 1e3) if slowest.numel() > 1 else 0.0,
+                       samples_ms=json.dumps([round(x * 1e3, 6) for x in slowest.tolist()]),
                        algbw_gbps=algorithm_bandwidth_gbps(row["size_bytes"], t),
                        busbw_gbps=bus_bandwidth_gbps(row["op"], row["size_bytes"], t, world_size))
         rows.append(row)
@@ -190,9 +262,14 @@ def aggregate_over_ranks(per_rank: list[list[dict]], world_size: int, backend: s
 def latency_bandwidth_fit(df: pd.DataFrame) -> pd.DataFrame:
     """Fit ``time = latency + size / bandwidth`` (the alpha-beta model) per (backend, op, world_size).
 
-    Least squares over the sizes of :func:`benchmark_collectives`' rows with status ok. Returns columns
-    backend, op, world_size, latency_ms (the fixed cost of one call: what small messages pay) and
-    bandwidth_gbps (the algorithm bandwidth approached by large messages, GB/s).
+    Weighted least squares (weights 1/time, so the small messages that fix the latency are not drowned by
+    the large ones) over the sizes of :func:`benchmark_collectives`' rows with status ok. Returns columns
+    backend, op, world_size, sizes (how many sizes the fit saw), latency_ms (the fixed cost of one call:
+    what small messages pay; 0 where the fitted intercept is not positive), bandwidth_gbps (the algorithm
+    bandwidth approached by large messages, GB/s; NaN where times do not grow with size),
+    half_latency_mb (the size at which a call spends as long moving bytes as on its fixed cost,
+    latency x bandwidth, MiB: below it a call is latency-bound) and max_residual (the largest relative
+    deviation of a measured time from the fit: large values mean the model does not describe the data).
     """
     import numpy as np
 
@@ -203,13 +280,17 @@ def latency_bandwidth_fit(df: pd.DataFrame) -> pd.DataFrame:
             continue
         x = part["size_bytes"].to_numpy(float)
         y = part["time_ms"].to_numpy(float)
-        # weight by 1/time so the small messages (which fix the latency) are not drowned by the big ones
         w = 1.0 / y
         a = np.stack([np.ones_like(x), x], axis=1) * w[:, None]
         (latency, per_byte), *_ = np.linalg.lstsq(a, y * w, rcond=None)
-        rows.append({"backend": backend, "op": op, "world_size": n, "latency_ms": max(float(latency), 0.0),
-                     "bandwidth_gbps": 1.0 / per_byte / 1e6 if per_byte > 0 else float("nan")})
-    return pd.DataFrame(rows)
+        latency = max(float(latency), 0.0)
+        bandwidth = 1.0 / per_byte / 1e6 if per_byte > 0 else float("nan")  # per_byte in ms per byte
+        predicted = latency + x * max(float(per_byte), 0.0)
+        rows.append({"backend": backend, "op": op, "world_size": n, "sizes": len(part), "latency_ms": latency,
+                     "bandwidth_gbps": bandwidth, "half_latency_mb": latency * 1e-3 * bandwidth * 1e9 / MIB,
+                     "max_residual": float(np.max(np.abs(predicted - y) / y))})
+    return pd.DataFrame(rows, columns=["backend", "op", "world_size", "sizes", "latency_ms", "bandwidth_gbps",
+                                       "half_latency_mb", "max_residual"])
 
 
 def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
@@ -235,7 +316,7 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
     if args.results_dir:
         from lab.measure.results import save_results
 
-        print(save_results(df, "collectives", args.results_dir, vars(args)))
+        print(save_results(df, "collectives", args.results_dir, vars(args), source="lab.bench.collectives"))
     return df
 
 

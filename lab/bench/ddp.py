@@ -1,12 +1,13 @@
-"""How fast the data-parallel wrappers of :mod:`lab.parallel.ddp` train, and how much of their communication hides
-behind the backward pass.
+"""How fast the data-parallel wrappers of :mod:`lab.parallel.ddp` train, and how much of their communication
+hides behind the backward pass.
 
-* :func:`benchmark_ddp` times an AdamW train step of a :class:`~lab.model.transformer.TransformerLM` for each wrapper
-  (naive, flat, individual, bucketed at several bucket sizes, ``torch.nn.parallel.DistributedDataParallel``)
-  and the single-device step at the same per-rank batch, in one launch; one profiled step per wrapper on
-  rank 0 gives the communication time (NCCL kernels on GPUs, gloo's worker-thread spans on the CPU), how
-  much of it overlapped compute, and a Chrome trace.
-* the timelines are read and drawn by :mod:`lab.measure.traces` (the one trace reader and timeline plot).
+* :func:`benchmark_ddp` times an AdamW train step of a :class:`~lab.model.transformer.TransformerLM` for each
+  wrapper (naive, flat, individual, bucketed at several bucket sizes, ``torch.nn.parallel.DistributedDataParallel``)
+  and the single-device step at the same per-rank batch, all **interleaved** in one launch
+  (:mod:`lab.bench.interleaved`: they take turns, round after round, so host drift cannot rank them), and
+  reports each one's median and spread over rounds. Then one profiled step per wrapper on rank 0 gives the
+  communication time (NCCL kernels on GPUs, gloo's worker-thread spans on the CPU), how much of it
+  overlapped compute, and a Chrome trace (read by :mod:`lab.measure.traces`).
 * :func:`bucket_overhead_ms`, :func:`optimal_bucket` and :func:`fit_bucket_overhead` are the bucketed
   overhead model: with ``n`` buckets of a total ``s`` bytes, per-call overhead ``o`` and bandwidth ``w``,
   the time added after backward is ``n*o + s/(n*w)``.
@@ -14,10 +15,11 @@ behind the backward pass.
 
 from __future__ import annotations
 
-import gc
+import copy
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import pandas as pd
@@ -26,10 +28,10 @@ import torch.distributed as dist
 from torch import nn
 
 from lab import paths
-from lab.measure.device import error_summary, is_oom, synchronize
+from lab.bench.interleaved import Interleaving, choose_schedule, combine_ranks, summarize_rounds, time_interleaved
+from lab.measure.device import available_memory_bytes, synchronize
 from lab.measure.profiling import quiet_profile
 from lab.measure.step import TrainStep, make_optimizer, random_batch
-from lab.measure.timing import time_callable
 from lab.measure.traces import read_trace, step_overlap
 from lab.model import ModelConfig, TransformerLM, config_for
 from lab.parallel import launcher as distributed
@@ -37,15 +39,14 @@ from lab.parallel.ddp import DDPBucketed, DDPIndividualParameters, FlatDDP, Naiv
 
 IMPLS = ("naive", "flat", "individual", "bucketed", "torch_ddp", "single_gpu")
 TORCH_DDP_BUCKET_MB = 25.0  # torch's default bucket_cap_mb
+#: Bytes per parameter of one resident copy: fp32 weights, gradients, AdamW's two moments, a bucket buffer.
+BYTES_PER_PARAM = 4 + 4 + 8 + 4
 
 
 def benchmark_plan(bucket_sizes_mb: Sequence[float] = (1, 10, 100, 1000),
                    impls: Sequence[str] = IMPLS) -> list[tuple[str, float]]:
-    """The (impl, bucket_mb) pairs to measure: bucketed once per bucket size, the others once.
-
-    torch DDP runs last: its reducer's hooks are released when it is garbage collected, and running it
-    after our wrappers keeps the model's parameters free of hooks for them.
-    """
+    """The (impl, bucket_mb) pairs to measure: bucketed once per bucket size, the others once (bucket_mb 0:
+    no buckets; torch DDP at its default 25 MiB)."""
     for impl in impls:
         if impl not in IMPLS:
             raise ValueError(f"unknown impl {impl!r}; choose from {', '.join(IMPLS)}")
@@ -53,11 +54,14 @@ def benchmark_plan(bucket_sizes_mb: Sequence[float] = (1, 10, 100, 1000),
     for impl in impls:
         if impl == "bucketed":
             plan += [("bucketed", float(b)) for b in bucket_sizes_mb]
-        elif impl != "torch_ddp":
-            plan.append((impl, 0.0))  # 0: no buckets (a number, not NaN, so result keys compare equal)
-    if "torch_ddp" in impls:
-        plan.append(("torch_ddp", TORCH_DDP_BUCKET_MB))
+        else:
+            plan.append((impl, TORCH_DDP_BUCKET_MB if impl == "torch_ddp" else 0.0))
     return plan
+
+
+def entry_key(impl: str, bucket_mb: float) -> str:
+    """``"bucketed_10"`` for a bucketed entry, the impl's name otherwise (keys of timings and traces)."""
+    return f"bucketed_{bucket_mb:g}" if impl == "bucketed" else impl
 
 
 def wrap(impl: str, model: nn.Module, bucket_mb: float, dev: torch.device) -> nn.Module:
@@ -78,62 +82,6 @@ def wrap(impl: str, model: nn.Module, bucket_mb: float, dev: torch.device) -> nn
     raise ValueError(f"unknown impl {impl!r}")
 
 
-# --------------------------------------------------------------------------------------------------------
-# the worker
-
-
-def ddp_benchmark_worker(plan: list[tuple[str, float]], cfg: ModelConfig, batch: int, dtype: str, warmup: int,
-                         steps: int, trace_dir: str | None, profile_steps: int = 1, seed: int = 0) -> list[dict]:
-    """Inside a launched process: time a train step for each (impl, bucket_mb) of ``plan`` on one model.
-
-    Each rank draws its own batch of ``batch`` sequences. ``single_gpu`` runs on rank 0 alone (the other
-    ranks wait at a barrier). Returns one dict per plan entry with this rank's step samples (ms); rank 0's
-    also carry the profiled step's communication time, overlap and the timeline.
-    """
-    r, dev = distributed.rank(), distributed.device()
-    torch.manual_seed(seed)
-    with torch.device(dev):
-        model = TransformerLM(cfg)
-    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    tokens, targets = random_batch(cfg, batch, dev, cfg.context_length, seed=seed + r)
-    out = []
-    for impl, bucket_mb in plan:
-        row = {"impl": impl, "bucket_mb": bucket_mb, "rank": r, "samples_ms": [], "status": "ok", "error": "",
-               "grad_mb": grad_bytes / 2**20, "n_buckets": math.nan, "comm_ms": math.nan,
-               "overlap_frac": math.nan, "timeline": None, "trace": None}
-        active = impl != "single_gpu" or r == 0
-        wrapped = step = None
-        try:
-            if active:
-                wrapped = wrap(impl, model, bucket_mb, dev)
-                row["n_buckets"] = _bucket_count(impl, wrapped)
-                step = TrainStep(wrapped, make_optimizer(model, dev), tokens, targets, dtype=dtype)
-                row["samples_ms"] = time_callable(step, warmup, steps, dev).samples_ms
-                if r == 0 and profile_steps > 0:
-                    row.update(_profile(step, dev, profile_steps, impl, bucket_mb, cfg, trace_dir))
-                elif profile_steps > 0:
-                    for _ in range(profile_steps):  # keep the other ranks in step with the profiled one
-                        step()
-                    synchronize(dev)
-        except Exception as exc:  # noqa: BLE001 - out of memory is a result
-            if not is_oom(exc):
-                raise
-            row.update(status="oom", error=error_summary(exc), samples_ms=[])
-        finally:
-            if hasattr(wrapped, "remove_hooks"):
-                wrapped.remove_hooks()
-            # drop every reference to the wrapper (its buckets are a full copy of the gradients)
-            wrapped = step = None
-            model.zero_grad(set_to_none=True)
-            gc.collect()
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
-        if impl == "single_gpu":
-            dist.barrier()
-        out.append(row)
-    return out
-
-
 def _bucket_count(impl: str, wrapped: nn.Module) -> float:
     if impl in ("naive", "individual"):
         return len(wrapped.trainable)
@@ -144,7 +92,97 @@ def _bucket_count(impl: str, wrapped: nn.Module) -> float:
     return math.nan
 
 
-def _profile(step, dev, n_steps, impl, bucket_mb, cfg, trace_dir) -> dict:
+def model_config(size: str | ModelConfig, context: int) -> tuple[str, ModelConfig]:
+    """``(name, config)`` of a size name or an explicit :class:`ModelConfig`, at ``context`` tokens."""
+    if isinstance(size, ModelConfig):
+        return "custom", replace(size, context_length=context)
+    return size, config_for(size, context_length=context)
+
+
+def parameter_count(cfg: ModelConfig) -> int:
+    """Parameters of a :class:`TransformerLM` of ``cfg``, counted on the meta device (no memory)."""
+    with torch.device("meta"):
+        return TransformerLM(cfg).num_parameters()
+
+
+def resolve_schedule(interleaving: Interleaving, bytes_per_copy: float, copies: int, device: str,
+                     world_size: int) -> Interleaving:
+    """``interleaving`` with an ``"auto"`` schedule made concrete: resident when ``copies`` copies fit in half
+    the memory of one rank's device (a GPU, or the CPU's available memory shared by the ranks)."""
+    if interleaving.schedule != "auto":
+        return interleaving
+    _, device_type = distributed.resolve_backend(world_size, device=device)
+    available = available_memory_bytes(device_type)
+    if device_type == "cpu":
+        available /= world_size
+    return replace(interleaving, schedule=choose_schedule(bytes_per_copy, copies, available))
+
+
+# --------------------------------------------------------------------------------------------------------
+# the worker
+
+
+def ddp_benchmark_worker(plan: list[tuple[str, float]], cfg: ModelConfig, batch: int, dtype: str,
+                         interleaving: Interleaving, trace_dir: str | None, profile_steps: int = 1,
+                         seed: int = 0) -> dict:
+    """Inside a launched process: time a train step for each (impl, bucket_mb) of ``plan``, interleaved.
+
+    Each rank draws its own batch of ``batch`` sequences. Resident: every entry trains its own copy of the
+    model with its own AdamW. Rebuild: one model and one AdamW, re-wrapped for each turn. ``single_gpu``
+    runs on rank 0 alone. Then each entry that ran is profiled for ``profile_steps`` steps (rank 0 writes the
+    trace). Returns this rank's timings (:func:`lab.bench.interleaved.time_interleaved`), rank 0's profile
+    summaries, bucket counts and the gradient size in MiB.
+    """
+    r, dev = distributed.rank(), distributed.device()
+    torch.manual_seed(seed)
+    with torch.device(dev):
+        base = TransformerLM(cfg)
+    grad_bytes = sum(p.numel() * p.element_size() for p in base.parameters() if p.requires_grad)
+    tokens, targets = random_batch(cfg, batch, dev, cfg.context_length, seed=seed + r)
+    resident = interleaving.schedule == "resident"
+    shared_optimizer = None if resident else make_optimizer(base, dev)
+    n_buckets: dict[str, float] = {}
+
+    def builder(impl: str, bucket_mb: float):
+        def build():
+            model = copy.deepcopy(base) if resident else base
+            wrapped = wrap(impl, model, bucket_mb, dev)
+            n_buckets[entry_key(impl, bucket_mb)] = _bucket_count(impl, wrapped)
+            optimizer = make_optimizer(model, dev) if resident else shared_optimizer
+            step = TrainStep(wrapped, optimizer, tokens, targets, dtype=dtype)
+
+            def close():
+                if hasattr(wrapped, "remove_hooks"):
+                    wrapped.remove_hooks()
+                model.zero_grad(set_to_none=True)  # a bucketed wrapper's .grad are views of its buckets
+
+            return step, close
+        return build
+
+    builders = {entry_key(i, b): builder(i, b) for i, b in plan}
+    timings = time_interleaved(builders, interleaving, dev, solo={"single_gpu"})
+    profiles = {}
+    for impl, bucket_mb in plan:
+        key = entry_key(impl, bucket_mb)
+        if timings[key]["status"] != "ok" or profile_steps < 1:
+            continue
+        if impl != "single_gpu" or r == 0:
+            step, close = builders[key]()
+            step()  # the first step after a build allocates buffers and optimizer state
+            if r == 0:
+                profiles[key] = _profile(step, dev, profile_steps, f"ddp_{key}_d{cfg.d_model}.json", trace_dir)
+            else:
+                for _ in range(profile_steps):  # keep in step with the profiled rank
+                    step()
+            synchronize(dev)
+            close()
+            del step, close
+        if impl == "single_gpu":
+            dist.barrier()
+    return {"timings": timings, "profiles": profiles, "n_buckets": n_buckets, "grad_mb": grad_bytes / 2**20}
+
+
+def _profile(step, dev: torch.device, n_steps: int, name: str, trace_dir: str | None) -> dict:
     activities = [torch.profiler.ProfilerActivity.CPU]
     if dev.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -152,15 +190,13 @@ def _profile(step, dev, n_steps, impl, bucket_mb, cfg, trace_dir) -> dict:
         for _ in range(n_steps):
             step()
         synchronize(dev)
-    name = f"ddp_{impl}" + (f"_{bucket_mb:g}mb" if impl in ("bucketed", "torch_ddp") else "") + f"_d{cfg.d_model}.json"
     folder = Path(trace_dir) if trace_dir else Path(paths.artifacts_dir("artifacts/tmp"))
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / name
     prof.export_chrome_trace(str(path))
-    timeline = read_trace(path)
-    summary = step_overlap(timeline)
+    summary = step_overlap(read_trace(path))
     return {"comm_ms": summary["communication_ms"] / n_steps, "overlap_frac": summary["overlap_share"],
-            "timeline": timeline, "trace": str(path)}
+            "trace": str(path)}
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -169,48 +205,42 @@ def _profile(step, dev, n_steps, impl, bucket_mb, cfg, trace_dir) -> dict:
 
 def benchmark_ddp(size: str | ModelConfig = "xl", context: int = 512, batch: int = 2, dtype: str = "fp32",
                   world_size: int = 2, device: str = "auto", impls: Sequence[str] = IMPLS,
-                  bucket_sizes_mb: Sequence[float] = (1, 10, 100, 1000), warmup: int = 3, steps: int = 5,
-                  profile_steps: int = 1, artifacts_dir: str = "artifacts", timeout_s: float = 600,
-                  ) -> tuple[pd.DataFrame, dict[str, pd.DataFrame]]:
-    """Train-step time of each data-parallel wrapper on ``world_size`` ranks (one launch, one model).
+                  bucket_sizes_mb: Sequence[float] = (1, 10, 100, 1000),
+                  interleaving: Interleaving = Interleaving(), profile_steps: int = 1,
+                  artifacts_dir: str = "artifacts", timeout_s: float = 600) -> pd.DataFrame:
+    """Train-step time of each data-parallel wrapper on ``world_size`` ranks, interleaved in one launch.
 
     ``batch`` is per rank (the global batch is ``batch * world_size``); ``single_gpu`` is the same step on
-    one device with that per-rank batch, i.e. the ideal a data-parallel step can approach. Returns
-    ``(table, timelines)``: one row per (impl, bucket_mb) with the spec's ``ddp_benchmark`` columns (bucket_mb:
-    MiB per bucket for bucketed and torch_ddp, 0 for the unbucketed wrappers; step_ms:
-    mean over steps of the slowest rank, ms; comm_ms: communication time in rank 0's profiled step, ms;
-    status ok/oom) plus step_std_ms, overlap_frac, n_buckets, grad_mb, trace; and the profiled timelines
-    keyed by ``"impl"`` or ``"bucketed_<mb>"``. Chrome traces go to ``<artifacts_dir>/ddp_traces``.
+    one device with that per-rank batch, i.e. the ideal a data-parallel step can approach. One row per
+    (impl, bucket_mb) with the spec's ``ddp_benchmark`` columns (bucket_mb: MiB per bucket for bucketed and
+    torch_ddp, 0 otherwise; step_ms: the **median over rounds** of the step time, each step counted at its
+    slowest rank, ms; comm_ms: communication time in rank 0's profiled step, ms; status ok/oom) plus the
+    spread (step_q1_ms, step_q3_ms, step_iqr_ms, rounds, step_samples_ms: the per-round samples as a JSON
+    list, see :func:`lab.bench.interleaved.samples`), schedule, overlap_frac, n_buckets, grad_mb, trace (its
+    Chrome trace under ``<artifacts_dir>/ddp_traces``) and error.
     """
-    if isinstance(size, ModelConfig):
-        cfg, name = ModelConfig(**{**size.__dict__, "context_length": context}), "custom"
-    else:
-        cfg, name = config_for(size, context_length=context), size
+    name, cfg = model_config(size, context)
     plan = benchmark_plan(bucket_sizes_mb, impls)
+    interleaving = resolve_schedule(interleaving, parameter_count(cfg) * BYTES_PER_PARAM, len(plan), device,
+                                    world_size)
     trace_dir = str(paths.artifacts_dir(Path(artifacts_dir) / "ddp_traces"))
-    per_rank = distributed.launch(ddp_benchmark_worker, world_size, plan, cfg, batch, dtype, warmup, steps,
+    per_rank = distributed.launch(ddp_benchmark_worker, world_size, plan, cfg, batch, dtype, interleaving,
                                   trace_dir, profile_steps, device=device, timeout_s=timeout_s)
-    rows, timelines = [], {}
-    for results in zip(*per_rank):
-        first = results[0]
-        impl = first["impl"]
-        ws = 1 if impl == "single_gpu" else world_size
-        samples = [r["samples_ms"] for r in results if r["samples_ms"]]
-        status = "oom" if any(r["status"] == "oom" for r in results) else "ok"
-        step_ms = step_std = math.nan
-        if status == "ok" and samples:
-            slowest = np.max(np.array(samples), axis=0)  # a step is done when its slowest rank is
-            step_ms, step_std = float(slowest.mean()), float(slowest.std(ddof=1)) if len(slowest) > 1 else 0.0
-        rows.append(dict(impl=impl, bucket_mb=first["bucket_mb"], world_size=ws, size=name, context=context,
-                         batch=batch, dtype=dtype, step_ms=step_ms, step_std_ms=step_std,
-                         comm_ms=0.0 if impl == "single_gpu" and status == "ok" else first["comm_ms"],
-                         overlap_frac=first["overlap_frac"], n_buckets=first["n_buckets"],
-                         grad_mb=first["grad_mb"], trace=_relative(first["trace"]), status=status,
-                         error=next((r["error"] for r in results if r["error"]), "")))
-        if first["timeline"] is not None:
-            key = impl if impl != "bucketed" else f"bucketed_{first['bucket_mb']:g}"
-            timelines[key] = first["timeline"]
-    return pd.DataFrame(rows), timelines
+    rounds = combine_ranks([res["timings"] for res in per_rank])
+    first = per_rank[0]
+    rows = []
+    for impl, bucket_mb in plan:
+        key = entry_key(impl, bucket_mb)
+        timing, profile = rounds[key], first["profiles"].get(key, {})
+        ok = timing["status"] == "ok"
+        rows.append(dict(impl=impl, bucket_mb=bucket_mb, world_size=1 if impl == "single_gpu" else world_size,
+                         size=name, context=context, batch=batch, dtype=dtype, **summarize_rounds(timing["round_ms"]),
+                         schedule=interleaving.schedule,
+                         comm_ms=0.0 if impl == "single_gpu" and ok else profile.get("comm_ms", math.nan),
+                         overlap_frac=profile.get("overlap_frac", math.nan),
+                         n_buckets=first["n_buckets"].get(key, math.nan), grad_mb=first["grad_mb"],
+                         trace=_relative(profile.get("trace")), status=timing["status"], error=timing["error"]))
+    return pd.DataFrame(rows)
 
 
 def _relative(path: str | None) -> str | None:
@@ -221,6 +251,78 @@ def _relative(path: str | None) -> str | None:
         return str(Path(path).resolve().relative_to(paths.REPO_ROOT))
     except ValueError:
         return path
+
+
+@dataclass(frozen=True)
+class DDPRun:
+    """What notebook 07 measures: each of ``configs`` (dicts of size, dtype, batch per rank, context) on
+    ``world_size`` ranks of ``device`` ("cuda": NCCL; "cpu": gloo), bucketed at ``bucket_sizes_mb``, timed
+    with ``interleaving``. ``note`` says where it runs and why (:func:`where_to_run`)."""
+
+    device: str
+    world_size: int
+    configs: tuple[dict, ...]
+    bucket_sizes_mb: tuple[float, ...]
+    interleaving: Interleaving = field(default_factory=Interleaving)
+    profile_steps: int = 1
+    note: str = ""
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.device == "cuda" else "gloo"
+
+    def params(self) -> dict:
+        """The resolved settings, for a report's provenance."""
+        return dict(run_device=self.device, world_size=self.world_size, configs=list(self.configs),
+                    bucket_sizes_mb=list(self.bucket_sizes_mb), **self.interleaving.params(),
+                    profile_steps=self.profile_steps)
+
+    def measure(self, artifacts_dir: str = "artifacts") -> pd.DataFrame:
+        """:func:`benchmark_ddp` for every config, one table with a ``config`` column ("xl fp32")."""
+        tables = []
+        for c in self.configs:
+            df = benchmark_ddp(c["size"], context=c["context"], batch=c["batch"], dtype=c["dtype"],
+                               world_size=self.world_size, device=self.device, bucket_sizes_mb=self.bucket_sizes_mb,
+                               interleaving=self.interleaving, profile_steps=self.profile_steps,
+                               artifacts_dir=artifacts_dir)
+            tables.append(df.assign(config=f"{c['size']} {c['dtype']}"))
+        return pd.concat(tables, ignore_index=True)
+
+
+def where_to_run(quick: bool, device: str, world_size: int, gpus: int | None = None) -> tuple[bool, str]:
+    """``(on_gpu, sentence)``: whether a notebook's run uses ``world_size`` GPUs (the full profile, when the
+    machine has them and ``device`` allows) or CPU processes with gloo, and a sentence saying which and why."""
+    if gpus is None:
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if quick:
+        return False, f"Quick profile: a tiny model on {world_size} CPU processes with gloo."
+    if device != "cpu" and gpus >= world_size:
+        return True, f"Full profile: {world_size} GPUs with NCCL."
+    why = "device='cpu' was asked for" if device == "cpu" else f"this machine has {gpus} GPU(s)"
+    return False, (f"The full profile needs {world_size} GPUs and {why}; this render runs the CPU-sized version "
+                   "with gloo instead.")
+
+
+def plan_run(quick: bool, device: str = "auto", world_size: int = 2, configs: Sequence[dict] | None = None,
+             bucket_sizes_mb: Sequence[float] | None = None, rounds: int | None = None,
+             steps_per_round: int | None = None, warmup: int | None = None, schedule: str = "auto") -> DDPRun:
+    """The notebook's settings made concrete. Full profile on ``world_size`` GPUs: xl in fp32 and 2.7B in
+    bf16 (batch 2 per rank, context 512), buckets of 1, 10, 100 and 1000 MiB, 6 rounds of 3 steps. Quick, or
+    without enough GPUs: a tiny model with gloo on the CPU, buckets of 0.1, 1 and 10 MiB, 20 rounds of 1 step.
+    ``None`` picks these defaults."""
+    on_gpu, note = where_to_run(quick, device, world_size)
+    if on_gpu:
+        configs = configs or [dict(size="xl", dtype="fp32", batch=2, context=512),
+                              dict(size="2.7B", dtype="bf16", batch=2, context=512)]
+        defaults = (bucket_sizes_mb or (1, 10, 100, 1000), 6, 3, 2)
+    else:
+        configs = configs or [dict(size="tiny", dtype="fp32", batch=2, context=32)]
+        defaults = (bucket_sizes_mb or (0.1, 1, 10), 20, 1, 1)
+    buckets, r, s, w = defaults
+    interleaving = Interleaving(rounds=rounds or r, steps_per_round=steps_per_round or s,
+                                warmup=w if warmup is None else warmup, schedule=schedule)
+    return DDPRun("cuda" if on_gpu else "cpu", world_size, tuple(dict(c) for c in configs),
+                  tuple(float(b) for b in buckets), interleaving, note=note)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -281,7 +383,8 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m lab.bench.ddp",
-                                description="Train-step time of the data-parallel wrappers (and torch DDP).")
+                                description="Train-step time of the data-parallel wrappers (and torch DDP), "
+                                            "interleaved.")
     p.add_argument("--size", default="xl")
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--batch", type=int, default=2, help="sequences per rank")
@@ -290,22 +393,23 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
     p.add_argument("--bucket-sizes-mb", nargs="+", type=float, default=[1, 10, 100, 1000])
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--steps-per-round", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--schedule", choices=["auto", "resident", "rebuild"], default="auto")
     p.add_argument("--artifacts-dir", default="artifacts")
-    p.add_argument("--results-dir", default=None, help="also merge the rows into <dir>/ddp_benchmark.csv")
+    p.add_argument("--results-dir", default=None, help="also save the rows as <dir>/ddp_benchmark.csv")
     args = p.parse_args(argv)
-    df, _ = benchmark_ddp(args.size, args.context, args.batch, args.dtype, args.world_size, args.device,
-                          args.impls, args.bucket_sizes_mb, args.warmup, args.steps,
-                          artifacts_dir=args.artifacts_dir)
-    if distributed.rank() == 0:
-        cols = ["impl", "bucket_mb", "world_size", "step_ms", "step_std_ms", "comm_ms", "overlap_frac",
-                "n_buckets", "status"]
-        print(df[cols].to_markdown(index=False, floatfmt=".4g"))
-        if args.results_dir:
-            from lab.measure.results import save_results
+    interleaving = Interleaving(args.rounds, args.steps_per_round, args.warmup, args.schedule)
+    df = benchmark_ddp(args.size, args.context, args.batch, args.dtype, args.world_size, args.device, args.impls,
+                       args.bucket_sizes_mb, interleaving, artifacts_dir=args.artifacts_dir)
+    cols = ["impl", "bucket_mb", "world_size", "step_ms", "step_iqr_ms", "rounds", "comm_ms", "overlap_frac",
+            "n_buckets", "status"]
+    print(df[cols].to_markdown(index=False, floatfmt=".4g"))
+    if args.results_dir:
+        from lab.measure.results import save_results
 
-            print(save_results(df, "ddp_benchmark", args.results_dir, vars(args)))
+        print(save_results(df, "ddp_benchmark", args.results_dir, vars(args), source="lab.bench.ddp"))
     return df
 
 

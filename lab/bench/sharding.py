@@ -11,34 +11,44 @@ Six implementations, all training with AdamW under the same autocast, one proces
 ``torch_fsdp2``           ``torch.distributed.fsdp.fully_shard`` per block and on the root, bf16 param dtype
 ========================  ===============================================================================
 
-Each configuration runs in fresh processes (:func:`lab.parallel.launcher.launch`), so peaks are not polluted by
-the previous one; an out-of-memory on any rank becomes a row with ``status="oom"``. Memory is the CUDA
-caching allocator's ``max_memory_allocated`` with a reset before each phase: model and optimizer
-construction (``peak_init``), forward + backward of a steady-state step (``peak_before_step``) and the
-optimizer step (``peak_after_step``). The breakdown counts the bytes of this rank's parameter, gradient
-and optimizer-state tensors and compares them with the closed form (:func:`expected_state_bytes`).
+Two measurements per model size:
+
+* **memory** (:func:`memory_row`): each implementation in fresh processes (:func:`lab.parallel.launcher.launch`),
+  so its peaks are not polluted by another one; an out-of-memory on any rank becomes a row with
+  ``status="oom"``. Memory is the CUDA caching allocator's ``max_memory_allocated`` with a reset before each
+  phase: model and optimizer construction (``peak_init``), forward + backward of a steady-state step
+  (``peak_before_step``) and the optimizer step (``peak_after_step``). The breakdown counts the bytes of this
+  rank's parameter, gradient and optimizer-state tensors and compares them with the closed form
+  (:func:`expected_state_bytes`). One more step of ``profile_impl`` can be profiled there (its trace).
+* **step time** (:func:`step_times`): all implementations in the same processes, taking turns
+  (:mod:`lab.bench.interleaved`), so host drift cannot rank them; each reports its median and spread over
+  rounds, the torch baselines included.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
 import torch
 from tqdm import tqdm  # plain text bars: they render in papermill reports
 
+from lab.bench.ddp import model_config, parameter_count, resolve_schedule, where_to_run
+from lab.bench.interleaved import Interleaving, combine_ranks, summarize_rounds, time_interleaved
 from lab.dtypes import autocast_dtype
 from lab.measure.device import error_summary, is_oom, synchronize
 from lab.measure.profiling import quiet_profile
 from lab.measure.step import TrainStep, lm_loss, random_batch
-from lab.measure.timing import time_callable
-from lab.measure.traces import read_trace
-from lab.model import ModelConfig, TransformerLM, config_for
+from lab.model import ModelConfig, TransformerLM
 from lab.parallel import launcher as distributed
 
 IMPLS = ("ddp", "sharded_optimizer", "zero1", "fsdp", "torch_zero", "torch_fsdp2")
+#: The implementation each one is judged against (the performance goals of notebook 08).
+REFERENCE = {"sharded_optimizer": "torch_zero", "zero1": "torch_zero", "fsdp": "torch_fsdp2"}
 GiB = 2**30
 LR = 1e-4
 WEIGHT_DECAY = 0.01
@@ -86,7 +96,7 @@ def _ddp(model: torch.nn.Module, device: torch.device):
                                    gradient_as_bucket_view=True)
 
 
-def build(impl: str, model: TransformerLM, device: torch.device, dtype: str, fsdp_reduce_dtype: str | None = None):
+def build_impl(impl: str, model: TransformerLM, device: torch.device, dtype: str, fsdp_reduce_dtype: str | None = None):
     """Wrap ``model`` for ``impl``; returns ``(runnable model, optimizer, optimizer-state holder)``.
 
     ``fsdp_reduce_dtype`` ("fp32", "bf16", or None for the compute dtype) is the dtype :class:`lab.FSDP`
@@ -136,7 +146,7 @@ def build(impl: str, model: TransformerLM, device: torch.device, dtype: str, fsd
 
 
 # ----------------------------------------------------------------------------------------------------------
-# the measurement, inside each launched process
+# memory, inside each launched process
 
 
 class _Peaks:
@@ -161,13 +171,13 @@ class _Peaks:
         return torch.cuda.memory_allocated(self.device) / GiB if self.cuda else math.nan
 
 
-def sharding_worker(impl: str, cfg: ModelConfig, batch: int, dtype: str, warmup: int, steps: int,
-                    trace_path: str | None = None, fsdp_reduce_dtype: str | None = None) -> dict:
-    """Inside a launched process: build ``impl``, measure memory by phase, time ``steps`` train steps.
+def memory_worker(impl: str, cfg: ModelConfig, batch: int, dtype: str, warmup: int,
+                  trace_path: str | None = None, fsdp_reduce_dtype: str | None = None) -> dict:
+    """Inside a launched process: build ``impl``, run ``warmup`` steps (at least one: the optimizer state
+    exists from then on), then one steady-state step in phases, reading the peak of each.
 
-    Returns this rank's measurements: peaks (GiB), the bytes of its parameter / gradient / optimizer-state
-    tensors, every step time (ms), and, if ``trace_path`` is given, the profiler timeline of one more step
-    (rank 0 writes the Chrome trace there and returns its intervals as rows; see :func:`lab.measure.traces.read_trace`).
+    Returns this rank's peaks (GiB) and the bytes of its parameter / gradient / optimizer-state tensors; with
+    ``trace_path``, one more step is profiled (rank 0 writes the Chrome trace there).
     """
     device = distributed.device()
     peaks = _Peaks(device)
@@ -176,19 +186,17 @@ def sharding_worker(impl: str, cfg: ModelConfig, batch: int, dtype: str, warmup:
     with torch.device(device):
         model = TransformerLM(cfg)
     num_params = model.num_parameters()
-    runnable, opt, state_holder = build(impl, model, device, dtype, fsdp_reduce_dtype)
+    runnable, opt, state_holder = build_impl(impl, model, device, dtype, fsdp_reduce_dtype)
     out = {"rank": distributed.rank(), "num_params": num_params, "peak_init_gib": peaks.peak_gib()}
     tokens, targets = random_batch(cfg, batch, device, seed=distributed.rank())
-
     train_step = TrainStep(runnable, opt, tokens, targets, dtype=dtype)
-    for _ in range(max(warmup, 1)):  # at least one step: the optimizer state exists from then on
+    for _ in range(max(warmup, 1)):
         train_step()
-    # one steady-state step in phases
     out["allocated_start_gib"] = peaks.allocated_gib()
     peaks.reset()
     train_step.forward_backward()
     out["peak_before_step_gib"] = peaks.peak_gib()
-    params = [p for p in runnable.parameters()]
+    params = list(runnable.parameters())
     out["param_bytes"] = _bytes(params)
     out["grad_bytes"] = _bytes(p.grad for p in params)
     peaks.reset()
@@ -197,14 +205,12 @@ def sharding_worker(impl: str, cfg: ModelConfig, batch: int, dtype: str, warmup:
     out["optimizer_state_bytes"] = _bytes(t for s in state_holder.state.values() for t in s.values()
                                           if torch.is_tensor(t) and t.ndim > 0)
     opt.zero_grad(set_to_none=True)
-    timing = time_callable(train_step, warmup=0, steps=steps, device=device)
-    out["step_samples_ms"] = timing.samples_ms
     if trace_path is not None:
-        out["timeline"] = _profile_one_step(train_step, device, trace_path)
+        _profile_one_step(train_step, device, trace_path)
     return out
 
 
-def _profile_one_step(train_step, device: torch.device, trace_path: str) -> list[dict] | None:
+def _profile_one_step(train_step, device: torch.device, trace_path: str) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -212,61 +218,45 @@ def _profile_one_step(train_step, device: torch.device, trace_path: str) -> list
     with quiet_profile(profile(activities=activities)) as prof:
         train_step()
         synchronize(device)
-    if distributed.rank() != 0:
-        return None
-    Path(trace_path).parent.mkdir(parents=True, exist_ok=True)
-    prof.export_chrome_trace(trace_path)
-    return read_trace(trace_path).to_dict("records")
+    if distributed.rank() == 0:
+        Path(trace_path).parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(trace_path)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# the sweep
+def _reduce_dtype(impl: str, dtype: str, fsdp_reduce_dtype: str | None) -> str:
+    """The dtype ``impl`` reduces gradients in: FSDP's setting, FSDP2's param dtype, fp32 for the others."""
+    if impl == "fsdp":
+        return fsdp_reduce_dtype or dtype
+    return dtype if impl == "torch_fsdp2" else "fp32"
 
 
-def _config(size: str | ModelConfig, context: int) -> tuple[str, ModelConfig]:
-    if isinstance(size, ModelConfig):
-        return "custom", ModelConfig(**{**size.__dict__, "context_length": context})
-    return size, config_for(size, context_length=context)
+def memory_row(impl: str, size: str | ModelConfig, world_size: int = 2, context: int = 512, batch: int = 2,
+               dtype: str = "bf16", warmup: int = 1, device: str = "auto", trace_path: str | None = None,
+               timeout_s: float = 180, fsdp_reduce_dtype: str | None = None) -> dict:
+    """Peak memory by phase of ``impl`` on ``size`` with ``world_size`` ranks, in fresh processes.
 
-
-def run_config(impl: str, size: str | ModelConfig, world_size: int = 2, context: int = 512, batch: int = 2,
-               dtype: str = "bf16", warmup: int = 2, steps: int = 5, device: str = "auto",
-               trace_path: str | None = None, timeout_s: float = 180,
-               fsdp_reduce_dtype: str | None = None) -> dict:
-    """One row of the sharding benchmark: ``impl`` on ``size`` with ``world_size`` ranks (fresh processes).
-
-    ``batch`` is per rank. Returns the spec's columns (impl, world_size, size, context, batch, dtype,
-    step_ms, peak_init_gib, peak_before_step_gib, peak_after_step_gib, status) plus step_std_ms, peak_gib
-    (the largest of the three), the
-    breakdown (param_gib, grad_gib, optimizer_state_gib, activations_gib = peak before the step minus the
-    three), the closed-form expectations (expected_*_gib), num_params, error, and ``timeline`` (a list of
-    profiler rows) when ``trace_path`` is given. Out-of-memory on any rank gives ``status="oom"``; any other
-    failure ``status="error"`` with the message, so a sweep always completes.
+    ``batch`` is per rank. Returns impl, world_size, size, context, batch, dtype, reduce_dtype,
+    peak_init_gib, peak_before_step_gib, peak_after_step_gib, peak_gib (the largest; the rank that needs the
+    most decides whether it fits), the breakdown (param_gib, grad_gib, optimizer_state_gib, activations_gib =
+    peak before the step minus the three), the closed-form expectations (expected_*_gib), num_params, trace,
+    status and error. Out-of-memory on any rank gives ``status="oom"``; any other failure ``status="error"``
+    with the message, so a sweep always completes.
     """
     autocast_dtype(dtype)  # a clear error for an unknown name
     sharded_parts(impl)  # validates the name
-    name, cfg = _config(size, context)
+    name, cfg = model_config(size, context)
     row = dict(impl=impl, world_size=world_size, size=name, context=context, batch=batch, dtype=dtype,
-               step_ms=math.nan, step_std_ms=math.nan, peak_init_gib=math.nan, peak_before_step_gib=math.nan,
-               peak_after_step_gib=math.nan, peak_gib=math.nan, status="ok", error="")
-    if impl == "fsdp":
-        row["reduce_dtype"] = fsdp_reduce_dtype or dtype
-    elif impl == "torch_fsdp2":
-        row["reduce_dtype"] = dtype
-    else:
-        row["reduce_dtype"] = "fp32"
+               reduce_dtype=_reduce_dtype(impl, dtype, fsdp_reduce_dtype), peak_init_gib=math.nan,
+               peak_before_step_gib=math.nan, peak_after_step_gib=math.nan, peak_gib=math.nan, trace=trace_path,
+               status="ok", error="")
     try:
-        per_rank = distributed.launch(sharding_worker, world_size, impl, cfg, batch, dtype, warmup, steps,
-                                      trace_path, fsdp_reduce_dtype, device=device, timeout_s=timeout_s)
+        per_rank = distributed.launch(memory_worker, world_size, impl, cfg, batch, dtype, warmup, trace_path,
+                                      fsdp_reduce_dtype, device=device, timeout_s=timeout_s)
     except Exception as exc:  # noqa: BLE001 - a failed configuration is a row, not a crashed sweep
-        row.update(status="oom" if is_oom(exc) else "error", error=error_summary(exc, limit=300))
+        row.update(status="oom" if is_oom(exc) else "error", error=error_summary(exc, limit=300), trace=None)
         return row
-    # A step is over when its slowest rank is done: per step the max over ranks, then mean and std.
-    samples = torch.tensor([r["step_samples_ms"] for r in per_rank], dtype=torch.float64).max(dim=0).values
-    row["step_ms"] = samples.mean().item()
-    row["step_std_ms"] = samples.std().item() if samples.numel() > 1 else 0.0
     for key in ("peak_init_gib", "peak_before_step_gib", "peak_after_step_gib"):
-        row[key] = max(r[key] for r in per_rank)  # the rank that needs the most memory decides whether it fits
+        row[key] = max(r[key] for r in per_rank)
     row["peak_gib"] = max(row["peak_init_gib"], row["peak_before_step_gib"], row["peak_after_step_gib"])
     num_params = per_rank[0]["num_params"]
     row["num_params"] = num_params
@@ -277,38 +267,108 @@ def run_config(impl: str, size: str | ModelConfig, world_size: int = 2, context:
     expected = expected_state_bytes(impl, num_params, world_size)
     row.update(expected_param_gib=expected["params"] / GiB, expected_grad_gib=expected["grads"] / GiB,
                expected_optimizer_state_gib=expected["optimizer_state"] / GiB)
-    if trace_path is not None:
-        row["timeline"] = per_rank[0].get("timeline")
     return row
+
+
+# ----------------------------------------------------------------------------------------------------------
+# step time, interleaved
+
+
+def step_time_worker(impls: Sequence[str], cfg: ModelConfig, batch: int, dtype: str, interleaving: Interleaving,
+                     fsdp_reduce_dtype: str | None = None) -> dict:
+    """Inside a launched process: the implementations' train steps taking turns
+    (:func:`lab.bench.interleaved.time_interleaved`). Each turn's implementation trains its own model (built
+    from the same seed, or copied from one built once when resident) with its own optimizer; returns this
+    rank's timings."""
+    device = distributed.device()
+    tokens, targets = random_batch(cfg, batch, device, seed=distributed.rank())
+    base = None
+    if interleaving.schedule == "resident":
+        torch.manual_seed(0)
+        with torch.device(device):
+            base = TransformerLM(cfg)
+
+    def builder(impl: str):
+        def build():
+            if base is not None:
+                model = copy.deepcopy(base)
+            else:
+                torch.manual_seed(0)
+                with torch.device(device):
+                    model = TransformerLM(cfg)
+            runnable, opt, _ = build_impl(impl, model, device, dtype, fsdp_reduce_dtype)
+            return TrainStep(runnable, opt, tokens, targets, dtype=dtype), lambda: None
+        return build
+
+    return time_interleaved({impl: builder(impl) for impl in impls}, interleaving, device)
+
+
+def step_times(impls: Sequence[str], size: str | ModelConfig, world_size: int = 2, context: int = 512,
+               batch: int = 2, dtype: str = "bf16", interleaving: Interleaving = Interleaving(),
+               device: str = "auto", timeout_s: float = 600, fsdp_reduce_dtype: str | None = None) -> pd.DataFrame:
+    """Step time of every implementation in ``impls``, interleaved in one launch: one row per impl with size,
+    step_ms (median over rounds, each step at its slowest rank), step_q1_ms, step_q3_ms, step_iqr_ms, rounds,
+    step_samples_ms (JSON list), schedule, status and error (out-of-memory is a row)."""
+    for impl in impls:
+        sharded_parts(impl)
+    name, cfg = model_config(size, context)
+    n = parameter_count(cfg)
+    state = sum(expected_state_bytes(impl, n, world_size)["total"] for impl in impls)  # every model resident
+    interleaving = resolve_schedule(interleaving, state, 1, device, world_size)
+    per_rank = distributed.launch(step_time_worker, world_size, list(impls), cfg, batch, dtype, interleaving,
+                                  fsdp_reduce_dtype, device=device, timeout_s=timeout_s)
+    rounds = combine_ranks(per_rank)
+    return pd.DataFrame([dict(impl=impl, size=name, **summarize_rounds(rounds[impl]["round_ms"]),
+                              schedule=interleaving.schedule, status=rounds[impl]["status"],
+                              error=rounds[impl]["error"]) for impl in impls])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the benchmark
 
 
 def run_sharding_benchmark(impls: Sequence[str] = IMPLS, sizes: Sequence[str | ModelConfig] = ("xl", "2.7B"),
                            world_size: int = 2, context: int = 512, batch: int = 2, dtype: str = "bf16",
-                           warmup: int = 2, steps: int = 5, device: str = "auto",
+                           interleaving: Interleaving = Interleaving(), warmup: int = 1, device: str = "auto",
                            artifacts_dir: str | None = None, profile_impl: str | None = "fsdp",
-                           timeout_s: float = 180, progress: bool = True,
-                           fsdp_reduce_dtype: str | None = None) -> tuple[pd.DataFrame, dict]:
-    """Every (size, impl) configuration through :func:`run_config`, with a tqdm progress bar.
-
-    Returns ``(table, timelines)``: the table without the timeline column, and ``{size: timeline rows}``
-    of ``profile_impl`` (its Chrome traces go to ``artifacts_dir/sharding_<impl>_<size>.json``).
+                           timeout_s: float = 600, progress: bool = True,
+                           fsdp_reduce_dtype: str | None = None) -> pd.DataFrame:
+    """For each size: every implementation's memory in fresh processes (:func:`memory_row`), then their step
+    times interleaved in one launch (:func:`step_times`); one row per (size, impl) with the spec's
+    ``sharding_benchmark`` columns (step_ms is the median over rounds) and the rest of both. A row's status
+    is ``oom`` (or ``error``) when either measurement failed. ``profile_impl``'s memory run also profiles one
+    step: its Chrome trace is ``<artifacts_dir>/sharding_<impl>_<size>.json`` (the ``trace`` column).
     """
     from lab import paths
 
-    rows, timelines = [], {}
-    configs = [(s, i) for s in sizes for i in impls]
-    for size, impl in tqdm(configs, desc="sharding benchmark", disable=not progress):
-        trace = None
-        if artifacts_dir is not None and impl == profile_impl:
-            name = size if isinstance(size, str) else "custom"
-            trace = str(paths.artifacts_dir(artifacts_dir) / f"sharding_{impl}_{name}.json")
-        row = run_config(impl, size, world_size, context, batch, dtype, warmup, steps, device, trace, timeout_s,
-                         fsdp_reduce_dtype)
-        if row.get("timeline") is not None:
-            timelines[row["size"]] = pd.DataFrame(row["timeline"])
-        row.pop("timeline", None)
-        rows.append(row)
-    return pd.DataFrame(rows), timelines
+    tables = []
+    for size in tqdm(sizes, desc="sharding benchmark", disable=not progress):
+        name = size if isinstance(size, str) else "custom"
+        rows = []
+        for impl in impls:
+            trace = None
+            if artifacts_dir is not None and impl == profile_impl:
+                trace = str(paths.artifacts_dir(artifacts_dir) / f"sharding_{impl}_{name}.json")
+            rows.append(memory_row(impl, size, world_size, context, batch, dtype, warmup, device, trace, timeout_s,
+                                   fsdp_reduce_dtype))
+        memory = pd.DataFrame(rows)
+        times = step_times(impls, size, world_size, context, batch, dtype, interleaving, device, timeout_s,
+                           fsdp_reduce_dtype)
+        merged = memory.merge(times.drop(columns=["size"]), on="impl", suffixes=("", "_timing"))
+        failed = (merged["status"] == "ok") & (merged["status_timing"] != "ok")
+        merged.loc[failed, "status"] = merged.loc[failed, "status_timing"]
+        merged.loc[failed, "error"] = merged.loc[failed, "error_timing"]
+        tables.append(merged.drop(columns=["status_timing", "error_timing"]))
+    df = pd.concat(tables, ignore_index=True)
+    if "trace" in df:
+        df["trace"] = df["trace"].map(_relative)
+    return df
+
+
+def _relative(path):
+    from lab.bench.ddp import _relative as relative
+
+    return relative(path) if isinstance(path, str) else None
 
 
 def memory_breakdown(df: pd.DataFrame) -> pd.DataFrame:
@@ -322,10 +382,76 @@ def memory_breakdown(df: pd.DataFrame) -> pd.DataFrame:
                              expected_gib=r[f"expected_{part}_gib"]))
         rows.append(dict(impl=r["impl"], size=r["size"], part="activations + transients",
                          measured_gib=r["activations_gib"], expected_gib=math.nan))
-    out = pd.DataFrame(rows)
-    if not out.empty:
-        out["ratio"] = out["measured_gib"] / out["expected_gib"]
+    out = pd.DataFrame(rows, columns=["impl", "size", "part", "measured_gib", "expected_gib"])
+    out["ratio"] = out["measured_gib"] / out["expected_gib"]
     return out
+
+
+@dataclass(frozen=True)
+class ShardingRun:
+    """What notebook 08 measures: ``impls`` on each of ``sizes`` with ``world_size`` ranks of ``device``
+    ("cuda": NCCL; "cpu": gloo), ``batch`` sequences of ``context`` tokens per rank under ``dtype`` autocast;
+    step times with ``interleaving``; ``profile_impl``'s step profiled. ``note`` says where it runs and why
+    (:func:`lab.bench.ddp.where_to_run`)."""
+
+    device: str
+    world_size: int
+    sizes: tuple[str, ...]
+    impls: tuple[str, ...] = IMPLS
+    context: int = 512
+    batch: int = 2
+    dtype: str = "bf16"
+    fsdp_reduce_dtype: str | None = None
+    warmup: int = 1
+    interleaving: Interleaving = field(default_factory=Interleaving)
+    profile_impl: str | None = "fsdp"
+    note: str = ""
+
+    def params(self) -> dict:
+        """The resolved settings, for a report's provenance."""
+        return dict(run_device=self.device, world_size=self.world_size, sizes=list(self.sizes),
+                    impls=list(self.impls), context=self.context, batch=self.batch, dtype=self.dtype,
+                    fsdp_reduce_dtype=self.fsdp_reduce_dtype, memory_warmup=self.warmup,
+                    **self.interleaving.params(), profile_impl=self.profile_impl)
+
+    def measure(self, artifacts_dir: str | None = None) -> pd.DataFrame:
+        """:func:`run_sharding_benchmark` with these settings."""
+        return run_sharding_benchmark(self.impls, self.sizes, self.world_size, self.context, self.batch,
+                                      self.dtype, self.interleaving, self.warmup, self.device, artifacts_dir,
+                                      self.profile_impl, fsdp_reduce_dtype=self.fsdp_reduce_dtype)
+
+    def expected_state(self) -> pd.DataFrame:
+        """:func:`expected_state_table` for these sizes and implementations."""
+        return expected_state_table(self.sizes, self.impls, self.world_size)
+
+
+def plan_run(quick: bool, device: str = "auto", world_size: int = 2, sizes: Sequence[str] | None = None,
+             impls: Sequence[str] = IMPLS, context: int | None = None, batch: int = 2, dtype: str = "bf16",
+             fsdp_reduce_dtype: str | None = None, rounds: int | None = None, steps_per_round: int | None = None,
+             warmup: int | None = None, schedule: str = "auto", profile_impl: str | None = "fsdp") -> ShardingRun:
+    """The notebook's settings made concrete. Full profile on ``world_size`` GPUs: xl and 2.7B at context
+    512, 6 rounds of 3 steps (rebuilt each turn unless all copies fit). Quick, or without enough GPUs: the
+    tiny model at context 64 with gloo on the CPU, 20 rounds of 1 step. ``None`` picks these defaults."""
+    on_gpu, note = where_to_run(quick, device, world_size)
+    r, s, w = (6, 3, 2) if on_gpu else (20, 1, 1)
+    interleaving = Interleaving(rounds=rounds or r, steps_per_round=steps_per_round or s,
+                                warmup=w if warmup is None else warmup, schedule=schedule)
+    return ShardingRun("cuda" if on_gpu else "cpu", world_size,
+                       tuple(sizes or (("xl", "2.7B") if on_gpu else ("tiny",))), tuple(impls),
+                       context or (512 if on_gpu else 64), batch, dtype, fsdp_reduce_dtype, interleaving.warmup,
+                       interleaving, profile_impl, note)
+
+
+def expected_state_table(sizes: Sequence[str], impls: Sequence[str] = IMPLS, world_size: int = 2) -> pd.DataFrame:
+    """The closed form per (size, impl): params_M (millions, counted on the meta device) and params_gib,
+    grads_gib, optimizer_state_gib, total_gib per rank (:func:`expected_state_bytes`)."""
+    rows = []
+    for size in sizes:
+        n = parameter_count(model_config(size, 64)[1])
+        for impl in impls:
+            gib = {f"{k}_gib": v / GiB for k, v in expected_state_bytes(impl, n, world_size).items()}
+            rows.append(dict(size=size, impl=impl, params_M=n / 1e6, **gib))
+    return pd.DataFrame(rows)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -391,7 +517,7 @@ def measure_traffic(size: str | ModelConfig = "tiny", world_size: int = 2, conte
     """
     from lab.parallel.sharded_optimizer import optimizer_traffic
 
-    _, cfg = _config(size, context)
+    _, cfg = model_config(size, context)
     res = distributed.launch(traffic_worker, world_size, cfg, device=device)[0]
     closed = optimizer_traffic(res["num_params"], world_size).set_index("impl")
     rows = []
@@ -409,32 +535,16 @@ def measure_traffic(size: str | ModelConfig = "tiny", world_size: int = 2, conte
     return df
 
 
-# ----------------------------------------------------------------------------------------------------------
-# the performance goals, checked on the table
 
 
-def performance_goals(df: pd.DataFrame) -> pd.DataFrame:
-    """The 08 notebook's goals, per model size, from a :func:`run_sharding_benchmark` table.
+def closed_form_traffic(size: str | ModelConfig, world_size: int = 2) -> pd.DataFrame:
+    """:func:`lab.parallel.sharded_optimizer.optimizer_traffic` for the model ``size`` (parameters counted on
+    the meta device): bytes per rank per step of DDP, the sharded optimizer and ZeRO-1, with ``size`` and
+    ``*_gib`` columns."""
+    from lab.parallel.sharded_optimizer import optimizer_traffic
 
-    1. the sharded optimizer and ZeRO-1 use no more memory after the step than ``torch_zero`` and step at
-       least as fast; 2. ``fsdp`` steps at least as fast as ``torch_fsdp2`` with at most 1.1x its peak memory.
-    Returns rows: size, goal, impl, value, reference, met (bool, or None where a number is missing, e.g.
-    peak memory on the CPU or an OOM row).
-    """
-    ok = df[df["status"] == "ok"].set_index(["size", "impl"])
-    rows = []
-
-    def check(size, goal, impl, ref_impl, column, factor=1.0):
-        value = ok[column].get((size, impl), math.nan)
-        reference = ok[column].get((size, ref_impl), math.nan)
-        met = None if (pd.isna(value) or pd.isna(reference)) else bool(value <= factor * reference)
-        rows.append(dict(size=size, goal=goal, impl=impl, reference_impl=ref_impl, value=value,
-                         reference=reference, met=met))
-
-    for size in dict.fromkeys(df["size"]):
-        for impl in ("sharded_optimizer", "zero1"):
-            check(size, "peak after step <= torch_zero", impl, "torch_zero", "peak_after_step_gib")
-            check(size, "step time <= torch_zero", impl, "torch_zero", "step_ms")
-        check(size, "step time <= torch_fsdp2", "fsdp", "torch_fsdp2", "step_ms")
-        check(size, "peak memory <= 1.1 x torch_fsdp2", "fsdp", "torch_fsdp2", "peak_gib", 1.1)
-    return pd.DataFrame(rows)
+    name, cfg = model_config(size, 64)
+    df = optimizer_traffic(parameter_count(cfg), world_size)
+    for col in ("gradient", "parameter", "total"):
+        df[f"{col}_gib"] = df[f"{col}_bytes"] / GiB
+    return df.assign(size=name)

@@ -1,0 +1,269 @@
+"""Interleaved timing: several implementations of one training step timed in the same processes, taking
+turns, so that they all see the same host and device conditions.
+
+Why: a 2-rank step at a small batch is often host-bound, and the host's load drifts. Timing each
+implementation in a block of steps of its own (or in a launch of its own) then ranks them by *when* they
+ran as much as by what they do: the same configuration measured minutes apart differed by 40 % in the
+book's GPU runs (``notes/multi_gpu.md``). Taking turns removes that drift from the comparison, and
+repeating the turns gives a spread to judge differences against (:mod:`lab.measure.verdicts`).
+
+The protocol (:func:`time_interleaved`, run inside every rank of a launch):
+
+* ``schedule="resident"``: every implementation is built once and kept; each **round** runs
+  ``steps_per_round`` steps of each (1: step by step), the order rotated by one place every round, so each
+  implementation takes every position in the round equally often. For models whose copies fit together.
+* ``schedule="rebuild"``: one implementation lives at a time; each round builds each in turn (rotated
+  order), runs ``warmup`` untimed steps and ``steps_per_round`` timed ones, and tears it down. For models
+  whose copies do not fit together.
+
+Every timed step starts after a barrier (the ranks start together) and ends with a device synchronize; a
+step's time is that of its slowest rank (:func:`combine_ranks`), and an implementation's sample for a
+round is the mean of its timed steps in that round. So every implementation, the torch baselines
+included, reports the median and spread over rounds (:func:`summarize_rounds`).
+
+Out-of-memory is a result: an implementation whose build or step runs out of memory on any rank is
+marked ``oom`` (the ranks agree after each turn) and leaves the rotation; the others go on.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+from lab.measure.device import error_summary, is_oom, synchronize
+
+#: ``build()`` returns ``(step, close)``: one training step, and what releases the implementation.
+Build = Callable[[], tuple[Callable[[], None], Callable[[], None]]]
+SCHEDULES = ("resident", "rebuild")
+ANOTHER_RANK = "out of memory on another rank"
+
+
+@dataclass(frozen=True)
+class Interleaving:
+    """How implementations take turns: ``rounds`` rounds of ``steps_per_round`` timed steps each, after
+    ``warmup`` untimed steps (once per implementation when resident, after every build when rebuilding);
+    ``schedule`` ``"resident"``, ``"rebuild"`` or ``"auto"`` (resident when all copies fit, see
+    :func:`choose_schedule`)."""
+
+    rounds: int = 6
+    steps_per_round: int = 1
+    warmup: int = 1
+    schedule: str = "auto"
+
+    def __post_init__(self):
+        if self.rounds < 1 or self.steps_per_round < 1 or self.warmup < 0:
+            raise ValueError(f"need rounds >= 1, steps_per_round >= 1, warmup >= 0; got {self}")
+        if self.schedule not in (*SCHEDULES, "auto"):
+            raise ValueError(f"schedule must be one of {SCHEDULES} or 'auto', got {self.schedule!r}")
+
+    def params(self) -> dict:
+        return asdict(self)
+
+
+def rotated(names: Sequence[str], round_index: int) -> list[str]:
+    """The order of round ``round_index``: ``names`` rotated left by ``round_index`` places."""
+    names = list(names)
+    if not names:
+        return []
+    k = round_index % len(names)
+    return names[k:] + names[:k]
+
+
+def choose_schedule(bytes_per_copy: float, copies: int, available_bytes: float, fraction: float = 0.5) -> str:
+    """``"resident"`` when ``copies`` implementations of ``bytes_per_copy`` each fit in ``fraction`` of the
+    ``available_bytes`` (the rest is left for activations and the allocator), else ``"rebuild"``."""
+    return "resident" if bytes_per_copy * copies <= fraction * available_bytes else "rebuild"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# inside each rank
+
+
+def _barrier(device: torch.device) -> None:
+    synchronize(device)
+    dist.barrier()
+    synchronize(device)
+
+
+def _any_rank(flag: bool, device: torch.device) -> bool:
+    """True when ``flag`` is set on any rank (a collective: every rank must call it)."""
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item() > 0)
+
+
+def _release(device: torch.device) -> None:
+    """Free what a closed implementation held: a wrapper in a reference cycle (torch DDP's reducer, hooks)
+    keeps its memory and its hooks on the model until the cycle collector runs. After collecting, everything
+    still alive is moved out of the collector's sight (``gc.freeze``): the objects of torch's lazily imported
+    modules otherwise make every later full collection take most of a second."""
+    gc.collect()
+    gc.freeze()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _attempt(fn: Callable[[], None]) -> BaseException | None:
+    """Run ``fn``; an out-of-memory error is returned (a result), any other error propagates."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - out of memory is a result
+        if not is_oom(exc):
+            raise
+        return exc
+    return None
+
+
+def time_interleaved(builders: dict[str, Build], plan: Interleaving, device: torch.device,
+                     solo: Collection[str] = ()) -> dict[str, dict]:
+    """Inside a launched process: time the implementations of ``builders`` taking turns (see the module
+    docstring). ``solo`` names implementations that run on rank 0 alone (e.g. the single-device step; the
+    other ranks wait at the barrier). ``plan.schedule`` must be resident or rebuild (resolve "auto" first).
+
+    The ranks agree after every build, every warm-up and every turn whether any of them ran out of memory
+    (so that none is left waiting in a collective the others skipped); such an implementation is marked
+    ``oom`` and leaves the rotation.
+
+    Returns, for this rank, ``{name: {"status": "ok"|"oom", "error": str, "steps_ms": [[ms per timed
+    step] per round]}}`` in the order of ``builders``; combine the ranks with :func:`combine_ranks`.
+    Errors other than out-of-memory propagate.
+    """
+    if plan.schedule not in SCHEDULES:
+        raise ValueError(f"resolve the schedule before timing: got {plan.schedule!r}")
+    rank = dist.get_rank()
+    out = {name: {"status": "ok", "error": "", "steps_ms": []} for name in builders}
+    runs_here = {name: rank == 0 or name not in solo for name in builders}
+    alive = list(builders)
+    live: dict[str, tuple] = {}
+
+    def agreed_failure(name: str, error: BaseException | None) -> bool:
+        """Collective: True (and the entry marked oom, released, out of the rotation) if any rank failed."""
+        if not _any_rank(error is not None, device):
+            return False
+        out[name].update(status="oom", error=error_summary(error) if error else ANOTHER_RANK,
+                         steps_ms=[])
+        alive.remove(name)
+        if name in live:
+            live.pop(name)[1]()
+        _release(device)
+        return True
+
+    def build(name: str) -> None:
+        if runs_here[name]:
+            live[name] = builders[name]()
+
+    def warm_up(name: str) -> None:
+        for _ in range(plan.warmup if name in live else 0):
+            live[name][0]()
+
+    def timed_turn(name: str) -> None:
+        times = []
+        for _ in range(plan.steps_per_round):
+            _barrier(device)
+            if name in live:
+                start = time.perf_counter()
+                live[name][0]()
+                synchronize(device)
+                times.append((time.perf_counter() - start) * 1e3)
+        out[name]["steps_ms"].append(times)
+
+    def turn(name: str, rebuild: bool) -> None:
+        if rebuild and (agreed_failure(name, _attempt(lambda: build(name)))
+                        or agreed_failure(name, _attempt(lambda: warm_up(name)))):
+            return
+        failed = agreed_failure(name, _attempt(lambda: timed_turn(name)))
+        if rebuild and not failed:
+            if name in live:
+                live.pop(name)[1]()
+            _release(device)
+
+    if plan.schedule == "resident":
+        for name in list(alive):
+            if not agreed_failure(name, _attempt(lambda: build(name))):
+                agreed_failure(name, _attempt(lambda: warm_up(name)))
+    for r in range(plan.rounds):
+        for name in rotated(alive, r):
+            turn(name, rebuild=plan.schedule == "rebuild")
+    for _, close in live.values():
+        close()
+    live.clear()
+    _release(device)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# in the caller
+
+
+def combine_ranks(per_rank: Sequence[dict[str, dict]]) -> dict[str, dict]:
+    """The ranks' results of :func:`time_interleaved` as one sample per round: each step at its slowest
+    rank, then the mean of the round's steps. Ranks without samples (those that sat out a ``solo``
+    implementation) are skipped. Returns ``{name: {"status", "error", "round_ms": [ms per round]}}``."""
+    combined = {}
+    for name in per_rank[0]:
+        results = [pr[name] for pr in per_rank]
+        status = "oom" if any(r["status"] == "oom" for r in results) else "ok"
+        errors = [r["error"] for r in results if r["error"]]
+        error = next((e for e in errors if e != ANOTHER_RANK), errors[0] if errors else "")  # the cause first
+        round_ms = []
+        if status == "ok":
+            active = [r["steps_ms"] for r in results if any(r["steps_ms"])]
+            for rounds in zip(*active):
+                slowest = [max(step) for step in zip(*rounds)]
+                round_ms.append(statistics.fmean(slowest))
+        combined[name] = {"status": status, "error": error, "round_ms": round_ms}
+    return combined
+
+
+def summarize_rounds(round_ms: Sequence[float]) -> dict:
+    """Median and spread over rounds (ms): ``step_ms`` (median), ``step_q1_ms``, ``step_q3_ms`` (quartiles),
+    ``step_iqr_ms``, ``rounds`` and ``step_samples_ms`` (the samples as a JSON list, so that a table keeps
+    them through a CSV file; read them back with :func:`samples`). NaN without samples."""
+    n = len(round_ms)
+    if n == 0:
+        return dict(step_ms=math.nan, step_q1_ms=math.nan, step_q3_ms=math.nan, step_iqr_ms=math.nan, rounds=0,
+                    step_samples_ms="[]")
+    xs = sorted(round_ms)
+    q1, q3 = (xs[0], xs[0]) if n == 1 else statistics.quantiles(xs, n=4, method="inclusive")[::2]
+    return dict(step_ms=statistics.median(xs), step_q1_ms=q1, step_q3_ms=q3, step_iqr_ms=q3 - q1, rounds=n,
+                step_samples_ms=json.dumps([round(float(x), 4) for x in round_ms]))
+
+
+def samples(value) -> list[float]:
+    """The per-round samples of a table cell written by :func:`summarize_rounds` (a JSON list, as read back
+    from CSV, or a list); empty for a missing value."""
+    if isinstance(value, (list, tuple)):
+        return [float(v) for v in value]
+    if value is None or (isinstance(value, float) and math.isnan(value)) or value == "":
+        return []
+    return [float(v) for v in json.loads(value)]
+
+
+def compare_rounds(subject: Sequence[float], reference: Sequence[float], lower_is_better: bool = True):
+    """The verdict of :func:`lab.measure.verdicts.compare` on two implementations' per-round samples, paired
+    by round when both have the same rounds: the per-round ratios subject/reference against 1, i.e. the
+    median ratio with a bootstrap interval over rounds. Pairing is what interleaving buys: both ran in the
+    same round, side by side, so a slow round (the host busy) slows both and cancels in their ratio, where
+    comparing the two sets of samples unpaired would count it as noise. Unequal rounds (an implementation
+    left the rotation): the unpaired comparison of the two sets."""
+    from lab.measure.verdicts import compare
+
+    a, b = [float(x) for x in subject], [float(x) for x in reference]
+    if len(a) != len(b) or not a or any(x <= 0 for x in b):
+        return compare(a, b, lower_is_better)
+    return compare([x / y for x, y in zip(a, b)], [1.0] * len(a), lower_is_better)
+
+
+def goal_rounds(subject: Sequence[float], reference: Sequence[float], target: float, lower_is_better: bool = True):
+    """:func:`lab.measure.verdicts.check_goal` on per-round samples, paired as in :func:`compare_rounds`."""
+    from lab.measure.verdicts import GoalCheck
+
+    return GoalCheck(compare_rounds(subject, reference, lower_is_better), target)

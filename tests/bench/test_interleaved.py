@@ -1,0 +1,129 @@
+"""lab.bench.interleaved: the order of turns, the aggregation over ranks and rounds, and a real gloo run with
+two processes (both schedules, a rank-0-only entry, out-of-memory as a row, a verdict from the samples)."""
+
+import json
+import math
+import time
+
+import pytest
+
+from lab.bench import interleaved
+from lab.bench.interleaved import Interleaving
+from lab.measure.verdicts import compare
+from lab.parallel import launcher as distributed
+
+
+def test_rotation_puts_every_name_in_every_position():
+    names = ["a", "b", "c"]
+    orders = [interleaved.rotated(names, r) for r in range(3)]
+    assert orders == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
+    assert interleaved.rotated(names, 4) == ["b", "c", "a"]
+    for position in range(3):
+        assert {order[position] for order in orders} == set(names)
+    assert interleaved.rotated([], 2) == []
+
+
+def test_interleaving_is_validated_and_reported():
+    assert Interleaving(4, 2, 0, "rebuild").params() == dict(rounds=4, steps_per_round=2, warmup=0,
+                                                              schedule="rebuild")
+    with pytest.raises(ValueError, match="rounds"):
+        Interleaving(rounds=0)
+    with pytest.raises(ValueError, match="schedule"):
+        Interleaving(schedule="sometimes")
+
+
+def test_choose_schedule_by_memory():
+    assert interleaved.choose_schedule(1e9, 6, 20e9) == "resident"  # 6 GB of 20: fits in half
+    assert interleaved.choose_schedule(4e9, 6, 20e9) == "rebuild"
+    assert interleaved.choose_schedule(4e9, 6, 20e9, fraction=1.5) == "resident"
+
+
+def test_combine_ranks_takes_each_step_at_its_slowest_rank():
+    rank0 = {"a": {"status": "ok", "error": "", "steps_ms": [[1.0, 3.0], [2.0, 2.0]]},
+             "solo": {"status": "ok", "error": "", "steps_ms": [[7.0], [9.0]]},
+             "gone": {"status": "ok", "error": "", "steps_ms": []}}
+    rank1 = {"a": {"status": "ok", "error": "", "steps_ms": [[2.0, 1.0], [5.0, 1.0]]},
+             "solo": {"status": "ok", "error": "", "steps_ms": [[], []]},  # sat out: rank 0 alone
+             "gone": {"status": "oom", "error": "MemoryError: x", "steps_ms": []}}
+    out = interleaved.combine_ranks([rank0, rank1])
+    assert out["a"]["round_ms"] == [2.5, 3.5]  # rounds: mean of max(1,2), max(3,1); mean of max(2,5), max(2,1)
+    assert out["solo"]["round_ms"] == [7.0, 9.0]
+    assert out["gone"] == {"status": "oom", "error": "MemoryError: x", "round_ms": []}
+
+
+def test_summarize_rounds_median_quartiles_and_samples_through_json():
+    s = interleaved.summarize_rounds([4.0, 1.0, 10.0, 3.0, 2.0])
+    assert (s["step_ms"], s["step_q1_ms"], s["step_q3_ms"], s["step_iqr_ms"], s["rounds"]) == (3.0, 2.0, 4.0, 2.0, 5)
+    assert interleaved.samples(s["step_samples_ms"]) == [4.0, 1.0, 10.0, 3.0, 2.0]  # in round order
+    assert json.loads(s["step_samples_ms"]) == [4.0, 1.0, 10.0, 3.0, 2.0]
+    empty = interleaved.summarize_rounds([])
+    assert math.isnan(empty["step_ms"]) and empty["rounds"] == 0 and interleaved.samples(empty["step_samples_ms"]) == []
+    assert interleaved.samples(float("nan")) == [] and interleaved.samples([1, 2]) == [1.0, 2.0]
+
+
+def test_paired_rounds_cancel_a_drifting_host():
+    """Rounds alternate between a quiet and a busy host; A is 10 % faster than B in every round."""
+    host = [10.0, 30.0] * 5
+    a, b = [0.9 * h for h in host], host
+    assert compare(a, b).verdict == "within noise"  # unpaired, the host's drift swamps the difference
+    paired = interleaved.compare_rounds(a, b)
+    assert paired.verdict == "faster" and paired.ratio == pytest.approx(0.9)
+    assert interleaved.goal_rounds(a, b, 0.95).met is True and interleaved.goal_rounds(a, b, 0.85).met is False
+    assert interleaved.compare_rounds(b, a).verdict == "slower"
+    assert interleaved.compare_rounds(a[:-1], b).ratio == compare(a[:-1], b).ratio  # unequal rounds: unpaired
+    assert interleaved.compare_rounds([1.0], [2.0]).verdict == "within noise"  # one round: no spread
+
+
+# ----------------------------------------------------------------------------------------------------------
+# a real run: module-level workers, so that spawned processes can import them
+
+ORDER: list[str] = []
+
+
+def _contestant(name: str, ms: float, oom_on_rank: int | None = None):
+    def build():
+        if oom_on_rank == distributed.rank():
+            raise MemoryError(f"{name} does not fit")  # an out-of-memory on one rank only
+
+        def step():
+            ORDER.append(name)
+            time.sleep(ms / 1e3)
+
+        return step, lambda: None
+    return build
+
+
+def _interleaved_worker() -> dict:
+    out = {}
+    for schedule in ("resident", "rebuild"):
+        ORDER.clear()
+        builders = {"fast": _contestant("fast", 2), "slow": _contestant("slow", 8),
+                    "single": _contestant("single", 1), "too_big": _contestant("too_big", 1, oom_on_rank=1)}
+        plan = Interleaving(rounds=5, steps_per_round=1, warmup=1, schedule=schedule)
+        timings = interleaved.time_interleaved(builders, plan, distributed.device(), solo={"single"})
+        out[schedule] = {"timings": timings, "order": list(ORDER)}
+    return out
+
+
+def test_time_interleaved_on_two_gloo_processes():
+    per_rank = distributed.launch(_interleaved_worker, 2, device="cpu", timeout_s=60, deadline_s=120)
+    for schedule in ("resident", "rebuild"):
+        rounds = interleaved.combine_ranks([r[schedule]["timings"] for r in per_rank])
+        assert list(rounds) == ["fast", "slow", "single", "too_big"]
+        assert rounds["too_big"]["status"] == "oom" and "does not fit" in rounds["too_big"]["error"]
+        assert rounds["too_big"]["round_ms"] == []
+        for name in ("fast", "slow", "single"):
+            assert rounds[name]["status"] == "ok" and len(rounds[name]["round_ms"]) == 5
+        # every sample holds the step (sleep) and nothing much else
+        assert min(rounds["slow"]["round_ms"]) >= 8 and min(rounds["fast"]["round_ms"]) >= 2
+        assert compare(rounds["fast"]["round_ms"], rounds["slow"]["round_ms"]).verdict == "faster"
+        # the turns rotate over the entries still in (too_big left after its failed build); resident: one
+        # warm-up step each first, rebuild: a warm-up step before every timed one
+        turns = [n for r in range(5) for n in interleaved.rotated(["fast", "slow", "single"], r)]
+        order0 = per_rank[0][schedule]["order"]
+        if schedule == "resident":
+            assert order0 == ["fast", "slow", "single"] + turns
+        else:
+            assert order0 == [n for n in turns for _ in range(2)]
+        # the rank-0-only entry never ran on rank 1
+        assert "single" not in per_rank[1][schedule]["order"]

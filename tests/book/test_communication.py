@@ -1,0 +1,122 @@
+"""lab.book.communication: the sentences and tables of notebook 06, from small synthetic grids."""
+
+import json
+
+import matplotlib
+import pandas as pd
+import pytest
+
+from lab.bench import collectives
+from lab.book import communication as comm
+
+matplotlib.use("Agg")
+MIB = 2**20
+
+
+def _row(backend, op, n, size_mb, times_ms, correct=True):
+    t = sorted(times_ms)[len(times_ms) // 2]
+    size = size_mb * MIB
+    return dict(backend=backend, op=op, world_size=n, size_mb=size_mb, size_bytes=size, correct=correct, status="ok",
+                time_ms=t, time_ms_std=0.0, samples_ms=json.dumps(times_ms),
+                algbw_gbps=collectives.algorithm_bandwidth_gbps(size, t / 1e3),
+                busbw_gbps=collectives.bus_bandwidth_gbps(op, size, t / 1e3, n))
+
+
+def _jitter(ms, k=8):
+    return [ms * (1 + 0.01 * ((i * 7) % 5 - 2)) for i in range(k)]  # +-2 %, deterministic
+
+
+def grid(split_factor=1.0, slow_ranks=1.0):
+    """gloo, 2 and 4 ranks, 1 and 10 MiB: an all-reduce of 1 ms + 1 ms/MiB; reduce-scatter and all-gather each
+    half of it times ``split_factor``; 4 ranks ``slow_ranks`` times slower than the ring factor predicts."""
+    rows = []
+    for n in (2, 4):
+        ring = (2 * (n - 1) / n) / 1.0  # all-reduce traffic per link relative to 2 ranks
+        for s in (1, 10):
+            ar = (1 + s) * ring * (slow_ranks if n == 4 else 1.0)
+            rows.append(_row("gloo", "all_reduce", n, s, _jitter(ar)))
+            for op in ("reduce_scatter", "all_gather"):
+                rows.append(_row("gloo", op, n, s, _jitter(ar / 2 * split_factor)))
+    return pd.DataFrame(rows)
+
+
+def test_duration_and_size_text():
+    assert comm.duration(0.143) == "143 µs" and comm.duration(3.38) == "3.38 ms"
+    assert comm.duration(float("nan")) == "n/a"
+    assert comm.size_text(0.0625) == "64 KiB" and comm.size_text(10) == "10 MiB" and comm.size_text(1024) == "1 GiB"
+    assert comm.size_text(0.999985) == "1 MiB"  # a tensor trimmed to a multiple of 6 ranks is the 1 MiB row
+    assert comm.nominal_mb(0.062485) == 0.0625
+
+
+def test_correctness_sentence_names_wrong_results():
+    g = grid()
+    assert comm.correctness_sentence(g).startswith("All 12 measured collectives returned the values expected")
+    g.loc[4, "correct"] = False
+    text = comm.correctness_sentence(g)
+    assert text.startswith("**Wrong values** in 1 of 12") and "gloo reduce-scatter on 2 ranks at 10 MiB" in text
+
+
+def test_cpu_sharing_sentence():
+    g = grid()
+    assert "4 gloo processes" in comm.cpu_sharing_sentence(g, cores=2)
+    assert comm.cpu_sharing_sentence(g, cores=8) == "Every gloo process had a CPU core of its own (8 cores)."
+    assert comm.cpu_sharing_sentence(g[g["backend"] == "nccl"], cores=2) == ""
+
+
+def test_split_allreduce_verdicts_follow_the_samples():
+    same = comm.split_allreduce(grid(split_factor=1.0))
+    assert list(same["world_size"]) == [2, 4] and (same["size_mb"] == 10).all()
+    assert (same["verdict"] == "within noise").all()
+    text = comm.split_allreduce_sentences(same)
+    assert "within noise of the all-reduce" in text and "no difference" in text and "no extra" not in text
+    slower = comm.split_allreduce(grid(split_factor=1.3))
+    assert (slower["verdict"] == "slower").all() and slower["ratio"].iloc[0] == pytest.approx(1.3, rel=0.03)
+    text = comm.split_allreduce_sentences(slower)
+    assert "costs extra communication time" in text and "1.3x slower" in text
+    faster = comm.split_allreduce(grid(split_factor=0.7))
+    assert "costs no extra time" in comm.split_allreduce_sentences(faster)
+    assert comm.split_allreduce_answer(slower).startswith("gloo with 2 ranks at 10 MiB: the split is slower")
+
+
+def test_bus_bandwidth_holds_or_not():
+    held = comm.bus_bandwidth_by_ranks(grid())
+    assert list(held["verdict"]) == ["reference", "within noise"]
+    r4 = held.set_index("world_size").loc[4]
+    assert r4["busbw_gbps"] == pytest.approx(held.set_index("world_size").loc[2, "busbw_gbps"], rel=0.03)
+    assert r4["algbw_gbps"] == pytest.approx(r4["busbw_gbps"] / 1.5)
+    assert "holds within the noise" in comm.bus_bandwidth_sentences(held)
+    dropped = comm.bus_bandwidth_by_ranks(grid(slow_ranks=2.0))
+    assert list(dropped["verdict"]) == ["reference", "lower"]
+    assert "does not hold" in comm.bus_bandwidth_sentences(dropped)
+    assert "(lower)" in comm.bus_bandwidth_answer(dropped)
+    assert comm.bus_bandwidth_answer(held[held["world_size"] == 2]) == "only one world size was measured."
+
+
+def test_latency_bandwidth_sentences_from_a_fit():
+    g = grid()
+    fits = collectives.latency_bandwidth_fit(g)
+    ar2 = fits[(fits["op"] == "all_reduce") & (fits["world_size"] == 2)].iloc[0]
+    assert ar2["latency_ms"] == pytest.approx(1.0, rel=0.05)  # 1 ms + 1 ms per MiB
+    text = comm.latency_bandwidth_sentences(fits)
+    assert text.startswith(f"**gloo, 2 ranks:** latency {comm.duration(ar2['latency_ms'])} per call, bandwidth "
+                           f"{ar2['bandwidth_gbps']:.3g} GB/s; a call is latency-bound below about 1 MiB")
+    assert comm.latency_bandwidth_answer(fits).startswith("All-reduce: gloo with 2 ranks: ")
+    flat = fits.assign(bandwidth_gbps=float("nan"))
+    assert "finds no bandwidth" in comm.latency_bandwidth_sentences(flat)
+
+
+def test_backend_sentence_needs_both_backends():
+    g = grid()
+    assert "not compared" in comm.backend_sentence(g)
+    fast = g.assign(backend="nccl", samples_ms=[json.dumps([t / 50 for t in json.loads(s)]) for s in g["samples_ms"]])
+    text = comm.backend_sentence(pd.concat([g, fast]))
+    assert text.startswith("At 10 MiB with 2 ranks, NCCL is 50x faster than gloo")
+
+
+def test_plots_draw_from_the_grid():
+    g = grid()
+    fig = comm.plot_times_with_fit(g, collectives.latency_bandwidth_fit(g))
+    (ax,) = fig.axes
+    assert ax.get_title() == "gloo: all-reduce" and len(ax.lines) >= 2
+    assert comm.plot_bandwidth(g).axes.size == 1
+    assert list(comm.grid_table(g).columns) == comm.GRID_COLUMNS
