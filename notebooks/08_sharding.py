@@ -55,6 +55,7 @@ fsdp_memory_factor = 1.1          # goal: FSDP's peak at most this many times FS
 
 # %%
 from lab.bench import sharding as sharding_bench  # noqa: E402 - after the parameters cell
+from lab.bench import sharding_traffic  # noqa: E402
 from lab.book import plots, report  # noqa: E402 - after the parameters cell
 from lab.book import sharding as sharding_book  # noqa: E402 - after the parameters cell
 
@@ -85,13 +86,13 @@ report.say(sharding_book.state_sentence(expected, world_size))
 # Bytes each rank sends per step on a ring (all-reduce $2\frac{N-1}{N}S$, reduce-scatter and all-gather
 # $\frac{N-1}{N}S$ each, a pipelined broadcast $\frac{N-1}{N}S$ per rank on average). The closed form
 # (`lab.parallel.sharded_optimizer.optimizer_traffic`) next to what the code actually issued in one step of a
-# tiny model (`lab.bench.sharding.measure_traffic`: every collective is recorded by a `TrafficLog`).
+# tiny model (`lab.bench.sharding_traffic.measure_traffic`: every collective is recorded by a `TrafficLog`).
 
 # %%
-closed = sharding_bench.closed_form_traffic(run.sizes[-1], world_size)
+closed = sharding_traffic.closed_form_traffic(run.sizes[-1], world_size)
 report.show_table(closed[["impl", "gradient_collective", "gradient_gib", "parameter_collective", "parameter_gib",
                           "total_gib", "ratio_to_ddp"]], floatfmt=".3g")
-traffic = book.table("sharding_traffic", lambda: sharding_bench.measure_traffic("tiny", world_size, 64, "cpu"))
+traffic = book.table("sharding_traffic", lambda: sharding_traffic.measure_traffic("tiny", world_size, 64, "cpu"))
 report.show_table(traffic, floatfmt=".4g")
 report.say(sharding_book.traffic_sentences(closed, traffic))
 book.answer("What does each scheme communicate?", sharding_book.traffic_answer(closed, traffic),

@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 import torch
 
-from lab.bench import sharding
+from lab.bench import sharding, sharding_traffic
 from lab.bench.interleaved import Interleaving, samples
 from lab.measure import traces
 
@@ -30,7 +30,7 @@ def test_expected_state_and_traffic_tables():
     table = sharding.expected_state_table(["tiny"], ("ddp", "fsdp"), world_size=2).set_index("impl")
     assert table.loc["ddp", "params_M"] == pytest.approx(1.411392)
     assert table.loc["fsdp", "total_gib"] == pytest.approx(table.loc["ddp", "total_gib"] / 2)
-    closed = sharding.closed_form_traffic("tiny", 2).set_index("impl")
+    closed = sharding_traffic.closed_form_traffic("tiny", 2).set_index("impl")
     assert closed.loc["zero1", "ratio_to_ddp"] == pytest.approx(1.0, abs=1e-4)
     assert closed.loc["sharded_optimizer", "ratio_to_ddp"] == pytest.approx(1.5)
     assert closed.loc["ddp", "total_gib"] == pytest.approx(closed.loc["ddp", "total_bytes"] / 2**30)

@@ -9,6 +9,7 @@ import pandas as pd
 import pytest
 
 from lab.bench import sharding as sharding_bench
+from lab.bench import sharding_traffic
 from lab.book import sharding as sharding_book
 from lab.measure.traces import overlap_summary
 
@@ -42,7 +43,7 @@ def test_state_and_traffic_sentences():
     text = sharding_book.state_sentence(expected, 2)
     assert text.startswith("For the tiny model (1.411 M parameters) on 2 ranks, DDP holds 0.021 GiB")
     assert "(25% less)" in text and "(50% less)" in text
-    closed = sharding_bench.closed_form_traffic("tiny", 2)
+    closed = sharding_traffic.closed_form_traffic("tiny", 2)
     recorded = [("ddp", "all_reduce", 10, 10), ("sharded_optimizer", "all_reduce", 10, 10),
                 ("sharded_optimizer", "broadcast", 5, 5), ("zero1", "reduce_scatter", 5, 5),
                 ("zero1", "all_gather", 5, 5), ("fsdp", "all_gather", 8, math.nan)]
