@@ -218,8 +218,8 @@ def fold_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
 
 
 def flash_attention_bhsd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
-    """:class:`FlashAttentionPytorch` on (batch, heads, seq, d) tensors, as ``lab.model.transformer``'s attention registry
-    expects: heads are folded into the batch. Returns (batch, heads, n_queries, d)."""
+    """:class:`FlashAttentionPytorch` on (batch, heads, seq, d) tensors, as ``lab.model.attention``'s
+    registry expects: heads are folded into the batch. Returns (batch, heads, n_queries, d)."""
     folded = fold_heads(q, k, v)
     b, h, n_q, d = q.shape
     return FlashAttentionPytorch.apply(*folded, causal).reshape(b, h, n_q, d)
