@@ -47,6 +47,13 @@ class FlashConfig:
       the tables of :func:`forward_tiles` / :func:`backward_plan`.
     * ``fast_launch``: relaunch an already compiled kernel through its launcher directly, skipping
       ``JITFunction.run``'s argument binding (tens of microseconds a launch; see ``flash_launch.launch``).
+    * ``fp32_precision``: ``"auto"`` (TF32 when PyTorch allows it, else 3xTF32), ``"ieee"``, ``"tf32"``
+      or ``"tf32x3"``; fp32 inputs only.
+    * ``fwd_tiles``: ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` overriding the forward's table (sweeps),
+      ``()`` for the table.
+    * ``fwd_tma``: stream the forward's K/V tiles through tensor descriptors (TMA, Hopper and later) where
+      the layout allows it (a collapsible (batch, heads, seq) layout, 16-byte aligned rows).
+    * ``warp_specialize``: ask Triton to warp-specialize the forward's key loop (producer/consumer warps).
     * ``backward_launch``: ``"fused"`` (dK/dV and dQ programs in one grid), ``"two_pass"`` (a dK/dV
       kernel, then a dQ kernel), ``"atomic"`` (one dK/dV kernel that also adds each tile's dQ share into
       an fp32 buffer with atomics: 5 matrix products per tile pair instead of 7, but the summation order,
@@ -54,24 +61,21 @@ class FlashConfig:
       per shape when autotuning).
     * ``fused_delta``: compute ``D = rowsum(dO * O)`` inside the backward kernels instead of a separate
       preprocess kernel (one launch and one pass over O and dO fewer; the dK/dV loop then reads O too).
-    * ``tma``: stream K/V (forward) and Q/dO, K/V (backward) tiles through tensor descriptors (TMA, Hopper
-      and later) where the layout allows it (a collapsible (batch, heads, seq) layout, 16-byte aligned).
-    * ``warp_specialize``: ask Triton to warp-specialize the forward's key loop (producer/consumer warps).
-    * ``fp32_precision``: ``"auto"`` (TF32 when PyTorch allows it, else 3xTF32), ``"ieee"``, ``"tf32"``
-      or ``"tf32x3"``; fp32 inputs only.
-    * ``fwd_tiles``: ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` overriding the table (sweeps), ``()``
-      for the table; ``bwd_tiles``: ``(BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages)``.
+    * ``bwd_tiles``: ``(BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages)`` overriding the
+      backward's table, ``()`` for the table.
+    * ``bwd_tma``: stream the backward's Q/dO (dK/dV loop) and K/V (dQ loop) tiles through descriptors.
     """
 
     autotune: bool = False
     fast_launch: bool = True
-    backward_launch: str = "auto"
-    fused_delta: bool = False
-    tma: bool = False
-    warp_specialize: bool = False
     fp32_precision: str = "auto"
     fwd_tiles: tuple[int, ...] = ()
+    fwd_tma: bool = False
+    warp_specialize: bool = False
+    backward_launch: str = "auto"
+    fused_delta: bool = False
     bwd_tiles: tuple[int, ...] = ()
+    bwd_tma: bool = False
 
     def __post_init__(self):
         if self.backward_launch not in BACKWARD_LAUNCHES:
@@ -92,8 +96,8 @@ class FlashConfig:
     def op_args(self) -> tuple:
         """The fields in declaration order: the trailing arguments of the ``lab::flash_attention_*`` ops.
         Spelled out rather than ``dataclasses.fields``, which dynamo would have to trace."""
-        return (self.autotune, self.fast_launch, self.backward_launch, self.fused_delta, self.tma,
-                self.warp_specialize, self.fp32_precision, self.fwd_tiles, self.bwd_tiles)
+        return (self.autotune, self.fast_launch, self.fp32_precision, self.fwd_tiles, self.fwd_tma,
+                self.warp_specialize, self.backward_launch, self.fused_delta, self.bwd_tiles, self.bwd_tma)
 
     def replace(self, **changes) -> FlashConfig:
         return dataclasses.replace(self, **changes)

@@ -12,7 +12,7 @@ A descriptor describes the (batch x heads x seq, d) matrix of all heads at once,
 tile the rows past this head's end are the *next* head's rows, not zeros. Every kernel masks those rows
 anyway (scores of keys past ``n_k`` get ``MASK_VALUE``; query rows past ``n_q`` get an infinite
 logsumexp, hence zero probability, and are never stored); a non-finite value in another head's rows
-could still turn into NaN through ``0 * inf``, which is why TMA is an opt-in (``FlashConfig.tma``).
+could still turn into NaN through ``0 * inf``, which is why TMA is an opt-in (``FlashConfig.fwd_tma``, ``bwd_tma``).
 """
 
 from __future__ import annotations

@@ -308,8 +308,8 @@ def backward_launch_args(q, k, v, out, grad_out, lse, delta, grad_q, grad_k, gra
     of the backward kernel on (batch, heads, seq, d) tensors."""
     d = q.shape[-1]
     bd = block_d(d)
-    q_s, do_s = (stream_source(t, tiles["BLOCK_M1"], bd, config.tma) for t in (q, grad_out))
-    k_s, v_s = (stream_source(t, tiles["BLOCK_N2"], bd, config.tma) for t in (k, v))
+    q_s, do_s = (stream_source(t, tiles["BLOCK_M1"], bd, config.bwd_tma) for t in (q, grad_out))
+    k_s, v_s = (stream_source(t, tiles["BLOCK_N2"], bd, config.bwd_tma) for t in (k, v))
     tensors = (q, k, v, out, grad_out, grad_q, grad_k, grad_v)
     args = (q, k, v, out, grad_out, lse, delta, grad_q, grad_k, grad_v, q_s, do_s, k_s, v_s,
             *(s for t in tensors for s in t.stride()[:3]),
@@ -347,7 +347,7 @@ def flash_backward(q, k, v, out, lse, grad_out, is_causal: bool, config: FlashCo
     n_k = k4.shape[2]
     delta = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     tuned = config.autotune and q.dtype != torch.float32 and long_sequence(n_q, n_k) and not config.bwd_tiles
-    key = (n_q, n_k, tune_batch(batch * heads), d, bool(is_causal), q.dtype, config.tma, config.fused_delta)
+    key = (n_q, n_k, tune_batch(batch * heads), d, bool(is_causal), q.dtype, config.bwd_tma, config.fused_delta)
     mode, table = backward_plan(batch * heads, n_q, n_k, d, q.dtype, q.device, config)
 
     def run(mode_):

@@ -162,10 +162,10 @@ def base2_scale(d: int) -> float:
 def forward_launch_args(q, k, v, out, lse, is_causal: bool, config: FlashConfig, block_n: int) -> tuple[tuple, dict]:
     """Positional arguments and constexpr keywords (all but the tiles) of the forward kernel on
     (batch, heads, seq, d) tensors; K and V become TMA descriptors with ``block_n``-row tiles when
-    ``config.tma`` and their layout allow it."""
+    ``config.fwd_tma`` and their layout allow it."""
     d = q.shape[-1]
     bd = block_d(d)
-    k_src, v_src = (stream_source(t, block_n, bd, config.tma) for t in (k, v))
+    k_src, v_src = (stream_source(t, block_n, bd, config.fwd_tma) for t in (k, v))
     args = (q, k_src, v_src, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
             q.shape[2], k.shape[2], base2_scale(d), tune_batch(q.shape[0] * q.shape[1]))
     meta = {"HEAD_DIM": d, "BLOCK_D": bd, "IS_CAUSAL": bool(is_causal),
@@ -188,7 +188,7 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
     n_k = k4.shape[2]
     autotune = config.autotune and q.dtype != torch.float32 and long_sequence(n_q, n_k) and not config.fwd_tiles
     if autotune:
-        key = ("fwd", n_q, n_k, tune_batch(batch * heads), d, bool(is_causal), q.dtype, config.tma,
+        key = ("fwd", n_q, n_k, tune_batch(batch * heads), d, bool(is_causal), q.dtype, config.fwd_tma,
                config.warp_specialize)
         tiles = TUNED_CONFIGS.get(key)
         if tiles is None:

@@ -32,12 +32,12 @@ from lab.kernels.flash_triton_forward import flash_forward
 
 @torch.library.custom_op("lab::flash_attention_forward", mutates_args=())
 def flash_attention_forward_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, autotune: bool, fast_launch: bool,
-                               backward_launch: str, fused_delta: bool, tma: bool, warp_specialize: bool,
-                               fp32_precision: str, fwd_tiles: list[int],
-                               bwd_tiles: list[int]) -> tuple[Tensor, Tensor]:
+                               fp32_precision: str, fwd_tiles: list[int], fwd_tma: bool, warp_specialize: bool,
+                               backward_launch: str, fused_delta: bool, bwd_tiles: list[int],
+                               bwd_tma: bool) -> tuple[Tensor, Tensor]:
     """FlashAttention forward: (output, fp32 logsumexp)."""
-    config = FlashConfig(autotune, fast_launch, backward_launch, fused_delta, tma, warp_specialize, fp32_precision,
-                         fwd_tiles, bwd_tiles)
+    config = FlashConfig(autotune, fast_launch, fp32_precision, fwd_tiles, fwd_tma, warp_specialize, backward_launch,
+                         fused_delta, bwd_tiles, bwd_tma)
     return flash_forward(q, k, v, causal, config)
 
 
@@ -50,12 +50,13 @@ def _forward_fake(q, k, v, causal, *config):
 
 @torch.library.custom_op("lab::flash_attention_backward", mutates_args=())
 def flash_attention_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                                causal: bool, autotune: bool, fast_launch: bool, backward_launch: str,
-                                fused_delta: bool, tma: bool, warp_specialize: bool, fp32_precision: str,
-                                fwd_tiles: list[int], bwd_tiles: list[int]) -> tuple[Tensor, Tensor, Tensor]:
+                                causal: bool, autotune: bool, fast_launch: bool, fp32_precision: str,
+                                fwd_tiles: list[int], fwd_tma: bool, warp_specialize: bool, backward_launch: str,
+                                fused_delta: bool, bwd_tiles: list[int],
+                                bwd_tma: bool) -> tuple[Tensor, Tensor, Tensor]:
     """FlashAttention backward: (dq, dk, dv)."""
-    config = FlashConfig(autotune, fast_launch, backward_launch, fused_delta, tma, warp_specialize, fp32_precision,
-                         fwd_tiles, bwd_tiles)
+    config = FlashConfig(autotune, fast_launch, fp32_precision, fwd_tiles, fwd_tma, warp_specialize, backward_launch,
+                         fused_delta, bwd_tiles, bwd_tma)
     return flash_backward(q, k, v, out, lse, grad_out, causal, config)
 
 

@@ -106,12 +106,12 @@ def test_half_precision_matches_float64_reference(dtype, tol, causal):
     check_against_reference(ft.FlashAttentionTriton, q, k, v, causal, atol=tol, rtol=tol)
 
 
-VARIANTS = [ft.FlashConfig(backward_launch=mode, fused_delta=fused, tma=tma)
+VARIANTS = [ft.FlashConfig(backward_launch=mode, fused_delta=fused, fwd_tma=tma, bwd_tma=tma)
             for mode in ("fused", "two_pass", "atomic") for fused in (False, True) for tma in (False, True)]
 
 
 @pytest.mark.parametrize("config", VARIANTS,
-                         ids=lambda c: f"{c.backward_launch}-delta{int(c.fused_delta)}-tma{int(c.tma)}")
+                         ids=lambda c: f"{c.backward_launch}-delta{int(c.fused_delta)}-tma{int(c.bwd_tma)}")
 @pytest.mark.parametrize("causal", [True, False])
 def test_backward_variants_match_reference(config, causal):
     """Every launch mode, with D from the preprocess kernel or from the kernels themselves, with pointer
@@ -166,7 +166,7 @@ def test_head_strided_inputs_are_not_copied(tma):
                for _ in range(3))
     assert not q.is_contiguous() and q.stride(-1) == 1
     check_against_reference(ft.FlashAttentionTriton, q, k, v, True, atol=2e-5, rtol=2e-5,
-                            config=ft.FlashConfig(tma=tma))
+                            config=ft.FlashConfig(fwd_tma=tma, bwd_tma=tma))
 
 
 def test_causal_output_ignores_future_keys_entirely():
@@ -351,8 +351,9 @@ def test_gpu_dtypes_match_float64_reference(lead, n_q, n_k, d, causal, dtype, to
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [ft.FlashConfig(backward_launch="atomic"),
-                                    ft.FlashConfig(tma=True, fused_delta=True),
-                                    ft.FlashConfig(backward_launch="fused", tma=True), ft.FlashConfig(autotune=True)],
+                                    ft.FlashConfig(fwd_tma=True, bwd_tma=True, fused_delta=True),
+                                    ft.FlashConfig(backward_launch="fused", bwd_tma=True),
+                                    ft.FlashConfig(autotune=True)],
                          ids=["atomic", "tma-fused_delta", "fused-tma", "autotune"])
 def test_gpu_variants_match_float64_reference(config):
     q, k, v = random_qkv((1, 4), 1100, 1100, 64, dtype=torch.bfloat16, device="cuda")
