@@ -98,9 +98,13 @@ def _dkdv_inner(dk, dv, k, v, q_src, do_src, O, DQ, q_off, do_off, o_off, dq_off
         inside = rows < n_q
         q = load_tile(q_src, q_off, q_row0, start_m, n_q, stride_qs, BLOCK_M1, BLOCK_D, HEAD_DIM, True)
         do = load_tile(do_src, do_off, q_row0, start_m, n_q, stride_dos, BLOCK_M1, BLOCK_D, HEAD_DIM, True)
-        # Rows past n_q get an infinite logsumexp, hence P = 0 whatever their Q holds (zeros from a masked
-        # load, or the next head's rows under TMA).
-        lse2 = tl.load(l_base + rows, mask=inside, other=float("inf")) * _LOG2E
+        if isinstance(q_src, tl.tensor_descriptor):  # then dO is a descriptor too (backward_launch_args)
+            # Rows past n_q hold the next head's Q and dO: an infinite logsumexp makes their P exactly 0.
+            lse2 = tl.load(l_base + rows, mask=inside, other=float("inf")) * _LOG2E
+        else:
+            # Rows past n_q are zeros (masked loads), so their dO, dS and their share of dV, dK are 0 already.
+            # (An infinite fill here costs ~40 registers a thread at d=64: ptxas, sm_90a.)
+            lse2 = tl.load(l_base + rows, mask=inside, other=0.0) * _LOG2E
         if DELTA_FROM_O:
             o = load_tile(O, o_off, 0, start_m, n_q, stride_os, BLOCK_M1, BLOCK_D, HEAD_DIM, True)
             delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
@@ -193,7 +197,7 @@ def _dq_tile(Q, DO, O, L, Delta, DQ, k_src, v_src, q_off, do_off, o_off, dq_off,
     inside = rows < n_q
     q = load_tile(Q, q_off, 0, start_m, n_q, stride_qs, BLOCK_M2, BLOCK_D, HEAD_DIM, True)
     do = load_tile(DO, do_off, 0, start_m, n_q, stride_dos, BLOCK_M2, BLOCK_D, HEAD_DIM, True)
-    lse2 = tl.load(L + zh.to(tl.int64) * n_q + rows, mask=inside, other=float("inf")) * _LOG2E
+    lse2 = tl.load(L + zh.to(tl.int64) * n_q + rows, mask=inside, other=0.0) * _LOG2E  # rows past n_q: never stored
     if DELTA_FROM_O:
         o = load_tile(O, o_off, 0, start_m, n_q, stride_os, BLOCK_M2, BLOCK_D, HEAD_DIM, True)
         delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
@@ -309,6 +313,10 @@ def backward_launch_args(q, k, v, out, grad_out, lse, delta, grad_q, grad_k, gra
     d = q.shape[-1]
     bd = block_d(d)
     q_s, do_s = (stream_source(t, tiles["BLOCK_M1"], bd, config.bwd_tma) for t in (q, grad_out))
+    if isinstance(q_s, torch.Tensor) != isinstance(do_s, torch.Tensor):
+        # The dK/dV loop zeroes the next head's rows through the logsumexp fill it picks from Q's kind of
+        # source, so Q and dO are streamed alike: both through TMA or both through pointers.
+        q_s, do_s = q, grad_out
     k_s, v_s = (stream_source(t, tiles["BLOCK_N2"], bd, config.bwd_tma) for t in (k, v))
     tensors = (q, k, v, out, grad_out, grad_q, grad_k, grad_v)
     args = (q, k, v, out, grad_out, lse, delta, grad_q, grad_k, grad_v, q_s, do_s, k_s, v_s,
