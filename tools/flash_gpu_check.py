@@ -59,33 +59,49 @@ def tiles_name(t):
     return "x".join(map(str, t))
 
 
-def fwd_variants():
-    """Forward candidates, most promising first (the budget may cut the tail)."""
-    from lab.kernels.flash_config import FlashConfig
+def fwd_variants(d):
+    """Forward candidates for head dim ``d``, most promising first (the budget may cut the tail). Chosen from
+    an offline sm_90a compile (ptxas registers/spills, Triton's shared memory): no candidate spills, and
+    warp specialization compiles with 8 warps only."""
+    from lab.kernels.flash_config import FlashConfig, block_d
 
-    tiles = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 128, 4, 3), (128, 64, 8, 4), (128, 128, 8, 2),
-             (64, 64, 4, 4)]
+    if block_d(d) <= 64:
+        tiles = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 64, 8, 4), (128, 128, 8, 2), (64, 128, 4, 3),
+                 (64, 64, 4, 4)]
+    else:
+        tiles = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (64, 128, 4, 3), (64, 64, 4, 4)]
     out = {"default": FlashConfig()}
     out.update({f"fwd {tiles_name(t)}": FlashConfig(fwd_tiles=t) for t in tiles})
-    out.update({f"fwd {tiles_name(t)} +tma": FlashConfig(fwd_tiles=t, fwd_tma=True) for t in tiles[:4]})
+    out.update({f"fwd {tiles_name(t)} +tma": FlashConfig(fwd_tiles=t, fwd_tma=True) for t in tiles[:3]})
     out.update({f"fwd {tiles_name(t)} +tma+ws": FlashConfig(fwd_tiles=t, fwd_tma=True, warp_specialize=True)
-                for t in [(128, 64, 4, 3), (128, 128, 8, 3)]})
+                for t in [(128, 128, 8, 3), (128, 64, 8, 3)]})
     return out
 
 
-def bwd_variants():
-    """Backward candidates (launch mode x tiles (M1, N1, M2, N2, warps, stages) x switches), likeliest first."""
-    from lab.kernels.flash_config import FlashConfig
+def bwd_variants(d):
+    """Backward candidates for head dim ``d``: launch mode x tiles (M1, N1, M2, N2, warps, stages) x switches,
+    most promising first. Chosen so that neither kernel spills registers in the offline sm_90a compile (at
+    d=128 that takes 8 warps; the table's 4-warp dK/dV kernel spills ~200 bytes there)."""
+    from lab.kernels.flash_config import FlashConfig, block_d
 
-    t1, t2, t3, t4, t5 = (64, 64, 64, 64, 4, 3), (64, 128, 128, 64, 8, 3), (32, 128, 128, 32, 4, 3), \
-        (32, 128, 128, 32, 4, 5), (64, 128, 128, 64, 8, 2)
-    spec = [("two_pass", t1, {}), ("two_pass", t2, {}), ("atomic", t1, {}), ("atomic", t2, {}), ("atomic", t3, {}),
-            ("two_pass", t3, {}), ("two_pass", t4, {}), ("fused", t1, {}), ("fused", t3, {}), ("atomic", t5, {}),
-            ("two_pass", t1, {"fused_delta": True}), ("two_pass", t2, {"fused_delta": True}),
-            ("atomic", t2, {"fused_delta": True}), ("two_pass", t1, {"bwd_tma": True}),
-            ("two_pass", t2, {"bwd_tma": True}), ("atomic", t2, {"bwd_tma": True})]
+    if block_d(d) <= 64:
+        big, small = (64, 128, 128, 64, 8, 3), (64, 64, 64, 64, 4, 3)
+        spec = [("two_pass", big), ("atomic", big), ("two_pass", (64, 128, 128, 64, 8, 2)), ("atomic", small),
+                ("two_pass", (64, 64, 128, 64, 8, 3)), ("atomic", (64, 128, 64, 128, 8, 2)),
+                ("atomic", (32, 128, 32, 128, 8, 3)), ("two_pass", (32, 64, 64, 32, 4, 3)), ("fused", small),
+                ("fused", big)]
+    else:
+        big, small = (64, 64, 128, 64, 8, 2), (64, 64, 64, 64, 8, 3)
+        spec = [("two_pass", big), ("atomic", small), ("atomic", (64, 64, 64, 64, 8, 2)),
+                ("two_pass", (32, 128, 128, 32, 8, 3)), ("two_pass", (32, 64, 128, 64, 8, 3)),
+                ("atomic", (32, 128, 32, 128, 8, 2)), ("two_pass", (64, 128, 128, 64, 8, 2)),
+                ("atomic", (32, 64, 32, 64, 8, 3)), ("fused", big), ("fused", (32, 128, 128, 32, 8, 3))]
+    atomic = small if block_d(d) > 64 else big
+    spec += [("two_pass", big, {"fused_delta": True}), ("atomic", atomic, {"fused_delta": True}),
+             ("two_pass", big, {"bwd_tma": True}), ("atomic", atomic, {"bwd_tma": True})]
     out = {"default": FlashConfig()}
-    for mode, t, extra in spec:
+    for mode, t, *extra in spec:
+        extra = extra[0] if extra else {}
         name = f"{mode} {tiles_name(t)}" + "".join(f" +{k}" for k in extra)
         out[name] = FlashConfig(backward_launch=mode, bwd_tiles=t, **extra)
     return out
@@ -314,12 +330,11 @@ def build_tasks(device, smoke):
     # (every sweep shape is long and fills the GPU). Variant i of every shape before variant i + 1 of any, so
     # that a budget cut leaves the tails.
     warm = {}
-    fwd, bwd = list(fwd_variants().items()), list(bwd_variants().items())
-    for i in range(max(len(fwd), len(bwd))):
+    for i in range(32):
         for name, shape in sorted(shapes.items(), key=lambda item: math.prod(item[1][:3])):
-            for passes, variants in (("fwd", fwd), ("bwd", bwd)):
+            for passes, variants in (("fwd", fwd_variants(shape[3])), ("bwd", bwd_variants(shape[3]))):
                 if i < len(variants):
-                    vname, cfg = variants[i]
+                    vname, cfg = list(variants.items())[i]
                     warm.setdefault((shape[3], shape[4], passes, vname), (
                         f"warm {name} {passes} [{vname}]", dict(shape=shape, dtype="bf16", config=cfg, passes=passes)))
     for name, shape in ({} if smoke else FP32_SHAPES).items():
@@ -335,7 +350,7 @@ def build_tasks(device, smoke):
         for causal in (True, False):
             add("check", f"check long d{d} bf16 {'causal' if causal else 'full'}", lead=long_lead, n_q=n_long,
                 n_k=n_long, d=d, dtype="bf16", causal=causal)
-    for vname, cfg in {**fwd_variants(), **bwd_variants()}.items():
+    for vname, cfg in {**fwd_variants(80), **bwd_variants(80)}.items():
         if vname != "default":
             add("check", f"check variant d80 bf16 causal [{vname}]", lead=long_lead, n_q=n_long, n_k=n_long, d=80,
                 dtype="bf16", causal=True, config=cfg)
@@ -474,7 +489,7 @@ def sweep_shape(name, shape, device, bench, sink, left, reserve_s):
     ref = base.get("sdpa_cudnn") or {}  # speeds are against cuDNN; NaN where it cannot run
     reference = outputs(lambda *t: ft.FlashAttentionTriton.apply(*t, ft.FlashConfig()), q, k, v, g, causal)
     best = {}
-    for pass_, variants in (("fwd", fwd_variants()), ("bwd", bwd_variants())):
+    for pass_, variants in (("fwd", fwd_variants(d)), ("bwd", bwd_variants(d))):
         for vname, cfg in variants.items():
             if left() < reserve_s:
                 log(f"  budget: skipping the remaining {pass_} variants of {name}")

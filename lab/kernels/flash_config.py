@@ -201,10 +201,10 @@ def forward_tiles(batch_heads: int, n_q: int, n_k: int, d: int, dtype: torch.dty
     """Launch parameters of the forward kernel (``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``).
 
     bf16/fp16 at d <= 128: the configs tuning chose on an H200 (notes/flash_tuning.md, run 3); padded
-    head dimensions (80, 96) use the tiles of their ``BLOCK_D`` (128). Wider tiles (d > 128) and fp32
-    (4-byte operands: twice the shared memory and registers per tile) get smaller tiles and fewer stages,
-    sized so that a K and a V tile per stage plus the Q tile stay well inside Hopper's 227 KB of shared
-    memory and the fp32 accumulator stays at <= 64 registers a thread.
+    head dimensions (80, 96) use the tiles of their ``BLOCK_D`` (128); d > 128 gets smaller tiles. fp32
+    tiles are sized for 3xTF32, the default fp32 precision, which splits every operand into two TF32
+    halves: the largest tiles that do not spill registers in an offline sm_90a compile (ptxas), which at
+    d = 128 means 32 x 32 (notes/flash_tuning.md, offline compile).
     """
     if config.fwd_tiles:
         return _tiles(*config.fwd_tiles)
@@ -215,9 +215,7 @@ def forward_tiles(batch_heads: int, n_q: int, n_k: int, d: int, dtype: torch.dty
     if dtype == torch.float32:
         if bd <= 64:
             return _tiles(128, 64, 8, 2) if long else _tiles(64, 32, 4, 2)
-        if bd <= 128:
-            return _tiles(64, 64, 4, 2) if long else _tiles(64, 32, 4, 2)
-        return _tiles(32, 32, 4, 2)
+        return _tiles(32, 32, 4, 2) if bd <= 128 else _tiles(16, 32, 8, 2)
     if bd > 128:
         return _tiles(64, 32, 8, 2)
     if not long:
@@ -249,8 +247,13 @@ def backward_plan(batch_heads: int, n_q: int, n_k: int, d: int, dtype: torch.dty
         table_mode, _ = backward_plan(batch_heads, n_q, n_k, d, dtype, device, config.replace(bwd_tiles=()))
     elif INTERPRET:
         tiles, table_mode = _bwd_tiles(16, 16, 16, 16, 4, 1), "fused"
-    elif dtype == torch.float32:
-        tiles = _bwd_tiles(32, 64, 64, 32, 4 if bd <= 64 else 8, 2) if bd <= 128 else _bwd_tiles(16, 32, 32, 16, 8, 2)
+    elif dtype == torch.float32:  # sized for 3xTF32 like the forward's fp32 tiles
+        if bd <= 64:
+            tiles = _bwd_tiles(32, 64, 64, 32, 8, 2)
+        elif bd <= 128:
+            tiles = _bwd_tiles(32, 32, 32, 32, 8, 1)
+        else:
+            tiles = _bwd_tiles(16, 16, 16, 16, 8, 1)
         table_mode = "two_pass" if long and fills_gpu(batch_heads * -(-n_k // 64), device) else "fused"
     elif bd > 128:
         tiles, table_mode = _bwd_tiles(32, 32, 32, 32, 8, 2), "fused"
