@@ -133,9 +133,10 @@ def test_model_traces_without_graph_breaks_and_matches_eager():
     eager = _loss_and_grads(model, tokens, targets)
     compiled = torch.compile(model, fullgraph=True, backend=BACKEND)
     loss, grads = _loss_and_grads(compiled, tokens, targets)
-    torch.testing.assert_close(loss, eager[0], atol=1e-6, rtol=1e-6)
+    tol = 1e-4 if ON_GPU else 1e-6  # Inductor fuses the model's other fp32 ops in its own order
+    torch.testing.assert_close(loss, eager[0], atol=tol, rtol=tol)
     for g, e in zip(grads, eager[1]):
-        torch.testing.assert_close(g, e, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(g, e, atol=tol, rtol=tol)
 
 
 # ------------------------------------------------------------------------------------------ GPU only
