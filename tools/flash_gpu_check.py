@@ -30,6 +30,7 @@ import math
 import multiprocessing as mp
 import os
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -316,8 +317,8 @@ def build_tasks(device, smoke):
     course_shape = (2, 40, 64) if smoke else (16, 16384, 64)
     tasks = []
 
-    def add(kind, id_, **args):
-        tasks.append({"kind": kind, "id": id_, "args": {"device": device, **args}})
+    def add(kind, id_, key=None, **args):
+        tasks.append({"kind": kind, "id": id_, "key": key, "args": {"device": device, **args}})
 
     for d in (64, 80, 96, 128):
         for dtype in DTYPES:
@@ -338,15 +339,16 @@ def build_tasks(device, smoke):
             for passes, variants in (("fwd", fwd_variants(shape[3])), ("bwd", bwd_variants(shape[3]))):
                 if i < len(variants):
                     vname, cfg = list(variants.items())[i]
-                    warm.setdefault((shape[3], shape[4], passes, vname), (
-                        f"warm {name} {passes} [{vname}]", dict(shape=shape, dtype="bf16", config=cfg, passes=passes)))
+                    key = ("bf16", shape[3], shape[4], passes, vname)
+                    warm.setdefault(key, (f"warm {name} {passes} [{vname}]",
+                                          dict(shape=shape, dtype="bf16", config=cfg, passes=passes)))
     for name, shape in (SMOKE_FP32_SHAPES if smoke else FP32_SHAPES).items():
         for vname, cfg in fp32_variants(shape[3]).items():
             for passes in ("fwd", "bwd"):
-                warm[name, passes, vname] = (f"warm fp32 {name} {passes} [{vname}]",
-                                             dict(shape=shape, dtype="fp32", config=cfg, passes=passes))
-    for id_, args in warm.values():
-        add("warm", id_, **args)
+                warm["fp32", name, passes, vname] = (f"warm fp32 {name} {passes} [{vname}]",
+                                                     dict(shape=shape, dtype="fp32", config=cfg, passes=passes))
+    for key, (id_, args) in warm.items():
+        add("warm", id_, key=key, **args)
     long_lead = (1, 2) if smoke else (2, 16)
     n_long = 40 if smoke else 1100
     for d in (64, 80, 96, 128):  # long enough for the large-tile tables (heads fill the GPU)
@@ -464,7 +466,7 @@ def combine(fwd_cfg, bwd_cfg):
                            bwd_tiles=bwd_cfg.bwd_tiles, bwd_tma=bwd_cfg.bwd_tma)
 
 
-def sweep_shape(name, shape, device, bench, sink, left, reserve_s):
+def sweep_shape(name, shape, device, bench, sink, left, reserve_s, failed):
     """SDPA backends, then every forward and backward variant, then end-to-end of the default and of the best
     forward + best backward. Returns the shape's summary row."""
     import torch
@@ -505,6 +507,9 @@ def sweep_shape(name, shape, device, bench, sink, left, reserve_s):
             if left() < reserve_s:
                 log(f"  budget: skipping the remaining {pass_} variants of {name}")
                 break
+            if ("bf16", d, causal, pass_, vname) in failed:  # it might take the CUDA context down with it
+                sink.add(shape=name, impl="triton", variant=vname, pass_=pass_, error="failed in the compile phase")
+                continue
             try:
                 fn = (lambda c: lambda q_, k_, v_, causal_: ft.FlashAttentionTriton.apply(q_, k_, v_, causal_, c))(cfg)
                 ms = time_passes(bench, fn, q, k, v, g, causal, passes=(pass_,))[pass_]
@@ -547,7 +552,7 @@ def sweep_shape(name, shape, device, bench, sink, left, reserve_s):
     return summary, configs.get("best")
 
 
-def fp32_section(device, bench, sink, left, shapes):
+def fp32_section(device, bench, sink, left, shapes, failed):
     import torch
 
     import lab.kernels.flash_triton as ft
@@ -561,6 +566,9 @@ def fp32_section(device, bench, sink, left, shapes):
         q, k, v, g = _qkv(device, b, h, n, d, "fp32")
         impls = {"sdpa": sdpa_fn(None), "naive": naive_attention}
         for vname, cfg in fp32_variants(d).items():
+            if any(("fp32", name, p, vname) in failed for p in ("fwd", "bwd")):
+                log(f"  fp32 {name} triton {vname}: skipped (failed in the compile phase)")
+                continue
             impls[f"triton {vname}"] = (lambda c: lambda q_, k_, v_, causal_: ft.FlashAttentionTriton.apply(
                 q_, k_, v_, causal_, c))(cfg)
         for impl, fn in impls.items():
@@ -671,7 +679,7 @@ SWEEP_COLUMNS = ["shape", "impl", "variant", "pass_", "ms", "tflops", "vs_cudnn"
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--budget-s", type=float, default=330.0, help="start no new work after this many seconds")
+    parser.add_argument("--budget-s", type=float, default=320.0, help="start no new work after this many seconds")
     parser.add_argument("--pool-s", type=float, default=None, help="end of the compile phase (default 0.45 x budget)")
     parser.add_argument("--workers", type=int, default=max(2, min(14, (os.cpu_count() or 4) - 2)))
     parser.add_argument("--out", default=os.environ.get("OUT") or "out")
@@ -695,6 +703,13 @@ def main():
 
     def left():
         return args.budget_s - (time.time() - START)
+
+    def watchdog():  # a hung kernel must not keep the machine: what was written so far stays in $OUT
+        log(f"watchdog: still running {args.budget_s + 90:.0f} s after the start; exiting")
+        os._exit(3)
+    timer = threading.Timer(args.budget_s + 90, watchdog)
+    timer.daemon = True
+    timer.start()
 
     from lab.kernels.flash_config import dot_precision
 
@@ -720,6 +735,9 @@ def main():
     (out_dir / "compile.json").write_text(json.dumps(compile_res, indent=1, default=str))
     log(f"compile results: {compile_res}")
 
+    failed = {t["key"] for t in tasks if t["kind"] == "warm" and (results.get(t["id"]) or {}).get("status") == "error"}
+    if failed:
+        log(f"variants that failed to compile or run in the compile phase (not timed): {sorted(map(str, failed))}")
     bench = make_bench(device, args.warmup_ms, args.rep_ms)
     course_shape = (2, 40, 64) if args.cpu_smoke else (16, 16384, 64)
     course, course_best = {}, {}
@@ -736,7 +754,7 @@ def main():
             continue
         log(f"shape {name} {shape}")
         try:
-            row, best_configs[name] = sweep_shape(name, shape, device, bench, sweep, left, reserve_s=40)
+            row, best_configs[name] = sweep_shape(name, shape, device, bench, sweep, left, 40, failed)
             shape_rows.append(row)
         except Exception as exc:
             log(f"  shape {name} FAILED: {type(exc).__name__}: {str(exc)[:300]}")
@@ -748,7 +766,7 @@ def main():
 
     log("(e) fp32")
     fp32 = CsvSink(out_dir / "fp32.csv", ["shape", "impl", "pass_", "ms"])
-    fp32_section(device, bench, fp32, left, SMOKE_FP32_SHAPES if args.cpu_smoke else FP32_SHAPES)
+    fp32_section(device, bench, fp32, left, SMOKE_FP32_SHAPES if args.cpu_smoke else FP32_SHAPES, failed)
 
     first = next(iter(SMOKE_SHAPES if args.cpu_smoke else SHAPES))
     if best_configs.get(first) is not None and left() > 45:
