@@ -40,10 +40,11 @@ sys.path.insert(0, str(ROOT))
 START = time.time()
 DTYPES = ("bf16", "fp16", "fp32")
 TOLERANCE = {"bf16": 2e-2, "fp16": 5e-3, "fp32": 1e-4}  # max |error| / max |reference| of out, lse, dq, dk, dv
-# name -> (batch, heads, seq, d, causal); bf16. The course shape first: it carries a hard target.
+# name -> (batch, heads, seq, d, causal); bf16. The course shape first: it carries a hard target. The last,
+# one head (a grid thinner than the GPU: the fused backward), compares with run 3 of notes/flash_tuning.md.
 SHAPES = {"b1h16_n16384_d64_causal": (1, 16, 16384, 64, True), "b1h16_n4096_d64_causal": (1, 16, 4096, 64, True),
           "b1h16_n4096_d128_causal": (1, 16, 4096, 128, True), "b1h32_n2048_d80_causal": (1, 32, 2048, 80, True),
-          "b8h16_n2048_d128_full": (8, 16, 2048, 128, False)}
+          "b8h16_n2048_d128_full": (8, 16, 2048, 128, False), "b1h1_n16384_d128_causal": (1, 1, 16384, 128, True)}
 FP32_SHAPES = {"b1h16_n2048_d64_causal": (1, 16, 2048, 64, True), "b4h8_n1024_d128_full": (4, 8, 1024, 128, False)}
 SMOKE_SHAPES = {"b1h2_n48_d64_causal": (1, 2, 48, 64, True), "b2h1_n40_d80_full": (2, 1, 40, 80, False)}
 SMOKE_FP32_SHAPES = {"b1h2_n40_d128_full": (1, 2, 40, 128, False)}
@@ -309,6 +310,12 @@ def run_pool(tasks, workers, deadline, stall_s=120.0):
     return done
 
 
+def warm_key(name, shape, passes, vname):
+    """Shapes with the same d and causality compile the same kernels for a variant with explicit tiles; the
+    default's tiles depend on the shape (long or short, thin or full grid)."""
+    return ("bf16", shape[3], shape[4], passes, vname if vname != "default" else f"default at {name}")
+
+
 def build_tasks(device, smoke):
     from lab.kernels.flash_config import FlashConfig
 
@@ -330,18 +337,17 @@ def build_tasks(device, smoke):
     add("compile_apply", "compile apply")
     add("compile_model", "compile model")
     add("course_warm", "course warm", shape=course_shape)
-    # One warm-up call per (d, causal, variant): shapes with the same d and causality compile the same kernels
-    # (every sweep shape is long and fills the GPU). Variant i of every shape before variant i + 1 of any, so
-    # that a budget cut leaves the tails.
+    # One warm-up call per warm_key, on the smallest shape that has it. Variant i of every shape before variant
+    # i + 1 of any, so that a budget cut leaves the tails.
     warm = {}
     for i in range(32):
         for name, shape in sorted(shapes.items(), key=lambda item: math.prod(item[1][:3])):
             for passes, variants in (("fwd", fwd_variants(shape[3])), ("bwd", bwd_variants(shape[3]))):
                 if i < len(variants):
                     vname, cfg = list(variants.items())[i]
-                    key = ("bf16", shape[3], shape[4], passes, vname)
-                    warm.setdefault(key, (f"warm {name} {passes} [{vname}]",
-                                          dict(shape=shape, dtype="bf16", config=cfg, passes=passes)))
+                    task = (f"warm {name} {passes} [{vname}]", dict(shape=shape, dtype="bf16", config=cfg,
+                                                                    passes=passes))
+                    warm.setdefault(warm_key(name, shape, passes, vname), task)
     for name, shape in (SMOKE_FP32_SHAPES if smoke else FP32_SHAPES).items():
         for vname, cfg in fp32_variants(shape[3]).items():
             for passes in ("fwd", "bwd"):
@@ -507,7 +513,7 @@ def sweep_shape(name, shape, device, bench, sink, left, reserve_s, failed):
             if left() < reserve_s:
                 log(f"  budget: skipping the remaining {pass_} variants of {name}")
                 break
-            if ("bf16", d, causal, pass_, vname) in failed:  # it might take the CUDA context down with it
+            if warm_key(name, shape, pass_, vname) in failed:  # it might take the CUDA context down with it
                 sink.add(shape=name, impl="triton", variant=vname, pass_=pass_, error="failed in the compile phase")
                 continue
             try:
