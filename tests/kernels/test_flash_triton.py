@@ -1,43 +1,50 @@
 """FlashAttentionTriton (and the compiled-backward variant) against float64 attention.
 
 On a machine without a GPU, tests/conftest.py sets TRITON_INTERPRET=1 before this file is imported, so the
-kernels run interpreted on CPU tensors: shapes stay tiny there. GPU-marked tests cover low precision, long
-sequences and the autotuned path.
+kernels run interpreted on CPU tensors: shapes stay tiny there (16 x 16 tiles, so a few dozen tokens already
+give ragged tiles, diagonal tiles and unmasked tiles). GPU-marked tests cover long sequences and the
+large-tile configs. Compile/op-registration tests: test_flash_compile.py.
 """
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
 ft = pytest.importorskip("lab.kernels.flash_triton")
-ftb = pytest.importorskip("lab.kernels.flash_triton_backward")
+fc = pytest.importorskip("lab.kernels.flash_config")
+fl = pytest.importorskip("lab.kernels.flash_launch")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def reference64(q, k, v, is_causal):
-    """Output, logsumexp and the leaf inputs of float64 attention with a dense ``-inf`` causal mask."""
+    """Output, logsumexp and the leaf inputs of float64 attention with a dense ``-inf`` causal mask,
+    independently of lab. Works on (..., seq, d)."""
     q, k, v = (t.detach().cpu().double().requires_grad_() for t in (q, k, v))
     scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
     if is_causal:
-        future = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool).triu(1)
+        future = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).triu(1)
         scores = scores.masked_fill(future, -math.inf)
     return torch.softmax(scores, dim=-1) @ v, torch.logsumexp(scores, dim=-1), (q, k, v)
 
 
-def random_qkv(batch, n_q, n_k, d, dtype=torch.float32, seed=0, device=DEVICE):
+def random_qkv(lead, n_q, n_k, d, dtype=torch.float32, seed=0, device=DEVICE):
+    """Fresh random q, k, v of shape (*lead, n, d) that require grad."""
+    lead = (lead,) if isinstance(lead, int) else tuple(lead)
     gen = torch.Generator().manual_seed(seed)
-    return tuple(torch.randn(batch, n, d, generator=gen).to(device=device, dtype=dtype).requires_grad_()
+    return tuple(torch.randn(*lead, n, d, generator=gen).to(device=device, dtype=dtype).requires_grad_()
                  for n in (n_q, n_k, n_k))
 
 
-def check_against_reference(fn, q, k, v, causal, atol, rtol):
+def check_against_reference(fn, q, k, v, causal, atol, rtol, config=None):
     """Run ``fn.apply`` forward and backward and compare output, logsumexp, dQ, dK, dV with float64."""
-    out = fn.apply(q, k, v, causal)
+    out = fn.apply(q, k, v, causal, config)
     saved = out.grad_fn.saved_tensors
-    lse = [t for t in saved if tuple(t.shape) == (q.shape[0], q.shape[1])]
-    assert len(lse) == 1, "exactly one saved tensor must have shape (batch, n_queries)"
+    lse = [t for t in saved if tuple(t.shape) == tuple(q.shape[:-1])]
+    assert len(lse) == 1, "exactly one saved tensor must have shape q.shape[:-1] (the logsumexp)"
+    assert lse[0].dtype == torch.float32
     ref_out, ref_lse, ref_inputs = reference64(q, k, v, causal)
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     grads = torch.autograd.grad(out, (q, k, v), grad.to(device=q.device, dtype=q.dtype))
@@ -68,42 +75,104 @@ def test_triton_matches_float64_reference(batch, n_q, n_k, d, causal):
     check_against_reference(ft.FlashAttentionTriton, q, k, v, causal, atol=2e-5, rtol=2e-5)
 
 
+HEAD_DIM_CASES = [  # lead dims, n_q, n_k, d, causal, dtype, tol: head dims that are not powers of two
+    (2, 37, 53, 80, True, torch.float32, 2e-5),
+    (2, 53, 37, 80, False, torch.float32, 2e-5),
+    ((1, 2), 45, 29, 96, True, torch.float32, 2e-5),
+    (2, 29, 45, 96, False, torch.float32, 2e-5),
+    (2, 37, 21, 40, True, torch.float32, 2e-5),
+    (1, 21, 37, 24, False, torch.float32, 2e-5),
+    (2, 19, 19, 8, True, torch.float32, 2e-5),
+    (1, 20, 33, 256, True, torch.float32, 2e-5),
+    (2, 37, 53, 80, True, torch.float16, 2e-2),
+    ((1, 2), 29, 45, 96, False, torch.float16, 2e-2),
+    (2, 45, 29, 40, True, torch.float16, 2e-2),
+    (2, 37, 53, 80, False, torch.bfloat16, 6e-2),  # bf16: 8 significant bits in q, k, v, o and the grads
+    (2, 45, 29, 24, True, torch.bfloat16, 6e-2),
+]
+
+
+@pytest.mark.parametrize("lead,n_q,n_k,d,causal,dtype,tol", HEAD_DIM_CASES)
+def test_any_head_dim_multiple_of_8_matches_float64_reference(lead, n_q, n_k, d, causal, dtype, tol):
+    """BLOCK_D is the next power of two; the columns past d are masked inside the kernels."""
+    q, k, v = random_qkv(lead, n_q, n_k, d, dtype=dtype, seed=d)
+    check_against_reference(ft.FlashAttentionTriton, q, k, v, causal, atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float16, 2e-2), (torch.bfloat16, 6e-2)])
 @pytest.mark.parametrize("causal", [True, False])
 def test_half_precision_matches_float64_reference(dtype, tol, causal):
-    # bf16 and fp16 inputs round q, k, v, the output and the gradients to 8 / 11 significant bits
     q, k, v = random_qkv(2, 37, 45, 16, dtype=dtype)
     check_against_reference(ft.FlashAttentionTriton, q, k, v, causal, atol=tol, rtol=tol)
 
 
+VARIANTS = [ft.FlashConfig(backward_launch=mode, fused_delta=fused, fwd_tma=tma, bwd_tma=tma)
+            for mode in ("fused", "two_pass", "atomic") for fused in (False, True) for tma in (False, True)]
+
+
+@pytest.mark.parametrize("config", VARIANTS,
+                         ids=lambda c: f"{c.backward_launch}-delta{int(c.fused_delta)}-tma{int(c.bwd_tma)}")
 @pytest.mark.parametrize("causal", [True, False])
-def test_two_pass_backward_launch_matches_reference(monkeypatch, causal):
-    monkeypatch.setattr(ftb, "BACKWARD_LAUNCH", "two_pass")
-    q, k, v = random_qkv(2, 45, 29, 16)
-    check_against_reference(ft.FlashAttentionTriton, q, k, v, causal, atol=2e-5, rtol=2e-5)
+def test_backward_variants_match_reference(config, causal):
+    """Every launch mode, with D from the preprocess kernel or from the kernels themselves, with pointer
+    loads or tensor descriptors: (batch, heads) inputs, a padded head dim and ragged lengths."""
+    q, k, v = random_qkv((2, 2), 45, 29, 24, seed=3)
+    check_against_reference(ft.FlashAttentionTriton, q, k, v, causal, atol=2e-5, rtol=2e-5, config=config)
 
 
-def test_fused_and_two_pass_backward_agree():
-    q, k, v = random_qkv(1, 50, 70, 32)
-    out = ft.FlashAttentionTriton.apply(q, k, v, True).detach()
-    _, lse = ft.flash_forward(q.detach(), k.detach(), v.detach(), True)
+@pytest.mark.parametrize("causal", [True, False])
+def test_explicit_rectangular_tiles_match_reference(causal):
+    """Tiles given in the config, with BLOCK_M != BLOCK_N and BLOCK_M1 != BLOCK_N1, so the causal tile
+    bounds are exercised beyond square 16 x 16 tiles."""
+    config = ft.FlashConfig(fwd_tiles=(32, 16, 4, 1), bwd_tiles=(16, 32, 32, 16, 4, 1), backward_launch="fused")
+    q, k, v = random_qkv(2, 75, 61, 40, seed=4)
+    check_against_reference(ft.FlashAttentionTriton, q, k, v, causal, atol=2e-5, rtol=2e-5, config=config)
+    two_pass = config.replace(backward_launch="two_pass", fwd_tiles=(16, 32, 4, 1), bwd_tiles=(32, 16, 16, 32, 4, 1))
+    check_against_reference(ft.FlashAttentionTriton, q, k, v, causal, atol=2e-5, rtol=2e-5, config=two_pass)
+
+
+def test_launch_modes_agree():
+    """The two atomic-free launches compute the same sums in the same order: bit for bit equal."""
+    q, k, v = (t.detach() for t in random_qkv(1, 50, 70, 32))
+    out, lse = ft.flash_forward(q, k, v, True)
     grad = torch.randn_like(out)
-    fused = ftb.flash_backward(q.detach(), k.detach(), v.detach(), out, lse, grad, True, launch="fused")
-    two = ftb.flash_backward(q.detach(), k.detach(), v.detach(), out, lse, grad, True, launch="two_pass")
-    for a, b in zip(fused, two):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    fused = ft.flash_backward(q, k, v, out, lse, grad, True, ft.FlashConfig(backward_launch="fused"))
+    two = ft.flash_backward(q, k, v, out, lse, grad, True, ft.FlashConfig(backward_launch="two_pass"))
+    atomic = ft.flash_backward(q, k, v, out, lse, grad, True, ft.FlashConfig(backward_launch="atomic"))
+    for a, b, c in zip(fused, two, atomic):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+        torch.testing.assert_close(a, c, atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.slow
-def test_compiled_backward_matches_reference():
-    q, k, v = random_qkv(2, 37, 53, 16)
-    check_against_reference(ft.FlashAttentionTritonCompiledBackward, q, k, v, True, atol=2e-5, rtol=2e-5)
+def test_tma_descriptors_are_used_where_the_layout_allows():
+    """Contiguous (batch, heads, seq, d) tensors get a descriptor over all heads' rows; a head-strided
+    view (batch, seq, heads, d).transpose(1, 2) does not collapse to one row index and keeps pointers."""
+    if fl.TensorDescriptor is None:
+        pytest.skip("this Triton has no host-side tensor descriptors")
+    t = torch.randn(2, 3, 40, 24, device=DEVICE)
+    desc = fl.stream_source(t, 16, 32, use_tma=True)
+    assert isinstance(desc, fl.TensorDescriptor) and list(desc.shape) == [2 * 3 * 40, 24]
+    assert desc.block_shape == [16, 32]
+    assert fl.stream_source(t, 16, 32, use_tma=False) is t
+    strided = torch.randn(2, 40, 3, 24, device=DEVICE).transpose(1, 2)
+    assert fl.stream_source(strided, 16, 32, use_tma=True) is strided
+
+
+@pytest.mark.parametrize("tma", [False, True])
+def test_head_strided_inputs_are_not_copied(tma):
+    """The model hands over (batch, seq, heads, d) projections transposed to (batch, heads, seq, d)."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 33, 3, 16, generator=gen).to(DEVICE).transpose(1, 2).requires_grad_()
+               for _ in range(3))
+    assert not q.is_contiguous() and q.stride(-1) == 1
+    check_against_reference(ft.FlashAttentionTriton, q, k, v, True, atol=2e-5, rtol=2e-5,
+                            config=ft.FlashConfig(fwd_tma=tma, bwd_tma=tma))
 
 
 def test_causal_output_ignores_future_keys_entirely():
     """Future key tiles are skipped, not only masked: NaNs in them must not reach earlier query tiles.
     (Inside a tile that crosses the diagonal a NaN key would still poison the row: 0 * NaN = NaN.)"""
-    tile = ft._fwd_fixed_config(16)["BLOCK_M"]
+    tile = fc.forward_tiles(1, 32, 32, 16, torch.float32, torch.device(DEVICE))["BLOCK_M"]
     q, k, v = (t.detach() for t in random_qkv(1, 2 * tile, 2 * tile, 16))
     k2, v2 = k.clone(), v.clone()
     k2[:, tile:] = float("nan")
@@ -124,6 +193,12 @@ def test_non_contiguous_inputs():
     check_against_reference(ft.FlashAttentionTriton, q, k, v, True, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.slow
+def test_compiled_backward_matches_reference():
+    q, k, v = random_qkv(2, 37, 53, 16)
+    check_against_reference(ft.FlashAttentionTritonCompiledBackward, q, k, v, True, atol=2e-5, rtol=2e-5)
+
+
 def test_bhsd_wrapper_matches_reference_per_head():
     gen = torch.Generator().manual_seed(6)
     q, k, v = (torch.randn(2, 2, 24, 16, generator=gen).to(DEVICE) for _ in range(3))
@@ -136,6 +211,8 @@ def test_bhsd_wrapper_matches_reference_per_head():
                 torch.testing.assert_close(out[b, h].cpu().double(), ref[0].detach(), atol=2e-5, rtol=2e-5)
     with pytest.raises(ValueError, match="backward"):
         ft.flash_attention_bhsd(q, k, v, causal=True, backward="cuda")
+    with pytest.raises(ValueError, match="batch, heads, seq, d"):
+        ft.flash_attention_bhsd(q[0], k[0], v[0], causal=True)
 
 
 @pytest.mark.parametrize("make,error,match", [
@@ -145,6 +222,8 @@ def test_bhsd_wrapper_matches_reference_per_head():
     (lambda q, k, v: (q, k.half(), v), TypeError, "dtype"),
     (lambda q, k, v: (q[..., :12], k[..., :12], v[..., :12]), ValueError, "not supported"),
     (lambda q, k, v: (q.double(), k.double(), v.double()), TypeError, "not supported"),
+    (lambda q, k, v: (q[None], k[None], v[None, :1]), ValueError, "batch and heads"),
+    (lambda q, k, v: tuple(t.repeat(1, 1, 17)[..., :264] for t in (q, k, v)), ValueError, "multiple of 8"),
 ])
 def test_bad_inputs_raise_clear_errors(make, error, match):
     q, k, v = (t.detach() for t in random_qkv(2, 16, 16, 16))
@@ -153,29 +232,94 @@ def test_bad_inputs_raise_clear_errors(make, error, match):
 
 
 def test_cpu_tensors_without_interpreter_are_refused(monkeypatch):
-    monkeypatch.setattr(ft, "INTERPRET", False)
+    monkeypatch.setattr(fc, "INTERPRET", False)
     q, k, v = (t.detach().cpu() for t in random_qkv(1, 16, 16, 16, device="cpu"))
     with pytest.raises(RuntimeError, match="CUDA tensors"):
         ft.FlashAttentionTriton.apply(q, k, v, False)
 
 
-def test_untuned_configs_follow_the_grid_size(monkeypatch):
-    """Without autotuning, long bf16 shapes get the configs tuning chose: small query tiles and one fused
-    backward launch when one head leaves SMs idle, big tiles and two backward launches when heads fill
-    the GPU; fp32 and short sequences keep the small fixed configs."""
-    monkeypatch.setattr(ft, "INTERPRET", False)
-    monkeypatch.setattr(ft, "multiprocessor_count", lambda index: 132)
+# ------------------------------------------------------------------------------------------- config
+def test_config_is_frozen_data_with_clear_errors():
+    config = ft.FlashConfig()
+    assert config == ft.DEFAULT_CONFIG and hash(config) == hash(ft.FlashConfig())
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.autotune = True
+    assert config.op_args() == tuple(getattr(config, f.name) for f in dataclasses.fields(config))
+    assert ft.FlashConfig(fwd_tiles=[64, 32, 4, 2]).fwd_tiles == (64, 32, 4, 2)  # lists from the op schema
+    bad_configs = [(dict(backward_launch="both"), "backward_launch"), (dict(fp32_precision="fp64"), "fp32_precision"),
+                   (dict(fwd_tiles=(64, 64, 4)), "fwd_tiles"),
+                   (dict(bwd_tiles=(48, 64, 64, 64, 4, 2)), "powers of two")]
+    for bad, match in bad_configs:
+        with pytest.raises(ValueError, match=match):
+            ft.FlashConfig(**bad)
+    q, k, v = (t.detach() for t in random_qkv(1, 16, 16, 16))
+    with pytest.raises(TypeError, match="FlashConfig"):
+        ft.FlashAttentionTriton.apply(q, k, v, True, {"autotune": True})
+
+
+def test_fp32_precision_follows_torch_settings(monkeypatch):
+    assert fc.dot_precision(torch.bfloat16, "ieee") == "tf32"  # ignored by Triton for 16-bit operands
+    assert fc.dot_precision(torch.float32, "ieee") == "ieee"
+    monkeypatch.setattr(fc, "tf32_allowed", lambda: True)
+    assert fc.dot_precision(torch.float32) == "tf32"
+    monkeypatch.setattr(fc, "tf32_allowed", lambda: False)
+    assert fc.dot_precision(torch.float32) == "tf32x3"
+
+
+def test_tf32_allowed_reads_torch_matmul_precision():
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert not fc.tf32_allowed()
+        torch.set_float32_matmul_precision("high")
+        assert fc.tf32_allowed()
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def test_tile_tables_follow_grid_size_dtype_and_head_dim(monkeypatch):
+    """Long bf16 shapes get the configs tuning chose: small query tiles and one fused backward launch when
+    one head leaves SMs idle, big tiles and two backward launches when heads fill the GPU. Padded head
+    dims use the tiles of their BLOCK_D; fp32 gets tiles of at most half the bytes."""
+    monkeypatch.setattr(fc, "INTERPRET", False)
+    monkeypatch.setattr(fc, "multiprocessor_count", lambda index: 132)
     cuda = torch.device("cuda", 0)
-    one_head = ft._fwd_untuned_config(1, 16384, 16384, 128, cuda, torch.bfloat16)
-    many_heads = ft._fwd_untuned_config(16, 16384, 16384, 128, cuda, torch.bfloat16)
+    one_head = fc.forward_tiles(1, 16384, 16384, 128, torch.bfloat16, cuda)
+    many_heads = fc.forward_tiles(16, 16384, 16384, 128, torch.bfloat16, cuda)
     assert one_head["BLOCK_M"] == 64 and many_heads["BLOCK_M"] == 128
-    assert ft._fwd_untuned_config(16, 16384, 16384, 128, cuda, torch.float32) == ft._fwd_fixed_config(128)
-    assert ft._fwd_untuned_config(16, 512, 512, 64, cuda, torch.bfloat16) == ft._fwd_fixed_config(64)
-    assert ftb._bwd_untuned_plan(1, 16384, 16384, 64, cuda, torch.bfloat16)[0] == "fused"
-    mode, configs = ftb._bwd_untuned_plan(16, 16384, 16384, 128, cuda, torch.bfloat16)
-    assert mode == "two_pass" and configs[2]["BLOCK_M2"] == 128
-    monkeypatch.setattr(ft, "AUTOTUNE", False)
-    assert not ft.uses_autotune(16384, 16384, torch.bfloat16)
+    assert fc.forward_tiles(16, 16384, 16384, 80, torch.bfloat16, cuda) == many_heads
+    fp32 = fc.forward_tiles(16, 16384, 16384, 128, torch.float32, cuda)
+    assert fp32["BLOCK_N"] * 4 <= many_heads["BLOCK_N"] * 2 and fp32["num_stages"] < many_heads["num_stages"]
+    assert fc.backward_plan(1, 16384, 16384, 64, torch.bfloat16, cuda)[0] == "fused"
+    mode, plan = fc.backward_plan(16, 16384, 16384, 128, torch.bfloat16, cuda)
+    assert mode == "two_pass" and plan[2]["BLOCK_M2"] == 128
+    assert fc.backward_plan(16, 16384, 16384, 128, torch.bfloat16, cuda, ft.FlashConfig(backward_launch="atomic"))[0] \
+        == "atomic"
+    explicit = ft.FlashConfig(fwd_tiles=(32, 64, 4, 5), bwd_tiles=(32, 128, 128, 32, 4, 5))
+    assert fc.forward_tiles(16, 4096, 4096, 64, torch.bfloat16, cuda, explicit)["num_stages"] == 5
+    assert fc.backward_plan(16, 4096, 4096, 64, torch.bfloat16, cuda, explicit)[1][1]["BLOCK_N1"] == 128
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tile_tables_fit_shared_memory_and_registers(monkeypatch, dtype):
+    """For every supported head dim, short and long, thin and full grids: a K and a V tile per pipeline
+    stage plus the Q tile fit in Hopper's 227 KB of shared memory per block, and the fp32 accumulators
+    (forward: output; backward: dK and dV) need at most 128 registers a thread, so no table entry is sure
+    to fail or spill."""
+    monkeypatch.setattr(fc, "INTERPRET", False)
+    monkeypatch.setattr(fc, "multiprocessor_count", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    size = torch.finfo(dtype).bits // 8
+    for d in range(8, fc.MAX_HEAD_DIM + 1, 8):
+        bd = fc.block_d(d)
+        for bh, n in [(1, 512), (1, 16384), (64, 4096)]:
+            t = fc.forward_tiles(bh, n, n, d, dtype, cuda)
+            smem = t["num_stages"] * 2 * t["BLOCK_N"] * bd * size + t["BLOCK_M"] * bd * size
+            assert smem <= 227 * 1024, (d, bh, n, t)
+            assert t["BLOCK_M"] * bd / (32 * t["num_warps"]) <= 128, (d, bh, n, t)
+            _, plan = fc.backward_plan(bh, n, n, d, dtype, cuda)
+            for b in plan.values():
+                assert 2 * b["BLOCK_N1"] * bd / (32 * b["num_warps"]) <= 128, (d, bh, n, b)
 
 
 # ----------------------------------------------------------------------------------------- GPU only
@@ -188,17 +332,32 @@ def test_cuda_tensors_without_visible_gpu_are_refused(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("batch,n_q,n_k,d,causal,dtype,tol", [
+@pytest.mark.parametrize("lead,n_q,n_k,d,causal,dtype,tol", [
     (2, 300, 300, 64, True, torch.bfloat16, 3e-2),
     (1, 411, 173, 64, False, torch.bfloat16, 3e-2),
     (3, 129, 129, 16, True, torch.bfloat16, 3e-2),
     (2, 173, 411, 128, True, torch.float16, 1e-2),
     (2, 173, 411, 64, True, torch.float32, 1e-4),
-    (1, 2048, 2048, 64, True, torch.bfloat16, 3e-2),  # long enough for the autotuned kernels
+    ((2, 3), 300, 257, 80, True, torch.bfloat16, 3e-2),
+    ((2, 3), 257, 300, 96, False, torch.float16, 1e-2),
+    ((1, 2), 200, 200, 256, True, torch.bfloat16, 3e-2),
+    (1, 2048, 2048, 64, True, torch.bfloat16, 3e-2),  # long enough for the large tiles
+    (1, 1100, 1100, 80, True, torch.float32, 1e-4),
 ])
-def test_gpu_dtypes_match_float64_reference(batch, n_q, n_k, d, causal, dtype, tol):
-    q, k, v = random_qkv(batch, n_q, n_k, d, dtype=dtype, device="cuda")
+def test_gpu_dtypes_match_float64_reference(lead, n_q, n_k, d, causal, dtype, tol):
+    q, k, v = random_qkv(lead, n_q, n_k, d, dtype=dtype, device="cuda")
     check_against_reference(ft.FlashAttentionTriton, q, k, v, causal, atol=tol, rtol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [ft.FlashConfig(backward_launch="atomic"),
+                                    ft.FlashConfig(fwd_tma=True, bwd_tma=True, fused_delta=True),
+                                    ft.FlashConfig(backward_launch="fused", bwd_tma=True),
+                                    ft.FlashConfig(autotune=True)],
+                         ids=["atomic", "tma-fused_delta", "fused-tma", "autotune"])
+def test_gpu_variants_match_float64_reference(config):
+    q, k, v = random_qkv((1, 4), 1100, 1100, 64, dtype=torch.bfloat16, device="cuda")
+    check_against_reference(ft.FlashAttentionTriton, q, k, v, True, atol=3e-2, rtol=3e-2, config=config)
 
 
 @pytest.mark.gpu
@@ -213,24 +372,6 @@ def test_gpu_long_sequence_matches_sdpa():
     ref_grads = torch.autograd.grad(ref, (q32, k32, v32), grad)
     q16, k16, v16 = (t.to(torch.bfloat16).requires_grad_() for t in (q, k, v))
     out = ft.FlashAttentionTriton.apply(q16, k16, v16, causal)
-    grads = torch.autograd.grad(out, (q16, k16, v16), grad.to(torch.bfloat16))
-    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
-    for g, r in zip(grads, ref_grads):
-        torch.testing.assert_close(g.float(), r, atol=3e-2, rtol=3e-2)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("batch,n,d", [(1, 2048, 64), (40, 1024, 128)])
-def test_gpu_untuned_configs_match_sdpa(monkeypatch, batch, n, d):
-    """AUTOTUNE off: the fixed long-sequence configs (thin grid: fused backward; full grid: two passes)."""
-    monkeypatch.setattr(ft, "AUTOTUNE", False)
-    gen = torch.Generator(device="cuda").manual_seed(8)
-    q, k, v, grad = (torch.randn(batch, n, d, device="cuda", generator=gen) for _ in range(4))
-    q32, k32, v32 = (t.clone().requires_grad_() for t in (q, k, v))
-    ref = torch.nn.functional.scaled_dot_product_attention(q32, k32, v32, is_causal=True)
-    ref_grads = torch.autograd.grad(ref, (q32, k32, v32), grad)
-    q16, k16, v16 = (t.to(torch.bfloat16).requires_grad_() for t in (q, k, v))
-    out = ft.FlashAttentionTriton.apply(q16, k16, v16, True)
     grads = torch.autograd.grad(out, (q16, k16, v16), grad.to(torch.bfloat16))
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
     for g, r in zip(grads, ref_grads):

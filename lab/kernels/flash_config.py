@@ -1,0 +1,271 @@
+"""Configuration of the Triton FlashAttention kernels, as data: :class:`FlashConfig`, input checks, and the
+tile tables that turn (shape, dtype, config) into launch parameters.
+
+Nothing here launches a kernel, so all of it is plain Python that the tests can exercise on the CPU.
+
+* :class:`FlashConfig` is a frozen dataclass passed explicitly (``FlashAttentionTriton.apply(q, k, v,
+  causal, config)``, ``flash_attention_bhsd(..., config=...)``). It replaces the module globals
+  ``AUTOTUNE``, ``FAST_LAUNCH`` and ``BACKWARD_LAUNCH`` that notebooks used to flip from outside: a global
+  is invisible to ``torch.compile`` (a compiled graph would keep whatever it saw when it was traced) and
+  leaks between callers. The ``torch.library`` ops receive its fields as plain schema arguments
+  (:meth:`FlashConfig.op_args`).
+* Head dimensions: any multiple of 8 from 8 to 256. The kernels work on a power-of-two ``BLOCK_D >= d``
+  (:func:`block_d`) and mask the columns ``d..BLOCK_D`` on every load and store, so inputs are never
+  copied into padded buffers.
+* fp32: ``tl.dot`` on fp32 tiles runs on tensor cores as TF32 when PyTorch allows TF32 for its own
+  matmuls, else as 3xTF32 (``"tf32x3"``: three TF32 products that recover about fp32 accuracy, the same
+  arithmetic PyTorch's fp32 SDPA kernel uses), see :func:`dot_precision`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import torch
+
+from lab.kernels.flash_pytorch import check_attention_inputs
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MAX_HEAD_DIM = 256
+#: Sequences at least this long (max of n_queries, n_keys) get the large tiles of the tables below.
+LONG_SEQ = 1024
+
+BACKWARD_LAUNCHES = ("auto", "fused", "two_pass", "atomic")
+FP32_PRECISIONS = ("auto", "ieee", "tf32", "tf32x3")
+
+
+@dataclasses.dataclass(frozen=True)
+class FlashConfig:
+    """How the Triton FlashAttention kernels are launched. The defaults are the safest known-good choices.
+
+    * ``autotune``: time a short list of tile configs the first time a long bf16/fp16 shape is seen
+      (compiling them costs about a minute per head dimension; the choice is cached per shape). False:
+      the tables of :func:`forward_tiles` / :func:`backward_plan`.
+    * ``fast_launch``: relaunch an already compiled kernel through its launcher directly, skipping
+      ``JITFunction.run``'s argument binding (tens of microseconds a launch; see ``flash_launch.launch``).
+    * ``fp32_precision``: ``"auto"`` (TF32 when PyTorch allows it, else 3xTF32), ``"ieee"``, ``"tf32"``
+      or ``"tf32x3"``; fp32 inputs only.
+    * ``fwd_tiles``: ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` overriding the forward's table (sweeps),
+      ``()`` for the table.
+    * ``fwd_tma``: stream the forward's K/V tiles through tensor descriptors (TMA, Hopper and later) where
+      the layout allows it (a collapsible (batch, heads, seq) layout, 16-byte aligned rows).
+    * ``warp_specialize``: ask Triton to warp-specialize the forward's key loop (producer/consumer warps).
+    * ``backward_launch``: ``"fused"`` (dK/dV and dQ programs in one grid), ``"two_pass"`` (a dK/dV
+      kernel, then a dQ kernel), ``"atomic"`` (one dK/dV kernel that also adds each tile's dQ share into
+      an fp32 buffer with atomics: 5 matrix products per tile pair instead of 7, but the summation order,
+      hence the last bits of dQ, varies from run to run), or ``"auto"`` (the table's choice; timed once
+      per shape when autotuning).
+    * ``fused_delta``: compute ``D = rowsum(dO * O)`` inside the backward kernels instead of a separate
+      preprocess kernel (one launch and one pass over O and dO fewer; the dK/dV loop then reads O too).
+    * ``bwd_tiles``: ``(BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages)`` overriding the
+      backward's table, ``()`` for the table.
+    * ``bwd_tma``: stream the backward's Q/dO (dK/dV loop) and K/V (dQ loop) tiles through descriptors.
+    """
+
+    autotune: bool = False
+    fast_launch: bool = True
+    fp32_precision: str = "auto"
+    fwd_tiles: tuple[int, ...] = ()
+    fwd_tma: bool = False
+    warp_specialize: bool = False
+    backward_launch: str = "auto"
+    fused_delta: bool = False
+    bwd_tiles: tuple[int, ...] = ()
+    bwd_tma: bool = False
+
+    def __post_init__(self):
+        if self.backward_launch not in BACKWARD_LAUNCHES:
+            raise ValueError(f"backward_launch must be one of {BACKWARD_LAUNCHES}, got {self.backward_launch!r}")
+        if self.fp32_precision not in FP32_PRECISIONS:
+            raise ValueError(f"fp32_precision must be one of {FP32_PRECISIONS}, got {self.fp32_precision!r}")
+        # lists arrive from the torch.library schema (int[]): store tuples so the config stays hashable
+        object.__setattr__(self, "fwd_tiles", tuple(int(x) for x in self.fwd_tiles))
+        object.__setattr__(self, "bwd_tiles", tuple(int(x) for x in self.bwd_tiles))
+        for name, size in (("fwd_tiles", 4), ("bwd_tiles", 6)):
+            tiles = getattr(self, name)
+            if tiles and (len(tiles) != size or any(t < 1 for t in tiles)):
+                raise ValueError(f"{name} must be () or {size} positive ints, got {tiles}")
+            blocks = tiles[:2] if size == 4 else tiles[:4]
+            if tiles and any(b < 16 or b & (b - 1) for b in blocks):
+                raise ValueError(f"{name}: tile sizes must be powers of two >= 16, got {blocks}")
+
+    def op_args(self) -> tuple:
+        """The fields in declaration order: the trailing arguments of the ``lab::flash_attention_*`` ops.
+        Spelled out rather than ``dataclasses.fields``, which dynamo would have to trace."""
+        return (self.autotune, self.fast_launch, self.fp32_precision, self.fwd_tiles, self.fwd_tma,
+                self.warp_specialize, self.backward_launch, self.fused_delta, self.bwd_tiles, self.bwd_tma)
+
+    def replace(self, **changes) -> FlashConfig:
+        return dataclasses.replace(self, **changes)
+
+
+DEFAULT_CONFIG = FlashConfig()
+
+
+# ----------------------------------------------------------------------------------------------- checks
+def check_triton_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Raise a clear one-line error for input the Triton kernels cannot run: shapes, dtypes, d, device.
+
+    Accepts (batch, seq, d) or (batch, heads, seq, d) tensors (all three alike)."""
+    if all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
+        if not (q.shape[:2] == k.shape[:2] == v.shape[:2]):
+            raise ValueError(f"batch and heads differ: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+        if q.shape[0] * q.shape[1] == 0:
+            raise ValueError("attention needs at least one batch entry and one head")
+        q, k, v = (t[0] for t in (q, k, v))  # (heads, seq, d) views: the remaining checks are those of 3-D input
+    check_attention_inputs(q, k, v)
+    d = q.shape[-1]
+    if d % 8 or not 8 <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"head dimension d={d} is not supported by the Triton kernels: d must be a multiple of 8 "
+                         f"from 8 to {MAX_HEAD_DIM} (or use FlashAttentionPytorch)")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"dtype {q.dtype} is not supported by the Triton kernels; use fp32, fp16 or bf16")
+    if q.device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("q, k, v are CUDA tensors but this process sees no CUDA GPU")
+    elif not INTERPRET:
+        raise RuntimeError(f"the Triton kernels need CUDA tensors (got {q.device}); on a machine without a GPU "
+                           "set TRITON_INTERPRET=1 before importing lab.kernels.flash_triton to run them interpreted")
+    elif q.device.type != "cpu":
+        raise RuntimeError(f"under TRITON_INTERPRET=1 the kernels run on CPU tensors, got {q.device}")
+
+
+def block_d(d: int) -> int:
+    """The power-of-two tile width covering head dimension ``d`` (at least 16, the smallest ``tl.dot``)."""
+    return max(16, 1 << (d - 1).bit_length())
+
+
+def interpreter_needs_fp32(dtype: torch.dtype) -> bool:
+    """True for bf16 under ``TRITON_INTERPRET=1``: Triton 3.6's interpreter gets ``tl.dot`` of bf16 tiles wrong
+    (a single 16x16 product is off by ~1e10; fp16 and fp32 are right), so there the bf16 kernels run on fp32
+    copies of their inputs and cast the results back. Compiled on a GPU, bf16 runs natively."""
+    return INTERPRET and dtype == torch.bfloat16
+
+
+# -------------------------------------------------------------------------------------------- precision
+def tf32_allowed() -> bool:
+    """True when PyTorch lets its own fp32 matmuls use TF32: ``torch.backends.cuda.matmul.fp32_precision``
+    (torch >= 2.9) when set, else the legacy ``allow_tf32`` / ``torch.get_float32_matmul_precision()``."""
+    setting = getattr(torch.backends.cuda.matmul, "fp32_precision", None)
+    if setting in ("tf32", "ieee"):
+        return setting == "tf32"
+    try:
+        return bool(torch.backends.cuda.matmul.allow_tf32) or torch.get_float32_matmul_precision() != "highest"
+    except RuntimeError:  # torch refuses legacy queries once the new API has been used: treat as not allowed
+        return False
+
+
+def dot_precision(dtype: torch.dtype, setting: str = "auto") -> str:
+    """Triton ``input_precision`` for ``tl.dot``. bf16/fp16 ignore it. fp32: ``setting``, where ``"auto"``
+    is TF32 when PyTorch allows it and 3xTF32 otherwise (not ``"ieee"``: fp32 products on the CUDA cores
+    run at a fraction of tensor-core speed, and PyTorch's own fp32 SDPA kernel also uses 3xTF32)."""
+    if dtype != torch.float32:
+        return "tf32"
+    if setting == "auto":
+        return "tf32" if tf32_allowed() else "tf32x3"
+    return setting
+
+
+# ------------------------------------------------------------------------------------------------ tiles
+@functools.cache
+def multiprocessor_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def fills_gpu(programs: int, device: torch.device) -> bool:
+    """True when a grid of ``programs`` gives every SM at least two programs."""
+    return programs >= 2 * multiprocessor_count(device.index if device.index is not None else 0)
+
+
+def tune_batch(batch_heads: int) -> int:
+    """The batch x heads the autotuner keys on: rounded up to a power of two, so that a model's few batch
+    sizes share tunings while one head (a thin grid) and many heads (a full GPU) are tuned apart."""
+    return min(1 << (batch_heads - 1).bit_length(), 1024)
+
+
+def long_sequence(n_q: int, n_k: int) -> bool:
+    """Shapes worth large tiles: compiled (not interpreted) with at least LONG_SEQ tokens."""
+    return not INTERPRET and max(n_q, n_k) >= LONG_SEQ
+
+
+def _tiles(m, n, warps, stages) -> dict:
+    return {"BLOCK_M": m, "BLOCK_N": n, "num_warps": warps, "num_stages": stages}
+
+
+def forward_tiles(batch_heads: int, n_q: int, n_k: int, d: int, dtype: torch.dtype, device: torch.device,
+                  config: FlashConfig = DEFAULT_CONFIG) -> dict:
+    """Launch parameters of the forward kernel (``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``).
+
+    bf16/fp16 at d <= 128: the configs tuning chose on an H200 (notes/flash_tuning.md, run 3); padded
+    head dimensions (80, 96) use the tiles of their ``BLOCK_D`` (128); d > 128 gets smaller tiles. fp32
+    tiles are sized for 3xTF32, the default fp32 precision, which splits every operand into two TF32
+    halves: the largest tiles that do not spill registers in an offline sm_90a compile (ptxas), which at
+    d = 128 means 32 x 32 (notes/flash_tuning.md, offline compile).
+    """
+    if config.fwd_tiles:
+        return _tiles(*config.fwd_tiles)
+    if INTERPRET:
+        return _tiles(16, 16, 4, 1)
+    bd = block_d(d)
+    long = long_sequence(n_q, n_k)
+    if dtype == torch.float32:
+        if bd <= 64:
+            return _tiles(128, 64, 8, 2) if long else _tiles(64, 32, 4, 2)
+        return _tiles(32, 32, 4, 2) if bd <= 128 else _tiles(16, 32, 8, 2)
+    if bd > 128:
+        return _tiles(64, 32, 8, 2)
+    if not long:
+        return _tiles(64, 64 if bd <= 64 else 32, 4, 2)
+    if not fills_gpu(batch_heads * -(-n_q // 128), device):  # thin grid (one head): more, smaller tiles
+        return _tiles(64, 128, 4, 3)
+    return _tiles(128, 64, 8, 3) if bd <= 64 else _tiles(128, 128, 8, 3)
+
+
+def _bwd_tiles(m1, n1, m2, n2, warps, stages) -> dict:
+    return {"BLOCK_M1": m1, "BLOCK_N1": n1, "BLOCK_M2": m2, "BLOCK_N2": n2, "num_warps": warps, "num_stages": stages}
+
+
+def backward_plan(batch_heads: int, n_q: int, n_k: int, d: int, dtype: torch.dtype, device: torch.device,
+                  config: FlashConfig = DEFAULT_CONFIG) -> tuple[str, dict]:
+    """(launch mode, {pass: launch parameters}) of the backward without autotuning.
+
+    Passes: 0 = dK/dV and dQ programs in one grid ("fused"), 1 = dK/dV programs (with atomic dQ updates in
+    "atomic" mode), 2 = dQ programs. ``BLOCK_M1 x BLOCK_N1`` are the (query, key) tiles of the dK/dV loop,
+    ``BLOCK_M2 x BLOCK_N2`` those of the dQ loop. bf16/fp16 at d <= 128: what tuning chose on an H200
+    (notes/flash_tuning.md, run 3): one fused launch for short sequences and thin grids, two launches when
+    the heads fill the GPU. The dK/dV program keeps two fp32 ``BLOCK_N1 x BLOCK_D`` accumulators in
+    registers, so wide heads and fp32 get narrower key tiles.
+    """
+    bd = block_d(d)
+    long = long_sequence(n_q, n_k)
+    if config.bwd_tiles:
+        tiles = _bwd_tiles(*config.bwd_tiles)
+        table_mode, _ = backward_plan(batch_heads, n_q, n_k, d, dtype, device, config.replace(bwd_tiles=()))
+    elif INTERPRET:
+        tiles, table_mode = _bwd_tiles(16, 16, 16, 16, 4, 1), "fused"
+    elif dtype == torch.float32:  # sized for 3xTF32 like the forward's fp32 tiles
+        if bd <= 64:
+            tiles = _bwd_tiles(32, 64, 64, 32, 8, 2)
+        elif bd <= 128:
+            tiles = _bwd_tiles(32, 32, 32, 32, 8, 1)
+        else:
+            tiles = _bwd_tiles(16, 16, 16, 16, 8, 1)
+        table_mode = "two_pass" if long and fills_gpu(batch_heads * -(-n_k // 64), device) else "fused"
+    elif bd > 128:
+        tiles, table_mode = _bwd_tiles(32, 32, 32, 32, 8, 2), "fused"
+    elif not long:
+        tiles, table_mode = _bwd_tiles(32, 64, 64, 32, 4 if bd <= 64 else 8, 2), "fused"
+    else:
+        small = _bwd_tiles(64, 64, 64, 64, 4, 3)
+        if not fills_gpu(batch_heads * -(-n_k // 64), device):  # thin grid (one head): one fused launch
+            tiles, table_mode = small, "fused"
+        else:
+            dq = small if bd <= 64 else _bwd_tiles(64, 128, 128, 64, 8, 3)
+            mode = "two_pass" if config.backward_launch == "auto" else config.backward_launch
+            return mode, {0: small, 1: small, 2: dq}
+    mode = table_mode if config.backward_launch == "auto" else config.backward_launch
+    return mode, dict.fromkeys((0, 1, 2), tiles)

@@ -1,0 +1,180 @@
+"""What the forward and the backward kernels share: tile loads (pointer or TMA), the masking constant, the
+fast relaunch of compiled kernels and the autotuning cache.
+
+Tile loads: :func:`load_tile` reads rows ``[start, start + BLOCK)`` of one head's ``(seq, d)`` matrix as a
+``(BLOCK, BLOCK_D)`` tile, zero outside the matrix. Its ``src`` is either a pointer (masked loads; the
+mask on the head dimension is what lets any d that is a multiple of 8 run on a power-of-two ``BLOCK_D``
+without padded copies) or a tensor descriptor (TMA: the copy engine fetches the tile, and fills columns
+past d and rows past the end of the tensor with zeros). Which one is a compile-time choice: Triton
+specialises the kernel on the argument's type.
+
+A descriptor describes the (batch x heads x seq, d) matrix of all heads at once, so for a ragged last
+tile the rows past this head's end are the *next* head's rows, not zeros. Every kernel masks those rows
+anyway (scores of keys past ``n_k`` get ``MASK_VALUE``; query rows past ``n_q`` get an infinite
+logsumexp, hence zero probability, and are never stored); a non-finite value in another head's rows
+could still turn into NaN through ``0 * inf``, which is why TMA is an opt-in (``FlashConfig.fwd_tma``, ``bwd_tma``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lab.kernels.flash_config import INTERPRET
+
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # Triton < 3.4: no host-side tensor descriptors, the pointer path only
+    TensorDescriptor = None
+
+LOG2E = 1.4426950408889634
+#: Added to masked scores (in the base-2 exponent): exp2 of it is exactly 0, and it never overflows.
+MASK_VALUE = tl.constexpr(-1.0e6)
+
+
+# ---------------------------------------------------------------------------------------------- tiles
+@triton.jit
+def load_tile(src, head_offset, row0, start, n_rows, stride_s,
+              BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, CHECK_ROWS: tl.constexpr):
+    """Rows ``[start, start + BLOCK)`` of one head as a (BLOCK, BLOCK_D) tile.
+
+    Pointer ``src``: the tensor's base pointer; the head starts at ``src + head_offset`` with rows
+    ``stride_s`` apart. Rows at or past ``n_rows`` are masked only when ``CHECK_ROWS`` (tiles known to be
+    inside the sequence skip the comparison); columns past ``HEAD_DIM`` only when ``BLOCK_D > HEAD_DIM``.
+    Descriptor ``src``: the head's first row is row ``row0`` of the described (rows, d) matrix.
+    """
+    if isinstance(src, tl.tensor_descriptor):
+        return src.load([row0 + start, 0])
+    else:
+        rows = start + tl.arange(0, BLOCK)
+        cols = tl.arange(0, BLOCK_D)
+        ptrs = src + head_offset + rows[:, None] * stride_s + cols[None, :]
+        if CHECK_ROWS:
+            if BLOCK_D != HEAD_DIM:
+                return tl.load(ptrs, mask=(rows[:, None] < n_rows) & (cols[None, :] < HEAD_DIM), other=0.0)
+            else:
+                return tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
+        elif BLOCK_D != HEAD_DIM:
+            return tl.load(ptrs, mask=cols[None, :] < HEAD_DIM, other=0.0)
+        else:
+            return tl.load(ptrs)
+
+
+@triton.jit
+def store_tile(dst, head_offset, start, n_rows, stride_s, value,
+               BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Store a (BLOCK, BLOCK_D) tile to rows ``[start, start + BLOCK)`` of one head, masked to the matrix."""
+    rows = start + tl.arange(0, BLOCK)
+    cols = tl.arange(0, BLOCK_D)
+    ptrs = dst + head_offset + rows[:, None] * stride_s + cols[None, :]
+    if BLOCK_D != HEAD_DIM:
+        tl.store(ptrs, value.to(dst.dtype.element_ty), mask=(rows[:, None] < n_rows) & (cols[None, :] < HEAD_DIM))
+    else:
+        tl.store(ptrs, value.to(dst.dtype.element_ty), mask=rows[:, None] < n_rows)
+
+
+def as_bhsd(t: torch.Tensor) -> torch.Tensor:
+    """(batch, seq, d) as a (batch, 1, seq, d) view; (batch, heads, seq, d) unchanged. The kernels index
+    (batch, head) with two strides, so neither layout is ever copied."""
+    return t if t.dim() == 4 else t.unsqueeze(1)
+
+
+def unit_last_stride(t: torch.Tensor) -> torch.Tensor:
+    """The kernels index the head dimension without a stride: copy only when it is not contiguous."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def stream_source(t: torch.Tensor, block_rows: int, bd: int, use_tma: bool):
+    """What a kernel streams tiles of ``t`` (batch, heads, seq, d) from: a TMA descriptor over the
+    (batch * heads * seq, d) matrix when ``use_tma`` and the layout allows it, else ``t`` itself (pointer
+    loads). TMA needs the (batch, heads, seq) dimensions to collapse into one row index with a single
+    stride, 16-byte aligned rows and base, and a CUDA tensor (the interpreter emulates descriptors too)."""
+    if not use_tma or TensorDescriptor is None:
+        return t
+    b, h, s, d = t.shape
+    stride_s = t.stride(2)
+    collapsible = (h == 1 or t.stride(1) == s * stride_s) and (b == 1 or t.stride(0) == h * s * stride_s)
+    aligned = (stride_s * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+    if not (collapsible and aligned and t.stride(3) == 1):
+        return t
+    return TensorDescriptor(t, [b * h * s, d], [stride_s, 1], [block_rows, bd])
+
+
+# ------------------------------------------------------------------------------------- fast relaunch
+try:  # the stream getter JITFunction.run uses (through Triton's driver), without the driver indirection
+    from torch._C import _cuda_getCurrentRawStream as _current_raw_stream
+except ImportError:  # a torch build without CUDA: no GPU launches happen anyway
+    def _current_raw_stream(index):
+        return torch.cuda.current_stream(index).cuda_stream
+
+_COMPILED: dict[tuple, object] = {}
+
+
+def _arg_signature(a):
+    """What Triton specialises a launch argument on (pointers: dtype and 16-byte alignment; descriptors:
+    dtype and block shape; ints and floats: their value, a superset of Triton's own key)."""
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() % 16 == 0
+    if TensorDescriptor is not None and isinstance(a, TensorDescriptor):
+        return "desc", a.base.dtype, tuple(a.block_shape), a.base.data_ptr() % 16 == 0
+    return a
+
+
+def launch(kernel, grid: tuple, args: tuple, constexprs: dict, fast: bool = True) -> None:
+    """``kernel[grid](*args, **constexprs)``, with the per-launch host cost cut down.
+
+    ``JITFunction.run`` binds and specialises every argument on every launch (tens of microseconds for
+    these ~30-argument kernels, on the critical path when one head's attention takes ~0.1 ms). The first
+    launch of an argument signature goes through it and keeps the compiled kernel; later launches with the
+    same signature (:func:`_arg_signature` of every argument, the constexprs, the device) call the
+    compiled kernel's launcher directly, the way ``JITFunction.run`` itself does. ``fast=False`` (or the
+    interpreter) always goes through ``JITFunction.run``.
+    """
+    if not fast or INTERPRET:
+        kernel[grid](*args, **constexprs)
+        return
+    device_index = args[0].device.index if isinstance(args[0], torch.Tensor) else args[0].base.device.index
+    signature = (id(kernel), device_index, tuple(constexprs.items()), tuple(_arg_signature(a) for a in args))
+    compiled = _COMPILED.get(signature)
+    if compiled is None:
+        compiled = kernel[grid](*args, **constexprs)
+        if hasattr(compiled, "packed_metadata") and hasattr(compiled, "function"):
+            _COMPILED[signature] = compiled
+        return
+    values = dict(zip(kernel.arg_names, args))
+    values.update(constexprs)
+    params = [values[name] for name in kernel.arg_names]
+    stream = _current_raw_stream(device_index)
+    grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+    metadata = compiled.launch_metadata(grid3, stream, *params)
+    compiled.run(*grid3, stream, compiled.function, compiled.packed_metadata, metadata,
+                 triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook, *params)
+
+
+# -------------------------------------------------------------------------------------------- autotune
+#: (kernel, tuning key) -> launch keywords of the config the autotuner chose; read on every later call so
+#: that the hot path skips the autotuner's own dispatch.
+TUNED_CONFIGS: dict[tuple, dict] = {}
+#: (kernel, tuning key) -> {config: median ms} measured by the autotuner, for the tuning notes.
+TUNING_TIMINGS: dict[tuple, dict] = {}
+
+
+def remember_tuning(key: tuple, tuner) -> dict:
+    """Store the config ``tuner`` just chose for ``key`` (and its timings); return its launch keywords."""
+    config = tuner.best_config.all_kwargs()
+    TUNED_CONFIGS[key] = config
+    timings = getattr(tuner, "configs_timings", None) or {}
+    TUNING_TIMINGS[key] = {str(c): t[0] if isinstance(t, list | tuple) else t for c, t in timings.items()}
+    return config
+
+
+def descriptor_pre_hook(blocks: dict):
+    """An autotune ``pre_hook`` giving every descriptor argument named in ``blocks`` (argument -> (row
+    block constexpr name)) the block shape of the config being tried."""
+    def hook(nargs):
+        for name, rows in blocks.items():
+            src = nargs.get(name)
+            if TensorDescriptor is not None and isinstance(src, TensorDescriptor):
+                src.block_shape = [nargs[rows], nargs["BLOCK_D"]]
+    return hook

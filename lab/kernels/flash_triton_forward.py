@@ -1,0 +1,204 @@
+"""FlashAttention-2 forward in Triton: the kernel and its host function :func:`flash_forward`.
+
+One program computes one query tile of one (batch, head): it keeps the tile of Q, an fp32 output
+accumulator and the running row maximum and row sum of an online softmax, and streams the key/value tiles
+of that head through them, so the ``n_queries x n_keys`` scores never exist in memory.
+
+* Softmax in base 2: ``log2(e) / sqrt(d)`` is folded into one scale, so a score costs one fused
+  multiply-add and one ``exp2`` instruction.
+* Causal (top-left: query ``i`` sees keys ``j <= i``): key tiles entirely in the future are never visited,
+  and the loop is split so that only the tiles crossing the diagonal, or the ragged last tile, pay for the
+  mask (``-1e6`` added to masked scores).
+* Any head dimension that is a multiple of 8 up to 256: tiles are ``BLOCK_D`` (a power of two) wide and the
+  loads/stores mask columns ``HEAD_DIM..BLOCK_D`` (see ``flash_launch.load_tile``); nothing is copied.
+* Grid (query tiles, heads, batch); within a head the heaviest causal query tiles start first so the long
+  rows do not start last, and heads run one after the other so the programs running together share one
+  head's K/V in L2 (interleaving heads was slower: run 2 in notes/flash_tuning.md).
+* (batch, seq, d) and (batch, heads, seq, d) inputs with any batch/head/sequence strides.
+
+Saved for the backward: the output and the natural-log logsumexp ``L`` of every query row (fp32).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from lab.kernels.flash_config import (
+    DEFAULT_CONFIG,
+    INTERPRET,
+    FlashConfig,
+    block_d,
+    check_triton_inputs,
+    dot_precision,
+    forward_tiles,
+    interpreter_needs_fp32,
+    long_sequence,
+    tune_batch,
+)
+from lab.kernels.flash_launch import (
+    LOG2E,
+    MASK_VALUE,
+    TUNED_CONFIGS,
+    as_bhsd,
+    descriptor_pre_hook,
+    launch,
+    load_tile,
+    remember_tuning,
+    store_tile,
+    stream_source,
+    unit_last_stride,
+)
+
+_LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _fwd_inner(acc, row_sum, row_max, q, k_src, v_src, k_off, v_off, kv_row0, stride_ks, stride_vs, lo, hi,
+               offs_m, n_k, qk_scale,
+               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
+               IS_CAUSAL: tl.constexpr, PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+    """Stream key tiles [lo, hi) through the online softmax. MASKED tiles cross the diagonal or the end."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+        k = load_tile(k_src, k_off, kv_row0, start_n, n_k, stride_ks, BLOCK_N, BLOCK_D, HEAD_DIM, MASKED)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        # Base-2 exponent s * log2(e) / sqrt(d) - max: one fused multiply-add per score.
+        if MASKED:
+            cols = start_n + offs_n
+            keep = cols[None, :] < n_k
+            if IS_CAUSAL:
+                keep = keep & (cols[None, :] <= offs_m[:, None])
+            s = s * qk_scale + tl.where(keep, 0.0, MASK_VALUE)
+            new_max = tl.maximum(row_max, tl.max(s, 1))
+            p = tl.math.exp2(s - new_max[:, None])
+        else:
+            new_max = tl.maximum(row_max, tl.max(s, 1) * qk_scale)
+            p = tl.math.exp2(s * qk_scale - new_max[:, None])
+        rescale = tl.math.exp2(row_max - new_max)  # 0 on the first tile, where row_max = -inf
+        row_sum = row_sum * rescale + tl.sum(p, 1)
+        acc = acc * rescale[:, None]
+        v = load_tile(v_src, v_off, kv_row0, start_n, n_k, stride_vs, BLOCK_N, BLOCK_D, HEAD_DIM, MASKED)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+        row_max = new_max
+    return acc, row_sum, row_max
+
+
+@triton.jit(do_not_specialize=["tune_batch"])
+def _flash_fwd_kernel(Q, K, V, O, L,
+                      stride_qz, stride_qh, stride_qs, stride_kz, stride_kh, stride_ks,
+                      stride_vz, stride_vh, stride_vs, stride_oz, stride_oh, stride_os,
+                      n_q, n_k, qk_scale, tune_batch,
+                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                      PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Grid (query tiles, heads, batch). K and V are pointers or TMA descriptors (``flash_launch``);
+    ``tune_batch`` is unused: it only keys the autotuner."""
+    # Programs start in x-fastest order: within a head the heaviest causal query tile (the last) starts first.
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    h = tl.program_id(1)
+    z = tl.program_id(2)
+    zh = z * tl.num_programs(1) + h
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    q_off = z.to(tl.int64) * stride_qz + h.to(tl.int64) * stride_qh
+    k_off = z.to(tl.int64) * stride_kz + h.to(tl.int64) * stride_kh
+    v_off = z.to(tl.int64) * stride_vz + h.to(tl.int64) * stride_vh
+    q = load_tile(Q, q_off, 0, start_m, n_q, stride_qs, BLOCK_M, BLOCK_D, HEAD_DIM, True)
+
+    row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    # Key tiles [0, full_end) need no mask at all; [full_end, end) cross the diagonal or the end of K.
+    whole_tiles_end = (n_k // BLOCK_N) * BLOCK_N
+    if IS_CAUSAL:
+        # keys < full_end are <= start_m, the smallest query of the tile; keys >= start_m + BLOCK_M are
+        # in the future of every query in the tile and are skipped.
+        full_end = tl.minimum(((start_m + 1) // BLOCK_N) * BLOCK_N, whole_tiles_end)
+        end = tl.minimum(start_m + BLOCK_M, n_k)
+    else:
+        full_end = whole_tiles_end
+        end = n_k
+    kv_row0 = zh * n_k  # this head's first row in a TMA descriptor over all heads' rows
+    acc, row_sum, row_max = _fwd_inner(acc, row_sum, row_max, q, K, V, k_off, v_off, kv_row0, stride_ks, stride_vs,
+                                       0, full_end, offs_m, n_k, qk_scale,
+                                       BLOCK_N, BLOCK_D, HEAD_DIM, False, IS_CAUSAL, PRECISION, WARP_SPECIALIZE)
+    acc, row_sum, row_max = _fwd_inner(acc, row_sum, row_max, q, K, V, k_off, v_off, kv_row0, stride_ks, stride_vs,
+                                       full_end, end, offs_m, n_k, qk_scale,
+                                       BLOCK_N, BLOCK_D, HEAD_DIM, True, IS_CAUSAL, PRECISION, False)
+
+    o_off = z.to(tl.int64) * stride_oz + h.to(tl.int64) * stride_oh
+    store_tile(O, o_off, start_m, n_q, stride_os, acc / row_sum[:, None], BLOCK_M, BLOCK_D, HEAD_DIM)
+    # natural-log logsumexp of the scaled scores: (max + log2(sum)) is in base 2
+    tl.store(L + zh.to(tl.int64) * n_q + offs_m, (row_max + tl.math.log2(row_sum)) * _LN2, mask=offs_m < n_q)
+
+
+def _fwd_configs():
+    if INTERPRET:
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
+    shapes = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
+        (128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (128, 128, 8, 2),
+        (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 4, 2), (64, 128, 8, 3),
+    ]
+    hook = descriptor_pre_hook({"K": "BLOCK_N", "V": "BLOCK_N"})
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s, pre_hook=hook)
+            for m, n, w, s in shapes]
+
+
+_flash_fwd_tuned = triton.autotune(
+    configs=_fwd_configs(),
+    key=["n_q", "n_k", "tune_batch", "HEAD_DIM", "IS_CAUSAL", "PRECISION", "WARP_SPECIALIZE"])(_flash_fwd_kernel)
+
+
+def base2_scale(d: int) -> float:
+    """log2(e) / sqrt(d): turns q.k into the exponent of a base-2 softmax (exp2 is one instruction)."""
+    return LOG2E / math.sqrt(d)
+
+
+def forward_launch_args(q, k, v, out, lse, is_causal: bool, config: FlashConfig, block_n: int) -> tuple[tuple, dict]:
+    """Positional arguments and constexpr keywords (all but the tiles) of the forward kernel on
+    (batch, heads, seq, d) tensors; K and V become TMA descriptors with ``block_n``-row tiles when
+    ``config.fwd_tma`` and their layout allow it."""
+    d = q.shape[-1]
+    bd = block_d(d)
+    k_src, v_src = (stream_source(t, block_n, bd, config.fwd_tma) for t in (k, v))
+    args = (q, k_src, v_src, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+            q.shape[2], k.shape[2], base2_scale(d), tune_batch(q.shape[0] * q.shape[1]))
+    meta = {"HEAD_DIM": d, "BLOCK_D": bd, "IS_CAUSAL": bool(is_causal),
+            "PRECISION": dot_precision(q.dtype, config.fp32_precision), "WARP_SPECIALIZE": config.warp_specialize}
+    return args, meta
+
+
+def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+                  config: FlashConfig = DEFAULT_CONFIG) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the Triton forward on (batch, seq, d) or (batch, heads, seq, d) tensors. Returns (output in q's
+    dtype and shape, contiguous; logsumexp fp32 of shape q.shape[:-1])."""
+    check_triton_inputs(q, k, v)
+    if interpreter_needs_fp32(q.dtype):
+        out, lse = flash_forward(q.float(), k.float(), v.float(), is_causal, config)
+        return out.to(q.dtype), lse
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    q4, k4, v4, out4 = (as_bhsd(unit_last_stride(t)) for t in (q, k, v, out))
+    batch, heads, n_q, d = q4.shape
+    n_k = k4.shape[2]
+    autotune = config.autotune and q.dtype != torch.float32 and long_sequence(n_q, n_k) and not config.fwd_tiles
+    if autotune:
+        key = ("fwd", n_q, n_k, tune_batch(batch * heads), d, bool(is_causal), q.dtype, config.fwd_tma,
+               config.warp_specialize)
+        tiles = TUNED_CONFIGS.get(key)
+        if tiles is None:
+            args, meta = forward_launch_args(q4, k4, v4, out4, lse, is_causal, config, 64)
+            _flash_fwd_tuned[lambda m: (triton.cdiv(n_q, m["BLOCK_M"]), heads, batch)](*args, **meta)
+            remember_tuning(key, _flash_fwd_tuned)
+            return out, lse
+    else:
+        tiles = forward_tiles(batch * heads, n_q, n_k, d, q.dtype, q.device, config)
+    args, meta = forward_launch_args(q4, k4, v4, out4, lse, is_causal, config, tiles["BLOCK_N"])
+    launch(_flash_fwd_kernel, (triton.cdiv(n_q, tiles["BLOCK_M"]), heads, batch), args, {**meta, **tiles},
+           fast=config.fast_launch)
+    return out, lse

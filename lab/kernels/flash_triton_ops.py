@@ -1,0 +1,104 @@
+"""The Triton FlashAttention kernels as ``torch.library`` operators, so that ``torch.compile`` sees them.
+
+Dynamo cannot trace into a Triton launch (Python that reads data pointers and calls a CUDA driver), so a
+call it meets inside a compiled function would break the graph in two. Registered as custom operators
+with a fake (shape-only) implementation, the kernels are opaque nodes of known output shapes that dynamo,
+AOTAutograd and Inductor pass through; Inductor calls the real implementation at run time.
+
+* ``lab::flash_attention_forward(q, k, v, causal, *config) -> (out, lse)``;
+* ``lab::flash_attention_backward(grad_out, q, k, v, out, lse, causal, *config) -> (dq, dk, dv)``;
+
+where ``*config`` are the fields of :class:`~lab.kernels.flash_config.FlashConfig` as plain schema
+arguments, in declaration order (``FlashConfig.op_args``). ``out`` and the gradients are contiguous tensors
+of their input's shape and dtype, ``lse`` is fp32 of shape ``q.shape[:-1]``; inputs are (batch, seq, d)
+or (batch, heads, seq, d). The forward op is differentiable on its own (``register_autograd``: its
+backward is the backward op); ``lab.kernels.flash_triton.FlashAttentionTriton`` calls both from an
+``autograd.Function``, which dynamo traces into a graph with these two ops.
+
+:func:`attention_forward` / :func:`attention_backward` are what the autograd functions call: the ops when
+anything traces, the host functions directly for eager calls on plain tensors (the dispatcher costs
+~8 us of host time per call, on the critical path for small shapes).
+
+(No ``from __future__ import annotations`` here: ``custom_op`` reads the schema from the annotations.)
+"""
+
+import torch
+from torch import Tensor
+
+from lab.kernels.flash_config import FlashConfig, check_triton_inputs
+from lab.kernels.flash_triton_backward import flash_backward
+from lab.kernels.flash_triton_forward import flash_forward
+
+
+@torch.library.custom_op("lab::flash_attention_forward", mutates_args=())
+def flash_attention_forward_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, autotune: bool, fast_launch: bool,
+                               fp32_precision: str, fwd_tiles: list[int], fwd_tma: bool, warp_specialize: bool,
+                               backward_launch: str, fused_delta: bool, bwd_tiles: list[int],
+                               bwd_tma: bool) -> tuple[Tensor, Tensor]:
+    """FlashAttention forward: (output, fp32 logsumexp)."""
+    config = FlashConfig(autotune, fast_launch, fp32_precision, fwd_tiles, fwd_tma, warp_specialize, backward_launch,
+                         fused_delta, bwd_tiles, bwd_tma)
+    return flash_forward(q, k, v, causal, config)
+
+
+@flash_attention_forward_op.register_fake
+def _forward_fake(q, k, v, causal, *config):
+    check_triton_inputs(q, k, v)  # the same one-line errors at trace time as in eager mode
+    FlashConfig(*config)
+    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("lab::flash_attention_backward", mutates_args=())
+def flash_attention_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                                causal: bool, autotune: bool, fast_launch: bool, fp32_precision: str,
+                                fwd_tiles: list[int], fwd_tma: bool, warp_specialize: bool, backward_launch: str,
+                                fused_delta: bool, bwd_tiles: list[int],
+                                bwd_tma: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """FlashAttention backward: (dq, dk, dv)."""
+    config = FlashConfig(autotune, fast_launch, fp32_precision, fwd_tiles, fwd_tma, warp_specialize, backward_launch,
+                         fused_delta, bwd_tiles, bwd_tma)
+    return flash_backward(q, k, v, out, lse, grad_out, causal, config)
+
+
+@flash_attention_backward_op.register_fake
+def _backward_fake(grad_out, q, k, v, out, lse, causal, *config):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, causal, *config = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.mark_non_differentiable(lse)
+    ctx.causal = causal
+    ctx.config = config
+
+
+def _forward_op_backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    grads = torch.ops.lab.flash_attention_backward(grad_out, q, k, v, out, lse, ctx.causal, *ctx.config)
+    return (*grads, *(None for _ in range(1 + len(ctx.config))))
+
+
+flash_attention_forward_op.register_autograd(_forward_op_backward, setup_context=_setup_context)
+
+
+def _eager(*tensors) -> bool:
+    """True for an eager call on plain tensors; False under torch.compile and for fake, meta or subclassed
+    tensors, which must see the registered ops."""
+    return not torch.compiler.is_compiling() and all(type(t) is torch.Tensor for t in tensors)
+
+
+def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, config: FlashConfig) -> tuple[Tensor, Tensor]:
+    """(output, logsumexp): the host function for eager calls on plain tensors, else the forward op."""
+    if _eager(q, k, v):
+        return flash_forward(q, k, v, causal, config)
+    return torch.ops.lab.flash_attention_forward(q, k, v, causal, *config.op_args())
+
+
+def attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
+                       config: FlashConfig) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv): the host function for eager calls on plain tensors, else the backward op."""
+    if _eager(grad_out, q, k, v, out, lse):
+        return flash_backward(q, k, v, out, lse, grad_out, causal, config)
+    return torch.ops.lab.flash_attention_backward(grad_out, q, k, v, out, lse, causal, *config.op_args())
