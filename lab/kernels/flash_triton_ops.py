@@ -84,9 +84,13 @@ flash_attention_forward_op.register_autograd(_forward_op_backward, setup_context
 
 
 def _eager(*tensors) -> bool:
-    """True for an eager call on plain tensors; False under torch.compile and for fake, meta or subclassed
-    tensors, which must see the registered ops."""
-    return not torch.compiler.is_compiling() and all(type(t) is torch.Tensor for t in tensors)
+    """True for an eager call on plain tensors with no dispatch mode active; False under torch.compile, for
+    fake, meta or subclassed tensors, and inside a ``TorchDispatchMode`` (selective activation checkpointing
+    saves an op's outputs by seeing the op), which must all see the registered ops."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return (not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
+            and all(type(t) is torch.Tensor for t in tensors))
 
 
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, config: FlashConfig) -> tuple[Tensor, Tensor]:
