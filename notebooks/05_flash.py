@@ -60,11 +60,11 @@ import matplotlib.pyplot as plt
 from lab.bench import flash as fl
 from lab.bench.lm import compare_variants
 from lab.book import flash as present
+from lab.book import flash_grid as grid
 from lab.book import plots, report
 from lab.measure.device import resolve_device
 
 dev = resolve_device(device)
-fl.interpret_triton_on_cpu(dev)  # before Triton is first imported: its kernels run interpreted on a CPU
 cfg = present.settings(
     quick, dev, check_impls=check_impls, check_ds=check_ds, check_dtypes=check_dtypes, check_seq=check_seq,
     impls=impls, shapes=shapes, dtypes=dtypes, pytorch_flash_max_seq=pytorch_flash_max_seq,
@@ -124,9 +124,9 @@ report.show_table(present.flops_example(), floatfmt=".4g")
 bench = book.table("flash_benchmark", lambda: fl.add_speedups(fl.run_flash_benchmark(
     cfg.sweeps, warmup_ms=cfg.warmup_ms, rep_ms=cfg.rep_ms, cpu_steps=cfg.cpu_steps, device=dev)))
 on_cpu = present.warn_if_interpreted(bench)
-report.show_table(present.latency_table(bench, "lm"))
-report.show_table(present.status_table(bench))
-report.say(present.status_sentence(bench))
+report.show_table(grid.latency_table(bench, "lm"))
+report.show_table(grid.status_table(bench))
+report.say(grid.status_sentence(bench))
 
 # %% [markdown]
 # ## Speedups and TFLOP/s
@@ -136,15 +136,15 @@ report.say(present.status_sentence(bench))
 # TFLOP/s.
 
 # %%
-speedups = present.speedup_table(bench, "lm")
-report.show_table(present.speedup_display(speedups, "e2e", interpreted_=on_cpu))
-present.plot_speedup_heatmap(speedups, interpreted_=on_cpu)
+speedups = grid.speedup_table(bench, "lm")
+report.show_table(grid.speedup_display(speedups, "e2e", interpreted_=on_cpu))
+grid.plot_speedup_heatmap(speedups, interpreted_=on_cpu)
 plt.show()
-report.say(present.speed_sentence(speedups, interpreted_=on_cpu))
-report.show_table(present.tflops_table(bench, "lm"), floatfmt=".3g")
-report.say(present.tflops_sentence(bench, interpreted_=on_cpu))
+report.say(grid.speed_sentence(speedups, interpreted_=on_cpu))
+report.show_table(grid.tflops_table(bench, "lm"), floatfmt=".3g")
+report.say(grid.tflops_sentence(bench, interpreted_=on_cpu))
 book.answer("How fast is the Triton kernel against SDPA's backends on LM-like shapes?",
-            present.speed_sentence(speedups, interpreted_=on_cpu), section="Speedups and TFLOP/s")
+            grid.speed_sentence(speedups, interpreted_=on_cpu), section="Speedups and TFLOP/s")
 
 # %% [markdown]
 # ## The performance goals
@@ -156,9 +156,9 @@ book.answer("How fast is the Triton kernel against SDPA's backends on LM-like sh
 
 # %%
 goals = fl.flash_goals(bench)
-report.show_table(present.goals_display(goals), floatfmt=".3g")
-report.say(present.goals_sentence(goals, interpreted_=on_cpu))
-book.answer("Are the performance goals met?", present.goals_sentence(goals, interpreted_=on_cpu),
+report.show_table(grid.goals_display(goals), floatfmt=".3g")
+report.say(grid.goals_sentence(goals, interpreted_=on_cpu))
+book.answer("Are the performance goals met?", grid.goals_sentence(goals, interpreted_=on_cpu),
             section="The performance goals")
 
 # %% [markdown]
@@ -169,11 +169,11 @@ book.answer("Are the performance goals met?", present.goals_sentence(goals, inte
 # may lose here; the question is whether the kernel ever falls behind the two PyTorch baselines.
 
 # %%
-report.show_table(present.latency_table(bench, "fp32"))
-report.show_table(present.speedup_display(present.speedup_table(bench, "fp32"), "e2e", interpreted_=on_cpu))
-report.say(present.fp32_sentence(bench, interpreted_=on_cpu))
+report.show_table(grid.latency_table(bench, "fp32"))
+report.show_table(grid.speedup_display(grid.speedup_table(bench, "fp32"), "e2e", interpreted_=on_cpu))
+report.say(grid.fp32_sentence(bench, interpreted_=on_cpu))
 book.answer("Is fp32 Triton ever slower than naive PyTorch or SDPA?",
-            present.fp32_sentence(bench, interpreted_=on_cpu), section="fp32: is Triton ever slower than naive "
+            grid.fp32_sentence(bench, interpreted_=on_cpu), section="fp32: is Triton ever slower than naive "
             "PyTorch or SDPA?")
 
 # %% [markdown]

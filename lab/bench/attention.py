@@ -1,15 +1,17 @@
 """Attention benchmarks: the naive PyTorch baseline, torch.compile, and FlashAttention against SDPA.
 
-Three things live here because notebooks 04 and 05 both need them:
+What lives here, for notebooks 04 and 05:
 
-* closed forms: attention FLOPs (causal counted pair by pair) and the memory naive attention keeps for
-  backward (the ``batch x seq x seq`` probability matrix), next to what FlashAttention keeps instead;
-* measurements: ``saved_tensor_bytes`` (what autograd really saved, on any device), the naive grid
-  (forward and backward passes timed separately, memory in use before backward, OOM as rows) and the
-  flash grid (``triton.testing.do_bench`` on CUDA, the shared host timer on the CPU);
+* the implementations compared, by the names of the tables (:func:`attention_impl`);
+* the naive grid: forward and backward passes timed separately, memory in use before backward, what autograd
+  saved, OOM as rows;
 * tables built from those rows: eager vs compiled (with noise-aware verdicts), the power law of the saved
   memory, the configuration to account for; and the whole model eager against compiled, size by size
-  (``lm_step`` rows, notebook 04). The FlashAttention grid and its goals live in :mod:`lab.bench.flash`.
+  (``lm_step`` rows, notebook 04).
+
+The closed forms (FLOPs, naive attention's memory, FlashAttention's saved bytes, the power-law fit) and
+``saved_tensor_bytes`` live in :mod:`lab.bench.attention_costs`; the FlashAttention grid and its goals in
+:mod:`lab.bench.flash`.
 
 Attention functions here take ``fn(q, k, v, causal)`` on ``(batch, seq, d)`` tensors (heads folded into
 the batch), the interface of ``FlashAttentionTriton.apply``.
@@ -19,22 +21,15 @@ from __future__ import annotations
 
 import gc
 import math
-import os
-import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
-import numpy as np
 import pandas as pd
 import torch
 import torch._functorch.config  # not imported by ``import torch``; run_naive_grid patches it
 
+from lab.bench.attention_costs import DTYPES, fit_power_law, naive_attention_totals, saved_tensor_bytes
 from lab.measure.device import empty_cache, is_oom, resolve_device, synchronize
 from lab.model.attention import AttentionFn, get_attention, naive_attention
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-PASSES = ("fwd", "bwd", "e2e")
-
-
 
 # ----------------------------------------------------------------------------------------------------------
 # The implementations being compared
@@ -48,32 +43,6 @@ def sdpa_on_heads(name: str = "sdpa") -> AttentionFn:
     return lambda q, k, v, causal: fn(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), causal)[0]
 
 
-def interpret_triton_on_cpu(device: torch.device | str) -> bool:
-    """On the CPU, switch Triton to its interpreter (``TRITON_INTERPRET=1``) so that the book's kernels run
-    there; returns whether Triton runs interpreted. Call it before anything imports ``triton`` (the
-    provenance banner does, to report its version): Triton reads the switch when it is first imported, and
-    a process that imported it without the switch cannot run the kernels on the CPU (a clear error, not a
-    wrong result)."""
-    device = resolve_device(device) if isinstance(device, str) else device
-    if device.type != "cpu":
-        return os.environ.get("TRITON_INTERPRET") == "1"
-    if os.environ.get("TRITON_INTERPRET") != "1" and "triton" in sys.modules:
-        raise RuntimeError("Triton was imported before TRITON_INTERPRET=1 was set, so its kernels cannot run "
-                           "interpreted on the CPU in this process; call interpret_triton_on_cpu(device) first "
-                           "(or start Python with TRITON_INTERPRET=1)")
-    os.environ["TRITON_INTERPRET"] = "1"
-    return True
-
-
-def _import_flash(module: str, device: torch.device | None = None):
-    # Interpreted Triton must be switched on before triton is first imported.
-    if device is not None and device.type == "cpu" and module not in sys.modules:
-        interpret_triton_on_cpu(device)
-    import importlib
-
-    return importlib.import_module(module)
-
-
 #: The benchmark's implementation names (the ``impl`` column of ``flash_benchmark.csv``).
 IMPLS = ("triton", "triton_compiled_bwd", "pytorch_flash", "pytorch_naive", "sdpa", "sdpa_flash", "sdpa_cudnn",
          "sdpa_efficient")
@@ -85,163 +54,28 @@ def attention_impl(name: str, device: torch.device | str = "auto") -> AttentionF
     ``pytorch_naive`` (the registry's naive attention), ``sdpa`` and ``sdpa_<backend>`` (SDPA, default or one
     backend), ``triton`` (``FlashAttentionTriton``), ``triton_compiled_bwd`` (Triton forward, backward as
     compiled PyTorch) and ``pytorch_flash`` (``FlashAttentionPytorch``, tiled in pure PyTorch). All share
-    the registry's top-left causal convention. The flash kernels are imported only when asked for; on the
-    CPU ``TRITON_INTERPRET=1`` is set first so Triton runs interpreted.
+    the registry's top-left causal convention. The flash kernels are imported only when asked for (on a
+    machine without a GPU, ``import lab`` has already switched Triton to its interpreter).
     """
-    device = resolve_device(device) if isinstance(device, str) else device
+    if isinstance(device, str):
+        resolve_device(device)  # an unknown device name is an error here too
     if name == "pytorch_naive":
         return naive_attention
     if name.startswith("sdpa") and name in IMPLS:
         return sdpa_on_heads(name)
     if name == "triton":
-        cls = _import_flash("lab.kernels.flash_triton", device).FlashAttentionTriton
-        return lambda q, k, v, causal: cls.apply(q, k, v, causal)
+        from lab.kernels.flash_triton import FlashAttentionTriton
+
+        return lambda q, k, v, causal: FlashAttentionTriton.apply(q, k, v, causal)
     if name == "triton_compiled_bwd":
-        cls = _import_flash("lab.kernels.flash_triton", device).FlashAttentionTritonCompiledBackward
-        return lambda q, k, v, causal: cls.apply(q, k, v, causal)
+        from lab.kernels.flash_triton import FlashAttentionTritonCompiledBackward
+
+        return lambda q, k, v, causal: FlashAttentionTritonCompiledBackward.apply(q, k, v, causal)
     if name == "pytorch_flash":
-        cls = _import_flash("lab.kernels.flash_pytorch", device).FlashAttentionPytorch
-        return lambda q, k, v, causal: cls.apply(q, k, v, causal)
+        from lab.kernels.flash_pytorch import FlashAttentionPytorch
+
+        return lambda q, k, v, causal: FlashAttentionPytorch.apply(q, k, v, causal)
     raise ValueError(f"unknown attention implementation {name!r}; choose one of {', '.join(IMPLS)}")
-
-
-# ----------------------------------------------------------------------------------------------------------
-# FLOPs
-
-
-def attention_pairs(seq_q: int, seq_k: int | None = None, causal: bool = False) -> int:
-    """Number of (query, key) pairs whose score is used: ``seq_q * seq_k``, or with the causal mask
-    (top-left aligned, as every implementation of ``lab.model.attention``: query i sees keys 0..i) the
-    lower triangle."""
-    seq_k = seq_q if seq_k is None else seq_k
-    if seq_q < 1 or seq_k < 1:
-        raise ValueError(f"sequence lengths must be positive, got {seq_q} and {seq_k}")
-    if not causal:
-        return seq_q * seq_k
-    # row i keeps min(seq_k, i + 1) keys
-    return int(np.minimum(np.arange(1, seq_q + 1, dtype=np.int64), seq_k).sum())
-
-
-def attention_flops(batch: int, seq: int, d: int, causal: bool = False, pass_: str = "fwd",
-                    heads: int = 1, seq_k: int | None = None) -> float:
-    """Matmul FLOPs of attention (multiply and add counted as 2), summed over ``batch * heads``.
-
-    Forward: ``S = Q K^T`` and ``O = P V`` are 2 FLOPs per (pair, feature) each, so ``4 * pairs * d``.
-    Backward: ``dV = P^T dO``, ``dP = dO V^T``, ``dS -> dQ = dS K`` and ``dK = dS^T Q`` are four more
-    matmuls, plus the recomputation of ``S`` that FlashAttention-2 does: ``10 * pairs * d``, i.e. 2.5x the
-    forward (the convention of the FlashAttention papers' benchmarks). End-to-end is their sum, 3.5x.
-    Causal attention counts only the unmasked pairs, ``seq * (seq + 1) / 2``, not ``seq^2 / 2`` (the
-    papers' rounding; the two differ by ``1/seq``). Softmax exponentials and masking are not counted.
-    The same count is used for every implementation, so TFLOP/s compares speed, not work done: the naive
-    version computes the masked half too and does not recompute, yet is credited with these FLOPs.
-    """
-    factor = {"fwd": 4.0, "bwd": 10.0, "e2e": 14.0}
-    if pass_ not in factor:
-        raise ValueError(f"pass_ must be one of {', '.join(factor)}, got {pass_!r}")
-    if min(batch, heads, d) < 1:
-        raise ValueError("batch, heads and d must be positive")
-    return factor[pass_] * batch * heads * attention_pairs(seq, seq_k, causal) * d
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Memory: closed forms and what autograd really saves
-
-
-def dtype_bytes(dtype: str | torch.dtype) -> int:
-    """Bytes per element of a dtype given as ``"fp32"``/``"bf16"``/``"fp16"`` or a ``torch.dtype``."""
-    if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-        dtype = DTYPES[dtype]
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def naive_attention_memory(batch: int, seq: int, d: int, dtype: str | torch.dtype = "fp32",
-                           causal: bool = False) -> pd.DataFrame:
-    """Closed-form memory of :func:`naive_attention` with gradients, term by term, in bytes.
-
-    Rows (``term``, ``formula``, ``bytes``, ``when``):
-
-    * ``saved`` terms are what autograd keeps between forward and backward beyond the inputs: the softmax
-      output ``P`` (saved once, used by both softmax's backward and ``P @ V``'s), and for causal attention
-      the boolean mask (``seq^2`` bytes, not per batch element). ``Q K^T`` saves its inputs (views of q
-      and k, no new memory) and the scalar scale saves nothing.
-    * ``live`` terms are the other tensors allocated when backward starts: q, k, v, the upstream gradient
-      dO and the output.
-    * ``peak`` terms are transient: in the forward two score-sized tensors coexist at every step (``Q K^T``
-      and its scaled copy, then the masked copy, then the scores and ``P``), with the causal ``mask`` and
-      its negation beside them; in the backward ``P`` (retained), ``dP`` and ``dS`` (3 score-sized).
-    """
-    e = dtype_bytes(dtype)
-    sq = batch * seq * seq * e
-    sd = batch * seq * d * e
-    mask = seq * seq if causal else 0
-    rows = [
-        ("probabilities P (saved)", "batch*seq^2*bytes", sq, "saved"),
-        ("causal mask (saved)", "seq^2 * 1 byte", mask, "saved"),
-        ("q, k, v", "3*batch*seq*d*bytes", 3 * sd, "live"),
-        ("upstream gradient dO", "batch*seq*d*bytes", sd, "live"),
-        ("output O", "batch*seq*d*bytes", sd, "live"),
-        ("forward transient: scores beside P (+ the mask before ~)", "batch*seq^2*bytes (+ seq^2)",
-         sq + mask, "peak_forward"),
-        ("backward transient: dP and dS", "2*batch*seq^2*bytes", 2 * sq, "peak_backward"),
-    ]
-    return pd.DataFrame(rows, columns=["term", "formula", "bytes", "when"])
-
-
-def naive_attention_totals(batch: int, seq: int, d: int, dtype: str | torch.dtype = "fp32",
-                           causal: bool = False) -> dict[str, int]:
-    """Sums of :func:`naive_attention_memory` in bytes: ``saved`` (kept for backward beyond the inputs),
-    ``before_backward`` (everything allocated when backward starts: saved + live), ``peak`` (the larger
-    of the forward and backward peaks, a lower bound on what the run needs)."""
-    t = naive_attention_memory(batch, seq, d, dtype, causal).groupby("when")["bytes"].sum()
-    saved, live = int(t.get("saved", 0)), int(t.get("live", 0))
-    peak = saved + live + max(int(t.get("peak_forward", 0)), int(t.get("peak_backward", 0)))
-    return {"saved": saved, "before_backward": saved + live, "peak": peak}
-
-
-def flash_attention_saved_bytes(batch: int, seq: int, d: int, dtype: str | torch.dtype = "fp32",
-                                heads: int = 1) -> int:
-    """Bytes FlashAttention saves for backward: Q, K, V, O (``4 * batch*heads*seq*d`` elements) and the
-    fp32 logsumexp L (``batch*heads*seq``): linear in ``seq``, where naive attention's P is quadratic."""
-    bh = batch * heads
-    return 4 * bh * seq * d * dtype_bytes(dtype) + bh * seq * 4
-
-
-def saved_tensor_bytes(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor, exclude_inputs: bool = True) -> int:
-    """Bytes of the distinct storages autograd saves for backward while running ``fn(*inputs)``.
-
-    Measured with ``torch.autograd.graph.saved_tensors_hooks`` (so it works on the CPU too); a storage
-    saved by several operations counts once, and by default storages of the inputs are left out (they
-    exist anyway). Returns bytes.
-    """
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor):
-        storage = t.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-        # Detached (same storage): returning an op's own output would tie it to its grad_fn in a cycle
-        # that runs through C++ and that Python's gc cannot break, leaking the seq x seq tensor.
-        return t.detach()
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn(*inputs)
-    del out
-    if exclude_inputs:
-        for t in inputs:
-            if isinstance(t, torch.Tensor):
-                seen.pop(t.untyped_storage().data_ptr(), None)
-    return int(sum(seen.values()))
-
-
-def fit_power_law(x: Iterable[float], y: Iterable[float]) -> tuple[float, float]:
-    """Least-squares fit of ``y = c * x**p`` in log-log space; returns ``(p, c)``."""
-    x, y = np.asarray(list(x), dtype=float), np.asarray(list(y), dtype=float)
-    keep = np.isfinite(x) & np.isfinite(y) & (x > 0) & (y > 0)
-    if keep.sum() < 2:
-        raise ValueError("need at least two positive points to fit a power law")
-    p, logc = np.polyfit(np.log(x[keep]), np.log(y[keep]), 1)
-    return float(p), float(np.exp(logc))
 
 
 # ----------------------------------------------------------------------------------------------------------

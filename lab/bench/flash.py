@@ -23,17 +23,8 @@ import numpy as np
 import pandas as pd
 import torch
 
-from lab.bench.attention import (
-    DTYPES,
-    PASSES,
-    _first_line,
-    _inputs,
-    attention_flops,
-    attention_impl,
-    interpret_triton_on_cpu,  # noqa: F401 - part of this module's interface: notebook 05 calls it first
-    naive_attention_totals,
-    progress_bar,
-)
+from lab.bench.attention import _first_line, _inputs, attention_impl, progress_bar
+from lab.bench.attention_costs import DTYPES, PASSES, attention_flops, naive_attention_totals
 from lab.measure.device import empty_cache, is_oom, resolve_device
 from lab.measure.timing import Timing, time_kernel
 from lab.measure.verdicts import GoalCheck, compare_summaries
@@ -373,11 +364,10 @@ def course_timing_test(compile: bool = True, batch: int = 16, seq: int = 16384, 
     ``compile``) on q, k, v of shape (batch, seq, d) in bf16, causal; forward, ``o.sum()``, backward, timed
     as one call with ``triton.testing.do_bench`` (on the CPU: the host timer, ``cpu_steps`` calls). Returns
     ``ms`` (median), ``mean_ms``, ``std_ms``, ``n`` (samples), ``gpu`` (``"cpu"`` on the CPU) and the shape."""
-    from lab.bench.attention import _import_flash
+    from lab.kernels import flash_triton as flash
     from lab.measure.results import gpu_label
 
     device = resolve_device(device) if isinstance(device, str) else device
-    flash = _import_flash("lab.kernels.flash_triton", device)
     gen = torch.Generator(device="cpu").manual_seed(0)
     q, k, v = (torch.randn(batch, seq, d, generator=gen).to(device, torch.bfloat16).requires_grad_() for _ in range(3))
     fn = torch.compile(flash.FlashAttentionTriton.apply) if compile else flash.FlashAttentionTriton.apply

@@ -14,6 +14,7 @@ import numpy as np
 import pandas as pd
 
 from lab.bench import attention as ab
+from lab.bench import attention_costs as costs
 from lab.book.report import fmt
 from lab.measure.verdicts import compare_summaries
 
@@ -166,8 +167,8 @@ def timing_sentence(grid: pd.DataFrame) -> str:
 
 
 def memory_terms(row: pd.Series) -> pd.DataFrame:
-    """:func:`lab.bench.attention.naive_attention_memory` of one grid row, with a ``MiB`` column."""
-    terms = ab.naive_attention_memory(int(row["batch"]), int(row["seq_len"]), int(row["d"]), row["dtype"],
+    """:func:`lab.bench.attention_costs.naive_attention_memory` of one grid row, with a ``MiB`` column."""
+    terms = costs.naive_attention_memory(int(row["batch"]), int(row["seq_len"]), int(row["d"]), row["dtype"],
                                       bool(row["causal"]))
     terms["MiB"] = terms["bytes"] / 2**20
     return terms[["term", "formula", "when", "MiB"]]
@@ -178,11 +179,11 @@ def accounting_sentence(row: pd.Series, kind: str, check: pd.DataFrame) -> str:
     backward's peak lower bound, the measurements against them and, for an out-of-memory, whether the
     prediction alone exceeds the GPU."""
     b, seq, d, dtype = int(row["batch"]), int(row["seq_len"]), int(row["d"]), row["dtype"]
-    p_mib = b * seq * seq * ab.dtype_bytes(dtype) / 2**20
+    p_mib = b * seq * seq * costs.dtype_bytes(dtype) / 2**20
     what = ("the smallest configuration that ran out of memory" if kind == "oom"
             else "the largest configuration that fit")
     text = (f"For {what} (batch {b}, seq {seq}, d {d}, {dtype}) the probability matrix alone is {b} × {seq}² × "
-            f"{ab.dtype_bytes(dtype)} B = {size_text(p_mib)}; when the backward starts "
+            f"{costs.dtype_bytes(dtype)} B = {size_text(p_mib)}; when the backward starts "
             f"{size_text(row['predicted_before_bwd_mib'])} should be allocated and the backward's peak needs "
             f"at least {size_text(row['predicted_peak_mib'])}.")
     measured = check.dropna(subset=["measured_mib"])
@@ -213,10 +214,10 @@ def saved_memory_curves(grid: pd.DataFrame) -> pd.DataFrame:
     (autograd's saved tensors) and FlashAttention from its closed form (Q, K, V, O and the logsumexp), in MiB."""
     rows = []
     for r in grid.dropna(subset=["saved_mib"]).itertuples():
-        inputs = 3 * r.batch * r.seq_len * r.d * ab.dtype_bytes(r.dtype) / 2**20  # both methods keep q, k, v
+        inputs = 3 * r.batch * r.seq_len * r.d * costs.dtype_bytes(r.dtype) / 2**20  # both methods keep q, k, v
         rows.append(dict(d=r.d, seq_len=r.seq_len, method="naive (measured)", MiB=r.saved_mib + inputs))
         rows.append(dict(d=r.d, seq_len=r.seq_len, method="FlashAttention (closed form)",
-                         MiB=ab.flash_attention_saved_bytes(r.batch, r.seq_len, r.d, r.dtype) / 2**20))
+                         MiB=costs.flash_attention_saved_bytes(r.batch, r.seq_len, r.d, r.dtype) / 2**20))
     return pd.DataFrame(rows, columns=["d", "seq_len", "method", "MiB"])
 
 

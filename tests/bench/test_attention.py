@@ -1,58 +1,17 @@
-"""Tests for lab.bench.attention: FLOP and memory closed forms against counts, the grid runners' rows."""
+"""Tests for lab.bench.attention: the implementations by name, the naive grid's rows and the tables built from
+them (the closed forms are tested in test_attention_costs.py)."""
 
-import gc
 import math
-import weakref
 
 import pandas as pd
 import pytest
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
 from lab.bench import attention as ab
 from lab.model.attention import naive_attention as model_naive_attention
 
 # ---------------------------------------------------------------------------------------------------------
-# FLOPs
-
-
-def test_attention_pairs_by_hand():
-    assert ab.attention_pairs(4) == 16
-    assert ab.attention_pairs(4, causal=True) == 4 + 3 + 2 + 1
-    # top-left aligned causal mask (as SDPA): query 0 sees key 0, query 1 keys 0..1
-    assert ab.attention_pairs(2, 4, causal=True) == 1 + 2
-    # more queries than keys: the later queries see every key
-    assert ab.attention_pairs(4, 2, causal=True) == 1 + 2 + 2 + 2
-    with pytest.raises(ValueError):
-        ab.attention_pairs(0)
-
-
-def test_attention_flops_by_hand():
-    # batch 2, seq 4, d 8: forward 2 matmuls x 2 FLOPs x 2*16 pairs x 8 = 1024
-    assert ab.attention_flops(2, 4, 8) == 1024
-    assert ab.attention_flops(2, 4, 8, causal=True) == 4 * 2 * 10 * 8
-    assert ab.attention_flops(2, 4, 8, causal=True, pass_="bwd") == 2.5 * 640
-    assert ab.attention_flops(2, 4, 8, causal=True, pass_="e2e") == 3.5 * 640
-    assert ab.attention_flops(1, 4, 8, heads=2) == ab.attention_flops(2, 4, 8)
-    # large causal: the papers' s^2/2 rounding is off by 1/s
-    s = 65536
-    assert ab.attention_flops(1, s, 128, True) / (4 * s * s * 128 / 2) == pytest.approx(1 + 1 / s)
-    with pytest.raises(ValueError):
-        ab.attention_flops(1, 4, 8, pass_="backward")
-
-
-def test_attention_flops_match_torch_flop_counter():
-    """Non-causal naive attention: forward is exactly 4*b*s^2*d; its backward (no recomputation) does the
-    four gradient matmuls, 8*b*s^2*d, i.e. our backward count minus the recomputed Q K^T."""
-    b, s, d = 2, 24, 16
-    q, k, v = (torch.randn(b, s, d, requires_grad=True) for _ in range(3))
-    with FlopCounterMode(display=False) as fwd_counter:
-        out = model_naive_attention(q, k, v, False)
-    with FlopCounterMode(display=False) as bwd_counter:
-        out.sum().backward()
-    assert fwd_counter.get_total_flops() == ab.attention_flops(b, s, d, False, "fwd")
-    recompute = 2 * b * s * s * d
-    assert bwd_counter.get_total_flops() == ab.attention_flops(b, s, d, False, "bwd") - recompute
+# The implementations
 
 
 def test_naive_attention_matches_model_and_sdpa_in_float64():
@@ -66,46 +25,14 @@ def test_naive_attention_matches_model_and_sdpa_in_float64():
         torch.testing.assert_close(ours, sdpa(q, k, v, causal))
 
 
+def test_attention_impl_names():
+    assert ab.attention_impl("pytorch_naive", "cpu") is ab.naive_attention
+    with pytest.raises(ValueError):
+        ab.attention_impl("flash3", "cpu")
+
+
 # ---------------------------------------------------------------------------------------------------------
-# Memory
-
-
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("causal", [False, True])
-def test_saved_bytes_closed_form_matches_autograd(dtype, causal):
-    b, s, d = 3, 40, 8
-    q, k, v = (torch.randn(b, s, d, dtype=ab.DTYPES[dtype], requires_grad=True) for _ in range(3))
-    measured = ab.saved_tensor_bytes(lambda x, y, z: model_naive_attention(x, y, z, causal), q, k, v)
-    e = 4 if dtype == "fp32" else 2
-    closed = b * s * s * e + (s * s if causal else 0)
-    assert measured == closed == ab.naive_attention_totals(b, s, d, dtype, causal)["saved"]
-
-
-def test_saved_tensor_bytes_frees_the_graph():
-    """Counting must not keep what it counts alive (a leak here polluted every later memory reading)."""
-    refs = []
-
-    def attention_keeping_a_weakref(q, k, v):
-        probs = torch.softmax(q @ k.transpose(-2, -1), dim=-1)
-        refs.append(weakref.ref(probs))
-        return probs @ v
-
-    q, k, v = (torch.randn(2, 64, 8, requires_grad=True) for _ in range(3))
-    assert ab.saved_tensor_bytes(attention_keeping_a_weakref, q, k, v) == 2 * 64 * 64 * 4
-    gc.collect()
-    assert refs[0]() is None
-
-
-def test_naive_memory_terms_by_hand():
-    # batch 8, seq 16384, fp32: P alone is 8 * 16384^2 * 4 B = 8 GiB
-    t = ab.naive_attention_memory(8, 16384, 64, "fp32")
-    assert t.set_index("term").loc["probabilities P (saved)", "bytes"] == 8 * 2**30
-    totals = ab.naive_attention_totals(8, 16384, 64, "fp32")
-    qkv_do_out = 5 * 8 * 16384 * 64 * 4
-    assert totals["before_backward"] == 8 * 2**30 + qkv_do_out
-    assert totals["peak"] == 3 * 8 * 2**30 + qkv_do_out
-    causal = ab.naive_attention_totals(8, 16384, 64, "fp32", causal=True)
-    assert causal["saved"] == 8 * 2**30 + 16384**2
+# The naive grid
 
 
 def test_naive_memory_check_subtracts_the_baseline():
@@ -114,32 +41,6 @@ def test_naive_memory_check_subtracts_the_baseline():
     check = ab.naive_memory_check(row)
     assert check["measured_mib"].tolist() == [8.0, 10.0, 30.0]
     assert check["measured_over_predicted"].tolist() == [1.0, 1.0, 1.5]
-
-
-def test_flash_saved_bytes_closed_form():
-    assert ab.flash_attention_saved_bytes(2, 16, 8, "bf16", heads=3) == 4 * 6 * 16 * 8 * 2 + 6 * 16 * 4
-
-
-def test_flash_pytorch_saves_what_the_closed_form_says():
-    from lab.kernels.flash_pytorch import FlashAttentionPytorch
-
-    b, s, d = 2, 64, 16
-    q, k, v = (torch.randn(b, s, d, requires_grad=True) for _ in range(3))
-    measured = ab.saved_tensor_bytes(lambda x, y, z: FlashAttentionPytorch.apply(x, y, z, True), q, k, v,
-                                     exclude_inputs=False)
-    assert measured == ab.flash_attention_saved_bytes(b, s, d, "fp32")
-
-
-def test_fit_power_law():
-    x = [256, 1024, 4096]
-    p, c = ab.fit_power_law(x, [3.0 * v**2 for v in x])
-    assert p == pytest.approx(2.0) and c == pytest.approx(3.0)
-    with pytest.raises(ValueError):
-        ab.fit_power_law([1], [1])
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The naive grid
 
 
 def test_naive_grid_rows_and_memory():
@@ -235,32 +136,12 @@ def test_naive_grid_measures_eager_and_compiled_side_by_side(monkeypatch):
         ab.run_naive_grid(ds=(8,), seqs=(32,), compile=(), device="cpu", progress=False)
 
 
-def test_interpret_triton_on_cpu_refuses_too_late(monkeypatch):
-    import sys
-
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setitem(sys.modules, "triton", object())
-    with pytest.raises(RuntimeError, match="before TRITON_INTERPRET"):
-        ab.interpret_triton_on_cpu("cpu")
-    monkeypatch.delitem(sys.modules, "triton")
-    assert ab.interpret_triton_on_cpu("cpu") is True
-    import os
-
-    assert os.environ["TRITON_INTERPRET"] == "1"
-
-
 @pytest.mark.slow
 def test_compiled_grid_matches_eager_memory():
     df = ab.run_naive_grid(ds=(8,), seqs=(16,), batch=2, passes=2, warmup=1, compile=True, device="cpu",
                            progress=False)
     assert df.loc[0, "status"] == "ok" and bool(df.loc[0, "compile"])
     assert df.loc[0, "compile_s"] > 0 and df.loc[0, "fwd_ms"] > 0 and df.loc[0, "bwd_ms"] > 0
-
-
-def test_attention_impl_names():
-    assert ab.attention_impl("pytorch_naive", "cpu") is ab.naive_attention
-    with pytest.raises(ValueError):
-        ab.attention_impl("flash3", "cpu")
 
 
 # ---------------------------------------------------------------------------------------------------------

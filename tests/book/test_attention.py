@@ -81,13 +81,14 @@ def test_memory_terms_and_accounting_sentence():
 
 def test_saved_memory_curves_and_scaling_sentence():
     from lab.bench import attention as ab
+    from lab.bench import attention_costs as costs
 
     grid = pd.DataFrame([_grid_row(16, s) for s in (256, 1024)] + [_grid_row(64, s) for s in (256, 1024)])
     curves = present.saved_memory_curves(grid)
     assert len(curves) == 8 and set(curves["method"]) == {"naive (measured)", "FlashAttention (closed form)"}
     flash = curves[(curves["method"] == "FlashAttention (closed form)") & (curves["d"] == 64)
                    & (curves["seq_len"] == 1024)]["MiB"].item()
-    assert flash == ab.flash_attention_saved_bytes(8, 1024, 64, "fp32") / 2**20
+    assert flash == costs.flash_attention_saved_bytes(8, 1024, 64, "fp32") / 2**20
     text = present.scaling_sentence(ab.saved_memory_scaling(grid), curves)
     assert "seq^2.00–seq^2.00" in text and "i.e. quadratic" in text and "At 1024 tokens" in text
     assert present.plot_saved_memory(curves, "t") is not None

@@ -1,4 +1,5 @@
-"""lab.book.flash: notebook 05's settings, tables and sentences, from small synthetic tables."""
+"""lab.book.flash: notebook 05's settings, tables and sentences, from small synthetic tables (the grid's in
+test_flash_grid.py)."""
 
 import math
 
@@ -67,99 +68,6 @@ def test_correctness_summary_and_sentence():
     bad = pd.concat([errors, pd.DataFrame([_errors("triton", "fp32", 64, 1e-3)])], ignore_index=True)
     text = present.correctness_sentence(present.correctness_summary(bad))
     assert text.startswith("Errors beyond the dtype's rounding (more than 4x naive PyTorch's): triton fp32")
-
-
-def _row(impl, shape, dtype, ms, std=0.01, n=50, sweep="lm", status="ok", note="", gpu=GPU):
-    row = dict(sweep=sweep, impl=impl, dtype=dtype, batch=shape.batch, heads=shape.heads, seq_len=shape.seq,
-               d=shape.d, causal=shape.causal, gpu=gpu, status=status, note=note)
-    for p, factor in (("fwd", 1.0), ("bwd", 2.0), ("e2e", 3.0)):
-        t = ms * factor if status == "ok" else math.nan
-        row.update({f"{p}_ms": t, f"{p}_mean_ms": t, f"{p}_std_ms": std * t, f"{p}_n": n if status == "ok" else 0})
-    return row
-
-
-A, B = fl.Shape(1, 16, 4096, 64), fl.Shape(8, 16, 2048, 128, False)
-
-
-def _bench(gpu=GPU):
-    rows = [_row("triton", A, "bf16", 1.0, gpu=gpu), _row("sdpa", A, "bf16", 1.2, gpu=gpu),
-            _row("sdpa_cudnn", A, "bf16", 1.0, std=0.2, n=5, gpu=gpu),
-            _row("pytorch_flash", A, "bf16", 0, status="skipped", note="not run beyond 2048 tokens", gpu=gpu),
-            _row("triton", B, "bf16", 2.0, gpu=gpu), _row("sdpa", B, "bf16", 1.0, gpu=gpu),
-            _row("sdpa_cudnn", B, "bf16", 0, status="unsupported", note="not supported: no kernel", gpu=gpu),
-            _row("pytorch_flash", B, "bf16", 50.0, gpu=gpu),
-            _row("triton", fl.Shape(1, 1, 1024, 64), "fp32", 1.0, sweep="fp32", gpu=gpu),
-            _row("sdpa", fl.Shape(1, 1, 1024, 64), "fp32", 0.5, sweep="fp32", gpu=gpu),
-            _row("pytorch_naive", fl.Shape(1, 1, 1024, 64), "fp32", 2.0, sweep="fp32", gpu=gpu)]
-    return fl.add_tflops(pd.DataFrame(rows))
-
-
-def test_latency_and_status_tables():
-    bench = _bench()
-    lat = present.latency_table(bench, "lm")
-    assert lat.columns.tolist() == ["shape", "dtype", "triton", "sdpa", "sdpa_cudnn", "pytorch_flash"]
-    assert lat.iloc[0]["shape"] == "1x16x4096 d64 causal" and lat.iloc[0]["triton"] == "1 / 2 / 3"
-    assert lat.iloc[0]["pytorch_flash"] == "skipped" and lat.iloc[1]["sdpa_cudnn"] == "unsupported"
-    st = present.status_table(bench)
-    assert st["status"].tolist() == ["skipped", "unsupported"] and "2048" in st["note"].iloc[0]
-    assert present.status_sentence(bench) == ("9 of 11 configurations ran. The rest: pytorch_flash skipped ×1; "
-                                              "sdpa_cudnn unsupported ×1 (the table gives each reason).")
-
-
-def test_speedups_sentences_and_heatmap():
-    bench = _bench()
-    sp = present.speedup_table(bench, "lm")
-    e2e = sp[sp["pass"] == "e2e"].set_index(["shape", "reference"])
-    assert e2e.loc[("1x16x4096 d64 causal", "sdpa"), "speedup"] == pytest.approx(1.2)
-    assert e2e.loc[("1x16x4096 d64 causal", "sdpa"), "verdict"] == "faster"
-    assert e2e.loc[("1x16x4096 d64 causal", "sdpa_cudnn"), "verdict"] == "within noise"
-    assert e2e.loc[("8x16x2048 d128 full", "sdpa"), "verdict"] == "slower"
-    assert e2e.loc[("8x16x2048 d128 full", "pytorch_flash"), "speedup"] == pytest.approx(25.0)
-    shown = present.speedup_display(sp, "e2e")
-    assert shown.iloc[0]["sdpa"] == "1.2x faster" and shown.iloc[0]["sdpa_cudnn"] == "1x ≈"
-    assert present.speedup_display(sp, "e2e", interpreted_=True).iloc[0]["sdpa"] == "1.2x"
-    text = present.speed_sentence(sp)
-    assert text.startswith("Triton, end to end (forward + backward): against sdpa faster on 1, slower on 1, "
-                           "within noise on 0 of 2 (speedup 0.5–1.2x)")
-    assert "against sdpa_cudnn faster on 0, slower on 0, within noise on 1 of 1" in text
-    assert present.speed_sentence(sp, interpreted_=True) == present.INTERPRETED_SHORT
-    assert present.plot_speedup_heatmap(sp) is not None
-    tf = present.tflops_table(bench, "lm")
-    assert tf.iloc[0]["triton"] == pytest.approx(fl.attention_flops(1, 4096, 64, True, "e2e", heads=16) / 3e-3 / 1e12)
-    assert "Triton reaches bf16: at best" in present.tflops_sentence(bench)
-
-
-def test_goals_sentence():
-    bench = _bench()
-    goals = fl.flash_goals(bench)
-    shown = present.goals_display(goals)
-    assert shown["shape"].tolist() == ["1x16x4096 d64 causal", "8x16x2048 d128 full"]
-    text = present.goals_sentence(goals)
-    assert text.startswith("The goals (fwd ≥ 1x, bwd ≥ 0.9x, e2e ≥ 0.95x SDPA's speed) do not all hold: "
-                           "fwd: 1 met, 1 missed, 0 undecided of 2")
-    assert "Furthest from its goal: fwd on 8x16x2048 d128 full bf16 at 0.5x against a goal of 1x (50% below it)" in text
-    met = fl.flash_goals(bench[bench["seq_len"] == 4096])
-    assert present.goals_sentence(met).startswith("All goals met on all 1 configurations")
-    assert "No configuration qualifies" in present.goals_sentence(fl.flash_goals(bench[bench["heads"] < 16]))
-    assert "not evaluated on interpreted Triton" in present.goals_sentence(goals, interpreted_=True)
-
-
-def test_fp32_sentence_says_whether_triton_is_ever_slower():
-    text = present.fp32_sentence(_bench())
-    assert text.startswith("Yes: in fp32 (batch 1, one head) triton than sdpa it is slower beyond the noise in "
-                           "fwd 1/1, bwd 1/1, e2e 1/1: end to end on 1x1x1024 d64 causal (0.5x)")
-    assert "it is never slower than pytorch_naive beyond the noise" in text
-    faster = _bench()
-    faster.loc[(faster["sweep"] == "fp32") & (faster["impl"] == "sdpa"), ["fwd_mean_ms", "bwd_mean_ms",
-                                                                          "e2e_mean_ms"]] = [5.0, 10.0, 15.0]
-    assert present.fp32_sentence(faster).startswith("No: in fp32")
-    assert "GPU question" in present.fp32_sentence(_bench(), interpreted_=True)
-
-
-def test_interpreted_is_read_from_the_rows():
-    assert present.interpreted(_bench(gpu="cpu")) and not present.interpreted(_bench())
-    assert present.interpreted(pd.DataFrame(dict(device=["cpu"])))
-    assert not present.interpreted(pd.DataFrame(dict(device=["cuda:0"])))
 
 
 def _course(ms, std, gpu, compiled=True, n=20):
