@@ -108,7 +108,10 @@ class FSDP(nn.Module):
         self._entered: set[Layer] = set()
         self._packed_layers: set[Layer] = set()  # layers whose weights autograd saved (needed in backward)
         self._predicted: list[Layer] = list(self._layers)  # order of the last forward (registration at first)
-        self._live_storage: dict[int, ShardedWeight] = {}  # storage pointer of weights in use -> weight
+        # storage pointer of gathered weights in use -> (weight, the full tensor). Holding the tensor keeps
+        # its memory from being reused while the entry exists, so an activation can never be taken for a
+        # weight, even when a module's post-hook never ran (a recomputation stopped early).
+        self._live_storage: dict[int, tuple[ShardedWeight, torch.Tensor]] = {}
         # backward bookkeeping
         self._backward_order: list[Layer] = []
         self._backward_position: dict[Layer, int] = {}
@@ -202,6 +205,7 @@ class FSDP(nn.Module):
         self._calls = []
         self._entered = set()
         self._packed_layers = set()
+        self._live_storage.clear()
         self._in_forward = True
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
@@ -272,7 +276,7 @@ class FSDP(nn.Module):
                             flat = flat.detach().requires_grad_()
                 full = flat[:w.numel].view(w.shape)
                 module.__dict__[w.attr] = full  # shadows the shard in module._parameters during forward
-                self._live_storage[full.untyped_storage().data_ptr()] = w
+                self._live_storage[full.untyped_storage().data_ptr()] = (w, full)
         return pre_hook
 
     def _make_post_hook(self, weights: list[ShardedWeight]):
@@ -286,8 +290,9 @@ class FSDP(nn.Module):
 
     def _pack(self, t: torch.Tensor):
         if self._live_storage and t.layout == torch.strided:
-            w = self._live_storage.get(t.untyped_storage().data_ptr())
-            if w is not None:
+            entry = self._live_storage.get(t.untyped_storage().data_ptr())
+            if entry is not None:
+                w = entry[0]
                 self._packed_layers.add(w.layer)
                 return Packed(w, t)
         return t
@@ -317,6 +322,7 @@ class FSDP(nn.Module):
     def _end_of_backward(self) -> None:
         self._callback_queued = False
         self._backward_started = set()
+        self._live_storage.clear()  # entries a stopped recomputation left behind
         self._synchronize()
 
     def _gradient_ready(self, w: ShardedWeight, grad_flat: torch.Tensor) -> None:

@@ -161,7 +161,8 @@ def _saved_ops() -> set:
 class CheckpointedBlock(nn.Module):
     """Run ``block`` under non-reentrant ``torch.utils.checkpoint``: ``policy="block"`` saves only the block's
     input and recomputes the rest in backward; ``"save_attention"`` also keeps the attention op's outputs
-    (selective activation checkpointing). The recomputation runs inside a profiler range ``recompute``."""
+    (selective activation checkpointing). The recomputation runs inside a profiler range ``recompute``
+    and runs the whole block (no early stop), so every module's hooks (FSDP's gathers and releases) pair up."""
 
     def __init__(self, block: nn.Module, policy: str = "block"):
         super().__init__()
@@ -182,7 +183,7 @@ class CheckpointedBlock(nn.Module):
         if not torch.is_grad_enabled():
             return self.block(x)
         if self.policy == "block":
-            return checkpoint(self._run, x, use_reentrant=False)
+            return checkpoint(self._run, x, use_reentrant=False, early_stop=False)
         from functools import partial
 
         from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
@@ -192,7 +193,7 @@ class CheckpointedBlock(nn.Module):
         def policy(ctx, op, *args, **kwargs):
             return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
 
-        return checkpoint(self._run, x, use_reentrant=False,
+        return checkpoint(self._run, x, use_reentrant=False, early_stop=False,
                           context_fn=partial(create_selective_checkpoint_contexts, policy))
 
 

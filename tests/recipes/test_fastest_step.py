@@ -56,6 +56,25 @@ def test_checkpointed_block_is_exact(policy):
     torch.testing.assert_close(gx, gx_ref, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("policy", ["block", "save_attention"])
+def test_recomputation_runs_every_module_hook_in_pairs(policy):
+    """FSDP gathers a weight in a module's pre-hook and releases it in its post-hook; a recomputation that
+    stopped early (PyTorch's default once every saved tensor is restored) would leave the last modules'
+    gathers unreleased. Every pre-hook of the recomputation must meet its post-hook."""
+    block = TransformerLM(TINY).blocks[0]
+    wrapped = fs.CheckpointedBlock(block, policy)
+    events = []
+    for name, module in block.named_modules():
+        module.register_forward_pre_hook(lambda m, a, name=name: events.append(("pre", name)))
+        module.register_forward_hook(lambda m, a, o, name=name: events.append(("post", name)))
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    out = wrapped(x)
+    forward = list(events)
+    events.clear()
+    out.square().sum().backward()
+    assert forward and events == forward  # the whole block again, every module opened and closed
+
+
 @pytest.mark.parametrize("attention", ["sdpa", "flash_triton"])
 @pytest.mark.parametrize("policy,calls", [("block", 2), ("save_attention", 1)])
 def test_save_attention_does_not_recompute_attention(policy, calls, attention):
