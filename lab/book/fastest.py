@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 
 import pandas as pd
 
@@ -20,10 +21,17 @@ PHASES = ["recompute_ms", "attention_ms", "matmul_ms", "loss_ms", "optimizer_ms"
 MEMORY = ["params_gib", "grads_gib", "optimizer_gib", "activations_and_other_gib"]
 
 
-def recipes(config: StepConfig, quick: bool, ablate: bool = True) -> list:
-    """The book's recipe, both stock steps and (``ablate``) each optimization switched off alone. On the
-    CPU (``quick``) nothing is compiled (inductor's C++ compile would take longer than the whole quick book)
-    and only one ablation runs."""
+def recipes(config: StepConfig, quick: bool, ablate: bool | Sequence[str] = True) -> list:
+    """The book's recipe, both stock steps and each optimization switched off alone where ``ablate`` says
+    so (True, False, or the names of the configurations to ablate). On the CPU (``quick``) nothing is
+    compiled (inductor's C++ compile would take longer than the whole quick book) and only one ablation runs."""
+    if isinstance(ablate, str) or not isinstance(ablate, (bool, Sequence)):
+        raise ValueError(f"ablate must be True, False or a list of configuration names, got {ablate!r}")
+    if not isinstance(ablate, bool):
+        unknown = sorted(set(ablate) - set(CONFIGS))
+        if unknown:
+            raise ValueError(f"ablate names unknown configurations {unknown}; known: {sorted(CONFIGS)}")
+        ablate = config.name in ablate
     out = list(recipes_for(config).values()) + (ablations(recipes_for(config)["project"]) if ablate else [])
     if quick:  # interpreted Triton takes seconds a step: the three headline steps and one ablation
         out = [dataclasses.replace(r, compile="none") for r in out

@@ -79,3 +79,20 @@ def test_quick_recipes_compile_nothing():
     assert all(r.compile == "none" for r in quick) and "no_compile" not in [r.name for r in quick]
     assert [r.name for r in quick] == ["project", "stock_eager", "stock_compiled", "no_fused_loss"]
     assert len(fastest.config_table(["leaderboard"])) == 1
+
+
+def test_ablations_for_some_configurations_only():
+    import pytest
+
+    from lab.recipes.fastest_step import CONFIGS
+
+    headline = ["project", "stock_eager", "stock_compiled"]
+    assert [r.name for r in fastest.recipes(CONFIGS["leaderboard"], quick=False, ablate=["2.7B"])] == headline
+    ablated = [r.name for r in fastest.recipes(CONFIGS["2.7B"], quick=False, ablate=["2.7B"])]
+    assert ablated == headline + ["no_flash_attention", "no_fused_loss", "no_compile", "foreach_adamw",
+                                  "fp32_master_weights"]
+    assert len(fastest.recipes(CONFIGS["2.7B"], quick=False, ablate=False)) == 3
+    with pytest.raises(ValueError, match="unknown configurations"):
+        fastest.recipes(CONFIGS["2.7B"], quick=False, ablate=["2.7b"])
+    with pytest.raises(ValueError, match="list of configuration names"):
+        fastest.recipes(CONFIGS["2.7B"], quick=False, ablate="2.7B")
