@@ -48,7 +48,8 @@ import matplotlib.pyplot as plt
 from lab import paths
 from lab.bench import lm as bench
 from lab.bench.precision import speedup_table
-from lab.book import kernel_profiles, plots, profiling, report, warmup
+from lab.book import kernel_profiles, plots, profiling, report
+from lab.book import warmup as warmup_study
 from lab.book.precision import speedup_display
 
 s = profiling.settings(quick, device, sizes=sizes, contexts=contexts, default_context=default_context, dtypes=dtypes,
@@ -130,11 +131,11 @@ book.answer("Does bf16 autocast speed up every size and context?", profiling.dty
 # %%
 wu = book.table("01_warmup", lambda: bench.warmup_study(s.warmup_size, warmups=s.warmup_runs, steps=s.steps,
                                                         context=s.default_context, batch=s.batch, device=s.device))
-warmup.plot_warmup(wu, s.warmup_size)
+warmup_study.plot_warmup(wu, s.warmup_size)
 plt.show()
-report.show_table(warmup.warmup_summary(wu), floatfmt=".3g")
-report.say(warmup.warmup_paragraph(wu, on))
-book.answer("Why is the first step slow?", warmup.warmup_answer(wu, on),
+report.show_table(warmup_study.warmup_summary(wu), floatfmt=".3g")
+report.say(warmup_study.warmup_paragraph(wu, on))
+book.answer("Why is the first step slow?", warmup_study.warmup_answer(wu, on),
             section="Warm-up: why the first steps are slow")
 
 # %% [markdown]

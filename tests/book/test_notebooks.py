@@ -28,6 +28,37 @@ def test_notebook_is_stripped_and_parameterised(nb):
         assert f"{name} =" in src, f"{nb.name}: parameters cell lacks {name}"
 
 
+def _imported_and_defined(source: str) -> set:
+    """Names a cell binds at its top level by an import or a definition."""
+    import ast
+
+    tree = ast.parse(source)
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+    return names
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
+def test_no_import_shadows_a_parameter(nb):
+    """A parameter rebound by a later import (`warmup = None`, then `from lab.book import warmup`) silently
+    turns the reader's setting into a module."""
+    import ast
+
+    code = [c for c in json.loads(nb.read_text())["cells"] if c["cell_type"] == "code"]
+    params = next(c for c in code if "parameters" in c.get("metadata", {}).get("tags", []))
+    assigned = {t.id for node in ast.parse("".join(params["source"])).body if isinstance(node, ast.Assign)
+                for t in node.targets if isinstance(t, ast.Name)}
+    bound = set()
+    for c in code:
+        if c is not params:
+            bound |= _imported_and_defined("".join(c["source"]))
+    assert not assigned & bound, f"{nb.name}: imports or definitions shadow parameters {sorted(assigned & bound)}"
+
+
 def _cells(nb) -> list[tuple]:
     return [(c["cell_type"], "".join(c["source"]).strip(), tuple(c.get("metadata", {}).get("tags", [])))
             for c in nb["cells"]]
