@@ -270,7 +270,7 @@ def save_memory_check(book: Chapter, check: pd.DataFrame, name: str = "accountin
     """Save the predicted-vs-measured rows as this notebook's ``name`` table (also when empty, so an older
     comparison does not linger); nothing when replaying. The comparison itself is always made afresh from
     the other notebooks' current results, which is what a replay of this notebook should show."""
-    if book.replay:
+    if book.replays(name):
         return
     csv = paths.resolve(book.results_dir) / f"{name}.csv"
     if csv.exists():

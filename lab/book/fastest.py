@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import pandas as pd
 
@@ -21,18 +21,29 @@ PHASES = ["recompute_ms", "attention_ms", "matmul_ms", "loss_ms", "optimizer_ms"
 MEMORY = ["params_gib", "grads_gib", "optimizer_gib", "activations_and_other_gib"]
 
 
-def recipes(config: StepConfig, quick: bool, ablate: bool | Sequence[str] = True) -> list:
-    """The book's recipe, both stock steps and each optimization switched off alone where ``ablate`` says
-    so (True, False, or the names of the configurations to ablate). On the CPU (``quick``) nothing is
-    compiled (inductor's C++ compile would take longer than the whole quick book) and only one ablation runs."""
-    if isinstance(ablate, str) or not isinstance(ablate, (bool, Sequence)):
-        raise ValueError(f"ablate must be True, False or a list of configuration names, got {ablate!r}")
-    if not isinstance(ablate, bool):
-        unknown = sorted(set(ablate) - set(CONFIGS))
+def recipes(config: StepConfig, quick: bool, ablate: bool | Sequence[str] | Mapping = True) -> list:
+    """The book's recipe, both stock steps and each optimization switched off alone where ``ablate`` says so:
+    True or False for every configuration, a list of the configurations to ablate, or a mapping from
+    configuration to True or the names of its ablations (``{"leaderboard": ["no_flash_attention"]}``). On the
+    CPU (``quick``) nothing is compiled (inductor's C++ compile would take longer than the whole quick book)
+    and only one ablation runs."""
+    every = ablations(recipes_for(config)["project"])
+    if isinstance(ablate, str) or not isinstance(ablate, (bool, Sequence, Mapping)):
+        raise ValueError(f"ablate must be True, False, a list of configuration names or a mapping, got {ablate!r}")
+    names = ablate if isinstance(ablate, (bool, Mapping)) else dict.fromkeys(ablate, True)
+    if isinstance(names, Mapping):
+        unknown = sorted(set(names) - set(CONFIGS))
         if unknown:
             raise ValueError(f"ablate names unknown configurations {unknown}; known: {sorted(CONFIGS)}")
-        ablate = config.name in ablate
-    out = list(recipes_for(config).values()) + (ablations(recipes_for(config)["project"]) if ablate else [])
+        names = names.get(config.name, False)
+    if isinstance(names, bool):
+        chosen = every if names else []
+    else:
+        known = [r.name for r in every]
+        if isinstance(names, str) or set(names) - set(known):
+            raise ValueError(f"ablations of {config.name} are among {known}, got {names!r}")
+        chosen = [r for r in every if r.name in names]
+    out = list(recipes_for(config).values()) + chosen
     if quick:  # interpreted Triton takes seconds a step: the three headline steps and one ablation
         out = [dataclasses.replace(r, compile="none") for r in out
                if r.name in ("project", "stock_eager", "stock_compiled", "no_fused_loss")]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pandas as pd
@@ -93,8 +93,14 @@ class Chapter:
     """One notebook's view of the book: its name (the ``source`` of the rows it saves), parameters, results
     folder, replay switch, and the answers shown at its top."""
 
-    def __init__(self, notebook: str, params: dict[str, Any], results_dir: str = "results", replay: bool = False):
-        self.notebook, self.params, self.results_dir, self.replay = notebook, dict(params), results_dir, replay
+    def __init__(self, notebook: str, params: dict[str, Any], results_dir: str = "results",
+                 replay: bool | Sequence[str] = False):
+        """``replay``: True reads every table back from ``results_dir``; a list of table names reads only those
+        back (the others are measured), e.g. to re-measure one table without repeating an expensive other."""
+        if isinstance(replay, str) or not isinstance(replay, (bool, Sequence)):
+            raise ValueError(f"replay must be True, False or a list of table names, got {replay!r}")
+        self.notebook, self.params, self.results_dir = notebook, dict(params), results_dir
+        self.replay = replay if isinstance(replay, bool) else list(replay)
         self.answers: list[tuple[str, str, str | None]] = []
         self._answers_id = f"answers-{notebook}"
 
@@ -103,9 +109,17 @@ class Chapter:
     def show_machine(self) -> None:
         """The banner; when replaying, it also says that the tables were measured elsewhere (see each table)."""
         show_machine({**self.params, "replay": self.replay})
-        if self.replay:
+        if self.replay is True:
             say("> **Replayed:** the tables below were read from `results/`, not measured in this render; each "
                 "one names the machine and commit that measured it.")
+        elif self.replay:
+            say(f"> **Partly replayed:** {', '.join(f'`{n}`' for n in self.replay)} read from `results/`, not "
+                "measured in this render (each names the machine and commit that measured it); the other tables "
+                "were measured here.")
+
+    def replays(self, name: str) -> bool:
+        """Whether table ``name`` is read back rather than measured."""
+        return self.replay is True or (self.replay is not False and name in self.replay)
 
     def show_answers(self) -> None:
         """Display the answers box (empty now, completed by :meth:`answer` as the notebook runs)."""
@@ -132,7 +146,7 @@ class Chapter:
         """Measure a table and save it (rows tagged with this notebook as their source; ``save`` may pick
         the columns written), or, when replaying, read this notebook's rows of ``name`` back and show who
         measured them. Returns the table (with every column, when measured)."""
-        if self.replay:
+        if self.replays(name):
             df = store.load_results(name, self.results_dir, source=self.notebook)
             say(f"*`{name}`: measured on {store.provenance_line(self.provenance(name))}.*")
             return df

@@ -96,3 +96,8 @@ def test_ablations_for_some_configurations_only():
         fastest.recipes(CONFIGS["2.7B"], quick=False, ablate=["2.7b"])
     with pytest.raises(ValueError, match="list of configuration names"):
         fastest.recipes(CONFIGS["2.7B"], quick=False, ablate="2.7B")
+    some = fastest.recipes(CONFIGS["leaderboard"], quick=False, ablate={"leaderboard": ["no_flash_attention"]})
+    assert [r.name for r in some] == headline + ["no_flash_attention"]
+    assert len(fastest.recipes(CONFIGS["2.7B"], quick=False, ablate={"leaderboard": True})) == 3
+    with pytest.raises(ValueError, match="ablations of leaderboard"):
+        fastest.recipes(CONFIGS["leaderboard"], quick=False, ablate={"leaderboard": ["no_flash"]})

@@ -25,6 +25,19 @@ def test_table_measures_saves_and_replays(tmp_path, capsys):
         report.Chapter("05_flash", {}, str(tmp_path), replay=True).table("lm_step", measure)
 
 
+def test_replay_some_tables_and_measure_the_others(tmp_path, capsys):
+    report.Chapter("10_fastest_step", {}, str(tmp_path)).table("fused_loss", lambda: pd.DataFrame({"ms": [2.0]}))
+    book = report.Chapter("10_fastest_step", {}, str(tmp_path), replay=["fused_loss"])
+    calls = []
+    loss = book.table("fused_loss", lambda: calls.append("loss") or pd.DataFrame({"ms": [9.0]}))
+    step = book.table("fastest_step", lambda: calls.append("step") or pd.DataFrame({"ms": [5.0]}))
+    assert calls == ["step"] and loss["ms"].tolist() == [2.0] and step["ms"].tolist() == [5.0]
+    book.show_machine()
+    assert "Partly replayed" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="list of table names"):
+        report.Chapter("10_fastest_step", {}, str(tmp_path), replay="fused_loss")
+
+
 def test_answers_are_collected_with_links():
     book = report.Chapter("01_profiling", {}, "results")
     book.answer("How slow is the first step?", "2.3x the steady state.", section="Warm-up: why the first steps")
