@@ -79,9 +79,9 @@ def versus_table(df: pd.DataFrame, reference: str = "stock_compiled") -> pd.Data
             break
         c = _comparison(row, ok.loc[reference])
         rows.append(dict(impl=impl, step_ms=row["step_ms"], ratio_to_reference=c.ratio, low=c.low, high=c.high,
-                         verdict=c.verdict if impl != reference else "reference"))
-    for impl in df.loc[df["status"] != "ok", "impl"]:
-        rows.append(dict(impl=impl, step_ms=math.nan, verdict="out of memory"))
+                         verdict=c.label if impl != reference else "reference"))
+    for impl, status in df.loc[df["status"] != "ok", ["impl", "status"]].itertuples(index=False):
+        rows.append(dict(impl=impl, step_ms=math.nan, verdict="out of memory" if status == "oom" else status))
     return pd.DataFrame(rows)
 
 
@@ -122,10 +122,11 @@ def ablation_table(df: pd.DataFrame, base: str = "project") -> pd.DataFrame:
             continue
         c = _comparison(row, ok.loc[base])
         rows.append(dict(switched_off=impl, step_ms=row["step_ms"], added_ms=row["step_ms"] - ok.loc[base, "step_ms"],
-                         ratio=c.ratio, verdict={"slower": "helps", "faster": "hurts"}.get(c.verdict, "within noise"),
+                         ratio=c.ratio, verdict={"slower": "helps", "faster": "hurts"}.get(c.label, c.label),
                          peak_gib=row.get("peak_gib", math.nan)))
-    for impl in df.loc[(df["status"] != "ok") & ~df["impl"].str.startswith("stock"), "impl"]:
-        rows.append(dict(switched_off=impl, verdict="out of memory without it"))
+    failed = df.loc[(df["status"] != "ok") & ~df["impl"].str.startswith("stock"), ["impl", "status"]]
+    for impl, status in failed.itertuples(index=False):
+        rows.append(dict(switched_off=impl, verdict="out of memory without it" if status == "oom" else status))
     return pd.DataFrame(rows)
 
 

@@ -43,6 +43,17 @@ class Comparison:
         return self.verdict != "within noise"
 
     @property
+    def spread_measured(self) -> bool:
+        """False when either side had fewer than two samples: the interval is infinite, nothing is decided."""
+        return math.isfinite(self.low) and math.isfinite(self.high)
+
+    @property
+    def label(self) -> str:
+        """The verdict for a table cell: ``"no spread"`` where no interval could be measured (one sample),
+        since "within noise" would claim a noise that was never seen."""
+        return self.verdict if self.spread_measured else "no spread"
+
+    @property
     def speedup(self) -> float:
         """reference / subject: how many times faster the subject is (for times)."""
         return 1.0 / self.ratio if self.ratio else math.nan

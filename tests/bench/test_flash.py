@@ -45,6 +45,21 @@ def test_errors_vs_float64_records_what_cannot_run():
     assert errs["status"].tolist() == ["unsupported", "unsupported"]
     assert "No available kernel" in errs.loc["cudnn", "note"] and "d=80" in errs.loc["tri", "note"]
     assert errs[["out", "dq", "dk", "dv"]].isna().all().all()
+    def declines_loudly(q, k, v, causal):
+        import warnings
+
+        warnings.warn("Flash attention kernel not used because:")  # what SDPA says before it gives up
+        raise RuntimeError("No available kernel. Aborting execution.")
+
+    def works_and_warns(q, k, v, causal):
+        import warnings
+
+        warnings.warn("something the reader should see")
+        return q + k + v
+
+    with pytest.warns(UserWarning) as seen:
+        fl.errors_vs_float64({"loud": declines_loudly, "ok": works_and_warns}, batch=1, seq=16, d=16, device="cpu")
+    assert [str(w.message) for w in seen] == ["something the reader should see"]  # the decline's chatter is not
     with pytest.raises(ValueError, match="do not match"):  # any other error is a bug, not a row
         fl.errors_vs_float64({"bug": bug}, batch=1, seq=16, d=16, device="cpu")
 

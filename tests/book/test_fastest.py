@@ -44,6 +44,11 @@ def test_versus_and_ablation_tables():
     assert a.loc["no_compile", "verdict"] == "within noise"
     assert a.loc["full_recompute", "verdict"] == "out of memory without it"
     assert "stock_compiled" not in a.index
+    # one timed step each (an 8B step): no spread, so no verdict either way
+    single = pd.DataFrame([_row("project", 6172.0, 0.0, n=1), _row("stock_compiled", 6556.0, 0.0, n=1),
+                           _row("no_flash_attention", 5409.0, 5.8, n=2)])
+    assert fastest.versus_table(single).set_index("impl").loc["project", "verdict"] == "no spread"
+    assert fastest.ablation_table(single).set_index("switched_off").loc["no_flash_attention", "verdict"] == "no spread"
 
 
 def test_phase_sentence_plots_and_mfu():

@@ -33,7 +33,7 @@ def _bench(gpu=GPU):
             _row("pytorch_flash", A, "bf16", 0, status="skipped", note="not run beyond 2048 tokens", gpu=gpu),
             _row("triton", B, "bf16", 2.0, gpu=gpu), _row("sdpa", B, "bf16", 1.0, gpu=gpu),
             _row("sdpa_cudnn", B, "bf16", 0, status="unsupported", note="not supported: no kernel", gpu=gpu),
-            _row("pytorch_flash", B, "bf16", 50.0, gpu=gpu),
+            _row("pytorch_flash", B, "bf16", 50.0, n=1, gpu=gpu),  # one sample: no spread
             _row("triton", fl.Shape(1, 1, 1024, 64), "fp32", 1.0, sweep="fp32", gpu=gpu),
             _row("sdpa", fl.Shape(1, 1, 1024, 64), "fp32", 0.5, sweep="fp32", gpu=gpu),
             _row("pytorch_naive", fl.Shape(1, 1, 1024, 64), "fp32", 2.0, sweep="fp32", gpu=gpu)]
@@ -63,11 +63,13 @@ def test_speedups_sentences_and_heatmap():
     assert e2e.loc[("8x16x2048 d128 full", "pytorch_flash"), "speedup"] == pytest.approx(25.0)
     shown = grid.speedup_display(sp, "e2e")
     assert shown.iloc[0]["sdpa"] == "1.2x faster" and shown.iloc[0]["sdpa_cudnn"] == "1x ≈"
+    assert shown.iloc[1]["pytorch_flash"] == "25x (1 sample)"  # not "≈": no noise was measured
     assert grid.speedup_display(sp, "e2e", interpreted_=True).iloc[0]["sdpa"] == "1.2x"
     text = grid.speed_sentence(sp)
     assert text.startswith("Triton, end to end (forward + backward): against sdpa faster on 1, slower on 1, "
                            "within noise on 0 of 2 (speedup 0.5–1.2x)")
     assert "against sdpa_cudnn faster on 0, slower on 0, within noise on 1 of 1" in text
+    assert "against pytorch_flash faster on 0, slower on 0, within noise on 0, one sample (no spread) on 1 of 1" in text
     assert grid.speed_sentence(sp, interpreted_=True) == present.INTERPRETED_SHORT
     assert grid.plot_speedup_heatmap(sp) is not None
     tf = grid.tflops_table(bench, "lm")

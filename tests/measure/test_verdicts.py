@@ -32,6 +32,8 @@ def test_one_sample_has_no_spread():
     c = compare([10.0], [20.0])
     assert c.verdict == "within noise" and math.isinf(c.high)
     assert "no spread" in c.describe("A", "B")
+    assert c.label == "no spread" and not c.spread_measured
+    assert compare([10.0, 10.1], [20.0, 20.2]).label == "faster"
     with pytest.raises(ValueError):
         compare([], [1.0])
 
