@@ -20,16 +20,24 @@ import torch
 from lab import paths
 
 
-def git_commit() -> str:
-    """The commit the code came from: ``$LAB_COMMIT`` if set (a copied tree has no .git), else git's HEAD."""
+#: What a render writes: changes there do not make the measuring code "dirty" (a render that saves its
+#: first table must not see its own output as an uncommitted change when it saves the second).
+OUTPUT_DIRS = ("results", "reports", "artifacts")
+
+
+def git_commit(root: str | os.PathLike | None = None) -> str:
+    """The commit the code came from: ``$LAB_COMMIT`` if set (a copied tree has no .git), else git's HEAD,
+    with ``+dirty`` when tracked files outside :data:`OUTPUT_DIRS` have uncommitted changes."""
     if os.environ.get("LAB_COMMIT"):
         return os.environ["LAB_COMMIT"]
+    root = root or paths.REPO_ROOT
     try:
-        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=paths.REPO_ROOT,
+        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root,
                               capture_output=True, text=True, timeout=10)
         if head.returncode != 0:
             return "unknown"
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=paths.REPO_ROOT,
+        code = ["--", ".", *(f":(exclude){d}" for d in OUTPUT_DIRS)]
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", *code], cwd=root,
                                capture_output=True, text=True, timeout=10).stdout.strip()
         return head.stdout.strip() + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):

@@ -61,6 +61,29 @@ def test_commit_from_environment(monkeypatch):
     assert results.provenance()["commit"] == "abc123"
 
 
+def test_dirty_means_code_changed_not_outputs(tmp_path, monkeypatch):
+    import subprocess
+
+    monkeypatch.delenv("LAB_COMMIT", raising=False)
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+
+    (tmp_path / "results").mkdir()
+    (tmp_path / "lab.py").write_text("x = 1\n")
+    (tmp_path / "results" / "t.csv").write_text("a\n1\n")
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-qm", "one")
+    clean = results.git_commit(tmp_path)
+    assert len(clean) == 12 and "dirty" not in clean
+    (tmp_path / "results" / "t.csv").write_text("a\n2\n")  # a render saving a table
+    assert results.git_commit(tmp_path) == clean
+    (tmp_path / "lab.py").write_text("x = 2\n")  # the code measured is not the commit's
+    assert results.git_commit(tmp_path) == clean + "+dirty"
+
+
 def test_provenance_line():
     meta = dict(gpu_count=2, gpu_name="NVIDIA H200", torch="2.11.0", triton="3.6.0", commit="abc", date="2026-11-26T01")
     assert results.provenance_line(meta) == "2 x NVIDIA H200, torch 2.11.0, triton 3.6.0, commit abc, 2026-11-26"
