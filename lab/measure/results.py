@@ -19,7 +19,6 @@ import torch
 
 from lab import paths
 
-
 #: What a render writes: changes there do not make the measuring code "dirty" (a render that saves its
 #: first table must not see its own output as an uncommitted change when it saves the second).
 OUTPUT_DIRS = ("results", "reports", "artifacts")

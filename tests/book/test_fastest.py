@@ -75,6 +75,13 @@ def test_fused_loss_goals():
     assert "1.50x the compiled materialized loss (time goal missed)" in s
     assert "1.3% of the materialized loss's 55.6 GiB (memory goal met)" in s
     assert "no GPU" in fastest.fused_loss_sentence(pd.DataFrame(rows), on_gpu=False)
+    # with TFLOP/s (each credited with 6 N D V = 122.3 TFLOP) the gap splits into work and rate
+    flops = 6 * 32768 * 4096 * 151936 / 1e12
+    timed = [dict(r, tflops=flops / r["fwdbwd_ms"] * 1e3) for r in rows]
+    s = fastest.fused_loss_sentence(pd.DataFrame(timed), on_gpu=True)
+    # fused: 122.3 / 0.3 s x 4/3 = 544 TFLOP/s of work done; compiled 122.3 / 0.2 s = 612
+    assert "1.33x the compiled loss's matmul work" in s and "at 544 TFLOP/s against 612" in s
+    assert "1.33x the work at 1/1.13 the rate is 1.5x the time" in s
 
 
 def test_quick_recipes_compile_nothing():
@@ -106,3 +113,11 @@ def test_ablations_for_some_configurations_only():
     assert len(fastest.recipes(CONFIGS["2.7B"], quick=False, ablate={"leaderboard": True})) == 3
     with pytest.raises(ValueError, match="ablations of leaderboard"):
         fastest.recipes(CONFIGS["leaderboard"], quick=False, ablate={"leaderboard": ["no_flash"]})
+
+
+def test_measured_on_gpu_reads_the_rows_not_this_machine():
+    assert fastest.measured_on_gpu(pd.DataFrame({"gpu": ["NVIDIA H200 x2"] * 2}), default=False)
+    assert not fastest.measured_on_gpu(pd.DataFrame({"gpu": ["cpu"]}), default=True)
+    assert fastest.measured_on_gpu(pd.DataFrame({"device": ["cuda"]}), default=False)
+    assert not fastest.measured_on_gpu(pd.DataFrame({"device": ["cpu"]}), default=True)
+    assert fastest.measured_on_gpu(pd.DataFrame({"x": [1]}), default=True)
