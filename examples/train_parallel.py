@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import torch
 
@@ -55,7 +56,7 @@ def train(wrapper: str, steps: int, batch: int) -> dict:
         losses.append(total.item() / world)
     weights = wrapped.gather_full_params() if wrapper == "fsdp" else dict(model.named_parameters())
     return dict(rank=rank, world_size=world, losses=losses,
-                checksum=float(sum(w.double().abs().sum() for w in weights.values())))
+                checksum=float(sum(w.detach().double().abs().sum() for w in weights.values())))
 
 
 def main(argv=None) -> None:
@@ -65,9 +66,10 @@ def main(argv=None) -> None:
     p.add_argument("--batch", type=int, default=4, help="global batch (divisible by the world size)")
     p.add_argument("--world-size", type=int, default=2, help="ranks to spawn when not under torchrun")
     args = p.parse_args(argv)
-    world = int(__import__("os").environ.get("WORLD_SIZE", args.world_size))
+    world = int(os.environ.get("WORLD_SIZE", args.world_size))
     results = launcher.launch(train, world, args.wrapper, args.steps, args.batch, device="cpu")
-    if launcher.rank() == 0 or not launcher.is_torchrun():
+    # under torchrun every process returns here (its process group already destroyed): rank 0 by torchrun's env
+    if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps(results[0]))
 
 

@@ -104,7 +104,7 @@ def compile_in_subprocess(jobs: list) -> list:
     """Run ``jobs`` ([kind, kwargs] for :func:`forward` / :func:`backward`) in a fresh interpreter without
     TRITON_INTERPRET; returns their reports in order."""
     root = Path(__file__).resolve().parents[2]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = {**os.environ, "TRITON_INTERPRET": "0"}  # compiled, not interpreted (import lab would set 1)
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
     done = subprocess.run([sys.executable, "-m", "tests.kernels.test_flash_sm90_compile", json.dumps(jobs)],
                           cwd=root, env=env, capture_output=True, text=True, timeout=600)

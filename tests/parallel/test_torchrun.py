@@ -27,7 +27,7 @@ def _single_process(steps: int, batch: int) -> dict:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return dict(losses=losses, checksum=float(sum(p.double().abs().sum() for p in model.parameters())))
+    return dict(losses=losses, checksum=float(sum(p.detach().double().abs().sum() for p in model.parameters())))
 
 
 @pytest.mark.slow
