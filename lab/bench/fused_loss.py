@@ -234,8 +234,9 @@ def add_ratios(df: pd.DataFrame, baseline: str = "torch_compiled") -> pd.DataFra
     """Add ``time_vs_<baseline>`` (fwdbwd_ms / the baseline's at the same shape and dtype) and
     ``memory_vs_<baseline>`` (peak_extra_gib ratio) columns; NaN where the baseline has no ok row."""
     key = ["vocab", "d_model", "tokens", "dtype"]
-    base = df[(df["impl"] == baseline) & (df["status"] == "ok")].set_index(key)[["fwdbwd_ms", "peak_extra_gib"]]
-    out = df.join(base, on=key, rsuffix="_base")
+    base = (df[(df["impl"] == baseline) & (df["status"] == "ok")].set_index(key)[["fwdbwd_ms", "peak_extra_gib"]]
+            .add_suffix("_base"))
+    out = df.join(base, on=key)
     df = df.copy()
     df[f"time_vs_{baseline}"] = out["fwdbwd_ms"] / out["fwdbwd_ms_base"]
     df[f"memory_vs_{baseline}"] = out["peak_extra_gib"] / out["peak_extra_gib_base"]
