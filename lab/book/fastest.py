@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 import pandas as pd
 
 from lab.book.report import fmt
+from lab.measure.results import measured_on
 from lab.measure.verdicts import compare_summaries
 from lab.recipes.fastest_step import CONFIGS, StepConfig, ablations, model_flops_per_step, recipes_for
 
@@ -86,13 +87,9 @@ def versus_table(df: pd.DataFrame, reference: str = "stock_compiled") -> pd.Data
 
 
 def measured_on_gpu(df: pd.DataFrame, default: bool) -> bool:
-    """Whether ``df``'s rows were measured on GPUs: from their provenance (``gpu``) or ``device`` column, so
-    that a replay on a laptop still judges the GPU's numbers; ``default`` (this render's device) otherwise."""
-    if "gpu" in df.columns and df["gpu"].notna().any():
-        return not df["gpu"].astype(str).str.lower().isin(["cpu", "nan", ""]).any()
-    if "device" in df.columns and len(df):
-        return bool(df["device"].astype(str).str.startswith("cuda").all())
-    return default
+    """Whether ``df``'s rows were measured on GPUs (:func:`lab.measure.results.measured_on`), so that a replay
+    on a laptop still judges the GPU's numbers; ``default`` (this render's device) when the rows do not say."""
+    return measured_on(df, default="cuda" if default else "cpu") == "cuda"
 
 
 def goal_sentence(df: pd.DataFrame, config: str, target: float, reference: str = "stock_compiled",

@@ -22,6 +22,7 @@ from lab.bench import flash as fl
 from lab.bench.attention_costs import DTYPES, PASSES, attention_flops
 from lab.book.attention import with_profile_defaults
 from lab.book.report import fmt
+from lab.measure.results import measured_on
 from lab.measure.verdicts import GoalCheck, compare_summaries
 
 # ----------------------------------------------------------------------------------------------------------
@@ -106,12 +107,9 @@ def settings(quick: bool, device, **knobs) -> Settings:
 
 
 def interpreted(df: pd.DataFrame) -> bool:
-    """True when the rows were measured on the CPU (Triton interpreted), from their ``gpu`` (or ``device``)
-    column; such times say nothing about a GPU."""
-    for col in ("gpu", "device"):
-        if col in df.columns and len(df):
-            return bool(df[col].astype(str).str.lower().isin(["cpu", "nan"]).all())
-    return False
+    """True when the rows were measured on the CPU (Triton interpreted), read from the rows
+    (:func:`lab.measure.results.measured_on`); such times say nothing about a GPU."""
+    return measured_on(df, default="cuda") == "cpu"
 
 
 INTERPRETED_NOTE = ("These times were measured on the CPU with Triton's interpreter (`TRITON_INTERPRET=1`), which "

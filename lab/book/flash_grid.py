@@ -18,6 +18,7 @@ from lab.bench import flash as fl
 from lab.bench.attention_costs import PASSES
 from lab.book.flash import INTERPRETED_SHORT
 from lab.book.report import fmt
+from lab.measure.verdicts import label as verdict_label
 
 
 def shape_label(batch: int, heads: int, seq: int, d: int, causal: bool) -> str:
@@ -72,11 +73,6 @@ def speedup_table(bench: pd.DataFrame, sweep: str = "lm", impl: str = "triton", 
     return _labelled(fl.versus(df, impl, references))
 
 
-def _label(verdict: str, low: float, high: float) -> str:
-    """A row's verdict, or "no spread" where one side had a single sample (an infinite interval)."""
-    return verdict if math.isfinite(low) and math.isfinite(high) else "no spread"
-
-
 def speedup_display(speedups: pd.DataFrame, pass_: str = "e2e", interpreted_: bool = False) -> pd.DataFrame:
     """One pass of :func:`speedup_table`, one row per (shape, dtype), one column per reference:
     ``"1.23x faster"`` / ``"0.8x slower"`` / ``"0.98x ≈"`` (within noise); the bare ratio, with no verdict,
@@ -85,7 +81,7 @@ def speedup_display(speedups: pd.DataFrame, pass_: str = "e2e", interpreted_: bo
     if df.empty:
         return pd.DataFrame()
     mark = {"faster": " faster", "slower": " slower", "within noise": " ≈", "no spread": " (1 sample)"}
-    cell = [f"{r.speedup:.3g}x{'' if interpreted_ else mark.get(_label(r.verdict, r.low, r.high), '')}"
+    cell = [f"{r.speedup:.3g}x{'' if interpreted_ else mark.get(verdict_label(r.verdict, r.low, r.high), '')}"
             for r in df.itertuples()]
     table = df.assign(cell=cell).pivot_table(index=["shape", "dtype"], columns="reference", values="cell",
                                              aggfunc="first", sort=False)
@@ -108,7 +104,7 @@ def plot_speedup_heatmap(speedups: pd.DataFrame, impl: str = "triton", interpret
         d = speedups[speedups["pass"] == p].assign(row=lambda x: x["shape"] + " " + x["dtype"])
         value = d.pivot_table(index="row", columns="reference", values="speedup", sort=False)
         marks = {"within noise": "≈", "no spread": "?"}
-        noted = d.assign(text=[f"{s:.2g}" + marks.get(_label(v, lo, hi), "") for s, v, lo, hi in
+        noted = d.assign(text=[f"{s:.2g}" + marks.get(verdict_label(v, lo, hi), "") for s, v, lo, hi in
                                zip(d["speedup"], d["verdict"], d["low"], d["high"])])
         text = noted.pivot_table(index="row", columns="reference", values="text", aggfunc="first", sort=False)
         sns.heatmap(np.log2(value), annot=text.reindex_like(value), fmt="", cmap="RdBu", center=0, cbar=False,
@@ -130,7 +126,7 @@ def speed_sentence(speedups: pd.DataFrame, impl: str = "triton", pass_: str = "e
         return f"No configuration was measured for both {impl} and a reference."
     parts = []
     for ref, g in df.groupby("reference", sort=False):
-        labels = [_label(v, lo, hi) for v, lo, hi in zip(g["verdict"], g["low"], g["high"])]
+        labels = [verdict_label(v, lo, hi) for v, lo, hi in zip(g["verdict"], g["low"], g["high"])]
         faster, slower, blind = (labels.count(w) for w in ("faster", "slower", "no spread"))
         unmeasured = f", one sample (no spread) on {blind}" if blind else ""
         parts.append(f"against {ref} faster on {faster}, slower on {slower}, within noise on "

@@ -19,6 +19,7 @@ import pandas as pd
 
 from lab.book import report
 from lab.measure.device import resolve_device
+from lab.measure.results import measured_on
 
 # ----------------------------------------------------------------------------------------------------------
 # settings
@@ -71,16 +72,6 @@ def num(x: float, digits: int = 3) -> str:
     if abs(x) >= 10**digits:
         return f"{x:,.0f}"
     return f"{x:.{digits}g}"
-
-
-def measured_on(table: pd.DataFrame) -> str:
-    """``"cuda"`` or ``"cpu"``: the device a benchmark table was measured on (its ``device`` column, else its
-    ``gpu`` provenance column)."""
-    if "device" in table.columns and table["device"].notna().any():
-        return "cuda" if str(table["device"].dropna().iloc[0]).startswith("cuda") else "cpu"
-    if "gpu" in table.columns and table["gpu"].notna().any():
-        return "cpu" if str(table["gpu"].dropna().iloc[0]) == "cpu" else "cuda"
-    return "cpu"
 
 
 # ----------------------------------------------------------------------------------------------------------

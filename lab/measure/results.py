@@ -72,6 +72,19 @@ def gpu_label() -> str:
     return name if n == 1 else f"{name} x{n}"
 
 
+def measured_on(table: pd.DataFrame, default: str = "cpu") -> str:
+    """``"cuda"`` or ``"cpu"``: where a table's rows were measured, read from the rows (their ``device``
+    column, else their ``gpu`` provenance, :func:`gpu_label`), not from the machine reading them, so a replay
+    on a laptop still knows it holds GPU numbers. ``"cpu"`` if any row ran on the CPU; ``default`` when the
+    rows say nothing."""
+    for col, on_cpu in (("device", lambda v: v.startswith("cpu")), ("gpu", lambda v: v.lower() == "cpu")):
+        if col in table.columns:
+            values = [str(v) for v in table[col].dropna() if str(v) not in ("", "nan")]
+            if values:
+                return "cpu" if any(on_cpu(v) for v in values) else "cuda"
+    return default
+
+
 def provenance(params: dict[str, Any] | None = None) -> dict[str, Any]:
     """Where a result came from: GPU name and count, driver, CUDA, torch, triton, commit, date, parameters."""
     cuda = torch.cuda.is_available()

@@ -49,9 +49,8 @@ class Comparison:
 
     @property
     def label(self) -> str:
-        """The verdict for a table cell: ``"no spread"`` where no interval could be measured (one sample),
-        since "within noise" would claim a noise that was never seen."""
-        return self.verdict if self.spread_measured else "no spread"
+        """The verdict for a table cell (:func:`label`)."""
+        return label(self.verdict, self.low, self.high)
 
     @property
     def speedup(self) -> float:
@@ -72,6 +71,13 @@ class Comparison:
             return f"{subject} is {self.ratio:.3g}x slower than {reference} ({interval})"
         word = "higher" if self.verdict == "higher" else "lower"
         return f"{subject} is {self.ratio:.3g}x the value of {reference}, {word} beyond noise ({interval})"
+
+
+def label(verdict: str, low: float, high: float) -> str:
+    """A verdict for a table cell, from a comparison's stored columns: ``"no spread"`` where no interval could
+    be measured (one sample on a side: infinite bounds), since "within noise" would claim a noise that was
+    never seen; the verdict otherwise."""
+    return verdict if math.isfinite(low) and math.isfinite(high) else "no spread"
 
 
 def _verdict(low: float, high: float, lower_is_better: bool) -> str:
