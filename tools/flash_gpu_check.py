@@ -124,9 +124,9 @@ def fp32_variants(d):
 
 # ------------------------------------------------------------------------------------- worker tasks
 def _dtype(name):
-    import torch
+    from lab.dtypes import torch_dtype  # imported late: the CPU smoke sets TRITON_INTERPRET first
 
-    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+    return torch_dtype(name)
 
 
 def rel_err(x, ref):
@@ -412,10 +412,6 @@ def make_bench(device, warmup_ms, rep_ms):
     return cpu_bench
 
 
-def attention_flops(b, h, n_q, n_k, d, causal):
-    return 4.0 * b * h * n_q * n_k * d * (0.5 if causal else 1.0)
-
-
 class CsvSink:
     """Rows appended to a CSV as they come (a run cut short still leaves its rows)."""
 
@@ -481,8 +477,9 @@ def sweep_shape(name, shape, device, bench, sink, left, reserve_s, failed):
 
     b, h, n, d, causal = shape
     q, k, v, g = _qkv(device, b, h, n, d, "bf16")
-    flops = attention_flops(b, h, n, n, d, causal)
-    work = {"fwd": flops, "bwd": 2.5 * flops, "e2e": 3.5 * flops}
+    from lab.bench.attention_costs import attention_flops  # the book's count (causal: n (n + 1) / 2 pairs)
+
+    work = {p: attention_flops(b, n, d, causal, p, heads=h) for p in ("fwd", "bwd", "e2e")}
 
     def record(impl, variant, times, **extra):
         for p, ms in times.items():

@@ -39,8 +39,9 @@ POLICIES: dict[str, PrecisionPolicy] = {
         "bf16 copy of each weight matrix for backward"),
     "bf16": PrecisionPolicy("bf16", 2, 2, 4, 0, 2, "pure bf16: weights, gradients, AdamW m and v all bf16"),
 }
-# ``lab.bench.lm`` calls autocast "bf16"; here that name means pure bf16, so translate at the boundary.
-BENCH_DTYPE_TO_POLICY = {"fp32": "fp32", "bf16": "bf16_autocast"}
+# ``lab.bench.lm`` calls autocast "bf16"; here that name means pure bf16, so translate at the boundary. Autocast
+# to fp16 keeps the same bytes as to bf16 (16-bit weight copies and activations).
+BENCH_DTYPE_TO_POLICY = {"fp32": "fp32", "bf16": "bf16_autocast", "fp16": "bf16_autocast"}
 
 
 def policy(name: str | PrecisionPolicy) -> PrecisionPolicy:

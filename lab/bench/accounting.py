@@ -13,6 +13,7 @@ import sympy as sp
 
 from lab import accounting as acc
 from lab.accounting import BENCH_DTYPE_TO_POLICY, GiB, saved_activation_bytes, state_memory, training_memory
+from lab.measure.step import MODES, mode_columns
 
 #: The two FFNs of the XXL question: as posed (two matrices, up and down, no activation) and SwiGLU's three.
 FFN_VARIANTS = {2: "2 matrices (the question)", 3: "SwiGLU (3 matrices)"}
@@ -172,7 +173,7 @@ def predicted_vs_measured(lm_step=None, sharding=None, device_type: str = "cuda"
                 continue
             prec = BENCH_DTYPE_TO_POLICY.get(str(r["dtype"]), "fp32")
             # one comparison per measured mode, each against that mode's own peak (same measurement)
-            for mode, col in (("forward", "fwd"), ("forward_backward", "fwdbwd"), ("train_step", "step")):
+            for mode, col in zip(MODES, mode_columns(MODES)):
                 peak = r.get(f"{col}_peak_gib")
                 if peak is None or pd.isna(peak) or pd.isna(r.get(f"{col}_ms")):
                     continue

@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import gc
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import pandas as pd
 import torch
 import torch._functorch.config  # not imported by ``import torch``; run_naive_grid patches it
 
 from lab.bench.attention_costs import DTYPES, fit_power_law, naive_attention_totals, saved_tensor_bytes
+from lab.bench.progress import progress_bar
 from lab.measure.device import empty_cache, is_oom, resolve_device, synchronize
 from lab.model.attention import AttentionFn, get_attention, naive_attention
 
@@ -80,14 +81,6 @@ def attention_impl(name: str, device: torch.device | str = "auto") -> AttentionF
 
 # ----------------------------------------------------------------------------------------------------------
 # The naive grid (notebook 04): forward and backward passes timed separately, memory before backward
-
-
-def progress_bar(iterable: Iterable, desc: str, progress: bool = True):
-    """A tqdm bar over ``iterable`` when ``progress``; otherwise none. ``disable`` is passed only to switch
-    the bar off, so that ``TQDM_DISABLE=1`` (set by the book's renderer) keeps bars out of rendered reports."""
-    from tqdm import tqdm
-
-    return tqdm(iterable, desc=desc) if progress else tqdm(iterable, desc=desc, disable=True)
 
 
 def _inputs(batch: int, seq: int, d: int, dtype: torch.dtype, device: torch.device, seed: int = 0):

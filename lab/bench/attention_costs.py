@@ -13,7 +13,11 @@ import numpy as np
 import pandas as pd
 import torch
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from lab.dtypes import DTYPES as ALL_DTYPES
+from lab.dtypes import element_size
+
+#: The attention benchmarks' dtypes: a subset of the one table, :data:`lab.dtypes.DTYPES`.
+DTYPES = {name: ALL_DTYPES[name] for name in ("fp32", "bf16", "fp16")}
 PASSES = ("fwd", "bwd", "e2e")
 
 
@@ -64,8 +68,7 @@ def dtype_bytes(dtype: str | torch.dtype) -> int:
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-        dtype = DTYPES[dtype]
-    return torch.empty((), dtype=dtype).element_size()
+    return element_size(dtype)
 
 
 def naive_attention_memory(batch: int, seq: int, d: int, dtype: str | torch.dtype = "fp32",

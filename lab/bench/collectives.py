@@ -24,10 +24,10 @@ from dataclasses import asdict, dataclass
 import pandas as pd
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 from lab.accounting.collectives import ring_factor
-from lab.measure.device import is_oom
+from lab.bench.progress import progress_bar
+from lab.measure.device import is_oom, synchronize
 from lab.parallel import launcher as distributed
 from lab.parallel.collectives import all_gather_tensor, reduce_scatter_tensor
 
@@ -108,10 +108,10 @@ def collective_worker(ops: Sequence[str], sizes_bytes: Sequence[int], warmup: in
                 row["correct"] = bool(torch.equal(out, _expected(op, out, n, r)))
                 for i in range(warmup + iters):
                     dist.barrier()
-                    _sync(dev)
+                    synchronize(dev)
                     start = time.perf_counter()
                     _run(op, inp, out)
-                    _sync(dev)
+                    synchronize(dev)
                     if i >= warmup:
                         row["samples_s"].append(time.perf_counter() - start)
                 del inp, out
@@ -123,11 +123,6 @@ def collective_worker(ops: Sequence[str], sizes_bytes: Sequence[int], warmup: in
                 torch.cuda.empty_cache()
             rows.append(row)
     return rows
-
-
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -229,7 +224,7 @@ def benchmark_collectives(ops: Sequence[str] = OPS, sizes_mb: Sequence[float] = 
     sizes_bytes = [int(mb * MIB) for mb in sizes_mb]
     run, _ = plan_world_sizes(world_sizes, device)
     rows = []
-    for n in tqdm(run, desc=f"collectives on {device}", disable=not progress):
+    for n in progress_bar(run, f"collectives on {device}", progress):
         per_rank = distributed.launch(collective_worker, n, list(ops), sizes_bytes, warmup, iters,
                                       device=device, timeout_s=timeout_s)
         rows.extend(aggregate_over_ranks(per_rank, n, "nccl" if device == "cuda" else "gloo"))

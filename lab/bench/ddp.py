@@ -28,9 +28,10 @@ import torch.distributed as dist
 from torch import nn
 
 from lab import paths
+from lab.accounting import parameter_count
 from lab.bench.interleaved import Interleaving, choose_schedule, combine_ranks, summarize_rounds, time_interleaved
 from lab.measure.device import available_memory_bytes, synchronize
-from lab.measure.profiling import quiet_profile
+from lab.measure.profiling import profile_step
 from lab.measure.step import TrainStep, make_optimizer, random_batch
 from lab.measure.traces import read_trace, step_overlap
 from lab.model import ModelConfig, TransformerLM, config_for
@@ -97,12 +98,6 @@ def model_config(size: str | ModelConfig, context: int) -> tuple[str, ModelConfi
     if isinstance(size, ModelConfig):
         return "custom", replace(size, context_length=context)
     return size, config_for(size, context_length=context)
-
-
-def parameter_count(cfg: ModelConfig) -> int:
-    """Parameters of a :class:`TransformerLM` of ``cfg``, counted on the meta device (no memory)."""
-    with torch.device("meta"):
-        return TransformerLM(cfg).num_parameters()
 
 
 def resolve_schedule(interleaving: Interleaving, bytes_per_copy: float, copies: int, device: str,
@@ -183,17 +178,9 @@ def ddp_benchmark_worker(plan: list[tuple[str, float]], cfg: ModelConfig, batch:
 
 
 def _profile(step, dev: torch.device, n_steps: int, name: str, trace_dir: str | None) -> dict:
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if dev.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with quiet_profile(torch.profiler.profile(activities=activities)) as prof:
-        for _ in range(n_steps):
-            step()
-        synchronize(dev)
     folder = Path(trace_dir) if trace_dir else Path(paths.artifacts_dir("artifacts/tmp"))
-    folder.mkdir(parents=True, exist_ok=True)
     path = folder / name
-    prof.export_chrome_trace(str(path))
+    profile_step(step, "train_step", warmup=0, steps=n_steps, trace_path=path)
     summary = step_overlap(read_trace(path))
     return {"comm_ms": summary["communication_ms"] / n_steps, "overlap_frac": summary["overlap_share"],
             "trace": str(path)}

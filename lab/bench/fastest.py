@@ -10,6 +10,7 @@ Out-of-memory is a row (``status="oom"``), never a crash.
 from __future__ import annotations
 
 import gc
+import json
 import math
 import time
 from collections.abc import Sequence
@@ -19,7 +20,7 @@ import pandas as pd
 import torch
 
 from lab.measure.device import empty_cache, error_summary, is_oom, synchronize
-from lab.measure.profiling import quiet_profile
+from lab.measure.profiling import profile_step
 from lab.measure.timing import time_callable, time_kernel
 from lab.parallel import launcher
 from lab.recipes.fastest_step import CONFIGS, Recipe, StepConfig, build_step, mfu, model_flops_per_step
@@ -56,7 +57,8 @@ def phase_breakdown(trace_path: str | Path, steps: int = 1) -> dict[str, float]:
     streams were idle (launch gaps, waiting)."""
     from lab.measure.traces import kernels_by_range, read_trace, step_overlap
 
-    kernels = kernels_by_range(trace_path, ("forward", "backward", "optimizer_step", "recompute"))
+    trace = json.loads(Path(trace_path).read_text())  # read once, for both readers
+    kernels = kernels_by_range(trace, ("forward", "backward", "optimizer_step", "recompute"))
     out = dict.fromkeys(PHASE_COLUMNS, 0.0)
     if kernels.empty:
         return {k: math.nan for k in out}
@@ -64,7 +66,7 @@ def phase_breakdown(trace_path: str | Path, steps: int = 1) -> dict[str, float]:
     for phase, dur in zip(phases, kernels["dur_ms"]):
         if phase != "communication":
             out[f"{phase}_ms"] += dur / steps
-    overlap = step_overlap(read_trace(trace_path))
+    overlap = step_overlap(read_trace(trace))
     out["exposed_communication_ms"] = (overlap["communication_ms"] - overlap["overlapped_ms"]) / steps
     window = overlap.get("window_ms", math.nan)
     out["idle_ms"] = (window - overlap["compute_ms"]) / steps if window == window else math.nan
@@ -121,7 +123,7 @@ def measure_recipe(config: StepConfig, recipe: Recipe, device: torch.device, war
         if row["peak_gib"] == row["peak_gib"]:
             row["activations_and_other_gib"] = row["peak_gib"] - sum(state.values()) / GiB
         if profile:
-            row.update(_profile(step, device, trace_dir, f"fastest_{config.name}_{recipe.name}_rank{rank}.json"))
+            row.update(_profile(step, trace_dir, f"fastest_{config.name}_{recipe.name}_rank{rank}.json"))
     except Exception as exc:  # noqa: BLE001 - out of memory is a result
         if not is_oom(exc):
             raise
@@ -132,20 +134,12 @@ def measure_recipe(config: StepConfig, recipe: Recipe, device: torch.device, war
     return row
 
 
-def _profile(step, device: torch.device, trace_dir: str | None, name: str) -> dict:
-    from torch.profiler import ProfilerActivity, profile
-
+def _profile(step, trace_dir: str | None, name: str) -> dict:
     from lab import paths
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    synchronize(device)
-    with quiet_profile(profile(activities=activities)) as prof:
-        step()
-        synchronize(device)
-    folder = Path(trace_dir) if trace_dir else paths.artifacts_dir("artifacts/traces")
-    folder.mkdir(parents=True, exist_ok=True)
-    prof.export_chrome_trace(str(folder / name))
-    return phase_breakdown(folder / name)
+    path = (Path(trace_dir) if trace_dir else paths.artifacts_dir("artifacts/traces")) / name
+    profile_step(step, "train_step", warmup=0, steps=1, trace_path=path)
+    return phase_breakdown(path)
 
 
 def fastest_worker(config: StepConfig, recipes: list[Recipe], warmup_ms: float, rep_ms: float, profile: bool,

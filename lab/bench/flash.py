@@ -24,8 +24,9 @@ import numpy as np
 import pandas as pd
 import torch
 
-from lab.bench.attention import _first_line, _inputs, attention_impl, progress_bar
+from lab.bench.attention import _first_line, _inputs, attention_impl
 from lab.bench.attention_costs import DTYPES, PASSES, attention_flops, naive_attention_totals
+from lab.bench.progress import progress_bar
 from lab.measure.device import empty_cache, is_oom, resolve_device
 from lab.measure.timing import Timing, time_kernel
 from lab.measure.verdicts import GoalCheck, compare_summaries
@@ -130,12 +131,6 @@ def correctness_grid(impls: Sequence[str], ds: Sequence[int] = (64, 80, 96, 128)
 
 # ----------------------------------------------------------------------------------------------------------
 # The flash grid (notebook 05): forward, backward, end-to-end per implementation
-
-
-def measure_ms(fn: Callable[[], object], device: torch.device, warmup_ms: float = 5, rep_ms: float = 20,
-               cpu_warmup: int = 1, cpu_steps: int = 3) -> float:
-    """Median milliseconds per call of ``fn`` (:func:`lab.measure.timing.time_kernel`: do_bench on CUDA)."""
-    return time_kernel(fn, device, warmup_ms, rep_ms, cpu_warmup, cpu_steps).median_ms
 
 
 def _record(row: dict, pass_: str, timing: Timing) -> None:

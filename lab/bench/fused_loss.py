@@ -28,9 +28,10 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
+from lab.bench.attention_costs import DTYPES  # fp32, bf16, fp16 of the one dtype table
+from lab.dtypes import element_size
 from lab.measure.device import empty_cache, error_summary, is_oom, resolve_device, synchronize
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 IMPLS = ("fused", "fused_grad_in_forward", "torch", "torch_compiled", "torch_chunked")
 COLUMNS = ["impl", "vocab", "d_model", "tokens", "dtype", "fwdbwd_ms", "fwd_ms", "peak_extra_gib", "tflops",
            "status", "error", "device"]
@@ -252,7 +253,7 @@ def fused_memory_model(tokens: int, d_model: int, vocab: int, dtype: str = "bf16
     from lab.kernels import fused_cross_entropy_kernels as K
 
     dt = DTYPES[dtype]
-    e = torch.empty((), dtype=dt).element_size()
+    e = element_size(dt)
     n, d, v = tokens, d_model, vocab
     lse_cfg = K.config("lse", dt, interpret=False)
     tiles = math.ceil(v / lse_cfg["BLOCK_N"])
@@ -275,7 +276,7 @@ def materialized_memory_model(tokens: int, vocab: int, dtype: str = "bf16") -> d
     """Closed-form extra bytes of eager :func:`materialized_loss` (its ``N x V`` tensors only). Forward: the
     logits, their fp32 copy and the fp32 log-softmax at once. Backward: while the log-softmax backward runs,
     its saved output, the NLL gradient and its own result (three fp32 ``N x V``)."""
-    e = torch.empty((), dtype=DTYPES[dtype]).element_size()
+    e = element_size(dtype)
     nv = tokens * vocab
     forward = nv * e + nv * 4 + nv * 4
     backward = 3 * nv * 4

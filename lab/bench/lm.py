@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Sequence
 import pandas as pd
 import torch
 
+from lab.bench.progress import progress_bar
 from lab.dtypes import autocast_dtype
 from lab.measure.device import empty_cache, error_summary, is_oom, resolve_device
 from lab.measure.step import MODES, TrainStep, make_optimizer, measure_mode, mode_columns, random_batch
@@ -39,10 +40,10 @@ def predicted_peak_bytes(cfg: ModelConfig, batch: int, context: int, dtype: str,
                          device: torch.device) -> tuple[int, int]:
     """``(predicted peak bytes of the largest mode, bytes available on device)`` from
     :func:`lab.accounting.training_memory` (an estimate: temporaries such as the logits are not counted)."""
-    from lab.accounting import training_memory
+    from lab.accounting import BENCH_DTYPE_TO_POLICY, training_memory
     from lab.measure.device import available_memory_bytes
 
-    precision = "fp32" if dtype == "fp32" else "bf16_autocast"
+    precision = BENCH_DTYPE_TO_POLICY[dtype]
     need = max(training_memory(cfg, batch, context, precision, m, device_type=device.type)["total"] for m in modes)
     return need, available_memory_bytes(device)
 
@@ -135,11 +136,9 @@ def sweep_lm(sizes: Iterable[str | ModelConfig], contexts: Iterable[int] = (512,
 
     ``modes`` may be a function of (size, context), e.g. to add the train step at one context only.
     """
-    from tqdm import tqdm
-
     grid = [(s, c, d) for s in sizes for c in contexts for d in dtypes]
     rows = []
-    bar = tqdm(grid, desc="lm sweep", disable=not progress)
+    bar = progress_bar(grid, "lm sweep", progress)
     for s, c, d in bar:
         bar.set_postfix_str(f"{s} ctx={c} {d}")
         m = modes(s, c) if callable(modes) else modes
@@ -153,12 +152,10 @@ def compare_variants(size: str | ModelConfig, variants: Iterable[dict], context:
     """:func:`benchmark_lm` of one configuration once per variant, e.g. ``[dict(attention="sdpa"),
     dict(attention="flash_triton", compile=True), dict(fused_loss=True)]`` (keywords of benchmark_lm), in
     this order in one process. Returns :func:`lm_step_table` rows (the spec's ``lm_step`` columns first)."""
-    from tqdm import tqdm
-
     device = resolve_device(device) if isinstance(device, str) else device
     variants = [dict(v) for v in variants]
     rows = []
-    for variant in tqdm(variants, desc="lm variants", disable=not progress):
+    for variant in progress_bar(variants, "lm variants", progress):
         rows.append(benchmark_lm(size, context=context, batch=batch, dtype=dtype, modes=modes, warmup=warmup,
                                  steps=steps, device=device, **variant))
     return lm_step_table(pd.DataFrame(rows))
@@ -196,8 +193,6 @@ def warmup_study(size: str | ModelConfig, warmups: Sequence[int] = (0, 1, 2, 5),
     """
     import json
 
-    from tqdm import tqdm
-
     from lab.measure.process import run_python_module
 
     if isinstance(size, ModelConfig):
@@ -206,7 +201,7 @@ def warmup_study(size: str | ModelConfig, warmups: Sequence[int] = (0, 1, 2, 5),
     else:
         arch = ["--size", size]
     rows = []
-    for w in tqdm(warmups, desc="warm-up study", disable=not progress):
+    for w in progress_bar(warmups, "warm-up study", progress):
         out = run_python_module("lab.bench", [*arch, "--context", str(context), "--batch", str(batch), "--mode",
                                               "forward_backward", "--dtype", dtype, "--attention", attention,
                                               "--warmup", str(w), "--steps", str(steps), "--device", device,

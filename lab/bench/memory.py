@@ -24,6 +24,7 @@ from torch import nn
 
 from lab import paths
 from lab.bench.memory_setup import MemorySetup
+from lab.bench.progress import progress_bar
 from lab.dtypes import autocast, autocast_dtype
 from lab.measure.device import empty_cache, error_summary, is_oom, resolve_device
 from lab.measure.memory_snapshot import MemoryRecording, load_marks, load_snapshot, record_memory_snapshot
@@ -155,25 +156,20 @@ def peak_memory_table(model: nn.Module, contexts: Sequence[int], dtypes: Sequenc
     autocast). Returns columns ``context``, ``batch``, ``dtype``, ``mode`` (``forward``, ``train_step``),
     ``peak_gib``, ``status``, ``error``.
     """
-    from tqdm import tqdm
-
     from lab.measure.step import make_optimizer as default_optimizer
 
     device = next(model.parameters()).device
-    vocab = model.cfg.vocab_size
     for d in dtypes:
         autocast_dtype(d)  # a clear error for an unknown name, before anything runs
     make_optimizer = make_optimizer or (lambda m: default_optimizer(m, device))
     optimizer = None
 
     def batch_of(context: int) -> tuple[torch.Tensor, torch.Tensor]:
-        gen = torch.Generator().manual_seed(0)
-        tokens = torch.randint(0, vocab, (batch, context + 1), generator=gen).to(device)
-        return tokens[:, :-1], tokens[:, 1:]
+        return random_batch(model.cfg, batch, device, context=context)
 
     grid = [(mode, c, d) for mode in ("forward", "train_step") for c in contexts for d in dtypes]
     rows = []
-    for mode, context, dt in tqdm(grid, desc="peak memory", disable=not progress):
+    for mode, context, dt in progress_bar(grid, "peak memory", progress):
         if mode == "train_step" and optimizer is None:
             # one unmeasured step at the smallest context, so that every measured step carries the AdamW state
             opt = make_optimizer(model)
@@ -213,8 +209,6 @@ def checkpoint_sweep(model: nn.Module, tokens: torch.Tensor, targets: torch.Tens
     Out-of-memory is a row. Returns columns ``strategy`` (``none``, ``single``, ``nested``), ``group_size``
     (NaN but for ``single``), ``peak_gib``, ``step_ms``, ``step_std_ms``, ``status``, ``error``.
     """
-    from tqdm import tqdm  # plain text bars: they render in papermill reports
-
     device = tokens.device
     optimizer = optimizer or make_optimizer(model, device)
     step = TrainStep(model, optimizer, tokens, targets, dtype=dtype)
@@ -222,7 +216,7 @@ def checkpoint_sweep(model: nn.Module, tokens: torch.Tensor, targets: torch.Tens
         step()  # creates the AdamW state
     configs = [("single", k) for k in group_sizes] + ([("nested", None)] if include_nested else [])
     rows = []
-    for strategy, k in tqdm(configs, desc="checkpoint sweep", disable=not progress):
+    for strategy, k in progress_bar(configs, "checkpoint sweep", progress):
         row = dict(strategy="none" if (strategy == "single" and k is None) else strategy,
                    group_size=k if k is not None else math.nan, peak_gib=math.nan, step_ms=math.nan,
                    step_std_ms=math.nan, status="ok", error="")

@@ -31,17 +31,17 @@ import copy
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pandas as pd
 import torch
-from tqdm import tqdm  # plain text bars: they render in papermill reports
 
-from lab.bench.ddp import model_config, parameter_count, resolve_schedule, where_to_run
+from lab.accounting import parameter_count
+from lab.bench.ddp import model_config, resolve_schedule, where_to_run
 from lab.bench.interleaved import Interleaving, combine_ranks, summarize_rounds, time_interleaved
+from lab.bench.progress import progress_bar
 from lab.dtypes import autocast_dtype
-from lab.measure.device import error_summary, is_oom, synchronize
-from lab.measure.profiling import quiet_profile
+from lab.measure.device import error_summary, is_oom
+from lab.measure.profiling import profile_step
 from lab.measure.step import TrainStep, random_batch
 from lab.model import ModelConfig, TransformerLM
 from lab.parallel import launcher as distributed
@@ -205,22 +205,10 @@ def memory_worker(impl: str, cfg: ModelConfig, batch: int, dtype: str, warmup: i
     out["optimizer_state_bytes"] = _bytes(t for s in state_holder.state.values() for t in s.values()
                                           if torch.is_tensor(t) and t.ndim > 0)
     opt.zero_grad(set_to_none=True)
-    if trace_path is not None:
-        _profile_one_step(train_step, device, trace_path)
+    if trace_path is not None:  # every rank steps (collectives must match); rank 0 writes the trace
+        profile_step(train_step, "train_step", warmup=0, steps=1,
+                     trace_path=trace_path if distributed.rank() == 0 else None)
     return out
-
-
-def _profile_one_step(train_step, device: torch.device, trace_path: str) -> None:
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    synchronize(device)
-    with quiet_profile(profile(activities=activities)) as prof:
-        train_step()
-        synchronize(device)
-    if distributed.rank() == 0:
-        Path(trace_path).parent.mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(trace_path)
 
 
 def _reduce_dtype(impl: str, dtype: str, fsdp_reduce_dtype: str | None) -> str:
@@ -342,7 +330,7 @@ def run_sharding_benchmark(impls: Sequence[str] = IMPLS, sizes: Sequence[str | M
     from lab import paths
 
     tables = []
-    for size in tqdm(sizes, desc="sharding benchmark", disable=not progress):
+    for size in progress_bar(sizes, "sharding benchmark", progress):
         name = size if isinstance(size, str) else "custom"
         rows = []
         for impl in impls:

@@ -11,7 +11,8 @@ import math
 import pandas as pd
 import torch
 
-from lab.bench.ddp import model_config, parameter_count
+from lab.accounting import parameter_count
+from lab.bench.ddp import model_config
 from lab.bench.sharding import LR, GiB
 from lab.measure.step import lm_loss, random_batch
 from lab.model import ModelConfig, TransformerLM

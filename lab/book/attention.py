@@ -15,21 +15,11 @@ import pandas as pd
 
 from lab.bench import attention as ab
 from lab.bench import attention_costs as costs
-from lab.book.report import fmt
+from lab.book.report import fmt, with_profile_defaults
 from lab.measure.verdicts import compare_summaries
 
 # ----------------------------------------------------------------------------------------------------------
 # Settings: the parameters cell's knobs with each profile's defaults filled in
-
-
-def with_profile_defaults(knobs: dict, defaults: dict) -> dict:
-    """``knobs`` with every None replaced by ``defaults``' value (a parameters cell leaves a knob None to
-    mean "this profile's default"); lists become tuples so that the result can live in a frozen dataclass."""
-    out = {}
-    for name, value in knobs.items():
-        value = defaults.get(name) if value is None else value
-        out[name] = tuple(value) if isinstance(value, list) else value
-    return out
 
 
 #: Head dims, lengths, passes and models of each profile: the course's grid on a GPU, a few seconds on a CPU.

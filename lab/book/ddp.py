@@ -10,15 +10,15 @@ overlap percentages are measured numbers of one profiled step (no spread), never
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from lab import paths
 from lab.bench.ddp import fit_bucket_overhead, optimal_bucket
 from lab.bench.interleaved import compare_rounds, goal_rounds, samples
 from lab.book.communication import duration
+from lab.book.report import pct
+from lab.measure.traces import existing_trace
 from lab.measure.verdicts import CONFIDENCE
 
 HOOKED = ("individual", "bucketed")
@@ -149,27 +149,19 @@ def cost_answer(bench: pd.DataFrame) -> str:
 # timelines
 
 
-def trace_path(value) -> Path | None:
-    """A ``trace`` cell as a path that exists on this machine (None when it was not written or not kept)."""
-    if not isinstance(value, str) or not value:
-        return None
-    path = paths.resolve(value)
-    return path if path.exists() else None
-
-
 def timelines(bench: pd.DataFrame, config: str) -> dict[str, pd.DataFrame]:
     """``{label: timeline}`` of the config's profiled steps whose traces exist here
     (:func:`lab.measure.traces.read_trace`)."""
     from lab.measure.traces import read_trace
 
     ok = _ok(bench, config)
-    return {r.label: read_trace(p) for r in ok.itertuples() if (p := trace_path(r.trace)) is not None}
+    return {r.label: read_trace(p) for r in ok.itertuples() if (p := existing_trace(r.trace)) is not None}
 
 
 def timeline_config(bench: pd.DataFrame) -> str | None:
     """The last config with profiled traces on this machine (None when none are here, e.g. when replaying
     a table measured elsewhere)."""
-    found = [c for c in configs(bench) if any(trace_path(t) for t in _ok(bench, c)["trace"])]
+    found = [c for c in configs(bench) if any(existing_trace(t) for t in _ok(bench, c)["trace"])]
     return found[-1] if found else None
 
 
@@ -226,9 +218,9 @@ def overlap_sentences(overlap: pd.DataFrame, bench: pd.DataFrame, config: str | 
     hooked = o[[k for k in o.index if k.startswith(HOOKED)]].dropna()
     text = [f"In {config}'s profiled steps (one step each, so these shares have no spread),"]
     if "naive" in o:
-        text.append(f"{_pct(o['naive'])} of naive DDP's communication time ran beside compute,")
+        text.append(f"{pct(o['naive'])} of naive DDP's communication time ran beside compute,")
     if len(hooked):
-        text.append(f"against {_pct(hooked.min())}–{_pct(hooked.max())} for the hook-based wrappers.")
+        text.append(f"against {pct(hooked.min())}–{pct(hooked.max())} for the hook-based wrappers.")
     ok = _ok(bench, config)
     h, flat = best(ok, HOOKED), _row(ok, "flat")
     if h is not None and flat is not None:
@@ -239,16 +231,12 @@ def overlap_sentences(overlap: pd.DataFrame, bench: pd.DataFrame, config: str | 
     return " ".join(text)
 
 
-def _pct(x: float) -> str:
-    return "n/a" if not math.isfinite(x) else f"{100 * x:.0f}%"
-
-
 def overlap_answer(overlap: pd.DataFrame, bench: pd.DataFrame, config: str | None) -> str:
     """The answers-box line: the overlap shares of the profiled steps and the verdict on time."""
     if config is None or overlap.empty:
         return "no traces here to tell."
     o = overlap.set_index("wrapper")["overlap_share"]
-    shares = ", ".join(f"{k} {_pct(v)}" for k, v in o.items())
+    shares = ", ".join(f"{k} {pct(v)}" for k, v in o.items())
     ok = _ok(bench, config)
     h, flat = best(ok, HOOKED), _row(ok, "flat")
     verdict = "" if h is None or flat is None else f"; {h.label} against flat over the rounds: {_cmp(h, flat).verdict}"

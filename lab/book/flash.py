@@ -20,8 +20,7 @@ import torch
 
 from lab.bench import flash as fl
 from lab.bench.attention_costs import DTYPES, PASSES, attention_flops
-from lab.book.attention import with_profile_defaults
-from lab.book.report import fmt
+from lab.book.report import fmt, with_profile_defaults
 from lab.measure.results import measured_on
 from lab.measure.verdicts import GoalCheck, compare_summaries
 

@@ -12,10 +12,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from lab.book import report
-from lab.book.precision import (
-    measured_on,  # noqa: F401 - notebook 01 calls profiling.measured_on
-    num,
-)
+from lab.book.precision import num
 from lab.book.profiling import _int
 from lab.measure import profiling as prof_tables
 from lab.measure.step import MODES

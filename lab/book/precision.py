@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import matplotlib.pyplot as plt
 import pandas as pd
@@ -42,7 +42,7 @@ class PrecisionSettings:
 
     def params(self) -> dict:
         """The settings as the notebook's parameters (for the provenance banner and the results' sidecars)."""
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+        return report.settings_params(self)
 
 
 # 7 or more timed steps, so that one wild sample cannot decide a bootstrap verdict (see lab.book.profiling)
@@ -58,10 +58,10 @@ def settings(quick: bool = True, device: str = "auto", sizes: Sequence[str] | No
     from lab.model import MODEL_SIZES
 
     defaults = QUICK if quick else {**FULL, "sizes": tuple(MODEL_SIZES)}
-    pick = lambda value, name: defaults[name] if value is None else value
-    return PrecisionSettings(quick=quick, device=str(resolve_device(device)), sizes=tuple(pick(sizes, "sizes")),
-                             context=pick(context, "context"), batch=batch, warmup=pick(warmup, "warmup"),
-                             steps=pick(steps, "steps"), accumulation_value=accumulation_value,
+    k = report.with_profile_defaults(dict(sizes=sizes, context=context, warmup=warmup, steps=steps), defaults)
+    return PrecisionSettings(quick=quick, device=str(resolve_device(device)), sizes=tuple(k["sizes"]),
+                             context=k["context"], batch=batch, warmup=k["warmup"],
+                             steps=k["steps"], accumulation_value=accumulation_value,
                              accumulation_count=accumulation_count, norm_width=norm_width)
 
 

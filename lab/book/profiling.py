@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import matplotlib.pyplot as plt
 import pandas as pd
@@ -27,12 +27,12 @@ from lab.book import report
 from lab.book.precision import (
     SHARED_CPU_NOTE,
     counts_phrase,
-    measured_on,  # noqa: F401 - notebook 01 calls profiling.measured_on
     num,
     speedup_clause,
     verdict_counts,
 )
 from lab.measure.device import resolve_device
+from lab.measure.results import measured_on  # noqa: F401 - notebook 01 calls profiling.measured_on
 from lab.measure.step import MODES
 from lab.measure.verdicts import compare
 
@@ -73,7 +73,7 @@ class ProfilingSettings:
 
     def params(self) -> dict:
         """The settings as the notebook's parameters (for the banner and the results' sidecars)."""
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+        return report.settings_params(self)
 
 
 QUICK = dict(sizes=("tiny", "mini"), contexts=(32, 64), default_context=64, warmup=1, steps=7, warmup_size="tiny",
@@ -99,7 +99,7 @@ def settings(quick: bool = True, device: str = "auto", sizes: Sequence[str] | No
     given = dict(sizes=sizes, contexts=contexts, default_context=default_context, warmup=warmup, steps=steps,
                  warmup_size=warmup_size, cold_runs=cold_runs, profile_size=profile_size,
                  profile_context=profile_context)
-    knobs = {k: defaults[k] if v is None else v for k, v in given.items()}
+    knobs = report.with_profile_defaults(given, defaults)
     knobs["sizes"], knobs["contexts"] = tuple(knobs["sizes"]), tuple(int(c) for c in knobs["contexts"])
     if knobs["default_context"] not in knobs["contexts"]:
         raise ValueError(f"default_context={knobs['default_context']} is not one of contexts={knobs['contexts']}: "

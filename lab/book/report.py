@@ -181,6 +181,29 @@ class Chapter:
         return df
 
 
+def with_profile_defaults(knobs: dict, defaults: dict) -> dict:
+    """``knobs`` with every None replaced by ``defaults``' value (a parameters cell leaves a knob None to
+    mean "this profile's default"); lists become tuples so that the result can live in a frozen dataclass."""
+    out = {}
+    for name, value in knobs.items():
+        value = defaults.get(name) if value is None else value
+        out[name] = tuple(value) if isinstance(value, list) else value
+    return out
+
+
+def settings_params(settings) -> dict:
+    """A settings dataclass as the notebook's parameters (for the banner and the results' sidecars): its
+    fields, tuples as lists."""
+    from dataclasses import asdict
+
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(settings).items()}
+
+
+def pct(x: float) -> str:
+    """A share as a whole percentage (``0.234`` -> ``"23%"``), ``"n/a"`` when not finite."""
+    return "n/a" if not math.isfinite(x) else f"{100 * x:.0f}%"
+
+
 def fmt(value: float, digits: int = 3) -> str:
     """A number for prose: ``3`` significant digits, ``"n/a"`` for NaN."""
     if value is None or (isinstance(value, float) and math.isnan(value)):

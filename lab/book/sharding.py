@@ -18,6 +18,7 @@ import pandas as pd
 
 from lab.bench.interleaved import compare_rounds, goal_rounds, samples
 from lab.bench.sharding import REFERENCE
+from lab.book.report import pct
 from lab.measure.verdicts import CONFIDENCE
 
 PEAKS = ["peak_init_gib", "peak_before_step_gib", "peak_after_step_gib"]
@@ -334,14 +335,13 @@ def goals_answer(goal_table: pd.DataFrame) -> str:
 
 def profiled_timelines(df: pd.DataFrame) -> dict[str, pd.DataFrame]:
     """``{size: timeline}`` of the profiled implementation's traces that exist on this machine."""
-    from lab.book.ddp import trace_path
-    from lab.measure.traces import read_trace
+    from lab.measure.traces import existing_trace, read_trace
 
     out = {}
     if "trace" not in df:
         return out
     for r in _ok(df).itertuples():
-        path = trace_path(r.trace)
+        path = existing_trace(r.trace)
         if path is not None:
             out[r.size] = read_trace(path)
     return out
@@ -374,7 +374,7 @@ def forward_sentence(summary: pd.DataFrame, size: str, timed_step_ms: float | No
     idle, exposed, window = f["compute_idle_ms"], f["exposed_communication_ms"], f["window_ms"]
     text = (f"{size}, in the profiled step: the forward ({window:.3g} ms) kept the compute lane busy "
             f"{f['compute_ms']:.3g} ms and idle {idle:.3g} ms ({idle / window:.0%}); "
-            f"{_pct(f['overlap_share'])} of its {f['communication_ms']:.3g} ms of communication ran beside compute, "
+            f"{pct(f['overlap_share'])} of its {f['communication_ms']:.3g} ms of communication ran beside compute, "
             f"{exposed:.3g} ms did not. ")
     text += forward_reading(f)
     step = s["window_ms"].get("step")
@@ -404,10 +404,6 @@ def forward_answer(overlap: pd.DataFrame) -> str:
         return "no profiled trace here to tell."
     fwd = overlap[overlap["phase"] == "forward"]
     return " ".join(f"{r['size']} (one profiled step): {forward_reading(r)}" for _, r in fwd.iterrows())
-
-
-def _pct(x: float) -> str:
-    return "n/a" if not math.isfinite(x) else f"{100 * x:.0f}%"
 
 
 def fsdp_overlap(df: pd.DataFrame, impl: str, results_dir: str | None = None) -> tuple[pd.DataFrame, str]:

@@ -12,10 +12,7 @@ from dataclasses import dataclass
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from lab.book.precision import (
-    measured_on,  # noqa: F401 - notebook 01 calls profiling.measured_on
-    num,
-)
+from lab.book.precision import num
 from lab.measure.verdicts import CONFIDENCE, Comparison, compare
 
 

@@ -21,15 +21,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import torch
 
 from lab.kernels.flash_pytorch import check_attention_inputs
+from lab.kernels.triton_env import INTERPRET, SUPPORTED_DTYPES, interpreter_needs_fp32, tf32_allowed  # noqa: F401
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
 #: Sequences at least this long (max of n_queries, n_keys) get the large tiles of the tables below.
 LONG_SEQ = 1024
@@ -139,26 +136,7 @@ def block_d(d: int) -> int:
     return max(16, 1 << (d - 1).bit_length())
 
 
-def interpreter_needs_fp32(dtype: torch.dtype) -> bool:
-    """True for bf16 under ``TRITON_INTERPRET=1``: Triton 3.6's interpreter gets ``tl.dot`` of bf16 tiles wrong
-    (a single 16x16 product is off by ~1e10; fp16 and fp32 are right), so there the bf16 kernels run on fp32
-    copies of their inputs and cast the results back. Compiled on a GPU, bf16 runs natively."""
-    return INTERPRET and dtype == torch.bfloat16
-
-
 # -------------------------------------------------------------------------------------------- precision
-def tf32_allowed() -> bool:
-    """True when PyTorch lets its own fp32 matmuls use TF32: ``torch.backends.cuda.matmul.fp32_precision``
-    (torch >= 2.9) when set, else the legacy ``allow_tf32`` / ``torch.get_float32_matmul_precision()``."""
-    setting = getattr(torch.backends.cuda.matmul, "fp32_precision", None)
-    if setting in ("tf32", "ieee"):
-        return setting == "tf32"
-    try:
-        return bool(torch.backends.cuda.matmul.allow_tf32) or torch.get_float32_matmul_precision() != "highest"
-    except RuntimeError:  # torch refuses legacy queries once the new API has been used: treat as not allowed
-        return False
-
-
 def dot_precision(dtype: torch.dtype, setting: str = "auto") -> str:
     """Triton ``input_precision`` for ``tl.dot``. bf16/fp16 ignore it. fp32: ``setting``, where ``"auto"``
     is TF32 when PyTorch allows it and 3xTF32 otherwise (not ``"ieee"``: fp32 products on the CUDA cores
@@ -190,6 +168,12 @@ def tune_batch(batch_heads: int) -> int:
 def long_sequence(n_q: int, n_k: int) -> bool:
     """Shapes worth large tiles: compiled (not interpreted) with at least LONG_SEQ tokens."""
     return not INTERPRET and max(n_q, n_k) >= LONG_SEQ
+
+
+def autotunes(config: FlashConfig, dtype: torch.dtype, n_q: int, n_k: int, tiles: tuple) -> bool:
+    """Whether a launch times its tile candidates: ``config.autotune``, a 16-bit long sequence, and no tiles
+    fixed by the caller (``tiles``: the config's ``fwd_tiles`` or ``bwd_tiles``)."""
+    return config.autotune and dtype != torch.float32 and long_sequence(n_q, n_k) and not tiles
 
 
 def _tiles(m, n, warps, stages) -> dict:

@@ -17,11 +17,14 @@ could still turn into NaN through ``0 * inf``, which is why TMA is an opt-in (``
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
 from lab.kernels.flash_config import INTERPRET
+from lab.kernels.triton_env import unit_last_stride  # noqa: F401 - the kernels' wrappers import it from here
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -29,6 +32,13 @@ except ImportError:  # Triton < 3.4: no host-side tensor descriptors, the pointe
     TensorDescriptor = None
 
 LOG2E = 1.4426950408889634
+
+
+def base2_scale(d: int) -> float:
+    """log2(e) / sqrt(d): turns q.k into the exponent of a base-2 softmax (exp2 is one instruction)."""
+    return LOG2E / math.sqrt(d)
+
+
 #: Added to masked scores (in the base-2 exponent): exp2 of it is exactly 0, and it never overflows.
 MASK_VALUE = tl.constexpr(-1.0e6)
 
@@ -78,11 +88,6 @@ def as_bhsd(t: torch.Tensor) -> torch.Tensor:
     """(batch, seq, d) as a (batch, 1, seq, d) view; (batch, heads, seq, d) unchanged. The kernels index
     (batch, head) with two strides, so neither layout is ever copied."""
     return t if t.dim() == 4 else t.unsqueeze(1)
-
-
-def unit_last_stride(t: torch.Tensor) -> torch.Tensor:
-    """The kernels index the head dimension without a stride: copy only when it is not contiguous."""
-    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def stream_source(t: torch.Tensor, block_rows: int, bd: int, use_tma: bool):
@@ -156,16 +161,12 @@ def launch(kernel, grid: tuple, args: tuple, constexprs: dict, fast: bool = True
 #: (kernel, tuning key) -> launch keywords of the config the autotuner chose; read on every later call so
 #: that the hot path skips the autotuner's own dispatch.
 TUNED_CONFIGS: dict[tuple, dict] = {}
-#: (kernel, tuning key) -> {config: median ms} measured by the autotuner, for the tuning notes.
-TUNING_TIMINGS: dict[tuple, dict] = {}
 
 
 def remember_tuning(key: tuple, tuner) -> dict:
-    """Store the config ``tuner`` just chose for ``key`` (and its timings); return its launch keywords."""
+    """Store the config ``tuner`` just chose for ``key``; return its launch keywords."""
     config = tuner.best_config.all_kwargs()
     TUNED_CONFIGS[key] = config
-    timings = getattr(tuner, "configs_timings", None) or {}
-    TUNING_TIMINGS[key] = {str(c): t[0] if isinstance(t, list | tuple) else t for c, t in timings.items()}
     return config
 
 

@@ -206,12 +206,17 @@ class FlashAttentionPytorch(torch.autograd.Function):
         return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None
 
 
-def fold_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """Reshape (batch, heads, seq, d) q, k, v to (batch * heads, seq, d), checking that they fit together."""
+def check_bhsd(q, k, v) -> None:
+    """Refuse q, k, v that are not 4-D (batch, heads, seq, d) tensors, naming the first that is not."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"{name} must have shape (batch, heads, seq, d); got {shape}")
+
+
+def fold_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """Reshape (batch, heads, seq, d) q, k, v to (batch * heads, seq, d), checking that they fit together."""
+    check_bhsd(q, k, v)
     if not (q.shape[:2] == k.shape[:2] == v.shape[:2]):
         raise ValueError(f"batch and heads differ: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     return tuple(t.reshape(t.shape[0] * t.shape[1], t.shape[2], t.shape[3]) for t in (q, k, v))

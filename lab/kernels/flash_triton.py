@@ -35,22 +35,15 @@ import warnings
 
 import torch
 
-from lab.kernels.flash_config import (
-    DEFAULT_CONFIG,
-    INTERPRET,
-    MAX_HEAD_DIM,
-    SUPPORTED_DTYPES,
-    FlashConfig,
-    check_triton_inputs,
-)
-from lab.kernels.flash_pytorch import attention_backward_recompute
+from lab.kernels.flash_config import DEFAULT_CONFIG, FlashConfig
+from lab.kernels.flash_pytorch import attention_backward_recompute, check_bhsd
 from lab.kernels.flash_triton_backward import flash_backward
 from lab.kernels.flash_triton_forward import flash_forward
 from lab.kernels.flash_triton_ops import attention_backward, attention_forward
 
 __all__ = [
-    "DEFAULT_CONFIG", "INTERPRET", "MAX_HEAD_DIM", "SUPPORTED_DTYPES", "FlashAttentionTriton",
-    "FlashAttentionTritonCompiledBackward", "FlashConfig", "check_triton_inputs", "compiled_backward",
+    "DEFAULT_CONFIG", "FlashAttentionTriton", "FlashAttentionTritonCompiledBackward", "FlashConfig",
+    "compiled_backward",
     "flash_attention_bhsd", "flash_backward", "flash_forward",
 ]
 
@@ -131,8 +124,5 @@ def flash_attention_bhsd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caus
     a :class:`FlashConfig` (None: the defaults). Returns (batch, heads, n_queries, d), contiguous."""
     if backward not in BACKWARDS:
         raise ValueError(f"backward must be one of {sorted(BACKWARDS)}, got {backward!r}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{name} must have shape (batch, heads, seq, d); got {shape}")
+    check_bhsd(q, k, v)
     return BACKWARDS[backward].apply(q, k, v, causal, config)

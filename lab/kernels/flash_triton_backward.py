@@ -42,19 +42,19 @@ from lab.kernels.flash_config import (
     DEFAULT_CONFIG,
     INTERPRET,
     FlashConfig,
+    autotunes,
     backward_plan,
     block_d,
     dot_precision,
     interpreter_needs_fp32,
-    long_sequence,
     tune_batch,
 )
 from lab.kernels.flash_launch import (
     LOG2E,
     MASK_VALUE,
     TUNED_CONFIGS,
-    TUNING_TIMINGS,
     as_bhsd,
+    base2_scale,
     descriptor_pre_hook,
     launch,
     load_tile,
@@ -63,7 +63,6 @@ from lab.kernels.flash_launch import (
     stream_source,
     unit_last_stride,
 )
-from lab.kernels.flash_triton_forward import base2_scale
 
 _LOG2E = tl.constexpr(LOG2E)
 
@@ -354,7 +353,7 @@ def flash_backward(q, k, v, out, lse, grad_out, is_causal: bool, config: FlashCo
     batch, heads, n_q, d = q4.shape
     n_k = k4.shape[2]
     delta = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-    tuned = config.autotune and q.dtype != torch.float32 and long_sequence(n_q, n_k) and not config.bwd_tiles
+    tuned = autotunes(config, q.dtype, n_q, n_k, config.bwd_tiles)
     key = (n_q, n_k, tune_batch(batch * heads), d, bool(is_causal), q.dtype, config.bwd_tma, config.fused_delta)
     mode, table = backward_plan(batch * heads, n_q, n_k, d, q.dtype, q.device, config)
 
@@ -400,5 +399,4 @@ def choose_launch(key: tuple, run) -> str:
 
         times = {mode: do_bench(lambda m=mode: run(m), return_mode="median") for mode in ("fused", "two_pass")}
         TUNED_CONFIGS[key] = {"launch": min(times, key=times.get)}
-        TUNING_TIMINGS[key] = times
     return TUNED_CONFIGS[key]["launch"]

@@ -21,8 +21,6 @@ Saved for the backward: the output and the natural-log logsumexp ``L`` of every 
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -31,19 +29,19 @@ from lab.kernels.flash_config import (
     DEFAULT_CONFIG,
     INTERPRET,
     FlashConfig,
+    autotunes,
     block_d,
     check_triton_inputs,
     dot_precision,
     forward_tiles,
     interpreter_needs_fp32,
-    long_sequence,
     tune_batch,
 )
 from lab.kernels.flash_launch import (
-    LOG2E,
     MASK_VALUE,
     TUNED_CONFIGS,
     as_bhsd,
+    base2_scale,
     descriptor_pre_hook,
     launch,
     load_tile,
@@ -154,11 +152,6 @@ _flash_fwd_tuned = triton.autotune(
     key=["n_q", "n_k", "tune_batch", "HEAD_DIM", "IS_CAUSAL", "PRECISION", "WARP_SPECIALIZE"])(_flash_fwd_kernel)
 
 
-def base2_scale(d: int) -> float:
-    """log2(e) / sqrt(d): turns q.k into the exponent of a base-2 softmax (exp2 is one instruction)."""
-    return LOG2E / math.sqrt(d)
-
-
 def forward_launch_args(q, k, v, out, lse, is_causal: bool, config: FlashConfig, block_n: int) -> tuple[tuple, dict]:
     """Positional arguments and constexpr keywords (all but the tiles) of the forward kernel on
     (batch, heads, seq, d) tensors; K and V become TMA descriptors with ``block_n``-row tiles when
@@ -186,7 +179,7 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
     q4, k4, v4, out4 = (as_bhsd(unit_last_stride(t)) for t in (q, k, v, out))
     batch, heads, n_q, d = q4.shape
     n_k = k4.shape[2]
-    autotune = config.autotune and q.dtype != torch.float32 and long_sequence(n_q, n_k) and not config.fwd_tiles
+    autotune = autotunes(config, q.dtype, n_q, n_k, config.fwd_tiles)
     if autotune:
         key = ("fwd", n_q, n_k, tune_batch(batch * heads), d, bool(is_causal), q.dtype, config.fwd_tma,
                config.warp_specialize)

@@ -40,8 +40,8 @@ from __future__ import annotations
 import torch
 
 from lab.kernels import fused_cross_entropy_kernels as K
+from lab.kernels.triton_env import SUPPORTED_DTYPES, unit_last_stride
 
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: Bytes of the dZ scratch buffer of one vocabulary chunk in the recompute backward (N x chunk columns in
 #: the input dtype): 256 MiB -> 4096 columns at N = 32768 in bf16. Larger chunks mean fewer passes over the
 #: fp32 d_hidden accumulator (N * D * 8 bytes of traffic per chunk).
@@ -78,11 +78,6 @@ def check_inputs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tens
         raise RuntimeError(f"under TRITON_INTERPRET=1 the kernels run on CPU tensors, got {hidden.device}")
 
 
-def _unit_stride(t: torch.Tensor) -> torch.Tensor:
-    """The kernels index the last dimension without a stride: copy only when it is not contiguous."""
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def _round_down(x: int, multiple: int) -> int:
     return x // multiple * multiple
 
@@ -97,7 +92,7 @@ def lse_and_target_logit(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     vocabulary of each token's logits and its target's logit (0 where the target is outside [0, V))."""
     if K.interpreter_needs_fp32(hidden.dtype):
         return lse_and_target_logit(hidden.float(), weight.float(), targets)
-    hidden, weight = _unit_stride(hidden), _unit_stride(weight)
+    hidden, weight = unit_last_stride(hidden), unit_last_stride(weight)
     n, v = hidden.shape[0], weight.shape[0]
     target_logit = torch.zeros(n, dtype=torch.float32, device=hidden.device)
     if n == 0:
@@ -128,7 +123,7 @@ def gradients_by_recompute(hidden, weight, targets, lse, grad_lse, grad_target, 
         dh, dw = gradients_by_recompute(hidden.float(), weight.float(), targets, lse, grad_lse, grad_target,
                                         skip_threshold, need_hidden, need_weight)
         return dh.to(dtype), dw.to(dtype)
-    hidden, weight = _unit_stride(hidden), _unit_stride(weight)
+    hidden, weight = unit_last_stride(hidden), unit_last_stride(weight)
     (n, d), v = hidden.shape, weight.shape[0]
     device = hidden.device
     d_hidden = torch.empty_like(hidden) if need_hidden else hidden.new_empty(0)
@@ -170,7 +165,7 @@ def loss_and_gradients(hidden, weight, targets, ignore_index: int, mean: bool):
     if K.interpreter_needs_fp32(dtype):
         loss, dh, dw = loss_and_gradients(hidden.float(), weight.float(), targets, ignore_index, mean)
         return loss, dh.to(dtype), dw.to(dtype)
-    hidden, weight = _unit_stride(hidden), _unit_stride(weight)
+    hidden, weight = unit_last_stride(hidden), unit_last_stride(weight)
     (n, d), v = hidden.shape, weight.shape[0]
     device = hidden.device
     valid = targets != ignore_index

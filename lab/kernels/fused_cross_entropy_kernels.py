@@ -27,15 +27,11 @@ times the candidates in :data:`CANDIDATES`); under ``TRITON_INTERPRET=1`` one sm
 
 from __future__ import annotations
 
-import os
-import subprocess
-from pathlib import Path
-
 import torch
 import triton
 import triton.language as tl
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from lab.kernels.triton_env import INTERPRET, interpreter_needs_fp32, tf32_allowed  # noqa: F401
 
 #: Tile configs of compiled runs: (kernel, "16bit" | "fp32") -> launch keywords. Mutable on purpose (the GPU
 #: check script swaps candidates in). The matmul config with a skip threshold must tile inside the dlogits
@@ -73,17 +69,11 @@ def config(kernel: str, dtype: torch.dtype, interpret: bool | None = None) -> di
 
 
 def dot_precision(dtype: torch.dtype) -> str:
-    """``input_precision`` of ``tl.dot``: TF32 for fp32 only when PyTorch's matmuls allow it too (the same rule
-    as :mod:`lab.kernels.flash_triton`; repeated here so that the two kernel families stay independent)."""
-    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+    """``input_precision`` of ``tl.dot``: TF32 for fp32 only when PyTorch's matmuls allow it too
+    (:func:`lab.kernels.triton_env.tf32_allowed`), else exact fp32 ("ieee")."""
+    if dtype == torch.float32 and not tf32_allowed():
         return "ieee"
     return "tf32"
-
-
-def interpreter_needs_fp32(dtype: torch.dtype) -> bool:
-    """True for bf16 under ``TRITON_INTERPRET=1``: Triton 3.6's interpreter gets ``tl.dot`` of bf16 tiles wrong
-    (fp16 and fp32 are right), so interpreted bf16 runs on fp32 copies (as in :mod:`lab.kernels.flash_triton`)."""
-    return INTERPRET and dtype == torch.bfloat16
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -347,36 +337,21 @@ def compile_report(which: str = "default", arch: int = 90) -> list[dict]:
     divisible by 16 except the ``do_not_specialize`` ones, unit strides constant). Returns one row per
     compile: kernel, config, registers, spill_bytes, shared_kib, wgmma (or error). Run this process without
     ``TRITON_INTERPRET`` (interpreted kernels cannot be compiled)."""
-    import re
+    from lab.kernels.sm90_compile import compile_sm90
 
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    ptxas = Path(triton.__file__).parent / "backends/nvidia/bin/ptxas"
-    if not ptxas.exists():
-        raise FileNotFoundError(f"No such file: {ptxas} (this Triton build ships no ptxas)")
-    target = GPUTarget("cuda", arch, 32)
     # arguments the JIT does not mark divisible by 16: floats, flag strides, do_not_specialize sizes
     no_hint = {"threshold", "stride_fm", "stride_fk", "stride_f"}
 
     def build(fn, types: dict, consts: dict, cfg: dict, ones=()):
-        meta = {k: v for k, v in cfg.items() if k not in ("num_warps", "num_stages")}
+        meta = _split(cfg)[0]
         consts = {**consts, **meta, **{o: 1 for o in ones}}  # the JIT turns int arguments equal to 1 into constants
         sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
         # the JIT marks 16-byte aligned pointers and ints divisible by 16 (all of them at the goal shape)
-        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-                 if sig[n] != "constexpr" and n not in no_hint and n not in fn.do_not_specialize}
-        compiled = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=target,
-                                  options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
-        ptx = Path(os.environ.get("TMPDIR", "/tmp")) / f"fused_loss_{os.getpid()}.ptx"
-        ptx.write_text(compiled.asm["ptx"])
-        info = subprocess.run([str(ptxas), f"-arch=sm_{arch}a", "-v", str(ptx), "-o", os.devnull],
-                              capture_output=True, text=True).stderr
-        ptx.unlink()
-        regs = re.search(r"Used (\d+) registers", info)
-        spills = re.search(r"(\d+) bytes spill stores", info)
-        return dict(registers=int(regs.group(1)) if regs else -1, spill_bytes=int(spills.group(1)) if spills else -1,
-                    shared_kib=compiled.metadata.shared / 1024, wgmma="wgmma" in compiled.asm["ptx"])
+        divisible = [i for i, n in enumerate(fn.arg_names)
+                     if sig[n] != "constexpr" and n not in no_hint and n not in fn.do_not_specialize]
+        out = compile_sm90(fn, sig, consts, divisible, cfg["num_warps"], cfg["num_stages"], arch)
+        return dict(registers=out["registers"], spill_bytes=out["spill_bytes"],
+                    shared_kib=out["shared_bytes"] / 1024, wgmma=out["wgmma"])
 
     variants = []
     for dtype in ("bf16", "fp32") if which == "default" else ("bf16",):

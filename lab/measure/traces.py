@@ -25,6 +25,17 @@ KINDS = ("compute", "communication", "phase")
 # interval arithmetic
 
 
+
+def existing_trace(value) -> Path | None:
+    """A results table's ``trace`` cell as a path that exists on this machine (None when it was not written,
+    or not kept: traces stay out of git, so a replay elsewhere has none)."""
+    from lab import paths
+
+    if not isinstance(value, str) or not value:
+        return None
+    path = paths.resolve(value)
+    return path if path.exists() else None
+
 def union_intervals(intervals) -> list[tuple[float, float]]:
     """The union of (start, end) intervals as sorted, disjoint pairs (nested or concurrent ones counted once)."""
     merged: list[list[float]] = []
@@ -64,6 +75,18 @@ def clip_intervals(intervals, lo: float, hi: float) -> list[tuple[float, float]]
 # reading a trace
 
 
+def _complete_events(trace: str | Path | dict) -> list[dict]:
+    """The complete ("X") events of a Chrome trace given as a path or as the loaded dict."""
+    data = trace if isinstance(trace, dict) else json.loads(Path(trace).read_text())
+    return [e for e in data["traceEvents"] if e.get("ph") == "X"]
+
+
+def _launch_times(events: list[dict]) -> dict:
+    """Correlation id -> host timestamp of the CUDA runtime/driver call that launched it."""
+    return {e["args"]["correlation"]: e["ts"] for e in events
+            if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in (e.get("args") or {})}
+
+
 def kernel_phase_spans(events: list[dict], kernels: list[dict], ranges: list[dict]) -> list[tuple[str, float, float]]:
     """GPU extent of CPU ranges in a Chrome trace: (name, start_us, dur_us) for each range, the span of the
     kernels *launched* while it was open. Empty when the trace has no launch correlation data.
@@ -73,8 +96,7 @@ def kernel_phase_spans(events: list[dict], kernels: list[dict], ranges: list[dic
     issued from autograd hooks) are launched by autograd's device thread; matching each kernel to its
     runtime/driver launch call by correlation id catches them.
     """
-    launch_ts = {e["args"]["correlation"]: e["ts"] for e in events
-                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in (e.get("args") or {})}
+    launch_ts = _launch_times(events)
     ranges = sorted(ranges, key=lambda e: e["ts"])
     if not launch_ts or not ranges:
         return []
@@ -98,13 +120,11 @@ def kernels_by_range(trace: str | Path | dict, range_names: tuple[str, ...]) -> 
     Returns columns ``name``, ``stream``, ``start_ms`` (from the first kernel), ``dur_ms``, ``range``; empty
     without kernels (a CPU trace).
     """
-    data = trace if isinstance(trace, dict) else json.loads(Path(trace).read_text())
-    events = [e for e in data["traceEvents"] if e.get("ph") == "X"]
+    events = _complete_events(trace)
     kernels = [e for e in events if e.get("cat") == "kernel"]
     if not kernels:
         return pd.DataFrame(columns=["name", "stream", "start_ms", "dur_ms", "range"])
-    launch_ts = {e["args"]["correlation"]: e["ts"] for e in events
-                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in (e.get("args") or {})}
+    launch_ts = _launch_times(events)
     ranges = sorted((e for e in events if e.get("cat") == "user_annotation" and e.get("name") in range_names),
                     key=lambda e: e["dur"])  # innermost (shortest) first
     t0 = min(k["ts"] for k in kernels)
@@ -129,8 +149,7 @@ def read_trace(trace: str | Path | dict, phases: tuple[str, ...] = PHASES) -> pd
     Returns columns ``lane`` (``stream 7``, ``gloo thread 12``, ``main thread``, ``phase``), ``kind``
     (``compute``, ``communication`` or ``phase``), ``name``, ``start_ms``, ``dur_ms``, sorted by start.
     """
-    data = trace if isinstance(trace, dict) else json.loads(Path(trace).read_text())
-    events = [e for e in data["traceEvents"] if e.get("ph") == "X"]
+    events = _complete_events(trace)
     kernels = [e for e in events if e.get("cat") == "kernel"]
     cpu_ranges = [e for e in events if e.get("cat") == "user_annotation" and e.get("name") in phases]
     rows = []

@@ -205,7 +205,7 @@ class FSDP(nn.Module):
         self._calls = []
         self._entered = set()
         self._packed_layers = set()
-        self._live_storage.clear()
+        self._release_live_weights()
         self._in_forward = True
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
@@ -288,6 +288,14 @@ class FSDP(nn.Module):
                 w.gathered = None  # the only references left are autograd's, which _pack replaced by keys
         return post_hook
 
+    def _release_live_weights(self) -> None:
+        """Undo what a pre-hook did for modules whose post-hook never ran (a recomputation that stopped
+        early): the full weight no longer shadows the shard, and its storage leaves the table."""
+        for w, full in self._live_storage.values():
+            if w.module.__dict__.get(w.attr) is full:
+                del w.module.__dict__[w.attr]
+        self._live_storage.clear()
+
     def _pack(self, t: torch.Tensor):
         if self._live_storage and t.layout == torch.strided:
             entry = self._live_storage.get(t.untyped_storage().data_ptr())
@@ -322,7 +330,7 @@ class FSDP(nn.Module):
     def _end_of_backward(self) -> None:
         self._callback_queued = False
         self._backward_started = set()
-        self._live_storage.clear()  # entries a stopped recomputation left behind
+        self._release_live_weights()
         self._synchronize()
 
     def _gradient_ready(self, w: ShardedWeight, grad_flat: torch.Tensor) -> None:
@@ -412,18 +420,20 @@ class FSDP(nn.Module):
 
     # ---- inspection ----------------------------------------------------------------------------------
 
+    @staticmethod
+    def _unshard(w: ShardedWeight, shard: torch.Tensor) -> torch.Tensor:
+        """``shard`` (this rank's part of ``w``, or of its gradient) all-gathered to ``w``'s full shape."""
+        flat = torch.empty(w.padded, dtype=shard.dtype, device=shard.device)
+        all_gather_tensor(flat, shard.detach().contiguous())
+        return flat[:w.numel].view(w.shape).clone()
+
     @torch.no_grad()
     def gather_full_params(self) -> dict[str, torch.Tensor]:
         """Every parameter of the wrapped module at full size and fp32: name -> tensor (a collective call)."""
         out: dict[str, torch.Tensor] = {}
         for name, p in self.module.named_parameters():
             w = self._weights.get(name)
-            if w is None:
-                out[name] = p.detach().clone()
-                continue
-            flat = torch.empty(w.padded, dtype=w.shard.dtype, device=w.shard.device)
-            all_gather_tensor(flat, w.shard.detach())
-            out[name] = flat[:w.numel].view(w.shape).clone()
+            out[name] = p.detach().clone() if w is None else self._unshard(w, w.shard)
         return out
 
     @torch.no_grad()
@@ -435,11 +445,8 @@ class FSDP(nn.Module):
             w = self._weights.get(name)
             if w is None:
                 out[name] = None if p.grad is None else p.grad.detach().clone()
-                continue
-            shard = w.shard.grad if w.shard.grad is not None else torch.zeros_like(w.shard)
-            flat = torch.empty(w.padded, dtype=shard.dtype, device=shard.device)
-            all_gather_tensor(flat, shard.detach().contiguous())
-            out[name] = flat[:w.numel].view(w.shape).clone()
+            else:
+                out[name] = self._unshard(w, w.shard.grad if w.shard.grad is not None else torch.zeros_like(w.shard))
         return out
 
     def sharded_parameter_names(self) -> list[str]:

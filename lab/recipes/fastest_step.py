@@ -30,6 +30,7 @@ logits with ``F.cross_entropy``, fused AdamW; per-block ``torch.compile`` or eag
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -140,9 +141,10 @@ def ablations(recipe: Recipe = PROJECT) -> list[Recipe]:
 # activation checkpointing per block
 
 
-def _saved_ops() -> set:
+@functools.cache
+def _saved_ops() -> frozenset:
     """The attention operators whose outputs ``save_attention`` keeps (every attention implementation of
-    the registry that runs as one op)."""
+    the registry that runs as one op); looked up once, not at every block's forward."""
     ops = set()
     aten = torch.ops.aten
     for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention",
@@ -155,7 +157,7 @@ def _saved_ops() -> set:
         ops.add(torch.ops.lab.flash_attention_forward.default)
     except (ImportError, AttributeError):
         pass
-    return ops
+    return frozenset(ops)
 
 
 class CheckpointedBlock(nn.Module):

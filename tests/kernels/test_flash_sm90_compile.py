@@ -10,10 +10,8 @@ functions, which do not compile); shapes stay few, each compile takes a few seco
 
 import json
 import os
-import re
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -23,15 +21,13 @@ triton = pytest.importorskip("triton")
 fc = pytest.importorskip("lab.kernels.flash_config")
 fwd = pytest.importorskip("lab.kernels.flash_triton_forward")
 bwd = pytest.importorskip("lab.kernels.flash_triton_backward")
+from lab.kernels.sm90_compile import compile_sm90 as compile_for_hopper  # noqa: E402
 
 try:
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import CUDABackend
-    from triton.compiler import ASTSource
 
-    TARGET = GPUTarget("cuda", 90, 32)
-    BACKEND = CUDABackend(TARGET)
-    PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    CUDABackend(GPUTarget("cuda", 90, 32))
 except Exception as exc:  # a Triton without the NVIDIA backend
     pytest.skip(f"no Triton CUDA backend here ({exc})", allow_module_level=True)
 
@@ -41,24 +37,16 @@ MAX_SHARED = 232448  # bytes of shared memory a block may use on an H100/H200 (2
 def compile_sm90(kernel, types: dict, constexprs: dict, num_warps: int, num_stages: int) -> dict:
     """Compile ``kernel`` for sm_90a: ``types`` gives the non-constexpr arguments that are not i32 (pointers,
     floats, descriptors). Returns shared memory bytes, registers and spill bytes a thread."""
-    signature, attrs = {}, {}
+    signature, divisible = {}, []
     for i, name in enumerate(kernel.arg_names):
         signature[name] = "constexpr" if name in constexprs else types.get(name, "i32")
         if signature[name].startswith("*") or (signature[name] == "i32" and name != "tune_batch"):
-            attrs[(i,)] = BACKEND.parse_attr("D")  # pointers and strides 16-aligned, as for contiguous tensors
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=TARGET,
-                              options={"num_warps": num_warps, "num_stages": num_stages})
-    if not os.path.exists(PTXAS):
+            divisible.append(i)  # pointers and strides 16-aligned, as for contiguous tensors
+    try:
+        out = compile_for_hopper(kernel, signature, constexprs, divisible, num_warps, num_stages)
+    except FileNotFoundError:
         pytest.skip("Triton's bundled ptxas is missing")
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "kernel.ptx")
-        with open(path, "w") as f:
-            f.write(compiled.asm["ptx"])
-        report = subprocess.run([PTXAS, "-v", "-arch=sm_90a", path, "-o", os.devnull], capture_output=True,
-                                text=True, check=True)
-    text = report.stdout + report.stderr
-    return {"shared": compiled.metadata.shared, "registers": int(re.search(r"Used (\d+) registers", text)[1]),
-            "spill": int(re.search(r"(\d+) bytes spill stores", text)[1])}
+    return {"shared": out["shared_bytes"], "registers": out["registers"], "spill": out["spill_bytes"]}
 
 
 def forward(d, causal, tiles, tma=False, dtype="bf16"):

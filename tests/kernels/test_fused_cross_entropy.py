@@ -263,22 +263,6 @@ def test_transformer_fused_loss_equals_materialized():
         assert rel_err(p.grad, q.grad.double().cpu()) < 1e-4, name
 
 
-def _full_grads(model) -> dict:
-    """FSDP gradients at full size (shards all-gathered) by parameter name."""
-    from lab.parallel.collectives import all_gather_tensor
-
-    out = {}
-    for name, p in model.module.named_parameters():
-        if name in model.sharded_parameter_names():
-            full = torch.empty(p.numel() * distributed.world_size())
-            all_gather_tensor(full, p.grad)
-            w = model._weights[name]
-            out[name] = full[:w.numel].view(w.shape)
-        else:
-            out[name] = p.grad.clone()
-    return out
-
-
 def _fsdp_worker() -> dict:
     """Rank r: the fused-loss model under lab's FSDP on its half of the batch; reference: one process running
     both halves through an unwrapped copy, gradients summed and halved (see tests/parallel/test_fsdp.py)."""
@@ -294,7 +278,7 @@ def _fsdp_worker() -> dict:
     xs, ys = tokens[:, :-1].chunk(n), tokens[:, 1:].chunk(n)
     loss = model(xs[r], ys[r])
     loss.backward()
-    grads = _full_grads(model)
+    grads = model.gather_full_grads()
     out = {"loss": loss.item(), "ref_loss": None, "rel_err": {}, "plain_rel_err": {}}
     for single in (ref, plain):
         for x, y in zip(xs, ys):

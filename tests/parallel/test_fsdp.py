@@ -53,20 +53,6 @@ def _reference_step(ref, opt, xs, ys, dtype):
     opt.step()
 
 
-def _full_grads(model: FSDP) -> dict:
-    """Gradients at full size (shards all-gathered) by parameter name."""
-    out = {}
-    for name, p in model.module.named_parameters():
-        if name in model.sharded_parameter_names():
-            full = torch.empty(p.numel() * distributed.world_size())
-            all_gather_tensor(full, p.grad)
-            w = model._weights[name]
-            out[name] = full[:w.numel].view(w.shape)
-        else:
-            out[name] = p.grad.clone()
-    return out
-
-
 # ----------------------------------------------------------------------------------------------------------
 # workers
 
@@ -91,7 +77,7 @@ def _train_worker(compute_dtype, steps: int, reduce_dtype=None) -> dict:
             loss = _loss(model(xs[r]), ys[r])
             loss.backward()
             model.finish_gradient_synchronization()  # a no-op here: the end-of-backward callback did it
-            grads = _full_grads(model)
+            grads = model.gather_full_grads()
             shapes = {name: (tuple(p.grad.shape), tuple(p.shape), p.grad.dtype, p.dtype)
                       for name, p in model.module.named_parameters()}
             live_after_backward = model.live_gathered()
