@@ -92,7 +92,7 @@ def profile_step(step: TrainStep, mode: str = "forward", warmup: int = 3, steps:
         for i in range(steps):
             with record_function(f"step {i}"):
                 step.run(mode)
-            synchronize(step.device)
+                synchronize(step.device)  # inside the range: it ends when the GPU has finished the step
     if trace_path is not None:
         Path(trace_path).parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(trace_path))
@@ -165,11 +165,11 @@ def range_times(prof, names=ATTENTION_RANGES) -> pd.DataFrame:
 def step_wall_ms(prof) -> float:
     """Mean wall time of a profiled step, in ms: compare with the Python timer.
 
-    On the GPU this is the span of the ``step i`` range on the GPU timeline (the CPU side of the range
-    ends as soon as the kernels are queued); on the CPU it is the range itself.
+    The CPU side of each ``step i`` range: :func:`profile_step` synchronizes inside the range, so it ends
+    when the device has finished the step. (The range's mirror on the GPU timeline is no measure of the
+    step: the profiler may cut it into several pieces, and it misses the time before the first kernel.)
     """
-    gpu = [e for e in prof.events() if e.name.startswith("step ") and e.device_type == DeviceType.CUDA]
-    evts = gpu or [e for e in prof.events() if e.name.startswith("step ") and e.device_type == DeviceType.CPU]
+    evts = [e for e in prof.events() if e.name.startswith("step ") and e.device_type == DeviceType.CPU]
     return sum(e.time_range.elapsed_us() for e in evts) / 1e3 / max(len(evts), 1)
 
 

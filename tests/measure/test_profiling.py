@@ -44,3 +44,20 @@ def test_attention_phase_flops():
     assert f["attention/softmax"] == 5 * scores
 
 
+
+
+def test_step_wall_time_is_the_cpu_range_not_its_gpu_mirror():
+    """The GPU mirror of a ``step i`` range may come in pieces (H100: 139 ms "wall" against 324 ms of kernels);
+    the wall time is the CPU range, which ends after the in-range synchronize."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    def event(name, device, start, end):
+        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(elapsed_us=lambda: end - start))
+
+    events = [event("step 0", DeviceType.CPU, 0, 300_000), event("step 1", DeviceType.CPU, 400_000, 700_000),
+              event("step 0", DeviceType.CUDA, 10_000, 90_000), event("step 0", DeviceType.CUDA, 100_000, 290_000),
+              event("step 1", DeviceType.CUDA, 410_000, 500_000), event("step 1", DeviceType.CUDA, 510_000, 690_000)]
+    prof = SimpleNamespace(events=lambda: events)
+    assert profiling.step_wall_ms(prof) == pytest.approx(300.0)
