@@ -156,8 +156,9 @@ class Chapter:
 
     def check_consistency(self, name: str = "lm_step") -> list[str]:
         """Warn visibly where another notebook measured one of this notebook's configurations in ``name`` and
-        the two disagree beyond their noise (:mod:`lab.book.consistency`); returns the warnings."""
-        from lab.book.consistency import consistency_sentences
+        the two disagree beyond their noise and beyond run-to-run variation (:mod:`lab.book.consistency`);
+        smaller differences are counted in one plain sentence. Returns the warnings."""
+        from lab.book.consistency import consistency_sentences, small_differences_sentence
 
         try:
             table = store.load_results(name, self.results_dir)
@@ -166,6 +167,9 @@ class Chapter:
         sentences = consistency_sentences(table, self.notebook)
         for s in sentences:
             warn(s)
+        note = small_differences_sentence(table, self.notebook)
+        if note:
+            say(note)
         return sentences
 
     def provenance(self, name: str, source: str | None = None) -> dict:

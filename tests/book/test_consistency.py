@@ -2,7 +2,7 @@
 
 import pandas as pd
 
-from lab.book.consistency import consistency_sentences, disagreements
+from lab.book.consistency import consistency_sentences, disagreements, small_differences_sentence
 
 BASE = dict(size="small", context=512, batch=4, dtype="bf16", attention="sdpa", compile=False, fused_loss=False,
             world_size=1, gpu="G", status="ok", steps=10)
@@ -27,3 +27,21 @@ def test_rows_without_spread_or_source_are_not_judged():
                           {**BASE, "source": "b", "fwd_ms": 9.0, "fwd_std_ms": 0.1}])
     assert disagreements(table).empty
     assert disagreements(table.drop(columns="source")).empty
+
+
+def test_a_percent_between_runs_is_counted_not_warned():
+    """H100, 2.7B fwdbwd: 130.5 ms in one notebook, 129.9 ms in another, each with a tiny within-run spread:
+    beyond the noise, but run-to-run variation, not a disagreement."""
+    table = pd.DataFrame([
+        {**BASE, "source": "01_profiling", "fwdbwd_ms": 130.5, "fwdbwd_std_ms": 0.2},
+        {**BASE, "source": "02_mixed_precision", "fwdbwd_ms": 129.2, "fwdbwd_std_ms": 0.2},
+        {**BASE, "context": 256, "source": "01_profiling", "fwdbwd_ms": 80.4, "fwdbwd_std_ms": 1.0},
+        {**BASE, "context": 256, "source": "02_mixed_precision", "fwdbwd_ms": 57.8, "fwdbwd_std_ms": 1.0},
+    ])
+    d = disagreements(table).set_index("context")
+    assert len(d) == 2 and not d.loc[512, "beyond_tolerance"] and d.loc[256, "beyond_tolerance"]
+    (warning,) = consistency_sentences(table, "02_mixed_precision")
+    assert "80.4 ms in 01_profiling" in warning
+    note = small_differences_sentence(table, "02_mixed_precision")
+    assert note.startswith("1 time measured again in 01_profiling differs") and "1.0%" in note
+    assert small_differences_sentence(table.iloc[2:], "02_mixed_precision") == ""
