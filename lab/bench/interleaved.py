@@ -102,11 +102,15 @@ def _any_rank(flag: bool, device: torch.device) -> bool:
 
 def _release(device: torch.device) -> None:
     """Free what a closed implementation held: a wrapper in a reference cycle (torch DDP's reducer, hooks)
-    keeps its memory and its hooks on the model until the cycle collector runs. After collecting, everything
-    still alive is moved out of the collector's sight (``gc.freeze``): the objects of torch's lazily imported
-    modules otherwise make every later full collection take most of a second."""
+    keeps its memory and its hooks on the model until the cycle collector runs.
+
+    Nothing may be frozen here (``gc.freeze``): a cycle that something outside Python still holds for a
+    moment after the step (NCCL keeps the tensors of its queued work until its watchdog reaps them) would be
+    frozen with everything it holds and never collected, and every later build of the rotation would run out
+    of memory (report 08's first GPU render). Such a cycle goes at the next release instead, which runs
+    before every build."""
+    synchronize(device)
     gc.collect()
-    gc.freeze()
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
@@ -157,6 +161,7 @@ def time_interleaved(builders: dict[str, Build], plan: Interleaving, device: tor
         return True
 
     def build(name: str) -> None:
+        _release(device)  # what the last turn left behind, including what was still held at its release
         if runs_here[name]:
             live[name] = builders[name]()
 
@@ -185,17 +190,24 @@ def time_interleaved(builders: dict[str, Build], plan: Interleaving, device: tor
                 live.pop(name)[1]()
             _release(device)
 
-    if plan.schedule == "resident":
-        for name in list(alive):
-            if not agreed_failure(name, _attempt(lambda: build(name))):
-                agreed_failure(name, _attempt(lambda: warm_up(name)))
-    for r in range(plan.rounds):
-        for name in rotated(alive, r):
-            turn(name, rebuild=plan.schedule == "rebuild")
-    for _, close in live.values():
-        close()
-    live.clear()
-    _release(device)
+    # What lives now lives through the run (torch's modules, the inputs, a shared model): out of the
+    # collector's sight, so that the collections between turns are quick; unfrozen at the end.
+    gc.collect()
+    gc.freeze()
+    try:
+        if plan.schedule == "resident":
+            for name in list(alive):
+                if not agreed_failure(name, _attempt(lambda: build(name))):
+                    agreed_failure(name, _attempt(lambda: warm_up(name)))
+        for r in range(plan.rounds):
+            for name in rotated(alive, r):
+                turn(name, rebuild=plan.schedule == "rebuild")
+    finally:
+        for _, close in live.values():
+            close()
+        live.clear()
+        gc.unfreeze()
+        _release(device)
     return out
 
 

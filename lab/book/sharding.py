@@ -163,9 +163,13 @@ def plot_peaks(df: pd.DataFrame, results_dir: str | None = None):
 
 
 def peaks_sentence(df: pd.DataFrame) -> str:
-    """A sentence when there are no peaks to draw (the CPU); empty otherwise."""
-    return "" if has_peaks(df) else ("No CUDA allocator statistics on the CPU: the peak columns stay empty in this "
-                                     "render, and only the tensors' bytes below are measured.")
+    """A sentence when there are no peaks to draw (the CPU, or nothing ran); empty otherwise."""
+    if has_peaks(df):
+        return ""
+    if _ok(df).empty:
+        return "No configuration ran to the end (see the status and error columns above): there are no peaks to draw."
+    return ("No CUDA allocator statistics on the CPU: the peak columns stay empty in this render, and only the "
+            "tensors' bytes below are measured.")
 
 
 def breakdown_sentence(breakdown: pd.DataFrame, world_size: int) -> str:
@@ -270,7 +274,10 @@ def memory_sentences(df: pd.DataFrame) -> str:
     for size in dict.fromkeys(df["size"]):
         def peak(impl, col="peak_after_step_gib"):
             r = _get(df, size, impl)
-            return gib(r[col] if r is not None else math.nan)
+            if r is None:
+                rows = df[(df["size"] == size) & (df["impl"] == impl)]
+                return f"n/a ({rows['status'].iloc[0]})" if len(rows) else "n/a (not run)"
+            return gib(r[col])
 
         lines.append(f"**{size}**, peak during the optimizer step: DDP {peak('ddp')}, sharded optimizer "
                      f"{peak('sharded_optimizer')}, ZeRO-1 {peak('zero1')}, torch's ZeroRedundancyOptimizer "

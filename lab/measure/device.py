@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 
 import torch
 
@@ -66,8 +67,23 @@ def is_oom(exc: BaseException) -> bool:
 def error_summary(exc: BaseException, limit: int = 200) -> str:
     """``"OutOfMemoryError: CUDA out of memory. Tried ..."``: the type and first line of an error, for the
     ``error`` column of a result row."""
-    first = str(exc).splitlines()[0] if str(exc) else ""
+    text = str(exc)
+    first = text.splitlines()[0] if text else ""
+    cuda = _CUDA_OOM.search(text)
+    if cuda:  # the whole story in one line: what was asked, what was free, and whether it was fragmentation
+        first = (f"CUDA out of memory: tried to allocate {cuda['want']} with {cuda['free']} free of "
+                 f"{cuda['total']}; this process held {cuda['held']}")
+        split = _CUDA_SPLIT.search(text)
+        if split:
+            first += f" ({split['live']} allocated by PyTorch, {split['cached']} reserved but unallocated)"
     return f"{type(exc).__name__}: {first[:limit]}"
+
+
+_CUDA_OOM = re.compile(r"Tried to allocate (?P<want>[\d.]+ [KMGT]?i?B)\. GPU \d+ has a total capacity of "
+                       r"(?P<total>[\d.]+ [KMGT]?i?B) of which (?P<free>[\d.]+ [KMGT]?i?B) is free\..*?this process "
+                       r"has (?P<held>[\d.]+ [KMGT]?i?B) memory in use", re.S)
+_CUDA_SPLIT = re.compile(r"(?P<live>[\d.]+ [KMGT]?i?B) is allocated by PyTorch, and (?P<cached>[\d.]+ [KMGT]?i?B) is "
+                         r"reserved by PyTorch but unallocated")
 
 
 def empty_cache() -> None:

@@ -109,6 +109,9 @@ def test_memory_sentences_and_answers():
     assert sharding_book.failures(df) == "Every configuration ran."
     oom = df.assign(status=["oom"] + ["ok"] * 5, error=["OutOfMemoryError: CUDA out of memory"] + [""] * 5)
     assert "| xl     | ddp    | oom      | OutOfMemoryError" in sharding_book.failures(oom)
+    assert "DDP n/a (oom), sharded optimizer" in sharding_book.memory_sentences(oom)
+    nothing = df.assign(status="oom")  # a GPU render where every row ran out of memory: not "no GPU"
+    assert sharding_book.peaks_sentence(nothing).startswith("No configuration ran to the end")
 
 
 def test_breakdown_and_fsdp_saving():

@@ -54,7 +54,8 @@ def test_step_wall_time_is_the_cpu_range_not_its_gpu_mirror():
     from torch.autograd import DeviceType
 
     def event(name, device, start, end):
-        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(elapsed_us=lambda: end - start))
+        span = SimpleNamespace(elapsed_us=lambda: end - start)
+        return SimpleNamespace(name=name, device_type=device, time_range=span)
 
     events = [event("step 0", DeviceType.CPU, 0, 300_000), event("step 1", DeviceType.CPU, 400_000, 700_000),
               event("step 0", DeviceType.CUDA, 10_000, 90_000), event("step 0", DeviceType.CUDA, 100_000, 290_000),
