@@ -274,12 +274,15 @@ report.say(acc_book.saved_check_sentence(saved_check, check_model))
 # **Peak memory on the GPU.** 01 profiling stores, for each configuration, each mode's own peak allocated
 # memory (`fwd_peak_gib`, `fwdbwd_peak_gib`, `step_peak_gib`, measured in the same steps as that mode's time)
 # in `lm_step.csv`; 08 sharding stores per-rank peaks by phase in `sharding_benchmark.csv`. For each lm_step
-# mode we predict what that mode holds: parameters, autocast's weight copies and saved activations, plus the
-# gradients (forward + backward) and AdamW's state (train step). For each sharding row we predict a
-# steady-state step per rank (state divided by the ranks where the implementation shards it) and set it
-# against the largest of its peaks. The prediction counts no temporaries (logits and their gradient, AdamW
-# scratch, allocator rounding) and counts every activation and gradient as alive at once. Rows further from
-# the prediction than the stated tolerance are listed as they are.
+# mode we predict its peak from what it holds: parameters, autocast's weight copies and saved activations,
+# the gradients (forward + backward) and AdamW's state (train step). The benchmark drops the gradients before
+# each forward, and the backward frees each block's activations as that block's gradients appear, so the
+# peak is parameters (+ AdamW state) + the larger of *activations + weight copies* (the backward's start)
+# and *gradients* (its end), not their sum (`lab.accounting.step_peak_bytes`). For each sharding row we
+# predict a steady-state step per rank (state divided by the ranks where the implementation shards it; the
+# wrappers' gradient buffers live through the step, so there the parts add up) and set it against the
+# largest of its peaks. The prediction counts no temporaries (logits and their gradient, AdamW scratch,
+# allocator rounding). Rows further from the prediction than the stated tolerance are listed as they are.
 
 # %%
 lm_step = acc_book.measured_results(book, "lm_step", "01_profiling")

@@ -138,13 +138,18 @@ def _flag(value) -> bool:
     return False if value is None or (isinstance(value, float) and math.isnan(value)) else bool(value)
 
 
+PARTS = ("params", "grads", "optimizer", "weight_copies", "activations")
+
+
 def predicted_vs_measured(lm_step=None, sharding=None, device_type: str = "cuda"):
     """Predicted peak memory next to the measured one for ``lm_step`` and ``sharding_benchmark`` rows.
 
     ``lm_step`` rows: one comparison per measured mode (``fwd``, ``fwdbwd``, ``step``), the prediction for
     that mode against the peak measured in the same steps as its time (``<mode>_peak_gib``); ``dtype`` bf16
-    means autocast. ``sharding`` rows: per-rank prediction with parameters, gradients and optimizer state divided
-    by ``world_size`` where the implementation shards them (optimizer state for every implementation but
+    means autocast. Their prediction is the block-by-block peak (:func:`lab.accounting.step_peak_bytes`):
+    the benchmark drops the gradients before each forward. ``sharding`` rows: the sum of the parts (the
+    wrappers' gradient buffers live through the step), per rank, with parameters, gradients and optimizer
+    state divided by ``world_size`` where the implementation shards them (optimizer state for every implementation but
     ``ddp``; parameters and gradients too for ``fsdp`` and ``torch_fsdp2``, which hold gathered weights only
     for the two blocks in flight), activations of ``batch`` sequences per rank (``lab.bench.sharding``'s
     batch is per rank), compared with the largest of the measured peaks. Rows of unknown sizes are
@@ -181,7 +186,8 @@ def predicted_vs_measured(lm_step=None, sharding=None, device_type: str = "cuda"
                 rows.append(dict(table="lm_step", impl=mode, size=r["size"], context=int(r["context"]),
                                  batch=int(r["batch"]), dtype=r["dtype"], world_size=1,
                                  compile=_flag(r.get("compile")), attention=cfg.attention,
-                                 measured_gib=float(peak), **{f"{k}_gib": v / GiB for k, v in mem.items()}))
+                                 measured_gib=float(peak), predicted_gib=mem["peak"] / GiB,
+                                 **{f"{k}_gib": mem[k] / GiB for k in PARTS}))
     if sharding is not None:
         peak_cols = [c for c in ("peak_init_gib", "peak_before_step_gib", "peak_after_step_gib") if c in sharding]
         for _, r in sharding.iterrows():
@@ -205,14 +211,13 @@ def predicted_vs_measured(lm_step=None, sharding=None, device_type: str = "cuda"
                 # prefetches up to two ahead), in the compute dtype
                 block = 4 * cfg.d_model**2 + 3 * cfg.d_model * cfg.d_ff
                 mem["weight_copies"] = 2 * block * (2 if prec == "bf16_autocast" else 4)
-            mem["total"] = sum(v for k, v in mem.items() if k != "total")
             rows.append(dict(table="sharding_benchmark", impl=impl, size=r["size"], context=int(r["context"]),
                              batch=int(r["batch"]), dtype=r["dtype"], world_size=n, compile=False,
                              attention=cfg.attention, measured_gib=float(measured),
-                             **{f"{k}_gib": v / GiB for k, v in mem.items()}))
+                             predicted_gib=sum(mem[k] for k in PARTS) / GiB,
+                             **{f"{k}_gib": mem[k] / GiB for k in PARTS}))
     out = pd.DataFrame(rows)
     if not out.empty:
-        out = out.rename(columns={"total_gib": "predicted_gib"})
         out["ratio"] = out["measured_gib"] / out["predicted_gib"]
     return out
 
