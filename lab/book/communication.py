@@ -254,9 +254,14 @@ def bus_bandwidth_sentences(by_ranks: pd.DataFrame) -> str:
         if len(held) == len(others):
             meaning = ("the bus bandwidth holds within the noise while the algorithm bandwidth falls: each link "
                        "carries 2(n-1)/n of the data, which is what the bus-bandwidth convention normalizes away")
-        else:
+        elif (others["verdict"] == "lower").any():
             meaning = ("the bus bandwidth does not hold: adding ranks costs more than the ring's 2(n-1)/n traffic "
                        "per link explains (more hops of latency, shared links, or, for CPU processes, shared cores)")
+        else:
+            meaning = ("the bus bandwidth rises with the ranks, which the ring's 2(n-1)/n traffic per link does not "
+                       "predict: the ranks' links are not the bottleneck at the fewest ranks"
+                       + (" (gloo copies through host memory and TCP, and more processes overlap more of those "
+                          "copies)" if backend == "gloo" else ""))
         lines.append(f"**{backend}, {size_text(base.size_mb)}:** {base.world_size} ranks reach {base.busbw_gbps:.3g} "
                      f"GB/s of bus bandwidth; {words}. So {meaning}.")
     return "\n\n".join(lines) or "Only one world size was measured: nothing to compare."

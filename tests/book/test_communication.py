@@ -89,6 +89,10 @@ def test_bus_bandwidth_holds_or_not():
     assert list(dropped["verdict"]) == ["reference", "lower"]
     assert "does not hold" in comm.bus_bandwidth_sentences(dropped)
     assert "(lower)" in comm.bus_bandwidth_answer(dropped)
+    rose = comm.bus_bandwidth_by_ranks(grid(slow_ranks=0.5))  # H100 host, gloo: 2.55 GB/s on 2 ranks, 3.52 on 4
+    assert list(rose["verdict"]) == ["reference", "higher"]
+    text = comm.bus_bandwidth_sentences(rose)
+    assert "rises with the ranks" in text and "does not hold" not in text
     assert comm.bus_bandwidth_answer(held[held["world_size"] == 2]) == "only one world size was measured."
 
 
