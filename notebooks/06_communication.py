@@ -47,7 +47,9 @@ from lab.bench import collectives  # noqa: E402 - after the parameters cell
 from lab.book import communication as comm  # noqa: E402 - after the parameters cell
 from lab.book import plots, report  # noqa: E402 - after the parameters cell
 
-grid_plan = collectives.plan_grid(quick, device, world_sizes, ops, gpu_sizes_mb, cpu_sizes_mb, warmup, iters)
+machine = comm.measuring_machine(results_dir, replay)  # a replay plans for the machine that measured
+grid_plan = collectives.plan_grid(quick, device, world_sizes, ops, gpu_sizes_mb, cpu_sizes_mb, warmup, iters,
+                                  gpus=machine["gpus"])
 params = dict(quick=quick, device=device, **grid_plan.params())
 book = report.Chapter("06_communication", params, results_dir, replay=replay)
 plots.set_style()
@@ -65,7 +67,7 @@ report.say(grid_plan.note)
 grid = book.table("collectives", grid_plan.measure)
 report.show_table(comm.grid_table(grid), floatfmt=".4g")
 report.say(comm.correctness_sentence(grid))
-report.say(comm.cpu_sharing_sentence(grid))
+report.say(comm.cpu_sharing_sentence(grid, machine["cores"]))
 
 # %% [markdown]
 # ## Bandwidth against message size

@@ -13,6 +13,7 @@ import os
 
 import numpy as np
 import pandas as pd
+import torch
 
 from lab.bench.collectives import bus_bandwidth_factor
 from lab.bench.interleaved import samples
@@ -65,12 +66,28 @@ def correctness_sentence(grid: pd.DataFrame) -> str:
     return f"**Wrong values** in {len(wrong)} of {len(ok)} collectives: {cases}. Their times mean nothing."
 
 
-def cpu_sharing_sentence(grid: pd.DataFrame, cores: int | None = None) -> str:
-    """A caution when gloo ran more processes than the CPU has cores (empty without gloo rows)."""
-    cores = cores or os.cpu_count() or 1
+def measuring_machine(results_dir: str, replay) -> dict:
+    """GPU count and CPU cores of the machine whose collectives the notebook shows: this one when it
+    measures, the one named in the table's provenance when it replays (``cores`` None where an older table
+    did not record them)."""
+    if replay is True or (replay and "collectives" in replay):
+        from lab.measure.results import load_provenance
+
+        meta = load_provenance("collectives", results_dir, "06_communication")
+        return dict(gpus=int(meta.get("gpu_count") or 0), cores=meta.get("host_cores"))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return dict(gpus=gpus, cores=os.cpu_count() or 1)
+
+
+def cpu_sharing_sentence(grid: pd.DataFrame, cores: int | None) -> str:
+    """A caution when gloo ran more processes than the measuring machine has ``cores`` (empty without gloo
+    rows; a plain statement when the core count was not recorded)."""
     gloo = grid[grid["backend"] == "gloo"]
     if gloo.empty:
         return ""
+    if not cores:
+        return ("The measuring machine's core count was not recorded with this table: whether its gloo processes "
+                "shared cores is not known here.")
     if gloo["world_size"].max() <= cores:
         return f"Every gloo process had a CPU core of its own ({cores} cores)."
     crowded = sorted(int(n) for n in gloo["world_size"].unique() if n > cores)

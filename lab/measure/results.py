@@ -98,6 +98,7 @@ def provenance(params: dict[str, Any] | None = None) -> dict[str, Any]:
         "triton": _triton_version(),
         "python": platform.python_version(),
         "host_cpu": platform.processor() or platform.machine(),
+        "host_cores": os.cpu_count(),
         "commit": git_commit(),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "params": _jsonable(params or {}),

@@ -1,10 +1,12 @@
 """lab.book.communication: the sentences and tables of notebook 06, from small synthetic grids."""
 
 import json
+import os
 
 import matplotlib
 import pandas as pd
 import pytest
+import torch
 
 from lab.bench import collectives
 from lab.book import communication as comm
@@ -61,6 +63,26 @@ def test_cpu_sharing_sentence():
     assert "4 gloo processes" in comm.cpu_sharing_sentence(g, cores=2)
     assert comm.cpu_sharing_sentence(g, cores=8) == "Every gloo process had a CPU core of its own (8 cores)."
     assert comm.cpu_sharing_sentence(g[g["backend"] == "nccl"], cores=2) == ""
+    assert "not recorded" in comm.cpu_sharing_sentence(g, cores=None)
+
+
+def test_a_replay_describes_the_machine_that_measured(tmp_path):
+    """Replayed on a 2-core CPU, 06 said 'this machine has 0 GPU(s)' and '2 CPU cores' of a table measured
+    on 2 H100s and 32 cores."""
+    from lab.measure.results import save_results
+
+    save_results(grid(), "collectives", tmp_path, source="06_communication")
+    meta_path = tmp_path / "collectives.json"
+    meta = json.loads(meta_path.read_text())
+    meta["sources"]["06_communication"].update(gpu_count=2, host_cores=32)
+    meta_path.write_text(json.dumps(meta))
+    assert comm.measuring_machine(str(tmp_path), True) == dict(gpus=2, cores=32)
+    assert comm.measuring_machine(str(tmp_path), ["collectives"]) == dict(gpus=2, cores=32)
+    here = comm.measuring_machine(str(tmp_path), False)
+    assert here["cores"] == os.cpu_count() and here["gpus"] == torch.cuda.device_count()
+    plan = collectives.plan_grid(False, "auto", [2, 4, 6], gpus=2)
+    assert plan.gpu_world_sizes == (2,) or list(plan.gpu_world_sizes) == [2]
+    assert "this machine has 2 GPU(s)" in plan.note
 
 
 def test_split_allreduce_verdicts_follow_the_samples():
