@@ -31,6 +31,7 @@ import gc
 import json
 import math
 import statistics
+import sys
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass
@@ -115,6 +116,20 @@ def _release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+LEAK_WARNING_BYTES = 1 << 30
+
+
+def _warn_if_left(name: str, device: torch.device, baseline: int) -> None:
+    """Say so on stderr (rank 0) when a closed implementation leaves more than 1 GiB allocated: the later
+    builds of the rotation would run out of memory, and this line names the one that leaked."""
+    if device.type != "cuda" or dist.get_rank() != 0:
+        return
+    left = torch.cuda.memory_allocated(device) - baseline
+    if left > LEAK_WARNING_BYTES:
+        print(f"time_interleaved: {left / 2**30:.1f} GiB still allocated after closing {name!r} (a leak: the "
+              "next builds may run out of memory)", file=sys.stderr, flush=True)
+
+
 def _attempt(fn: Callable[[], None]) -> BaseException | None:
     """Run ``fn``; an out-of-memory error is returned (a result), any other error propagates."""
     try:
@@ -189,11 +204,13 @@ def time_interleaved(builders: dict[str, Build], plan: Interleaving, device: tor
             if name in live:
                 live.pop(name)[1]()
             _release(device)
+            _warn_if_left(name, device, baseline)
 
     # What lives now lives through the run (torch's modules, the inputs, a shared model): out of the
     # collector's sight, so that the collections between turns are quick; unfrozen at the end.
     gc.collect()
     gc.freeze()
+    baseline = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     try:
         if plan.schedule == "resident":
             for name in list(alive):
