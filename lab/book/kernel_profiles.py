@@ -79,8 +79,11 @@ class KernelProfiles:
 
 def time_unit(kernels: pd.DataFrame) -> tuple[str, str]:
     """(``"kernel"``, ``"GPU kernel time"``) or (``"operator"``, ``"CPU operator time"``): what the profile's
-    times are, from its ``source`` column."""
-    gpu = "source" in kernels and (kernels["source"] == "gpu kernel").any()
+    times are, from its ``timeline`` column (tables saved before it existed: from the GPU that measured them)."""
+    if "timeline" in kernels:
+        gpu = (kernels["timeline"] == "gpu kernel").any()
+    else:
+        gpu = "gpu" in kernels and kernels["gpu"].astype(str).str.lower().ne("cpu").any()
     return ("kernel", "GPU kernel time") if gpu else ("operator", "CPU operator time (self time of aten operators)")
 
 
@@ -166,6 +169,11 @@ def profile_caption(steps: pd.DataFrame, kernels: pd.DataFrame, trace_dir: str |
 def profile_timer_sentence(steps: pd.DataFrame, lm: pd.DataFrame) -> str:
     """The profiled forward step against the Python timer's forward of the same size and context (fp32)."""
     fwd = steps.set_index("mode").loc["forward"]
+    if fwd["busy_ms"] > 1.01 * fwd["wall_ms"]:
+        return (f"The profile's kernels are busy {num(fwd['busy_ms'])} ms per forward step, more than the "
+                f"{num(fwd['wall_ms'])} ms of wall time this table records for it, which kernels queued on one "
+                "stream cannot do: that wall time was not measured right, and no comparison with the Python "
+                "timer is made from it.")
     text = f"The profiler sees a forward step of **{num(fwd['wall_ms'])} ms** wall time"
     if fwd["busy_ms"] > 0:
         text += f", of which kernels are busy {num(fwd['busy_ms'])} ms ({fwd['busy_ms'] / fwd['wall_ms']:.0%})"

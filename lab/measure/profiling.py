@@ -122,22 +122,22 @@ def kernel_table(prof, top: int | None = 15) -> pd.DataFrame:
     kernels = _device_events(prof)
     if kernels:
         rows = [(e.name, e.time_range.elapsed_us()) for e in kernels]
-        source = "gpu kernel"
+        timeline = "gpu kernel"
     else:
         rows = [(e.name, e.self_cpu_time_total) for e in prof.events()
                 if e.device_type == DeviceType.CPU and e.name.startswith("aten::")]
-        source = "cpu op"
+        timeline = "cpu op"
     df = pd.DataFrame(rows, columns=["name", "us"])
     if df.empty:
-        return pd.DataFrame(columns=["name", "class", "calls_per_step", "ms_per_step", "share", "source"])
+        return pd.DataFrame(columns=["name", "class", "calls_per_step", "ms_per_step", "share", "timeline"])
     g = df.groupby("name")["us"].agg(["count", "sum"]).reset_index()
     g["class"] = g["name"].map(kernel_class)
     g["calls_per_step"] = g["count"] / steps
     g["ms_per_step"] = g["sum"] / 1e3 / steps
     g["share"] = g["sum"] / g["sum"].sum()
-    g["source"] = source
+    g["timeline"] = timeline  # not "source": the results store's column for the notebook that measured a row
     g = g.sort_values("ms_per_step", ascending=False)[["name", "class", "calls_per_step", "ms_per_step", "share",
-                                                        "source"]]
+                                                        "timeline"]]
     return (g.head(top) if top else g).reset_index(drop=True)
 
 

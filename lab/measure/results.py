@@ -142,6 +142,10 @@ def save_results(df: pd.DataFrame, name: str, results_dir: str | os.PathLike = "
     several notebooks can keep their rows in one table (``lm_step.csv``); every row then says in its
     ``source`` column who measured it, and the sidecar keeps each source's provenance under ``"sources"``.
     """
+    if source is not None and "source" in df.columns and not (df["source"].dropna() == source).all():
+        own = sorted(set(df["source"].dropna().astype(str)))[:3]
+        raise ValueError(f"{name}: the table has a column 'source' of its own (values {own}); the results store "
+                         f"writes there the notebook that measured each row ({source!r}). Rename the column.")
     out = paths.results_dir(results_dir)
     df = with_provenance_columns(df, source)
     csv = out / f"{name}.csv"

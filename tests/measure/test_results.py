@@ -101,3 +101,13 @@ def test_committed_results_come_from_clean_commits():
         if "commit" in df.columns and df["commit"].astype(str).str.contains("dirty").any():
             dirty.append(csv.name)
     assert not dirty, f"results from a tree with uncommitted changes: {dirty}"
+
+
+def test_a_tables_own_source_column_is_refused(tmp_path):
+    """01's kernel table had a 'source' column ('gpu kernel'): the store overwrote it and kept an older run's
+    rows, whose 'source' was not the notebook's, beside the new ones."""
+    df = pd.DataFrame({"name": ["gemm"], "source": ["gpu kernel"]})
+    with pytest.raises(ValueError, match="column 'source' of its own"):
+        results.save_results(df, "01_kernels", tmp_path, source="01_profiling")
+    results.save_results(df.assign(source="01_profiling"), "01_kernels", tmp_path, source="01_profiling")
+    results.save_results(df, "untagged", tmp_path)  # no source: the table is replaced whole
