@@ -171,8 +171,16 @@ class CheckpointedBlock(nn.Module):
         if policy not in ("block", "save_attention"):
             raise ValueError(f"policy must be 'block' or 'save_attention', got {policy!r}")
         self.block, self.policy = block, policy
+        # looked up here, not in forward: a compiled block would trace the lookup (and its imports)
+        self._saved = _saved_ops() if policy == "save_attention" else frozenset()
 
     def _run(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            # A compiled block (the stock recipe's per-block torch.compile) traces the checkpoint as one
+            # higher-order op, which must not hold the graph-task query below: Dynamo cannot trace it, and
+            # the whole checkpointed block then ran eagerly, so "stock_compiled" was the eager step. A
+            # compiled block's recomputation has no range of its own: its profile counts it with the block's.
+            return self.block(x)
         # The same range op in the forward and in the recomputation (selective checkpointing replays the
         # forward's ops one for one), named by which one this is: inside backward it is the recomputation.
         name = "recompute" if torch._C._current_graph_task_id() != -1 else "block"
@@ -190,7 +198,7 @@ class CheckpointedBlock(nn.Module):
 
         from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-        saved = _saved_ops()
+        saved = self._saved
 
         def policy(ctx, op, *args, **kwargs):
             return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE

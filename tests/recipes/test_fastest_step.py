@@ -1,5 +1,6 @@
 """The fastest step's recipe: the same model, the same loss and the same update as a plain step."""
 
+import copy
 import dataclasses
 
 import pytest
@@ -52,6 +53,25 @@ def test_checkpointed_block_is_exact(policy):
     (gx_ref,) = torch.autograd.grad(ref.square().sum(), x)
     out = wrapped(x)
     (gx,) = torch.autograd.grad(out.square().sum(), x)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    torch.testing.assert_close(gx, gx_ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("policy", ["block", "save_attention"])
+def test_a_checkpointed_block_compiles_as_one_graph(policy):
+    """The stock recipe compiles each checkpointed block. Dynamo could not trace the graph-task query inside
+    the checkpoint, so the whole block ran eagerly: on 2 x H200 "stock_compiled" took 6556 ms against
+    stock_eager's 6541. One graph, and the same numbers as eager."""
+    torch.manual_seed(0)
+    block = TransformerLM(TINY).blocks[0]
+    eager, compiled = fs.CheckpointedBlock(block, policy), fs.CheckpointedBlock(copy.deepcopy(block), policy)
+    torch._dynamo.reset()
+    fn = torch.compile(compiled, fullgraph=True, backend="eager")  # fullgraph: a graph break is an error
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    out = fn(x)
+    (gx,) = torch.autograd.grad(out.square().sum(), x)
+    ref = eager(x)
+    (gx_ref,) = torch.autograd.grad(ref.square().sum(), x)
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
     torch.testing.assert_close(gx, gx_ref, rtol=1e-6, atol=1e-6)
 
