@@ -24,7 +24,7 @@
 # per block, prefetched), selective activation checkpointing that keeps each block's attention output and
 # recomputes the rest, `torch.compile` of the modules without matrices, fused AdamW. The stock step: FSDP2
 # `fully_shard` per block and at the root, SDPA, `torch.utils.checkpoint` on every block, materialized
-# logits, fused AdamW, eager and with each block compiled. Every optimization is then switched off alone.
+# logits with `F.cross_entropy` in their own dtype (bf16), fused AdamW, eager and with each block compiled. Every optimization is then switched off alone.
 
 # %% tags=["parameters"]
 quick = True                      # CPU-sized stand-ins on gloo with Triton interpreted; the full render sets False

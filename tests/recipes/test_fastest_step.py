@@ -167,3 +167,27 @@ def test_recipe_on_two_ranks_matches_the_plain_step(recipe):
         sure = ref_grads[name].abs() > 1e-3 * scale
         torch.testing.assert_close(out[0][4][name][sure], ref[name][sure], rtol=1e-5, atol=1e-6, msg=name)
         torch.testing.assert_close(out[1][4][name], out[0][4][name], rtol=0, atol=0)  # ranks agree exactly
+
+
+def test_the_stock_loss_is_cross_entropy_of_the_logits_as_they_come():
+    """The issue's stock step computes F.cross_entropy on the bf16 logits (72 GiB on 2 x H200); the model's own
+    loss casts them to fp32 first, which at 32k x 152k logits cost ~28 GiB more (99 GiB measured)."""
+    torch.manual_seed(0)
+    model = TransformerLM(TINY)
+    tokens = torch.randint(0, TINY.vocab_size, (2, 16))
+    targets = torch.randint(0, TINY.vocab_size, (2, 16))
+    # fp32: the two losses are the same number
+    torch.testing.assert_close(fs.summed_loss_on_logits(model, tokens, targets), fs.summed_loss(model, tokens, targets))
+    model.to(torch.bfloat16)
+    native = fs.summed_loss_on_logits(model, tokens, targets)
+    logits = model(tokens)
+    assert native.dtype == torch.bfloat16 and logits.dtype == torch.bfloat16
+    expected = torch.nn.functional.cross_entropy(logits.reshape(-1, TINY.vocab_size), targets.reshape(-1),
+                                                 reduction="sum")
+    torch.testing.assert_close(native, expected, rtol=0, atol=0)
+    assert fs.summed_loss(model, tokens, targets).dtype == torch.float32  # the model's loss: fp32 logits
+    assert not fs.STOCK_EAGER.loss_upcast and not fs.STOCK_COMPILED.loss_upcast and fs.PROJECT.loss_upcast
+    config, cpu = fs.CONFIGS["tiny_one_rank"], torch.device("cpu")
+    assert fs.build_step(config, fs.STOCK_ONE_GPU_EAGER, cpu).loss_fn is fs.summed_loss_on_logits
+    upcast = fs.Recipe(attention="sdpa", fused_loss=False, sharding="none", checkpoint="none", compile="none")
+    assert fs.build_step(config, upcast, cpu).loss_fn is fs.summed_loss
