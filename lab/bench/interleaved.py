@@ -120,8 +120,9 @@ LEAK_WARNING_BYTES = 1 << 30
 
 
 def _warn_if_left(name: str, device: torch.device, baseline: int) -> None:
-    """Say so on stderr (rank 0) when a closed implementation leaves more than 1 GiB allocated: the later
-    builds of the rotation would run out of memory, and this line names the one that leaked."""
+    """Say so on stderr (rank 0) when more than 1 GiB is still allocated after the collection that follows
+    ``name``'s turn (before the next build): the later builds of the rotation would run out of memory, and
+    this line names the implementation that leaked."""
     if device.type != "cuda" or dist.get_rank() != 0:
         return
     left = torch.cuda.memory_allocated(device) - baseline
@@ -162,6 +163,7 @@ def time_interleaved(builders: dict[str, Build], plan: Interleaving, device: tor
     runs_here = {name: rank == 0 or name not in solo for name in builders}
     alive = list(builders)
     live: dict[str, tuple] = {}
+    closed: list[str] = []  # the implementation closed at the end of the last turn (rebuild)
 
     def agreed_failure(name: str, error: BaseException | None) -> bool:
         """Collective: True (and the entry marked oom, released, out of the rotation) if any rank failed."""
@@ -177,6 +179,8 @@ def time_interleaved(builders: dict[str, Build], plan: Interleaving, device: tor
 
     def build(name: str) -> None:
         _release(device)  # what the last turn left behind, including what was still held at its release
+        if closed:  # measured here, not at the turn's own release, where NCCL may still hold its tensors
+            _warn_if_left(closed.pop(), device, baseline)
         if runs_here[name]:
             live[name] = builders[name]()
 
@@ -204,7 +208,7 @@ def time_interleaved(builders: dict[str, Build], plan: Interleaving, device: tor
             if name in live:
                 live.pop(name)[1]()
             _release(device)
-            _warn_if_left(name, device, baseline)
+            closed[:] = [name]
 
     # What lives now lives through the run (torch's modules, the inputs, a shared model): out of the
     # collector's sight, so that the collections between turns are quick; unfrozen at the end.

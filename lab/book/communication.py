@@ -274,6 +274,9 @@ def bus_bandwidth_sentences(by_ranks: pd.DataFrame) -> str:
         elif (others["verdict"] == "lower").any():
             meaning = ("the bus bandwidth does not hold: adding ranks costs more than the ring's 2(n-1)/n traffic "
                        "per link explains (more hops of latency, shared links, or, for CPU processes, shared cores)")
+        elif not (others["verdict"] == "higher").all():
+            meaning = ("the bus bandwidth holds or rises with the ranks: adding ranks costs no more than the ring's "
+                       "2(n-1)/n traffic per link explains")
         else:
             meaning = ("the bus bandwidth rises with the ranks, which the ring's 2(n-1)/n traffic per link does not "
                        "predict: the ranks' links are not the bottleneck at the fewest ranks"

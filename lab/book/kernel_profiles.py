@@ -83,7 +83,9 @@ def time_unit(kernels: pd.DataFrame) -> tuple[str, str]:
     if "timeline" in kernels:
         gpu = (kernels["timeline"] == "gpu kernel").any()
     else:
-        gpu = "gpu" in kernels and kernels["gpu"].astype(str).str.lower().ne("cpu").any()
+        from lab.measure.results import measured_on
+
+        gpu = measured_on(kernels) != "cpu"
     return ("kernel", "GPU kernel time") if gpu else ("operator", "CPU operator time (self time of aten operators)")
 
 

@@ -79,11 +79,12 @@ def error_summary(exc: BaseException, limit: int = 200) -> str:
     return f"{type(exc).__name__}: {first[:limit]}"
 
 
-_CUDA_OOM = re.compile(r"Tried to allocate (?P<want>[\d.]+ [KMGT]?i?B)\. GPU \d+ has a total capacity of "
-                       r"(?P<total>[\d.]+ [KMGT]?i?B) of which (?P<free>[\d.]+ [KMGT]?i?B) is free\..*?this process "
-                       r"has (?P<held>[\d.]+ [KMGT]?i?B) memory in use", re.S)
-_CUDA_SPLIT = re.compile(r"(?P<live>[\d.]+ [KMGT]?i?B) is allocated by PyTorch, and (?P<cached>[\d.]+ [KMGT]?i?B) is "
-                         r"reserved by PyTorch but unallocated")
+_SIZE = r"[\d.]+ (?:[KMGT]i?B|bytes)"  # torch's format_size: "20.00 MiB", and "0 bytes" up to 1 KiB
+_CUDA_OOM = re.compile(rf"Tried to allocate (?P<want>{_SIZE})\. GPU \d+ has a total capacity of (?P<total>{_SIZE}) "
+                       rf"of which (?P<free>{_SIZE}) is free\..*?this process has (?P<held>{_SIZE}) memory in use",
+                       re.S)
+_CUDA_SPLIT = re.compile(rf"(?P<live>{_SIZE}) is allocated by PyTorch, and (?P<cached>{_SIZE}) is reserved by "
+                         r"PyTorch but unallocated")
 
 
 def empty_cache() -> None:

@@ -134,10 +134,12 @@ def test_time_interleaved_on_two_gloo_processes():
 # HELD, which close() fills and the next build empties.
 HELD: list = []
 BUILT: list = []
+LINGERING: list = []  # at each build: how many models of turns before the last one are still alive
 
 
 def _cyclic(name: str):
     def build():
+        LINGERING.append(sum(ref() is not None for ref in BUILT[:-1]))
         HELD.clear()
 
         class Wrapper:
@@ -154,19 +156,17 @@ def _cyclic(name: str):
     return build
 
 
-def _cycle_worker() -> list[bool]:
+def _cycle_worker() -> list[int]:
     BUILT.clear()
+    LINGERING.clear()
     plan = Interleaving(rounds=3, steps_per_round=1, warmup=0, schedule="rebuild")
     interleaved.time_interleaved({"a": _cyclic("a"), "b": _cyclic("b")}, plan, distributed.device())
-    HELD.clear()
-    import gc
-
-    gc.collect()
-    return [ref() is not None for ref in BUILT]
+    return list(LINGERING)
 
 
 def test_rebuild_frees_a_cycle_that_was_held_at_its_release():
-    """Report 08's first GPU render ran out of memory in every row: the turns' models were frozen by
-    gc.freeze while briefly held, and never collected."""
-    alive = distributed.launch(_cycle_worker, 2, device="cpu", timeout_s=60, deadline_s=120)
-    assert alive[0] == [False] * 6 and alive[1] == [False] * 6
+    """Report 08's first GPU render ran out of memory in every row: each turn's model, still held at its
+    release, was frozen by gc.freeze and never collected. At every build, no model older than the last
+    turn's may be alive."""
+    lingering = distributed.launch(_cycle_worker, 2, device="cpu", timeout_s=60, deadline_s=120)
+    assert lingering[0] == [0] * 6 and lingering[1] == [0] * 6

@@ -285,6 +285,11 @@ def test_top_kernels_tables(capsys):
     top = kernel_profiles.top_kernels(_kernels(), "train_step", n=2)
     assert top["name"].tolist() == ["sm90_gemm", "softmax_warp_forward"]
     kernel_profiles.show_top_kernels(_kernels("cpu op"), n=1)
+    # a table saved before the timeline column existed: told by the GPU that measured it
+    old = _kernels().drop(columns="timeline")
+    assert kernel_profiles.time_unit(old.assign(gpu="NVIDIA H100 80GB HBM3 x2"))[0] == "kernel"
+    assert kernel_profiles.time_unit(old.assign(gpu="cpu"))[0] == "operator"
+    assert kernel_profiles.time_unit(old)[0] == "operator"  # no gpu column: nothing says it was a GPU
     out = capsys.readouterr().out
     assert "**Top operators, forward** (per step)" in out and "**Top operators, train_step**" in out
     fig = kernel_profiles.plot_class_shares(_kernels(), "2.7B")

@@ -14,3 +14,7 @@ def test_error_summary_keeps_the_whole_cuda_oom_story():
         "OutOfMemoryError: CUDA out of memory: tried to allocate 7.45 GiB with 5.63 GiB free of 79.18 GiB; this "
         "process held 73.54 GiB (61.20 GiB allocated by PyTorch, 11.32 GiB reserved but unallocated)")
     assert error_summary(ValueError("bad\nmore")) == "ValueError: bad"
+    full = msg.replace("5.63 GiB is free", "0 bytes is free").replace("11.32 GiB is reserved", "512 bytes is reserved")
+    assert error_summary(torch.OutOfMemoryError(full)).endswith(
+        "with 0 bytes free of 79.18 GiB; this process held 73.54 GiB (61.20 GiB allocated by PyTorch, 512 bytes "
+        "reserved but unallocated)")
