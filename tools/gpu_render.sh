@@ -6,6 +6,7 @@
 # HEAD` in your checkout): a device's copy of the working tree may carry an older .git.
 set -uo pipefail
 commit=$1; limit=$2; shift 2
+[[ $commit =~ ^[0-9a-f]{40}$ ]] || { echo "COMMIT must be the full 40-digit hash (git rev-parse HEAD), got '$commit'"; exit 2; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || { echo "wheel install failed"; exit 1; }
 export PYTHONPATH=/tmp/site:$PWD LAB_COMMIT=$commit PYTHONUNBUFFERED=1
