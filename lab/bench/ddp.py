@@ -29,7 +29,14 @@ from torch import nn
 
 from lab import paths
 from lab.accounting import parameter_count
-from lab.bench.interleaved import Interleaving, choose_schedule, combine_ranks, summarize_rounds, time_interleaved
+from lab.bench.interleaved import (
+    Interleaving,
+    choose_schedule,
+    closer,
+    combine_ranks,
+    summarize_rounds,
+    time_interleaved,
+)
 from lab.measure.device import available_memory_bytes, synchronize
 from lab.measure.profiling import profile_step
 from lab.measure.step import TrainStep, make_optimizer, random_batch
@@ -145,13 +152,7 @@ def ddp_benchmark_worker(plan: list[tuple[str, float]], cfg: ModelConfig, batch:
             n_buckets[entry_key(impl, bucket_mb)] = _bucket_count(impl, wrapped)
             optimizer = make_optimizer(model, dev) if resident else shared_optimizer
             step = TrainStep(wrapped, optimizer, tokens, targets, dtype=dtype)
-
-            def close():
-                if hasattr(wrapped, "remove_hooks"):
-                    wrapped.remove_hooks()
-                model.zero_grad(set_to_none=True)  # a bucketed wrapper's .grad are views of its buckets
-
-            return step, close
+            return step, closer(wrapped, model)  # rebuild: the one AdamW is shared, its state kept
         return build
 
     builders = {entry_key(i, b): builder(i, b) for i, b in plan}

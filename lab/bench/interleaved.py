@@ -116,6 +116,20 @@ def _release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def closer(wrapped, model, optimizer=None) -> Callable[[], None]:
+    """The ``close`` a builder returns for a model ``wrapped`` for data parallelism: the wrapper's hooks
+    removed, the gradients dropped (a bucketed wrapper's ``.grad`` are views of its buckets) and, when the
+    implementation owns its ``optimizer``, AdamW's moments cleared. The largest parts then go by reference
+    counting, whatever cycle the wrapper's hooks make."""
+    def close():
+        if hasattr(wrapped, "remove_hooks"):
+            wrapped.remove_hooks()
+        model.zero_grad(set_to_none=True)
+        if optimizer is not None:
+            optimizer.state.clear()
+    return close
+
+
 LEAK_WARNING_BYTES = 1 << 30
 
 

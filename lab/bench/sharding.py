@@ -37,7 +37,7 @@ import torch
 
 from lab.accounting import parameter_count
 from lab.bench.ddp import model_config, resolve_schedule, where_to_run
-from lab.bench.interleaved import Interleaving, combine_ranks, summarize_rounds, time_interleaved
+from lab.bench.interleaved import Interleaving, closer, combine_ranks, summarize_rounds, time_interleaved
 from lab.bench.progress import progress_bar
 from lab.dtypes import autocast_dtype
 from lab.measure.device import error_summary, is_oom
@@ -285,15 +285,7 @@ def step_time_worker(impls: Sequence[str], cfg: ModelConfig, batch: int, dtype: 
                 with torch.device(device):
                     model = TransformerLM(cfg)
             runnable, opt, state = build_impl(impl, model, device, dtype, fsdp_reduce_dtype)
-
-            def close():
-                # The largest parts go by reference counting, whatever cycle the wrapper's hooks make
-                state.state.clear()  # AdamW's moments
-                runnable.zero_grad(set_to_none=True)
-                if hasattr(runnable, "remove_hooks"):
-                    runnable.remove_hooks()
-
-            return TrainStep(runnable, opt, tokens, targets, dtype=dtype), close
+            return TrainStep(runnable, opt, tokens, targets, dtype=dtype), closer(runnable, model, state)
         return build
 
     return time_interleaved({impl: builder(impl) for impl in impls}, interleaving, device)

@@ -58,10 +58,26 @@ def _involving(table: pd.DataFrame, notebook: str) -> pd.DataFrame:
     return d if d.empty else d[(d["source_a"] == notebook) | (d["source_b"] == notebook)]
 
 
+def consistency_report(table: pd.DataFrame, notebook: str) -> tuple[list[str], str]:
+    """``notebook``'s rows against the other notebooks', compared once: the warnings
+    (:func:`consistency_sentences`) and the sentence counting the small differences
+    (:func:`small_differences_sentence`)."""
+    d = _involving(table, notebook)
+    return _warnings(d), _small_differences(d, notebook)
+
+
 def consistency_sentences(table: pd.DataFrame, notebook: str) -> list[str]:
     """Warnings for the disagreements beyond noise and beyond ``RUN_TO_RUN`` that involve ``notebook``'s
     rows, one sentence each."""
-    d = _involving(table, notebook)
+    return _warnings(_involving(table, notebook))
+
+
+def small_differences_sentence(table: pd.DataFrame, notebook: str) -> str:
+    """One sentence counting the differences beyond the noise but within ``RUN_TO_RUN`` ('' if none)."""
+    return _small_differences(_involving(table, notebook), notebook)
+
+
+def _warnings(d: pd.DataFrame) -> list[str]:
     if d.empty:
         return []
     d = d[d["beyond_tolerance"]]
@@ -72,9 +88,7 @@ def consistency_sentences(table: pd.DataFrame, notebook: str) -> list[str]:
             f"{RUN_TO_RUN:.0%} that separate runs differ by." for _, r in d.iterrows()]
 
 
-def small_differences_sentence(table: pd.DataFrame, notebook: str) -> str:
-    """One sentence counting the differences beyond the noise but within ``RUN_TO_RUN`` ('' if none)."""
-    d = _involving(table, notebook)
+def _small_differences(d: pd.DataFrame, notebook: str) -> str:
     if d.empty or d["beyond_tolerance"].all():
         return ""
     small = d[~d["beyond_tolerance"]]

@@ -158,16 +158,15 @@ class Chapter:
         """Warn visibly where another notebook measured one of this notebook's configurations in ``name`` and
         the two disagree beyond their noise and beyond run-to-run variation (:mod:`lab.book.consistency`);
         smaller differences are counted in one plain sentence. Returns the warnings."""
-        from lab.book.consistency import consistency_sentences, small_differences_sentence
+        from lab.book.consistency import consistency_report
 
         try:
             table = store.load_results(name, self.results_dir)
         except FileNotFoundError:
             return []
-        sentences = consistency_sentences(table, self.notebook)
+        sentences, note = consistency_report(table, self.notebook)
         for s in sentences:
             warn(s)
-        note = small_differences_sentence(table, self.notebook)
         if note:
             say(note)
         return sentences

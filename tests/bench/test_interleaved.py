@@ -4,6 +4,7 @@ two processes (both schedules, a rank-0-only entry, out-of-memory as a row, a ve
 import json
 import math
 import time
+import weakref
 
 import pytest
 
@@ -147,7 +148,7 @@ def _cyclic(name: str):
 
         w = Wrapper()
         w.me = w  # a cycle: only the collector frees it
-        BUILT.append(__import__("weakref").ref(w))
+        BUILT.append(weakref.ref(w))
 
         def close():
             HELD.append(w)
