@@ -7,9 +7,10 @@
 set -uo pipefail
 commit=$1; limit=$2; shift 2
 [[ $commit =~ ^[0-9a-f]{40}$ ]] || { echo "COMMIT must be the full 40-digit hash (git rev-parse HEAD), got '$commit'"; exit 2; }
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+site=$(mktemp -d /tmp/site.XXXXXX)  # one per render: renders of separate GPUs may run side by side on one host
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl \
   || { echo "wheel install failed"; exit 1; }
-export PYTHONPATH=/tmp/site:$PWD LAB_COMMIT=$commit PYTHONUNBUFFERED=1
+export PYTHONPATH=$site:$PWD LAB_COMMIT=$commit PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
