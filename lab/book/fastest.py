@@ -179,6 +179,53 @@ def phase_sentence(df: pd.DataFrame, impl: str = "project") -> str:
     return f"One profiled step of {impl}: {text}."
 
 
+def gap_table(df: pd.DataFrame, impl: str = "project", reference: str = "stock_compiled") -> pd.DataFrame:
+    """Phase by phase, ``impl``'s profiled step against ``reference``'s: ms each and the difference (positive:
+    ``impl`` spends more there). Where the goal is missed, this says which phases hold the gap."""
+    rows = df.set_index("impl")
+    if impl not in rows.index or reference not in rows.index:
+        return pd.DataFrame()
+    a, b = rows.loc[impl, PHASES], rows.loc[reference, PHASES]
+    if a.isna().all() or b.isna().all():
+        return pd.DataFrame()
+    out = pd.DataFrame({"phase": [p.removesuffix("_ms").replace("_", " ") for p in PHASES],
+                        impl: a.to_numpy(float), reference: b.to_numpy(float)})
+    out["difference_ms"] = out[impl] - out[reference]
+    total = pd.DataFrame([{"phase": "total (profiled step)", impl: out[impl].sum(), reference: out[reference].sum(),
+                           "difference_ms": out["difference_ms"].sum()}])
+    return pd.concat([out, total], ignore_index=True)
+
+
+def gap_sentence(df: pd.DataFrame, impl: str = "project", reference: str = "stock_compiled") -> str:
+    """Where ``impl`` gains and loses against ``reference`` (from :func:`gap_table`), and the fastest
+    composition measured here where it is not ``impl``."""
+    gap = gap_table(df, impl, reference)
+    if gap.empty:
+        return f"No GPU profile of both {impl} and {reference}: the gap cannot be split by phase here."
+    phases = gap.iloc[:-1]
+    behind = phases[phases["difference_ms"] > 0].sort_values("difference_ms", ascending=False)
+    ahead = phases[phases["difference_ms"] < 0].sort_values("difference_ms")
+    ref = reference.replace("_", " ")
+
+    def listed(part, sign):
+        return ", ".join(f"{r.phase} {sign}{abs(r.difference_ms):.4g} ms" for r in part.itertuples()
+                         if abs(r.difference_ms) >= 0.01 * gap[reference].iloc[-1]) or "nothing beyond 1% of the step"
+
+    text = (f"Against {ref}, the book's step gains in {listed(ahead, '-')}, and loses in {listed(behind, '+')} "
+            f"(profiled step {gap[impl].iloc[-1]:.4g} ms against {gap[reference].iloc[-1]:.4g} ms).")
+    ok = df[(df["status"] == "ok") & ~df["impl"].str.startswith("stock")]
+    if len(ok) and ok.loc[ok["step_ms"].idxmin(), "impl"] != impl:
+        best = ok.loc[ok["step_ms"].idxmin()]
+        text += (f" The fastest composition measured here is `{best['impl']}` ({best['step_ms']:.4g} ms against "
+                 f"{_step_ms(df, impl):.4g} ms for the book's recipe).")
+    return text
+
+
+def _step_ms(df: pd.DataFrame, impl: str) -> float:
+    rows = df[(df["impl"] == impl) & (df["status"] == "ok")]
+    return float(rows["step_ms"].iloc[0]) if len(rows) else math.nan
+
+
 def mfu_sentence(df: pd.DataFrame, on_gpu: bool) -> str:
     """MFU of the book's step against the matmul ceiling measured on this card and the datasheet."""
     ok = df[(df["status"] == "ok") & (df["impl"] == "project")]

@@ -35,6 +35,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lab.parallel.hooks import weak_hook
+
 
 class _DataParallel(nn.Module):
     """What the four wrappers share: initial broadcast, the list of parameters to reduce, ``no_sync``."""
@@ -153,7 +155,7 @@ class DDPIndividualParameters(_DataParallel):
         self._nccl_avg = dist.get_backend() == "nccl"
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []
         self._launched = 0
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.trainable]
+        self._hooks = [p.register_post_accumulate_grad_hook(weak_hook(self._on_grad_ready)) for p in self.trainable]
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         if not self._sync:
@@ -230,7 +232,7 @@ class DDPBucketed(_DataParallel):
         self._launched = 0
         self._any_ready = False
         self._seen: set[int] = set()
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.trainable]
+        self._hooks = [p.register_post_accumulate_grad_hook(weak_hook(self._on_grad_ready)) for p in self.trainable]
 
     @staticmethod
     def _make_buckets(params: list[torch.Tensor], capacity_bytes: float) -> list[_Bucket]:

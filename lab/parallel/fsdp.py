@@ -47,6 +47,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from lab.parallel.collectives import all_gather_tensor, record_collective, reduce_scatter_tensor
 from lab.parallel.fsdp_layout import GatherWeight, Layer, Packed, ShardedWeight, shard_layout, unit_names
+from lab.parallel.hooks import weak_hook
 
 COMPUTE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 
@@ -98,9 +99,10 @@ class FSDP(nn.Module):
         self._weights: dict[str, ShardedWeight] = {}
         self._replicated: list[tuple[str, nn.Parameter]] = []
         owners = self._shard_layout(module, unit_names(module, unit_modules))
+        self._hook_handles: list = []
         for mod, weights in owners:
-            mod.register_forward_pre_hook(self._make_pre_hook(weights))
-            mod.register_forward_hook(self._make_post_hook(weights))
+            self._hook_handles += [mod.register_forward_pre_hook(self._make_pre_hook(weights)),
+                                   mod.register_forward_hook(self._make_post_hook(weights))]
         # forward bookkeeping
         self._in_forward = False
         self._recompute_order: list[Layer] = []  # reverse forward order: what a checkpointed backward recomputes
@@ -123,9 +125,16 @@ class FSDP(nn.Module):
         # with a gathered weight alive at once
         self._gathered_refs: list[tuple[Layer, weakref.ref]] = []
         self.max_live_gathered = 0
-        for _, p in self._replicated:
+        for _, p in self._replicated:  # weakly held: see lab.parallel.hooks
             if p.requires_grad:
-                p.register_post_accumulate_grad_hook(lambda _p: self._mark_backward())
+                self._hook_handles.append(p.register_post_accumulate_grad_hook(weak_hook(self._on_replicated_grad)))
+
+    def remove_hooks(self) -> None:
+        """Remove this wrapper's module and gradient hooks: the module computes with its shards again (no
+        gathering), and nothing outside Python keeps the wrapper alive."""
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles.clear()
 
     # ---- construction --------------------------------------------------------------------------------
 
@@ -320,6 +329,9 @@ class FSDP(nn.Module):
         return flat.as_strided(packed.size, packed.stride, packed.offset)
 
     # ---- backward --------------------------------------------------------------------------------------
+
+    def _on_replicated_grad(self, _param: torch.Tensor) -> None:
+        self._mark_backward()
 
     def _mark_backward(self) -> None:
         self._needs_sync = True

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -163,6 +164,7 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
         self._flat: list[_FlatGroup] = []
         self._order: list[_Bucket] = []  # every bucket, in launch order (same on every rank)
         self._next_launch = 0
+        self._hook_handles: list = []
         self.inner: torch.optim.Optimizer | None = None
         super().__init__(params, defaults=dict(kwargs))
 
@@ -174,7 +176,7 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
         self._flat.append(flat)
         self._order.extend(flat.buckets)
         for p in flat.params:
-            p.register_post_accumulate_grad_hook(self._make_hook(flat))
+            self._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_hook(flat)))
         local = {**_hyperparameters(group), "params": [b.shard for b in flat.buckets]}
         if self.inner is None:
             self.inner = self._optimizer_cls([local], **self._inner_kwargs)
@@ -183,6 +185,12 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
         for k, v in _hyperparameters(self.inner.param_groups[-1]).items():
             group.setdefault(k, v)
 
+    def remove_hooks(self) -> None:
+        """Remove the gradient hooks from the parameters (they no longer start reduce-scatters during backward)."""
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles.clear()
+
     def local_numel(self) -> int:
         """Number of parameter elements whose optimizer state this rank holds (its chunks, padding included)."""
         return sum(b.chunk for f in self._flat for b in f.buckets)
@@ -190,8 +198,13 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
     # ---- gradient synchronization during backward ------------------------------------------------------
 
     def _make_hook(self, flat: _FlatGroup):
+        # The optimizer weakly held (see lab.parallel.hooks): a strong reference would keep it, its flat
+        # buffers and the parameters alive for good once the caller drops them.
+        ref = weakref.ref(self)
+
         def hook(p: torch.Tensor) -> None:
-            if not (self._overlap and self._sync):
+            self = ref()
+            if self is None or not (self._overlap and self._sync):
                 return
             if p.data_ptr() != flat.param_view(p).data_ptr():
                 return  # another ZeRO1Optimizer has since taken this parameter into its own buffer

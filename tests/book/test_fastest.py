@@ -121,3 +121,23 @@ def test_measured_on_gpu_reads_the_rows_not_this_machine():
     assert fastest.measured_on_gpu(pd.DataFrame({"device": ["cuda"]}), default=False)
     assert not fastest.measured_on_gpu(pd.DataFrame({"device": ["cpu"]}), default=True)
     assert fastest.measured_on_gpu(pd.DataFrame({"x": [1]}), default=True)
+
+
+def test_gap_by_phase_names_where_the_book_gains_and_loses():
+    ours = dict(recompute_ms=700.0, attention_ms=3000.0, matmul_ms=2000.0, loss_ms=0.0, optimizer_ms=22.0,
+                other_kernels_ms=385.0, exposed_communication_ms=18.0, idle_ms=33.0)
+    stock = dict(recompute_ms=1400.0, attention_ms=2075.0, matmul_ms=2070.0, loss_ms=0.1, optimizer_ms=22.0,
+                 other_kernels_ms=944.0, exposed_communication_ms=17.0, idle_ms=56.0)
+    df = pd.DataFrame([_row("project", 6172.0, **ours), _row("stock_compiled", 6584.0, **stock),
+                       _row("no_flash_attention", 5409.0)])
+    gap = fastest.gap_table(df).set_index("phase")
+    assert gap.loc["attention", "difference_ms"] == 925.0 and gap.loc["recompute", "difference_ms"] == -700.0
+    assert gap.loc["total (profiled step)", "project"] == sum(ours.values())
+    assert math.isclose(gap.loc["total (profiled step)", "difference_ms"], sum(ours.values()) - sum(stock.values()))
+    s = fastest.gap_sentence(df)
+    # gains largest first, losses beyond 1% of the stock step only (not the 1 ms of exposed communication)
+    assert "gains in recompute -700 ms, other kernels -559 ms, matmul -70 ms" in s
+    assert "loses in attention +925 ms (" in s and "exposed communication" not in s
+    assert "fastest composition measured here is `no_flash_attention` (5409 ms against 6172 ms" in s
+    assert fastest.gap_table(df[df.impl != "stock_compiled"]).empty
+    assert "cannot be split" in fastest.gap_sentence(df.assign(**{c: math.nan for c in fastest.PHASES}))
