@@ -176,7 +176,7 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
         self._flat.append(flat)
         self._order.extend(flat.buckets)
         for p in flat.params:
-            self._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_hook(flat)))
+            self._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_hook(len(self._flat) - 1)))
         local = {**_hyperparameters(group), "params": [b.shard for b in flat.buckets]}
         if self.inner is None:
             self.inner = self._optimizer_cls([local], **self._inner_kwargs)
@@ -197,15 +197,17 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
 
     # ---- gradient synchronization during backward ------------------------------------------------------
 
-    def _make_hook(self, flat: _FlatGroup):
-        # The optimizer weakly held (see lab.parallel.hooks): a strong reference would keep it, its flat
-        # buffers and the parameters alive for good once the caller drops them.
+    def _make_hook(self, group: int):
+        # Nothing held strongly but the group's index (see lab.parallel.hooks): a reference to the optimizer
+        # or to its flat group (which holds the parameters) would keep the optimizer, its flat buffers and
+        # the parameters alive for good once the caller drops them.
         ref = weakref.ref(self)
 
         def hook(p: torch.Tensor) -> None:
             self = ref()
             if self is None or not (self._overlap and self._sync):
                 return
+            flat = self._flat[group]
             if p.data_ptr() != flat.param_view(p).data_ptr():
                 return  # another ZeRO1Optimizer has since taken this parameter into its own buffer
             flat.adopt_gradient(p)
