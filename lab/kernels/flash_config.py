@@ -232,8 +232,8 @@ def backward_plan(batch_heads: int, n_q: int, n_k: int, d: int, dtype: torch.dty
     elif INTERPRET:
         tiles, table_mode = _bwd_tiles(16, 16, 16, 16, 4, 1), "fused"
     elif dtype == torch.float32:  # sized for 3xTF32 like the forward's fp32 tiles
-        if bd <= 64:
-            tiles = _bwd_tiles(32, 64, 64, 32, 8, 2)
+        if bd <= 64:  # H100, 16 heads x 2k, d 64, causal: 0.98 ms against 1.88 for (32, 64, 64, 32, 8, 2) (run 5)
+            tiles = _bwd_tiles(32, 32, 32, 32, 4, 2)
         elif bd <= 128:
             tiles = _bwd_tiles(32, 32, 32, 32, 8, 1)
         else:

@@ -139,5 +139,11 @@ def test_gap_by_phase_names_where_the_book_gains_and_loses():
     assert "gains in recompute -700 ms, other kernels -559 ms, matmul -70 ms" in s
     assert "loses in attention +925 ms (" in s and "exposed communication" not in s
     assert "fastest composition measured here is `no_flash_attention` (5409 ms against 6172 ms" in s
+    assert "recomputes without a profiler range" not in s
+    # a compiled stock block's recomputation is counted in its other phases: compared together
+    merged = pd.DataFrame([_row("project", 6172.0, **ours),
+                           _row("stock_compiled", 5689.0, **{**stock, "recompute_ms": 0.0, "attention_ms": 2600.0})])
+    s = fastest.gap_sentence(merged)
+    assert ("compare recompute, attention, matmul, other kernels together, 6085 ms against 5614 ms (+471)" in s), s
     assert fastest.gap_table(df[df.impl != "stock_compiled"]).empty
     assert "cannot be split" in fastest.gap_sentence(df.assign(**{c: math.nan for c in fastest.PHASES}))
