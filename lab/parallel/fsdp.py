@@ -45,6 +45,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
+from lab.parallel import fsdp_layout
 from lab.parallel.collectives import all_gather_tensor, record_collective, reduce_scatter_tensor
 from lab.parallel.fsdp_layout import GatherWeight, Layer, Packed, ShardedWeight, shard_layout, unit_names
 from lab.parallel.hooks import weak_hook
@@ -127,7 +128,7 @@ class FSDP(nn.Module):
         self.max_live_gathered = 0
         for _, p in self._replicated:  # weakly held: see lab.parallel.hooks
             if p.requires_grad:
-                self._hook_handles.append(p.register_post_accumulate_grad_hook(weak_hook(self._on_replicated_grad)))
+                self._hook_handles.append(p.register_post_accumulate_grad_hook(weak_hook(self._mark_backward)))
 
     def remove_hooks(self) -> None:
         """Remove this wrapper's module and gradient hooks: the module computes with its shards again (no
@@ -330,10 +331,7 @@ class FSDP(nn.Module):
 
     # ---- backward --------------------------------------------------------------------------------------
 
-    def _on_replicated_grad(self, _param: torch.Tensor) -> None:
-        self._mark_backward()
-
-    def _mark_backward(self) -> None:
+    def _mark_backward(self, *_param) -> None:  # also a replicated parameter's gradient hook
         self._needs_sync = True
         if not self._callback_queued:
             self._callback_queued = True
@@ -432,34 +430,14 @@ class FSDP(nn.Module):
 
     # ---- inspection ----------------------------------------------------------------------------------
 
-    @staticmethod
-    def _unshard(w: ShardedWeight, shard: torch.Tensor) -> torch.Tensor:
-        """``shard`` (this rank's part of ``w``, or of its gradient) all-gathered to ``w``'s full shape."""
-        flat = torch.empty(w.padded, dtype=shard.dtype, device=shard.device)
-        all_gather_tensor(flat, shard.detach().contiguous())
-        return flat[:w.numel].view(w.shape).clone()
-
-    @torch.no_grad()
     def gather_full_params(self) -> dict[str, torch.Tensor]:
         """Every parameter of the wrapped module at full size and fp32: name -> tensor (a collective call)."""
-        out: dict[str, torch.Tensor] = {}
-        for name, p in self.module.named_parameters():
-            w = self._weights.get(name)
-            out[name] = p.detach().clone() if w is None else self._unshard(w, w.shard)
-        return out
+        return fsdp_layout.full_params(self.module, self._weights)
 
-    @torch.no_grad()
     def gather_full_grads(self) -> dict[str, torch.Tensor]:
         """Every parameter's averaged gradient at full size: name -> tensor (None where there is none; a
         collective call). For checking against a single-process step."""
-        out: dict[str, torch.Tensor | None] = {}
-        for name, p in self.module.named_parameters():
-            w = self._weights.get(name)
-            if w is None:
-                out[name] = None if p.grad is None else p.grad.detach().clone()
-            else:
-                out[name] = self._unshard(w, w.shard.grad if w.shard.grad is not None else torch.zeros_like(w.shard))
-        return out
+        return fsdp_layout.full_grads(self.module, self._weights)
 
     def sharded_parameter_names(self) -> list[str]:
         """Names of the parameters stored as shards (the 2-D ones)."""

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from lab.parallel.collectives import all_gather_tensor
+
 if TYPE_CHECKING:
     from lab.parallel.fsdp import FSDP
 
@@ -134,3 +136,33 @@ def shard_layout(module: nn.Module, unit_names: list[str], rank: int, world: int
         if owned:
             owners.append((mod, owned))
     return [Layer(key[0], ws) for key, ws in groups.items()], owners
+
+
+# ---- inspection: full tensors from the shards ------------------------------------------------------------
+
+
+def unshard(w: ShardedWeight, shard: torch.Tensor) -> torch.Tensor:
+    """``shard`` (this rank's part of ``w``, or of its gradient) all-gathered to ``w``'s full shape."""
+    flat = torch.empty(w.padded, dtype=shard.dtype, device=shard.device)
+    all_gather_tensor(flat, shard.detach().contiguous())
+    return flat[:w.numel].view(w.shape).clone()
+
+
+@torch.no_grad()
+def full_params(module: nn.Module, weights: dict[str, ShardedWeight]) -> dict[str, torch.Tensor]:
+    """Every parameter of ``module`` at full size (sharded ones gathered): name -> tensor (a collective call)."""
+    return {name: p.detach().clone() if name not in weights else unshard(weights[name], weights[name].shard)
+            for name, p in module.named_parameters()}
+
+
+@torch.no_grad()
+def full_grads(module: nn.Module, weights: dict[str, ShardedWeight]) -> dict[str, torch.Tensor | None]:
+    """Every parameter's gradient at full size (sharded ones gathered; None where a replicated one has none)."""
+    out: dict[str, torch.Tensor | None] = {}
+    for name, p in module.named_parameters():
+        w = weights.get(name)
+        if w is None:
+            out[name] = None if p.grad is None else p.grad.detach().clone()
+        else:
+            out[name] = unshard(w, w.shard.grad if w.shard.grad is not None else torch.zeros_like(w.shard))
+    return out
