@@ -26,6 +26,11 @@ MERGED_WITH_RECOMPUTE = ("recompute", "attention", "matmul", "other kernels")
 MEMORY = ["params_gib", "grads_gib", "optimizer_gib", "activations_and_other_gib"]
 
 
+def _label(column: str) -> str:
+    """A phase or memory column as the tables and plots name it: ``other_kernels_ms`` -> ``other kernels``."""
+    return column.removesuffix("_ms").removesuffix("_gib").replace("_", " ")
+
+
 def recipes(config: StepConfig, quick: bool, ablate: bool | Sequence[str] | Mapping = True) -> list:
     """The book's recipe, both stock steps and each optimization switched off alone where ``ablate`` says so:
     True or False for every configuration, a list of the configurations to ablate, or a mapping from
@@ -146,7 +151,7 @@ def plot_phases(df: pd.DataFrame, title: str = "", ax=None):
     if data.empty:
         ax.set_title(f"{title}: no GPU kernels were profiled")
         return ax
-    data.rename(columns=lambda c: c.removesuffix("_ms").replace("_", " ")).plot.barh(stacked=True, ax=ax, width=0.7)
+    data.rename(columns=_label).plot.barh(stacked=True, ax=ax, width=0.7)
     ax.set_xlabel("ms per step")
     ax.set_ylabel("")
     ax.set_title(title)
@@ -161,7 +166,7 @@ def plot_memory(df: pd.DataFrame, title: str = "", ax=None):
     data = df[df["status"] == "ok"].set_index("impl")[MEMORY]
     if ax is None:
         _, ax = plt.subplots(figsize=(10, 0.8 + 0.5 * max(len(data), 1)))
-    data.rename(columns=lambda c: c.removesuffix("_gib").replace("_", " ")).plot.barh(stacked=True, ax=ax, width=0.7)
+    data.rename(columns=_label).plot.barh(stacked=True, ax=ax, width=0.7)
     ax.set_xlabel("GiB per GPU at the step's peak")
     ax.set_ylabel("")
     ax.set_title(title)
@@ -176,7 +181,7 @@ def phase_sentence(df: pd.DataFrame, impl: str = "project") -> str:
         return f"No GPU profile of {impl} (on the CPU there are no kernels to attribute)."
     parts = row[PHASES].dropna().sort_values(ascending=False)
     total = parts.sum()
-    text = ", ".join(f"{name.removesuffix('_ms').replace('_', ' ')} {fmt(ms, 3)} ms ({ms / total:.0%})"
+    text = ", ".join(f"{_label(name)} {fmt(ms, 3)} ms ({ms / total:.0%})"
                      for name, ms in parts.items() if ms > 0.005 * total)
     return f"One profiled step of {impl}: {text}."
 
@@ -190,7 +195,7 @@ def gap_table(df: pd.DataFrame, impl: str = "project", reference: str = "stock_c
     a, b = rows.loc[impl, PHASES], rows.loc[reference, PHASES]
     if a.isna().all() or b.isna().all():
         return pd.DataFrame()
-    out = pd.DataFrame({"phase": [p.removesuffix("_ms").replace("_", " ") for p in PHASES],
+    out = pd.DataFrame({"phase": [_label(p) for p in PHASES],
                         impl: a.to_numpy(float), reference: b.to_numpy(float)})
     out["difference_ms"] = out[impl] - out[reference]
     total = pd.DataFrame([{"phase": "total (profiled step)", impl: out[impl].sum(), reference: out[reference].sum(),
@@ -222,17 +227,12 @@ def gap_sentence(df: pd.DataFrame, impl: str = "project", reference: str = "stoc
                  f"recomputation is part of its graph), so its recomputation is counted in its other phases, "
                  f"attention included: compare {', '.join(MERGED_WITH_RECOMPUTE)} together, {merged[impl]:.4g} ms "
                  f"against {merged[reference]:.4g} ms ({merged[impl] - merged[reference]:+.4g}).")
-    ok = df[(df["status"] == "ok") & ~df["impl"].str.startswith("stock")]
-    if len(ok) and ok.loc[ok["step_ms"].idxmin(), "impl"] != impl:
-        best = ok.loc[ok["step_ms"].idxmin()]
-        text += (f" The fastest composition measured here is `{best['impl']}` ({best['step_ms']:.4g} ms against "
-                 f"{_step_ms(df, impl):.4g} ms for the book's recipe).")
+    ok = df[(df["status"] == "ok") & ~df["impl"].str.startswith("stock")].set_index("impl")["step_ms"]
+    if len(ok) and ok.idxmin() != impl:
+        mine = f"{ok[impl]:.4g} ms" if impl in ok.index else "no time"
+        text += (f" The fastest composition measured here is `{ok.idxmin()}` ({ok.min():.4g} ms against {mine} for "
+                 "the book's recipe).")
     return text
-
-
-def _step_ms(df: pd.DataFrame, impl: str) -> float:
-    rows = df[(df["impl"] == impl) & (df["status"] == "ok")]
-    return float(rows["step_ms"].iloc[0]) if len(rows) else math.nan
 
 
 def mfu_sentence(df: pd.DataFrame, on_gpu: bool) -> str:

@@ -14,13 +14,14 @@ import weakref
 from collections.abc import Callable
 
 
-def weak_hook(method: Callable) -> Callable:
-    """A hook calling the bound ``method`` while its object lives, and doing nothing after."""
+def weak_hook(method: Callable, *leading) -> Callable:
+    """A hook calling the bound ``method(*leading, *hook_args)`` while its object lives, and doing nothing
+    after. ``leading`` must not hold the object (or what holds its parameters) either."""
     ref = weakref.WeakMethod(method)
 
     def hook(*args, **kwargs):
         bound = ref()
         if bound is not None:
-            return bound(*args, **kwargs)
+            return bound(*leading, *args, **kwargs)
         return None
     return hook

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -30,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lab.parallel.collectives import all_gather_tensor, record_collective, reduce_scatter_tensor
+from lab.parallel.hooks import weak_hook
 from lab.parallel.sharded_optimizer import _check_optimizer_cls, _hyperparameters, _require_process_group
 
 
@@ -164,7 +164,6 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
         self._flat: list[_FlatGroup] = []
         self._order: list[_Bucket] = []  # every bucket, in launch order (same on every rank)
         self._next_launch = 0
-        self._hook_handles: list = []
         self.inner: torch.optim.Optimizer | None = None
         super().__init__(params, defaults=dict(kwargs))
 
@@ -176,7 +175,9 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
         self._flat.append(flat)
         self._order.extend(flat.buckets)
         for p in flat.params:
-            self._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_hook(len(self._flat) - 1)))
+            # weakly held, with the group's index rather than the group (which holds the parameters): see
+            # lab.parallel.hooks
+            p.register_post_accumulate_grad_hook(weak_hook(self._on_grad_ready, len(self._flat) - 1))
         local = {**_hyperparameters(group), "params": [b.shard for b in flat.buckets]}
         if self.inner is None:
             self.inner = self._optimizer_cls([local], **self._inner_kwargs)
@@ -185,37 +186,23 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
         for k, v in _hyperparameters(self.inner.param_groups[-1]).items():
             group.setdefault(k, v)
 
-    def remove_hooks(self) -> None:
-        """Remove the gradient hooks from the parameters (they no longer start reduce-scatters during backward)."""
-        for handle in self._hook_handles:
-            handle.remove()
-        self._hook_handles.clear()
-
     def local_numel(self) -> int:
         """Number of parameter elements whose optimizer state this rank holds (its chunks, padding included)."""
         return sum(b.chunk for f in self._flat for b in f.buckets)
 
     # ---- gradient synchronization during backward ------------------------------------------------------
 
-    def _make_hook(self, group: int):
-        # Nothing held strongly but the group's index (see lab.parallel.hooks): a reference to the optimizer
-        # or to its flat group (which holds the parameters) would keep the optimizer, its flat buffers and
-        # the parameters alive for good once the caller drops them.
-        ref = weakref.ref(self)
-
-        def hook(p: torch.Tensor) -> None:
-            self = ref()
-            if self is None or not (self._overlap and self._sync):
-                return
-            flat = self._flat[group]
-            if p.data_ptr() != flat.param_view(p).data_ptr():
-                return  # another ZeRO1Optimizer has since taken this parameter into its own buffer
-            flat.adopt_gradient(p)
-            bucket = flat.bucket_of[p]
-            bucket.ready += 1
-            if bucket.ready == len(bucket.params):
-                self._launch_ready()
-        return hook
+    def _on_grad_ready(self, group: int, p: torch.Tensor) -> None:
+        if not (self._overlap and self._sync):
+            return
+        flat = self._flat[group]
+        if p.data_ptr() != flat.param_view(p).data_ptr():
+            return  # another ZeRO1Optimizer has since taken this parameter into its own buffer
+        flat.adopt_gradient(p)
+        bucket = flat.bucket_of[p]
+        bucket.ready += 1
+        if bucket.ready == len(bucket.params):
+            self._launch_ready()
 
     def _launch(self, bucket: _Bucket, flat: _FlatGroup) -> None:
         full = flat.flat_grad[bucket.start:bucket.start + bucket.padded]
