@@ -21,8 +21,9 @@ def parser() -> cli.Parser:
                    help="leaderboard: 8.1B params, 32k context, 2 GPUs; 2.7B: batch 4, context 512, 1 GPU")
     p.add_argument("--world-size", type=cli.positive_int, default=None, help="ranks (default: the config's)")
     p.add_argument("--recipes", nargs="+", default=["project", "stock_compiled"],
-                   help="project, stock_eager, stock_compiled, and the ablations (no_flash_attention, no_fused_loss, "
-                        "full_recompute, no_compile, foreach_adamw, fp32_master_weights), or 'all'")
+                   help="project, stock_eager, stock_compiled, and the ablations (no_flash_attention or "
+                        "flash_triton_attention, no_fused_loss, full_recompute, save_attention_only, no_compile, "
+                        "foreach_adamw, fp32_master_weights), or 'all'")
     p.add_argument("--num-layers", type=cli.positive_int, default=None,
                    help="override the model's layer count (a quicker try of the same step shape)")
     p.add_argument("--rep-ms", type=float, default=3000.0, help="do_bench repetition budget in ms (>= 1 step)")

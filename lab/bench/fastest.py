@@ -10,10 +10,11 @@ Out-of-memory is a row (``status="oom"``), never a crash.
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import pandas as pd
@@ -87,14 +88,17 @@ def _state_bytes(step) -> dict[str, int]:
 
 def measure_recipe(config: StepConfig, recipe: Recipe, device: torch.device, warmup_ms: float = 1,
                    rep_ms: float = 3000, profile: bool = True, trace_dir: str | None = None, seed: int = 0,
-                   host_steps: int = 0) -> dict:
+                   host_steps: int = 0, host_reference: bool = False) -> dict:
     """One recipe on this rank: build, the first step (compilation and autotuning included), then
     ``triton.testing.do_bench`` of whole steps (``rep_ms`` of them; do_bench also runs five steps to estimate
     their time), or with ``host_steps`` that many steps timed by the host clock (cheaper, for ablations),
     the peak memory of those steps, memory by category, and one profiled step's phases. Returns this rank's
-    row (``timer`` says which timer)."""
+    row (``timer`` says which timer). ``host_step_*`` are host-clock times: the ablations' own, and with
+    ``host_reference`` two more steps of a do_bench-timed recipe, so that the ablations are compared with
+    the book's step timed the same way."""
     row = dict(impl=recipe.name, config=config.name, world_size=config.world_size, status="ok", error="",
                step_ms=math.nan, step_std_ms=math.nan, step_n=0, step_samples_ms=[], first_step_s=math.nan,
+               host_step_ms=math.nan, host_step_std_ms=math.nan, host_step_n=0,
                peak_gib=math.nan, params_gib=math.nan, grads_gib=math.nan, optimizer_gib=math.nan,
                activations_and_other_gib=math.nan, **dict.fromkeys(PHASE_COLUMNS, math.nan),
                recipe=repr(recipe.for_world(config.world_size)))
@@ -118,6 +122,11 @@ def measure_recipe(config: StepConfig, recipe: Recipe, device: torch.device, war
             row["peak_gib"] = torch.cuda.max_memory_allocated(device) / GiB
         row.update(step_ms=timing.median_ms, step_std_ms=timing.std_ms, step_n=len(timing.samples_ms),
                    step_samples_ms=timing.samples_ms)
+        if row["timer"] == "do_bench" and host_reference:
+            timing = time_callable(step, warmup=0, steps=2, device=device)
+        if row["timer"] == "host" or host_reference:
+            row.update(host_step_ms=timing.median_ms, host_step_std_ms=timing.std_ms,
+                       host_step_n=len(timing.samples_ms))
         state = _state_bytes(step)
         row.update({f"{k}_gib": v / GiB for k, v in state.items()})
         if row["peak_gib"] == row["peak_gib"]:
@@ -145,10 +154,13 @@ def _profile(step, trace_dir: str | None, name: str) -> dict:
 def fastest_worker(config: StepConfig, recipes: list[Recipe], warmup_ms: float, rep_ms: float, profile: bool,
                    trace_dir: str | None, headline: tuple[str, ...]) -> list[dict]:
     """Inside a launched process: every recipe in turn on this rank (the ``headline`` ones timed with
-    do_bench and profiled, the others with two host-timed steps); returns the rows."""
+    do_bench and profiled, the others with two host-timed steps, and then the book's step with two more);
+    returns the rows."""
     device = launcher.device()
+    ablated = any(r.name not in headline for r in recipes)
     return [measure_recipe(config, r, device, warmup_ms, rep_ms, profile and r.name in headline, trace_dir,
-                           host_steps=0 if r.name in headline else 2) for r in recipes]
+                           host_steps=0 if r.name in headline else 2, host_reference=ablated and r.name == "project")
+            for r in recipes]
 
 
 def matmul_ceiling_tflops(device: torch.device | str = "cuda", n: int = 8192) -> float:
@@ -165,14 +177,15 @@ def matmul_ceiling_tflops(device: torch.device | str = "cuda", n: int = 8192) ->
 def benchmark(config: str | StepConfig, recipes: Sequence[Recipe], world_size: int | None = None, device: str = "auto",
               warmup_ms: float = 1, rep_ms: float = 3000, profile: bool = True, trace_dir: str | None = None,
               peak_tflops: float | None = None, timeout_s: float = 1800,
-              headline: Sequence[str] = ("project", "stock_eager", "stock_compiled")) -> pd.DataFrame:
+              headline: Sequence[str] = ("project", "stock_eager", "stock_compiled"),
+              first_gpu: int = 0) -> pd.DataFrame:
     """Every recipe of the configuration on ``world_size`` ranks (default: the configuration's), side by side
     in the same processes. One row per recipe with ``impl``, ``config``, ``world_size``, ``step_ms`` (median
     over the timed steps of rank 0), ``step_std_ms``, ``peak_gib`` (the largest over ranks), memory by
     category on rank 0, phase times, ``tokens_per_s``, ``mfu`` (against ``peak_tflops`` per GPU: by default
     the bf16 matmul rate measured here, :func:`matmul_ceiling_tflops`; datasheet MFU in ``mfu_datasheet``).
     The ``headline`` recipes are timed with do_bench and profiled; the others (ablations) with two host-timed
-    steps."""
+    steps. On GPUs, rank ``r`` drives GPU ``first_gpu + r`` (``gpus`` column)."""
     config = CONFIGS[config] if isinstance(config, str) else config
     world_size = world_size or config.world_size
     if world_size != config.world_size:
@@ -180,7 +193,7 @@ def benchmark(config: str | StepConfig, recipes: Sequence[Recipe], world_size: i
 
         config = dataclasses.replace(config, world_size=world_size)
     per_rank = launcher.launch(fastest_worker, world_size, config, list(recipes), warmup_ms, rep_ms, profile,
-                               trace_dir, tuple(headline), device=device, timeout_s=timeout_s)
+                               trace_dir, tuple(headline), device=device, timeout_s=timeout_s, first_gpu=first_gpu)
     if peak_tflops is None:
         peak_tflops = matmul_ceiling_tflops("cuda") if torch.cuda.is_available() else math.nan
     rows = []
@@ -195,8 +208,31 @@ def benchmark(config: str | StepConfig, recipes: Sequence[Recipe], world_size: i
         row["matmul_ceiling_tflops"] = peak_tflops
         row["mfu"] = mfu(config, row["step_ms"], peak_tflops)
         row["mfu_datasheet"] = mfu(config, row["step_ms"], 989.0)  # H100/H200 SXM dense bf16
+        on_gpu = launcher.resolve_backend(world_size, None, device)[1] == "cuda"
+        row["gpus"] = ",".join(str(first_gpu + r) for r in range(world_size)) if on_gpu else ""
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def benchmark_configs(jobs: Mapping[str, Sequence[Recipe]], device: str = "auto", **kwargs) -> pd.DataFrame:
+    """:func:`benchmark` of each configuration (name -> its recipes), concatenated. Where the machine has a
+    GPU for every rank of every configuration (four for the leaderboard's two and the 2.7B's one), the
+    configurations run side by side, each on GPUs of its own (their processes share only the host), which
+    halves a render; otherwise one after the other. The matmul ceiling is measured first, on an idle GPU."""
+    configs = {name: CONFIGS[name] for name in jobs}
+    gpus = torch.cuda.device_count() if device != "cpu" and torch.cuda.is_available() else 0
+    if gpus and "peak_tflops" not in kwargs:
+        kwargs["peak_tflops"] = matmul_ceiling_tflops("cuda")
+    if not gpus or sum(c.world_size for c in configs.values()) > gpus or len(jobs) < 2:
+        return pd.concat([benchmark(name, recipes, device=device, **kwargs) for name, recipes in jobs.items()],
+                         ignore_index=True)
+    from concurrent.futures import ThreadPoolExecutor
+
+    firsts = dict(zip(configs, itertools.accumulate([0] + [c.world_size for c in configs.values()][:-1])))
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        futures = [pool.submit(benchmark, name, recipes, device=device, first_gpu=firsts[name], **kwargs)
+                   for name, recipes in jobs.items()]
+        return pd.concat([f.result() for f in futures], ignore_index=True)
 
 
 def results_table(df: pd.DataFrame) -> pd.DataFrame:

@@ -34,9 +34,9 @@ def _label(column: str) -> str:
 def recipes(config: StepConfig, quick: bool, ablate: bool | Sequence[str] | Mapping = True) -> list:
     """The book's recipe, both stock steps and each optimization switched off alone where ``ablate`` says so:
     True or False for every configuration, a list of the configurations to ablate, or a mapping from
-    configuration to True or the names of its ablations (``{"leaderboard": ["no_flash_attention"]}``). On the
+    configuration to True or the names of its ablations (``{"leaderboard": ["no_fused_loss"]}``). On the
     CPU (``quick``) nothing is compiled (inductor's C++ compile would take longer than the whole quick book)
-    and only one ablation runs."""
+    and only the attention's and the loss's ablations run."""
     every = ablations(recipes_for(config)["project"])
     if isinstance(ablate, str) or not isinstance(ablate, (bool, Sequence, Mapping)):
         raise ValueError(f"ablate must be True, False, a list of configuration names or a mapping, got {ablate!r}")
@@ -54,9 +54,9 @@ def recipes(config: StepConfig, quick: bool, ablate: bool | Sequence[str] | Mapp
             raise ValueError(f"ablations of {config.name} are among {known}, got {names!r}")
         chosen = [r for r in every if r.name in names]
     out = list(recipes_for(config).values()) + chosen
-    if quick:  # interpreted Triton takes seconds a step: the three headline steps and one ablation
+    if quick:  # interpreted Triton takes seconds a step: the three headline steps and the Triton attention
         out = [dataclasses.replace(r, compile="none") for r in out
-               if r.name in ("project", "stock_eager", "stock_compiled", "no_fused_loss")]
+               if r.name in ("project", "stock_eager", "stock_compiled", "flash_triton_attention", "no_fused_loss")]
     return out
 
 
@@ -75,9 +75,13 @@ def config_table(names) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _comparison(row: pd.Series, ref: pd.Series):
-    return compare_summaries(row["step_ms"], row["step_std_ms"], int(row["step_n"]), ref["step_ms"],
-                             ref["step_std_ms"], int(ref["step_n"]))
+def _comparison(row: pd.Series, ref: pd.Series, prefix: str = ""):
+    return compare_summaries(row[f"{prefix}step_ms"], row[f"{prefix}step_std_ms"], int(row[f"{prefix}step_n"]),
+                             ref[f"{prefix}step_ms"], ref[f"{prefix}step_std_ms"], int(ref[f"{prefix}step_n"]))
+
+
+def _host_timed(row: pd.Series) -> bool:
+    return row.get("host_step_n", 0) == row.get("host_step_n", 0) and row.get("host_step_n", 0) > 0
 
 
 def versus_table(df: pd.DataFrame, reference: str = "stock_compiled") -> pd.DataFrame:
@@ -123,17 +127,21 @@ def goal_sentence(df: pd.DataFrame, config: str, target: float, reference: str =
 
 def ablation_table(df: pd.DataFrame, base: str = "project") -> pd.DataFrame:
     """What each optimization is worth: the step with it switched off alone, the time it adds (ms and x) and
-    whether that exceeds the noise."""
+    whether that exceeds the noise. Each is compared with the book's step timed the same way: host-clock
+    steps of both where the rows have them (``host_step_*``), else their ``step_ms``."""
     ok = df[df["status"] == "ok"].set_index("impl")
     if base not in ok.index:
         return pd.DataFrame()
+    ref = ok.loc[base]
     rows = []
     for impl, row in ok.iterrows():
         if impl == base or impl.startswith("stock"):
             continue
-        c = _comparison(row, ok.loc[base])
-        rows.append(dict(switched_off=impl, step_ms=row["step_ms"], added_ms=row["step_ms"] - ok.loc[base, "step_ms"],
-                         ratio=c.ratio, verdict={"slower": "helps", "faster": "hurts"}.get(c.label, c.label),
+        prefix = "host_" if _host_timed(row) and _host_timed(ref) else ""
+        c = _comparison(row, ref, prefix)
+        rows.append(dict(switched_off=impl, step_ms=row[f"{prefix}step_ms"], base_ms=ref[f"{prefix}step_ms"],
+                         added_ms=row[f"{prefix}step_ms"] - ref[f"{prefix}step_ms"], ratio=c.ratio, low=c.low,
+                         high=c.high, verdict={"slower": "helps", "faster": "hurts"}.get(c.label, c.label),
                          peak_gib=row.get("peak_gib", math.nan)))
     failed = df.loc[(df["status"] != "ok") & ~df["impl"].str.startswith("stock"), ["impl", "status"]]
     for impl, status in failed.itertuples(index=False):

@@ -36,6 +36,7 @@ import pickle
 import queue as _queue
 import socket
 import sys
+import threading
 import time
 import traceback
 from typing import Any, Callable
@@ -54,6 +55,7 @@ CHILD_ENV = {**WORKER_ENV, "TORCH_CPP_LOG_LEVEL": "ERROR"}
 
 # This process's device, set by the launcher in each worker (None outside a launched function).
 _DEVICE: torch.device | None = None
+_ENV_LOCK = threading.Lock()
 
 
 class WorkerError(RuntimeError):
@@ -167,15 +169,15 @@ def _from_bytes(data: bytes) -> Any:
 
 
 def _worker(local: int, world: int, port: int, backend: str, device_type: str, timeout_s: float,
-            fn: Callable, args: tuple, kwargs: dict, results) -> None:
+            fn: Callable, args: tuple, kwargs: dict, results, first_gpu: int = 0) -> None:
     global _DEVICE
     os.environ.update(WORKER_ENV)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(local),
                        "LOCAL_RANK": str(local), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)})
     try:
         if device_type == "cuda":
-            torch.cuda.set_device(local)
-            _DEVICE = torch.device("cuda", local)
+            torch.cuda.set_device(first_gpu + local)
+            _DEVICE = torch.device("cuda", first_gpu + local)
         else:
             _DEVICE = torch.device("cpu")
             # N ranks on one CPU: share the cores rather than oversubscribing them N times.
@@ -228,7 +230,7 @@ def _is_communication_error(exc: BaseException) -> bool:
 
 
 def launch(fn: Callable, world_size: int, *args, backend: str | None = None, device: str | None = None,
-           timeout_s: float = 300, deadline_s: float | None = None, **kwargs) -> list:
+           timeout_s: float = 300, deadline_s: float | None = None, first_gpu: int = 0, **kwargs) -> list:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; returns the list of the ranks' return values.
 
     ``device``: "auto" (default: CUDA when present), "cpu" (gloo) or "cuda" (NCCL, one GPU per rank).
@@ -236,7 +238,8 @@ def launch(fn: Callable, world_size: int, *args, backend: str | None = None, dev
     timeout in seconds (a collective that waits longer fails). ``deadline_s``: if set, the whole launch
     fails with :class:`WorkerError` (ranks terminated) when it takes longer. Inside ``fn`` use :func:`rank`,
     :func:`world_size` and :func:`device`. Return values come back on the CPU. A failing rank raises
-    :class:`WorkerError` here with its traceback, after the other ranks were terminated.
+    :class:`WorkerError` here with its traceback, after the other ranks were terminated. ``first_gpu``: rank
+    ``r`` drives GPU ``first_gpu + r`` (launches on disjoint GPUs may run side by side from threads).
     Under torchrun (env:// variables set) ``fn`` runs in this process only and ``world_size`` must match.
     """
     if is_torchrun():
@@ -247,26 +250,31 @@ def launch(fn: Callable, world_size: int, *args, backend: str | None = None, dev
         raise ValueError(f"asked for {world_size} CPU ranks on a machine with {cores} cores; at most {4 * cores} "
                          "are allowed (each rank is a full process)")
     _check_picklable(fn)
+    if device_type == "cuda" and first_gpu + world_size > torch.cuda.device_count():
+        raise ValueError(f"{world_size} ranks from GPU {first_gpu} need GPUs {first_gpu}-{first_gpu + world_size - 1}; "
+                         f"this machine has {torch.cuda.device_count()}")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
     # not daemonic: a worker may start processes of its own (DataLoader workers, compile workers)
     procs = [ctx.Process(target=_worker, daemon=False,
-                         args=(r, world_size, port, backend, device_type, timeout_s, fn, args, kwargs, results))
+                         args=(r, world_size, port, backend, device_type, timeout_s, fn, args, kwargs, results,
+                               first_gpu))
              for r in range(world_size)]
     # The children inherit this environment when they start: C++ logging (gloo's and the TCP store's
     # connection notices) set to errors only there, before they import torch.
-    saved = {k: os.environ.get(k) for k in CHILD_ENV}
-    os.environ.update(CHILD_ENV)
-    try:
-        for p in procs:
-            p.start()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with _ENV_LOCK:  # launches from several threads must not interleave their changes of the environment
+        saved = {k: os.environ.get(k) for k in CHILD_ENV}
+        os.environ.update(CHILD_ENV)
+        try:
+            for p in procs:
+                p.start()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
     values: dict[int, Any] = {}
     started = time.monotonic()
     try:

@@ -7,15 +7,23 @@ turns a model configuration and a recipe into a :class:`lab.measure.step.TrainSt
 
 The book's recipe (:data:`PROJECT`):
 
-* **attention**: the Triton FlashAttention-2 kernels (``lab.kernels.flash_triton``, a ``torch.library`` op);
+* **attention**: on one GPU (2.7B, context 512, head dim 80) the Triton FlashAttention-2 kernels
+  (``lab.kernels.flash_triton``, a ``torch.library`` op); on the leaderboard's shape (32k tokens, head dim
+  128) SDPA's cuDNN kernel, because measured there our kernels take ~1.5x cuDNN's time forward+backward
+  (notebook 05's grid, ``tools/flash_gpu_check.py``: 0.68x cuDNN's speed end to end at 1 x 32 x 32k x 128)
+  and that alone cost ~1 s of a ~6 s step on 2 x H100 (notebook 10 at 9dc3321). The ablation
+  ``flash_triton_attention`` measures that choice again in every render;
 * **loss**: the fused LM head + cross-entropy (``lab.kernels.fused_cross_entropy``): the ``(tokens, vocab)``
   logits never exist (at the leaderboard's 32k tokens x 152k vocabulary they would be 10 GB in bf16);
 * **sharding**: ``lab.FSDP``, one all-gather and one reduce-scatter per transformer block, prefetching two
   blocks ahead in forward and in the backward's recomputation;
-* **checkpointing** ``save_attention``: every block is recomputed in backward except its attention output
-  (selective activation checkpointing: the attention op's results are saved, everything else recomputed).
-  At 32k tokens attention is ~40% of a block's forward FLOPs, and its outputs are only ``T x d_model`` per
-  block, so saving them costs ~0.25 GB per block and removes the most expensive recomputation;
+* **checkpointing** ``save_outputs``: every block is recomputed in backward except the outputs of its
+  attention op and of the two projections that write back to the residual stream (attention's ``o_proj``,
+  the FFN's ``w2``): selective activation checkpointing. At 32k tokens attention is ~40% of a block's forward
+  FLOPs, and each of the three outputs is only ``T x d_model`` (0.25 GiB a block at 32k tokens in bf16), so
+  0.75 GiB a block removes the attention's recomputation and a quarter of the matmuls'. (``w2``'s output is
+  needed by nothing in backward: without it saved, the recomputation would run that matmul only to throw its
+  result away.) ``save_attention`` keeps only the attention's outputs; the ablations measure both;
 * **compile** ``pointwise``: ``torch.compile`` of the modules without matrices (RMSNorm, RoPE, the SwiGLU
   gate), which fuses their memory-bound chains of elementwise kernels; the matmuls are cuBLAS either way,
   and compiling whole blocks would trace into FSDP's hooks;
@@ -69,7 +77,7 @@ CONFIGS = {
     "tiny_one_rank": StepConfig("tiny_one_rank", config_for("tiny", context_length=64, vocab_size=512), 64, 2, 1),
 }
 
-CHECKPOINTS = ("none", "block", "save_attention")
+CHECKPOINTS = ("none", "block", "save_attention", "save_outputs")
 COMPILES = ("none", "pointwise", "block", "model")
 PRECISIONS = ("bf16", "bf16_autocast", "fp32")
 SHARDINGS = ("none", "fsdp", "fsdp2")
@@ -88,7 +96,7 @@ class Recipe:
     attention: str = "flash_triton"
     fused_loss: bool = True
     sharding: str = "fsdp"
-    checkpoint: str = "save_attention"
+    checkpoint: str = "save_outputs"
     compile: str = "pointwise"
     fused_adamw: bool = True
     precision: str = "bf16"
@@ -105,7 +113,7 @@ class Recipe:
         return self if world_size > 1 or self.sharding == "none" else dataclasses.replace(self, sharding="none")
 
 
-PROJECT = Recipe()
+PROJECT = Recipe(attention="sdpa")  # several GPUs, the leaderboard's shape: see the module docstring
 STOCK_EAGER = Recipe("stock_eager", attention="sdpa", fused_loss=False, sharding="fsdp2", checkpoint="block",
                      compile="none", loss_upcast=False)
 STOCK_COMPILED = dataclasses.replace(STOCK_EAGER, name="stock_compiled", compile="block")
@@ -128,13 +136,18 @@ def recipes_for(config: StepConfig) -> dict[str, Recipe]:
 
 
 def ablations(recipe: Recipe = PROJECT) -> list[Recipe]:
-    """``recipe`` with each optimization switched off alone (named ``no_<what>``)."""
+    """``recipe`` with each optimization switched off (or, for the attention, swapped) alone, named by what
+    changes: ``no_flash_attention`` (SDPA instead of the Triton kernels) or ``flash_triton_attention`` (the
+    other way round), ``no_fused_loss``, ``full_recompute``, ``save_attention_only`` (the smaller
+    checkpointing policy), ``no_compile``, ``foreach_adamw``, ``fp32_master_weights``."""
     out = []
-    switches = (("no_flash_attention", dict(attention="sdpa")), ("no_fused_loss", dict(fused_loss=False)),
-                ("full_recompute", dict(checkpoint="block")), ("no_compile", dict(compile="none")),
+    attention = (("no_flash_attention", dict(attention="sdpa")) if recipe.attention == "flash_triton" else
+                 ("flash_triton_attention", dict(attention="flash_triton")))
+    switches = (attention, ("no_fused_loss", dict(fused_loss=False)), ("full_recompute", dict(checkpoint="block")),
+                ("save_attention_only", dict(checkpoint="save_attention")), ("no_compile", dict(compile="none")),
                 ("foreach_adamw", dict(fused_adamw=False)), ("fp32_master_weights", dict(precision="bf16_autocast")))
     for name, change in switches:
-        if recipe.checkpoint == "none" and name == "full_recompute":
+        if recipe.checkpoint == "none" and change.get("checkpoint"):
             continue  # nothing is recomputed: no checkpointing to switch off
         if any(getattr(recipe, k) != v for k, v in change.items()):
             out.append(dataclasses.replace(recipe, name=name, **change))
@@ -164,19 +177,44 @@ def _saved_ops() -> frozenset:
     return frozenset(ops)
 
 
+#: The submodules whose matmul outputs ``save_outputs`` keeps besides the attention's: the two projections
+#: that write back to the residual stream.
+SAVED_PROJECTIONS = ("attn.o_proj", "ffn.w2")
+
+
+@functools.cache
+def _matmul_ops() -> frozenset:
+    aten = torch.ops.aten
+    return frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default})
+
+
 class CheckpointedBlock(nn.Module):
     """Run ``block`` under non-reentrant ``torch.utils.checkpoint``: ``policy="block"`` saves only the block's
-    input and recomputes the rest in backward; ``"save_attention"`` also keeps the attention op's outputs
-    (selective activation checkpointing). The recomputation runs inside a profiler range ``recompute``
-    and runs the whole block (no early stop), so every module's hooks (FSDP's gathers and releases) pair up."""
+    input and recomputes the rest in backward; ``"save_attention"`` also keeps the attention op's outputs;
+    ``"save_outputs"`` keeps those and the matmul outputs of :data:`SAVED_PROJECTIONS` (selective activation
+    checkpointing). The recomputation runs inside a profiler range ``recompute`` and runs the whole block (no
+    early stop), so every module's hooks (FSDP's gathers and releases) pair up."""
 
     def __init__(self, block: nn.Module, policy: str = "block"):
         super().__init__()
-        if policy not in ("block", "save_attention"):
-            raise ValueError(f"policy must be 'block' or 'save_attention', got {policy!r}")
+        if policy not in ("block", "save_attention", "save_outputs"):
+            raise ValueError(f"policy must be 'block', 'save_attention' or 'save_outputs', got {policy!r}")
         self.block, self.policy = block, policy
         # looked up here, not in forward: a compiled block would trace the lookup (and its imports)
-        self._saved = _saved_ops() if policy == "save_attention" else frozenset()
+        self._saved = _saved_ops() if policy != "block" else frozenset()
+        self._matmuls = _matmul_ops()
+        self._inside = 0  # > 0 while a saved projection runs (its module's hooks count it)
+        if policy == "save_outputs":
+            for name in SAVED_PROJECTIONS:
+                module = block.get_submodule(name)
+                module.register_forward_pre_hook(self._enter)
+                module.register_forward_hook(self._leave)
+
+    def _enter(self, module, args) -> None:
+        self._inside += 1
+
+    def _leave(self, module, args, output) -> None:
+        self._inside -= 1
 
     def _run(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
@@ -202,10 +240,19 @@ class CheckpointedBlock(nn.Module):
 
         from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-        saved = self._saved
+        saved, matmuls = self._saved, self._matmuls
+        if self.policy == "save_attention":  # constants only: a compiled block can trace it
 
-        def policy(ctx, op, *args, **kwargs):
-            return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+            def policy(ctx, op, *args, **kwargs):
+                return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+        else:
+
+            def policy(ctx, op, *args, **kwargs):
+                # only the matmul's own output inside a saved projection: not the views of its weight around
+                # it, which under FSDP would keep the whole gathered block alive
+                if op in saved or (self._inside and op in matmuls):
+                    return CheckpointPolicy.MUST_SAVE
+                return CheckpointPolicy.PREFER_RECOMPUTE
 
         return checkpoint(self._run, x, use_reentrant=False, early_stop=False,
                           context_fn=partial(create_selective_checkpoint_contexts, policy))

@@ -18,12 +18,14 @@ def test_recipes_validate_and_ablate_one_thing_at_a_time():
     with pytest.raises(ValueError, match="checkpoint"):
         fs.Recipe(checkpoint="sometimes")
     names = [r.name for r in fs.ablations(fs.PROJECT)]
-    assert names == ["no_flash_attention", "no_fused_loss", "full_recompute", "no_compile", "foreach_adamw",
-                     "fp32_master_weights"]
-    for r in fs.ablations(fs.PROJECT):
-        changed = [f.name for f in dataclasses.fields(r) if getattr(r, f.name) != getattr(fs.PROJECT, f.name)]
-        assert changed == ["name", *changed[1:]] and len(changed) == 2, changed
-    assert "full_recompute" not in [r.name for r in fs.ablations(fs.PROJECT_ONE_GPU)]
+    assert names == ["flash_triton_attention", "no_fused_loss", "full_recompute", "save_attention_only", "no_compile",
+                     "foreach_adamw", "fp32_master_weights"]
+    assert [r.name for r in fs.ablations(fs.PROJECT_ONE_GPU)] == [
+        "no_flash_attention", "no_fused_loss", "no_compile", "foreach_adamw", "fp32_master_weights"]
+    for base in (fs.PROJECT, fs.PROJECT_ONE_GPU):
+        for r in fs.ablations(base):
+            changed = [f.name for f in dataclasses.fields(r) if getattr(r, f.name) != getattr(base, f.name)]
+            assert changed == ["name", *changed[1:]] and len(changed) == 2, changed
     assert set(fs.recipes_for(fs.CONFIGS["leaderboard"])) == {"project", "stock_eager", "stock_compiled"}
     assert fs.PROJECT.for_world(1).sharding == "none" and fs.PROJECT.for_world(2).sharding == "fsdp"
     with pytest.raises(ValueError, match="hooks"):
@@ -42,7 +44,7 @@ def test_leaderboard_model_flops_by_hand():
     assert fs.mfu(cfg, 5000.0, 989.0) == pytest.approx(fs.model_flops_per_step(cfg) / 2 / 5.0 / 989e12)
 
 
-@pytest.mark.parametrize("policy", ["block", "save_attention"])
+@pytest.mark.parametrize("policy", ["block", "save_attention", "save_outputs"])
 def test_checkpointed_block_is_exact(policy):
     torch.manual_seed(0)
     model = TransformerLM(TINY)
@@ -50,7 +52,7 @@ def test_checkpointed_block_is_exact(policy):
     _assert_same_block(fs.CheckpointedBlock(block, policy), block)
 
 
-@pytest.mark.parametrize("policy", ["block", "save_attention"])
+@pytest.mark.parametrize("policy", ["block", "save_attention"])  # save_outputs: the book's step compiles no block
 def test_a_checkpointed_block_compiles_as_one_graph(policy):
     """The stock recipe compiles each checkpointed block. Dynamo could not trace the graph-task query inside
     the checkpoint, so the whole block ran eagerly: on 2 x H200 "stock_compiled" took 6556 ms against
@@ -74,7 +76,7 @@ def _assert_same_block(block, reference):
     torch.testing.assert_close(gx, gx_ref, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("policy", ["block", "save_attention"])
+@pytest.mark.parametrize("policy", ["block", "save_attention", "save_outputs"])
 def test_recomputation_runs_every_module_hook_in_pairs(policy):
     """FSDP gathers a weight in a module's pre-hook and releases it in its post-hook; a recomputation that
     stopped early (PyTorch's default once every saved tensor is restored) would leave the last modules'
@@ -94,7 +96,7 @@ def test_recomputation_runs_every_module_hook_in_pairs(policy):
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "flash_triton"])
-@pytest.mark.parametrize("policy,calls", [("block", 2), ("save_attention", 1)])
+@pytest.mark.parametrize("policy,calls", [("block", 2), ("save_attention", 1), ("save_outputs", 1)])
 def test_save_attention_does_not_recompute_attention(policy, calls, attention):
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -113,6 +115,22 @@ def test_save_attention_does_not_recompute_attention(policy, calls, attention):
     with Count():
         wrapped(x).sum().backward()
     assert Count.n == calls  # the forward's call, and with full recomputation a second one in backward
+
+
+def test_save_outputs_skips_the_two_residual_projections_in_the_recomputation():
+    """Closed form: the recomputation under ``save_outputs`` runs every matmul of ``save_attention``'s but the
+    output projection's (T x D x D) and the FFN down projection's (T x F x D), 2 FLOPs a multiply-add."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def backward_flops(policy):  # forward and backward under the counter: the recomputation must see the
+        torch.manual_seed(0)       # forward's ops one for one
+        wrapped = fs.CheckpointedBlock(TransformerLM(TINY).blocks[0], policy)
+        with FlopCounterMode(display=False) as counter:
+            wrapped(torch.randn(2, 16, 32, requires_grad=True)).sum().backward()
+        return counter.get_total_flops()
+
+    tokens, d, f = 2 * 16, TINY.d_model, TINY.d_ff
+    assert backward_flops("save_attention") - backward_flops("save_outputs") == 2 * tokens * (d * d + f * d)
 
 
 def _reference_step(config, recipe, tokens, targets):
