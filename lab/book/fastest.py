@@ -24,6 +24,8 @@ PHASES = ["recompute_ms", "attention_ms", "matmul_ms", "loss_ms", "optimizer_ms"
 #: The phases where a step whose recomputation has no profiler range of its own (compiled blocks) counts it.
 MERGED_WITH_RECOMPUTE = ("recompute", "attention", "matmul", "other kernels")
 MEMORY = ["params_gib", "grads_gib", "optimizer_gib", "activations_and_other_gib"]
+#: The most a step may allocate to fit an 80 GB H100 (79.6 GiB of device memory, less the CUDA context's).
+FITS_GIB = 78.0
 
 
 def _label(column: str) -> str:
@@ -235,11 +237,30 @@ def gap_sentence(df: pd.DataFrame, impl: str = "project", reference: str = "stoc
                  f"recomputation is part of its graph), so its recomputation is counted in its other phases, "
                  f"attention included: compare {', '.join(MERGED_WITH_RECOMPUTE)} together, {merged[impl]:.4g} ms "
                  f"against {merged[reference]:.4g} ms ({merged[impl] - merged[reference]:+.4g}).")
-    ok = df[(df["status"] == "ok") & ~df["impl"].str.startswith("stock")].set_index("impl")["step_ms"]
-    if len(ok) and ok.idxmin() != impl:
-        mine = f"{ok[impl]:.4g} ms" if impl in ok.index else "no time"
-        text += (f" The fastest composition measured here is `{ok.idxmin()}` ({ok.min():.4g} ms against {mine} for "
-                 "the book's recipe).")
+    return text
+
+
+def ablation_sentence(df: pd.DataFrame, on_gpu: bool = True, fits_gib: float = FITS_GIB) -> str:
+    """What the ablations say about the recipe: the switches that cost time beyond the noise, and any that
+    would make the step faster, with whether the faster step still fits an 80 GB card (peak <= ``fits_gib``)."""
+    table = ablation_table(df)
+    if table.empty or "ratio" not in table:
+        return "No ablation of the book's step ran."
+    if not on_gpu:
+        return ("On a CPU, with the Triton kernels interpreted, the ablations' times say nothing about GPUs: "
+                "the recipe's choices are not judged here.")
+    ran = table.dropna(subset=["ratio"])
+    helps = ran[ran["verdict"] == "helps"]
+    text = ("These changes make the step slower beyond the noise, so the recipe keeps its choices: "
+            + ", ".join(f"`{r.switched_off}` (+{r.added_ms:.4g} ms)" for r in helps.itertuples()) + "."
+            if len(helps) else "No change makes the step slower beyond the noise.")
+    for r in ran[ran["verdict"] == "hurts"].itertuples():
+        fits = r.peak_gib <= fits_gib if r.peak_gib == r.peak_gib else None
+        why = {True: f"and its peak of {r.peak_gib:.3g} GiB fits an 80 GB card: a better recipe",
+               False: f"but its peak of {r.peak_gib:.3g} GiB does not fit an 80 GB card (the recipe must), so the "
+                      "recipe keeps the switch",
+               None: "but its peak memory was not measured"}[fits]
+        text += f" `{r.switched_off}` is faster by {-r.added_ms:.4g} ms (ratio {r.ratio:.3g}), {why}."
     return text
 
 
