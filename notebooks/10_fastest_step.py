@@ -23,9 +23,10 @@
 # logits never exist), `lab.FSDP` (one all-gather and one reduce-scatter per block, prefetched), selective
 # activation checkpointing that keeps each block's attention output and the outputs of the two projections
 # that write the residual stream and recomputes the rest, `torch.compile` of the modules without matrices,
-# fused AdamW, and the attention chosen by measurement: SDPA's cuDNN kernel, which on both rungs is faster
-# than the book's Triton FlashAttention-2 (at the leaderboard's 32k tokens and head dim 128 notebook 05's
-# kernels reach about 0.7x its speed; the ablation `flash_triton_attention` measures the choice again below). The stock step: FSDP2
+# fused AdamW, and the attention chosen by measurement: the Triton FlashAttention-2 kernels on the 2.7B rung
+# (head dim 80, 512 tokens), SDPA's cuDNN kernel at the leaderboard's 32k tokens and head dim 128, where
+# notebook 05's kernels take about 1.5x its time (the ablations `flash_triton_attention` and
+# `no_flash_attention` measure the choice again below). The stock step: FSDP2
 # `fully_shard` per block and at the root, SDPA, `torch.utils.checkpoint` on every block, materialized
 # logits with `F.cross_entropy` in their own dtype (bf16), fused AdamW, eager and with each block compiled. Every optimization is then switched off alone.
 

@@ -129,7 +129,7 @@ def test_ablations_for_some_configurations_only():
     headline = ["project", "stock_eager", "stock_compiled"]
     assert [r.name for r in fastest.recipes(CONFIGS["leaderboard"], quick=False, ablate=["2.7B"])] == headline
     ablated = [r.name for r in fastest.recipes(CONFIGS["2.7B"], quick=False, ablate=["2.7B"])]
-    assert ablated == headline + ["flash_triton_attention", "no_fused_loss", "no_compile", "foreach_adamw",
+    assert ablated == headline + ["no_flash_attention", "no_fused_loss", "no_compile", "foreach_adamw",
                                   "fp32_master_weights"]
     assert len(fastest.recipes(CONFIGS["2.7B"], quick=False, ablate=False)) == 3
     with pytest.raises(ValueError, match="unknown configurations"):
