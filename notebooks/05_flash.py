@@ -162,6 +162,23 @@ book.answer("Are the performance goals met?", grid.goals_sentence(goals, interpr
             section="The performance goals")
 
 # %% [markdown]
+# ### Why the goals are missed
+#
+# The same ratios by head dimension and pass. Two causes follow from how the kernels are built. A head
+# dimension that is not a power of two (80 for the 2.7B model) runs in masked power-of-two tiles, so part of
+# every tile's matrix work is on zero columns (`useful_columns`). The backward, to avoid atomics, has each
+# program own the rows it writes: the dK/dV programs and the dQ programs both recompute the scores, 7 matrix
+# products per tile pair where a kernel that adds dQ atomically (cuDNN's) needs 5. What is left at the powers
+# of two, in the forward especially, is scheduling: cuDNN's Hopper kernels overlap one tile's softmax with the
+# next tile's matrix products across warp groups and load tiles with TMA; these Triton kernels use Hopper's
+# matrix instructions through Triton's software pipelining, and the TMA, warp-specialisation and atomic-dQ
+# variants tried in `notes/flash_tuning.md` (run 5) gained little or nothing over the default tiles.
+
+# %%
+report.show_table(grid.why_missed_table(goals), floatfmt=".3g")
+report.say(grid.why_missed_sentence(goals, interpreted_=on_cpu))
+
+# %% [markdown]
 # ## fp32: is Triton ever slower than naive PyTorch or SDPA?
 #
 # Batch 1, one head, causal, a few lengths and d 64/128 (full profile), in fp32. An fp32 tile holds twice

@@ -212,6 +212,49 @@ def _worst_clause(summary: dict, goal_targets: dict) -> str:
             f"({fmt(100 * abs(gaps[p] - 1), 2)}% {'above' if gaps[p] >= 1 else 'below'} it)")
 
 
+def why_missed_table(goals: pd.DataFrame) -> pd.DataFrame:
+    """The goals' speed ratios (SDPA ms / Triton ms) by head dimension and pass: median and range over the
+    grid's shapes and dtypes, with the share of the tile's columns that are the head's (``d / BLOCK_D``: a
+    head dimension that is not a power of two runs in masked power-of-two tiles)."""
+    rows = []
+    for d, part in goals.groupby("d"):
+        row = dict(d=int(d), shapes=len(part), useful_columns=d / 2 ** math.ceil(math.log2(d)))
+        for p in fl.GOALS:
+            r = part[f"{p}_ratio"].dropna()
+            row.update({f"{p}_median": r.median(), f"{p}_min": r.min(), f"{p}_max": r.max()})
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def why_missed_sentence(goals: pd.DataFrame, interpreted_: bool = False) -> str:
+    """Which passes and head dimensions hold the gap, read from :func:`why_missed_table`, with the two causes
+    the kernels' structure accounts for: masked columns at head dimensions that are not powers of two, and the
+    backward's 7 matrix products per tile pair (5 with atomic dQ, cuDNN's way) at equal efficiency 5/7."""
+    if interpreted_ or goals.empty:
+        return "The goals are about GPU speed; they are not examined on interpreted Triton or without rows."
+    t = why_missed_table(goals).set_index("d")
+    worst_pass = min(fl.GOALS, key=lambda p: t[f"{p}_median"].min() / fl.GOALS[p])
+    worst_d = int(t[f"{worst_pass}_median"].idxmin())
+    parts = [f"d {d}: forward {fmt(r.fwd_median)}x, backward {fmt(r.bwd_median)}x, end to end {fmt(r.e2e_median)}x"
+             for d, r in t.iterrows()]
+    text = (f"Median speed against SDPA by head dimension — {'; '.join(parts)}. Furthest from its goal: the "
+            f"{ {'fwd': 'forward', 'bwd': 'backward', 'e2e': 'end to end'}[worst_pass] } at d {worst_d}.")
+    padded = t[t["useful_columns"] < 1]
+    if len(padded):
+        d = int(padded.index[0])
+        full = t[t["useful_columns"] == 1]
+        if len(full):
+            share, width = fmt(100 * padded.loc[d, "useful_columns"], 3), 2 ** math.ceil(math.log2(d))
+            text += (f" At d {d} only {share}% of each tile's columns are the head's (masked {width}-wide tiles), "
+                     f"and its forward is {fmt(padded.loc[d, 'fwd_median'])}x against "
+                     f"{fmt(full['fwd_median'].median())}x at the powers of two.")
+    slower_bwd = (t["bwd_median"] < t["fwd_median"]).sum()
+    text += (f" The backward trails the forward at {slower_bwd} of {len(t)} head dimensions: without atomics it "
+             f"computes 7 matrix products per tile pair where cuDNN's computes 5, so at equal efficiency it would "
+             f"reach {fmt(5 / 7)}x.")
+    return text
+
+
 # ----------------------------------------------------------------------------------------------------------
 # The fp32 sweep
 

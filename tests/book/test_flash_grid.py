@@ -108,3 +108,20 @@ def test_interpreted_is_read_from_the_rows():
     assert present.interpreted(_bench(gpu="cpu")) and not present.interpreted(_bench())
     assert present.interpreted(pd.DataFrame(dict(device=["cpu"])))
     assert not present.interpreted(pd.DataFrame(dict(device=["cuda:0"])))
+
+
+def test_why_missed_reads_the_gap_by_head_dimension():
+    rows = [(64, 0.96, 0.85, 0.87), (80, 0.70, 0.65, 0.66), (80, 0.68, 0.63, 0.66), (128, 0.73, 0.73, 0.74)]
+    goals = pd.DataFrame([dict(d=d, fwd_ratio=f, bwd_ratio=b, e2e_ratio=e) for d, f, b, e in rows])
+    t = grid.why_missed_table(goals).set_index("d")
+    assert t.loc[80, "shapes"] == 2 and t.loc[80, "fwd_median"] == pytest.approx(0.69)
+    assert t.loc[80, "useful_columns"] == 0.625 and t.loc[128, "useful_columns"] == 1.0
+    text = grid.why_missed_sentence(goals)
+    assert "d 80: forward 0.69x, backward 0.64x, end to end 0.66x" in text
+    assert "Furthest from its goal: the forward at d 80." in text  # 0.69 / 1.0 below 0.64 / 0.9
+    # the powers of two's forward median: (0.96 + 0.73) / 2
+    assert "only 62.5% of each tile's columns are the head's (masked 128-wide tiles)" in text
+    assert "its forward is 0.69x against 0.845x at the powers of two" in text
+    assert "trails the forward at 2 of 3 head dimensions" in text  # d 128: equal, not behind
+    assert "would reach 0.714x" in text
+    assert "not examined" in grid.why_missed_sentence(goals, interpreted_=True)
