@@ -168,7 +168,7 @@ book.answer("Are the performance goals met?", grid.goals_sentence(goals, interpr
 # dimension that is not a power of two (80 for the 2.7B model) runs in masked power-of-two tiles, so part of
 # every tile's matrix work is on zero columns (`useful_columns`). The backward, to avoid atomics, has each
 # program own the rows it writes: the dK/dV programs and the dQ programs both recompute the scores, 7 matrix
-# products per tile pair where a kernel that adds dQ atomically (cuDNN's) needs 5. What is left at the powers
+# products per tile pair where a kernel that adds dQ atomically (FlashAttention-2 and -3) needs 5. What is left at the powers
 # of two, in the forward especially, is scheduling: cuDNN's Hopper kernels overlap one tile's softmax with the
 # next tile's matrix products across warp groups and load tiles with TMA; these Triton kernels use Hopper's
 # matrix instructions through Triton's software pipelining, and the TMA, warp-specialisation and atomic-dQ
