@@ -256,7 +256,8 @@ def ablation_sentence(df: pd.DataFrame, on_gpu: bool = True, fits_gib: float = F
             if len(helps) else "No change makes the step slower beyond the noise.")
     for r in ran[ran["verdict"] == "hurts"].itertuples():
         fits = r.peak_gib <= fits_gib if r.peak_gib == r.peak_gib else None
-        why = {True: f"and its peak of {r.peak_gib:.3g} GiB fits an 80 GB card: a better recipe",
+        why = {True: f"and its peak of {r.peak_gib:.3g} GiB fits an 80 GB card: a better recipe, to adopt once "
+                     "a render has measured it as the book's step",
                False: f"but its peak of {r.peak_gib:.3g} GiB does not fit an 80 GB card (the recipe must fit one), "
                       "so the recipe does not adopt it",
                None: "but its peak memory was not measured"}[fits]

@@ -60,6 +60,7 @@ def test_ablation_sentence_keeps_only_faster_steps_that_fit_an_80_gb_card():
     assert "slower beyond the noise, so the recipe keeps its choices: `full_recompute` (+707 ms)." in s
     assert "`no_fused_loss` is faster by 57 ms (ratio 0.989), but its peak of 113 GiB does not fit" in s
     assert "`no_compile` is faster by 186 ms (ratio 0.964), and its peak of 67.7 GiB fits an 80 GB card" in s
+    assert "a better recipe, to adopt once a render has measured it as the book's step." in s
     assert fastest.ablation_sentence(df[df.impl == "project"]) == "No ablation of the book's step ran."
     assert "say nothing about GPUs" in fastest.ablation_sentence(df, on_gpu=False)
 
