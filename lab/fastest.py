@@ -13,17 +13,16 @@ from lab import cli
 
 
 def parser() -> cli.Parser:
-    from lab.recipes.fastest_step import CONFIGS
+    from lab.recipes.fastest_step import CONFIGS, PROJECT, PROJECT_ONE_GPU, ablations
 
     p = cli.Parser(prog="python -m lab.fastest", description="Time the book's fastest training step (and the stock "
                    "PyTorch step) for a configuration; prints step time, peak memory, tokens/s and MFU.")
     p.add_argument("--config", choices=list(CONFIGS), default="2.7B",
                    help="leaderboard: 8.1B params, 32k context, 2 GPUs; 2.7B: batch 4, context 512, 1 GPU")
     p.add_argument("--world-size", type=cli.positive_int, default=None, help="ranks (default: the config's)")
+    switches = dict.fromkeys(r.name for base in (PROJECT, PROJECT_ONE_GPU) for r in ablations(base))
     p.add_argument("--recipes", nargs="+", default=["project", "stock_compiled"],
-                   help="project, stock_eager, stock_compiled, and the ablations (no_flash_attention or "
-                        "flash_triton_attention, no_fused_loss, full_recompute, save_attention_only, no_compile, "
-                        "foreach_adamw, fp32_master_weights), or 'all'")
+                   help=f"project, stock_eager, stock_compiled, and the ablations ({', '.join(switches)}), or 'all'")
     p.add_argument("--num-layers", type=cli.positive_int, default=None,
                    help="override the model's layer count (a quicker try of the same step shape)")
     p.add_argument("--rep-ms", type=float, default=3000.0, help="do_bench repetition budget in ms (>= 1 step)")

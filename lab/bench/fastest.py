@@ -196,6 +196,8 @@ def benchmark(config: str | StepConfig, recipes: Sequence[Recipe], world_size: i
                                trace_dir, tuple(headline), device=device, timeout_s=timeout_s, first_gpu=first_gpu)
     if peak_tflops is None:
         peak_tflops = matmul_ceiling_tflops("cuda") if torch.cuda.is_available() else math.nan
+    on_gpu = launcher.resolve_backend(world_size, None, device)[1] == "cuda"
+    gpus = ",".join(str(first_gpu + r) for r in range(world_size)) if on_gpu else ""
     rows = []
     for ranks in zip(*per_rank):
         row = dict(ranks[0])
@@ -208,8 +210,7 @@ def benchmark(config: str | StepConfig, recipes: Sequence[Recipe], world_size: i
         row["matmul_ceiling_tflops"] = peak_tflops
         row["mfu"] = mfu(config, row["step_ms"], peak_tflops)
         row["mfu_datasheet"] = mfu(config, row["step_ms"], 989.0)  # H100/H200 SXM dense bf16
-        on_gpu = launcher.resolve_backend(world_size, None, device)[1] == "cuda"
-        row["gpus"] = ",".join(str(first_gpu + r) for r in range(world_size)) if on_gpu else ""
+        row["gpus"] = gpus
         rows.append(row)
     return pd.DataFrame(rows)
 

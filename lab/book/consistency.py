@@ -59,22 +59,11 @@ def _involving(table: pd.DataFrame, notebook: str) -> pd.DataFrame:
 
 
 def consistency_report(table: pd.DataFrame, notebook: str) -> tuple[list[str], str]:
-    """``notebook``'s rows against the other notebooks', compared once: the warnings
-    (:func:`consistency_sentences`) and the sentence counting the small differences
-    (:func:`small_differences_sentence`)."""
+    """``notebook``'s rows against the other notebooks', compared once: the warnings for the disagreements
+    beyond noise and beyond ``RUN_TO_RUN``, one sentence each, and one sentence counting the differences
+    beyond the noise but within ``RUN_TO_RUN`` ('' if none)."""
     d = _involving(table, notebook)
     return _warnings(d), _small_differences(d, notebook)
-
-
-def consistency_sentences(table: pd.DataFrame, notebook: str) -> list[str]:
-    """Warnings for the disagreements beyond noise and beyond ``RUN_TO_RUN`` that involve ``notebook``'s
-    rows, one sentence each."""
-    return _warnings(_involving(table, notebook))
-
-
-def small_differences_sentence(table: pd.DataFrame, notebook: str) -> str:
-    """One sentence counting the differences beyond the noise but within ``RUN_TO_RUN`` ('' if none)."""
-    return _small_differences(_involving(table, notebook), notebook)
 
 
 def _warnings(d: pd.DataFrame) -> list[str]:

@@ -2,7 +2,15 @@
 
 import pandas as pd
 
-from lab.book.consistency import consistency_sentences, disagreements, small_differences_sentence
+from lab.book.consistency import consistency_report, disagreements
+
+
+def consistency_sentences(table, notebook):
+    return consistency_report(table, notebook)[0]
+
+
+def small_differences_sentence(table, notebook):
+    return consistency_report(table, notebook)[1]
 
 BASE = dict(size="small", context=512, batch=4, dtype="bf16", attention="sdpa", compile=False, fused_loss=False,
             world_size=1, gpu="G", status="ok", steps=10)
