@@ -27,6 +27,8 @@ def parser() -> cli.Parser:
                    help="override the model's layer count (a quicker try of the same step shape)")
     p.add_argument("--rep-ms", type=float, default=3000.0, help="do_bench repetition budget in ms (>= 1 step)")
     p.add_argument("--no-profile", action="store_true", help="skip the profiled step (phase breakdown)")
+    p.add_argument("--fresh-cache", action="store_true", help="compile into empty Inductor and Triton caches, as "
+                   "the leaderboard's 10-minute rule counts it (wall_s: build, first step and timing)")
     p.add_argument("--device", default="auto", help="auto, cuda or cpu (cpu: gloo, for trying the code path)")
     p.add_argument("--results-dir", default=None, help="also save the rows as <dir>/fastest_step.csv")
     return p
@@ -71,9 +73,10 @@ def fastest_main(argv: Sequence[str] | None = None) -> int:
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
     device = "cpu" if device == "auto" else device
     df = benchmark(config, choose_recipes(config, args.recipes), world, device, rep_ms=args.rep_ms,
-                   profile=not args.no_profile)
+                   profile=not args.no_profile, fresh_cache=args.fresh_cache)
     table = results_table(df)
-    cols = ["impl", "config", "world_size", "status", "step_ms", "peak_gib", "tokens_per_s", "mfu", "first_step_s"]
+    cols = ["impl", "config", "world_size", "status", "step_ms", "peak_gib", "tokens_per_s", "mfu", "first_step_s",
+            "wall_s"]
     print(table[cols].to_markdown(index=False, floatfmt=".4g"))
     if args.results_dir:
         from lab.measure.results import save_results

@@ -10,7 +10,6 @@ Out-of-memory is a row (``status="oom"``), never a crash.
 from __future__ import annotations
 
 import gc
-import itertools
 import json
 import math
 import time
@@ -24,13 +23,17 @@ from lab.measure.device import empty_cache, error_summary, is_oom, synchronize
 from lab.measure.profiling import profile_step
 from lab.measure.timing import time_callable, time_kernel
 from lab.parallel import launcher
-from lab.recipes.fastest_step import CONFIGS, Recipe, StepConfig, build_step, mfu, model_flops_per_step
+from lab.recipes.fastest_step import ABLATION_BASE, CONFIGS, Recipe, StepConfig, build_step, mfu, model_flops_per_step
 
 GiB = 2**30
 #: Kernel classes of a step's time, in the order they are assigned (a kernel launched inside ``recompute``
 #: counts as recomputation whatever it computes).
 PHASE_COLUMNS = ["recompute_ms", "optimizer_ms", "attention_ms", "matmul_ms", "loss_ms", "other_kernels_ms",
                  "exposed_communication_ms", "idle_ms"]
+
+
+#: How many of the ``other kernels`` (by time) a row names in ``other_kernels_top``.
+OTHER_TOP = 8
 
 
 def kernel_phase(name: str, launched_in: str) -> str:
@@ -55,18 +58,22 @@ def kernel_phase(name: str, launched_in: str) -> str:
 def phase_breakdown(trace_path: str | Path, steps: int = 1) -> dict[str, float]:
     """Milliseconds per step by phase (:data:`PHASE_COLUMNS`) from a profiled step's Chrome trace: kernel
     time by :func:`kernel_phase`, the communication that overlapped no compute, and the time the compute
-    streams were idle (launch gaps, waiting)."""
+    streams were idle (launch gaps, waiting); ``other_kernels_top`` names the :data:`OTHER_TOP` largest
+    kernels of ``other kernels`` (``"name=ms; ..."``, names cut to 80 characters)."""
     from lab.measure.traces import kernels_by_range, read_trace, step_overlap
 
     trace = json.loads(Path(trace_path).read_text())  # read once, for both readers
     kernels = kernels_by_range(trace, ("forward", "backward", "optimizer_step", "recompute"))
     out = dict.fromkeys(PHASE_COLUMNS, 0.0)
     if kernels.empty:
-        return {k: math.nan for k in out}
+        return {**{k: math.nan for k in out}, "other_kernels_top": ""}
     phases = [kernel_phase(n, r) for n, r in zip(kernels["name"], kernels["range"])]
     for phase, dur in zip(phases, kernels["dur_ms"]):
         if phase != "communication":
             out[f"{phase}_ms"] += dur / steps
+    other = kernels.assign(phase=phases).query("phase == 'other_kernels'")
+    top = other.groupby("name")["dur_ms"].sum().sort_values(ascending=False).head(OTHER_TOP) / steps
+    out["other_kernels_top"] = "; ".join(f"{name[:80]}={ms:.4g}" for name, ms in top.items())
     overlap = step_overlap(read_trace(trace))
     out["exposed_communication_ms"] = (overlap["communication_ms"] - overlap["overlapped_ms"]) / steps
     window = overlap.get("window_ms", math.nan)
@@ -86,6 +93,16 @@ def _state_bytes(step) -> dict[str, int]:
                 optimizer=sum(local(t) for t in state))
 
 
+def empty_row(config: StepConfig, recipe: Recipe, status: str = "ok", error: str = "") -> dict:
+    """A recipe's row before anything is measured (and the row of one whose processes failed)."""
+    return dict(impl=recipe.name, config=config.name, world_size=config.world_size, status=status, error=error,
+                step_ms=math.nan, step_std_ms=math.nan, step_n=0, step_samples_ms=[], first_step_s=math.nan,
+                wall_s=math.nan, host_step_ms=math.nan, host_step_std_ms=math.nan, host_step_n=0,
+                peak_gib=math.nan, params_gib=math.nan, grads_gib=math.nan, optimizer_gib=math.nan,
+                activations_and_other_gib=math.nan, **dict.fromkeys(PHASE_COLUMNS, math.nan),
+                other_kernels_top="", recipe=repr(recipe.for_world(config.world_size)))
+
+
 def measure_recipe(config: StepConfig, recipe: Recipe, device: torch.device, warmup_ms: float = 1,
                    rep_ms: float = 3000, profile: bool = True, trace_dir: str | None = None, seed: int = 0,
                    host_steps: int = 0, host_reference: bool = False) -> dict:
@@ -93,18 +110,15 @@ def measure_recipe(config: StepConfig, recipe: Recipe, device: torch.device, war
     ``triton.testing.do_bench`` of whole steps (``rep_ms`` of them; do_bench also runs five steps to estimate
     their time), or with ``host_steps`` that many steps timed by the host clock (cheaper, for ablations),
     the peak memory of those steps, memory by category, and one profiled step's phases. Returns this rank's
-    row (``timer`` says which timer). ``host_step_*`` are host-clock times: the ablations' own, and with
+    row (``timer`` says which timer; ``wall_s``: from the build to the end of the timing). ``host_step_*`` are
+    host-clock times: the ablations' own, and with
     ``host_reference`` two more steps of a do_bench-timed recipe, so that the ablations are compared with
     the book's step timed the same way."""
-    row = dict(impl=recipe.name, config=config.name, world_size=config.world_size, status="ok", error="",
-               step_ms=math.nan, step_std_ms=math.nan, step_n=0, step_samples_ms=[], first_step_s=math.nan,
-               host_step_ms=math.nan, host_step_std_ms=math.nan, host_step_n=0,
-               peak_gib=math.nan, params_gib=math.nan, grads_gib=math.nan, optimizer_gib=math.nan,
-               activations_and_other_gib=math.nan, **dict.fromkeys(PHASE_COLUMNS, math.nan),
-               recipe=repr(recipe.for_world(config.world_size)))
+    row = empty_row(config, recipe)
     rank = launcher.rank()
     empty_cache()
     step = None
+    begun = time.perf_counter()
     try:
         step = build_step(config, recipe, device, seed, rank)
         synchronize(device)
@@ -122,6 +136,7 @@ def measure_recipe(config: StepConfig, recipe: Recipe, device: torch.device, war
             row["peak_gib"] = torch.cuda.max_memory_allocated(device) / GiB
         row.update(step_ms=timing.median_ms, step_std_ms=timing.std_ms, step_n=len(timing.samples_ms),
                    step_samples_ms=timing.samples_ms)
+        row["wall_s"] = time.perf_counter() - begun
         if row["timer"] == "do_bench" and host_reference:
             timing = time_callable(step, warmup=0, steps=2, device=device)
         if row["timer"] == "host" or host_reference:
@@ -152,15 +167,30 @@ def _profile(step, trace_dir: str | None, name: str) -> dict:
 
 
 def fastest_worker(config: StepConfig, recipes: list[Recipe], warmup_ms: float, rep_ms: float, profile: bool,
-                   trace_dir: str | None, headline: tuple[str, ...]) -> list[dict]:
+                   trace_dir: str | None, headline: tuple[str, ...], fresh_cache: bool = False) -> list[dict]:
     """Inside a launched process: every recipe in turn on this rank (the ``headline`` ones timed with
     do_bench and profiled, the others with two host-timed steps, and then the book's step with two more);
-    returns the rows."""
+    returns the rows. ``fresh_cache``: compile into empty Inductor and Triton caches of this process's own
+    (removed at the end), so the first recipe's ``first_step_s`` and ``wall_s`` include every compilation
+    and autotuning from scratch, as the leaderboard's 10-minute rule counts them."""
+    import os
+    import shutil
+    import tempfile
+
+    if fresh_cache:
+        cache = tempfile.mkdtemp(prefix="lab_fastest_cache_")
+        os.environ.update(TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
+                          TRITON_CACHE_DIR=os.path.join(cache, "triton"))
     device = launcher.device()
-    ablated = any(r.name not in headline for r in recipes)
-    return [measure_recipe(config, r, device, warmup_ms, rep_ms, profile and r.name in headline, trace_dir,
-                           host_steps=0 if r.name in headline else 2, host_reference=ablated and r.name == "project")
-            for r in recipes]
+    ablated = any(r.name not in headline for r in recipes) and any(r.name == "project" for r in recipes)
+    try:
+        return [measure_recipe(config, r, device, warmup_ms, rep_ms, profile and r.name in headline, trace_dir,
+                               host_steps=0 if r.name in headline else 2,
+                               host_reference=ablated and r.name == "project")
+                for r in recipes]
+    finally:
+        if fresh_cache:
+            shutil.rmtree(cache, ignore_errors=True)
 
 
 def matmul_ceiling_tflops(device: torch.device | str = "cuda", n: int = 8192) -> float:
@@ -178,28 +208,49 @@ def benchmark(config: str | StepConfig, recipes: Sequence[Recipe], world_size: i
               warmup_ms: float = 1, rep_ms: float = 3000, profile: bool = True, trace_dir: str | None = None,
               peak_tflops: float | None = None, timeout_s: float = 1800,
               headline: Sequence[str] = ("project", "stock_eager", "stock_compiled"),
-              first_gpu: int = 0) -> pd.DataFrame:
+              first_gpu: int = 0, separate: bool = False, deadline_s: float | None = None,
+              fresh_cache: bool = False) -> pd.DataFrame:
     """Every recipe of the configuration on ``world_size`` ranks (default: the configuration's), side by side
     in the same processes. One row per recipe with ``impl``, ``config``, ``world_size``, ``step_ms`` (median
     over the timed steps of rank 0), ``step_std_ms``, ``peak_gib`` (the largest over ranks), memory by
     category on rank 0, phase times, ``tokens_per_s``, ``mfu`` (against ``peak_tflops`` per GPU: by default
     the bf16 matmul rate measured here, :func:`matmul_ceiling_tflops`; datasheet MFU in ``mfu_datasheet``).
     The ``headline`` recipes are timed with do_bench and profiled; the others (ablations) with two host-timed
-    steps. On GPUs, rank ``r`` drives GPU ``first_gpu + r`` (``gpus`` column)."""
+    steps. On GPUs, rank ``r`` drives GPU ``first_gpu + r`` (``gpus`` column).
+
+    ``separate``: each recipe in processes of its own, so that one that hangs or dies (``deadline_s`` each)
+    costs only its own row (``status`` ``failed``, the reason in ``error``); ``fresh_cache``: the first recipe
+    compiles from empty caches (:func:`fastest_worker`)."""
+    from lab.parallel.launcher import WorkerError
+
     config = CONFIGS[config] if isinstance(config, str) else config
     world_size = world_size or config.world_size
     if world_size != config.world_size:
         import dataclasses
 
         config = dataclasses.replace(config, world_size=world_size)
-    per_rank = launcher.launch(fastest_worker, world_size, config, list(recipes), warmup_ms, rep_ms, profile,
-                               trace_dir, tuple(headline), device=device, timeout_s=timeout_s, first_gpu=first_gpu)
+
+    def run(chosen):
+        return launcher.launch(fastest_worker, world_size, config, list(chosen), warmup_ms, rep_ms, profile,
+                               trace_dir, tuple(headline), fresh_cache, device=device, timeout_s=timeout_s,
+                               deadline_s=deadline_s, first_gpu=first_gpu)
+
+    if not separate:
+        per_recipe = list(zip(*run(recipes)))
+    else:
+        per_recipe = []
+        for recipe in recipes:
+            try:
+                per_recipe.append(tuple(rows[0] for rows in run([recipe])))
+            except WorkerError as exc:
+                reason = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+                per_recipe.append((empty_row(config, recipe, status="failed", error=reason),))
     if peak_tflops is None:
         peak_tflops = matmul_ceiling_tflops("cuda") if torch.cuda.is_available() else math.nan
     on_gpu = launcher.resolve_backend(world_size, None, device)[1] == "cuda"
     gpus = ",".join(str(first_gpu + r) for r in range(world_size)) if on_gpu else ""
     rows = []
-    for ranks in zip(*per_rank):
+    for ranks in per_recipe:
         row = dict(ranks[0])
         peaks = [r["peak_gib"] for r in ranks if r["peak_gib"] == r["peak_gib"]]
         row["peak_gib"] = max(peaks) if peaks else math.nan
@@ -215,11 +266,40 @@ def benchmark(config: str | StepConfig, recipes: Sequence[Recipe], world_size: i
     return pd.DataFrame(rows)
 
 
-def benchmark_configs(jobs: Mapping[str, Sequence[Recipe]], device: str = "auto", **kwargs) -> pd.DataFrame:
-    """:func:`benchmark` of each configuration (name -> its recipes), concatenated. Where the machine has a
-    GPU for every rank of every configuration (four for the leaderboard's two and the 2.7B's one), the
-    configurations run side by side, each on GPUs of its own (their processes share only the host), which
-    halves a render; otherwise one after the other. The matmul ceiling is measured first, on an idle GPU."""
+def plan(jobs: Mapping[str, Sequence[Recipe]], gpus: int,
+         headline: Sequence[str] = ("project", "stock_eager", "stock_compiled")) -> list[tuple[str, list[Recipe]]]:
+    """How :func:`benchmark_configs` splits the work over a machine's ``gpus``: a list of (configuration,
+    recipes), one launch group each. A configuration of several ranks has its ablations moved to a group of
+    their own, led by :data:`ABLATION_BASE` (the book's step again, on their GPUs), where the machine has
+    room for both halves of it at once (two of its world size) and for every configuration's ranks; that
+    group comes right after its headline group. A one-GPU configuration's ablations (seconds a step) stay
+    with its headline recipes."""
+    configs = {name: CONFIGS[name] for name in jobs}
+    out = []
+    for name, recipes in jobs.items():
+        top = [r for r in recipes if r.name in headline]
+        rest = [r for r in recipes if r.name not in headline]
+        project = next((r for r in recipes if r.name == "project"), None)
+        world = configs[name].world_size
+        roomy = world > 1 and gpus >= max(2 * world, sum(c.world_size for c in configs.values()))
+        if rest and project is not None and roomy and top:
+            import dataclasses
+
+            out += [(name, top), (name, [dataclasses.replace(project, name=ABLATION_BASE), *rest])]
+        else:
+            out.append((name, list(recipes)))
+    return out
+
+
+def benchmark_configs(jobs: Mapping[str, Sequence[Recipe]], device: str = "auto", ablation_deadline_s: float = 150,
+                      **kwargs) -> pd.DataFrame:
+    """:func:`benchmark` of each configuration (name -> its recipes), concatenated. On a machine with a GPU
+    for every rank of every configuration (four for the leaderboard's two and the 2.7B's one), the launch
+    groups of :func:`plan` run side by side, each on GPUs of its own as they come free
+    (:func:`lab.parallel.gpu_pool.run_on_gpus`; their processes share only the host): the headline recipes
+    compile from empty caches, and ablations on GPUs of their own run one per launch
+    (``ablation_deadline_s`` each). Otherwise everything runs one after the other in one launch per
+    configuration. The matmul ceiling is measured first, on an idle GPU."""
     configs = {name: CONFIGS[name] for name in jobs}
     gpus = torch.cuda.device_count() if device != "cpu" and torch.cuda.is_available() else 0
     if gpus and "peak_tflops" not in kwargs:
@@ -227,13 +307,15 @@ def benchmark_configs(jobs: Mapping[str, Sequence[Recipe]], device: str = "auto"
     if not gpus or sum(c.world_size for c in configs.values()) > gpus or len(jobs) < 2:
         return pd.concat([benchmark(name, recipes, device=device, **kwargs) for name, recipes in jobs.items()],
                          ignore_index=True)
-    from concurrent.futures import ThreadPoolExecutor
+    from lab.parallel.gpu_pool import run_on_gpus
 
-    firsts = dict(zip(configs, itertools.accumulate([0] + [c.world_size for c in configs.values()][:-1])))
-    with ThreadPoolExecutor(len(jobs)) as pool:
-        futures = [pool.submit(benchmark, name, recipes, device=device, first_gpu=firsts[name], **kwargs)
-                   for name, recipes in jobs.items()]
-        return pd.concat([f.result() for f in futures], ignore_index=True)
+    def job(name, recipes):
+        ablations = recipes[0].name == ABLATION_BASE
+        extra = dict(separate=True, deadline_s=ablation_deadline_s) if ablations else dict(fresh_cache=True)
+        return configs[name].world_size, lambda first: benchmark(name, recipes, device=device, first_gpu=first,
+                                                                  **extra, **kwargs)
+
+    return pd.concat(run_on_gpus([job(n, r) for n, r in plan(jobs, gpus)], gpus), ignore_index=True)
 
 
 def results_table(df: pd.DataFrame) -> pd.DataFrame:

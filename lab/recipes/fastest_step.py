@@ -7,14 +7,13 @@ turns a model configuration and a recipe into a :class:`lab.measure.step.TrainSt
 
 The book's recipe (:data:`PROJECT`):
 
-* **attention**: on one GPU (2.7B, context 512, head dim 80) the Triton FlashAttention-2 kernels
-  (``lab.kernels.flash_triton``, a ``torch.library`` op); on the leaderboard's shape (32k tokens, head dim
-  128) SDPA's cuDNN kernel, because measured there our kernels take ~1.5x cuDNN's time forward+backward
-  (notebook 05's grid, ``tools/flash_gpu_check.py``: 0.68x cuDNN's speed end to end at 1 x 32 x 32k x 128)
-  and in the step cost 769 ms of 5.2 s on 4 x H200 (notebook 10 at f78d011). The ablations
-  (``flash_triton_attention``, ``no_flash_attention``) measure that choice again in every render: the same
-  render found SDPA 11 ms faster on the 2.7B rung too (host clock, 96 against 107 ms), not yet adopted there
-  because no render has measured that recipe;
+* **attention**: SDPA's cuDNN kernel, chosen by measurement on both rungs. On the leaderboard's shape (32k
+  tokens, head dim 128) our Triton FlashAttention-2 kernels (``lab.kernels.flash_triton``, a
+  ``torch.library`` op) take ~1.5x cuDNN's time forward+backward (notebook 05's grid,
+  ``tools/flash_gpu_check.py``: 0.68x cuDNN's speed end to end at 1 x 32 x 32k x 128) and in the step cost
+  769 ms of 5.2 s on 4 x H200 (notebook 10 at f78d011); on the 2.7B rung (512 tokens, head dim 80, which
+  our kernels run in masked 128-wide tiles) the same render measured SDPA 11 ms faster per step (host clock,
+  96 against 107 ms). The ablation ``flash_triton_attention`` measures the choice again in every render;
 * **loss**: the fused LM head + cross-entropy (``lab.kernels.fused_cross_entropy``): the ``(tokens, vocab)``
   logits never exist (at the leaderboard's 32k tokens x 152k vocabulary they would be 10 GB in bf16);
 * **sharding**: ``lab.FSDP``, one all-gather and one reduce-scatter per transformer block, prefetching two
@@ -121,12 +120,17 @@ STOCK_EAGER = Recipe("stock_eager", attention="sdpa", fused_loss=False, sharding
 STOCK_COMPILED = dataclasses.replace(STOCK_EAGER, name="stock_compiled", compile="block")
 
 #: One GPU, where the model fits without sharding or recomputation: the book's step compiles the whole model
-#: (the Triton attention and fused loss are ops inside its graph) and keeps bf16 parameters; the stock step
+#: (the fused loss is an op inside its graph) and keeps bf16 parameters; the stock step
 #: is the course's reference, fp32 master weights under bf16 autocast, whole-model torch.compile, fused AdamW.
-PROJECT_ONE_GPU = Recipe(sharding="none", checkpoint="none", compile="model")
+PROJECT_ONE_GPU = Recipe(attention="sdpa", sharding="none", checkpoint="none", compile="model")
 STOCK_ONE_GPU_COMPILED = Recipe("stock_compiled", attention="sdpa", fused_loss=False, sharding="none",
                                 checkpoint="none", compile="model", precision="bf16_autocast", loss_upcast=False)
 STOCK_ONE_GPU_EAGER = dataclasses.replace(STOCK_ONE_GPU_COMPILED, name="stock_eager", compile="none")
+
+
+#: The name of the book's step measured again beside its ablations where they run on GPUs of their own
+#: (``lab.bench.fastest.plan``): what they are compared with, on the same cards and timed the same way.
+ABLATION_BASE = "ablation_base"
 
 
 def recipes_for(config: StepConfig) -> dict[str, Recipe]:

@@ -130,7 +130,7 @@ def test_ablations_for_some_configurations_only():
     headline = ["project", "stock_eager", "stock_compiled"]
     assert [r.name for r in fastest.recipes(CONFIGS["leaderboard"], quick=False, ablate=["2.7B"])] == headline
     ablated = [r.name for r in fastest.recipes(CONFIGS["2.7B"], quick=False, ablate=["2.7B"])]
-    assert ablated == headline + ["no_flash_attention", "no_fused_loss", "no_compile", "foreach_adamw",
+    assert ablated == headline + ["flash_triton_attention", "no_fused_loss", "no_compile", "foreach_adamw",
                                   "fp32_master_weights"]
     assert len(fastest.recipes(CONFIGS["2.7B"], quick=False, ablate=False)) == 3
     with pytest.raises(ValueError, match="unknown configurations"):
@@ -175,3 +175,31 @@ def test_gap_by_phase_names_where_the_book_gains_and_loses():
     assert ("compare recompute, attention, matmul, other kernels together, 6085 ms against 5614 ms (+471)" in s), s
     assert fastest.gap_table(df[df.impl != "stock_compiled"]).empty
     assert "cannot be split" in fastest.gap_sentence(df.assign(**{c: math.nan for c in fastest.PHASES}))
+
+
+def test_ablations_on_gpus_of_their_own_are_compared_with_the_step_measured_there():
+    host = dict(host_step_std_ms=2.0, host_step_n=2)
+    df = pd.DataFrame([_row("project", 5186.0, 5.8, n=2, gpus="0,1"), _row("stock_compiled", 5548.0, 2.0, n=2),
+                       _row("ablation_base", 5300.0, 2.0, n=2, host_step_ms=5300.0, gpus="2,3", **host),
+                       _row("no_compile", 5400.0, 2.0, n=2, host_step_ms=5400.0, gpus="2,3", **host),
+                       _row("no_fused_loss", math.nan, status="failed", error="no result after the 150 s deadline")])
+    a = fastest.ablation_table(df).set_index("switched_off")
+    assert list(a.index) == ["no_compile", "no_fused_loss"]  # neither copy of the book's step is an ablation
+    assert a.loc["no_compile", "base_ms"] == 5300.0 and a.loc["no_compile", "added_ms"] == 100.0
+    assert a.loc["no_fused_loss", "verdict"] == "failed: no result after the 150 s deadline"
+
+
+def test_compile_sentence_and_other_kernels_table():
+    df = pd.DataFrame([_row("project", 5186.0, wall_s=92.0, first_step_s=15.1,
+                            other_kernels_top="triton_red_fused_rms=120.5; copy_kernel=80"),
+                       _row("stock_compiled", 5548.0, wall_s=70.0, first_step_s=8.0,
+                            other_kernels_top="copy_kernel=60.25; vectorized_elementwise=10")])
+    s = fastest.compile_sentence(df, "leaderboard", on_gpu=True)
+    assert "first step (15.1 s" in s and "took 92 s, within the 10-minute limit" in s
+    assert "beyond the 1-minute limit" in fastest.compile_sentence(df, "leaderboard", True, limit_s=60)
+    assert "only in a GPU render" in fastest.compile_sentence(df, "leaderboard", on_gpu=False)
+    t = fastest.other_kernels_table(df)
+    assert list(t["kernel"]) == ["triton_red_fused_rms", "copy_kernel", "vectorized_elementwise"]
+    assert t.set_index("kernel").loc["copy_kernel", "stock_compiled"] == 60.25
+    assert math.isnan(t.set_index("kernel").loc["vectorized_elementwise", "project"])
+    assert fastest.other_kernels_table(df.assign(other_kernels_top="")).empty

@@ -21,7 +21,7 @@ def test_recipes_validate_and_ablate_one_thing_at_a_time():
     assert names == ["flash_triton_attention", "no_fused_loss", "full_recompute", "save_attention_only", "no_compile",
                      "foreach_adamw", "fp32_master_weights"]
     assert [r.name for r in fs.ablations(fs.PROJECT_ONE_GPU)] == [
-        "no_flash_attention", "no_fused_loss", "no_compile", "foreach_adamw", "fp32_master_weights"]
+        "flash_triton_attention", "no_fused_loss", "no_compile", "foreach_adamw", "fp32_master_weights"]
     for base in (fs.PROJECT, fs.PROJECT_ONE_GPU):
         for r in fs.ablations(base):
             changed = [f.name for f in dataclasses.fields(r) if getattr(r, f.name) != getattr(base, f.name)]
@@ -166,11 +166,13 @@ def recipe_step_worker(config, recipe):
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", [
     dataclasses.replace(fs.PROJECT, compile="none", precision="fp32"),
-    dataclasses.replace(fs.PROJECT, compile="none", precision="fp32", checkpoint="block", attention="sdpa"),
-], ids=["project", "sdpa_full_recompute"])
+    dataclasses.replace(fs.PROJECT, compile="none", precision="fp32", attention="flash_triton"),
+    dataclasses.replace(fs.PROJECT, compile="none", precision="fp32", checkpoint="block"),
+], ids=["project", "flash_triton_attention", "full_recompute"])
 def test_recipe_on_two_ranks_matches_the_plain_step(recipe):
-    """The book's step (lab.FSDP, Triton FlashAttention interpreted, fused loss, selective checkpointing) on
-    two gloo ranks trains exactly like a plain single-process step on the same global batch (fp32)."""
+    """The book's step (lab.FSDP, fused loss, selective checkpointing; SDPA or the Triton FlashAttention
+    interpreted) on two gloo ranks trains exactly like a plain single-process step on the same global batch
+    (fp32)."""
     out = launcher.launch(recipe_step_worker, 2, SMALL, recipe, device="cpu")
     tokens = torch.cat([o[1] for o in out])
     targets = torch.cat([o[2] for o in out])

@@ -1,0 +1,104 @@
+"""Notebook 10's measurement plumbing: phases from a profiled step, the launch groups of a multi-GPU render,
+running them on disjoint GPUs, and a recipe whose processes fail becoming a row."""
+
+import json
+import threading
+import time
+
+import pytest
+
+from lab.bench import fastest as bench
+from lab.parallel.gpu_pool import run_on_gpus
+from lab.recipes.fastest_step import ABLATION_BASE, CONFIGS, recipes_for
+
+
+def test_phase_breakdown_names_the_largest_other_kernels(tmp_path):
+    # forward: a GEMM, an RMSNorm and two copies; backward: an attention kernel, a copy, an NCCL reduce-scatter
+    ev = [dict(ph="X", cat="user_annotation", name=n, ts=ts, dur=d, tid=1)
+          for n, ts, d in (("forward", 0, 1000), ("backward", 1000, 1000), ("optimizer_step", 2000, 100))]
+    kernels = [("sm90_xmma_gemm_bf16", 100, 300, 7, 10), ("triton_red_fused_rms_norm", 400, 50, 7, 20),
+               ("copy_kernel", 450, 20, 7, 30), ("copy_kernel", 470, 10, 7, 40),
+               ("flash_bwd_kernel", 1100, 200, 7, 1010), ("copy_kernel", 1300, 30, 7, 1020),
+               ("ncclDevKernel_ReduceScatter", 1300, 100, 20, 1030), ("multi_tensor_apply_kernel", 2000, 40, 7, 2010)]
+    for c, (name, ts, dur, stream, launch) in enumerate(kernels):
+        ev.append(dict(ph="X", cat="cuda_runtime", name="cudaLaunchKernel", ts=launch, dur=1, tid=1,
+                       args={"correlation": c}))
+        ev.append(dict(ph="X", cat="kernel", name=name, ts=ts, dur=dur, tid=stream,
+                       args={"stream": stream, "correlation": c}))
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": ev}))
+    out = bench.phase_breakdown(path)
+    assert out["matmul_ms"] == pytest.approx(0.3) and out["attention_ms"] == pytest.approx(0.2)
+    assert out["optimizer_ms"] == pytest.approx(0.04)
+    assert out["other_kernels_ms"] == pytest.approx(0.11)  # 50 + 20 + 10 + 30 us
+    assert out["other_kernels_top"] == "copy_kernel=0.06; triton_red_fused_rms_norm=0.05"
+    assert bench.phase_breakdown(_empty(tmp_path))["other_kernels_top"] == ""
+
+
+def _empty(tmp_path):
+    path = tmp_path / "empty.json"
+    path.write_text(json.dumps({"traceEvents": []}))
+    return path
+
+
+def test_the_leaderboards_ablations_get_gpus_of_their_own_where_there_are_enough():
+    lb, one = recipes_for(CONFIGS["leaderboard"]), recipes_for(CONFIGS["2.7B"])
+    jobs = {"leaderboard": [*lb.values(), *_ablations("leaderboard")], "2.7B": [*one.values(), *_ablations("2.7B")]}
+    groups = bench.plan(jobs, gpus=4)
+    assert [(name, [r.name for r in rs][:2]) for name, rs in groups] == [
+        ("leaderboard", ["project", "stock_eager"]), ("leaderboard", [ABLATION_BASE, "flash_triton_attention"]),
+        ("2.7B", ["project", "stock_eager"])]
+    base = groups[1][1][0]
+    assert base == lb["project"].__class__(**{**vars(lb["project"]), "name": ABLATION_BASE})
+    assert len(groups[1][1]) == 1 + len(_ablations("leaderboard")) and len(groups[2][1]) == 3 + 5
+    # three GPUs cannot hold both halves of the leaderboard beside the 2.7B rung: one group each
+    assert [len(rs) for _, rs in bench.plan(jobs, gpus=3)] == [10, 8]
+    assert [len(rs) for _, rs in bench.plan({"leaderboard": list(lb.values())}, gpus=4)] == [3]  # nothing to move
+
+
+def _ablations(name):
+    from lab.recipes.fastest_step import ablations
+
+    return ablations(recipes_for(CONFIGS[name])["project"])
+
+
+def test_jobs_run_side_by_side_on_disjoint_gpus_in_order():
+    lock, spans = threading.Lock(), []
+
+    def job(name, width, seconds):
+        def run(first):
+            start = time.monotonic()
+            time.sleep(seconds)
+            with lock:
+                spans.append((name, first, width, start, time.monotonic()))
+            return name, first
+        return width, run
+
+    out = run_on_gpus([job("a", 2, 0.3), job("b", 2, 0.1), job("c", 1, 0.1), job("d", 3, 0.05)], gpus=4)
+    assert out == [("a", 0), ("b", 2), ("c", 2), ("d", 0)]  # c waits for b's GPUs, d for all of a's
+    for x in spans:  # no two jobs hold one GPU at once
+        for y in spans:
+            if x is not y and x[3] < y[4] and y[3] < x[4]:
+                assert set(range(x[1], x[1] + x[2])).isdisjoint(range(y[1], y[1] + y[2])), (x, y)
+    with pytest.raises(ValueError, match="needs 5 GPUs"):
+        run_on_gpus([job("e", 5, 0)], gpus=4)
+
+    def fails(first):
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        run_on_gpus([(1, fails), job("f", 1, 0.01)], gpus=1)
+
+
+def _hangs(*args, **kwargs):
+    time.sleep(60)
+
+
+@pytest.mark.slow
+def test_a_recipe_whose_processes_miss_the_deadline_is_a_failed_row(monkeypatch):
+    # the worker hangs: with separate launches each recipe becomes a row of its own, failed with the reason
+    monkeypatch.setattr(bench, "fastest_worker", _hangs)
+    recipes = [r for r in recipes_for(CONFIGS["tiny"]).values()][:2]
+    df = bench.benchmark("tiny", recipes, device="cpu", profile=False, separate=True, deadline_s=3)
+    assert list(df["impl"]) == ["project", "stock_eager"] and set(df["status"]) == {"failed"}
+    assert df["error"].str.contains("deadline").all() and df["step_ms"].isna().all()
