@@ -102,3 +102,28 @@ def test_a_recipe_whose_processes_miss_the_deadline_is_a_failed_row(monkeypatch)
     df = bench.benchmark("tiny", recipes, device="cpu", profile=False, separate=True, deadline_s=3)
     assert list(df["impl"]) == ["project", "stock_eager"] and set(df["status"]) == {"failed"}
     assert df["error"].str.contains("deadline").all() and df["step_ms"].isna().all()
+
+
+def test_benchmark_configs_on_four_gpus_runs_the_plan_side_by_side(monkeypatch):
+    import pandas as pd
+
+    calls = []
+
+    def fake_benchmark(name, recipes, device, first_gpu=0, **kwargs):
+        calls.append((name, [r.name for r in recipes][0], first_gpu, kwargs))
+        time.sleep(0.2 if recipes[0].name == "project" and name == "leaderboard" else 0.05)
+        return pd.DataFrame([dict(impl=r.name, config=name, gpus=str(first_gpu)) for r in recipes])
+
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench.torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(bench, "benchmark", fake_benchmark)
+    jobs = {"leaderboard": [*recipes_for(CONFIGS["leaderboard"]).values(), *_ablations("leaderboard")],
+            "2.7B": list(recipes_for(CONFIGS["2.7B"]).values())}
+    df = bench.benchmark_configs(jobs, device="auto", peak_tflops=700.0, rep_ms=1)
+    assert len(df) == 3 + 1 + 7 + 3
+    by = {(name, first): (gpu, kw) for name, first, gpu, kw in calls}
+    assert by[("leaderboard", "project")][0] == 0 and by[("leaderboard", "project")][1]["fresh_cache"]
+    gpu, kw = by[("leaderboard", ABLATION_BASE)]
+    assert gpu == 2 and kw["separate"] and kw["deadline_s"] == 150 and "fresh_cache" not in kw
+    assert by[("2.7B", "project")][0] == 2  # the 2.7B rung waits for a pair: the (quicker) ablations free 2-3
+    assert all(kw["peak_tflops"] == 700.0 and kw["rep_ms"] == 1 for _, _, _, kw in calls)
