@@ -38,7 +38,7 @@ artifacts_dir = "artifacts/quick"
 replay = False                    # True: re-render from results/ without measuring; or the tables to read back
 configs = None                    # None: ["leaderboard", "2.7B"] (full) or ["tiny"] (quick)
 ablate = True                     # each optimization switched off alone: True, False, config names, or {config: names}
-rep_ms = 13000                    # do_bench repetition budget of the headline steps: two or more ~6 s leaderboard steps
+rep_ms = {"leaderboard": 13000, "2.7B": 3000, "tiny": 3000, "tiny_one_rank": 3000}  # do_bench budgets (ms)
 goal = {"leaderboard": 0.8, "2.7B": 0.85, "tiny": 0.8, "tiny_one_rank": 0.85}  # book / stock compiled
 loss_shapes = None                # (vocab, d_model, tokens) of the loss benchmark; None: the defaults below
 
@@ -81,7 +81,10 @@ report.show_table(fastest.config_table(configs), floatfmt=".4g")
 # compilation and autotuning, and `wall_s` the recipe's whole benchmark (build, first step, timing). On a
 # machine with a GPU for every rank of every configuration the configurations run side by side, each on GPUs of
 # its own (`gpus`), sharing only the host; there the book's step is the first recipe of its processes and
-# compiles from empty Inductor and Triton caches, as the leaderboard's 10-minute rule counts it.
+# compiles from empty Inductor and Triton caches, as the leaderboard's 10-minute rule counts it. Every
+# recipe's processes, stock included, run with the CUDA allocator's expandable segments (`alloc_conf`), which
+# reuse freed memory whatever its size: without them the book's leaderboard step ran out of memory on 80 GB
+# H100s with 12.6 GiB reserved but unallocated (fragmented).
 
 # %%
 runs = book.table("fastest_step", lambda: bench.benchmark_configs(
@@ -145,9 +148,9 @@ for name in configs:
 # run and against the book's step timed the same way (two host-clock steps each, `base_ms`): `helps` means the
 # step is slower without it beyond the noise, `hurts` faster. On a machine with two GPUs more than the
 # configurations need at once, a multi-GPU configuration's ablations run on GPUs of their own beside its
-# headline steps, each in processes of its own (one that fails or hangs past its deadline is a `failed` row,
-# not a lost render), and are compared with the book's step measured again there (`ablation_base`): every
-# comparison is on the same cards.
+# headline steps, in processes of their own (if they fail or hang past a deadline, their rows say `failed`
+# and the render goes on), and are compared with the book's step measured again there (`ablation_base`):
+# every comparison is on the same cards.
 
 # %%
 for name in configs:

@@ -93,6 +93,13 @@ def _state_bytes(step) -> dict[str, int]:
                 optimizer=sum(local(t) for t in state))
 
 
+#: The CUDA caching allocator's settings for every recipe's processes, stock included: expandable segments
+#: map more memory into a segment instead of caching fixed blocks, so freed memory is reused whatever its
+#: size. Without them the book's leaderboard step ran out of memory on 80 GB H100s with 63.5 GiB allocated
+#: and 12.6 GiB reserved but unallocated (fragmentation; notebook 10's render at 957b9f8).
+ALLOCATOR = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+
+
 def empty_row(config: StepConfig, recipe: Recipe, status: str = "ok", error: str = "") -> dict:
     """A recipe's row before anything is measured (and the row of one whose processes failed)."""
     return dict(impl=recipe.name, config=config.name, world_size=config.world_size, status=status, error=error,
@@ -208,7 +215,7 @@ def benchmark(config: str | StepConfig, recipes: Sequence[Recipe], world_size: i
               warmup_ms: float = 1, rep_ms: float = 3000, profile: bool = True, trace_dir: str | None = None,
               peak_tflops: float | None = None, timeout_s: float = 1800,
               headline: Sequence[str] = ("project", "stock_eager", "stock_compiled"),
-              first_gpu: int = 0, separate: bool = False, deadline_s: float | None = None,
+              first_gpu: int = 0, deadline_s: float | None = None,
               fresh_cache: bool = False) -> pd.DataFrame:
     """Every recipe of the configuration on ``world_size`` ranks (default: the configuration's), side by side
     in the same processes. One row per recipe with ``impl``, ``config``, ``world_size``, ``step_ms`` (median
@@ -218,9 +225,13 @@ def benchmark(config: str | StepConfig, recipes: Sequence[Recipe], world_size: i
     The ``headline`` recipes are timed with do_bench and profiled; the others (ablations) with two host-timed
     steps. On GPUs, rank ``r`` drives GPU ``first_gpu + r`` (``gpus`` column).
 
-    ``separate``: each recipe in processes of its own, so that one that hangs or dies (``deadline_s`` each)
-    costs only its own row (``status`` ``failed``, the reason in ``error``); ``fresh_cache``: the first recipe
-    compiles from empty caches (:func:`fastest_worker`)."""
+    The ranks run with :data:`ALLOCATOR` (``alloc_conf`` column) unless ``PYTORCH_CUDA_ALLOC_CONF`` is set.
+
+    ``deadline_s``: ranks that hang or die past it (or fail otherwise) make every recipe a row of ``status``
+    ``failed`` (the reason in ``error``) rather than an exception. ``fresh_cache``: the first recipe compiles
+    from empty caches (:func:`fastest_worker`)."""
+    import os
+
     from lab.parallel.launcher import WorkerError
 
     config = CONFIGS[config] if isinstance(config, str) else config
@@ -230,21 +241,17 @@ def benchmark(config: str | StepConfig, recipes: Sequence[Recipe], world_size: i
 
         config = dataclasses.replace(config, world_size=world_size)
 
-    def run(chosen):
-        return launcher.launch(fastest_worker, world_size, config, list(chosen), warmup_ms, rep_ms, profile,
-                               trace_dir, tuple(headline), fresh_cache, device=device, timeout_s=timeout_s,
-                               deadline_s=deadline_s, first_gpu=first_gpu)
-
-    if not separate:
-        per_recipe = list(zip(*run(recipes)))
-    else:
-        per_recipe = []
-        for recipe in recipes:
-            try:
-                per_recipe.append(tuple(rows[0] for rows in run([recipe])))
-            except WorkerError as exc:
-                reason = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
-                per_recipe.append((empty_row(config, recipe, status="failed", error=reason),))
+    env = {} if "PYTORCH_CUDA_ALLOC_CONF" in os.environ else ALLOCATOR
+    try:
+        per_recipe = list(zip(*launcher.launch(fastest_worker, world_size, config, list(recipes), warmup_ms, rep_ms,
+                                               profile, trace_dir, tuple(headline), fresh_cache, device=device,
+                                               timeout_s=timeout_s, deadline_s=deadline_s, first_gpu=first_gpu,
+                                               env=env)))
+    except WorkerError as exc:
+        if deadline_s is None:
+            raise
+        reason = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+        per_recipe = [(empty_row(config, r, status="failed", error=reason),) for r in recipes]
     if peak_tflops is None:
         peak_tflops = matmul_ceiling_tflops("cuda") if torch.cuda.is_available() else math.nan
     on_gpu = launcher.resolve_backend(world_size, None, device)[1] == "cuda"
@@ -262,6 +269,7 @@ def benchmark(config: str | StepConfig, recipes: Sequence[Recipe], world_size: i
         row["mfu"] = mfu(config, row["step_ms"], peak_tflops)
         row["mfu_datasheet"] = mfu(config, row["step_ms"], 989.0)  # H100/H200 SXM dense bf16
         row["gpus"] = gpus
+        row["alloc_conf"] = {**os.environ, **env}.get("PYTORCH_CUDA_ALLOC_CONF", "")
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -291,29 +299,33 @@ def plan(jobs: Mapping[str, Sequence[Recipe]], gpus: int,
     return out
 
 
-def benchmark_configs(jobs: Mapping[str, Sequence[Recipe]], device: str = "auto", ablation_deadline_s: float = 150,
-                      **kwargs) -> pd.DataFrame:
+def benchmark_configs(jobs: Mapping[str, Sequence[Recipe]], device: str = "auto", ablation_deadline_s: float = 300,
+                      rep_ms: float | Mapping[str, float] = 3000, **kwargs) -> pd.DataFrame:
     """:func:`benchmark` of each configuration (name -> its recipes), concatenated. On a machine with a GPU
     for every rank of every configuration (four for the leaderboard's two and the 2.7B's one), the launch
     groups of :func:`plan` run side by side, each on GPUs of its own as they come free
     (:func:`lab.parallel.gpu_pool.run_on_gpus`; their processes share only the host): the headline recipes
-    compile from empty caches, and ablations on GPUs of their own run one per launch
-    (``ablation_deadline_s`` each). Otherwise everything runs one after the other in one launch per
-    configuration. The matmul ceiling is measured first, on an idle GPU."""
+    compile from empty caches, and ablations on GPUs of their own become ``failed`` rows if their launch
+    passes ``ablation_deadline_s``. Otherwise everything runs one after the other in one launch per
+    configuration. ``rep_ms``: do_bench's budget, or one per configuration. The matmul ceiling is measured
+    first, on an idle GPU."""
+    budget = rep_ms if isinstance(rep_ms, Mapping) else dict.fromkeys(jobs, rep_ms)
+    if set(jobs) - set(budget):
+        raise ValueError(f"rep_ms has no budget for {sorted(set(jobs) - set(budget))}")
     configs = {name: CONFIGS[name] for name in jobs}
     gpus = torch.cuda.device_count() if device != "cpu" and torch.cuda.is_available() else 0
     if gpus and "peak_tflops" not in kwargs:
         kwargs["peak_tflops"] = matmul_ceiling_tflops("cuda")
     if not gpus or sum(c.world_size for c in configs.values()) > gpus or len(jobs) < 2:
-        return pd.concat([benchmark(name, recipes, device=device, **kwargs) for name, recipes in jobs.items()],
-                         ignore_index=True)
+        return pd.concat([benchmark(name, recipes, device=device, rep_ms=budget[name], **kwargs)
+                          for name, recipes in jobs.items()], ignore_index=True)
     from lab.parallel.gpu_pool import run_on_gpus
 
     def job(name, recipes):
         ablations = recipes[0].name == ABLATION_BASE
-        extra = dict(separate=True, deadline_s=ablation_deadline_s) if ablations else dict(fresh_cache=True)
+        extra = dict(deadline_s=ablation_deadline_s) if ablations else dict(fresh_cache=True)
         return configs[name].world_size, lambda first: benchmark(name, recipes, device=device, first_gpu=first,
-                                                                  **extra, **kwargs)
+                                                                  rep_ms=budget[name], **extra, **kwargs)
 
     return pd.concat(run_on_gpus([job(n, r) for n, r in plan(jobs, gpus)], gpus), ignore_index=True)
 

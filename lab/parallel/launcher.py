@@ -230,7 +230,8 @@ def _is_communication_error(exc: BaseException) -> bool:
 
 
 def launch(fn: Callable, world_size: int, *args, backend: str | None = None, device: str | None = None,
-           timeout_s: float = 300, deadline_s: float | None = None, first_gpu: int = 0, **kwargs) -> list:
+           timeout_s: float = 300, deadline_s: float | None = None, first_gpu: int = 0,
+           env: dict[str, str] | None = None, **kwargs) -> list:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; returns the list of the ranks' return values.
 
     ``device``: "auto" (default: CUDA when present), "cpu" (gloo) or "cuda" (NCCL, one GPU per rank).
@@ -240,6 +241,8 @@ def launch(fn: Callable, world_size: int, *args, backend: str | None = None, dev
     :func:`world_size` and :func:`device`. Return values come back on the CPU. A failing rank raises
     :class:`WorkerError` here with its traceback, after the other ranks were terminated. ``first_gpu``: rank
     ``r`` drives GPU ``first_gpu + r`` (launches on disjoint GPUs may run side by side from threads).
+    ``env``: more environment variables for the ranks, set before they start (so before CUDA reads them:
+    ``PYTORCH_CUDA_ALLOC_CONF``, for instance); not for torchrun, whose ranks are already running.
     Under torchrun (env:// variables set) ``fn`` runs in this process only and ``world_size`` must match.
     """
     if is_torchrun():
@@ -263,9 +266,10 @@ def launch(fn: Callable, world_size: int, *args, backend: str | None = None, dev
              for r in range(world_size)]
     # The children inherit this environment when they start: C++ logging (gloo's and the TCP store's
     # connection notices) set to errors only there, before they import torch.
+    child_env = {**CHILD_ENV, **(env or {})}
     with _ENV_LOCK:  # launches from several threads must not interleave their changes of the environment
-        saved = {k: os.environ.get(k) for k in CHILD_ENV}
-        os.environ.update(CHILD_ENV)
+        saved = {k: os.environ.get(k) for k in child_env}
+        os.environ.update(child_env)
         try:
             for p in procs:
                 p.start()

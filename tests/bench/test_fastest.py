@@ -95,13 +95,14 @@ def _hangs(*args, **kwargs):
 
 
 @pytest.mark.slow
-def test_a_recipe_whose_processes_miss_the_deadline_is_a_failed_row(monkeypatch):
-    # the worker hangs: with separate launches each recipe becomes a row of its own, failed with the reason
+def test_recipes_whose_processes_miss_the_deadline_are_failed_rows(monkeypatch):
+    # the worker hangs: with a deadline, each recipe of the launch becomes a row, failed with the reason
     monkeypatch.setattr(bench, "fastest_worker", _hangs)
     recipes = [r for r in recipes_for(CONFIGS["tiny"]).values()][:2]
-    df = bench.benchmark("tiny", recipes, device="cpu", profile=False, separate=True, deadline_s=3)
+    df = bench.benchmark("tiny", recipes, device="cpu", profile=False, deadline_s=3)
     assert list(df["impl"]) == ["project", "stock_eager"] and set(df["status"]) == {"failed"}
     assert df["error"].str.contains("deadline").all() and df["step_ms"].isna().all()
+    assert set(df["alloc_conf"]) == {"expandable_segments:True"}
 
 
 def test_benchmark_configs_on_four_gpus_runs_the_plan_side_by_side(monkeypatch):
@@ -119,11 +120,14 @@ def test_benchmark_configs_on_four_gpus_runs_the_plan_side_by_side(monkeypatch):
     monkeypatch.setattr(bench, "benchmark", fake_benchmark)
     jobs = {"leaderboard": [*recipes_for(CONFIGS["leaderboard"]).values(), *_ablations("leaderboard")],
             "2.7B": list(recipes_for(CONFIGS["2.7B"]).values())}
-    df = bench.benchmark_configs(jobs, device="auto", peak_tflops=700.0, rep_ms=1)
+    with pytest.raises(ValueError, match="no budget for"):
+        bench.benchmark_configs(jobs, device="auto", peak_tflops=700.0, rep_ms={"2.7B": 1})
+    df = bench.benchmark_configs(jobs, device="auto", peak_tflops=700.0, rep_ms={"leaderboard": 1, "2.7B": 2})
     assert len(df) == 3 + 1 + 7 + 3
     by = {(name, first): (gpu, kw) for name, first, gpu, kw in calls}
     assert by[("leaderboard", "project")][0] == 0 and by[("leaderboard", "project")][1]["fresh_cache"]
     gpu, kw = by[("leaderboard", ABLATION_BASE)]
-    assert gpu == 2 and kw["separate"] and kw["deadline_s"] == 150 and "fresh_cache" not in kw
+    assert gpu == 2 and kw["deadline_s"] == 300 and "fresh_cache" not in kw and "separate" not in kw
     assert by[("2.7B", "project")][0] == 2  # the 2.7B rung waits for a pair: the (quicker) ablations free 2-3
-    assert all(kw["peak_tflops"] == 700.0 and kw["rep_ms"] == 1 for _, _, _, kw in calls)
+    assert all(kw["peak_tflops"] == 700.0 and kw["rep_ms"] == (1 if name == "leaderboard" else 2)
+               for name, _, _, kw in calls)

@@ -15,7 +15,7 @@ def _rank_report(offset):
     dist.all_reduce(t)
     return {"rank": distributed.rank(), "world": distributed.world_size(), "device": str(distributed.device()),
             "sum": t.item() + offset, "nvls": os.environ.get("NCCL_NVLS_ENABLE"),
-            "tensor": torch.arange(3) * distributed.rank()}
+            "tensor": torch.arange(3) * distributed.rank(), "extra": os.environ.get("LAB_TEST_EXTRA")}
 
 
 def _fail_on_rank_one(message):
@@ -53,6 +53,9 @@ def test_results_per_rank_and_back_to_back_launches():
         assert all(o["world"] == 2 and o["device"] == "cpu" and o["nvls"] == "0" for o in out)
         assert all(o["sum"] == 3.0 + offset for o in out)  # 1 + 2, all-reduced
         assert torch.equal(out[1]["tensor"], torch.tensor([0, 1, 2]))
+        assert [o["extra"] for o in out] == [None, None]
+    out = distributed.launch(_rank_report, 2, 0.0, device="cpu", env={"LAB_TEST_EXTRA": "on"})
+    assert [o["extra"] for o in out] == ["on", "on"] and "LAB_TEST_EXTRA" not in os.environ  # the ranks' only
 
 
 def test_worker_exception_reaches_caller_with_message():
