@@ -37,6 +37,7 @@ results_dir = "results/quick"     # the full render passes "results"
 artifacts_dir = "artifacts/quick"
 replay = False                    # True: re-render from results/ without measuring; or the tables to read back
 configs = None                    # None: ["leaderboard", "2.7B"] (full) or ["tiny"] (quick)
+carry = []                        # configurations whose rows are read back from the last render, not measured
 ablate = True                     # each optimization switched off alone: True, False, config names, or {config: names}
 rep_ms = {"leaderboard": 13000, "2.7B": 3000, "tiny": 3000, "tiny_one_rank": 3000}  # do_bench budgets (ms)
 goal = {"leaderboard": 0.8, "2.7B": 0.85, "tiny": 0.8, "tiny_one_rank": 0.85}  # book / stock compiled
@@ -56,7 +57,7 @@ dev = resolve_device(device)
 on_gpu = dev.type == "cuda"
 configs = configs or (["tiny"] if quick else ["leaderboard", "2.7B"])
 loss_shapes = loss_shapes or ([(512, 64, 256)] if quick else [(151_936, 4096, 32_768), (10_000, 2560, 16_384)])
-params = dict(quick=quick, device=str(dev), configs=configs, ablate=ablate, rep_ms=rep_ms, goal=goal,
+params = dict(quick=quick, device=str(dev), configs=configs, carry=carry, ablate=ablate, rep_ms=rep_ms, goal=goal,
               loss_shapes=loss_shapes)
 book = report.Chapter("10_fastest_step", params, results_dir, replay=replay)
 plots.set_style()
@@ -88,8 +89,9 @@ report.show_table(fastest.config_table(configs), floatfmt=".4g")
 
 # %%
 runs = book.table("fastest_step", lambda: bench.benchmark_configs(
-    {name: fastest.recipes(CONFIGS[name], quick, ablate) for name in configs}, device=str(dev), rep_ms=rep_ms,
-    trace_dir=artifacts_dir), save=bench.results_table)
+    {name: fastest.recipes(CONFIGS[name], quick, ablate) for name in configs if name not in carry},
+    device=str(dev), rep_ms=rep_ms, trace_dir=artifacts_dir), save=bench.results_table,
+    carry=(lambda saved: saved[saved["config"].isin(carry)]) if carry else None)
 on_gpu = fastest.measured_on_gpu(runs, on_gpu)  # a replay judges the GPU rows it reads back
 for name in configs:
     table = runs[runs["config"] == name]

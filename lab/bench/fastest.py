@@ -307,7 +307,8 @@ def benchmark_configs(jobs: Mapping[str, Sequence[Recipe]], device: str = "auto"
     (:func:`lab.parallel.gpu_pool.run_on_gpus`; their processes share only the host): the headline recipes
     compile from empty caches, and ablations on GPUs of their own become ``failed`` rows if their launch
     passes ``ablation_deadline_s``. Otherwise everything runs one after the other in one launch per
-    configuration. ``rep_ms``: do_bench's budget, or one per configuration. The matmul ceiling is measured
+    configuration (on GPUs, compiling from empty caches). ``rep_ms``: do_bench's budget, or one per
+    configuration. The matmul ceiling is measured
     first, on an idle GPU."""
     budget = rep_ms if isinstance(rep_ms, Mapping) else dict.fromkeys(jobs, rep_ms)
     if set(jobs) - set(budget):
@@ -317,8 +318,8 @@ def benchmark_configs(jobs: Mapping[str, Sequence[Recipe]], device: str = "auto"
     if gpus and "peak_tflops" not in kwargs:
         kwargs["peak_tflops"] = matmul_ceiling_tflops("cuda")
     if not gpus or sum(c.world_size for c in configs.values()) > gpus or len(jobs) < 2:
-        return pd.concat([benchmark(name, recipes, device=device, rep_ms=budget[name], **kwargs)
-                          for name, recipes in jobs.items()], ignore_index=True)
+        return pd.concat([benchmark(name, recipes, device=device, rep_ms=budget[name], fresh_cache=bool(gpus),
+                                    **kwargs) for name, recipes in jobs.items()], ignore_index=True)
     from lab.parallel.gpu_pool import run_on_gpus
 
     def job(name, recipes):

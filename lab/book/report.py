@@ -142,16 +142,31 @@ class Chapter:
     # ---- tables ----------------------------------------------------------------------------------------
 
     def table(self, name: str, measure: Callable[[], pd.DataFrame], save: Callable[[pd.DataFrame], pd.DataFrame]
-              | None = None) -> pd.DataFrame:
+              | None = None, carry: Callable[[pd.DataFrame], pd.DataFrame] | None = None) -> pd.DataFrame:
         """Measure a table and save it (rows tagged with this notebook as their source; ``save`` may pick
         the columns written), or, when replaying, read this notebook's rows of ``name`` back and show who
-        measured them. Returns the table (with every column, when measured)."""
+        measured them. Returns the table (with every column, when measured).
+
+        ``carry``: picks rows of this notebook's saved table to keep beside the new measurement, read back
+        and not measured again (for a machine too small to measure every part in one run): they keep their
+        own ``gpu``, ``torch`` and ``commit``, the render says so, and the saved provenance records theirs
+        under ``params["carried"]``."""
         if self.replays(name):
             df = store.load_results(name, self.results_dir, source=self.notebook)
             say(f"*`{name}`: measured on {store.provenance_line(self.provenance(name))}.*")
             return df
+        carried, params = None, self.params
+        if carry is not None:
+            carried = carry(store.load_results(name, self.results_dir, source=self.notebook))
+            earlier = self.provenance(name)
+            params = {**self.params, "carried": {"rows": int(len(carried)), "measured_on": earlier}}
         df = measure()
-        store.save_results(save(df) if save else df, name, self.results_dir, self.params, source=self.notebook)
+        saved = save(df) if save else df
+        if carried is not None and len(carried):
+            say(f"*`{name}`: {len(carried)} of its rows are read back, not measured in this render: measured on "
+                f"{store.provenance_line(earlier)}.*")
+            saved, df = pd.concat([carried, saved], ignore_index=True), pd.concat([carried, df], ignore_index=True)
+        store.save_results(saved, name, self.results_dir, params, source=self.notebook)
         return df
 
     def check_consistency(self, name: str = "lm_step") -> list[str]:

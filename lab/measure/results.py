@@ -117,13 +117,13 @@ def _jsonable(obj: Any) -> Any:
 
 def with_provenance_columns(df: pd.DataFrame, source: str | None = None) -> pd.DataFrame:
     """A copy of ``df`` with ``gpu``, ``torch``, ``commit``, ``status`` (and ``source`` if given) filled where
-    missing."""
+    missing: in every row without a value of its own (rows read back from an earlier run keep theirs)."""
     df = df.copy()
     prov = None
     for col in ("gpu", "torch", "commit"):
-        if col not in df.columns:
+        if col not in df.columns or df[col].isna().any():
             prov = prov or provenance()
-            df[col] = prov[col]
+            df[col] = df[col].fillna(prov[col]) if col in df.columns else prov[col]
     if "status" not in df.columns:
         df["status"] = "ok"
     df["status"] = df["status"].fillna("ok")

@@ -55,3 +55,24 @@ def test_check_consistency_warns_about_this_notebooks_rows(tmp_path, capsys):
     save_results(pd.DataFrame([{**base, "fwd_ms": 20.0, "fwd_std_ms": 0.1}]), "lm_step", tmp_path, source="b")
     warnings = report.Chapter("b", {}, str(tmp_path)).check_consistency()
     assert len(warnings) == 1 and "Warning" in capsys.readouterr().out
+
+
+def test_carried_rows_keep_their_own_provenance(tmp_path, capsys):
+    import json
+
+    from lab.measure import results
+
+    first = report.Chapter("10_fastest_step", {"configs": ["a", "b"]}, str(tmp_path))
+    first.table("fastest_step", lambda: pd.DataFrame({"config": ["a", "b"], "ms": [5.0, 1.0]}))
+    saved = pd.read_csv(tmp_path / "fastest_step.csv")
+    saved["commit"] = "earlier0commit"  # as if an earlier commit had measured them
+    saved.to_csv(tmp_path / "fastest_step.csv", index=False)
+    book = report.Chapter("10_fastest_step", {"configs": ["a", "b"]}, str(tmp_path))
+    df = book.table("fastest_step", lambda: pd.DataFrame({"config": ["b"], "ms": [2.0]}),
+                    carry=lambda old: old[old["config"] == "a"])
+    assert df[["config", "ms"]].values.tolist() == [["a", 5.0], ["b", 2.0]]
+    assert "1 of its rows are read back, not measured in this render" in capsys.readouterr().out
+    back = results.load_results("fastest_step", tmp_path)
+    assert back.set_index("config")["commit"].to_dict() == {"a": "earlier0commit", "b": results.git_commit()}
+    meta = json.loads((tmp_path / "fastest_step.json").read_text())["sources"]["10_fastest_step"]
+    assert meta["params"]["carried"]["rows"] == 1 and "date" in meta["params"]["carried"]["measured_on"]
