@@ -32,6 +32,12 @@ PHASE_COLUMNS = ["recompute_ms", "optimizer_ms", "attention_ms", "matmul_ms", "l
                  "exposed_communication_ms", "idle_ms"]
 
 
+#: Kernel names of the loss: PyTorch's log-softmax (``cunn_SoftMaxForward<..LogSoftMaxForwardEpilogue>``) and
+#: NLL kernels, and the fused loss's own (``lab.kernels.fused_cross_entropy_kernels``), whose tiles also compute
+#: the LM head's logits (the materialized loss's LM head is a cuBLAS matmul). Before 1e967a6's render was
+#: read, the fused loss's kernels counted as ``other kernels``.
+LOSS_KERNELS = ("lce", "cross_entropy", "log_softmax", "logsoftmax", "nll_loss", "_lse_kernel", "_dlogits_kernel",
+                "_softmax_grad_kernel")
 #: How many of the ``other kernels`` (by time) a row names in ``other_kernels_top``.
 OTHER_TOP = 8
 
@@ -48,7 +54,7 @@ def kernel_phase(name: str, launched_in: str) -> str:
         return "recompute"
     if launched_in == "optimizer_step":
         return "optimizer"
-    if "lce" in n or "cross_entropy" in n or "log_softmax" in n or "nll_loss" in n:
+    if any(k in n for k in LOSS_KERNELS):
         return "loss"
     if "flash" in n or "attn" in n or "attention" in n or "fmha" in n:
         return "attention"

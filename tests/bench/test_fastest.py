@@ -131,3 +131,18 @@ def test_benchmark_configs_on_four_gpus_runs_the_plan_side_by_side(monkeypatch):
     assert by[("2.7B", "project")][0] == 2  # the 2.7B rung waits for a pair: the (quicker) ablations free 2-3
     assert all(kw["peak_tflops"] == 700.0 and kw["rep_ms"] == (1 if name == "leaderboard" else 2)
                for name, _, _, kw in calls)
+
+
+def test_kernel_phases_by_name_and_launch_range():
+    assert bench.kernel_phase("_lse_kernel", "forward") == "loss"
+    assert bench.kernel_phase("_dlogits_kernel", "backward") == "loss"
+    log_softmax = ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<8, c10::BFloat16, float, "
+                   "c10::BFloat16, at::native::(anonymous namespace)::LogSoftMaxForwardEpilogue>")
+    assert bench.kernel_phase(log_softmax, "") == "loss"
+    assert bench.kernel_phase("nll_loss_forward_reduce_cuda_kernel_2d", "forward") == "loss"
+    assert bench.kernel_phase("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", "forward") == "attention"
+    assert bench.kernel_phase("_lse_kernel", "recompute") == "recompute"
+    assert bench.kernel_phase("ncclDevKernel_AllGather_RING_LL", "forward") == "communication"
+    assert bench.kernel_phase("multi_tensor_apply_kernel", "optimizer_step") == "optimizer"
+    add = "void at::native::vectorized_elementwise_kernel<8, CUDAFunctor_add>"
+    assert bench.kernel_phase(add, "") == "other_kernels"
