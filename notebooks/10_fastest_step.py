@@ -37,7 +37,7 @@ results_dir = "results/quick"     # the full render passes "results"
 artifacts_dir = "artifacts/quick"
 replay = False                    # True: re-render from results/ without measuring; or the tables to read back
 configs = None                    # None: ["leaderboard", "2.7B"] (full) or ["tiny"] (quick)
-carry = []                        # configurations whose rows are read back from the last render, not measured
+carry = []                        # read back from the last render, not measured: "2.7B" or "leaderboard:headline"
 ablate = True                     # each optimization switched off alone: True, False, config names, or {config: names}
 rep_ms = {"leaderboard": 13000, "2.7B": 3000, "tiny": 3000, "tiny_one_rank": 3000}  # do_bench budgets (ms)
 goal = {"leaderboard": 0.8, "2.7B": 0.85, "tiny": 0.8, "tiny_one_rank": 0.85}  # book / stock compiled
@@ -51,7 +51,6 @@ from lab.bench import fastest as bench
 from lab.bench import fused_loss
 from lab.book import fastest, plots, report
 from lab.measure.device import resolve_device
-from lab.recipes.fastest_step import CONFIGS
 
 dev = resolve_device(device)
 on_gpu = dev.type == "cuda"
@@ -89,9 +88,8 @@ report.show_table(fastest.config_table(configs), floatfmt=".4g")
 
 # %%
 runs = book.table("fastest_step", lambda: bench.benchmark_configs(
-    {name: fastest.recipes(CONFIGS[name], quick, ablate) for name in configs if name not in carry},
-    device=str(dev), rep_ms=rep_ms, trace_dir=artifacts_dir), save=bench.results_table,
-    carry=(lambda saved: saved[saved["config"].isin(carry)]) if carry else None)
+    fastest.measured_recipes(configs, carry, quick, ablate), device=str(dev), rep_ms=rep_ms, trace_dir=artifacts_dir),
+    save=bench.results_table, carry=(lambda saved: fastest.carried_rows(saved, configs, carry)) if carry else None)
 on_gpu = fastest.measured_on_gpu(runs, on_gpu)  # a replay judges the GPU rows it reads back
 for name in configs:
     table = runs[runs["config"] == name]
@@ -157,7 +155,9 @@ for name in configs:
 # %%
 for name in configs:
     report.say(f"**{name}**")
-    report.show_table(fastest.ablation_table(runs[runs["config"] == name]), floatfmt=".4g")
+    ablated = fastest.ablation_table(runs[runs["config"] == name])
+    if not ablated.empty:
+        report.show_table(ablated, floatfmt=".4g")
     report.say(fastest.ablation_sentence(runs[runs["config"] == name], on_gpu))
 
 # %% [markdown]

@@ -62,6 +62,52 @@ def recipes(config: StepConfig, quick: bool, ablate: bool | Sequence[str] | Mapp
     return out
 
 
+#: The recipes every render of a configuration times with do_bench and profiles.
+HEADLINE = ("project", "stock_eager", "stock_compiled")
+
+
+def _carry_entries(configs: Sequence[str], carry: Sequence[str]) -> dict[str, str]:
+    """``carry``'s entries as configuration -> ``"all"`` (``"name"``) or ``"headline"`` (``"name:headline"``)."""
+    if isinstance(carry, str):
+        raise ValueError(f"carry must be a list of configuration names, got {carry!r}")
+    out = {}
+    for entry in carry:
+        name, _, part = entry.partition(":")
+        if name not in configs or part not in ("", "headline"):
+            raise ValueError(f"carry entries are a configuration of this render ({', '.join(configs)}), alone or "
+                             f"with ':headline', got {entry!r}")
+        out[name] = part or "all"
+    return out
+
+
+def measured_recipes(configs: Sequence[str], carry: Sequence[str], quick: bool,
+                     ablate: bool | Sequence[str] | Mapping = True) -> dict[str, list]:
+    """What this render measures, per configuration (:func:`recipes`), given what it carries from the last
+    render: nothing of a configuration carried whole (``"leaderboard"``); of one whose headline rows are
+    carried (``"leaderboard:headline"``), its ablations with the book's step measured again beside them
+    (``ablation_base``), so that a machine too small for a configuration's every recipe in one call measures
+    them in two."""
+    parts = _carry_entries(configs, carry)
+    out = {}
+    for name in configs:
+        chosen = recipes(CONFIGS[name], quick, ablate)
+        if parts.get(name) == "headline":
+            rest = [r for r in chosen if r.name not in HEADLINE]
+            project = next(r for r in chosen if r.name == "project")
+            chosen = [dataclasses.replace(project, name=ABLATION_BASE), *rest] if rest else []
+        if parts.get(name) != "all" and chosen:
+            out[name] = chosen
+    return out
+
+
+def carried_rows(saved: pd.DataFrame, configs: Sequence[str], carry: Sequence[str]) -> pd.DataFrame:
+    """The rows of the last render that ``carry`` keeps (see :func:`measured_recipes`)."""
+    parts = _carry_entries(configs, carry)
+    whole = saved["config"].map(parts).eq("all")
+    headline = saved["config"].map(parts).eq("headline") & saved["impl"].isin(HEADLINE)
+    return saved[whole | headline]
+
+
 def config_table(names) -> pd.DataFrame:
     """What each configuration trains: model shape, tokens per step, ranks, parameters, model TFLOP per step."""
     from lab.accounting import parameter_count

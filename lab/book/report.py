@@ -153,7 +153,13 @@ class Chapter:
         under ``params["carried"]``."""
         if self.replays(name):
             df = store.load_results(name, self.results_dir, source=self.notebook)
-            say(f"*`{name}`: measured on {store.provenance_line(self.provenance(name))}.*")
+            meta = self.provenance(name)
+            carried = (meta.get("params") or {}).get("carried")
+            if carried:
+                say(f"*`{name}`: measured on {store.provenance_line(meta)}; {carried['rows']} of its rows carried from "
+                    f"{store.provenance_line(carried['measured_on'])}.*")
+            else:
+                say(f"*`{name}`: measured on {store.provenance_line(meta)}.*")
             return df
         carried, params = None, self.params
         if carry is not None:

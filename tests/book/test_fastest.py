@@ -203,3 +203,26 @@ def test_compile_sentence_and_other_kernels_table():
     assert t.set_index("kernel").loc["copy_kernel", "stock_compiled"] == 60.25
     assert math.isnan(t.set_index("kernel").loc["vectorized_elementwise", "project"])
     assert fastest.other_kernels_table(df.assign(other_kernels_top="")).empty
+
+
+def test_carry_whole_configurations_or_their_headline_rows():
+    import pytest
+
+    configs = ["leaderboard", "2.7B"]
+    measured = fastest.measured_recipes(configs, ["2.7B"], quick=False)
+    assert list(measured) == ["leaderboard"] and len(measured["leaderboard"]) == 3 + 7
+    split = fastest.measured_recipes(configs, ["leaderboard:headline", "2.7B"], quick=False)
+    names = [r.name for r in split["leaderboard"]]
+    assert list(split) == ["leaderboard"] and names[0] == "ablation_base" and len(names) == 1 + 7
+    assert split["leaderboard"][0].attention == fastest.recipes_for(fastest.CONFIGS["leaderboard"])["project"].attention
+    assert fastest.measured_recipes(configs, ["leaderboard:headline"], quick=False, ablate=False) == {
+        "2.7B": list(fastest.recipes_for(fastest.CONFIGS["2.7B"]).values())}  # no ablations: nothing left to measure
+    saved = pd.DataFrame([_row(i, 1.0, config=c) for c in configs
+                          for i in ("project", "stock_eager", "stock_compiled", "no_compile")])
+    kept = fastest.carried_rows(saved, configs, ["leaderboard:headline", "2.7B"])
+    assert kept[["config", "impl"]].values.tolist() == [
+        ["leaderboard", "project"], ["leaderboard", "stock_eager"], ["leaderboard", "stock_compiled"],
+        ["2.7B", "project"], ["2.7B", "stock_eager"], ["2.7B", "stock_compiled"], ["2.7B", "no_compile"]]
+    for bad in (["2.7b"], ["leaderboard:ablations"], "2.7B"):
+        with pytest.raises(ValueError, match="carry"):
+            fastest.measured_recipes(configs, bad, quick=False)

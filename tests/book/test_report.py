@@ -76,3 +76,6 @@ def test_carried_rows_keep_their_own_provenance(tmp_path, capsys):
     assert back.set_index("config")["commit"].to_dict() == {"a": "earlier0commit", "b": results.git_commit()}
     meta = json.loads((tmp_path / "fastest_step.json").read_text())["sources"]["10_fastest_step"]
     assert meta["params"]["carried"]["rows"] == 1 and "date" in meta["params"]["carried"]["measured_on"]
+    replay = report.Chapter("10_fastest_step", {}, str(tmp_path), replay=True)
+    assert len(replay.table("fastest_step", lambda: None)) == 2
+    assert "; 1 of its rows carried from" in capsys.readouterr().out
