@@ -13,7 +13,8 @@ The book's recipe (:data:`PROJECT`):
   ``tools/flash_gpu_check.py``: 0.68x cuDNN's speed end to end at 1 x 32 x 32k x 128) and in the step cost
   769 ms of 5.2 s on 4 x H200 (notebook 10 at f78d011); on the 2.7B rung (512 tokens, head dim 80, which
   our kernels run in masked 128-wide tiles) the same render measured SDPA 11 ms faster per step (host clock,
-  96 against 107 ms). The ablation ``flash_triton_attention`` measures the choice again in every render;
+  96 against 107 ms; on 1 x H100 at 9002751, with SDPA adopted, our kernels added 49 ms to its 99). The
+  ablation ``flash_triton_attention`` measures the choice again in every render;
 * **loss**: the fused LM head + cross-entropy (``lab.kernels.fused_cross_entropy``): the ``(tokens, vocab)``
   logits never exist (at the leaderboard's 32k tokens x 152k vocabulary they would be 10 GB in bf16);
 * **sharding**: ``lab.FSDP``, one all-gather and one reduce-scatter per transformer block, prefetching two
