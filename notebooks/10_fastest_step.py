@@ -146,11 +146,13 @@ for name in configs:
 #
 # The book's step with one optimization switched off (or the attention swapped) alone, measured in the same
 # run and against the book's step timed the same way (two host-clock steps each, `base_ms`): `helps` means the
-# step is slower without it beyond the noise, `hurts` faster. On a machine with two GPUs more than the
-# configurations need at once, a multi-GPU configuration's ablations run on GPUs of their own beside its
-# headline steps, in processes of their own (if they fail or hang past a deadline, their rows say `failed`
-# and the render goes on), and are compared with the book's step measured again there (`ablation_base`):
-# every comparison is on the same cards.
+# step is slower without it beyond the noise, `hurts` faster. Where the machine has GPUs for every
+# configuration's ranks and for twice a multi-GPU configuration's (four for the leaderboard and the 2.7B
+# rung), that configuration's ablations run on GPUs of their own beside its headline steps, in processes of
+# their own (if they fail or hang past a deadline, their rows say `failed` and the render goes on), and are
+# compared with the book's step measured again there (`ablation_base`): every comparison is on the same
+# cards. A render that carries a configuration's headline rows (`carry=["leaderboard:headline"]`) measures
+# its ablations the same way.
 
 # %%
 for name in configs:

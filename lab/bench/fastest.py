@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import json
 import math
+import os
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -34,8 +35,9 @@ PHASE_COLUMNS = ["recompute_ms", "optimizer_ms", "attention_ms", "matmul_ms", "l
 
 #: Kernel names of the loss: PyTorch's log-softmax (``cunn_SoftMaxForward<..LogSoftMaxForwardEpilogue>``) and
 #: NLL kernels, and the fused loss's own (``lab.kernels.fused_cross_entropy_kernels``), whose tiles also compute
-#: the LM head's logits (the materialized loss's LM head is a cuBLAS matmul). Before 1e967a6's render was
-#: read, the fused loss's kernels counted as ``other kernels``.
+#: the LM head's logits forward and again in the backward (the materialized loss's LM head is a cuBLAS matmul);
+#: the fused loss's weight and hidden-state gradient products (its ``_matmul_kernel``) count as matmuls. Until
+#: 9002751 the fused loss's kernels counted as ``other kernels``.
 LOSS_KERNELS = ("lce", "cross_entropy", "log_softmax", "logsoftmax", "nll_loss", "_lse_kernel", "_dlogits_kernel",
                 "_softmax_grad_kernel")
 #: How many of the ``other kernels`` (by time) a row names in ``other_kernels_top``.
@@ -61,11 +63,12 @@ def kernel_phase(name: str, launched_in: str) -> str:
     return "matmul" if kernel_class(name) == "matmul" else "other_kernels"
 
 
-def phase_breakdown(trace_path: str | Path, steps: int = 1) -> dict[str, float]:
+def phase_breakdown(trace_path: str | Path, steps: int = 1) -> dict[str, float | str]:
     """Milliseconds per step by phase (:data:`PHASE_COLUMNS`) from a profiled step's Chrome trace: kernel
     time by :func:`kernel_phase`, the communication that overlapped no compute, and the time the compute
     streams were idle (launch gaps, waiting); ``other_kernels_top`` names the :data:`OTHER_TOP` largest
-    kernels of ``other kernels`` (``"name=ms; ..."``, names cut to 80 characters)."""
+    kernels of ``other kernels`` (``"name=ms; ..."``; names cut to 80 characters, and kernels whose names
+    agree that far counted as one)."""
     from lab.measure.traces import kernels_by_range, read_trace, step_overlap
 
     trace = json.loads(Path(trace_path).read_text())  # read once, for both readers
@@ -77,9 +80,9 @@ def phase_breakdown(trace_path: str | Path, steps: int = 1) -> dict[str, float]:
     for phase, dur in zip(phases, kernels["dur_ms"]):
         if phase != "communication":
             out[f"{phase}_ms"] += dur / steps
-    other = kernels.assign(phase=phases).query("phase == 'other_kernels'")
-    top = other.groupby("name")["dur_ms"].sum().sort_values(ascending=False).head(OTHER_TOP) / steps
-    out["other_kernels_top"] = "; ".join(f"{name[:80]}={ms:.4g}" for name, ms in top.items())
+    other = kernels.assign(phase=phases, short=kernels["name"].str.slice(0, 80)).query("phase == 'other_kernels'")
+    top = other.groupby("short")["dur_ms"].sum().sort_values(ascending=False).head(OTHER_TOP) / steps
+    out["other_kernels_top"] = "; ".join(f"{name}={ms:.4g}" for name, ms in top.items())
     overlap = step_overlap(read_trace(trace))
     out["exposed_communication_ms"] = (overlap["communication_ms"] - overlap["overlapped_ms"]) / steps
     window = overlap.get("window_ms", math.nan)
@@ -104,6 +107,14 @@ def _state_bytes(step) -> dict[str, int]:
 #: size. Without them the book's leaderboard step ran out of memory on 80 GB H100s with 63.5 GiB allocated
 #: and 12.6 GiB reserved but unallocated (fragmentation; notebook 10's render at 957b9f8).
 ALLOCATOR = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+
+
+def allocator_env() -> dict[str, str]:
+    """The allocator settings for the ranks: the user's ``PYTORCH_CUDA_ALLOC_CONF`` where set, else
+    :data:`ALLOCATOR`. Read once, before any launch thread starts (a launch sets the variable for a moment
+    while its processes start)."""
+    own = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+    return {"PYTORCH_CUDA_ALLOC_CONF": own} if own is not None else dict(ALLOCATOR)
 
 
 def empty_row(config: StepConfig, recipe: Recipe, status: str = "ok", error: str = "") -> dict:
@@ -186,10 +197,10 @@ def fastest_worker(config: StepConfig, recipes: list[Recipe], warmup_ms: float, 
     returns the rows. ``fresh_cache``: compile into empty Inductor and Triton caches of this process's own
     (removed at the end), so the first recipe's ``first_step_s`` and ``wall_s`` include every compilation
     and autotuning from scratch, as the leaderboard's 10-minute rule counts them."""
-    import os
     import shutil
     import tempfile
 
+    saved = {k: os.environ.get(k) for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
     if fresh_cache:
         cache = tempfile.mkdtemp(prefix="lab_fastest_cache_")
         os.environ.update(TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
@@ -202,8 +213,13 @@ def fastest_worker(config: StepConfig, recipes: list[Recipe], warmup_ms: float, 
                                host_reference=ablated and r.name == "project")
                 for r in recipes]
     finally:
-        if fresh_cache:
+        if fresh_cache:  # a torchrun rank is this very process: leave its environment as it was
             shutil.rmtree(cache, ignore_errors=True)
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
 
 def matmul_ceiling_tflops(device: torch.device | str = "cuda", n: int = 8192) -> float:
@@ -222,7 +238,7 @@ def benchmark(config: str | StepConfig, recipes: Sequence[Recipe], world_size: i
               peak_tflops: float | None = None, timeout_s: float = 1800,
               headline: Sequence[str] = ("project", "stock_eager", "stock_compiled"),
               first_gpu: int = 0, deadline_s: float | None = None,
-              fresh_cache: bool = False) -> pd.DataFrame:
+              fresh_cache: bool = False, env: dict[str, str] | None = None) -> pd.DataFrame:
     """Every recipe of the configuration on ``world_size`` ranks (default: the configuration's), side by side
     in the same processes. One row per recipe with ``impl``, ``config``, ``world_size``, ``step_ms`` (median
     over the timed steps of rank 0), ``step_std_ms``, ``peak_gib`` (the largest over ranks), memory by
@@ -231,12 +247,11 @@ def benchmark(config: str | StepConfig, recipes: Sequence[Recipe], world_size: i
     The ``headline`` recipes are timed with do_bench and profiled; the others (ablations) with two host-timed
     steps. On GPUs, rank ``r`` drives GPU ``first_gpu + r`` (``gpus`` column).
 
-    The ranks run with :data:`ALLOCATOR` (``alloc_conf`` column) unless ``PYTORCH_CUDA_ALLOC_CONF`` is set.
+    The ranks run with ``env`` (default :func:`allocator_env`; ``alloc_conf`` column).
 
     ``deadline_s``: ranks that hang or die past it (or fail otherwise) make every recipe a row of ``status``
     ``failed`` (the reason in ``error``) rather than an exception. ``fresh_cache``: the first recipe compiles
     from empty caches (:func:`fastest_worker`)."""
-    import os
 
     from lab.parallel.launcher import WorkerError
 
@@ -247,7 +262,7 @@ def benchmark(config: str | StepConfig, recipes: Sequence[Recipe], world_size: i
 
         config = dataclasses.replace(config, world_size=world_size)
 
-    env = {} if "PYTORCH_CUDA_ALLOC_CONF" in os.environ else ALLOCATOR
+    env = allocator_env() if env is None else env
     try:
         per_recipe = list(zip(*launcher.launch(fastest_worker, world_size, config, list(recipes), warmup_ms, rep_ms,
                                                profile, trace_dir, tuple(headline), fresh_cache, device=device,
@@ -275,7 +290,7 @@ def benchmark(config: str | StepConfig, recipes: Sequence[Recipe], world_size: i
         row["mfu"] = mfu(config, row["step_ms"], peak_tflops)
         row["mfu_datasheet"] = mfu(config, row["step_ms"], 989.0)  # H100/H200 SXM dense bf16
         row["gpus"] = gpus
-        row["alloc_conf"] = {**os.environ, **env}.get("PYTORCH_CUDA_ALLOC_CONF", "")
+        row["alloc_conf"] = env.get("PYTORCH_CUDA_ALLOC_CONF", "")
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -305,17 +320,18 @@ def plan(jobs: Mapping[str, Sequence[Recipe]], gpus: int,
     return out
 
 
-def benchmark_configs(jobs: Mapping[str, Sequence[Recipe]], device: str = "auto", ablation_deadline_s: float = 300,
+def benchmark_configs(jobs: Mapping[str, Sequence[Recipe]], device: str = "auto", ablation_deadline_s: float = 60,
                       rep_ms: float | Mapping[str, float] = 3000, **kwargs) -> pd.DataFrame:
     """:func:`benchmark` of each configuration (name -> its recipes), concatenated. On a machine with a GPU
     for every rank of every configuration (four for the leaderboard's two and the 2.7B's one), the launch
     groups of :func:`plan` run side by side, each on GPUs of its own as they come free
     (:func:`lab.parallel.gpu_pool.run_on_gpus`; their processes share only the host): the headline recipes
     compile from empty caches, and ablations on GPUs of their own become ``failed`` rows if their launch
-    passes ``ablation_deadline_s``. Otherwise everything runs one after the other in one launch per
-    configuration (on GPUs, compiling from empty caches). ``rep_ms``: do_bench's budget, or one per
-    configuration. The matmul ceiling is measured
-    first, on an idle GPU."""
+    passes ``ablation_deadline_s`` per recipe. Otherwise everything runs one after the other in one launch
+    per configuration (on GPUs, compiling from empty caches). ``rep_ms``: do_bench's budget, or one per
+    configuration. The matmul ceiling is measured first, on an idle GPU."""
+    if not jobs:
+        return pd.DataFrame()
     budget = rep_ms if isinstance(rep_ms, Mapping) else dict.fromkeys(jobs, rep_ms)
     if set(jobs) - set(budget):
         raise ValueError(f"rep_ms has no budget for {sorted(set(jobs) - set(budget))}")
@@ -323,18 +339,20 @@ def benchmark_configs(jobs: Mapping[str, Sequence[Recipe]], device: str = "auto"
     gpus = torch.cuda.device_count() if device != "cpu" and torch.cuda.is_available() else 0
     if gpus and "peak_tflops" not in kwargs:
         kwargs["peak_tflops"] = matmul_ceiling_tflops("cuda")
-    if not gpus or sum(c.world_size for c in configs.values()) > gpus or len(jobs) < 2:
+    kwargs.setdefault("env", allocator_env())
+    groups = plan(jobs, gpus)
+    if not gpus or sum(c.world_size for c in configs.values()) > gpus or len(groups) < 2:
         return pd.concat([benchmark(name, recipes, device=device, rep_ms=budget[name], fresh_cache=bool(gpus),
                                     **kwargs) for name, recipes in jobs.items()], ignore_index=True)
     from lab.parallel.gpu_pool import run_on_gpus
 
     def job(name, recipes):
         ablations = recipes[0].name == ABLATION_BASE
-        extra = dict(deadline_s=ablation_deadline_s) if ablations else dict(fresh_cache=True)
+        extra = dict(deadline_s=ablation_deadline_s * len(recipes)) if ablations else dict(fresh_cache=True)
         return configs[name].world_size, lambda first: benchmark(name, recipes, device=device, first_gpu=first,
                                                                   rep_ms=budget[name], **extra, **kwargs)
 
-    return pd.concat(run_on_gpus([job(n, r) for n, r in plan(jobs, gpus)], gpus), ignore_index=True)
+    return pd.concat(run_on_gpus([job(n, r) for n, r in groups], gpus), ignore_index=True)
 
 
 def results_table(df: pd.DataFrame) -> pd.DataFrame:

@@ -181,21 +181,23 @@ def ablation_table(df: pd.DataFrame, base: str = "project") -> pd.DataFrame:
     on GPUs of their own, the book's step measured there (:data:`ABLATION_BASE`) is the base, so that every
     comparison is on the same cards."""
     ok = df[df["status"] == "ok"].set_index("impl")
-    base = ABLATION_BASE if ABLATION_BASE in ok.index else base
-    if base not in ok.index:
-        return pd.DataFrame()
+    bases = (base, "project", ABLATION_BASE)
+    ablated = df[~df["impl"].isin(bases) & ~df["impl"].str.startswith("stock")]
+    base = ABLATION_BASE if ABLATION_BASE in set(df["impl"]) else base
+    if base not in ok.index:  # the book's step itself failed there: nothing to compare with
+        status = df.loc[df["impl"] == base, "status"]
+        why = f"not compared: {base} {status.iloc[0] if len(status) else 'did not run'}"
+        return pd.DataFrame([dict(switched_off=r.impl, verdict=why) for r in ablated.itertuples()])
     ref = ok.loc[base]
     rows = []
-    for impl, row in ok.iterrows():
-        if impl in (base, "project", ABLATION_BASE) or impl.startswith("stock"):
-            continue
+    for impl, row in ok.loc[ok.index.isin(ablated["impl"])].iterrows():
         prefix = "host_" if _host_timed(row) and _host_timed(ref) else ""
         c = _comparison(row, ref, prefix)
         rows.append(dict(switched_off=impl, step_ms=row[f"{prefix}step_ms"], base_ms=ref[f"{prefix}step_ms"],
                          added_ms=row[f"{prefix}step_ms"] - ref[f"{prefix}step_ms"], ratio=c.ratio, low=c.low,
                          high=c.high, verdict={"slower": "helps", "faster": "hurts"}.get(c.label, c.label),
                          peak_gib=row.get("peak_gib", math.nan)))
-    for r in df[(df["status"] != "ok") & ~df["impl"].str.startswith("stock")].itertuples(index=False):
+    for r in ablated[ablated["status"] != "ok"].itertuples(index=False):
         error = getattr(r, "error", "")
         rows.append(dict(switched_off=r.impl, verdict="out of memory without it" if r.status == "oom" else
                          f"{r.status}: {error[:120]}" if isinstance(error, str) and error else r.status))
@@ -295,8 +297,11 @@ def ablation_sentence(df: pd.DataFrame, on_gpu: bool = True, fits_gib: float = F
     """What the ablations say about the recipe: the switches that cost time beyond the noise, and any that
     would make the step faster, with whether the faster step still fits an 80 GB card (peak <= ``fits_gib``)."""
     table = ablation_table(df)
-    if table.empty or "ratio" not in table:
+    if table.empty:
         return "No ablation of the book's step ran."
+    if "ratio" not in table:
+        return ("No ablation of the book's step was measured: "
+                + "; ".join(f"`{r.switched_off}`: {r.verdict}" for r in table.itertuples()) + ".")
     if not on_gpu:
         return ("On a CPU, with the Triton kernels interpreted, the ablations' times say nothing about GPUs: "
                 "the recipe's choices are not judged here.")
@@ -313,6 +318,10 @@ def ablation_sentence(df: pd.DataFrame, on_gpu: bool = True, fits_gib: float = F
                       "so the recipe does not adopt it",
                None: "but its peak memory was not measured"}[fits]
         text += f" `{r.switched_off}` is faster by {-r.added_ms:.4g} ms (ratio {r.ratio:.3g}), {why}."
+    unmeasured = table[table["ratio"].isna()]
+    if len(unmeasured):
+        text += " Not measured: " + "; ".join(f"`{r.switched_off}` ({r.verdict})" for r in unmeasured.itertuples())
+        text += "."
     return text
 
 

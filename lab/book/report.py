@@ -89,6 +89,22 @@ def anchor(section: str) -> str:
     return "#" + re.sub(r"\s+", "-", section.strip().lstrip("#").strip())
 
 
+def _lines(metas: dict | list[dict]) -> str:
+    """Provenance lines of one run or several, joined."""
+    return " and ".join(store.provenance_line(m) for m in (metas if isinstance(metas, list) else [metas]))
+
+
+def _carried_provenance(rows: pd.DataFrame, earlier: dict) -> list[dict]:
+    """The provenance of the runs that measured ``rows``, one per commit among them: the last render's own, or
+    that of a run whose rows it had carried in turn (``params["carried"]``); the last render's where no
+    record matches."""
+    before = ((earlier.get("params") or {}).get("carried") or {}).get("measured_on") or []
+    known = [earlier, *(before if isinstance(before, list) else [before])]
+    commits = list(dict.fromkeys(rows["commit"].dropna().astype(str))) if "commit" in rows else []
+    found = [next((m for m in known if str(m.get("commit")) == c), earlier) for c in commits] or [earlier]
+    return list({id(m): m for m in found}.values())
+
+
 class Chapter:
     """One notebook's view of the book: its name (the ``source`` of the rows it saves), parameters, results
     folder, replay switch, and the answers shown at its top."""
@@ -157,20 +173,20 @@ class Chapter:
             carried = (meta.get("params") or {}).get("carried")
             if carried:
                 say(f"*`{name}`: measured on {store.provenance_line(meta)}; {carried['rows']} of its rows carried from "
-                    f"{store.provenance_line(carried['measured_on'])}.*")
+                    f"{_lines(carried['measured_on'])}.*")
             else:
                 say(f"*`{name}`: measured on {store.provenance_line(meta)}.*")
             return df
         carried, params = None, self.params
         if carry is not None:
             carried = carry(store.load_results(name, self.results_dir, source=self.notebook))
-            earlier = self.provenance(name)
+            earlier = _carried_provenance(carried, self.provenance(name))
             params = {**self.params, "carried": {"rows": int(len(carried)), "measured_on": earlier}}
         df = measure()
         saved = save(df) if save else df
         if carried is not None and len(carried):
             say(f"*`{name}`: {len(carried)} of its rows are read back, not measured in this render: measured on "
-                f"{store.provenance_line(earlier)}.*")
+                f"{_lines(earlier)}.*")
             saved, df = pd.concat([carried, saved], ignore_index=True), pd.concat([carried, df], ignore_index=True)
         store.save_results(saved, name, self.results_dir, params, source=self.notebook)
         return df

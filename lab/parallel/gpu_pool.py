@@ -4,8 +4,9 @@
 
 Each job is ``(width, fn)``: ``fn(first)`` runs on GPUs ``first .. first + width - 1``. Jobs start in the
 order given, each on the lowest free block of GPUs wide enough, and a job waits (with every job behind it)
-until one is free, so the order says what runs first. The results come back in the jobs' order; the first
-job to fail raises here once every started job has ended.
+until one is free, so the order says what runs first. The results come back in the jobs' order. Once a job
+has failed no further job starts, and its exception (of the failed jobs, the first in the list) is raised
+here once every started job has ended.
 """
 
 from __future__ import annotations
@@ -34,17 +35,23 @@ def run_on_gpus(jobs: Sequence[tuple[int, Callable[[int], Any]]], gpus: int) -> 
     def run(fn, first, width):
         try:
             return fn(first)
+        except BaseException:
+            failures.append(first)
+            raise
         finally:
             with changed:
                 free[first:first + width] = [True] * width
                 changed.notify_all()
 
-    futures = []
+    futures, failures = [], []
+
     with ThreadPoolExecutor(max(len(jobs), 1)) as pool:
         for width, fn in jobs:
             with changed:
-                while (first := _first_free(free, width)) is None:
+                while not failures and (first := _first_free(free, width)) is None:
                     changed.wait()
+                if failures:
+                    break
                 free[first:first + width] = [False] * width
             futures.append(pool.submit(run, fn, first, width))
     return [f.result() for f in futures]

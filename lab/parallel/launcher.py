@@ -246,6 +246,11 @@ def launch(fn: Callable, world_size: int, *args, backend: str | None = None, dev
     Under torchrun (env:// variables set) ``fn`` runs in this process only and ``world_size`` must match.
     """
     if is_torchrun():
+        if env:
+            import warnings
+
+            warnings.warn(f"launch(env=...) is ignored under torchrun (its ranks are already running): set "
+                          f"{', '.join(env)} in torchrun's environment", stacklevel=2)
         return _launch_in_torchrun(fn, world_size, args, kwargs, backend, device, timeout_s)
     backend, device_type = resolve_backend(world_size, backend, device)
     cores = os.cpu_count() or 1

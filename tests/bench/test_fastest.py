@@ -18,6 +18,7 @@ def test_phase_breakdown_names_the_largest_other_kernels(tmp_path):
           for n, ts, d in (("forward", 0, 1000), ("backward", 1000, 1000), ("optimizer_step", 2000, 100))]
     kernels = [("sm90_xmma_gemm_bf16", 100, 300, 7, 10), ("triton_red_fused_rms_norm", 400, 50, 7, 20),
                ("copy_kernel", 450, 20, 7, 30), ("copy_kernel", 470, 10, 7, 40),
+               ("x" * 80 + "_a", 480, 4, 7, 45), ("x" * 80 + "_b", 490, 4, 7, 46),
                ("flash_bwd_kernel", 1100, 200, 7, 1010), ("copy_kernel", 1300, 30, 7, 1020),
                ("ncclDevKernel_ReduceScatter", 1300, 100, 20, 1030), ("multi_tensor_apply_kernel", 2000, 40, 7, 2010)]
     for c, (name, ts, dur, stream, launch) in enumerate(kernels):
@@ -30,8 +31,9 @@ def test_phase_breakdown_names_the_largest_other_kernels(tmp_path):
     out = bench.phase_breakdown(path)
     assert out["matmul_ms"] == pytest.approx(0.3) and out["attention_ms"] == pytest.approx(0.2)
     assert out["optimizer_ms"] == pytest.approx(0.04)
-    assert out["other_kernels_ms"] == pytest.approx(0.11)  # 50 + 20 + 10 + 30 us
-    assert out["other_kernels_top"] == "copy_kernel=0.06; triton_red_fused_rms_norm=0.05"
+    assert out["other_kernels_ms"] == pytest.approx(0.118)  # 50 + 20 + 10 + 30 + 4 + 4 us
+    # two kernels whose names agree in their first 80 characters are one entry
+    assert out["other_kernels_top"] == "copy_kernel=0.06; triton_red_fused_rms_norm=0.05; " + "x" * 80 + "=0.008"
     assert bench.phase_breakdown(_empty(tmp_path))["other_kernels_top"] == ""
 
 
@@ -88,6 +90,7 @@ def test_jobs_run_side_by_side_on_disjoint_gpus_in_order():
 
     with pytest.raises(RuntimeError, match="boom"):
         run_on_gpus([(1, fails), job("f", 1, 0.01)], gpus=1)
+    assert "f" not in [s[0] for s in spans]  # once a job failed, none behind it starts
 
 
 def _hangs(*args, **kwargs):
@@ -98,6 +101,7 @@ def _hangs(*args, **kwargs):
 def test_recipes_whose_processes_miss_the_deadline_are_failed_rows(monkeypatch):
     # the worker hangs: with a deadline, each recipe of the launch becomes a row, failed with the reason
     monkeypatch.setattr(bench, "fastest_worker", _hangs)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     recipes = [r for r in recipes_for(CONFIGS["tiny"]).values()][:2]
     df = bench.benchmark("tiny", recipes, device="cpu", profile=False, deadline_s=3)
     assert list(df["impl"]) == ["project", "stock_eager"] and set(df["status"]) == {"failed"}
@@ -115,6 +119,7 @@ def test_benchmark_configs_on_four_gpus_runs_the_plan_side_by_side(monkeypatch):
         time.sleep(0.2 if recipes[0].name == "project" and name == "leaderboard" else 0.05)
         return pd.DataFrame([dict(impl=r.name, config=name, gpus=str(first_gpu)) for r in recipes])
 
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(bench.torch.cuda, "device_count", lambda: 4)
     monkeypatch.setattr(bench, "benchmark", fake_benchmark)
@@ -127,10 +132,16 @@ def test_benchmark_configs_on_four_gpus_runs_the_plan_side_by_side(monkeypatch):
     by = {(name, first): (gpu, kw) for name, first, gpu, kw in calls}
     assert by[("leaderboard", "project")][0] == 0 and by[("leaderboard", "project")][1]["fresh_cache"]
     gpu, kw = by[("leaderboard", ABLATION_BASE)]
-    assert gpu == 2 and kw["deadline_s"] == 300 and "fresh_cache" not in kw and "separate" not in kw
+    assert gpu == 2 and kw["deadline_s"] == 60 * 8 and "fresh_cache" not in kw  # 60 s for each of 8 recipes
+    assert {k["env"]["PYTORCH_CUDA_ALLOC_CONF"] for _, _, _, k in calls} == {"expandable_segments:True"}
     assert by[("2.7B", "project")][0] == 2  # the 2.7B rung waits for a pair: the (quicker) ablations free 2-3
     assert all(kw["peak_tflops"] == 700.0 and kw["rep_ms"] == (1 if name == "leaderboard" else 2)
                for name, _, _, kw in calls)
+    calls.clear()  # the leaderboard alone on four GPUs: its ablations still go to GPUs of their own
+    alone = bench.benchmark_configs({"leaderboard": jobs["leaderboard"]}, device="auto", peak_tflops=1.0, rep_ms=1)
+    assert len(alone) == 11
+    assert sorted((first, gpu) for _, first, gpu, _ in calls) == [(ABLATION_BASE, 2), ("project", 0)]
+    assert bench.benchmark_configs({}, device="auto").empty
 
 
 def test_kernel_phases_by_name_and_launch_range():

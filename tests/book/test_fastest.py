@@ -226,3 +226,19 @@ def test_carry_whole_configurations_or_their_headline_rows():
     for bad in (["2.7b"], ["leaderboard:ablations"], "2.7B"):
         with pytest.raises(ValueError, match="carry"):
             fastest.measured_recipes(configs, bad, quick=False)
+
+
+def test_a_failed_ablation_base_compares_nothing_and_failures_are_said():
+    host = dict(host_step_std_ms=2.0, host_step_n=2, gpus="2,3")
+    base_failed = pd.DataFrame([_row("project", 5186.0, 5.8, n=2), _row("ablation_base", math.nan, status="oom"),
+                                _row("no_compile", 5400.0, 2.0, n=2, host_step_ms=5400.0, **host)])
+    table = fastest.ablation_table(base_failed)
+    assert table.to_dict("records") == [dict(switched_off="no_compile", verdict="not compared: ablation_base oom")]
+    assert "No ablation of the book's step was measured: `no_compile`: not compared" in \
+        fastest.ablation_sentence(base_failed)
+    some = pd.DataFrame([_row("project", 5186.0, 5.8, n=2), _row("stock_compiled", 5548.0, 2.0, n=2),
+                         _row("ablation_base", 5300.0, 2.0, n=2, host_step_ms=5300.0, **host),
+                         _row("full_recompute", 5900.0, 2.0, n=2, host_step_ms=5900.0, **host),
+                         _row("no_fused_loss", math.nan, status="oom")])
+    s = fastest.ablation_sentence(some)
+    assert "`full_recompute` (+600 ms)" in s and "Not measured: `no_fused_loss` (out of memory without it)." in s

@@ -75,7 +75,31 @@ def test_carried_rows_keep_their_own_provenance(tmp_path, capsys):
     back = results.load_results("fastest_step", tmp_path)
     assert back.set_index("config")["commit"].to_dict() == {"a": "earlier0commit", "b": results.git_commit()}
     meta = json.loads((tmp_path / "fastest_step.json").read_text())["sources"]["10_fastest_step"]
-    assert meta["params"]["carried"]["rows"] == 1 and "date" in meta["params"]["carried"]["measured_on"]
+    assert meta["params"]["carried"]["rows"] == 1 and "date" in meta["params"]["carried"]["measured_on"][0]
     replay = report.Chapter("10_fastest_step", {}, str(tmp_path), replay=True)
     assert len(replay.table("fastest_step", lambda: None)) == 2
     assert "; 1 of its rows carried from" in capsys.readouterr().out
+
+
+def test_rows_carried_twice_keep_the_run_that_measured_them(tmp_path, capsys):
+    import json
+
+    first = report.Chapter("10_fastest_step", {}, str(tmp_path))
+    first.table("fastest_step", lambda: pd.DataFrame({"config": ["a", "b"], "ms": [5.0, 1.0]}))
+    meta_path = tmp_path / "fastest_step.json"
+    meta = json.loads(meta_path.read_text())
+    meta["sources"]["10_fastest_step"]["commit"] = "aaaa"  # the run that measured "a" (and "b")
+    meta_path.write_text(json.dumps(meta))
+    saved = pd.read_csv(tmp_path / "fastest_step.csv").assign(commit="aaaa")
+    saved.to_csv(tmp_path / "fastest_step.csv", index=False)
+    report.Chapter("10_fastest_step", {}, str(tmp_path)).table(  # "b" measured again, "a" carried
+        "fastest_step", lambda: pd.DataFrame({"config": ["b"], "ms": [2.0]}), carry=lambda old: old[old.config == "a"])
+    meta = json.loads(meta_path.read_text())
+    meta["sources"]["10_fastest_step"]["commit"] = "bbbb"
+    meta_path.write_text(json.dumps(meta))
+    third = report.Chapter("10_fastest_step", {}, str(tmp_path))  # "a" carried again: still from aaaa
+    third.table("fastest_step", lambda: pd.DataFrame({"config": ["b"], "ms": [3.0]}),
+                carry=lambda old: old[old.config == "a"])
+    carried = json.loads(meta_path.read_text())["sources"]["10_fastest_step"]["params"]["carried"]
+    assert [m["commit"] for m in carried["measured_on"]] == ["aaaa"]
+    assert "commit aaaa" in capsys.readouterr().out.splitlines()[-1]
