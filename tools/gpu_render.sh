@@ -14,8 +14,14 @@ export PYTHONPATH=$site:$PWD LAB_COMMIT=$commit PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
-timeout "$limit" python3 -m lab.render --profile full --no-html --only "$@" 2>&1 | tee "$OUT/render.log"
+# At the limit, kill every process this script started, the notebook kernel included: papermill starts it in
+# a session of its own, so a plain `timeout` leaves it (and its worker processes) holding the pipe open and
+# the render never ends; killed from the leaves up while it is still this tree's, the tarball below is made.
+kill_tree() { local c; for c in $(pgrep -P "$1"); do [[ $c == "$BASHPID" ]] || { kill_tree "$c"; kill -9 "$c" 2>/dev/null; }; done; }
+( sleep "$limit"; echo "render passed its ${limit} s limit: stopped" >&2; kill_tree $$ ) & watchdog=$!
+timeout "$((limit + 15))" python3 -m lab.render --profile full --no-html --only "$@" 2>&1 | tee "$OUT/render.log"
 rc=${PIPESTATUS[0]}
+kill "$watchdog" 2>/dev/null
 tar czf "$OUT/bundle.tgz" reports results 2>/dev/null
 ls -la reports results | head -50
 exit "$rc"
