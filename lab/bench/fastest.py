@@ -24,7 +24,17 @@ from lab.measure.device import empty_cache, error_summary, is_oom, synchronize
 from lab.measure.profiling import profile_step
 from lab.measure.timing import time_callable, time_kernel
 from lab.parallel import launcher
-from lab.recipes.fastest_step import ABLATION_BASE, CONFIGS, Recipe, StepConfig, build_step, mfu, model_flops_per_step
+from lab.recipes.fastest_step import (
+    ABLATION_BASE,
+    CONFIGS,
+    HEADLINE,
+    Recipe,
+    StepConfig,
+    ablation_base,
+    build_step,
+    mfu,
+    model_flops_per_step,
+)
 
 GiB = 2**30
 #: Kernel classes of a step's time, in the order they are assigned (a kernel launched inside ``recompute``
@@ -197,29 +207,21 @@ def fastest_worker(config: StepConfig, recipes: list[Recipe], warmup_ms: float, 
     returns the rows. ``fresh_cache``: compile into empty Inductor and Triton caches of this process's own
     (removed at the end), so the first recipe's ``first_step_s`` and ``wall_s`` include every compilation
     and autotuning from scratch, as the leaderboard's 10-minute rule counts them."""
-    import shutil
+    import contextlib
     import tempfile
 
-    saved = {k: os.environ.get(k) for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
-    if fresh_cache:
-        cache = tempfile.mkdtemp(prefix="lab_fastest_cache_")
-        os.environ.update(TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
-                          TRITON_CACHE_DIR=os.path.join(cache, "triton"))
     device = launcher.device()
     ablated = any(r.name not in headline for r in recipes) and any(r.name == "project" for r in recipes)
-    try:
-        return [measure_recipe(config, r, device, warmup_ms, rep_ms, profile and r.name in headline, trace_dir,
-                               host_steps=0 if r.name in headline else 2,
-                               host_reference=ablated and r.name == "project")
-                for r in recipes]
-    finally:
-        if fresh_cache:  # a torchrun rank is this very process: leave its environment as it was
-            shutil.rmtree(cache, ignore_errors=True)
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+    fresh = (tempfile.TemporaryDirectory(prefix="lab_fastest_cache_", ignore_cleanup_errors=True) if fresh_cache
+             else contextlib.nullcontext())
+    with fresh as cache:
+        caches = dict(TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
+                      TRITON_CACHE_DIR=os.path.join(cache, "triton")) if cache else {}
+        with launcher.environment(caches):  # a torchrun rank is this very process: its environment is restored
+            return [measure_recipe(config, r, device, warmup_ms, rep_ms, profile and r.name in headline, trace_dir,
+                                   host_steps=0 if r.name in headline else 2,
+                                   host_reference=ablated and r.name == "project")
+                    for r in recipes]
 
 
 def matmul_ceiling_tflops(device: torch.device | str = "cuda", n: int = 8192) -> float:
@@ -236,8 +238,7 @@ def matmul_ceiling_tflops(device: torch.device | str = "cuda", n: int = 8192) ->
 def benchmark(config: str | StepConfig, recipes: Sequence[Recipe], world_size: int | None = None, device: str = "auto",
               warmup_ms: float = 1, rep_ms: float = 3000, profile: bool = True, trace_dir: str | None = None,
               peak_tflops: float | None = None, timeout_s: float = 1800,
-              headline: Sequence[str] = ("project", "stock_eager", "stock_compiled"),
-              first_gpu: int = 0, deadline_s: float | None = None,
+              headline: Sequence[str] = HEADLINE, first_gpu: int = 0, deadline_s: float | None = None,
               fresh_cache: bool = False, env: dict[str, str] | None = None) -> pd.DataFrame:
     """Every recipe of the configuration on ``world_size`` ranks (default: the configuration's), side by side
     in the same processes. One row per recipe with ``impl``, ``config``, ``world_size``, ``step_ms`` (median
@@ -252,9 +253,6 @@ def benchmark(config: str | StepConfig, recipes: Sequence[Recipe], world_size: i
     ``deadline_s``: ranks that hang or die past it (or fail otherwise) make every recipe a row of ``status``
     ``failed`` (the reason in ``error``) rather than an exception. ``fresh_cache``: the first recipe compiles
     from empty caches (:func:`fastest_worker`)."""
-
-    from lab.parallel.launcher import WorkerError
-
     config = CONFIGS[config] if isinstance(config, str) else config
     world_size = world_size or config.world_size
     if world_size != config.world_size:
@@ -268,7 +266,7 @@ def benchmark(config: str | StepConfig, recipes: Sequence[Recipe], world_size: i
                                                profile, trace_dir, tuple(headline), fresh_cache, device=device,
                                                timeout_s=timeout_s, deadline_s=deadline_s, first_gpu=first_gpu,
                                                env=env)))
-    except WorkerError as exc:
+    except launcher.WorkerError as exc:
         if deadline_s is None:
             raise
         reason = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
@@ -296,7 +294,7 @@ def benchmark(config: str | StepConfig, recipes: Sequence[Recipe], world_size: i
 
 
 def plan(jobs: Mapping[str, Sequence[Recipe]], gpus: int,
-         headline: Sequence[str] = ("project", "stock_eager", "stock_compiled")) -> list[tuple[str, list[Recipe]]]:
+         headline: Sequence[str] = HEADLINE) -> list[tuple[str, list[Recipe]]]:
     """How :func:`benchmark_configs` splits the work over a machine's ``gpus``: a list of (configuration,
     recipes), one launch group each. A configuration of several ranks has its ablations moved to a group of
     their own, led by :data:`ABLATION_BASE` (the book's step again, on their GPUs), where the machine has
@@ -312,9 +310,7 @@ def plan(jobs: Mapping[str, Sequence[Recipe]], gpus: int,
         world = configs[name].world_size
         roomy = world > 1 and gpus >= max(2 * world, sum(c.world_size for c in configs.values()))
         if rest and project is not None and roomy and top:
-            import dataclasses
-
-            out += [(name, top), (name, [dataclasses.replace(project, name=ABLATION_BASE), *rest])]
+            out += [(name, top), (name, [ablation_base(project), *rest])]
         else:
             out.append((name, list(recipes)))
     return out

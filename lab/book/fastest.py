@@ -17,7 +17,16 @@ import pandas as pd
 from lab.book.report import fmt
 from lab.measure.results import measured_on
 from lab.measure.verdicts import GoalCheck, compare_summaries
-from lab.recipes.fastest_step import ABLATION_BASE, CONFIGS, StepConfig, ablations, model_flops_per_step, recipes_for
+from lab.recipes.fastest_step import (
+    ABLATION_BASE,
+    CONFIGS,
+    HEADLINE,
+    StepConfig,
+    ablation_base,
+    ablations,
+    model_flops_per_step,
+    recipes_for,
+)
 
 PHASES = ["recompute_ms", "attention_ms", "matmul_ms", "loss_ms", "optimizer_ms", "other_kernels_ms",
           "exposed_communication_ms", "idle_ms"]
@@ -58,12 +67,8 @@ def recipes(config: StepConfig, quick: bool, ablate: bool | Sequence[str] | Mapp
     out = list(recipes_for(config).values()) + chosen
     if quick:  # interpreted Triton takes seconds a step: the three headline steps and the Triton attention
         out = [dataclasses.replace(r, compile="none") for r in out
-               if r.name in ("project", "stock_eager", "stock_compiled", "flash_triton_attention", "no_fused_loss")]
+               if r.name in (*HEADLINE, "flash_triton_attention", "no_fused_loss")]
     return out
-
-
-#: The recipes every render of a configuration times with do_bench and profiles.
-HEADLINE = ("project", "stock_eager", "stock_compiled")
 
 
 def _carry_entries(configs: Sequence[str], carry: Sequence[str]) -> dict[str, str]:
@@ -94,7 +99,7 @@ def measured_recipes(configs: Sequence[str], carry: Sequence[str], quick: bool,
         if parts.get(name) == "headline":
             rest = [r for r in chosen if r.name not in HEADLINE]
             project = next(r for r in chosen if r.name == "project")
-            chosen = [dataclasses.replace(project, name=ABLATION_BASE), *rest] if rest else []
+            chosen = [ablation_base(project), *rest] if rest else []
         if parts.get(name) != "all" and chosen:
             out[name] = chosen
     return out

@@ -29,6 +29,7 @@ rather than left waiting in a collective. Process groups get a timeout, and are 
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import io
 import os
@@ -56,6 +57,21 @@ CHILD_ENV = {**WORKER_ENV, "TORCH_CPP_LOG_LEVEL": "ERROR"}
 # This process's device, set by the launcher in each worker (None outside a launched function).
 _DEVICE: torch.device | None = None
 _ENV_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def environment(updates: dict[str, str]):
+    """``os.environ`` with ``updates`` inside the block, restored as it was on the way out."""
+    saved = {k: os.environ.get(k) for k in updates}
+    os.environ.update(updates)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 class WorkerError(RuntimeError):
@@ -271,19 +287,9 @@ def launch(fn: Callable, world_size: int, *args, backend: str | None = None, dev
              for r in range(world_size)]
     # The children inherit this environment when they start: C++ logging (gloo's and the TCP store's
     # connection notices) set to errors only there, before they import torch.
-    child_env = {**CHILD_ENV, **(env or {})}
-    with _ENV_LOCK:  # launches from several threads must not interleave their changes of the environment
-        saved = {k: os.environ.get(k) for k in child_env}
-        os.environ.update(child_env)
-        try:
-            for p in procs:
-                p.start()
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+    with _ENV_LOCK, environment({**CHILD_ENV, **(env or {})}):  # launches from threads must not interleave
+        for p in procs:
+            p.start()
     values: dict[int, Any] = {}
     started = time.monotonic()
     try:

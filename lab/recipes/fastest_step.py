@@ -129,9 +129,16 @@ STOCK_ONE_GPU_COMPILED = Recipe("stock_compiled", attention="sdpa", fused_loss=F
 STOCK_ONE_GPU_EAGER = dataclasses.replace(STOCK_ONE_GPU_COMPILED, name="stock_eager", compile="none")
 
 
+#: The recipes every render of a configuration times with do_bench and profiles.
+HEADLINE = ("project", "stock_eager", "stock_compiled")
 #: The name of the book's step measured again beside its ablations where they run on GPUs of their own
 #: (``lab.bench.fastest.plan``): what they are compared with, on the same cards and timed the same way.
 ABLATION_BASE = "ablation_base"
+
+
+def ablation_base(project: Recipe) -> Recipe:
+    """The book's recipe under the name :data:`ABLATION_BASE`."""
+    return dataclasses.replace(project, name=ABLATION_BASE)
 
 
 def recipes_for(config: StepConfig) -> dict[str, Recipe]:

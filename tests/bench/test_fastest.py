@@ -1,7 +1,6 @@
 """Notebook 10's measurement plumbing: phases from a profiled step, the launch groups of a multi-GPU render,
 running them on disjoint GPUs, and a recipe whose processes fail becoming a row."""
 
-import json
 import threading
 import time
 
@@ -10,37 +9,25 @@ import pytest
 from lab.bench import fastest as bench
 from lab.parallel.gpu_pool import run_on_gpus
 from lab.recipes.fastest_step import ABLATION_BASE, CONFIGS, recipes_for
+from tests.kineto import write_trace
 
 
 def test_phase_breakdown_names_the_largest_other_kernels(tmp_path):
     # forward: a GEMM, an RMSNorm and two copies; backward: an attention kernel, a copy, an NCCL reduce-scatter
-    ev = [dict(ph="X", cat="user_annotation", name=n, ts=ts, dur=d, tid=1)
-          for n, ts, d in (("forward", 0, 1000), ("backward", 1000, 1000), ("optimizer_step", 2000, 100))]
+    ranges = (("forward", 0, 1000), ("backward", 1000, 1000), ("optimizer_step", 2000, 100))
     kernels = [("sm90_xmma_gemm_bf16", 100, 300, 7, 10), ("triton_red_fused_rms_norm", 400, 50, 7, 20),
                ("copy_kernel", 450, 20, 7, 30), ("copy_kernel", 470, 10, 7, 40),
                ("x" * 80 + "_a", 480, 4, 7, 45), ("x" * 80 + "_b", 490, 4, 7, 46),
                ("flash_bwd_kernel", 1100, 200, 7, 1010), ("copy_kernel", 1300, 30, 7, 1020),
                ("ncclDevKernel_ReduceScatter", 1300, 100, 20, 1030), ("multi_tensor_apply_kernel", 2000, 40, 7, 2010)]
-    for c, (name, ts, dur, stream, launch) in enumerate(kernels):
-        ev.append(dict(ph="X", cat="cuda_runtime", name="cudaLaunchKernel", ts=launch, dur=1, tid=1,
-                       args={"correlation": c}))
-        ev.append(dict(ph="X", cat="kernel", name=name, ts=ts, dur=dur, tid=stream,
-                       args={"stream": stream, "correlation": c}))
-    path = tmp_path / "trace.json"
-    path.write_text(json.dumps({"traceEvents": ev}))
+    path = write_trace(tmp_path / "trace.json", ranges, [(*k, 1) for k in kernels])
     out = bench.phase_breakdown(path)
     assert out["matmul_ms"] == pytest.approx(0.3) and out["attention_ms"] == pytest.approx(0.2)
     assert out["optimizer_ms"] == pytest.approx(0.04)
     assert out["other_kernels_ms"] == pytest.approx(0.118)  # 50 + 20 + 10 + 30 + 4 + 4 us
     # two kernels whose names agree in their first 80 characters are one entry
     assert out["other_kernels_top"] == "copy_kernel=0.06; triton_red_fused_rms_norm=0.05; " + "x" * 80 + "=0.008"
-    assert bench.phase_breakdown(_empty(tmp_path))["other_kernels_top"] == ""
-
-
-def _empty(tmp_path):
-    path = tmp_path / "empty.json"
-    path.write_text(json.dumps({"traceEvents": []}))
-    return path
+    assert bench.phase_breakdown(write_trace(tmp_path / "empty.json", (), ()))["other_kernels_top"] == ""
 
 
 def test_the_leaderboards_ablations_get_gpus_of_their_own_where_there_are_enough():

@@ -7,6 +7,7 @@ import pandas as pd
 import pytest
 
 from lab.measure import traces
+from tests.kineto import write_trace
 
 
 def test_interval_arithmetic():
@@ -54,20 +55,13 @@ def test_gpu_timeline_phases_include_kernels_launched_by_autograd_threads(tmp_pa
     # Kineto-shaped trace: CPU phase ranges on the main thread (tid 1); the backward's kernels (a GEMM and an
     # NCCL reduce-scatter) are launched by autograd's device thread (tid 2), so the profiler's own
     # gpu_user_annotation "backward" covers only the fill kernel launched from the main thread.
-    ev = [dict(ph="X", cat="user_annotation", name=n, ts=ts, dur=d, tid=1)
-          for n, ts, d in (("forward", 0, 100), ("backward", 100, 200), ("optimizer_step", 300, 50))]
-    ev += [dict(ph="X", cat="gpu_user_annotation", name="backward", ts=151, dur=1, tid=7)]
     kernels = [("gemm", 10, 20, 7, 5, 1), ("ncclDevKernel_AllGather_RING_LL", 5, 4, 20, 2, 1),
                ("fill", 151, 1, 7, 101, 1), ("gemm_bwd", 160, 30, 7, 110, 2),
                ("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL", 195, 40, 20, 150, 2),
                ("multi_tensor_apply_kernel", 360, 10, 7, 310, 1)]
-    for c, (name, ts, dur, stream, launch, tid) in enumerate(kernels):
-        ev.append(dict(ph="X", cat="cuda_runtime", name="cudaLaunchKernel", ts=launch, dur=1, tid=tid,
-                       args={"correlation": c}))
-        ev.append(dict(ph="X", cat="kernel", name=name, ts=ts, dur=dur, tid=stream,
-                       args={"stream": stream, "correlation": c}))
-    path = tmp_path / "trace.json"
-    path.write_text(json.dumps({"traceEvents": ev}))
+    ranges = (("forward", 0, 100), ("backward", 100, 200), ("optimizer_step", 300, 50))
+    annotation = dict(ph="X", cat="gpu_user_annotation", name="backward", ts=151, dur=1, tid=7)
+    path = write_trace(tmp_path / "trace.json", ranges, kernels, extra=[annotation])
     tl = traces.read_trace(path)
     comm = tl[tl["kind"] == "communication"]
     assert sorted(comm["name"]) == ["ncclDevKernel_AllGather_RING_LL", "ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL"]
