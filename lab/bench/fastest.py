@@ -13,6 +13,8 @@ import gc
 import json
 import math
 import os
+import sys
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -200,15 +202,41 @@ def _profile(step, trace_dir: str | None, name: str) -> dict:
     return phase_breakdown(path)
 
 
+def _finished(row: dict, progress_dir: str | None) -> dict:
+    """A recipe's row as soon as this rank has it: appended to ``progress_dir``'s file of this rank (read
+    back by :func:`benchmark` when the launch misses its deadline) and, on rank 0, one line on stderr."""
+    if progress_dir:
+        with open(os.path.join(progress_dir, f"rank{launcher.rank()}.jsonl"), "a") as f:
+            f.write(json.dumps(row, default=str) + "\n")
+    if launcher.rank() == 0:
+        print(f"[fastest] {row['config']} {row['impl']}: {row['status']}, {row['step_ms']:.1f} ms a step "
+              f"({row.get('timer', '?')}), first step {row['first_step_s']:.1f} s, wall {row['wall_s']:.1f} s",
+              file=sys.stderr, flush=True)
+    return row
+
+
+def _salvaged(progress_dir: str, recipes: Sequence[Recipe], world_size: int, config: StepConfig,
+              reason: str) -> list[tuple[dict, ...]]:
+    """Per recipe, the rows every rank finished before its launch failed (:func:`_finished`); the others
+    failed rows with ``reason``."""
+    per_rank = []
+    for r in range(world_size):
+        path = Path(progress_dir) / f"rank{r}.jsonl"
+        per_rank.append([json.loads(line) for line in path.read_text().splitlines()] if path.exists() else [])
+    return [tuple(rows[i] for rows in per_rank) if all(len(rows) > i for rows in per_rank)
+            else (empty_row(config, recipe, status="failed", error=reason),) for i, recipe in enumerate(recipes)]
+
+
 def fastest_worker(config: StepConfig, recipes: list[Recipe], warmup_ms: float, rep_ms: float, profile: bool,
-                   trace_dir: str | None, headline: tuple[str, ...], fresh_cache: bool = False) -> list[dict]:
+                   trace_dir: str | None, headline: tuple[str, ...], fresh_cache: bool = False,
+                   progress_dir: str | None = None) -> list[dict]:
     """Inside a launched process: every recipe in turn on this rank (the ``headline`` ones timed with
     do_bench and profiled, the others with two host-timed steps, and then the book's step with two more);
-    returns the rows. ``fresh_cache``: compile into empty Inductor and Triton caches of this process's own
+    returns the rows, each also written to ``progress_dir`` as it finishes (:func:`_finished`).
+    ``fresh_cache``: compile into empty Inductor and Triton caches of this process's own
     (removed at the end), so the first recipe's ``first_step_s`` and ``wall_s`` include every compilation
     and autotuning from scratch, as the leaderboard's 10-minute rule counts them."""
     import contextlib
-    import tempfile
 
     device = launcher.device()
     ablated = any(r.name not in headline for r in recipes) and any(r.name == "project" for r in recipes)
@@ -218,9 +246,9 @@ def fastest_worker(config: StepConfig, recipes: list[Recipe], warmup_ms: float, 
         caches = dict(TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
                       TRITON_CACHE_DIR=os.path.join(cache, "triton")) if cache else {}
         with launcher.environment(caches):  # a torchrun rank is this very process: its environment is restored
-            return [measure_recipe(config, r, device, warmup_ms, rep_ms, profile and r.name in headline, trace_dir,
-                                   host_steps=0 if r.name in headline else 2,
-                                   host_reference=ablated and r.name == "project")
+            return [_finished(measure_recipe(config, r, device, warmup_ms, rep_ms, profile and r.name in headline,
+                                             trace_dir, host_steps=0 if r.name in headline else 2,
+                                             host_reference=ablated and r.name == "project"), progress_dir)
                     for r in recipes]
 
 
@@ -250,8 +278,9 @@ def benchmark(config: str | StepConfig, recipes: Sequence[Recipe], world_size: i
 
     The ranks run with ``env`` (default :func:`allocator_env`; ``alloc_conf`` column).
 
-    ``deadline_s``: ranks that hang or die past it (or fail otherwise) make every recipe a row of ``status``
-    ``failed`` (the reason in ``error``) rather than an exception. ``fresh_cache``: the first recipe compiles
+    ``deadline_s``: ranks that hang or die past it (or fail otherwise) make every recipe they had not
+    finished a row of ``status`` ``failed`` (the reason in ``error``) rather than an exception; the rows
+    they finished are kept. ``fresh_cache``: the first recipe compiles
     from empty caches (:func:`fastest_worker`)."""
     config = CONFIGS[config] if isinstance(config, str) else config
     world_size = world_size or config.world_size
@@ -261,16 +290,17 @@ def benchmark(config: str | StepConfig, recipes: Sequence[Recipe], world_size: i
         config = dataclasses.replace(config, world_size=world_size)
 
     env = allocator_env() if env is None else env
-    try:
-        per_recipe = list(zip(*launcher.launch(fastest_worker, world_size, config, list(recipes), warmup_ms, rep_ms,
-                                               profile, trace_dir, tuple(headline), fresh_cache, device=device,
-                                               timeout_s=timeout_s, deadline_s=deadline_s, first_gpu=first_gpu,
-                                               env=env)))
-    except launcher.WorkerError as exc:
-        if deadline_s is None:
-            raise
-        reason = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
-        per_recipe = [(empty_row(config, r, status="failed", error=reason),) for r in recipes]
+    with tempfile.TemporaryDirectory(prefix="lab_fastest_rows_") as progress:
+        try:
+            per_recipe = list(zip(*launcher.launch(fastest_worker, world_size, config, list(recipes), warmup_ms,
+                                                   rep_ms, profile, trace_dir, tuple(headline), fresh_cache,
+                                                   progress, device=device, timeout_s=timeout_s,
+                                                   deadline_s=deadline_s, first_gpu=first_gpu, env=env)))
+        except launcher.WorkerError as exc:
+            if deadline_s is None:
+                raise
+            reason = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+            per_recipe = _salvaged(progress, recipes, world_size, config, reason)
     if peak_tflops is None:
         peak_tflops = matmul_ceiling_tflops("cuda") if torch.cuda.is_available() else math.nan
     on_gpu = launcher.resolve_backend(world_size, None, device)[1] == "cuda"
@@ -324,7 +354,8 @@ def benchmark_configs(jobs: Mapping[str, Sequence[Recipe]], device: str = "auto"
     (:func:`lab.parallel.gpu_pool.run_on_gpus`; their processes share only the host): the headline recipes
     compile from empty caches, and ablations on GPUs of their own become ``failed`` rows if their launch
     passes ``ablation_deadline_s`` per recipe. Otherwise everything runs one after the other in one launch
-    per configuration (on GPUs, compiling from empty caches). ``rep_ms``: do_bench's budget, or one per
+    per configuration (on GPUs, compiling from empty caches; a configuration of ablations only, its headline
+    rows carried, with the same deadline). ``rep_ms``: do_bench's budget, or one per
     configuration. The matmul ceiling is measured first, on an idle GPU."""
     if not jobs:
         return pd.DataFrame()
@@ -337,16 +368,19 @@ def benchmark_configs(jobs: Mapping[str, Sequence[Recipe]], device: str = "auto"
         kwargs["peak_tflops"] = matmul_ceiling_tflops("cuda")
     kwargs.setdefault("env", allocator_env())
     groups = plan(jobs, gpus)
+
+    def extra(recipes):  # a group of ablations only (led by the book's step again) has a deadline
+        ablations = recipes[0].name == ABLATION_BASE
+        return dict(deadline_s=ablation_deadline_s * len(recipes)) if ablations else dict(fresh_cache=bool(gpus))
+
     if not gpus or sum(c.world_size for c in configs.values()) > gpus or len(groups) < 2:
-        return pd.concat([benchmark(name, recipes, device=device, rep_ms=budget[name], fresh_cache=bool(gpus),
-                                    **kwargs) for name, recipes in jobs.items()], ignore_index=True)
+        return pd.concat([benchmark(name, recipes, device=device, rep_ms=budget[name], **extra(recipes), **kwargs)
+                          for name, recipes in jobs.items()], ignore_index=True)
     from lab.parallel.gpu_pool import run_on_gpus
 
     def job(name, recipes):
-        ablations = recipes[0].name == ABLATION_BASE
-        extra = dict(deadline_s=ablation_deadline_s * len(recipes)) if ablations else dict(fresh_cache=True)
         return configs[name].world_size, lambda first: benchmark(name, recipes, device=device, first_gpu=first,
-                                                                  rep_ms=budget[name], **extra, **kwargs)
+                                                                  rep_ms=budget[name], **extra(recipes), **kwargs)
 
     return pd.concat(run_on_gpus([job(n, r) for n, r in groups], gpus), ignore_index=True)
 

@@ -96,6 +96,44 @@ def test_recipes_whose_processes_miss_the_deadline_are_failed_rows(monkeypatch):
     assert set(df["alloc_conf"]) == {"expandable_segments:True"}
 
 
+def _one_recipe_then_hangs(config, recipes, *args):
+    row = bench.empty_row(config, recipes[0])
+    row.update(step_ms=12.5, step_n=2, timer="host", first_step_s=0.5, wall_s=1.0, peak_gib=2.0 + bench.launcher.rank())
+    bench._finished(row, args[-1])  # the last argument: the launch's progress directory
+    time.sleep(60)
+
+
+@pytest.mark.slow
+def test_rows_finished_before_the_deadline_are_kept(monkeypatch, capfd):
+    monkeypatch.setattr(bench, "fastest_worker", _one_recipe_then_hangs)
+    recipes = [r for r in recipes_for(CONFIGS["tiny"]).values()][:3]
+    df = bench.benchmark("tiny", recipes, device="cpu", profile=False, deadline_s=8)
+    assert list(df["impl"]) == ["project", "stock_eager", "stock_compiled"]
+    assert list(df["status"]) == ["ok", "failed", "failed"] and df["error"].iloc[1:].str.contains("deadline").all()
+    assert df["step_ms"].iloc[0] == 12.5 and df["peak_gib"].iloc[0] == 3.0  # the largest peak over both ranks
+    assert "[fastest] tiny project: ok, 12.5 ms a step (host)" in capfd.readouterr().err  # rank 0's progress line
+
+
+def test_benchmark_configs_gives_ablations_alone_their_deadline(monkeypatch):
+    import pandas as pd
+
+    calls = []
+
+    def fake_benchmark(name, recipes, device, **kwargs):
+        calls.append((name, recipes[0].name, kwargs))
+        return pd.DataFrame([dict(impl=r.name, config=name) for r in recipes])
+
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench.torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(bench, "benchmark", fake_benchmark)
+    ablations = [bench.ablation_base(recipes_for(CONFIGS["leaderboard"])["project"]), *_ablations("leaderboard")]
+    bench.benchmark_configs({"leaderboard": ablations}, device="auto", peak_tflops=1.0, rep_ms=1)
+    assert calls[-1][2]["deadline_s"] == 60 * len(ablations) and "fresh_cache" not in calls[-1][2]
+    bench.benchmark_configs({"leaderboard": list(recipes_for(CONFIGS["leaderboard"]).values())}, device="auto",
+                            peak_tflops=1.0, rep_ms=1)
+    assert calls[-1][2]["fresh_cache"] and "deadline_s" not in calls[-1][2]
+
+
 def test_benchmark_configs_on_four_gpus_runs_the_plan_side_by_side(monkeypatch):
     import pandas as pd
 
