@@ -204,27 +204,43 @@ def _profile(step, trace_dir: str | None, name: str) -> dict:
 
 def _finished(row: dict, progress_dir: str | None) -> dict:
     """A recipe's row as soon as this rank has it: appended to ``progress_dir``'s file of this rank (read
-    back by :func:`benchmark` when the launch misses its deadline) and, on rank 0, one line on stderr."""
+    back by :func:`benchmark` when the launch fails) and, on rank 0, one progress line on stderr."""
     if progress_dir:
         with open(os.path.join(progress_dir, f"rank{launcher.rank()}.jsonl"), "a") as f:
             f.write(json.dumps(row, default=str) + "\n")
     if launcher.rank() == 0:
-        print(f"[fastest] {row['config']} {row['impl']}: {row['status']}, {row['step_ms']:.1f} ms a step "
-              f"({row.get('timer', '?')}), first step {row['first_step_s']:.1f} s, wall {row['wall_s']:.1f} s",
-              file=sys.stderr, flush=True)
+        done = (f"{row['step_ms']:.1f} ms a step ({row['timer']})" if row["status"] == "ok"
+                else str(row["error"]).split(":")[0])
+        print(f"[fastest] {row['config']} {row['impl']}: {row['status']}, {done}; first step "
+              f"{row['first_step_s']:.1f} s", file=sys.stderr, flush=True)
     return row
 
 
-def _salvaged(progress_dir: str, recipes: Sequence[Recipe], world_size: int, config: StepConfig,
-              reason: str) -> list[tuple[dict, ...]]:
-    """Per recipe, the rows every rank finished before its launch failed (:func:`_finished`); the others
-    failed rows with ``reason``."""
+def _salvaged(progress_dir: str, recipes: Sequence[Recipe], world_size: int) -> list[tuple[dict, ...]]:
+    """The leading recipes a failed launch finished (:func:`_finished`), each as its ranks' rows: those every
+    rank finished, and one a rank ran out of memory in (its peers may still have been in its collectives,
+    waiting for it), after which the ranks stop (:func:`fastest_worker`)."""
     per_rank = []
     for r in range(world_size):
         path = Path(progress_dir) / f"rank{r}.jsonl"
         per_rank.append([json.loads(line) for line in path.read_text().splitlines()] if path.exists() else [])
-    return [tuple(rows[i] for rows in per_rank) if all(len(rows) > i for rows in per_rank)
-            else (empty_row(config, recipe, status="failed", error=reason),) for i, recipe in enumerate(recipes)]
+    out = []
+    for i in range(len(recipes)):
+        rows = tuple(rows[i] for rows in per_rank if len(rows) > i)
+        oom = [(r, rows[i]) for r, rows in enumerate(per_rank) if len(rows) > i and rows[i]["status"] == "oom"]
+        if len(rows) < world_size and not oom:
+            break
+        if len(rows) < world_size:  # say which rank ran out: the others never finished the recipe
+            rows = ({**oom[0][1], "error": f"rank {oom[0][0]}: {oom[0][1]['error']}"},)
+        out.append(rows)
+        if oom:
+            break
+    return out
+
+
+class StoppedAfterOOM(RuntimeError):
+    """Raised by a rank of several after a recipe ran out of memory on it: its peers may be waiting in that
+    recipe's collectives, so the launch ends and :func:`benchmark` resumes with the next recipe."""
 
 
 def fastest_worker(config: StepConfig, recipes: list[Recipe], warmup_ms: float, rep_ms: float, profile: bool,
@@ -246,10 +262,22 @@ def fastest_worker(config: StepConfig, recipes: list[Recipe], warmup_ms: float, 
         caches = dict(TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
                       TRITON_CACHE_DIR=os.path.join(cache, "triton")) if cache else {}
         with launcher.environment(caches):  # a torchrun rank is this very process: its environment is restored
-            return [_finished(measure_recipe(config, r, device, warmup_ms, rep_ms, profile and r.name in headline,
-                                             trace_dir, host_steps=0 if r.name in headline else 2,
-                                             host_reference=ablated and r.name == "project"), progress_dir)
-                    for r in recipes]
+            return run_recipes(recipes, lambda r: measure_recipe(
+                config, r, device, warmup_ms, rep_ms, profile and r.name in headline, trace_dir,
+                host_steps=0 if r.name in headline else 2, host_reference=ablated and r.name == "project"),
+                progress_dir)
+
+
+def run_recipes(recipes: Sequence[Recipe], measure, progress_dir: str | None) -> list[dict]:
+    """``measure(recipe)`` of each recipe in turn on this rank, each row :func:`_finished` as it comes; on a
+    rank of several launched processes, a recipe that ran out of memory ends the launch
+    (:class:`StoppedAfterOOM`)."""
+    rows = []
+    for recipe in recipes:
+        rows.append(_finished(measure(recipe), progress_dir))
+        if rows[-1]["status"] == "oom" and launcher.world_size() > 1 and not launcher.is_torchrun():
+            raise StoppedAfterOOM(f"{recipe.name} ran out of memory on rank {launcher.rank()}")
+    return rows
 
 
 def matmul_ceiling_tflops(device: torch.device | str = "cuda", n: int = 8192) -> float:
@@ -278,6 +306,8 @@ def benchmark(config: str | StepConfig, recipes: Sequence[Recipe], world_size: i
 
     The ranks run with ``env`` (default :func:`allocator_env`; ``alloc_conf`` column).
 
+    A recipe that runs out of memory on a rank ends the launch (its peers may wait in its collectives) and
+    the next recipe is measured in new processes (compiling into the default caches).
     ``deadline_s``: ranks that hang or die past it (or fail otherwise) make every recipe they had not
     finished a row of ``status`` ``failed`` (the reason in ``error``) rather than an exception; the rows
     they finished are kept. ``fresh_cache``: the first recipe compiles
@@ -290,17 +320,29 @@ def benchmark(config: str | StepConfig, recipes: Sequence[Recipe], world_size: i
         config = dataclasses.replace(config, world_size=world_size)
 
     env = allocator_env() if env is None else env
-    with tempfile.TemporaryDirectory(prefix="lab_fastest_rows_") as progress:
-        try:
-            per_recipe = list(zip(*launcher.launch(fastest_worker, world_size, config, list(recipes), warmup_ms,
-                                                   rep_ms, profile, trace_dir, tuple(headline), fresh_cache,
-                                                   progress, device=device, timeout_s=timeout_s,
-                                                   deadline_s=deadline_s, first_gpu=first_gpu, env=env)))
-        except launcher.WorkerError as exc:
+    per_recipe: list[tuple[dict, ...]] = []
+    todo, started = list(recipes), time.monotonic()
+    while todo:
+        left = None if deadline_s is None else deadline_s - (time.monotonic() - started)
+        with tempfile.TemporaryDirectory(prefix="lab_fastest_rows_") as progress:
+            try:
+                per_recipe += zip(*launcher.launch(fastest_worker, world_size, config, todo, warmup_ms, rep_ms,
+                                                   profile, trace_dir, tuple(headline),
+                                                   fresh_cache and not per_recipe, progress, device=device,
+                                                   timeout_s=timeout_s, deadline_s=left, first_gpu=first_gpu,
+                                                   env=env))
+                break
+            except launcher.WorkerError as exc:
+                error, finished = exc, _salvaged(progress, todo, world_size)
+                reason = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+        per_recipe += finished
+        todo = todo[len(finished):]
+        resumable = finished and any(r["status"] == "oom" for r in finished[-1])
+        if not resumable or (left is not None and time.monotonic() - started >= deadline_s):
             if deadline_s is None:
-                raise
-            reason = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
-            per_recipe = _salvaged(progress, recipes, world_size, config, reason)
+                raise error
+            per_recipe += [(empty_row(config, r, status="failed", error=reason),) for r in todo]
+            break
     if peak_tflops is None:
         peak_tflops = matmul_ceiling_tflops("cuda") if torch.cuda.is_available() else math.nan
     on_gpu = launcher.resolve_backend(world_size, None, device)[1] == "cuda"

@@ -1,10 +1,12 @@
 """Notebook 10's measurement plumbing: phases from a profiled step, the launch groups of a multi-GPU render,
 running them on disjoint GPUs, and a recipe whose processes fail becoming a row."""
 
+import math
 import threading
 import time
 
 import pytest
+import torch
 
 from lab.bench import fastest as bench
 from lab.parallel.gpu_pool import run_on_gpus
@@ -112,6 +114,36 @@ def test_rows_finished_before_the_deadline_are_kept(monkeypatch, capfd):
     assert list(df["status"]) == ["ok", "failed", "failed"] and df["error"].iloc[1:].str.contains("deadline").all()
     assert df["step_ms"].iloc[0] == 12.5 and df["peak_gib"].iloc[0] == 3.0  # the largest peak over both ranks
     assert "[fastest] tiny project: ok, 12.5 ms a step (host)" in capfd.readouterr().err  # rank 0's progress line
+
+
+def _oom_on_rank_zero_in_the_second(config, recipes, *args):
+    import os
+
+    import torch.distributed as dist
+
+    def measure(recipe):
+        row = bench.empty_row(config, recipe)
+        row.update(step_ms=10.0, step_n=2, timer="host", first_step_s=0.5, wall_s=float(os.getpid()), peak_gib=1.0)
+        if recipe.name == "stock_eager":
+            if bench.launcher.rank() == 0:
+                row.update(status="oom", error="OutOfMemoryError: CUDA out of memory (test)", step_ms=math.nan)
+            else:  # its peer waits in the recipe's collective, which rank 0 never joins
+                dist.all_reduce(torch.ones(1))
+        return row
+
+    return bench.run_recipes(recipes, measure, args[-1])
+
+
+@pytest.mark.slow
+def test_a_recipe_out_of_memory_on_one_rank_ends_its_launch_and_the_next_runs_anew(monkeypatch):
+    monkeypatch.setattr(bench, "fastest_worker", _oom_on_rank_zero_in_the_second)
+    recipes = [r for r in recipes_for(CONFIGS["tiny"]).values()][:3]
+    started = time.monotonic()
+    df = bench.benchmark("tiny", recipes, device="cpu", profile=False, timeout_s=600)
+    assert time.monotonic() - started < 60  # not the 600 s the waiting rank's collective would allow
+    assert list(df["status"]) == ["ok", "oom", "ok"] and df["step_ms"].iloc[[0, 2]].tolist() == [10.0, 10.0]
+    assert df["error"].iloc[1] == "rank 0: OutOfMemoryError: CUDA out of memory (test)"
+    assert df["wall_s"].iloc[0] != df["wall_s"].iloc[2]  # (the process id) the third recipe in new processes
 
 
 def test_benchmark_configs_gives_ablations_alone_their_deadline(monkeypatch):
