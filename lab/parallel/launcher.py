@@ -212,6 +212,7 @@ def _worker(local: int, world: int, port: int, backend: str, device_type: str, t
         # should see this error (the cause), not theirs (the consequence)
         results.put((local, "error", f"{type(exc).__name__}: {exc}", traceback.format_exc(),
                      _is_communication_error(exc)))
+        _sent(results)
         _destroy_quietly()
         return
     # send the result before tearing the group down: a teardown that hangs must not lose it
@@ -220,7 +221,16 @@ def _worker(local: int, world: int, port: int, backend: str, device_type: str, t
     except BaseException as exc:  # noqa: BLE001 - e.g. an unpicklable return value
         results.put((local, "error", f"cannot send the return value back: {type(exc).__name__}: {exc}",
                      traceback.format_exc(), False))
+    _sent(results)
     _destroy_quietly()
+
+
+def _sent(results) -> None:
+    """Wait until what this rank put on the queue is written to its pipe. ``put`` leaves that to a feeder
+    thread, which needs the GIL: a teardown that blocks in C++ holding it (NCCL's, with a peer still inside a
+    collective) would otherwise keep the report from ever leaving, and the caller would wait for nothing."""
+    results.close()
+    results.join_thread()
 
 
 def _destroy_quietly() -> None:

@@ -112,6 +112,23 @@ def test_a_killed_worker_says_how_it_died():
     assert info.value.rank == 1
 
 
+def _raises_then_teardown_blocks_holding_the_gil():
+    import ctypes
+
+    # as NCCL's teardown does with a peer still inside a collective: a C call that keeps the GIL
+    distributed._destroy_quietly = lambda: ctypes.PyDLL(None).sleep(40)
+    raise RuntimeError(f"out of memory on rank {distributed.rank()}")
+
+
+def test_an_error_reaches_the_caller_though_the_teardown_blocks():
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(distributed.WorkerError, match="out of memory on rank"):
+        distributed.launch(_raises_then_teardown_blocks_holding_the_gil, 2, device="cpu", deadline_s=30)
+    assert time.monotonic() - start < 25  # the report left before the teardown, not at the process's exit
+
+
 def test_too_many_cpu_ranks_are_refused():
     with pytest.raises(ValueError, match="CPU ranks on a machine with"):
         distributed.launch(_rank_report, 4 * (os.cpu_count() or 1) + 1, 0.0, device="cpu")
