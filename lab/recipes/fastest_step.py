@@ -11,10 +11,11 @@ The book's recipe (:data:`PROJECT`):
   tokens, head dim 128) our Triton FlashAttention-2 kernels (``lab.kernels.flash_triton``, a
   ``torch.library`` op) take ~1.5x cuDNN's time forward+backward (notebook 05's grid,
   ``tools/flash_gpu_check.py``: 0.68x cuDNN's speed end to end at 1 x 32 x 32k x 128) and in the step cost
-  769 ms of 5.2 s on 4 x H200 (notebook 10 at f78d011); on the 2.7B rung (512 tokens, head dim 80, which
-  our kernels run in masked 128-wide tiles) the same render measured SDPA 11 ms faster per step (host clock,
-  96 against 107 ms; on 1 x H100 at 9002751, with SDPA adopted, our kernels added 49 ms to its 99). The
-  ablation ``flash_triton_attention`` measures the choice again in every render;
+  865 ms of 5.17 s on 2 x H100 (notebook 10 at 6b52155; 769 ms of 5.2 s on 4 x H200 at f78d011); on the
+  2.7B rung (512 tokens, head dim 80, which our kernels run in masked 128-wide tiles) the f78d011 render
+  measured SDPA 11 ms faster per step (host clock, 96 against 107 ms; on 1 x H100 at 9002751, with SDPA
+  adopted, our kernels added 49 ms to its 99). The ablation ``flash_triton_attention`` measures the choice
+  again in every render;
 * **loss**: the fused LM head + cross-entropy (``lab.kernels.fused_cross_entropy``): the ``(tokens, vocab)``
   logits never exist (at the leaderboard's 32k tokens x 152k vocabulary they would be 10 GB in bf16);
 * **sharding**: ``lab.FSDP``, one all-gather and one reduce-scatter per transformer block, prefetching two
@@ -30,7 +31,8 @@ The book's recipe (:data:`PROJECT`):
   gate), which fuses their memory-bound chains of elementwise kernels; the matmuls are cuBLAS either way,
   and compiling whole blocks would trace into FSDP's hooks;
 * **AdamW**: ``torch.optim.AdamW(fused=True)``: one multi-tensor kernel for the whole update (the foreach
-  version launches several kernels per parameter group, the for-loop one per parameter).
+  version launches several kernels per parameter group, the for-loop one per parameter, and keeps
+  temporaries: on 2 x H100 at 6b52155 foreach added 104 ms and 9 GiB to the leaderboard step).
 
 The stock baseline (:data:`STOCK_EAGER`, :data:`STOCK_COMPILED`) is what a PyTorch user writes: FSDP2
 ``fully_shard`` per block and at the root, SDPA, ``torch.utils.checkpoint`` on every block, materialized
