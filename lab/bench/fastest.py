@@ -223,7 +223,8 @@ def _salvaged(progress_dir: str, recipes: Sequence[Recipe], world_size: int) -> 
     per_rank = []
     for r in range(world_size):
         path = Path(progress_dir) / f"rank{r}.jsonl"
-        per_rank.append([json.loads(line) for line in path.read_text().splitlines()] if path.exists() else [])
+        lines = path.read_text().splitlines(keepends=True) if path.exists() else []
+        per_rank.append([json.loads(line) for line in lines if line.endswith("\n")])  # not one cut off mid-write
     out = []
     for i in range(len(recipes)):
         rows = tuple(rows[i] for rows in per_rank if len(rows) > i)
