@@ -13,7 +13,6 @@ import gc
 import json
 import math
 import os
-import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -22,6 +21,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from lab.bench.progress import progress_line
 from lab.measure.device import empty_cache, error_summary, is_oom, synchronize
 from lab.measure.profiling import profile_step
 from lab.measure.timing import time_callable, time_kernel
@@ -204,15 +204,15 @@ def _profile(step, trace_dir: str | None, name: str) -> dict:
 
 def _finished(row: dict, progress_dir: str | None) -> dict:
     """A recipe's row as soon as this rank has it: appended to ``progress_dir``'s file of this rank (read
-    back by :func:`benchmark` when the launch fails) and, on rank 0, one progress line on stderr."""
+    back by :func:`benchmark` when the launch fails) and, on rank 0, a :func:`progress_line`."""
     if progress_dir:
         with open(os.path.join(progress_dir, f"rank{launcher.rank()}.jsonl"), "a") as f:
             f.write(json.dumps(row, default=str) + "\n")
     if launcher.rank() == 0:
         done = (f"{row['step_ms']:.1f} ms a step ({row['timer']})" if row["status"] == "ok"
                 else str(row["error"]).split(":")[0])
-        print(f"[fastest] {row['config']} {row['impl']}: {row['status']}, {done}; first step "
-              f"{row['first_step_s']:.1f} s", file=sys.stderr, flush=True)
+        progress_line(f"fastest step: {row['config']} {row['impl']}: {row['status']}, {done}; first step "
+                      f"{row['first_step_s']:.1f} s")
     return row
 
 

@@ -136,12 +136,13 @@ def run_notebook(notebook: Path, output: Path, parameters: dict, log_output: boo
     return output
 
 
-_BAR = re.compile(r"\d+%\|.*\||\d+(?:\.\d+)?(?:it/s|s/it)\]")
+_BAR = re.compile(r"^\[progress\] |\d+%\|.*\||\d+(?:\.\d+)?(?:it/s|s/it)\]")  # bars and progress lines
 
 
 def strip_progress_bars(executed: Path) -> int:
-    """Remove progress-bar lines (tqdm writes them to stderr) from an executed notebook's stored outputs: a
-    report keeps results, not the terminal's animation. Returns the number of lines removed."""
+    """Remove progress-bar lines (tqdm writes them to stderr) and progress lines
+    (:func:`lab.bench.progress.progress_line`) from an executed notebook's stored outputs: a report keeps
+    results, not the terminal's animation. Returns the number of lines removed."""
     import json
 
     nb = json.loads(Path(executed).read_text())

@@ -113,7 +113,7 @@ def test_rows_finished_before_the_deadline_are_kept(monkeypatch, capfd):
     assert list(df["impl"]) == ["project", "stock_eager", "stock_compiled"]
     assert list(df["status"]) == ["ok", "failed", "failed"] and df["error"].iloc[1:].str.contains("deadline").all()
     assert df["step_ms"].iloc[0] == 12.5 and df["peak_gib"].iloc[0] == 3.0  # the largest peak over both ranks
-    assert "[fastest] tiny project: ok, 12.5 ms a step (host)" in capfd.readouterr().err  # rank 0's progress line
+    assert "[progress] fastest step: tiny project: ok, 12.5 ms a step (host)" in capfd.readouterr().err  # rank 0's
 
 
 def _oom_on_rank_zero_in_the_second(config, recipes, *args):

@@ -43,13 +43,14 @@ def test_progress_bars_are_stripped_from_stored_outputs(tmp_path):
     import json
 
     bars = ["lm sweep:  50%|#####     | 2/4 [00:01<00:01,  1.9it/s]\r",
-            "lm sweep: 100%|##########| 4/4 [00:02<00:00,  1.9it/s]\n"]
+            "lm sweep: 100%|##########| 4/4 [00:02<00:00,  1.9it/s]\n",
+            "[progress] fastest step: tiny project: ok, 12.0 ms a step (host); first step 0.1 s\n"]
     nb = {"cells": [{"cell_type": "code", "outputs": [
         {"output_type": "stream", "name": "stderr", "text": bars},
         {"output_type": "stream", "name": "stderr", "text": ["a real warning\n"]},
         {"output_type": "stream", "name": "stdout", "text": ["50%|kept on stdout|\n"]}]}]}
     path = tmp_path / "nb.ipynb"
     path.write_text(json.dumps(nb))
-    assert render.strip_progress_bars(path) == 2
+    assert render.strip_progress_bars(path) == 3
     outs = json.loads(path.read_text())["cells"][0]["outputs"]
     assert [o["text"] for o in outs] == ["a real warning\n", ["50%|kept on stdout|\n"]]
