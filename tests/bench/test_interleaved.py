@@ -171,3 +171,23 @@ def test_rebuild_frees_a_cycle_that_was_held_at_its_release():
     turn's may be alive."""
     lingering = distributed.launch(_cycle_worker, 2, device="cpu", timeout_s=60, deadline_s=120)
     assert lingering[0] == [0] * 6 and lingering[1] == [0] * 6
+
+
+@pytest.mark.parametrize("allocated,said", [
+    ([3, 3, 0], "3.0 GiB still allocated after closing 'zero'; released within"),  # held a moment, then freed
+    ([3] * 100, "3.0 GiB still allocated after closing 'zero'; 3.0 GiB after"),  # still there: a leak
+])
+def test_memory_left_after_a_turn_is_watched_before_it_is_called_a_leak(monkeypatch, capsys, allocated, said):
+    import torch
+
+    readings = iter([a * 2**30 for a in allocated])
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: next(readings))
+    monkeypatch.setattr(interleaved.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(interleaved, "_release", lambda device: None)
+    interleaved._warn_if_left("zero", torch.device("cuda", 0), baseline=0, wait_s=0.5)
+    err = capsys.readouterr().err
+    assert said in err and err.count("\n") == 1
+    assert ("a leak" in err) == (allocated[-1] == 3)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 2**29)  # half a GiB: nothing said
+    interleaved._warn_if_left("zero", torch.device("cuda", 0), baseline=0)
+    assert capsys.readouterr().err == ""
