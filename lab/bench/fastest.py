@@ -216,17 +216,17 @@ def _finished(row: dict, progress_dir: str | None) -> dict:
     return row
 
 
-def _salvaged(progress_dir: str, recipes: Sequence[Recipe], world_size: int) -> list[tuple[dict, ...]]:
-    """The leading recipes a failed launch finished (:func:`_finished`), each as its ranks' rows: those every
-    rank finished, and one a rank ran out of memory in (its peers may still have been in its collectives,
-    waiting for it), after which the ranks stop (:func:`fastest_worker`)."""
+def _salvaged(progress_dir: str, launched: int, world_size: int) -> list[tuple[dict, ...]]:
+    """The leading recipes of the ``launched`` ones that a failed launch finished (:func:`_finished`), each
+    as its ranks' rows: those every rank finished, and one a rank ran out of memory in (its peers may still
+    have been in its collectives, waiting for it), after which the ranks stop (:func:`fastest_worker`)."""
     per_rank = []
     for r in range(world_size):
         path = Path(progress_dir) / f"rank{r}.jsonl"
         lines = path.read_text().splitlines(keepends=True) if path.exists() else []
         per_rank.append([json.loads(line) for line in lines if line.endswith("\n")])  # not one cut off mid-write
     out = []
-    for i in range(len(recipes)):
+    for i in range(launched):
         rows = tuple(rows[i] for rows in per_rank if len(rows) > i)
         oom = [(r, rows[i]) for r, rows in enumerate(per_rank) if len(rows) > i and rows[i]["status"] == "oom"]
         if len(rows) < world_size and not oom:
@@ -334,12 +334,12 @@ def benchmark(config: str | StepConfig, recipes: Sequence[Recipe], world_size: i
                                                    env=env))
                 break
             except launcher.WorkerError as exc:
-                error, finished = exc, _salvaged(progress, todo, world_size)
+                error, finished = exc, _salvaged(progress, len(todo), world_size)
                 reason = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
         per_recipe += finished
         todo = todo[len(finished):]
         resumable = finished and any(r["status"] == "oom" for r in finished[-1])
-        if not resumable or (left is not None and time.monotonic() - started >= deadline_s):
+        if not resumable or (deadline_s is not None and time.monotonic() - started >= deadline_s):
             if deadline_s is None:
                 raise error
             per_recipe += [(empty_row(config, r, status="failed", error=reason),) for r in todo]

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Sequence
 
 from lab import cli, paths
+from lab.bench.progress import PREFIX as PROGRESS_PREFIX
 from lab.cli import UsageError
 
 NOTEBOOKS_DIR = paths.REPO_ROOT / "notebooks"
@@ -136,7 +137,8 @@ def run_notebook(notebook: Path, output: Path, parameters: dict, log_output: boo
     return output
 
 
-_BAR = re.compile(r"^\[progress\] |\d+%\|.*\||\d+(?:\.\d+)?(?:it/s|s/it)\]")  # bars and progress lines
+# tqdm bars, and the lines of lab.bench.progress.progress_line
+_BAR = re.compile("^" + re.escape(PROGRESS_PREFIX) + r"|\d+%\|.*\||\d+(?:\.\d+)?(?:it/s|s/it)\]")
 
 
 def strip_progress_bars(executed: Path) -> int:
