@@ -3,10 +3,13 @@ averaged over ranks before the optimizer step, so all replicas take the same ste
 
 Four wrappers, from the most obvious to the one that is used in practice. All of them
 
-* broadcast rank 0's parameters and buffers at construction (replicas start identical),
+* take ``process_group`` (a ``ProcessGroup``, a 1-D ``DeviceMesh`` or None for the default group): the ranks
+  that hold the same model and average their gradients. On a 2-D mesh (data x tensor parallel) that is the
+  data-parallel slice, not every rank; every collective, rank and world size below is the group's,
+* broadcast the group's first rank's parameters and buffers at construction (replicas start identical),
 * reduce only parameters that need a gradient, and each ``nn.Parameter`` object once (tied weights that
   are registered under two names are one tensor with one gradient),
-* average: sum over ranks and divide by the world size (the overlapped wrappers divide *before* the sum,
+* average: sum over the group's ranks and divide by its size (the overlapped wrappers divide *before* the sum,
   so no arithmetic is left after backward; for two ranks, or any power of two, both orders give the same
   bits, so all four match single-process training exactly in fp32),
 * expose ``finish_gradient_synchronization()`` (call it after ``backward()``, before ``optimizer.step()``;
@@ -15,7 +18,7 @@ Four wrappers, from the most obvious to the one that is used in practice. All of
 
 Usage, identical for all four::
 
-    model = DDPBucketed(TransformerLM(cfg).to(device), bucket_size_mb=25)
+    model = DDPBucketed(TransformerLM(cfg).to(device), bucket_size_mb=25)  # process_group=mesh["dp"] on a mesh
     loss = loss_fn(model(x_local), y_local)
     loss.backward()
     model.finish_gradient_synchronization()
@@ -36,29 +39,23 @@ import torch.distributed as dist
 from torch import nn
 
 from lab.parallel.hooks import weak_hook
+from lab.parallel.process_groups import GroupLike, broadcast_from_first, resolve_group
 
 
 class _DataParallel(nn.Module):
-    """What the four wrappers share: initial broadcast, the list of parameters to reduce, ``no_sync``."""
+    """What the four wrappers share: the group, initial broadcast, the parameters to reduce, ``no_sync``."""
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, process_group: GroupLike = None):
         super().__init__()
-        if not dist.is_initialized():
-            raise RuntimeError(f"{type(self).__name__} needs a process group; run it under "
-                               "lab.parallel.launcher.launch or torchrun")
+        self.process_group = resolve_group(process_group, type(self).__name__)
         self.module = module
-        self.world_size = dist.get_world_size()
+        self.world_size = dist.get_world_size(self.process_group)
         self._sync = True
         # module.parameters() yields each Parameter object once even when it is registered under several
         # names (tied weights), which is exactly the set of gradients to reduce.
         self.trainable = [p for p in module.parameters() if p.requires_grad]
-        self._broadcast_from_rank0()
-
-    @torch.no_grad()
-    def _broadcast_from_rank0(self) -> None:
         # Frozen parameters and buffers (e.g. RoPE tables) are broadcast too: replicas must be identical.
-        for t in list(self.module.parameters()) + list(self.module.buffers()):
-            dist.broadcast(t.detach(), src=0)
+        broadcast_from_first(list(module.parameters()) + list(module.buffers()), self.process_group)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -99,7 +96,7 @@ class NaiveDDP(_DataParallel):
         for p in self.trainable:
             if p.grad is None:
                 raise self._missing_grad_error([p])
-            dist.all_reduce(p.grad)
+            dist.all_reduce(p.grad, group=self.process_group)
             p.grad.div_(self.world_size)
 
 
@@ -111,8 +108,8 @@ class FlatDDP(_DataParallel):
     The flat buffer (one extra copy of the gradients) is allocated once and reused every step.
     """
 
-    def __init__(self, module: nn.Module):
-        super().__init__(module)
+    def __init__(self, module: nn.Module, process_group: GroupLike = None):
+        super().__init__(module, process_group)
         self._flat: torch.Tensor | None = None
 
     def finish_gradient_synchronization(self) -> None:
@@ -129,7 +126,7 @@ class FlatDDP(_DataParallel):
             self._flat = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype, device=grads[0].device)
         views = self._views(grads)
         torch._foreach_copy_(views, [g.reshape(-1) for g in grads])
-        dist.all_reduce(self._flat)
+        dist.all_reduce(self._flat, group=self.process_group)
         self._flat.div_(self.world_size)
         torch._foreach_copy_([g.view(-1) for g in grads], views)
 
@@ -149,10 +146,10 @@ class DDPIndividualParameters(_DataParallel):
     per-call latency of :class:`NaiveDDP` remains.
     """
 
-    def __init__(self, module: nn.Module):
-        super().__init__(module)
+    def __init__(self, module: nn.Module, process_group: GroupLike = None):
+        super().__init__(module, process_group)
         # NCCL averages inside the collective; gloo has no AVG, so divide first (exact for a power of two).
-        self._nccl_avg = dist.get_backend() == "nccl"
+        self._nccl_avg = dist.get_backend(self.process_group) == "nccl"
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []
         self._launched = 0
         self._hooks = [p.register_post_accumulate_grad_hook(weak_hook(self._on_grad_ready)) for p in self.trainable]
@@ -165,10 +162,10 @@ class DDPIndividualParameters(_DataParallel):
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_gradient_synchronization)
         self._launched += 1
         if self._nccl_avg:
-            work = dist.all_reduce(param.grad, op=dist.ReduceOp.AVG, async_op=True)
+            work = dist.all_reduce(param.grad, op=dist.ReduceOp.AVG, group=self.process_group, async_op=True)
         else:
             param.grad.div_(self.world_size)
-            work = dist.all_reduce(param.grad, async_op=True)
+            work = dist.all_reduce(param.grad, group=self.process_group, async_op=True)
         self._pending.append((work, param))
 
     def finish_gradient_synchronization(self) -> None:
@@ -222,8 +219,8 @@ class DDPBucketed(_DataParallel):
     only waits for the outstanding requests.
     """
 
-    def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0):
-        super().__init__(module)
+    def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0, process_group: GroupLike = None):
+        super().__init__(module, process_group)
         if not bucket_size_mb > 0:
             raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb!r}")
         self.bucket_size_mb = bucket_size_mb
@@ -262,7 +259,7 @@ class DDPBucketed(_DataParallel):
         bucket.ready += 1
         self._seen.add(id(param))
         if bucket.ready == len(bucket.params):
-            bucket.work = dist.all_reduce(bucket.buffer, async_op=True)
+            bucket.work = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
             self._launched += 1
 
     def finish_gradient_synchronization(self) -> None:

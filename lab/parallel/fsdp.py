@@ -30,27 +30,53 @@ How it works here (no change to the model):
   collective (rank r receives its slice of each); these are waited for (at most two stay in flight, each
   holding one layer's full gradients) and their results divided by the world size and accumulated into
   the shards' ``.grad`` (fp32); at the end of backward (an autograd-engine callback) the last ones are
-  finished and replicated gradients are all-reduced and averaged.
+  finished and replicated gradients are all-reduced and averaged (:mod:`lab.parallel.fsdp_grads`).
   :meth:`FSDP.finish_gradient_synchronization` does the same explicitly and is a no-op when the callback
   already ran.
+
+Which ranks: ``process_group`` (None: the default group) is the *shard* group, over which weights are cut,
+gathered and reduce-scattered; on a 2-D mesh (data x tensor parallel) it is the data-parallel slice. With
+``replicate_group`` (or a 2-D ``DeviceMesh`` with dims ("replicate", "shard")) FSDP becomes hybrid sharding,
+HSDP: one sharded copy per shard group, and each shard's gradient is then all-reduced across the replicate
+group, so training matches data parallelism over every rank of both.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
-from lab.parallel import fsdp_layout
-from lab.parallel.collectives import all_gather_tensor, record_collective, reduce_scatter_tensor
-from lab.parallel.fsdp_layout import GatherWeight, Layer, Packed, ShardedWeight, shard_layout, unit_names
+from lab.parallel.collectives import all_gather_tensor, record_collective
+from lab.parallel.fsdp_grads import GradientReducer
+from lab.parallel.fsdp_layout import Layer, Packed, ShardedWeight, full_grads, full_params, shard_layout, unit_names
 from lab.parallel.hooks import weak_hook
+from lab.parallel.process_groups import GroupLike, broadcast_from_first, shard_and_replicate_groups
 
 COMPUTE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
+
+
+class GatherWeight(torch.autograd.Function):
+    """Connects the gathered full weight to its shard in the autograd graph.
+
+    Forward returns the already-gathered flat weight; backward hands its gradient to :class:`FSDP`, which
+    reduce-scatters it (with the rest of its layer's) asynchronously. The shard's gradient is set by FSDP
+    when the reduce-scatter is waited for, not returned here, so that the collective overlaps the rest of
+    the backward.
+    """
+
+    @staticmethod
+    def forward(ctx, shard: torch.Tensor, fsdp: FSDP, weight: ShardedWeight) -> torch.Tensor:
+        ctx.fsdp, ctx.weight = fsdp, weight
+        return fsdp._take_gathered(weight)
+
+    @staticmethod
+    def backward(ctx, grad_flat: torch.Tensor):
+        ctx.fsdp._gradient_ready(ctx.weight, grad_flat)
+        return None, None, None
 
 
 class FSDP(nn.Module):
@@ -67,7 +93,14 @@ class FSDP(nn.Module):
     (None: every child of an ``nn.ModuleList``, i.e. each transformer block; a weight outside them, such as
     the embedding, is a layer on its own; an empty list: every weight-owning module is its own layer).
 
-    Every rank starts from rank 0's parameters and buffers (broadcast at construction). Build the optimizer
+    ``process_group``: the shard group (a ``ProcessGroup``, a 1-D ``DeviceMesh`` or None for the default
+    group); ``replicate_group``: for HSDP, the ranks holding the same shard (see the module docstring).
+    ``process_group`` may instead be a 2-D ``DeviceMesh`` with dims ("replicate", "shard") (unnamed: dim 0
+    replicates, dim 1 shards).
+
+    Every rank starts from the parameters and buffers of the shard group's first rank, and under HSDP those
+    of the replicate group's first rank (broadcast at construction: with groups cut from one rank grid, as a
+    mesh's are, every rank ends with the grid's first rank's values). Build the optimizer
     over ``fsdp.parameters()`` *after* wrapping: it sees the local shards and replicated small parameters.
     Forward and backward are collective calls (all ranks, same model, same order of layers). Tied 2-D
     parameters (one matrix used by two modules) and modules that read another module's weight are not
@@ -76,7 +109,8 @@ class FSDP(nn.Module):
     """
 
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None,
-                 reduce_dtype: torch.dtype | None = None, prefetch: int = 2, unit_modules=None):
+                 reduce_dtype: torch.dtype | None = None, prefetch: int = 2, unit_modules=None,
+                 process_group: GroupLike = None, replicate_group: GroupLike = None):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"FSDP wraps an nn.Module, got {type(module).__name__}")
@@ -86,16 +120,17 @@ class FSDP(nn.Module):
             raise ValueError(f"reduce_dtype must be one of {COMPUTE_DTYPES}, got {reduce_dtype!r}")
         if not 0 <= prefetch <= 2:
             raise ValueError(f"prefetch must be 0, 1 or 2 layers, got {prefetch}")
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("FSDP needs a torch.distributed process group; run inside lab.parallel.launcher.launch")
+        self.shard_group, self.replicate_group = shard_and_replicate_groups(process_group, replicate_group, "FSDP")
         self.module = module
         self.compute_dtype = compute_dtype
         self.reduce_dtype = reduce_dtype
         self.prefetch = prefetch
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        with torch.no_grad():
-            for t in list(module.parameters()) + list(module.buffers()):
-                dist.broadcast(t, src=0)
+        self.rank, self.world = dist.get_rank(self.shard_group), dist.get_world_size(self.shard_group)
+        state = list(module.parameters()) + list(module.buffers())
+        broadcast_from_first(state, self.shard_group)
+        if self.replicate_group is not None:
+            broadcast_from_first(state, self.replicate_group)
+        self._reducer = GradientReducer(self.shard_group, self.replicate_group, reduce_dtype)
         self._layers: list[Layer] = []
         self._weights: dict[str, ShardedWeight] = {}
         self._replicated: list[tuple[str, nn.Parameter]] = []
@@ -119,7 +154,6 @@ class FSDP(nn.Module):
         self._backward_order: list[Layer] = []
         self._backward_position: dict[Layer, int] = {}
         self._backward_started: set[Layer] = set()
-        self._pending_grads: list[tuple[list[ShardedWeight], Any, torch.Tensor, torch.Tensor]] = []
         self._callback_queued = False
         self._needs_sync = False
         # memory probes: weak references to every gathered full weight (with its layer), and the most layers
@@ -163,7 +197,7 @@ class FSDP(nn.Module):
             torch.cat(shards, out=send)  # this rank's slice of every weight, cast on the way
         out = torch.empty(self.world * layer.shard_numel, dtype=dtype, device=send.device)
         record_collective("all_gather", out)
-        layer.pending = (all_gather_tensor(out, send, async_op=True), out, send)
+        layer.pending = (all_gather_tensor(out, send, group=self.shard_group, async_op=True), out, send)
 
     def _complete_gather(self, layer: Layer) -> None:
         """Wait for ``layer``'s all-gather and unpack it into one padded flat buffer per weight."""
@@ -348,7 +382,7 @@ class FSDP(nn.Module):
         gradient, start the layer's reduce-scatter."""
         self._mark_backward()
         w.gathered = None
-        grad = grad_flat.to(self.reduce_dtype or w.shard.dtype)
+        grad = grad_flat.to(self._reducer.grad_dtype(w))
         if grad.numel() != w.padded:
             raise RuntimeError(f"gradient of {w.name} has {grad.numel()} elements, expected {w.padded}")
         layer = w.layer
@@ -356,38 +390,7 @@ class FSDP(nn.Module):
         layer.grads[w.index] = grad if previous is None else previous + grad  # a weight used twice
         layer.received += 1
         if layer.received >= layer.expected:
-            self._reduce_scatter(layer)
-
-    def _reduce_scatter(self, layer: Layer) -> None:
-        """One reduce-scatter for the gradients ``layer`` has collected (rank r receives its slice of each)."""
-        order = sorted(layer.grads)
-        weights = [layer.weights[i] for i in order]
-        grads = [layer.grads[i] for i in order]
-        layer.grads, layer.expected, layer.received = {}, 0, 0
-        if len(grads) == 1:
-            send = grads[0].contiguous()
-        else:  # (rank, concatenated slices): rank r's slice of every gradient side by side
-            send = torch.cat([g.view(self.world, -1) for g in grads], dim=1).view(-1)
-        out = torch.empty(send.numel() // self.world, dtype=send.dtype, device=send.device)
-        record_collective("reduce_scatter", send)
-        work = reduce_scatter_tensor(out, send, async_op=True)
-        self._pending_grads.append((weights, work, out, send))
-        # Keep at most two reduce-scatters in flight: a pending one holds its layer's full-size gradients,
-        # and letting them pile up until the end of backward would hold the whole model's gradient at once.
-        while len(self._pending_grads) > 2:
-            self._finish_reduce_scatter(*self._pending_grads.pop(0))
-
-    def _finish_reduce_scatter(self, weights: list[ShardedWeight], work, out: torch.Tensor,
-                               send: torch.Tensor) -> None:
-        work.wait()
-        with torch.no_grad():
-            out = out.to(weights[0].shard.dtype)
-            out.div_(self.world)
-            for w, part in zip(weights, out.split([w.shard_numel for w in weights])):
-                if w.shard.grad is None:
-                    w.shard.grad = part
-                else:
-                    w.shard.grad.add_(part)
+            self._reducer.reduce_layer(layer)
 
     def _synchronize(self) -> None:
         if not self._needs_sync:
@@ -395,28 +398,11 @@ class FSDP(nn.Module):
         self._needs_sync = False
         for layer in self._layers:  # gradients still owed by a layer whose other weights got none (or were unused)
             if layer.grads:
-                self._reduce_scatter(layer)
+                self._reducer.reduce_layer(layer)
             layer.expected = layer.received = 0
-        for pending in self._pending_grads:
-            self._finish_reduce_scatter(*pending)
-        self._pending_grads = []
-        with torch.no_grad():
-            # Replicated parameters: one all-reduce of their flattened gradients (missing ones count as 0).
-            params = [p for _, p in self._replicated if p.requires_grad]
-            if params:
-                grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-                flat = torch.cat([g.reshape(-1) for g in grads])
-                record_collective("all_reduce", flat)
-                dist.all_reduce(flat)
-                flat.div_(self.world)
-                offset = 0
-                for p in params:
-                    g = flat[offset:offset + p.numel()].view_as(p)
-                    offset += p.numel()
-                    if p.grad is None:
-                        p.grad = g.clone()
-                    else:
-                        p.grad.copy_(g)
+        self._reducer.finish()
+        # Replicated parameters: one all-reduce (per group) of their flattened gradients.
+        self._reducer.reduce_replicated([p for _, p in self._replicated if p.requires_grad])
         for layer in self._layers:  # gathered for backward but never needed (e.g. a frozen branch)
             self._release_layer(layer)
 
@@ -432,12 +418,12 @@ class FSDP(nn.Module):
 
     def gather_full_params(self) -> dict[str, torch.Tensor]:
         """Every parameter of the wrapped module at full size and fp32: name -> tensor (a collective call)."""
-        return fsdp_layout.full_params(self.module, self._weights)
+        return full_params(self.module, self._weights, self.shard_group)
 
     def gather_full_grads(self) -> dict[str, torch.Tensor]:
         """Every parameter's averaged gradient at full size: name -> tensor (None where there is none; a
         collective call). For checking against a single-process step."""
-        return fsdp_layout.full_grads(self.module, self._weights)
+        return full_grads(self.module, self._weights, self.shard_group)
 
     def sharded_parameter_names(self) -> list[str]:
         """Names of the parameters stored as shards (the 2-D ones)."""

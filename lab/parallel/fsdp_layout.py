@@ -1,24 +1,27 @@
-"""The pieces :class:`lab.parallel.fsdp.FSDP` is built from: one sharded weight, the layer that is gathered
-and reduce-scattered as a unit, the key autograd stores instead of a gathered weight, and the autograd
-function that connects a gathered weight to its shard.
+"""The data :class:`lab.parallel.fsdp.FSDP` is built from: one sharded weight, the layer that is gathered
+and reduce-scattered as a unit, the key autograd stores instead of a gathered weight, how a module's
+weights are cut into shards and layers, and full tensors gathered back from the shards.
+
+Nothing here knows the FSDP wrapper (its autograd function lives with it, in :mod:`lab.parallel.fsdp`), so
+imports run one way: ``fsdp`` -> ``fsdp_grads`` -> ``fsdp_layout``. Ranks and world sizes here are those of
+the *shard* group.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lab.parallel.collectives import all_gather_tensor
 
-if TYPE_CHECKING:
-    from lab.parallel.fsdp import FSDP
-
 
 class ShardedWeight:
-    """One 2-D parameter: its fp32 shard, and the gathered full weight while it is in use."""
+    """One 2-D parameter: its fp32 shard (slice ``rank`` of ``world``: the shard group's), and the gathered full
+    weight while it is in use."""
 
     def __init__(self, module: nn.Module, attr: str, name: str, param: nn.Parameter, rank: int, world: int):
         self.module, self.attr, self.name = module, attr, name
@@ -65,26 +68,6 @@ class Packed:
 
     def __init__(self, weight: ShardedWeight, t: torch.Tensor):
         self.weight, self.size, self.stride, self.offset = weight, t.size(), t.stride(), t.storage_offset()
-
-
-class GatherWeight(torch.autograd.Function):
-    """Connects the gathered full weight to its shard in the autograd graph.
-
-    Forward returns the already-gathered flat weight; backward hands its gradient to :class:`FSDP`, which
-    reduce-scatters it (with the rest of its layer's) asynchronously. The shard's gradient is set by FSDP
-    when the reduce-scatter is waited for, not returned here, so that the collective overlaps the rest of
-    the backward.
-    """
-
-    @staticmethod
-    def forward(ctx, shard: torch.Tensor, fsdp: FSDP, weight: ShardedWeight) -> torch.Tensor:
-        ctx.fsdp, ctx.weight = fsdp, weight
-        return fsdp._take_gathered(weight)
-
-    @staticmethod
-    def backward(ctx, grad_flat: torch.Tensor):
-        ctx.fsdp._gradient_ready(ctx.weight, grad_flat)
-        return None, None, None
 
 
 def unit_names(module: nn.Module, unit_modules) -> list[str]:
@@ -141,28 +124,33 @@ def shard_layout(module: nn.Module, unit_names: list[str], rank: int, world: int
 # ---- inspection: full tensors from the shards ------------------------------------------------------------
 
 
-def unshard(w: ShardedWeight, shard: torch.Tensor) -> torch.Tensor:
-    """``shard`` (this rank's part of ``w``, or of its gradient) all-gathered to ``w``'s full shape."""
+def unshard(w: ShardedWeight, shard: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """``shard`` (this rank's part of ``w``, or of its gradient) all-gathered over the shard ``group`` to
+    ``w``'s full shape."""
     flat = torch.empty(w.padded, dtype=shard.dtype, device=shard.device)
-    all_gather_tensor(flat, shard.detach().contiguous())
+    all_gather_tensor(flat, shard.detach().contiguous(), group=group)
     return flat[:w.numel].view(w.shape).clone()
 
 
 @torch.no_grad()
-def full_params(module: nn.Module, weights: dict[str, ShardedWeight]) -> dict[str, torch.Tensor]:
-    """Every parameter of ``module`` at full size (sharded ones gathered): name -> tensor (a collective call)."""
-    return {name: p.detach().clone() if name not in weights else unshard(weights[name], weights[name].shard)
-            for name, p in module.named_parameters()}
+def full_params(module: nn.Module, weights: dict[str, ShardedWeight],
+                group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
+    """Every parameter of ``module`` at full size (sharded ones gathered over the shard ``group``): name ->
+    tensor (a collective call)."""
+    return {name: p.detach().clone() if name not in weights else
+            unshard(weights[name], weights[name].shard, group) for name, p in module.named_parameters()}
 
 
 @torch.no_grad()
-def full_grads(module: nn.Module, weights: dict[str, ShardedWeight]) -> dict[str, torch.Tensor | None]:
-    """Every parameter's gradient at full size (sharded ones gathered; None where a replicated one has none)."""
+def full_grads(module: nn.Module, weights: dict[str, ShardedWeight],
+               group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor | None]:
+    """Every parameter's gradient at full size (sharded ones gathered over the shard ``group``; None where a
+    replicated one has none)."""
     out: dict[str, torch.Tensor | None] = {}
     for name, p in module.named_parameters():
         w = weights.get(name)
         if w is None:
             out[name] = None if p.grad is None else p.grad.detach().clone()
         else:
-            out[name] = unshard(w, w.shard.grad if w.shard.grad is not None else torch.zeros_like(w.shard))
+            out[name] = unshard(w, w.shard.grad if w.shard.grad is not None else torch.zeros_like(w.shard), group)
     return out

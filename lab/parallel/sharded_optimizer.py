@@ -16,6 +16,11 @@ Two schedules live in the lab book:
 
 :func:`optimizer_traffic` gives the bytes per rank per step of each schedule in closed form, and
 :class:`TrafficLog` records what the implementations actually send, so tests can check one against the other.
+
+Both take ``process_group`` (a ``ProcessGroup``, a 1-D ``DeviceMesh`` or None for the default group): the
+data-parallel ranks that share the state. On a 2-D mesh that is the data-parallel slice; owners, chunks,
+world sizes and every collective are the group's. :func:`check_optimizer_cls` and :func:`hyperparameters`
+are the helpers both optimizers use to build their inner optimizer.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import torch.distributed as dist
 
 from lab.accounting.collectives import ring_bytes_per_rank
 from lab.parallel.collectives import TrafficLog, record_collective  # noqa: F401 - re-exported
+from lab.parallel.process_groups import GroupLike, global_rank, rank_and_size, resolve_group
 
 
 def optimizer_traffic(num_elements: int | Sequence[int], world_size: int, element_bytes: int = 4) -> pd.DataFrame:
@@ -64,20 +70,17 @@ def optimizer_traffic(num_elements: int | Sequence[int], world_size: int, elemen
     return df
 
 
-def _require_process_group() -> tuple[int, int]:
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("sharded optimizers need a torch.distributed process group; run inside "
-                           "lab.parallel.launcher.launch (or call torch.distributed.init_process_group first)")
-    return dist.get_rank(), dist.get_world_size()
-
-
-def _check_optimizer_cls(optimizer_cls: Any) -> None:
+def check_optimizer_cls(optimizer_cls: Any) -> None:
+    """Raise a one-line ``TypeError`` unless ``optimizer_cls`` is a ``torch.optim.Optimizer`` subclass (the
+    class a sharded optimizer instantiates over its share of the parameters)."""
     if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
         raise TypeError(f"optimizer_cls must be a torch.optim.Optimizer subclass (e.g. torch.optim.AdamW), "
                         f"got {optimizer_cls!r}")
 
 
-def _hyperparameters(group: dict) -> dict:
+def hyperparameters(group: dict) -> dict:
+    """A parameter group's hyperparameters: the group without its ``params`` (and ``param_names``), i.e. what
+    an outer sharded optimizer copies into its inner optimizer's matching group at every step."""
     return {k: v for k, v in group.items() if k not in ("params", "param_names")}
 
 
@@ -122,6 +125,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     are one chunk large instead of the whole share. This assumes, as sharding itself does, that the inner
     optimizer updates each parameter independently (true for torch.optim's SGD, Adam, AdamW, ...).
 
+    ``process_group`` (keyword): the ranks sharing the state (see the module docstring); owners are ranks
+    within it, and each broadcast's source is converted to the owner's global rank.
+
     Checkpoints: :meth:`state_dict` gathers every rank's state and returns the *unsharded* optimizer's
     ``state_dict`` (the format ``optimizer_cls`` itself uses: state by global parameter index in
     ``param_groups`` order), identical on all ranks, with state tensors on the CPU. Save it from rank 0.
@@ -131,16 +137,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, params: Iterable, optimizer_cls: type[torch.optim.Optimizer], *, chunk_size_mb: float = 200,
-                 **kwargs):
-        _check_optimizer_cls(optimizer_cls)
+                 process_group: GroupLike = None, **kwargs):
+        check_optimizer_cls(optimizer_cls)
         if chunk_size_mb <= 0:
             raise ValueError(f"chunk_size_mb must be positive, got {chunk_size_mb}")
-        self._rank, self._world = _require_process_group()
+        self._group = resolve_group(process_group, type(self).__name__)
+        self._rank, self._world = rank_and_size(self._group)
         self._optimizer_cls = optimizer_cls
         self._inner_kwargs = kwargs
         self._chunk_bytes = int(chunk_size_mb * 2**20)
         self._loads = [0] * self._world  # elements owned by each rank so far
-        self._owner: dict[torch.Tensor, int] = {}  # parameter -> owning rank (tensors hash by identity)
+        self._owner: dict[torch.Tensor, int] = {}  # parameter -> owning rank in the group (tensors hash by identity)
         self.inner: torch.optim.Optimizer | None = None
         # The base constructor validates ``params`` and calls self.add_param_group for every group.
         super().__init__(params, defaults=dict(kwargs))
@@ -161,7 +168,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         mine = [i for i, r in enumerate(owners) if r == self._rank]
         for p, r in zip(params, owners):
             self._owner[p] = r
-        local = {**_hyperparameters(group), "params": [params[i] for i in mine]}
+        local = {**hyperparameters(group), "params": [params[i] for i in mine]}
         if "param_names" in group:
             local["param_names"] = [group["param_names"][i] for i in mine]
         if self.inner is None:
@@ -169,11 +176,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         else:
             self.inner.add_param_group(local)
         # The inner optimizer filled in its own defaults (betas, eps, ...): show them in the outer group too.
-        for k, v in _hyperparameters(self.inner.param_groups[-1]).items():
+        for k, v in hyperparameters(self.inner.param_groups[-1]).items():
             group.setdefault(k, v)
 
     def owner(self, param: torch.Tensor) -> int:
-        """The rank that updates ``param`` and broadcasts it."""
+        """The rank (within the process group) that updates ``param`` and broadcasts it."""
         return self._owner[param]
 
     def local_numel(self) -> int:
@@ -184,7 +191,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _sync_hyperparameters(self) -> None:
         for outer, inner in zip(self.param_groups, self.inner.param_groups):
-            for k, v in _hyperparameters(outer).items():
+            for k, v in hyperparameters(outer).items():
                 inner[k] = v
 
     @torch.no_grad()
@@ -216,7 +223,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 # Same order on every rank; each runs while the next chunk is being updated.
                 for p in chunk:
                     record_collective("broadcast", p)
-                    handles.append(dist.broadcast(p.detach(), src=self._owner[p], async_op=True))
+                    src = global_rank(self._group, self._owner[p])  # broadcast's src is a global rank
+                    handles.append(dist.broadcast(p.detach(), src=src, group=self._group, async_op=True))
         finally:
             for p, g in grads.items():
                 p.grad = g
@@ -249,11 +257,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         local = {index[p]: {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in s.items()}
                  for p, s in self.inner.state.items()}
         parts: list[Any] = [None] * self._world
-        dist.all_gather_object(parts, local)
+        dist.all_gather_object(parts, local, group=self._group)
         state: dict[int, Any] = {}
         for part in parts:
             state.update(part)
-        groups = [{**_hyperparameters(g), "params": [index[p] for p in g["params"]],
+        groups = [{**hyperparameters(g), "params": [index[p] for p in g["params"]],
                    **({"param_names": list(g["param_names"])} if "param_names" in g else {})}
                   for g in self.param_groups]
         return {"state": dict(sorted(state.items())), "param_groups": groups}
@@ -277,7 +285,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         saved_id = {p: sid for saved, group in zip(saved_groups, self.param_groups)
                     for p, sid in zip(group["params"], saved["params"])}
         for saved, group in zip(saved_groups, self.param_groups):
-            group.update(_hyperparameters(saved))
+            group.update(hyperparameters(saved))
         inner_groups, inner_state, local_index = [], {}, 0
         for saved, inner_group in zip(saved_groups, self.inner.param_groups):
             ids = []
@@ -286,7 +294,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     inner_state[local_index] = state_dict["state"][saved_id[p]]
                 ids.append(local_index)
                 local_index += 1
-            g = {**_hyperparameters(saved), "params": ids}
+            g = {**hyperparameters(saved), "params": ids}
             if "param_names" in inner_group:
                 g["param_names"] = list(inner_group["param_names"])
             inner_groups.append(g)

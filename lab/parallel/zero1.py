@@ -15,6 +15,10 @@ bucket (post-accumulate-grad hooks), its reduce-scatter is launched *in place*, 
 backward pass as DDP's bucketed all-reduce does; buckets are numbered from the last parameters, which get
 their gradients first. The caller must **not** all-reduce the gradients (no DDP wrapper): this optimizer
 is the data-parallel gradient synchronization.
+
+``process_group`` (a ``ProcessGroup``, a 1-D ``DeviceMesh`` or None for the default group) is the set of
+data-parallel ranks this synchronization runs over; on a 2-D mesh, the data-parallel slice. Ranks, chunk
+counts, the initial broadcast and every collective are the group's.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ from torch import nn
 
 from lab.parallel.collectives import all_gather_tensor, record_collective, reduce_scatter_tensor
 from lab.parallel.hooks import weak_hook
-from lab.parallel.sharded_optimizer import _check_optimizer_cls, _hyperparameters, _require_process_group
+from lab.parallel.process_groups import GroupLike, broadcast_from_first, rank_and_size, resolve_group
+from lab.parallel.sharded_optimizer import check_optimizer_cls, hyperparameters
 
 
 class _Bucket:
@@ -51,7 +56,8 @@ class _Bucket:
 class _FlatGroup:
     """One parameter group's parameters and gradients as views into two bucketed flat buffers."""
 
-    def __init__(self, params: list[torch.Tensor], rank: int, world: int, bucket_bytes: int):
+    def __init__(self, params: list[torch.Tensor], rank: int, world: int, bucket_bytes: int,
+                 group: dist.ProcessGroup | None):
         kinds = {(p.dtype, p.device) for p in params}
         if len(kinds) > 1:
             raise ValueError(f"ZeRO-1 flattens each parameter group into one buffer, so a group's parameters must "
@@ -94,10 +100,10 @@ class _FlatGroup:
         with torch.no_grad():
             for p in params:
                 self.param_view(p).copy_(p.detach().reshape(-1))
-            # Every rank starts from rank 0's parameters (as DDP does at construction).
+            # Every rank starts from the group's first rank's parameters (as DDP does at construction).
             if self.padded:
                 record_collective("broadcast", self.flat_param)
-                dist.broadcast(self.flat_param, src=0)
+                broadcast_from_first([self.flat_param], group)
             for p in params:
                 p.data = self.param_view(p).view_as(p)
                 if p.grad is not None:
@@ -134,7 +140,8 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
     for any optimizer (each group must share one dtype and device). ``bucket_size_mb`` (keyword, default 100)
     sets the reduce-scatter granularity; ``overlap=False`` waits for :meth:`step` to reduce-scatter
     everything. Construction moves each group's parameters into a flat buffer (their ``.data`` become
-    views of it) and broadcasts rank 0's values.
+    views of it) and broadcasts the values of the process group's first rank. ``process_group`` (keyword):
+    the data-parallel ranks (see the module docstring).
 
     Use it *instead of* a DDP wrapper: run forward and backward on the local batch, then call :meth:`step`
     on every rank (it waits for the reduce-scatters, divides by the world size, updates this rank's chunks
@@ -151,11 +158,12 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, params: Iterable, optimizer_cls: type[torch.optim.Optimizer], *, bucket_size_mb: float = 100,
-                 overlap: bool = True, **kwargs):
-        _check_optimizer_cls(optimizer_cls)
+                 overlap: bool = True, process_group: GroupLike = None, **kwargs):
+        check_optimizer_cls(optimizer_cls)
         if bucket_size_mb <= 0:
             raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
-        self._rank, self._world = _require_process_group()
+        self._group = resolve_group(process_group, type(self).__name__)
+        self._rank, self._world = rank_and_size(self._group)
         self._optimizer_cls = optimizer_cls
         self._inner_kwargs = kwargs
         self._bucket_bytes = int(bucket_size_mb * 2**20)
@@ -171,19 +179,19 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
         """Add a group: its parameters get their own flat buffers and the inner optimizer one more group."""
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        flat = _FlatGroup(group["params"], self._rank, self._world, self._bucket_bytes)
+        flat = _FlatGroup(group["params"], self._rank, self._world, self._bucket_bytes, self._group)
         self._flat.append(flat)
         self._order.extend(flat.buckets)
         for p in flat.params:
             # weakly held, with the group's index rather than the group (which holds the parameters): see
             # lab.parallel.hooks
             p.register_post_accumulate_grad_hook(weak_hook(self._on_grad_ready, len(self._flat) - 1))
-        local = {**_hyperparameters(group), "params": [b.shard for b in flat.buckets]}
+        local = {**hyperparameters(group), "params": [b.shard for b in flat.buckets]}
         if self.inner is None:
             self.inner = self._optimizer_cls([local], **self._inner_kwargs)
         else:
             self.inner.add_param_group(local)
-        for k, v in _hyperparameters(self.inner.param_groups[-1]).items():
+        for k, v in hyperparameters(self.inner.param_groups[-1]).items():
             group.setdefault(k, v)
 
     def local_numel(self) -> int:
@@ -208,7 +216,8 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
         full = flat.flat_grad[bucket.start:bucket.start + bucket.padded]
         record_collective("reduce_scatter", full)
         # In place: this rank's chunk of the bucket receives the sum of everyone's chunk.
-        bucket.handle = reduce_scatter_tensor(flat.flat_grad[bucket.lo:bucket.hi], full, async_op=True)
+        bucket.handle = reduce_scatter_tensor(flat.flat_grad[bucket.lo:bucket.hi], full, group=self._group,
+                                              async_op=True)
 
     def _launch_ready(self) -> None:
         # Strictly in bucket order, so every rank issues the same sequence of collectives.
@@ -259,7 +268,7 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
             bucket.ready = len(bucket.params)
         self._launch_ready()
         for outer, inner in zip(self.param_groups, self.inner.param_groups):
-            inner.update(_hyperparameters(outer))
+            inner.update(hyperparameters(outer))
         # Bucket by bucket: wait for its reduce-scatter, update its chunk (the inner optimizer sees only this
         # chunk's gradient, so a foreach optimizer's temporaries are one chunk large), then launch its
         # all-gather, which runs while the next bucket is updated.
@@ -278,7 +287,8 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
                 bucket.shard.grad = None
                 full = flat.flat_param[bucket.start:bucket.start + bucket.padded]
                 record_collective("all_gather", full)
-                handles.append(all_gather_tensor(full, flat.flat_param[bucket.lo:bucket.hi], async_op=True))
+                handles.append(all_gather_tensor(full, flat.flat_param[bucket.lo:bucket.hi], group=self._group,
+                                                 async_op=True))
         for h in handles:
             h.wait()
         for bucket in self._order:
@@ -297,7 +307,7 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
         index = 0
         groups = []
         for g in self.param_groups:
-            groups.append({**_hyperparameters(g), "params": list(range(index, index + len(g["params"])))})
+            groups.append({**hyperparameters(g), "params": list(range(index, index + len(g["params"])))})
             index += len(g["params"])
         return {"format": "zero1-shard", "world_size": self._world, "rank": self._rank,
                 "bucket_numels": self._layout(), "state": inner["state"], "param_groups": groups}
@@ -312,10 +322,10 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
             raise ValueError(f"state_dict was saved with (world_size, rank, bucket sizes) = {layout}, this "
                              f"optimizer has {mine}")
         for saved, group in zip(state_dict["param_groups"], self.param_groups):
-            group.update(_hyperparameters(saved))
+            group.update(hyperparameters(saved))
         inner_groups, index = [], 0
         for saved, inner in zip(state_dict["param_groups"], self.inner.param_groups):
             ids = list(range(index, index + len(inner["params"])))
-            inner_groups.append({**_hyperparameters(saved), "params": ids})
+            inner_groups.append({**hyperparameters(saved), "params": ids})
             index += len(inner["params"])
         self.inner.load_state_dict({"state": state_dict["state"], "param_groups": inner_groups})
