@@ -2,8 +2,10 @@
 data-parallel wrappers, optimizer-state sharding, ZeRO-1 and FSDP.
 
 One file per idea, each readable top to bottom (picotron style): ``launcher`` (run a function on N ranks,
-spawned or under torchrun), ``collectives`` (the primitives and their bandwidth arithmetic), ``ddp``,
-``sharded_optimizer``, ``zero1``, ``fsdp``.
+spawned or under torchrun), ``collectives`` (the primitives and their bandwidth arithmetic),
+``process_groups`` (which ranks a wrapper talks to: a group, a DeviceMesh or the default group), ``ddp``,
+``sharded_optimizer``, ``zero1``, ``fsdp`` (with ``fsdp_layout``, its data, and ``fsdp_grads``, its
+gradient collectives, hybrid sharding included).
 
 May import: torch, ``lab.measure``, ``lab.accounting`` (the collective cost model).
 """

@@ -28,7 +28,7 @@ How it works here (no change to the model):
   reverse order), and each gathered copy is dropped as soon as its weight's gradient has been produced;
 * once every weight of a layer has its gradient, the layer's gradients are reduce-scattered in one
   collective (rank r receives its slice of each); these are waited for (at most two stay in flight, each
-  holding one layer's full gradients) and their results divided by the world size and accumulated into
+  holding one layer's full gradients) and their results divided by the number of ranks and accumulated into
   the shards' ``.grad`` (fp32); at the end of backward (an autograd-engine callback) the last ones are
   finished and replicated gradients are all-reduced and averaged (:mod:`lab.parallel.fsdp_grads`).
   :meth:`FSDP.finish_gradient_synchronization` does the same explicitly and is a no-op when the callback
@@ -97,6 +97,8 @@ class FSDP(nn.Module):
     group); ``replicate_group``: for HSDP, the ranks holding the same shard (see the module docstring).
     ``process_group`` may instead be a 2-D ``DeviceMesh`` with dims ("replicate", "shard") (unnamed: dim 0
     replicates, dim 1 shards).
+
+    ``rank`` and ``world`` are this rank's position in, and the size of, the shard group.
 
     Every rank starts from the parameters and buffers of the shard group's first rank, and under HSDP those
     of the replicate group's first rank (broadcast at construction: with groups cut from one rank grid, as a

@@ -130,7 +130,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     Checkpoints: :meth:`state_dict` gathers every rank's state and returns the *unsharded* optimizer's
     ``state_dict`` (the format ``optimizer_cls`` itself uses: state by global parameter index in
-    ``param_groups`` order), identical on all ranks, with state tensors on the CPU. Save it from rank 0.
+    ``param_groups`` order), identical on all ranks, with state tensors on the CPU. Save it from one rank.
     :meth:`load_state_dict` takes that format (from this class or from a plain ``optimizer_cls``) and keeps
     each rank's share, so a checkpoint can be restored on another world size. ``state_dict`` is a
     collective call (every rank must call it); ``load_state_dict`` does not communicate.
