@@ -12,8 +12,9 @@ For times (lower is better) an interval entirely below 1 says "faster", entirely
 interval that contains 1 says "within noise". A goal ("at most 0.8x the baseline") is met only when the
 whole interval is within the goal, missed when the whole interval is outside it, and otherwise undecided.
 A measurement with fewer than two samples has no measured spread, so no claim can rest on it, and a
-difference no wider than either side's own scatter (standard deviation) is "within noise" whatever the
-interval says: a spread as wide as the effect decides nothing.
+difference no wider than either side's own scatter (its standard deviation; for samples the robust one
+from the median absolute deviation, so one outlier does not hide a clear gap) is "within noise" whatever
+the interval says: a spread as wide as the effect decides nothing.
 """
 
 from __future__ import annotations
@@ -99,6 +100,12 @@ def _spread_covers_effect(typical: float, ref_typical: float, spread: float, ref
     return abs(typical - ref_typical) <= max(spread, ref_spread)
 
 
+def _robust_spread(x: np.ndarray) -> float:
+    """A standard deviation that one outlier cannot inflate: 1.4826 x the median absolute deviation (equal to
+    the standard deviation for normal samples), to go with the medians :func:`compare` compares."""
+    return float(1.4826 * np.median(np.abs(x - np.median(x))))
+
+
 def compare(subject: Sequence[float], reference: Sequence[float], lower_is_better: bool = True,
             confidence: float = CONFIDENCE, n_boot: int = 4000, seed: int = 0) -> Comparison:
     """Compare two sets of samples (e.g. step times in ms) by the ratio of their medians, with a bootstrap
@@ -116,7 +123,7 @@ def compare(subject: Sequence[float], reference: Sequence[float], lower_is_bette
     tail = (1 - confidence) / 2
     low, high = (float(v) for v in np.quantile(ra / rb, [tail, 1 - tail]))
     verdict = _verdict(low, high, lower_is_better)
-    if _spread_covers_effect(np.median(a), np.median(b), a.std(ddof=1), b.std(ddof=1)):
+    if _spread_covers_effect(np.median(a), np.median(b), _robust_spread(a), _robust_spread(b)):
         verdict = "within noise"
     return Comparison(ratio, low, high, verdict, lower_is_better)
 

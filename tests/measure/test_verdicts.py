@@ -67,12 +67,14 @@ def test_goals_met_missed_undecided():
 
 def test_a_spread_as_wide_as_the_effect_is_within_noise():
     # four samples each: the bootstrap interval of the ratio excludes 1, but the reference scatters by more
-    # (std ~ 145 ms) than the gap between the medians (~ 120 ms)
-    subject, reference = [100.0, 101.0, 102.0, 103.0], [200.0, 210.0, 220.0, 500.0]
+    # (robust std 1.4826 x 95 = 141 ms) than the gap between the medians (123.5 ms)
+    subject, reference = [100.0, 101.0, 102.0, 103.0], [110.0, 150.0, 300.0, 400.0]
     c = verdicts.compare(subject, reference)
     assert c.high < 1 and c.verdict == "within noise"
     clear = verdicts.compare(subject, [200.0, 201.0, 202.0, 203.0])
     assert clear.verdict == "faster"
+    outlier = verdicts.compare(subject, [200.0, 201.0, 202.0, 900.0])  # one wild sample does not hide the gap
+    assert outlier.verdict == "faster"
     s = verdicts.compare_summaries(100.0, 10.0, 50, 130.0, 40.0, 50)  # gap 30 < the reference's std 40
     assert s.high < 1 and s.verdict == "within noise"
     assert verdicts.compare_summaries(100.0, 10.0, 50, 130.0, 20.0, 50).verdict == "faster"
