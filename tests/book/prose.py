@@ -22,3 +22,9 @@ def sentence_with(text: str, *words: str) -> str:
 def counts(text: str) -> list[tuple[int, int]]:
     """The ``k of n`` counts in ``text``, in order."""
     return [(int(a), int(b)) for a, b in re.findall(r"(\d+) of (\d+)", text)]
+
+
+def in_order(text: str, expected: list[float], rel: float = 1e-9) -> bool:
+    """True when the numbers ``expected`` appear in ``text`` in this order (others may stand between them)."""
+    found = iter(numbers(text))
+    return all(any(abs(n - e) <= rel * max(abs(e), 1e-12) for n in found) for e in expected)
