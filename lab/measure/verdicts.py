@@ -63,7 +63,7 @@ class Comparison:
     def describe(self, subject: str, reference: str) -> str:
         """A clause for generated prose, e.g. ``"Triton is 1.23x faster than SDPA (time ratio 0.81, 95%
         interval 0.79-0.83)"`` or ``"Triton is within noise of SDPA (...)"``."""
-        interval = f"ratio {self.ratio:.3g}, {CONFIDENCE:.0%} interval {self.low:.3g}-{self.high:.3g}"
+        interval = f"ratio {self.ratio:.3g}, {CONFIDENCE:.0%} interval {span(self.low, self.high)}"
         if not math.isfinite(self.low) or not math.isfinite(self.high):
             return f"{subject} cannot be told apart from {reference}: no spread was measured (ratio {self.ratio:.3g})"
         if self.verdict == "within noise":
@@ -176,7 +176,7 @@ class GoalCheck:
         """``"goal <= 0.8x torch DDP: met (ratio 0.73, 95% interval 0.70-0.76)"``."""
         c = self.comparison
         sign = "<=" if c.lower_is_better else ">="
-        interval = (f"{CONFIDENCE:.0%} interval {c.low:.3g}-{c.high:.3g}" if math.isfinite(c.low)
+        interval = (f"{CONFIDENCE:.0%} interval {span(c.low, c.high)}" if math.isfinite(c.low)
                     else "no spread measured")
         return f"goal {subject} {sign} {self.target:g}x {reference}: {self.word} (ratio {c.ratio:.3g}, {interval})"
 
