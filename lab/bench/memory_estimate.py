@@ -120,7 +120,8 @@ def fit_advice(size: str | None, cfg: ModelConfig, batch: int, context: int, dty
     smaller = ()
     if size in order:
         smaller = tuple(s for s in order[:order.index(size)]
-                        if need(config_for(s, context_length=context, attention=cfg.attention), batch, context) <= budget)
+                        if need(config_for(s, context_length=context, attention=cfg.attention), batch,
+                                context) <= budget)
     return FitAdvice(total, available, max_context, max_batch, smaller)
 
 

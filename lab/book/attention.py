@@ -127,32 +127,26 @@ def fit_sentence(grid: pd.DataFrame) -> str:
             f"{_oom_phase(first['note'])} pass. By head dimension: {per_d} tokens.")
 
 
-def _range(values: pd.Series, digits: int = 3) -> str:
-    """``"10–12"``, or one number when both ends print the same."""
+def _range(values: pd.Series, digits: int = 3) -> str:  # "10–12", or "10" when both ends print the same
     return span(values.min(), values.max(), lambda v: fmt(v, digits), "–")
 
 
 def d_growth(grid: pd.DataFrame) -> dict | None:
-    """At the longest length that ran, the forward at the largest d against the smallest: ``d_low``, ``d_high``,
-    ``time_ratio`` (of mean times), ``flop_ratio`` (d_high / d_low: the FLOPs grow in proportion to d) and
-    ``verdict`` of :func:`lab.measure.verdicts.compare_summaries` (``slower``: the time grew beyond the noise;
-    ``faster``: it fell; ``within noise``). None with fewer than two head dimensions."""
+    """The forward at the longest length, largest d against smallest: ``d_low``, ``d_high``, ``time_ratio`` (of
+    means), ``flop_ratio`` (d_high / d_low) and ``verdict`` (``compare_summaries``). None below two d's."""
     ok = grid[grid["status"] == "ok"].dropna(subset=["fwd_ms", "bwd_ms"])
     longest = ok[ok["seq_len"] == ok["seq_len"].max()].sort_values("d") if len(ok) else ok
     if len(longest) < 2:
         return None
     lo, hi = longest.iloc[0], longest.iloc[-1]
-    n = int(lo.get("passes", 0) or 0), int(hi.get("passes", 0) or 0)
-    c = compare_summaries(hi["fwd_ms"], hi.get("fwd_std_ms", math.nan), n[1], lo["fwd_ms"],
-                          lo.get("fwd_std_ms", math.nan), n[0])
+    c = compare_summaries(*(r.get(k, math.nan) for r in (hi, lo) for k in ("fwd_ms", "fwd_std_ms", "passes")))
     return dict(d_low=int(lo["d"]), d_high=int(hi["d"]), time_ratio=float(hi["fwd_ms"] / lo["fwd_ms"]),
                 flop_ratio=float(hi["d"] / lo["d"]), verdict=c.verdict)
 
 
 def timing_sentence(grid: pd.DataFrame) -> str:
     """At the longest length that ran: forward and backward times over d, backward / forward, and how the
-    forward time grows with d against the FLOPs (which grow in proportion to d), read only beyond the noise
-    (:func:`d_growth`)."""
+    forward time grows with d against the FLOPs, read only beyond the noise (:func:`d_growth`)."""
     ok = grid[grid["status"] == "ok"].dropna(subset=["fwd_ms", "bwd_ms"])
     if ok.empty:
         return "No configuration ran, so there are no times."
@@ -166,16 +160,16 @@ def timing_sentence(grid: pd.DataFrame) -> str:
     if g is None:
         return text
     step = f"Going from d={g['d_low']} to d={g['d_high']} (the FLOPs grow {fmt(g['flop_ratio'], 2)}x)"
+    ratio, scores = fmt(g["time_ratio"], 2), ("the time goes mostly to the seq × seq scores and softmax, whose "
+                                              "memory traffic does not depend on d")
     if g["verdict"] == "within noise":
-        return (text + f" {step} leaves the forward time within noise ({fmt(g['time_ratio'], 2)}x): at this length "
-                "the time goes mostly to the seq × seq scores and softmax, whose memory traffic does not depend on d.")
+        return text + f" {step} leaves the forward time within noise ({ratio}x): at this length {scores}."
     if g["verdict"] == "faster":
-        return (text + f" {step} the forward measured faster ({fmt(g['time_ratio'], 2)}x the time): more work "
-                "cannot take less time, so this gap is the machine's load or a different kernel choice, not d.")
-    why = ("far less than the FLOPs: at this length the time goes mostly to the seq × seq scores and softmax, whose "
-           "memory traffic does not depend on d" if g["time_ratio"] < g["flop_ratio"] / 2 else
-           "roughly in step with the FLOPs: the matmuls dominate here")
-    return text + f" {step} multiplies the forward time by {fmt(g['time_ratio'], 2)}x, {why}."
+        return (text + f" {step} the forward measured faster ({ratio}x the time): more work cannot take less time, "
+                "so this gap is the machine's load or a different kernel choice, not d.")
+    why = (f"far less than the FLOPs: at this length {scores}" if g["time_ratio"] < g["flop_ratio"] / 2
+           else "roughly in step with the FLOPs: the matmuls dominate here")
+    return text + f" {step} multiplies the forward time by {ratio}x, {why}."
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -339,11 +333,12 @@ def compile_sentence(versus: pd.DataFrame, grid: pd.DataFrame) -> str:
         r = saved["saved_mib_compiled"] / saved["saved_mib_eager"]
         quadratic = scaling["p_longest"].min() > 1.8
         growth = span(scaling["p_longest"].min(), scaling["p_longest"].max(), lambda v: f"seq^{v:.2f}", "–")
-        text += (f" What the compiled graph saves for the backward is {span(r.min(), r.max(), lambda v: f'{v:.3f}', '–')}"
-                 f"x what eager saves, growing as {growth} between the "
-                 "two longest lengths: " + ("fusing the scale, softmax and matmuls does not remove the seq × seq "
-                                            "tensor kept for the backward; only recomputing it (FlashAttention) does."
-                                            if quadratic else "the compiled graph no longer keeps a quadratic tensor."))
+        ratio = span(r.min(), r.max(), lambda v: f"{v:.3f}", "–")
+        why = ("fusing the scale, softmax and matmuls does not remove the seq × seq tensor kept for the backward; "
+               "only recomputing it (FlashAttention) does." if quadratic
+               else "the compiled graph no longer keeps a quadratic tensor.")
+        text += (f" What the compiled graph saves for the backward is {ratio}x what eager saves, growing as "
+                 f"{growth} between the two longest lengths: {why}")
     newly = versus[(versus["status_eager"] == "oom") & (versus["status_compiled"] == "ok")]
     if len(newly):
         text += f" {len(newly)} configuration(s) that ran out of memory eagerly fit once compiled."

@@ -273,8 +273,8 @@ def fp32_sentence(bench: pd.DataFrame, impl: str = "triton", sweep: str = "fp32"
         slower = g[g["verdict"] == "slower"]
         e2e = slower[slower["pass"] == "e2e"]
         counts = [f"{int((slower['pass'] == p).sum())} of {int((g['pass'] == p).sum())} {names[p]}" for p in PASSES]
-        where = (" (end to end on " + ", ".join(f"{r.shape} at {fmt(r.speedup, 2)}x its speed" for r in e2e.itertuples())
-                 + ")" if len(e2e) else "")
+        shapes = ", ".join(f"{r.shape} at {fmt(r.speedup, 2)}x its speed" for r in e2e.itertuples())
+        where = f" (end to end on {shapes})" if len(e2e) else ""
         parts.append(f"{impl} is slower than {ref} beyond the noise in {', '.join(counts[:-1])} and {counts[-1]} "
                      f"configurations{where}" if len(slower) else f"{impl} is never slower than {ref} beyond the noise")
     ever = (vs["verdict"] == "slower").any()

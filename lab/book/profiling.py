@@ -261,7 +261,8 @@ def timing_paragraph(lm: pd.DataFrame, ratios: pd.DataFrame, default_context: in
 
 def step_parts(lm: pd.DataFrame, default_context: int) -> list[dict]:
     """The train step at the default context per dtype and size, smallest size first: ``dtype``, ``size``,
-    ``median_ms``, ``std_ms`` and ``quotable`` (the median exceeds its spread: :func:`lab.measure.verdicts.quotable`)."""
+    ``median_ms``, ``std_ms`` and ``quotable`` (the median exceeds its spread:
+    :func:`lab.measure.verdicts.quotable`)."""
     at = _by_params(lm[(lm["context"] == default_context) & lm["step_median_ms"].notna()])
     rows = [dict(dtype=r["dtype"], size=r["size"], median_ms=float(r["step_median_ms"]),
                  std_ms=float(r.get("step_std_ms", math.nan)),

@@ -9,7 +9,7 @@ import pytest
 
 from lab.bench import precision as experiments
 from lab.book import precision
-from tests.book.prose import counts, in_order, numbers, sentence_with
+from tests.book.prose import counts, in_order, sentence_with
 
 matplotlib.use("Agg")
 

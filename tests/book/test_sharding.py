@@ -11,8 +11,8 @@ import pytest
 from lab.bench import sharding as sharding_bench
 from lab.bench import sharding_traffic
 from lab.book import sharding as sharding_book
-from tests.book.prose import in_order, numbers, sentence_with
 from lab.measure.traces import overlap_summary
+from tests.book.prose import in_order, numbers, sentence_with
 
 matplotlib.use("Agg")
 #           impl: (median step ms, peak after step GiB, overall peak GiB, state GiB: params, grads, optimizer)
