@@ -243,8 +243,11 @@ def timing_paragraph(lm: pd.DataFrame, ratios: pd.DataFrame, default_context: in
     first = at[at["dtype"] == at["dtype"].iloc[0]] if len(at) else at
     if len(first) >= 2:
         small, big = first.iloc[0], first.iloc[-1]
-        parts.append(f"At context {default_context} ({small['dtype']}) the forward takes {num(small['fwd_median_ms'])} "
-                     f"ms for {small['size']} and {num(big['fwd_median_ms'])} ms for {big['size']} (medians).")
+        quoted = [f"{num(r['fwd_median_ms'])} ms for {r['size']}"
+                  if quotable(r["fwd_median_ms"], r.get("fwd_std_ms", math.nan))
+                  else f"too noisy a time to quote for {r['size']} (std {num(r['fwd_std_ms'])} ms)" for r in (small, big)]
+        parts.append(f"At context {default_context} ({small['dtype']}) the forward takes {quoted[0]} and {quoted[1]} "
+                     "(medians).")
     noisy = variability(lm)
     configs = noisy[["size", "context", "dtype"]].drop_duplicates()
     if len(configs):

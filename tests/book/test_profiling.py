@@ -140,6 +140,9 @@ def test_timing_paragraph_quotes_the_tables():
     assert "at context 32 fp32" in from_csv and "32.0" not in from_csv
     oom = text[text.index("Out of memory"):]
     assert "b at context 32 fp32" in oom and "forward_backward/train_step" in oom
+    noisy_fwd = lm.iloc[:2].assign(fwd_std_ms=[2.0, 50.0])  # b's spread exceeds its 40 ms median
+    forward = sentence_with(profiling.timing_paragraph(noisy_fwd, ratios, 64), "forward takes")
+    assert numbers(forward) == [64, 10, 50] and "noisy" in forward  # b's 40 ms is not quoted
     quiet = profiling.timing_paragraph(lm.iloc[:2], ratios, 64)
     assert "worst for" not in quiet and 5 in numbers(quiet)  # no noisy configuration; the 5% threshold named
 
