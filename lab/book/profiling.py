@@ -245,7 +245,8 @@ def timing_paragraph(lm: pd.DataFrame, ratios: pd.DataFrame, default_context: in
         small, big = first.iloc[0], first.iloc[-1]
         quoted = [f"{num(r['fwd_median_ms'])} ms for {r['size']}"
                   if quotable(r["fwd_median_ms"], r.get("fwd_std_ms", math.nan))
-                  else f"too noisy a time to quote for {r['size']} (std {num(r['fwd_std_ms'])} ms)" for r in (small, big)]
+                  else f"too noisy a time to quote for {r['size']} (std {num(r['fwd_std_ms'])} ms)"
+                  for r in (small, big)]
         parts.append(f"At context {default_context} ({small['dtype']}) the forward takes {quoted[0]} and {quoted[1]} "
                      "(medians).")
     noisy = variability(lm)
