@@ -56,3 +56,9 @@ def test_memory_refusal_names_the_estimate_and_the_change():
                           "cpu"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert "GiB" in out.stderr and "--context" in out.stderr
+
+
+def test_debug_shows_the_traceback():
+    out = subprocess.run([sys.executable, "-m", "lab.bench.ddp", "--size", "gigantic", "--debug"], cwd=REPO_ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "Traceback" in out.stderr and "gigantic" in out.stderr
