@@ -11,8 +11,11 @@ Leaf module: imports nothing from ``lab``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 
 class UsageError(ValueError):
@@ -57,6 +60,45 @@ def positive_int(text: str) -> int:
 def non_negative_int(text: str) -> int:
     """argparse type: an integer >= 0."""
     return _int_at_least(text, 0, "an integer >= 0")
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
+    return value
+
+
+def writable_dir(path: str | os.PathLike, flag: str = "--results-dir") -> Path:
+    """Make sure ``path`` is a directory this process can write (creating it), before any work starts, so an
+    unwritable output fails at once instead of after the whole run. Returns the path; raises
+    :class:`UsageError` saying why not."""
+    target = Path(path)
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=target):
+            pass
+    except OSError as exc:
+        raise UsageError(f"cannot write to {flag} {str(path)!r}: {exc.strerror or exc}") from None
+    return target
+
+
+def check_ranks(world_sizes: Sequence[int], device: str, gpus: int, cores: int | None = None,
+                flag: str = "--world-size") -> None:
+    """Refuse world sizes this machine cannot run: on CUDA more ranks than GPUs (one rank per GPU); on the CPU
+    more ranks than cores (the ranks would share cores and time each other's waits, not the collective)."""
+    cores = cores or os.cpu_count() or 1
+    if device.startswith("cuda") and gpus == 0:
+        raise UsageError("--device cuda needs a CUDA GPU; this machine has none (use --device cpu)")
+    limit, what = (gpus, f"{gpus} GPU(s), one per rank") if device.startswith("cuda") else (cores, f"{cores} cores")
+    too_many = [w for w in world_sizes if w > limit]
+    if too_many:
+        raise UsageError(f"{flag} {max(too_many)} needs {max(too_many)} ranks but this machine has {what}; "
+                         f"use {flag} {limit} or fewer")
 
 
 def run(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] | None = None,

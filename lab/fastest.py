@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Sequence
 
@@ -48,6 +49,33 @@ def choose_recipes(config, names: Sequence[str]):
     return [known[n] for n in names]
 
 
+def check_cpu_fits(config, recipes, world: int) -> None:
+    """Refuse (:class:`lab.cli.UsageError`) a CPU run this machine cannot hold: more ranks than cores, or a model
+    whose parameters, gradients and AdamW state alone (a lower bound on any recipe's need, as if sharded
+    perfectly over the ranks) exceed the available memory; the advice names the layer count that would fit."""
+    from lab.accounting import state_memory
+    from lab.bench.memory_estimate import HEADROOM
+    from lab.measure.device import available_memory_bytes
+
+    cli.check_ranks([world], "cpu", 0)
+    available = available_memory_bytes("cpu")
+
+    def need(model) -> int:
+        return max(sum(state_memory(model, r.precision)[k] for k in ("params", "grads", "optimizer"))
+                   for r in recipes)
+
+    total = need(config.model)
+    if total <= HEADROOM * available:
+        return
+    layers = [n for n in range(config.model.num_layers - 1, 0, -1)
+              if need(dataclasses.replace(config.model, num_layers=n)) <= HEADROOM * available]
+    change = (f"--config tiny, --num-layers {layers[0]} (room for that state only; activations come on top)"
+              if layers else "--config tiny")
+    raise cli.UsageError(f"the {config.name} step needs at least {total / 2**30:.1f} GiB on the CPU (its "
+                         f"parameters, gradients and AdamW state alone), but {available / 2**30:.1f} GiB is "
+                         f"available; try {change}, or a GPU machine")
+
+
 def fastest_main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     import torch
@@ -57,22 +85,29 @@ def fastest_main(argv: Sequence[str] | None = None) -> int:
 
     config = CONFIGS[args.config]
     if args.num_layers:
-        import dataclasses
-
         config = dataclasses.replace(config, name=f"{config.name}_{args.num_layers}layers",
                                      model=dataclasses.replace(config.model, num_layers=args.num_layers))
+    if not args.rep_ms > 0:
+        raise cli.UsageError(f"--rep-ms must be a positive number of milliseconds, got {args.rep_ms:g}")
     world = args.world_size or config.world_size
+    if args.device not in ("auto", "cuda", "cpu"):
+        raise cli.UsageError(f"unknown --device {args.device!r}; choose auto, cuda or cpu")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if args.device in ("auto", "cuda"):
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if gpus == 0 and args.device == "cuda":
             raise cli.UsageError("--device cuda was asked for but this machine has no CUDA GPU")
         if gpus and world > gpus:
             raise cli.UsageError(f"--world-size {world} needs {world} GPUs; this machine has {gpus}")
         if gpus == 0 and args.config == "leaderboard":
             raise cli.UsageError("the leaderboard step needs two GPUs with about 60 GiB each; this machine has no GPU")
-    device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
+    device = "cuda" if args.device == "auto" and gpus else args.device
     device = "cpu" if device == "auto" else device
-    df = benchmark(config, choose_recipes(config, args.recipes), world, device, rep_ms=args.rep_ms,
+    recipes = choose_recipes(config, args.recipes)
+    if args.results_dir:
+        cli.writable_dir(args.results_dir)
+    if device == "cpu":
+        check_cpu_fits(config, recipes, world)
+    df = benchmark(config, recipes, world, device, rep_ms=args.rep_ms,
                    profile=not args.no_profile, fresh_cache=args.fresh_cache)
     table = results_table(df)
     cols = ["impl", "config", "world_size", "status", "step_ms", "peak_gib", "tokens_per_s", "mfu", "first_step_s",

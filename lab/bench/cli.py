@@ -14,7 +14,10 @@ from collections.abc import Sequence
 import pandas as pd
 
 from lab import cli
+from lab.bench.lm import lm_config
+from lab.bench.memory_estimate import fit_advice
 from lab.dtypes import TRAINING_DTYPES
+from lab.measure.device import available_memory_bytes
 from lab.measure.step import MODES
 from lab.model import MODEL_SIZES, QUICK_SIZES, ModelConfig, config_for
 from lab.model.attention import attention_names
@@ -66,20 +69,21 @@ def _model(args) -> str | ModelConfig:
     return args.size
 
 
-def refuse_what_cannot_fit(size, contexts, batch, dtype, modes, device) -> None:
-    """On the CPU, refuse a configuration whose predicted peak exceeds the available memory: the operating
-    system would kill the process instead of raising an error that could become an ``oom`` row."""
-    from lab.bench.lm import lm_config, predicted_peak_bytes
-
+def refuse_what_cannot_fit(size, contexts, batch, dtype, modes, device, attention: str = "sdpa",
+                           fused_loss: bool = False) -> None:
+    """On the CPU, refuse a configuration whose estimated peak (:func:`lab.bench.memory_estimate.cpu_peak_bytes`)
+    exceeds the available memory, naming the change that would fit: the operating system would kill the process
+    instead of raising an error that could become an ``oom`` row."""
     if device.type != "cpu":
         return
+    available = available_memory_bytes(device)
     for context in contexts:
-        name, cfg = lm_config(size, context)
-        need, available = predicted_peak_bytes(cfg, batch, context, dtype, modes, device)
-        if need > 0.9 * available:
+        name, cfg = lm_config(size, context, attention=attention, fused_loss=fused_loss)
+        advice = fit_advice(size if isinstance(size, str) else None, cfg, batch, context, dtype, modes, available)
+        if not advice.fits:
             raise cli.UsageError(f"{name} at context {context}, batch {batch} ({dtype}) needs about "
-                                 f"{need / 2**30:.1f} GiB for {'/'.join(modes)}, but this CPU has "
-                                 f"{available / 2**30:.1f} GiB available; use a smaller --size (tiny, mini) or a GPU")
+                                 f"{advice.need / 2**30:.1f} GiB for {'/'.join(modes)}, but this CPU has "
+                                 f"{available / 2**30:.1f} GiB available; would fit: {advice.change()}")
 
 
 def lm_main(argv: Sequence[str] | None = None) -> int:
@@ -92,7 +96,10 @@ def lm_main(argv: Sequence[str] | None = None) -> int:
         device = resolve_device(args.device)
     except ValueError as exc:
         raise cli.UsageError(str(exc)) from None
-    refuse_what_cannot_fit(size, args.context, args.batch, args.dtype, args.mode, device)
+    if args.results_dir:
+        cli.writable_dir(args.results_dir)
+    refuse_what_cannot_fit(size, args.context, args.batch, args.dtype, args.mode, device, args.attention,
+                           args.fused_loss)
     rows = [benchmark_lm(size, context=c, batch=args.batch, modes=args.mode, dtype=args.dtype, compile=args.compile,
                          attention=args.attention, fused_loss=args.fused_loss, warmup=args.warmup, steps=args.steps,
                          device=device) for c in args.context]

@@ -16,7 +16,9 @@ time is kept (``samples_ms``) for :mod:`lab.measure.verdicts`.
 from __future__ import annotations
 
 import json
+import os
 import statistics
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -25,9 +27,10 @@ import pandas as pd
 import torch
 import torch.distributed as dist
 
+from lab import cli
 from lab.accounting.collectives import ring_factor
 from lab.bench.progress import progress_bar
-from lab.measure.device import is_oom, synchronize
+from lab.measure.device import available_memory_bytes, is_oom, synchronize
 from lab.parallel import launcher as distributed
 from lab.parallel.collectives import all_gather_tensor, reduce_scatter_tensor
 
@@ -288,23 +291,56 @@ def latency_bandwidth_fit(df: pd.DataFrame) -> pd.DataFrame:
                                        "half_latency_mb", "max_residual"])
 
 
-def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
-    """``python -m lab.bench.collectives --device cuda --world-sizes 2 4 --sizes-mb 1 10 100 1024``."""
-    import argparse
-
-    p = argparse.ArgumentParser(prog="python -m lab.bench.collectives", description=__doc__.splitlines()[0])
+def parser() -> cli.Parser:
+    """The command line of ``python -m lab.bench.collectives``."""
+    p = cli.Parser(prog="python -m lab.bench.collectives", description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cpu: gloo between processes; cuda: NCCL, one GPU per rank")
     p.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
-    p.add_argument("--sizes-mb", nargs="+", type=float, default=[1, 10, 100, 1024])
-    p.add_argument("--world-sizes", nargs="+", type=int, default=[2, 4, 6])
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--sizes-mb", nargs="+", type=cli.positive_float, default=[1, 10, 100, 1024],
+                   help="full tensor sizes in MiB")
+    p.add_argument("--world-sizes", nargs="+", type=cli.positive_int, default=None,
+                   help="ranks per run (default: 2, 4, 6 where this machine has the GPUs or cores)")
+    p.add_argument("--warmup", type=cli.non_negative_int, default=5)
+    p.add_argument("--iters", type=cli.positive_int, default=20)
     p.add_argument("--results-dir", default=None, help="also save the table as <dir>/collectives.csv")
-    args = p.parse_args(argv)
-    _, skipped = plan_world_sizes(args.world_sizes, args.device)
-    if skipped:
-        print(skipped)
+    return p
+
+
+def buffer_bytes(op: str, size_bytes: float, world_size: int) -> float:
+    """Bytes one rank holds for one call of ``op`` on a ``size_bytes`` tensor (see :func:`_buffers`): the
+    full tensor, in place for all-reduce; with one shard beside it for all-gather; for reduce-scatter the
+    full input, the scale it is made from and the output shard."""
+    shard = 1 / world_size
+    return size_bytes * {"all_reduce": 1, "all_gather": 1 + shard, "reduce_scatter": 2 + shard}[op]
+
+
+def check_fits(ops: Sequence[str], sizes_mb: Sequence[float], world_sizes: Sequence[int], device: str) -> None:
+    """Refuse (:class:`lab.cli.UsageError`) a grid whose buffers cannot fit: on the CPU every rank's buffers
+    together against the available memory, on CUDA one rank's against one GPU's."""
+    per_rank = max(buffer_bytes(op, mb * MIB, w) for op in ops for mb in sizes_mb for w in world_sizes)
+    ranks = max(world_sizes) if device == "cpu" else 1
+    need = per_rank * ranks
+    available = available_memory_bytes("cpu" if device == "cpu" else "cuda:0")
+    if need > 0.9 * available:
+        largest = max(sizes_mb) * 0.9 * available / need
+        raise cli.UsageError(f"--sizes-mb {max(sizes_mb):g} needs about {need / 2**30:.1f} GiB of buffers "
+                             f"({ranks} rank(s)), but {available / 2**30:.1f} GiB is available; "
+                             f"use --sizes-mb {largest:.0f} or smaller")
+
+
+def collectives_main(argv: Sequence[str] | None = None) -> int:
+    """``python -m lab.bench.collectives --device cuda --world-sizes 2 4 --sizes-mb 1 10 100 1024``: every
+    argument, output path and the grid's memory are checked before any process starts."""
+    args = parser().parse_args(argv)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if args.world_sizes is None:
+        limit = gpus if args.device == "cuda" else (os.cpu_count() or 1)
+        args.world_sizes = [w for w in (2, 4, 6) if w <= limit] or [2]
+    cli.check_ranks(args.world_sizes, args.device, gpus, flag="--world-sizes")
+    if args.results_dir:
+        cli.writable_dir(args.results_dir)
+    check_fits(args.ops, args.sizes_mb, args.world_sizes, args.device)
     df = benchmark_collectives(args.ops, args.sizes_mb, args.world_sizes, args.device, args.warmup, args.iters)
     cols = ["backend", "op", "world_size", "size_mb", "time_ms", "algbw_gbps", "busbw_gbps", "correct", "status"]
     print(df[[c for c in cols if c in df.columns]].to_markdown(index=False, floatfmt=".4g"))
@@ -312,8 +348,13 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
         from lab.measure.results import save_results
 
         print(save_results(df, "collectives", args.results_dir, vars(args), source="lab.bench.collectives"))
-    return df
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run :func:`collectives_main`, every mistake answered in one line (see :mod:`lab.cli`)."""
+    return cli.run(collectives_main, argv, prog="python -m lab.bench.collectives")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

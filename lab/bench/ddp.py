@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import math
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lab import paths
+from lab import cli, paths
 from lab.accounting import parameter_count
 from lab.bench.interleaved import (
     Interleaving,
@@ -37,6 +38,7 @@ from lab.bench.interleaved import (
     summarize_rounds,
     time_interleaved,
 )
+from lab.bench.memory_estimate import HEADROOM, cpu_peak_bytes
 from lab.measure.device import available_memory_bytes, synchronize
 from lab.measure.profiling import profile_step
 from lab.measure.step import TrainStep, make_optimizer, random_batch
@@ -366,28 +368,54 @@ def fit_bucket_overhead(n_buckets: Sequence[float], overhead_ms: Sequence[float]
     return {"o_ms": o_ms, "w_gbps": w_gbps, "predicted_ms": (cols @ coef).tolist()}
 
 
-def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
-    """``python -m lab.bench.ddp --size 2.7B --dtype bf16 --batch 2 --context 512`` (2 GPUs by default)."""
-    import argparse
-
-    p = argparse.ArgumentParser(prog="python -m lab.bench.ddp",
-                                description="Train-step time of the data-parallel wrappers (and torch DDP), "
-                                            "interleaved.")
+def parser() -> cli.Parser:
+    """The command line of ``python -m lab.bench.ddp``."""
+    p = cli.Parser(prog="python -m lab.bench.ddp",
+                   description="Train-step time of the data-parallel wrappers (and torch DDP), interleaved.")
     p.add_argument("--size", default="xl")
-    p.add_argument("--context", type=int, default=512)
-    p.add_argument("--batch", type=int, default=2, help="sequences per rank")
+    p.add_argument("--context", type=cli.positive_int, default=512)
+    p.add_argument("--batch", type=cli.positive_int, default=2, help="sequences per rank")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--world-size", type=cli.positive_int, default=2)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
-    p.add_argument("--bucket-sizes-mb", nargs="+", type=float, default=[1, 10, 100, 1000])
-    p.add_argument("--rounds", type=int, default=6)
-    p.add_argument("--steps-per-round", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--bucket-sizes-mb", nargs="+", type=cli.positive_float, default=[1, 10, 100, 1000])
+    p.add_argument("--rounds", type=cli.positive_int, default=6)
+    p.add_argument("--steps-per-round", type=cli.positive_int, default=3)
+    p.add_argument("--warmup", type=cli.non_negative_int, default=2)
     p.add_argument("--schedule", choices=["auto", "resident", "rebuild"], default="auto")
     p.add_argument("--artifacts-dir", default="artifacts")
     p.add_argument("--results-dir", default=None, help="also save the rows as <dir>/ddp_benchmark.csv")
-    args = p.parse_args(argv)
+    return p
+
+
+def check_fits(cfg: ModelConfig, context: int, batch: int, dtype: str, world_size: int) -> None:
+    """Refuse (:class:`lab.cli.UsageError`) a CPU run whose ranks cannot all hold their train step: each rank
+    needs :func:`lab.bench.memory_estimate.cpu_peak_bytes` of one AdamW step at its per-rank batch."""
+    per_rank = cpu_peak_bytes(cfg, batch, context, dtype, "train_step")
+    available = available_memory_bytes("cpu")
+    if world_size * per_rank > HEADROOM * available:
+        raise cli.UsageError(f"{world_size} CPU ranks of this model at context {context}, batch {batch} need about "
+                             f"{world_size * per_rank / 2**30:.1f} GiB ({per_rank / 2**30:.1f} GiB each), but "
+                             f"{available / 2**30:.1f} GiB is available; use a smaller --size, --context or --batch")
+
+
+def ddp_main(argv: Sequence[str] | None = None) -> int:
+    """``python -m lab.bench.ddp --size 2.7B --dtype bf16 --batch 2 --context 512`` (2 GPUs by default): the
+    arguments, output paths, ranks and (on the CPU) memory are checked before any rank starts."""
+    args = parser().parse_args(argv)
+    try:
+        cfg = config_for(args.size, context_length=args.context)
+    except ValueError as exc:
+        raise cli.UsageError(str(exc)) from None
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device = ("cuda" if gpus else "cpu") if args.device == "auto" else args.device
+    cli.check_ranks([args.world_size], device, gpus)
+    for flag in ("results_dir", "artifacts_dir"):
+        if getattr(args, flag):
+            cli.writable_dir(getattr(args, flag), "--" + flag.replace("_", "-"))
+    if device == "cpu":
+        check_fits(cfg, args.context, args.batch, args.dtype, args.world_size)
     interleaving = Interleaving(args.rounds, args.steps_per_round, args.warmup, args.schedule)
     df = benchmark_ddp(args.size, args.context, args.batch, args.dtype, args.world_size, args.device, args.impls,
                        args.bucket_sizes_mb, interleaving, artifacts_dir=args.artifacts_dir)
@@ -398,8 +426,13 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
         from lab.measure.results import save_results
 
         print(save_results(df, "ddp_benchmark", args.results_dir, vars(args), source="lab.bench.ddp"))
-    return df
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run :func:`ddp_main`, every mistake answered in one line (see :mod:`lab.cli`)."""
+    return cli.run(ddp_main, argv, prog="python -m lab.bench.ddp")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -16,7 +16,7 @@ import pandas as pd
 from lab.bench import attention as ab
 from lab.bench import attention_costs as costs
 from lab.book.report import fmt, with_profile_defaults
-from lab.measure.verdicts import compare_summaries
+from lab.measure.verdicts import compare_summaries, span
 
 # ----------------------------------------------------------------------------------------------------------
 # Settings: the parameters cell's knobs with each profile's defaults filled in
@@ -127,29 +127,49 @@ def fit_sentence(grid: pd.DataFrame) -> str:
             f"{_oom_phase(first['note'])} pass. By head dimension: {per_d} tokens.")
 
 
+def _range(values: pd.Series, digits: int = 3) -> str:  # "10–12", or "10" when both ends print the same
+    return span(values.min(), values.max(), lambda v: fmt(v, digits), "–")
+
+
+def d_growth(grid: pd.DataFrame) -> dict | None:
+    """The forward at the longest length, largest d against smallest: ``d_low``, ``d_high``, ``time_ratio`` (of
+    means), ``flop_ratio`` (d_high / d_low) and ``verdict`` (``compare_summaries``). None below two d's."""
+    ok = grid[grid["status"] == "ok"].dropna(subset=["fwd_ms", "bwd_ms"])
+    longest = ok[ok["seq_len"] == ok["seq_len"].max()].sort_values("d") if len(ok) else ok
+    if len(longest) < 2:
+        return None
+    lo, hi = longest.iloc[0], longest.iloc[-1]
+    c = compare_summaries(*(r.get(k, math.nan) for r in (hi, lo) for k in ("fwd_ms", "fwd_std_ms", "passes")))
+    return dict(d_low=int(lo["d"]), d_high=int(hi["d"]), time_ratio=float(hi["fwd_ms"] / lo["fwd_ms"]),
+                flop_ratio=float(hi["d"] / lo["d"]), verdict=c.verdict)
+
+
 def timing_sentence(grid: pd.DataFrame) -> str:
     """At the longest length that ran: forward and backward times over d, backward / forward, and how the
-    forward time grows with d against the FLOPs (which grow in proportion to d)."""
+    forward time grows with d against the FLOPs, read only beyond the noise (:func:`d_growth`)."""
     ok = grid[grid["status"] == "ok"].dropna(subset=["fwd_ms", "bwd_ms"])
     if ok.empty:
         return "No configuration ran, so there are no times."
     longest = ok[ok["seq_len"] == ok["seq_len"].max()].sort_values("d")
     seq = int(longest["seq_len"].iloc[0])
     ds = ", ".join(str(int(d)) for d in longest["d"])
-    text = (f"At {seq} tokens a forward pass takes {fmt(longest['fwd_ms'].min())}–{fmt(longest['fwd_ms'].max())} ms "
-            f"and a backward pass {fmt(longest['bwd_ms'].min())}–{fmt(longest['bwd_ms'].max())} ms over d = {ds}: "
+    text = (f"At {seq} tokens a forward pass takes {_range(longest['fwd_ms'])} ms "
+            f"and a backward pass {_range(longest['bwd_ms'])} ms over d = {ds}: "
             f"the backward is {fmt((longest['bwd_ms'] / longest['fwd_ms']).median(), 2)}x the forward (median).")
-    if len(longest) < 2:
+    g = d_growth(grid)
+    if g is None:
         return text
-    time_ratio = longest["fwd_ms"].iloc[-1] / longest["fwd_ms"].iloc[0]
-    flop_ratio = longest["d"].iloc[-1] / longest["d"].iloc[0]
-    if time_ratio < flop_ratio / 2:
-        why = ("far less than the FLOPs: at this length the time goes mostly to the seq × seq scores and softmax, "
-               "whose memory traffic does not depend on d")
-    else:
-        why = "roughly in step with the FLOPs: the matmuls dominate here"
-    return (text + f" Going from d={int(longest['d'].iloc[0])} to d={int(longest['d'].iloc[-1])} multiplies the "
-            f"forward time by {fmt(time_ratio, 2)}x for {fmt(flop_ratio, 2)}x the FLOPs, {why}.")
+    step = f"Going from d={g['d_low']} to d={g['d_high']} (the FLOPs grow {fmt(g['flop_ratio'], 2)}x)"
+    ratio, scores = fmt(g["time_ratio"], 2), ("the time goes mostly to the seq × seq scores and softmax, whose "
+                                              "memory traffic does not depend on d")
+    if g["verdict"] == "within noise":
+        return text + f" {step} leaves the forward time within noise ({ratio}x): at this length {scores}."
+    if g["verdict"] == "faster":
+        return (text + f" {step} the forward measured faster ({ratio}x the time): more work cannot take less time, "
+                "so this gap is the machine's load or a different kernel choice, not d.")
+    why = (f"far less than the FLOPs: at this length {scores}" if g["time_ratio"] < g["flop_ratio"] / 2
+           else "roughly in step with the FLOPs: the matmuls dominate here")
+    return text + f" {step} multiplies the forward time by {ratio}x, {why}."
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -232,17 +252,18 @@ def scaling_sentence(scaling: pd.DataFrame, curves: pd.DataFrame) -> str:
     p_last = scaling["p_longest"]
     quadratic = p_last.min() > 1.9 and p_last.max() < 2.1
     shape = "quadratic" if quadratic else f"not quadratic (exponent {fmt(p_last.min())})"
-    text = (f"Fitted over all lengths the saved memory grows as seq^{scaling['p_all'].min():.2f}–"
-            f"seq^{scaling['p_all'].max():.2f} across d; between the two longest lengths the exponent is "
-            f"{p_last.min():.3f}–{p_last.max():.3f}, i.e. {shape}, and the same for every d because P has no d axis.")
+    exponents = span(scaling["p_all"].min(), scaling["p_all"].max(), lambda v: f"seq^{v:.2f}", "–")
+    text = (f"Fitted over all lengths the saved memory grows as {exponents} across d; between the two longest "
+            f"lengths the exponent is {span(p_last.min(), p_last.max(), lambda v: f'{v:.3f}', '–')}, i.e. {shape}, "
+            "and the same for every d because P has no d axis.")
     longest = curves[curves["seq_len"] == curves["seq_len"].max()]
     big = longest.pivot_table(index="d", columns="method", values="MiB").dropna()
     if {"naive (measured)", "FlashAttention (closed form)"} <= set(big.columns) and len(big):
         naive, flash = big["naive (measured)"], big["FlashAttention (closed form)"]
         ratio = naive / flash
-        text += (f" At {int(curves['seq_len'].max())} tokens naive attention keeps {naive.min():.4g}–{naive.max():.4g} "
-                 f"MiB for the backward; FlashAttention would keep {flash.min():.4g}–{flash.max():.4g} MiB, "
-                 f"{fmt(ratio.min())}–{fmt(ratio.max())}x less, because it never stores P and recomputes it from "
+        text += (f" At {int(curves['seq_len'].max())} tokens naive attention keeps {_range(naive, 4)} "
+                 f"MiB for the backward; FlashAttention would keep {_range(flash, 4)} MiB, "
+                 f"{_range(ratio)}x less, because it never stores P and recomputes it from "
                  "one logsumexp per query row.")
     return text
 
@@ -289,8 +310,8 @@ def compile_sentence(versus: pd.DataFrame, grid: pd.DataFrame) -> str:
     parts = []
     for p, name in (("fwd", "forward"), ("bwd", "backward")):
         s = both[f"{p}_speedup"]
-        parts.append(f"the compiled {name} is {_verdict_counts(both[f'{p}_verdict'])} (speedups "
-                     f"{fmt(s.min())}–{fmt(s.max())}x, median {fmt(s.median())}x)")
+        parts.append(f"the compiled {name} is {_verdict_counts(both[f'{p}_verdict'])} (speedup estimates "
+                     f"{_range(s)}x, median {fmt(s.median())}x)")
     text = "Measured side by side, " + "; ".join(parts) + ". Speedup = eager time / compiled time."
     wins = both[both["fwd_verdict"] == "faster"]
     if len(wins):
@@ -305,17 +326,19 @@ def compile_sentence(versus: pd.DataFrame, grid: pd.DataFrame) -> str:
     if len(mem):
         r = mem["mem_above_baseline_mib_compiled"] / mem["mem_above_baseline_mib_eager"]
         text += (" Memory in use before the backward (above the baseline), compiled over eager: "
-                 f"{r.min():.3f}–{r.max():.3f}x.")
+                 f"{span(r.min(), r.max(), lambda v: f'{v:.3f}', '–')}x.")
     saved = versus.dropna(subset=["saved_mib_eager", "saved_mib_compiled"])
     scaling = ab.saved_memory_scaling(compiled_rows(grid))
     if len(saved) and len(scaling):
         r = saved["saved_mib_compiled"] / saved["saved_mib_eager"]
         quadratic = scaling["p_longest"].min() > 1.8
-        text += (f" What the compiled graph saves for the backward is {r.min():.3f}–{r.max():.3f}x what eager saves, "
-                 f"growing as seq^{scaling['p_longest'].min():.2f}–seq^{scaling['p_longest'].max():.2f} between the "
-                 "two longest lengths: " + ("fusing the scale, softmax and matmuls does not remove the seq × seq "
-                                            "tensor kept for the backward; only recomputing it (FlashAttention) does."
-                                            if quadratic else "the compiled graph no longer keeps a quadratic tensor."))
+        growth = span(scaling["p_longest"].min(), scaling["p_longest"].max(), lambda v: f"seq^{v:.2f}", "–")
+        ratio = span(r.min(), r.max(), lambda v: f"{v:.3f}", "–")
+        why = ("fusing the scale, softmax and matmuls does not remove the seq × seq tensor kept for the backward; "
+               "only recomputing it (FlashAttention) does." if quadratic
+               else "the compiled graph no longer keeps a quadratic tensor.")
+        text += (f" What the compiled graph saves for the backward is {ratio}x what eager saves, growing as "
+                 f"{growth} between the two longest lengths: {why}")
     newly = versus[(versus["status_eager"] == "oom") & (versus["status_compiled"] == "ok")]
     if len(newly):
         text += f" {len(newly)} configuration(s) that ran out of memory eagerly fit once compiled."

@@ -19,7 +19,7 @@ from lab.bench.interleaved import compare_rounds, goal_rounds, samples
 from lab.book.communication import duration
 from lab.book.report import pct
 from lab.measure.traces import existing_trace
-from lab.measure.verdicts import CONFIDENCE
+from lab.measure.verdicts import CONFIDENCE, span
 
 HOOKED = ("individual", "bucketed")
 
@@ -220,7 +220,7 @@ def overlap_sentences(overlap: pd.DataFrame, bench: pd.DataFrame, config: str | 
     if "naive" in o:
         text.append(f"{pct(o['naive'])} of naive DDP's communication time ran beside compute,")
     if len(hooked):
-        text.append(f"against {pct(hooked.min())}–{pct(hooked.max())} for the hook-based wrappers.")
+        text.append(f"against {span(hooked.min(), hooked.max(), pct, '–')} for the hook-based wrappers.")
     ok = _ok(bench, config)
     h, flat = best(ok, HOOKED), _row(ok, "flat")
     if h is not None and flat is not None:

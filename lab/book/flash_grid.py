@@ -267,14 +267,15 @@ def fp32_sentence(bench: pd.DataFrame, impl: str = "triton", sweep: str = "fp32"
     vs = speedup_table(bench, sweep, impl)
     if vs.empty:
         return f"No fp32 configuration was measured for both {impl} and a reference."
+    names = {"fwd": "forward", "bwd": "backward", "e2e": "end-to-end"}
     parts = []
     for ref, g in vs.groupby("reference", sort=False):
         slower = g[g["verdict"] == "slower"]
         e2e = slower[slower["pass"] == "e2e"]
-        counts = ", ".join(f"{p} {int((slower['pass'] == p).sum())}/{int((g['pass'] == p).sum())}" for p in PASSES)
-        where = (": end to end on " + ", ".join(f"{r.shape} ({fmt(r.speedup, 2)}x)" for r in e2e.itertuples())
-                 if len(e2e) else "")
-        parts.append(f"than {ref} it is slower beyond the noise in {counts}{where}" if len(slower)
-                     else f"it is never slower than {ref} beyond the noise")
+        counts = [f"{int((slower['pass'] == p).sum())} of {int((g['pass'] == p).sum())} {names[p]}" for p in PASSES]
+        shapes = ", ".join(f"{r.shape} at {fmt(r.speedup, 2)}x its speed" for r in e2e.itertuples())
+        where = f" (end to end on {shapes})" if len(e2e) else ""
+        parts.append(f"{impl} is slower than {ref} beyond the noise in {', '.join(counts[:-1])} and {counts[-1]} "
+                     f"configurations{where}" if len(slower) else f"{impl} is never slower than {ref} beyond the noise")
     ever = (vs["verdict"] == "slower").any()
-    return (f"{'Yes' if ever else 'No'}: in fp32 (batch 1, one head) {impl} " + "; ".join(parts) + ".")
+    return f"{'Yes' if ever else 'No'}: in fp32 (batch 1, one head), " + "; ".join(parts) + "."

@@ -164,7 +164,9 @@ def mixed_precision_sentence(peaks: pd.DataFrame) -> str:
         changes = both["change"]
         grows = all(g["change"].iloc[-1] <= g["change"].iloc[0] for _, g in both.groupby(level=0))
         out.append(
-            f"bf16 autocast changes peak memory by between {changes.min():+.1%} and {changes.max():+.1%} — "
+            "bf16 autocast changes peak memory by "
+            + (f"{changes.min():+.1%}" if f"{changes.min():+.1%}" == f"{changes.max():+.1%}"
+               else f"between {changes.min():+.1%} and {changes.max():+.1%}") + " — "
             + "; ".join(lines) + ". Far from halving it: autocast saves the matmul outputs for the backward in "
             "bf16, but parameters, gradients and AdamW's two moments stay fp32, autocast keeps a bf16 copy of "
             "every weight while the forward runs, and the norms, softmax and loss still make fp32 tensors. "

@@ -20,6 +20,7 @@ import pandas as pd
 from lab.book import report
 from lab.measure.device import resolve_device
 from lab.measure.results import measured_on
+from lab.measure.verdicts import span
 
 # ----------------------------------------------------------------------------------------------------------
 # settings
@@ -252,7 +253,7 @@ def speedup_display(speed: pd.DataFrame) -> pd.DataFrame:
     keys = [k for k in ("size", "context") if k in speed.columns]
     ms = [c for c in speed.columns if c.endswith("_median_ms")]
     out = speed[keys + ["mode"] + ms + ["speedup"]].copy()
-    out["95% interval"] = [f"{num(lo)}-{num(hi)}" if math.isfinite(lo) and math.isfinite(hi) else "n/a"
+    out["95% interval"] = [span(lo, hi, num) if math.isfinite(lo) and math.isfinite(hi) else "n/a"
                            for lo, hi in zip(speed["speedup_low"], speed["speedup_high"])]
     out["verdict (bf16)"] = speed["verdict"]
     return out
@@ -261,7 +262,7 @@ def speedup_display(speed: pd.DataFrame) -> pd.DataFrame:
 def speedup_clause(row: pd.Series, subject: str = "bf16 autocast", reference: str = "fp32") -> str:
     """``"bf16 autocast is 1.9x faster than fp32 (95% interval 1.7-2.1x)"``, or within noise, or slower; the
     word comes from the row's verdict (:func:`lab.bench.precision.speedup_table`)."""
-    interval = (f"95% interval {num(row['speedup_low'])}-{num(row['speedup_high'])}x"
+    interval = (f"95% interval {span(row['speedup_low'], row['speedup_high'], num)}x"
                 if math.isfinite(row["speedup_low"]) and math.isfinite(row["speedup_high"]) else "no spread measured")
     verdict = row["verdict"]
     if verdict == "faster":

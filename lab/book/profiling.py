@@ -34,7 +34,7 @@ from lab.book.precision import (
 from lab.measure.device import resolve_device
 from lab.measure.results import measured_on  # noqa: F401 - notebook 01 calls profiling.measured_on
 from lab.measure.step import MODES
-from lab.measure.verdicts import compare
+from lab.measure.verdicts import compare, quotable, span
 
 # ----------------------------------------------------------------------------------------------------------
 # settings
@@ -223,7 +223,8 @@ def backward_sentence(ratios: pd.DataFrame) -> str:
         return "No configuration measured both the forward and the backward."
     counts = ratios["verdict"].value_counts()
     n = len(ratios)
-    text = (f"The backward takes **{num(ratios['ratio'].min(), 2)}x to {num(ratios['ratio'].max(), 2)}x** the "
+    spread = span(ratios["ratio"].min(), ratios["ratio"].max(), lambda v: num(v, 2), " to ")
+    text = (f"The backward takes **{spread}x** the "
             f"forward (ratio of medians; {num(ratios['ratio'].median(), 2)}x across the {n} configurations): more "
             f"than the forward beyond noise in {int(counts.get('higher', 0))} of {n}")
     if counts.get("within noise", 0):
@@ -242,8 +243,12 @@ def timing_paragraph(lm: pd.DataFrame, ratios: pd.DataFrame, default_context: in
     first = at[at["dtype"] == at["dtype"].iloc[0]] if len(at) else at
     if len(first) >= 2:
         small, big = first.iloc[0], first.iloc[-1]
-        parts.append(f"At context {default_context} ({small['dtype']}) the forward takes {num(small['fwd_median_ms'])} "
-                     f"ms for {small['size']} and {num(big['fwd_median_ms'])} ms for {big['size']} (medians).")
+        quoted = [f"{num(r['fwd_median_ms'])} ms for {r['size']}"
+                  if quotable(r["fwd_median_ms"], r.get("fwd_std_ms", math.nan))
+                  else f"too noisy a time to quote for {r['size']} (std {num(r['fwd_std_ms'])} ms)"
+                  for r in (small, big)]
+        parts.append(f"At context {default_context} ({small['dtype']}) the forward takes {quoted[0]} and {quoted[1]} "
+                     "(medians).")
     noisy = variability(lm)
     configs = noisy[["size", "context", "dtype"]].drop_duplicates()
     if len(configs):
@@ -258,18 +263,37 @@ def timing_paragraph(lm: pd.DataFrame, ratios: pd.DataFrame, default_context: in
     return " ".join(parts + ([oom] if oom else []))
 
 
-def step_answer(lm: pd.DataFrame, default_context: int) -> str:
-    """One line: the train step's median time at the default context, smallest to largest size, per dtype."""
+def step_parts(lm: pd.DataFrame, default_context: int) -> list[dict]:
+    """The train step at the default context per dtype and size, smallest size first: ``dtype``, ``size``,
+    ``median_ms``, ``std_ms`` and ``quotable`` (the median exceeds its spread:
+    :func:`lab.measure.verdicts.quotable`)."""
     at = _by_params(lm[(lm["context"] == default_context) & lm["step_median_ms"].notna()])
-    if at.empty:
+    rows = [dict(dtype=r["dtype"], size=r["size"], median_ms=float(r["step_median_ms"]),
+                 std_ms=float(r.get("step_std_ms", math.nan)),
+                 quotable=quotable(float(r["step_median_ms"]), float(r.get("step_std_ms", math.nan))))
+            for _, r in at.iterrows()]
+    order = list(dict.fromkeys(r["dtype"] for r in rows))
+    return sorted(rows, key=lambda r: order.index(r["dtype"]))
+
+
+def step_answer(lm: pd.DataFrame, default_context: int) -> str:
+    """One line: the train step's median time at the default context per size and dtype (smallest size first),
+    leaving out as "too noisy" a median no larger than its standard deviation, and saying when a smaller model
+    measured slower than a larger one (a sign of a contended machine, not of the model)."""
+    parts_ = step_parts(lm, default_context)
+    if not parts_:
         return f"No train step was measured at context {default_context} (out of memory)."
     parts = []
-    for dtype, g in at.groupby("dtype", sort=False):
-        span = (f"{num(g['step_median_ms'].iloc[0])} ms ({g['size'].iloc[0]}) to "
-                f"{num(g['step_median_ms'].iloc[-1])} ms ({g['size'].iloc[-1]})" if len(g) > 1
-                else f"{num(g['step_median_ms'].iloc[0])} ms ({g['size'].iloc[0]})")
-        parts.append(f"{span} in {dtype}")
-    batch = f", batch {int(at['batch'].iloc[0])}" if "batch" in at else ""
+    for dtype in dict.fromkeys(p["dtype"] for p in parts_):
+        rows = [p for p in parts_ if p["dtype"] == dtype]
+        shown = [f"{num(p['median_ms'])} ms ({p['size']})" if p["quotable"] else
+                 f"too noisy to quote for {p['size']} (std {num(p['std_ms'])} ms over a median of "
+                 f"{num(p['median_ms'])} ms)" for p in rows]
+        text = f"{', '.join(shown)} in {dtype}"
+        if any(a["median_ms"] > b["median_ms"] for a, b in zip(rows, rows[1:])):
+            text += " (a smaller model measured slower than a larger one: this machine's load, not the model)"
+        parts.append(text)
+    batch = f", batch {int(lm['batch'].iloc[0])}" if "batch" in lm and len(lm) else ""
     return f"At context {default_context}{batch}, an AdamW step takes " + "; ".join(parts) + " (medians)."
 
 
@@ -278,8 +302,9 @@ def backward_answer(ratios: pd.DataFrame) -> str:
     if ratios.empty:
         return "Not measured."
     n, higher = len(ratios), int((ratios["verdict"] == "higher").sum())
-    return (f"{num(ratios['ratio'].median(), 2)}x the forward (range {num(ratios['ratio'].min(), 2)}-"
-            f"{num(ratios['ratio'].max(), 2)}x; more than the forward beyond noise in {higher} of {n} configurations).")
+    return (f"{num(ratios['ratio'].median(), 2)}x the forward (range "
+            f"{span(ratios['ratio'].min(), ratios['ratio'].max(), lambda v: num(v, 2))}x; more than the forward "
+            f"beyond noise in {higher} of {n} configurations).")
 
 
 def plot_timings(lm: pd.DataFrame):
@@ -354,5 +379,5 @@ def dtype_answer(speed: pd.DataFrame, on: str) -> str:
     fb = speed[(speed["mode"] == mode) & speed["speedup"].notna()]
     if fb.empty:
         return "Not measured."
-    return (f"{mode.capitalize()} on {on}: {counts_phrase(verdict_counts(speed, mode))} (speedups "
-            f"{num(fb['speedup'].min())}-{num(fb['speedup'].max())}x){' — CPU numbers' if on == 'cpu' else ''}.")
+    return (f"{mode.capitalize()} on {on}: {counts_phrase(verdict_counts(speed, mode))} (speedup estimates "
+            f"{span(fb['speedup'].min(), fb['speedup'].max(), num)}x){' — CPU numbers' if on == 'cpu' else ''}.")

@@ -215,6 +215,8 @@ def render_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("-p", "--parameter", nargs=2, action="append", metavar=("NAME", "VALUE"), default=[],
                    help="notebook parameter, e.g. -p sizes \"['small', 'medium']\" (a Python literal, or a word)")
     args = p.parse_args(argv)
+    if args.html_only and args.no_html:
+        raise UsageError("--html-only and --no-html contradict each other; give one")
     if args.html_only:
         reports = paths.resolve(PROFILES[args.profile].reports_dir)
         for nb in sorted(reports.glob("[0-9][0-9]_*.ipynb")):
@@ -223,6 +225,8 @@ def render_main(argv: Sequence[str] | None = None) -> int:
             print(f"html: {export_html(nb)}")
         return 0
     extra = {name: parse_value(name, value) for name, value in args.parameter}
+    check_parameters(numbered_notebooks(args.only), extra)
+    cli.writable_dir(paths.resolve(PROFILES[args.profile].reports_dir), f"the {args.profile} reports directory")
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     try:
         render(args.profile, args.only, html=not args.no_html, log_output=args.log_output, extra_parameters=extra)

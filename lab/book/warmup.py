@@ -13,7 +13,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from lab.book.precision import num
-from lab.measure.verdicts import CONFIDENCE, Comparison, compare
+from lab.measure.verdicts import CONFIDENCE, Comparison, compare, span
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ CPU_FIRST_STEP = ("On a CPU there is no CUDA context, kernel loading or cuBLAS h
 
 
 def _interval(c: Comparison) -> str:
-    return (f"{CONFIDENCE:.0%} interval {num(c.low)}-{num(c.high)}x" if math.isfinite(c.low)
+    return (f"{CONFIDENCE:.0%} interval {span(c.low, c.high, num)}x" if math.isfinite(c.low)
             and math.isfinite(c.high) else "no spread measured")
 
 

@@ -11,7 +11,10 @@ ratio of the subject's typical value to the reference's and a confidence interva
 For times (lower is better) an interval entirely below 1 says "faster", entirely above 1 "slower", and an
 interval that contains 1 says "within noise". A goal ("at most 0.8x the baseline") is met only when the
 whole interval is within the goal, missed when the whole interval is outside it, and otherwise undecided.
-A measurement with fewer than two samples has no measured spread, so no claim can rest on it.
+A measurement with fewer than two samples has no measured spread, so no claim can rest on it, and a
+difference no wider than either side's own scatter (its standard deviation; for samples the robust one
+from the median absolute deviation, so one outlier does not hide a clear gap) is "within noise" whatever
+the interval says: a spread as wide as the effect decides nothing.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ class Comparison:
     def describe(self, subject: str, reference: str) -> str:
         """A clause for generated prose, e.g. ``"Triton is 1.23x faster than SDPA (time ratio 0.81, 95%
         interval 0.79-0.83)"`` or ``"Triton is within noise of SDPA (...)"``."""
-        interval = f"ratio {self.ratio:.3g}, {CONFIDENCE:.0%} interval {self.low:.3g}-{self.high:.3g}"
+        interval = f"ratio {self.ratio:.3g}, {CONFIDENCE:.0%} interval {span(self.low, self.high)}"
         if not math.isfinite(self.low) or not math.isfinite(self.high):
             return f"{subject} cannot be told apart from {reference}: no spread was measured (ratio {self.ratio:.3g})"
         if self.verdict == "within noise":
@@ -90,6 +93,19 @@ def _verdict(low: float, high: float, lower_is_better: bool) -> str:
     return "within noise"
 
 
+def _spread_covers_effect(typical: float, ref_typical: float, spread: float, ref_spread: float) -> bool:
+    """True when the gap between the two typical values is no wider than either side's own scatter (standard
+    deviation): such a gap decides nothing, however narrow the interval of the ratio (a bootstrap over a
+    handful of samples can exclude 1 while each side scatters by more than the gap)."""
+    return abs(typical - ref_typical) <= max(spread, ref_spread)
+
+
+def _robust_spread(x: np.ndarray) -> float:
+    """A standard deviation that one outlier cannot inflate: 1.4826 x the median absolute deviation (equal to
+    the standard deviation for normal samples), to go with the medians :func:`compare` compares."""
+    return float(1.4826 * np.median(np.abs(x - np.median(x))))
+
+
 def compare(subject: Sequence[float], reference: Sequence[float], lower_is_better: bool = True,
             confidence: float = CONFIDENCE, n_boot: int = 4000, seed: int = 0) -> Comparison:
     """Compare two sets of samples (e.g. step times in ms) by the ratio of their medians, with a bootstrap
@@ -106,7 +122,10 @@ def compare(subject: Sequence[float], reference: Sequence[float], lower_is_bette
     rb = np.median(rng.choice(b, size=(n_boot, len(b))), axis=1)
     tail = (1 - confidence) / 2
     low, high = (float(v) for v in np.quantile(ra / rb, [tail, 1 - tail]))
-    return Comparison(ratio, low, high, _verdict(low, high, lower_is_better), lower_is_better)
+    verdict = _verdict(low, high, lower_is_better)
+    if _spread_covers_effect(np.median(a), np.median(b), _robust_spread(a), _robust_spread(b)):
+        verdict = "within noise"
+    return Comparison(ratio, low, high, verdict, lower_is_better)
 
 
 def compare_summaries(mean: float, std: float, n: int, ref_mean: float, ref_std: float, ref_n: int,
@@ -123,7 +142,9 @@ def compare_summaries(mean: float, std: float, n: int, ref_mean: float, ref_std:
     z = NormalDist().inv_cdf(0.5 + confidence / 2)
     se = math.sqrt((std / mean) ** 2 / n + (ref_std / ref_mean) ** 2 / ref_n)
     low, high = ratio * math.exp(-z * se), ratio * math.exp(z * se)
-    return Comparison(ratio, low, high, _verdict(low, high, lower_is_better), lower_is_better)
+    verdict = "within noise" if _spread_covers_effect(mean, ref_mean, std, ref_std) else _verdict(low, high,
+                                                                                                   lower_is_better)
+    return Comparison(ratio, low, high, verdict, lower_is_better)
 
 
 @dataclass(frozen=True)
@@ -155,7 +176,7 @@ class GoalCheck:
         """``"goal <= 0.8x torch DDP: met (ratio 0.73, 95% interval 0.70-0.76)"``."""
         c = self.comparison
         sign = "<=" if c.lower_is_better else ">="
-        interval = (f"{CONFIDENCE:.0%} interval {c.low:.3g}-{c.high:.3g}" if math.isfinite(c.low)
+        interval = (f"{CONFIDENCE:.0%} interval {span(c.low, c.high)}" if math.isfinite(c.low)
                     else "no spread measured")
         return f"goal {subject} {sign} {self.target:g}x {reference}: {self.word} (ratio {c.ratio:.3g}, {interval})"
 
@@ -164,3 +185,20 @@ def check_goal(subject: Sequence[float], reference: Sequence[float], target: flo
                **kwargs) -> GoalCheck:
     """Is ``median(subject) / median(reference)`` within ``target`` beyond the noise? (see :class:`GoalCheck`)."""
     return GoalCheck(compare(subject, reference, lower_is_better, **kwargs), target)
+
+
+def span(low: float, high: float, fmt=lambda v: f"{v:.3g}", sep: str = "-") -> str:
+    """A range for prose or a table: ``"1.2-3.4"``, or one number when both ends print the same (a range
+    whose ends are equal is one value, not a spread)."""
+    a, b = fmt(low), fmt(high)
+    return a if a == b else f"{a}{sep}{b}"
+
+
+def quotable(value: float, spread: float) -> bool:
+    """True when ``value`` may be quoted as a finding: finite and larger than its measured ``spread`` (a
+    standard deviation, or an interval's half-width). A value smaller than its own spread is noise; a value
+    with no measured spread (NaN) may still be quoted, labelled as a single measurement by its caller."""
+    if value is None or not math.isfinite(value):
+        return False
+    return not (spread is not None and math.isfinite(spread) and spread >= abs(value))
+

@@ -7,6 +7,7 @@ import pandas as pd
 import pytest
 
 from lab.book import attention as present
+from tests.book.prose import counts, numbers, sentence_with
 
 matplotlib.use("Agg")
 
@@ -45,22 +46,37 @@ def test_fit_sentence_names_the_shortest_oom_and_each_d():
     grid = pd.DataFrame([_grid_row(16, 4096), _grid_row(16, 8192, status="oom", note="out of memory in backward: x"),
                          _grid_row(64, 2048), _grid_row(64, 4096, status="oom", note="out of memory in forward: y")])
     text = present.fit_sentence(grid)
-    assert text.startswith("2 of 4 configurations ran out of memory on NVIDIA H100 80GB HBM3")
-    assert "shortest sequence that did not fit is 4096 tokens (d=64), in the forward pass" in text
-    assert "d=16 from 8192, d=64 from 4096 tokens" in text
+    first, per_d = text.split(". ")
+    assert counts(first) == [(2, 4)] and "NVIDIA H100 80GB HBM3" in first
+    assert numbers(first)[-2:] == [4096, 64] and "forward" in first  # the shortest OOM and its pass
+    assert numbers(per_d) == [16, 8192, 64, 4096]  # per head dimension, the first length that did not fit
     fits = present.fit_sentence(pd.DataFrame([_grid_row(16, 256, gpu="cpu")]))
-    assert fits == "All 1 configurations fit on this CPU (longest: 256 tokens, batch 8, fp32)."
+    assert numbers(fits) == [1, 256, 8] and "CPU" in fits and "fp32" in fits
 
 
 def test_timing_sentence_compares_time_growth_with_flops():
     grid = pd.DataFrame([_grid_row(16, 1024, fwd=1.0, bwd=2.0), _grid_row(16, 4096, fwd=10.0, bwd=20.0),
                          _grid_row(128, 4096, fwd=12.0, bwd=30.0)])
     text = present.timing_sentence(grid)
-    assert "At 4096 tokens a forward pass takes 10–12 ms and a backward pass 20–30 ms over d = 16, 128" in text
-    assert "the backward is 2.2x the forward (median)" in text
-    assert "multiplies the forward time by 1.2x for 8x the FLOPs, far less than the FLOPs" in text
+    times, growth = text.split(" Going from ")
+    assert numbers(times) == [4096, 10, 12, 20, 30, 16, 128, 2.2]  # length, fwd range, bwd range, d's, bwd/fwd
+    assert present.d_growth(grid) == dict(d_low=16, d_high=128, time_ratio=1.2, flop_ratio=8.0, verdict="slower")
+    assert numbers(growth)[2:4] == [8, 1.2] and "far less" in growth
     proportional = pd.DataFrame([_grid_row(16, 64, fwd=1.0), _grid_row(32, 64, fwd=1.9)])
-    assert "roughly in step with the FLOPs" in present.timing_sentence(proportional)
+    assert "in step" in present.timing_sentence(proportional)
+
+
+def test_timing_sentence_reads_d_growth_only_beyond_the_noise():
+    quieter = pd.DataFrame([_grid_row(16, 4096, fwd=10.0), _grid_row(32, 4096, fwd=9.0)])  # faster with 2x FLOPs
+    g = present.d_growth(quieter)
+    assert g["verdict"] == "faster" and g["flop_ratio"] == 2.0
+    assert "load" in present.timing_sentence(quieter) and "memory traffic" not in present.timing_sentence(quieter)
+    noisy = pd.DataFrame([_grid_row(16, 4096, fwd=10.0, std=0.5), _grid_row(32, 4096, fwd=9.0, std=0.5)])
+    assert present.d_growth(noisy)["verdict"] == "within noise"
+    assert "within noise" in present.timing_sentence(noisy)
+    same = pd.DataFrame([_grid_row(16, 4096, fwd=10.0, bwd=20.0), _grid_row(32, 4096, fwd=10.0, bwd=20.0)])
+    times = present.timing_sentence(same).split(" Going from ")[0]
+    assert "10–10" not in times and numbers(times)[:3] == [4096, 10, 20]  # equal ends print once
 
 
 def test_memory_terms_and_accounting_sentence():
@@ -70,9 +86,9 @@ def test_memory_terms_and_accounting_sentence():
     check = pd.DataFrame([dict(quantity="saved for backward beyond q, k, v", predicted_mib=8192.0,
                                measured_mib=8192.0, measured_over_predicted=1.0)])
     text = present.accounting_sentence(row, "largest_fit", check)
-    assert "For the largest configuration that fit (batch 8, seq 16384, d 64, fp32)" in text
-    assert "8 × 16384² × 4 B = 8 GiB" in text
-    assert "8192 MiB measured vs 8192 MiB predicted (1.000x)" in text
+    assert "largest configuration that fit" in text and numbers(text)[:3] == [8, 16384, 64]
+    assert "8 × 16384² × 4 B = 8 GiB" in text  # the formula with its numbers
+    assert numbers(sentence_with(text, "measured"))[-3:] == [8192, 8192, 1.0]  # measured, predicted, ratio
     oom = pd.Series(_grid_row(64, 65536, status="oom"))
     text = present.accounting_sentence(oom, "oom", check.assign(measured_mib=math.nan))
     assert "smallest configuration that ran out of memory" in text and "This GPU has 80 GiB" in text
@@ -90,7 +106,8 @@ def test_saved_memory_curves_and_scaling_sentence():
                    & (curves["seq_len"] == 1024)]["MiB"].item()
     assert flash == costs.flash_attention_saved_bytes(8, 1024, 64, "fp32") / 2**20
     text = present.scaling_sentence(ab.saved_memory_scaling(grid), curves)
-    assert "seq^2.00–seq^2.00" in text and "i.e. quadratic" in text and "At 1024 tokens" in text
+    assert "seq^2.00" in text and "–seq^" not in text  # every d grows as seq^2: one exponent, not a range
+    assert "quadratic" in text and 1024 in numbers(text)
     assert present.plot_saved_memory(curves, "t") is not None
     assert "could be fitted" in present.scaling_sentence(pd.DataFrame(), curves)
 
@@ -104,11 +121,12 @@ def test_compile_table_and_sentence_use_verdicts():
     assert versus["fwd_verdict"].tolist() == ["faster", "within noise", "within noise"]
     assert versus["bwd_verdict"].tolist() == ["within noise", "within noise", "slower"]
     text = present.compile_sentence(versus, grid)
-    assert "the compiled forward is faster beyond the noise in 1 of 3 configurations, slower in 0" in text
-    assert "the compiled backward is faster beyond the noise in 0 of 3 configurations, slower in 1" in text
-    assert "The forward gains most at seq 256, d 16 (2x)" in text
-    assert "Compiling cost 3 s for 3 shapes" in text
-    assert "does not remove the seq × seq tensor" in text
+    forward, backward = text.split(". ")[0].split(";")  # one clause per pass
+    assert counts(forward) == [(1, 3)] and "slower in 0" in forward  # faster in 1 of 3, slower in 0
+    assert counts(backward) == [(0, 3)] and "slower in 1" in backward
+    assert numbers(sentence_with(text, "gains most")) == [256, 16, 2]
+    assert numbers(sentence_with(text, "Compiling cost")) == [3, 3]
+    assert "seq × seq" in sentence_with(text, "saves for the backward")
     assert present.plot_compile_speedups(versus) is not None
     eager_only = pd.DataFrame([_grid_row(16, 256)])
     assert present.compile_table(eager_only).empty
@@ -136,10 +154,12 @@ def test_lm_compile_speedups_and_sentence():
     assert sp.loc[("10B", "forward"), "speedup"] == pytest.approx(4 / 3)
     assert ("10B", "train step") not in sp.index  # neither side ran
     text = present.lm_compile_sentence(present.lm_compile_speedups(lm), lm)
-    assert text.startswith("Whole model (context 512, batch 4, bf16)")
-    assert "small train step 50 → 20 ms (2.5x" in text and "compiled faster" in text
-    assert "xl train step 100 → 98 ms" in text and "compiled within noise of eager" in text
-    assert "10B forward" in text and "Did not fit (every mode or some): 10B eager, 10B compiled" in text
+    assert numbers(text)[:2] == [512, 4] and "bf16" in text.split(":")[0]
+    small = text[text.index("small train step"):].split(";")[0]
+    assert numbers(small)[:3] == [50, 20, 2.5] and "faster" in small
+    xl = text[text.index("xl train step"):].split(";")[0]
+    assert numbers(xl)[:2] == [100, 98] and "within noise" in xl
+    assert "10B forward" in text and "10B eager, 10B compiled" in text[text.index("Did not fit"):]
     assert present.plot_lm_compile(present.lm_compile_speedups(lm)) is not None
     assert list(present.lm_table(lm).columns)[:3] == ["size", "compile", "fwd_ms"]
     assert list(present.lm_table(lm).columns)[-2:] == ["status", "error"]

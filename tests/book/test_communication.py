@@ -10,6 +10,7 @@ import torch
 
 from lab.bench import collectives
 from lab.book import communication as comm
+from tests.book.prose import counts, in_order, numbers
 
 matplotlib.use("Agg")
 MIB = 2**20
@@ -52,16 +53,18 @@ def test_duration_and_size_text():
 
 def test_correctness_sentence_names_wrong_results():
     g = grid()
-    assert comm.correctness_sentence(g).startswith("All 12 measured collectives returned the values expected")
+    ok = comm.correctness_sentence(g)
+    assert numbers(ok)[0] == 12 and "Wrong" not in ok
     g.loc[4, "correct"] = False
     text = comm.correctness_sentence(g)
-    assert text.startswith("**Wrong values** in 1 of 12") and "gloo reduce-scatter on 2 ranks at 10 MiB" in text
+    assert "Wrong" in text and counts(text)[0] == (1, 12)
+    assert "gloo reduce-scatter" in text and in_order(text, [2, 10])  # which call: backend, op, ranks, MiB
 
 
 def test_cpu_sharing_sentence():
     g = grid()
     assert "4 gloo processes" in comm.cpu_sharing_sentence(g, cores=2)
-    assert comm.cpu_sharing_sentence(g, cores=8) == "Every gloo process had a CPU core of its own (8 cores)."
+    assert numbers(comm.cpu_sharing_sentence(g, cores=8)) == [8]  # no process shared a core of the 8
     assert comm.cpu_sharing_sentence(g[g["backend"] == "nccl"], cores=2) == ""
     assert "not recorded" in comm.cpu_sharing_sentence(g, cores=None)
 
@@ -94,10 +97,11 @@ def test_split_allreduce_verdicts_follow_the_samples():
     slower = comm.split_allreduce(grid(split_factor=1.3))
     assert (slower["verdict"] == "slower").all() and slower["ratio"].iloc[0] == pytest.approx(1.3, rel=0.03)
     text = comm.split_allreduce_sentences(slower)
-    assert "costs extra communication time" in text and "1.3x slower" in text
+    assert "slower" in text and 1.3 in numbers(text)  # the split's time ratio, named as slower
     faster = comm.split_allreduce(grid(split_factor=0.7))
     assert "costs no extra time" in comm.split_allreduce_sentences(faster)
-    assert comm.split_allreduce_answer(slower).startswith("gloo with 2 ranks at 10 MiB: the split is slower")
+    answer = comm.split_allreduce_answer(slower)
+    assert "gloo" in answer and numbers(answer)[:2] == [2, 10] and "slower" in answer
 
 
 def test_bus_bandwidth_holds_or_not():
@@ -136,7 +140,7 @@ def test_backend_sentence_needs_both_backends():
     assert "not compared" in comm.backend_sentence(g)
     fast = g.assign(backend="nccl", samples_ms=[json.dumps([t / 50 for t in json.loads(s)]) for s in g["samples_ms"]])
     text = comm.backend_sentence(pd.concat([g, fast]))
-    assert text.startswith("At 10 MiB with 2 ranks, NCCL is 50x faster than gloo")
+    assert numbers(text)[:3] == [10, 2, 50] and "faster" in text.split(".")[0]  # size, ranks, speedup
 
 
 def test_plots_draw_from_the_grid():

@@ -10,6 +10,7 @@ matplotlib.use("Agg")
 from lab.bench.memory_setup import MemorySetup  # noqa: E402
 from lab.book import memory as mb  # noqa: E402
 from lab.model import ModelConfig  # noqa: E402
+from tests.book.prose import in_order, numbers, sentence_with  # noqa: E402
 
 MiB, GiB = 2**20, 2**30
 
@@ -30,27 +31,28 @@ def _phases():
 def test_timeline_sentences_name_each_peak():
     phases = _phases()
     text = mb.timeline_sentences(phases, parameter_bytes=0.25 * GiB)
-    assert "peaks at **2 GiB** in its own phase (`forward 1`), having built up 819 MiB" in text
-    assert "highest peak is in **backward 2** (2.7 GiB)" in text
+    assert in_order(sentence_with(text, "forward 1"), [2, 819])  # the forward's peak (GiB), built up (MiB)
+    assert in_order(sentence_with(text, "backward 2"), [2.7])
     # optimizer state = end of optimizer step 1 - start of forward 1 = 0.5 GiB; expected 2 x 0.25 GiB
-    assert "memory is 512 MiB above where step 1 started" in text and "expected 512 MiB" in text
-    assert "After step 2 memory is 0 B higher" in text
-    assert mb.timeline_answer(phases) == ("a forward pass peaks in `forward 1` at 2 GiB; two AdamW steps peak in "
-                                          "`backward 2` at 2.7 GiB.")
+    assert in_order(sentence_with(text, "expected"), [512, 512])
+    assert in_order(text[text.index("After step 2"):], [2, 0])  # no growth after the second step
+    answer = mb.timeline_answer(phases)
+    assert "`forward 1`" in answer and "`backward 2`" in answer and numbers(answer) == [1, 2, 2, 2.7]
     assert mb.phase_peaks_display(phases, "train_step")["phase"].iloc[2] == "optimizer step 1"
 
 
 def test_residual_and_largest_allocation_sentences():
     residual = pd.DataFrame(dict(context=[64], batch=[4], d_model=[64], num_layers=[4], residual_bytes=[65536]))
     text = mb.residual_sentence(residual, SETUP)
-    assert "4 × 64 × 64 × 4 bytes = **64 KiB** (0.0625 MiB); the 4 block inputs alone are 256 KiB" in text
+    assert in_order(text, [4, 64, 64, 4, 64, 0.0625, 4, 256])  # B x T x D x 4 bytes = 64 KiB; 4 blocks: 256 KiB
     largest = pd.DataFrame(dict(size_mib=[0.977, 0.25], origin=["head.py:1:f", "ffn.py:2:g"]))
     origins = pd.DataFrame(dict(origin=["ffn.py:2:g"], count=[8], total_mib=[2.0], share=[0.5]))
     text = mb.largest_allocations_sentence(largest, origins, SETUP)
     # logits 4 x 64 x 1000 x 4 B = 0.9766 MiB; FFN hidden 4 x 64 x 256 x 4 B = 0.25 MiB
-    assert "the logits are batch × context × vocab × 4 bytes = 0.9766 MiB" in text
-    assert "= 0.25 MiB (4× the residual stream)" in text and "8 allocations, 2 MiB in all (50%" in text
-    assert mb.largest_allocations_answer(largest, origins).startswith("0.977 MiB from `head.py:1:f`")
+    assert in_order(sentence_with(text, "logits"), [0.9766])
+    assert in_order(text, [0.25, 4]) and in_order(text, [8, 2, 50])  # FFN hidden, x residual; the top origin
+    answer = mb.largest_allocations_answer(largest, origins)
+    assert numbers(answer)[0] == 0.977 and "head.py:1:f" in answer
 
 
 def _peaks():
@@ -66,34 +68,35 @@ def test_peak_pivot_and_mixed_precision_sentence():
     assert pivot.columns.tolist() == ["mode", "context", "bf16", "fp32"]
     assert pivot.loc[(pivot["mode"] == "train_step") & (pivot["context"] == 2048), "fp32"].item() == "OOM"
     text = mb.mixed_precision_sentence(_peaks())
-    assert "between -25.0% and +20.0%" in text
-    assert "the forward pass: +20.0% at context 128 (10 → 12 GiB), -25.0% at context 2048 (40 → 30 GiB)" in text
-    assert "a training step: +0.0% at context 128" in text
-    assert "The saving grows with the context length" in text and "use *more* memory" in text
-    assert "Out of memory: train_step at context 2048 in fp32." in text
-    assert mb.mixed_precision_answer(_peaks()).startswith("only a little: from -25.0% (forward, context 2048)")
+    assert in_order(text, [-25.0, 20.0])  # the range of changes
+    assert in_order(text, [20.0, 128, 10, 12, -25.0, 2048, 40, 30])  # forward: per context, fp32 -> bf16 GiB
+    assert in_order(text, [0.0, 128])  # the training step at 128: no change
+    assert "*more*" in text  # a positive change is named as more memory
+    oom = text[text.index("Out of memory"):]
+    assert "train_step" in oom and numbers(oom) == [2048] and "fp32" in oom
+    answer = mb.mixed_precision_answer(_peaks())
+    assert numbers(answer)[:2] == [-25.0, 2048]
 
 
 def test_saved_tensor_sentences():
     ops = pd.DataFrame(dict(op=["Mul", "Mm", "Silu"], bytes=[6 * MiB, 3 * MiB, 1 * MiB], share=[0.6, 0.3, 0.1],
                             batch=4, context=64, dtype="fp32", input_bytes=1 * MiB))
     text = mb.block_saved_sentence(ops, top=2)
-    assert "saves **10 MiB** for the backward (10.0× its input)" in text
-    assert "`Mul` 6 MiB (60%), `Mm` 3 MiB (30%) — together 90%" in text
+    assert in_order(text, [10, 10.0, 6, 60, 3, 30, 90]) and text.index("`Mul`") < text.index("`Mm`")
     norm = pd.DataFrame(dict(rmsnorm=["eager", "compiled"], saved_bytes=[2 * MiB, MiB], saved_inputs=[2.0, 1.0]))
-    assert "compiled, 1 MiB (1.00×): fusion keeps the input" in mb.rmsnorm_sentence(norm)
+    assert in_order(mb.rmsnorm_sentence(norm), [2, 2.0, 1, 1.0])  # eager then compiled: MiB, x the input
     assert "not measured" in mb.rmsnorm_sentence(norm.iloc[:1])
-    assert mb.saved_tensors_answer(ops, norm) == ("10 MiB per block (10.0× its input), 60% of it from `Mul`; "
-                                                  "RMSNorm saves 2.00× its input eager and 1.00× compiled.")
+    answer = mb.saved_tensors_answer(ops, norm)
+    assert numbers(answer) == [10, 10.0, 60, 2.0, 1.0] and "`Mul`" in answer
 
 
 def test_gradient_sentence_and_figure():
     grads = pd.DataFrame(dict(block=[0, 1, 2], measured_bytes=[3 * MiB, MiB, MiB], expected_bytes=[MiB] * 3,
                               measured_mib=[3.0, 1.0, 1.0], expected_mib=[1.0] * 3, ratio=[3.0, 1.0, 1.0]))
     text = mb.gradients_sentence(grads, embedding_bytes=2 * MiB)
-    assert "Blocks 1–2 each leave 1 MiB of gradients" in text and "median ratio 1.000" in text
-    assert "block 0 leaves 3 MiB, 2 MiB more than its parameters" in text and "gradient (2 MiB)" in text
-    assert mb.gradients_answer(grads).startswith("1 MiB per block, 1.000×")
+    assert in_order(text, [1, 2, 1, 1.0])  # blocks 1-2 leave 1 MiB each, median ratio 1
+    assert in_order(text, [0, 3, 2, 2])  # block 0: 3 MiB, 2 more than its parameters: the embedding's 2 MiB
+    assert numbers(mb.gradients_answer(grads))[:2] == [1, 1.0]
     fig = mb.gradients_figure(grads)
     assert [p.get_height() for p in fig.axes[0].patches] == [3.0, 1.0, 1.0]
 

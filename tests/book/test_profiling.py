@@ -11,6 +11,7 @@ import pytest
 from lab.bench.precision import speedup_table
 from lab.book import kernel_profiles, profiling, warmup
 from lab.paths import REPO_ROOT
+from tests.book.prose import counts, numbers, sentence_with
 
 matplotlib.use("Agg")
 
@@ -118,10 +119,10 @@ def test_backward_ratios_use_medians_and_verdicts():
     assert ratios.loc[("a", 32, "bf16"), "verdict"] == "within noise"
     assert ratios.loc[("b", 32, "fp32"), "verdict"] == "higher"  # one wild sample cannot flip the median
     text = profiling.backward_sentence(ratios.reset_index())
-    assert "more than the forward beyond noise in 7 of 8, within noise in 1." in text
-    assert "The FLOPs predict about 2x" in text
-    assert profiling.backward_answer(ratios.reset_index()) == ("2x the forward (range 2-4x; more than the "
-                                                               "forward beyond noise in 7 of 8 configurations).")
+    assert counts(text) == [(7, 8)] and "within noise in 1" in text  # 7 higher, 1 within noise
+    assert 2.0 in numbers(sentence_with(text, "FLOPs"))  # the FLOPs' 2x beside the measured ratios
+    answer = profiling.backward_answer(ratios.reset_index())
+    assert numbers(answer)[:3] == [2.0, 2.0, 4.0] and counts(answer) == [(7, 8)]  # median, range, verdict count
 
 
 def test_timing_paragraph_quotes_the_tables():
@@ -132,13 +133,18 @@ def test_timing_paragraph_quotes_the_tables():
                    error="forward_backward: CUDA out of memory; train_step: CUDA out of memory")])
     ratios = profiling.backward_ratios(_samples(_sweep_spec()))
     text = profiling.timing_paragraph(lm, ratios, 64)
-    assert "At context 64 (fp32) the forward takes 10 ms for a and 40 ms for b (medians)." in text
-    assert "in 1 of 4 configurations, worst for a at context 32 fp32 (fwd std 20% of the mean)" in text
+    assert numbers(sentence_with(text, "forward takes")) == [64, 10, 40]
+    noisy = sentence_with(text, "worst for a")
+    assert counts(noisy) == [(1, 4)] and 20 in numbers(noisy) and "fwd" in noisy
     from_csv = profiling.timing_paragraph(lm.astype({"context": float}), ratios, 64)  # NaN rows make ints floats
     assert "at context 32 fp32" in from_csv and "32.0" not in from_csv
-    assert "Out of memory (recorded as rows, not measured): b at context 32 fp32 (forward_backward/train_step)." in text
+    oom = text[text.index("Out of memory"):]
+    assert "b at context 32 fp32" in oom and "forward_backward/train_step" in oom
+    noisy_fwd = lm.iloc[:2].assign(fwd_std_ms=[2.0, 50.0])  # b's spread exceeds its 40 ms median
+    forward = sentence_with(profiling.timing_paragraph(noisy_fwd, ratios, 64), "forward takes")
+    assert numbers(forward) == [64, 10, 50] and "noisy" in forward  # b's 40 ms is not quoted
     quiet = profiling.timing_paragraph(lm.iloc[:2], ratios, 64)
-    assert "Every standard deviation is below 5% of its mean." in quiet
+    assert "worst for" not in quiet and 5 in numbers(quiet)  # no noisy configuration; the 5% threshold named
 
 
 def test_step_answer_per_dtype():
@@ -146,9 +152,23 @@ def test_step_answer_per_dtype():
               dict(size="a", context=64, dtype="fp32", params=1e6, step_median_ms=30.0),
               dict(size="a", context=64, dtype="bf16", params=1e6, step_median_ms=20.0),
               dict(size="a", context=32, dtype="fp32", params=1e6)])
-    assert profiling.step_answer(lm, 64) == ("At context 64, batch 4, an AdamW step takes 30 ms (a) to 120 ms (b) "
-                                             "in fp32; 20 ms (a) in bf16 (medians).")
-    assert "No train step was measured at context 32" in profiling.step_answer(lm, 32)
+    parts = profiling.step_parts(lm, 64)
+    assert [(p["dtype"], p["size"], p["median_ms"]) for p in parts] == [("fp32", "a", 30.0), ("fp32", "b", 120.0),
+                                                                          ("bf16", "a", 20.0)]
+    fp32, bf16 = profiling.step_answer(lm, 64).split(";")
+    assert numbers(fp32) == [64, 4, 30, 120] and numbers(bf16) == [20]
+    assert profiling.step_parts(lm, 32) == [] and 32 in numbers(profiling.step_answer(lm, 32))
+
+
+def test_step_answer_leaves_out_noise_and_flags_an_inverted_order():
+    lm = _lm([dict(size="a", context=64, dtype="fp32", params=1e6, step_median_ms=354.0, step_std_ms=286.0),
+              dict(size="b", context=64, dtype="fp32", params=4e6, step_median_ms=107.0, step_std_ms=2.0),
+              dict(size="a", context=64, dtype="bf16", params=1e6, step_median_ms=30.0, step_std_ms=45.0)])
+    parts = {(p["dtype"], p["size"]): p for p in profiling.step_parts(lm, 64)}
+    assert parts[("fp32", "a")]["quotable"] and not parts[("bf16", "a")]["quotable"]  # std 45 > median 30
+    fp32, bf16 = profiling.step_answer(lm, 64).split(";")
+    assert "load" in fp32  # the smaller model measured slower: flagged, not explained as a finding
+    assert "too noisy" in bf16 and numbers(bf16) == [45, 30]
 
 
 def test_plot_timings_one_line_per_size_and_dtype():
@@ -168,12 +188,13 @@ def test_dtype_paragraph_counts_verdicts_and_warns_on_the_cpu():
     speed = speedup_table(_samples(_sweep_spec()), keys=("size", "context"))
     assert (speed["verdict"] == "faster").all()
     cpu = profiling.dtype_paragraph(speed, "cpu")
-    assert cpu.startswith("Forward: bf16 autocast is faster beyond noise in 4 of 4 configurations.")
-    assert "In forward+backward, the largest speedup estimate is for" in cpu and "2x faster than fp32" in cpu
-    assert "say nothing about GPU ones" in cpu
-    assert "say nothing about GPU ones" not in profiling.dtype_paragraph(speed, "cuda")
-    assert profiling.dtype_answer(speed, "cpu") == ("Forward+backward on cpu: faster beyond noise in 4 of 4 "
-                                                    "configurations (speedups 2-2x) — CPU numbers.")
+    assert counts(sentence_with(cpu, "Forward:")) == [(4, 4)]
+    assert 2 in numbers(sentence_with(cpu, "largest speedup")) and "faster" in sentence_with(cpu, "largest speedup")
+    caveat = len(cpu) - len(profiling.dtype_paragraph(speed, "cuda"))
+    assert caveat > 0 and "GPU" in cpu[-caveat:]  # only the CPU render carries the caveat
+    answer = profiling.dtype_answer(speed, "cpu")
+    assert counts(answer) == [(4, 4)] and numbers(answer)[-1] == 2  # a 2-2x range prints as one number
+    assert "2-2" not in answer
     fig = profiling.plot_speedup_by_context(speed)
     assert [ax.get_title() for ax in fig.axes] == ["bf16 autocast, forward", "bf16 autocast, forward+backward"]
 
@@ -183,8 +204,11 @@ def test_dtype_paragraph_says_within_noise():
     spec[("a", 64, "bf16")]["fwdbwd"] = [1.0, 100.0, 5.0, 80.0, 30.0, 2.0, 60.0]
     speed = speedup_table(_samples(spec), keys=("size", "context"))
     text = profiling.dtype_paragraph(speed, "cuda")
-    assert "Forward+backward: bf16 autocast is faster beyond noise in 3 of 4 configurations, within noise in 1." in text
-    assert "the smallest for a at context 64: bf16 autocast is within noise of fp32" in text
+    fb = sentence_with(text, "Forward+backward:")
+    assert counts(fb) == [(3, 4)] and "within noise in 1" in fb
+    assert (speed.set_index(["mode", "size", "context"]).loc[("forward+backward", "a", 64), "verdict"]
+            == "within noise")
+    assert "within noise" in text[text.index("the smallest"):]
 
 
 # ---- warm-up --------------------------------------------------------------------------------------------

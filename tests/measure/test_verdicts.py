@@ -5,6 +5,7 @@ import math
 import numpy as np
 import pytest
 
+from lab.measure import verdicts
 from lab.measure.verdicts import check_goal, compare, compare_summaries
 
 
@@ -62,3 +63,30 @@ def test_goals_met_missed_undecided():
     undecided = check_goal(_samples(8.0, 0.8, seed=6), _samples(10.0, 0.8, seed=7), 0.8)
     assert undecided.met is None and "undecided" in undecided.describe("ours", "stock")
     assert check_goal([8.0], [10.0], 0.9).met is None
+
+
+def test_a_spread_as_wide_as_the_effect_is_within_noise():
+    # four samples each: the bootstrap interval of the ratio excludes 1, but the reference scatters by more
+    # (robust std 1.4826 x 95 = 141 ms) than the gap between the medians (123.5 ms)
+    subject, reference = [100.0, 101.0, 102.0, 103.0], [110.0, 150.0, 300.0, 400.0]
+    c = verdicts.compare(subject, reference)
+    assert c.high < 1 and c.verdict == "within noise"
+    clear = verdicts.compare(subject, [200.0, 201.0, 202.0, 203.0])
+    assert clear.verdict == "faster"
+    outlier = verdicts.compare(subject, [200.0, 201.0, 202.0, 900.0])  # one wild sample does not hide the gap
+    assert outlier.verdict == "faster"
+    s = verdicts.compare_summaries(100.0, 10.0, 50, 130.0, 40.0, 50)  # gap 30 < the reference's std 40
+    assert s.high < 1 and s.verdict == "within noise"
+    assert verdicts.compare_summaries(100.0, 10.0, 50, 130.0, 20.0, 50).verdict == "faster"
+
+
+def test_span_prints_one_number_when_the_ends_agree():
+    assert verdicts.span(2.0, 2.0004, lambda v: f"{v:.3f}") == "2.000"
+    assert verdicts.span(1.5, 2.25) == "1.5-2.25"
+
+
+def test_a_value_smaller_than_its_spread_is_not_quotable():
+    assert verdicts.quotable(354.0, 286.0)
+    assert not verdicts.quotable(30.0, 45.0)
+    assert verdicts.quotable(30.0, float("nan"))
+    assert not verdicts.quotable(float("nan"), 1.0)

@@ -1,0 +1,64 @@
+"""Every command line answers a mistaken invocation in one line, with a non-zero exit and no traceback, before
+any work starts (each case runs the real ``python -m`` in a subprocess; all are refused in seconds)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lab.paths import REPO_ROOT
+
+CORES = os.cpu_count() or 1
+NO_GPU = not torch.cuda.is_available()
+
+CASES = [  # module, argv, whether this machine can tell it is wrong
+    ("lab.bench", ["--context", "0"], True),
+    ("lab.bench", ["--size", "gigantic"], True),
+    ("lab.bench", ["--size", "tiny", "--context", "8", "--device", "cpu", "--results-dir", "/proc/no/such"], True),
+    ("lab.bench", ["--size", "tiny", "--context", "10000000", "--device", "cpu"], True),
+    ("lab.bench.collectives", ["--world-sizes", "0"], True),
+    ("lab.bench.collectives", ["--sizes-mb", "-1"], True),
+    ("lab.bench.collectives", ["--device", "cpu", "--world-sizes", str(CORES + 1)], True),
+    ("lab.bench.collectives", ["--device", "cpu", "--world-sizes", "2", "--sizes-mb", "100000000"], CORES >= 2),
+    ("lab.bench.collectives", ["--device", "cpu", "--world-sizes", "2", "--results-dir", "/proc/no/such"], CORES >= 2),
+    ("lab.bench.collectives", ["--device", "cuda"], NO_GPU),
+    ("lab.bench.ddp", ["--world-size", "0"], True),
+    ("lab.bench.ddp", ["--size", "gigantic"], True),
+    ("lab.bench.ddp", ["--device", "cpu", "--world-size", str(CORES + 1)], True),
+    ("lab.bench.ddp", ["--device", "cpu", "--world-size", "1", "--size", "10B"], True),
+    ("lab.bench.ddp", ["--bucket-sizes-mb", "0"], True),
+    ("lab.fastest", ["--config", "leaderboard", "--device", "cpu"], True),
+    ("lab.fastest", ["--config", "tiny", "--device", "cpu", "--world-size", str(CORES + 1)], True),
+    ("lab.fastest", ["--config", "tiny", "--device", "cpu", "--results-dir", "/proc/no/such"], CORES >= 2),
+    ("lab.fastest", ["--rep-ms", "-1"], True),
+    ("lab.render", ["--only", "99"], True),
+    ("lab.render", ["-p", "no_such_parameter", "1", "--only", "01"], True),
+    ("lab.render", ["--html-only", "--no-html"], True),
+]
+
+
+@pytest.mark.parametrize("module,argv", [(m, a) for m, a, wrong in CASES if wrong],
+                         ids=[f"{m} {' '.join(a)}" for m, a, wrong in CASES if wrong])
+def test_mistake_is_one_line_and_a_nonzero_exit(module, argv):
+    out = subprocess.run([sys.executable, "-m", module, *argv], cwd=REPO_ROOT, capture_output=True, text=True,
+                         timeout=120)
+    err = out.stderr.strip()
+    assert out.returncode != 0
+    assert len(err.splitlines()) == 1, err
+    assert "Traceback" not in err and err.startswith(f"python -m {module}: error:"), err
+    assert out.stdout.strip() == ""  # refused before anything ran or printed
+
+
+def test_memory_refusal_names_the_estimate_and_the_change():
+    out = subprocess.run([sys.executable, "-m", "lab.bench", "--size", "tiny", "--context", "10000000", "--device",
+                          "cpu"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "GiB" in out.stderr and "--context" in out.stderr
+
+
+def test_debug_shows_the_traceback():
+    out = subprocess.run([sys.executable, "-m", "lab.bench.ddp", "--size", "gigantic", "--debug"], cwd=REPO_ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "Traceback" in out.stderr and "gigantic" in out.stderr
