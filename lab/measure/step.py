@@ -12,7 +12,8 @@ timeline:
 
 Each phase runs inside a ``torch.profiler.record_function`` range of its name. :func:`measure_modes` times
 the three modes a step can be measured in (forward only, forward+backward, the whole train step),
-interleaved and timed alike, each with its own peak memory, and :func:`peak_memory_by_phase` reads the peak of each phase.
+interleaved and timed alike, each with its own peak memory, and :func:`peak_memory_by_phase` reads the
+peak of each phase.
 """
 
 from __future__ import annotations
