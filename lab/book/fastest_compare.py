@@ -265,3 +265,16 @@ def ablation_sentence(df: pd.DataFrame, on_gpu: bool = True, fits_gib: float = F
                None: "its peak memory was not measured"}[fits]
         text += f" \"{r.change}\" makes the step faster (ratio {r.ratio:.3g}), and {why}."
     return text
+
+
+def stocks_like(df: pd.DataFrame, impl: str = "project") -> list[str]:
+    """The stock steps that ran with ``impl``'s precision, configuration and batch, fastest first (by
+    ``step_ms``): those its profile may be set against phase by phase."""
+    full = with_fixed_columns(df)
+    mine = full[(full["impl"] == impl) & (full["status"] == "ok")]
+    if mine.empty:
+        return []
+    r = mine.iloc[0]
+    same = full[full["impl"].map(is_stock) & (full["status"] == "ok") & (full["config"] == r["config"])
+                & (full["precision"] == r["precision"]) & (full["batch"] == r["batch"])]
+    return list(same.sort_values("step_ms")["impl"])

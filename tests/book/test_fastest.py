@@ -288,3 +288,10 @@ def test_a_failed_ablation_base_compares_nothing_and_failures_are_said():
     s = fastest.ablation_sentence(some)
     labels = fastest.ablation_table(some).set_index("ablation")["change"]
     assert f"{labels['full_recompute']}: +600 ms (slower)" in s and f"{labels['no_fused_loss']}: out of memory" in s
+
+
+def test_profiles_are_set_against_the_stock_steps_of_equal_precision_fastest_first():
+    df = pd.DataFrame([_one_gpu("project", 97.6, "bf16"), _one_gpu("stock_compiled", 125.8, "bf16_autocast"),
+                       _one_gpu("stock_eager_bf16", 130.0, "bf16"), _one_gpu("stock_compiled_bf16", 95.1, "bf16")])
+    assert fastest.stocks_like(df) == ["stock_compiled_bf16", "stock_eager_bf16"]
+    assert fastest.stocks_like(df[df.impl != "project"]) == []
