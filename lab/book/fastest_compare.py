@@ -20,6 +20,7 @@ from lab.measure.verdicts import Comparison, GoalCheck, compare_summaries
 from lab.recipes.fastest_step import (
     ABLATION_BASE,
     CONFIGS,
+    Recipe,
     ablations,
     change_label,
     differences,
@@ -38,13 +39,15 @@ NOT_JUDGED = "not judged (CPU)"
 
 def with_fixed_columns(df: pd.DataFrame) -> pd.DataFrame:
     """``df`` with ``precision`` and ``batch`` filled where older rows lack them: the precision from the row's
-    ``recipe`` (its repr), the batch from its configuration (:data:`CONFIGS`)."""
+    ``recipe`` (its repr; the :class:`Recipe` default where none is named), the batch from its configuration
+    (:data:`CONFIGS`)."""
     out = df.copy()
     if "recipe" in out.columns:
         parsed = out["recipe"].astype(str).str.extract(r"precision='(\w+)'")[0]
         out["precision"] = out["precision"].fillna(parsed) if "precision" in out.columns else parsed
     elif "precision" not in out.columns:
-        out["precision"] = "bf16"  # the Recipe default: rows that name no recipe ran the book's precision
+        out["precision"] = math.nan
+    out["precision"] = out["precision"].astype(object).fillna(Recipe().precision)  # none named: the default
     if "batch" not in out.columns:
         out["batch"] = math.nan
     known = out["config"].map(lambda c: CONFIGS[c].batch_per_rank * CONFIGS[c].world_size if c in CONFIGS else math.nan)
@@ -58,8 +61,13 @@ def _host_timed(row: pd.Series) -> bool:
 
 
 def common_timer(a: pd.Series, b: pd.Series) -> str | None:
-    """The column prefix under which two rows were timed the same way: ``""`` (``step_*``) where both used
-    the same timer (or the rows do not say), ``"host_"`` where both have host-clock steps, else None."""
+    """The column prefix under which two rows were timed the same way on the same cards: ``""``
+    (``step_*``) where both used the same timer (or the rows do not say), ``"host_"`` where both have
+    host-clock steps; None where they ran on different GPUs (their ``gpus`` columns differ) or share no
+    timer."""
+    ga, gb = a.get("gpus"), b.get("gpus")
+    if isinstance(ga, str) and isinstance(gb, str) and ga and gb and ga != gb:
+        return None
     ta, tb = a.get("timer"), b.get("timer")
     same = not (isinstance(ta, str) and isinstance(tb, str)) or ta == tb
     if same and pd.notna(a.get("step_ms")) and pd.notna(b.get("step_ms")):
@@ -117,7 +125,10 @@ def like_for_like_table(df: pd.DataFrame, on_gpu: bool = True) -> pd.DataFrame:
         out = dict(book=row["impl"], precision=row["precision"], batch=row["batch"])
         stock, prefix = best_stock(full, row)
         if stock is None:
-            rows.append({**out, "stock": f"none at {row['precision']}", "verdict": "not compared"})
+            same = full[full["impl"].map(is_stock) & (full["status"] == "ok") & (full["config"] == row["config"])
+                        & (full["precision"] == row["precision"])]
+            why = "none timed the same way on the same cards" if len(same) else f"none at {row['precision']}"
+            rows.append({**out, "stock": why, "verdict": "not compared"})
             continue
         c = comparison(row, stock, prefix)
         options, own = split_differences(row["config"], row["impl"], stock["impl"])

@@ -295,3 +295,16 @@ def test_profiles_are_set_against_the_stock_steps_of_equal_precision_fastest_fir
                        _one_gpu("stock_eager_bf16", 130.0, "bf16"), _one_gpu("stock_compiled_bf16", 95.1, "bf16")])
     assert fastest.stocks_like(df) == ["stock_compiled_bf16", "stock_eager_bf16"]
     assert fastest.stocks_like(df[df.impl != "project"]) == []
+
+
+def test_the_book_step_measured_on_other_cards_is_not_set_against_stock():
+    df = pd.DataFrame([_row("project", 5186.0, 5.8, n=4, gpus="0,1", timer="do_bench"),
+                       _row("stock_compiled", 5548.0, 2.0, n=4, gpus="0,1", timer="do_bench"),
+                       _row("ablation_base", 5300.0, 2.0, n=2, gpus="2,3", timer="host", host_step_ms=5300.0,
+                            host_step_std_ms=2.0, host_step_n=2),
+                       _row("fp32_master_weights", 5900.0, 2.0, n=2, gpus="2,3", timer="host",
+                            precision="bf16_autocast", host_step_ms=5900.0, host_step_std_ms=2.0, host_step_n=2)])
+    t = fastest.like_for_like_table(df).set_index("book")
+    assert t.loc["project", "stock"] == "stock_compiled" and t.loc["ablation_base", "verdict"] == "not compared"
+    assert t.loc["ablation_base", "stock"] != t.loc["fp32_master_weights", "stock"]  # which reason, not one
+    assert (t.loc[["ablation_base", "fp32_master_weights"], "verdict"] == "not compared").all()
