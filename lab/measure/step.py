@@ -163,17 +163,19 @@ def _timed_run(step: TrainStep, mode: str, clock: Callable[[], float]) -> tuple[
 
 def measure_modes(step: TrainStep, modes: Sequence[str], warmup: int = 2, steps: int = 5,
                   clock: Callable[[], float] = time.perf_counter) -> tuple[dict[str, Timing], dict[str, float]]:
-    """Time ``modes`` of one step the same way: ``warmup`` untimed rounds, then ``steps`` timed rounds, each
-    round running every mode once (interleaved, the order rotating by one each round), each run between two
-    device synchronizations and timed by the same ``clock`` (seconds; the host's by default, so a host-bound
-    step's launch time counts in every mode alike). Measured in separate runs, one mode after the other, the
-    modes of one configuration saw different clocks, caches and host load, and a train step could come out
-    faster than its own forward+backward; interleaved, any drift falls on every mode alike.
+    """Time ``modes`` of one step the same way: ``warmup`` untimed runs of each mode alone, in the order given
+    (its peak memory read there, before a later mode's state exists: the optimizer's, kept gradients), then
+    ``steps`` timed rounds, each running every mode once (interleaved, the order rotating by one each round),
+    each run between two device synchronizations and timed by the same ``clock`` (seconds; the host's by
+    default, so a host-bound step's launch time counts in every mode alike). Measured in separate runs, one
+    mode after the other, the modes of one configuration saw different clocks, caches and host load, and a
+    train step could come out faster than its own forward+backward; interleaved, any drift falls on every
+    mode alike.
 
     Returns ``({column: Timing}, {mode: peak_gib})``: columns ``fwd``, ``fwdbwd``, ``step`` (see
     :func:`mode_columns`) and ``bwd`` (the backward's share of each forward+backward, without a
     synchronization between its phases); a mode's peak is the largest GPU memory allocated during its
-    runs (NaN on the CPU, which has no allocator statistics).
+    warm-up runs (its timed runs without warm-up; NaN on the CPU, which has no allocator statistics).
     """
     modes = list(modes)
     for mode in modes:
@@ -189,18 +191,25 @@ def measure_modes(step: TrainStep, modes: Sequence[str], warmup: int = 2, steps:
     if "forward_backward" in modes:
         timings["bwd"] = Timing()
     peaks = dict.fromkeys(modes, math.nan if not cuda else 0.0)
-    for i in range(warmup + steps):
+
+    def run(mode: str, timed: bool) -> None:
+        if cuda and (not timed or not warmup):
+            synchronize(step.device)
+            torch.cuda.reset_peak_memory_stats(step.device)
+        ms, backward_ms = _timed_run(step, mode, clock)
+        if cuda and (not timed or not warmup):
+            peaks[mode] = max(peaks[mode], torch.cuda.max_memory_allocated(step.device) / GiB)
+        if timed:
+            timings[columns[mode]].samples_ms.append(ms)
+            if mode == "forward_backward":
+                timings["bwd"].samples_ms.append(backward_ms)
+
+    for mode in modes:
+        for _ in range(warmup):
+            run(mode, timed=False)
+    for i in range(steps):
         for mode in modes[i % len(modes):] + modes[:i % len(modes)]:
-            if cuda:
-                synchronize(step.device)
-                torch.cuda.reset_peak_memory_stats(step.device)
-            ms, backward_ms = _timed_run(step, mode, clock)
-            if cuda:
-                peaks[mode] = max(peaks[mode], torch.cuda.max_memory_allocated(step.device) / GiB)
-            if i >= warmup:
-                timings[columns[mode]].samples_ms.append(ms)
-                if mode == "forward_backward":
-                    timings["bwd"].samples_ms.append(backward_ms)
+            run(mode, timed=True)
     return timings, peaks
 
 

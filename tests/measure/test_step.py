@@ -108,13 +108,14 @@ class _FakeClock:
     after every phase: below 1, a machine that speeds up as it warms)."""
 
     def __init__(self, forward_ms=3.0, backward_ms=5.0, optimizer_ms=1.0, drift=1.0):
-        self.now, self.speed, self.drift = 0.0, 1.0, drift
+        self.now, self.speed, self.drift, self.log = 0.0, 1.0, drift, []
         self.cost = dict(forward=forward_ms, backward=backward_ms, optimizer=optimizer_ms)
 
     def __call__(self):
         return self.now
 
     def spend(self, phase):
+        self.log.append(phase[0])
         self.now += self.cost[phase] * self.speed / 1e3
         self.speed *= self.drift
 
@@ -177,3 +178,12 @@ def test_interleaving_keeps_a_step_no_faster_than_its_forward_backward_on_a_drif
     assert together["step"].median_ms > together["fwdbwd"].median_ms
     with pytest.raises(ValueError, match="warmup"):
         measure_modes(_clocked_step(clock), ["forward"], warmup=-1, clock=clock)
+
+
+def test_warm_ups_run_each_mode_alone_in_order_before_the_interleaved_rounds():
+    """Each mode's warm-up (where its peak memory is read) runs before any later mode has run, so a forward's
+    peak holds no optimizer state; the timed rounds then rotate the order."""
+    clock = _FakeClock()
+    measure_modes(_clocked_step(clock), MODES, warmup=1, steps=3, clock=clock)
+    runs = "".join(clock.log).replace("fbo", "S").replace("fb", "B")  # a train step, a forward+backward
+    assert runs == "fBS" + "fBS" + "BSf" + "SfB"
