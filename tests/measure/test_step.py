@@ -171,7 +171,8 @@ def test_interleaving_keeps_a_step_no_faster_than_its_forward_backward_on_a_drif
     faster than the earlier forward+backward (the impossible row); interleaved, never."""
     clock = _FakeClock(drift=0.97)
     step = _clocked_step(clock)
-    apart = {col: t for m in ("forward_backward", "train_step") for col, t in measure_mode(step, m, 2, 5, clock)[0].items()}
+    apart = {col: t for m in ("forward_backward", "train_step")
+             for col, t in measure_mode(step, m, 2, 5, clock)[0].items()}
     assert apart["step"].median_ms < apart["fwdbwd"].median_ms  # the artifact the interleaving removes
     clock = _FakeClock(drift=0.97)
     together, _ = measure_modes(_clocked_step(clock), ["forward_backward", "train_step"], 2, 5, clock)
