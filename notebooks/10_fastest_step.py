@@ -111,6 +111,7 @@ for name in configs:
     if not like.empty:
         report.show_table(like, floatfmt=".4g")
     report.say(fastest.goal_sentence(table, name, goal[name], on_gpu=on_gpu))
+    report.say(fastest.other_precision_sentence(table, on_gpu))
     report.say(fastest.compile_sentence(table, name, on_gpu))
     book.answer(f"Is the book's {name} step at most {goal[name]}x the fastest stock step of equal precision?",
                 fastest.goal_sentence(table, name, goal[name], on_gpu=on_gpu), "Stock PyTorch against the book's step")

@@ -22,6 +22,7 @@ from lab.book.fastest_compare import (  # noqa: F401 - the notebook reads the co
     ablation_table,
     goal_sentence,
     like_for_like_table,
+    other_precision_sentence,
     stocks_like,
     versus_table,
 )

@@ -163,7 +163,8 @@ def versus_table(df: pd.DataFrame, on_gpu: bool = True) -> pd.DataFrame:
 
 def _held_fixed(row: pd.Series, config: str, timer: str) -> str:
     c = CONFIGS.get(config)
-    shape = f"{int(row['batch'])} x {c.context:,} tokens on {c.world_size} GPU(s)" if c else f"batch {row['batch']}"
+    gpus = f"{c.world_size} GPU{'s' if c and c.world_size > 1 else ''}" if c else ""
+    shape = f"{int(row['batch'])} x {c.context:,} tokens on {gpus}" if c else f"batch {row['batch']}"
     return f"precision {row['precision']}, the {config} model at {shape}, timer {timer}"
 
 
@@ -212,11 +213,11 @@ def options_sentence(r: pd.Series) -> str:
         return f"The book's step and {r['stock']} are the same recipe."
     parts = []
     if options:
-        parts.append(f"{len(options)} of its differences from {r['stock']} ({', '.join(options)}) are options any "
-                     "PyTorch user can set: whatever they gain is stock PyTorch's")
+        parts.append(f"{', '.join(options)} {'is an option' if len(options) == 1 else 'are options'} any PyTorch "
+                     "user can set (what that gains is stock PyTorch's)")
     if own:
-        parts.append(f"{len(own)} ({', '.join(own)}) {'is' if len(own) == 1 else 'are'} the book's own")
-    return "; ".join(parts) + "."
+        parts.append(f"{', '.join(own)} {'is' if len(own) == 1 else 'are'} the book's own")
+    return f"Of the book's differences from {r['stock']}, " + "; ".join(parts) + "."
 
 
 def ablation_table(df: pd.DataFrame, base: str = "project", on_gpu: bool = True) -> pd.DataFrame:
@@ -289,3 +290,35 @@ def stocks_like(df: pd.DataFrame, impl: str = "project") -> list[str]:
     same = full[full["impl"].map(is_stock) & (full["status"] == "ok") & (full["config"] == r["config"])
                 & (full["precision"] == r["precision"]) & (full["batch"] == r["batch"])]
     return list(same.sort_values("step_ms")["impl"])
+
+
+def other_precision_sentence(df: pd.DataFrame, on_gpu: bool = True) -> str:
+    """The book's step against the fastest stock step at each *other* precision (the course's fp32-master
+    reference on one GPU), within the noise, with the differences that make it so: where the precision is
+    among them, any gain is a stock PyTorch option, not the book's parts ('' where no such stock step ran)."""
+    full = with_fixed_columns(df)
+    mine = full[(full["impl"] == "project") & (full["status"] == "ok")]
+    if mine.empty:
+        return ""
+    row = mine.iloc[0]
+    parts = []
+    stocks = full[full["impl"].map(is_stock) & (full["status"] == "ok") & (full["config"] == row["config"])
+                  & (full["batch"] == row["batch"]) & (full["precision"] != row["precision"])]
+    for precision, group in stocks.groupby("precision"):
+        timed = [(common_timer(row, r), r) for _, r in group.iterrows()]
+        timed = [(p, r) for p, r in timed if p is not None]
+        if not timed:
+            continue
+        prefix, stock = min(timed, key=lambda pr: pr[1][f"{pr[0]}step_ms"])
+        options, own = split_differences(row["config"], "project", stock["impl"])
+        if on_gpu:
+            said = comparison(row, stock, prefix).describe("the book's step", f"{stock['impl']} ({precision})")
+        else:
+            said = (f"the book's step took {fmt(row[f'{prefix}step_ms'], 4)} ms and {stock['impl']} ({precision}) "
+                    f"{fmt(stock[f'{prefix}step_ms'], 4)} ms on a CPU (not judged)")
+        text = f"At a different precision, {said}"
+        if options:
+            text += (f"; but the two differ in {', '.join(options)}, which any PyTorch user can set, so that "
+                     "comparison does not measure the book's parts (the goal holds precision fixed)")
+        parts.append(text + ".")
+    return " ".join(parts)

@@ -68,6 +68,12 @@ def test_the_goal_compares_only_equal_precision_and_names_the_stock_options():
     assert "cannot be checked at equal precision" in fastest.goal_sentence(old, "2.7B", 0.85)
     options, own = fastest_compare.split_differences("2.7B", "project", "stock_compiled")
     assert options == ["precision"] and own == ["fused_loss"]
+    # against the fp32-master reference the book's step is faster, and the sentence names the precision switch
+    other = fastest.other_precision_sentence(df)
+    assert "stock_compiled (bf16_autocast)" in other and "faster" in other and "precision" in other
+    assert f"{125.8 / 97.6:.3g}x" in other
+    assert fastest.other_precision_sentence(df[df.precision == "bf16"]) == ""
+    assert "faster" not in fastest.other_precision_sentence(df, on_gpu=False)
 
 
 def test_versus_and_ablation_tables():
