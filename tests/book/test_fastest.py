@@ -59,6 +59,10 @@ def test_the_goal_compares_only_equal_precision_and_names_the_stock_options():
     assert t.loc["fp32_master_weights", "ratio"] == pytest.approx(128.5 / 126.0)
     s = fastest.goal_sentence(df, "2.7B", 0.85)
     assert "**missed**" in s and "stock_compiled_bf16" in s and "95.1" in s and "125.8" not in s
+    assert "fused_loss" in s and "precision bf16" in s  # the book's own part, and what was held fixed
+    leaderboard = pd.DataFrame([_row("project", 4500.0, 10.0), _row("stock_compiled", 6000.0, 10.0)])
+    for field in ("checkpoint", "compile", "fused_loss", "sharding"):  # options: checkpoint, compile
+        assert field in fastest.goal_sentence(leaderboard, "leaderboard", 0.8)
     v = fastest.versus_table(df).set_index("impl")
     assert v.loc["project", "reference"] == "stock_compiled_bf16" and v.loc["stock_compiled", "verdict"] == "reference"
     assert v.loc["stock_eager", "reference"] == "stock_compiled"
