@@ -48,8 +48,7 @@ PHASE_COLUMNS = ["recompute_ms", "optimizer_ms", "attention_ms", "matmul_ms", "l
 #: Kernel names of the loss: PyTorch's log-softmax (``cunn_SoftMaxForward<..LogSoftMaxForwardEpilogue>``) and
 #: NLL kernels, and the fused loss's own (``lab.kernels.fused_cross_entropy_kernels``), whose tiles also compute
 #: the LM head's logits forward and again in the backward (the materialized loss's LM head is a cuBLAS matmul);
-#: the fused loss's weight and hidden-state gradient products (its ``_matmul_kernel``) count as matmuls. Until
-#: 9002751 the fused loss's kernels counted as ``other kernels``.
+#: the fused loss's weight and hidden-state gradient products (its ``_matmul_kernel``) count as matmuls.
 LOSS_KERNELS = ("lce", "cross_entropy", "log_softmax", "logsoftmax", "nll_loss", "_lse_kernel", "_dlogits_kernel",
                 "_softmax_grad_kernel")
 #: How many of the ``other kernels`` (by time) a row names in ``other_kernels_top``.
@@ -116,8 +115,8 @@ def _state_bytes(step) -> dict[str, int]:
 
 #: The CUDA caching allocator's settings for every recipe's processes, stock included: expandable segments
 #: map more memory into a segment instead of caching fixed blocks, so freed memory is reused whatever its
-#: size. Without them the book's leaderboard step ran out of memory on 80 GB H100s with 63.5 GiB allocated
-#: and 12.6 GiB reserved but unallocated (fragmentation; notebook 10's render at 957b9f8).
+#: size. Without them the book's leaderboard step can run out of memory on an 80 GB card with gigabytes
+#: reserved but unallocated (fragmentation).
 ALLOCATOR = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 
 
@@ -130,8 +129,11 @@ def allocator_env() -> dict[str, str]:
 
 
 def empty_row(config: StepConfig, recipe: Recipe, status: str = "ok", error: str = "") -> dict:
-    """A recipe's row before anything is measured (and the row of one whose processes failed)."""
+    """A recipe's row before anything is measured (and the row of one whose processes failed). The columns
+    that say what a comparison holds fixed: ``precision`` (the recipe's), ``batch`` (sequences per step over
+    all ranks) and ``context``."""
     return dict(impl=recipe.name, config=config.name, world_size=config.world_size, status=status, error=error,
+                precision=recipe.precision, batch=config.batch_per_rank * config.world_size, context=config.context,
                 step_ms=math.nan, step_std_ms=math.nan, step_n=0, step_samples_ms=[], first_step_s=math.nan,
                 wall_s=math.nan, host_step_ms=math.nan, host_step_std_ms=math.nan, host_step_n=0,
                 peak_gib=math.nan, params_gib=math.nan, grads_gib=math.nan, optimizer_gib=math.nan,
@@ -248,7 +250,8 @@ def fastest_worker(config: StepConfig, recipes: list[Recipe], warmup_ms: float, 
                    trace_dir: str | None, headline: tuple[str, ...], fresh_cache: bool = False,
                    progress_dir: str | None = None) -> list[dict]:
     """Inside a launched process: every recipe in turn on this rank (the ``headline`` ones timed with
-    do_bench and profiled, the others with two host-timed steps, and then the book's step with two more);
+    do_bench and profiled, the others with two host-timed steps; where both kinds run, each headline recipe
+    with two host-timed steps more, so that an ablation can be compared with any of them timed the same way);
     returns the rows, each also written to ``progress_dir`` as it finishes (:func:`_finished`).
     ``fresh_cache``: compile into empty Inductor and Triton caches of this process's own
     (removed at the end), so the first recipe's ``first_step_s`` and ``wall_s`` include every compilation
@@ -265,7 +268,7 @@ def fastest_worker(config: StepConfig, recipes: list[Recipe], warmup_ms: float, 
         with launcher.environment(caches):  # a torchrun rank is this very process: its environment is restored
             return run_recipes(recipes, lambda r: measure_recipe(
                 config, r, device, warmup_ms, rep_ms, profile and r.name in headline, trace_dir,
-                host_steps=0 if r.name in headline else 2, host_reference=ablated and r.name == "project"),
+                host_steps=0 if r.name in headline else 2, host_reference=ablated and r.name in headline),
                 progress_dir)
 
 

@@ -1,9 +1,9 @@
 """The language-model benchmark: forward, forward+backward and AdamW train-step time and peak memory of a
 :class:`~lab.model.TransformerLM`, one row per configuration.
 
-``python -m lab.bench`` runs it from the command line. Each mode is measured on its own (its time and its
-peak memory come from the same steps), and out-of-memory is a result (``status="oom"``, the modes that
-fit keep their numbers), never a crash of a sweep.
+``python -m lab.bench`` runs it from the command line. The modes are measured interleaved, by one timer (each
+mode's time and its peak memory come from the same runs), and out-of-memory is a result (``status="oom"``,
+the modes that fit keep their numbers), never a crash of a sweep.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from lab.bench.progress import progress_bar
 from lab.dtypes import autocast_dtype
 from lab.measure.device import empty_cache, error_summary, is_oom, resolve_device
-from lab.measure.step import MODES, TrainStep, make_optimizer, measure_mode, mode_columns, random_batch
+from lab.measure.step import MODES, TrainStep, make_optimizer, measure_modes, mode_columns, random_batch
 from lab.model import ModelConfig, TransformerLM, config_for
 
 #: The columns of ``results/lm_step.csv`` (before the provenance columns the results store adds).
@@ -54,8 +54,10 @@ def benchmark_lm(size: str | ModelConfig, context: int = 512, batch: int = 4,
                  device: torch.device | str = "auto", seed: int = 0) -> dict:
     """Time forward, forward+backward and/or a full AdamW train step of a :class:`TransformerLM`.
 
-    ``size`` is a name from ``MODEL_SIZES`` (or ``tiny``/``mini``) or a :class:`ModelConfig`. Each mode runs
-    ``warmup`` untimed then ``steps`` timed steps on its own. Returns one row (a dict): per mode
+    ``size`` is a name from ``MODEL_SIZES`` (or ``tiny``/``mini``) or a :class:`ModelConfig`. The modes are
+    measured together, ``warmup`` untimed then ``steps`` timed rounds of one run of each, interleaved and
+    timed by the same clock (:func:`lab.measure.step.measure_modes`), so a train step and its own
+    forward+backward see the same machine. Returns one row (a dict): per mode
     ``<m>_ms`` (mean), ``<m>_median_ms``, ``<m>_std_ms``, ``<m>_samples_ms`` (every sample) and
     ``<m>_peak_gib`` (peak allocated GPU memory during that mode's steps; NaN on the CPU), with ``m`` in
     ``fwd``, ``fwdbwd``, ``step`` (and ``bwd_*`` times: the backward alone, timed inside the
@@ -99,21 +101,27 @@ def benchmark_lm(size: str | ModelConfig, context: int = 512, batch: int = 4,
         if not is_oom(exc):
             raise
         failures.append(f"build: {error_summary(exc)}")
-    # each mode on its own, so that a forward that fits is reported even when the train step does not
-    for mode, col in zip(modes, mode_columns(modes)) if not failures else ():
+    # every mode interleaved and timed alike (lab.measure.step.measure_modes); if one runs out of memory,
+    # each mode again on its own, so that a forward that fits is reported even when the train step does not
+    groups = [list(modes)] if not failures else []
+    while groups:
+        group = groups.pop(0)
         failed = False
         try:
-            if mode == "train_step" and step.optimizer is None:
+            if "train_step" in group and step.optimizer is None:
                 step.optimizer = make_optimizer(model, device)
-            timings, peak = measure_mode(step, mode, warmup, steps)
+            timings, peaks = measure_modes(step, group, warmup, steps)
             for key, timing in timings.items():
                 row.update({f"{key}_ms": timing.mean_ms, f"{key}_median_ms": timing.median_ms,
                             f"{key}_std_ms": timing.std_ms, f"{key}_samples_ms": timing.samples_ms})
-            row[f"{col}_peak_gib"] = peak
+            row.update({f"{col}_peak_gib": peaks[m] for m, col in zip(group, mode_columns(group))})
         except Exception as exc:  # noqa: BLE001
             if not is_oom(exc):
                 raise
-            failures.append(f"{mode}: {error_summary(exc)}")
+            if len(group) > 1:
+                groups = [[m] for m in group]
+            else:
+                failures.append(f"{group[0]}: {error_summary(exc)}")
             failed = True
         if failed:  # outside the except block, so the traceback's frames (and their tensors) are gone
             model.zero_grad(set_to_none=True)

@@ -1,4 +1,5 @@
-"""Render-time consistency: the same configuration measured by two notebooks must agree within its noise.
+"""Render-time consistency: the same configuration measured by two notebooks must agree within its noise,
+and a train step cannot be faster than its own forward+backward (nor that faster than its forward).
 
 ``lm_step.csv`` holds rows from several notebooks (its ``source`` column). Where two sources measured the
 same configuration (size, context, batch, dtype, attention, compile, fused loss, world size) on the same
@@ -6,7 +7,10 @@ GPU, their times are compared with :func:`lab.measure.verdicts.compare_summaries
 notebook's spread is within one process, while the two were measured in different processes minutes apart,
 which alone moves a GPU time by a percent or two (clocks, memory placement, cuBLAS's choice of algorithm).
 So a difference beyond the noise *and* larger than ``RUN_TO_RUN`` (the ratio of the two times off 1 by more
-than 5%) is shown as a visible warning; smaller ones beyond the noise are counted in one sentence.
+than 5%) fails the render, as does a row whose modes are impossible beyond the noise (:func:`impossible_rows`):
+:func:`consistency_report` raises :class:`InconsistentTimings` with a one-line reason naming the rows. Rows
+measured on a CPU (``gpu`` ``cpu``: a shared host, whose times say nothing about GPUs) are warned about
+instead. Smaller differences beyond the noise are counted in one sentence.
 """
 
 from __future__ import annotations
@@ -53,17 +57,75 @@ def disagreements(table: pd.DataFrame, config: list[str] = CONFIG, modes=MODES,
     return pd.DataFrame(rows)
 
 
+#: Pairs of modes (faster, slower) of one row: the second runs the first and more.
+NESTED = (("fwd", "fwdbwd"), ("fwdbwd", "step"))
+
+
+class InconsistentTimings(ValueError):
+    """Timings that cannot all be right: the render stops rather than print them."""
+
+
+def impossible_rows(table: pd.DataFrame, config: list[str] = CONFIG) -> pd.DataFrame:
+    """One row per (table row, pair of :data:`NESTED` modes) where the mode that does more work is faster
+    beyond the noise: a train step faster than its own forward+backward, or a forward+backward faster than
+    its forward. Columns: the configuration, ``source``, ``faster`` and ``slower`` (the modes that should be
+    in the other order), their mean times (ms), the ratio with its interval. Rows without both times, their
+    standard deviations and a sample count (``steps``) are skipped."""
+    keys = [c for c in [*config, "source"] if c in table.columns]
+    ok = table[table["status"] == "ok"] if "status" in table.columns else table
+    rows = []
+    for _, r in ok.iterrows():
+        for less, more in NESTED:
+            need = [f"{less}_ms", f"{less}_std_ms", f"{more}_ms", f"{more}_std_ms"]
+            if not all(c in r.index for c in need) or r[need].isna().any():
+                continue
+            n = int(r.get("steps", 0) or 0)
+            c = compare_summaries(r[f"{more}_ms"], r[f"{more}_std_ms"], n, r[f"{less}_ms"], r[f"{less}_std_ms"], n)
+            if c.verdict == "faster":
+                rows.append({**{k: r[k] for k in keys}, "faster": more, "slower": less, "ms_faster": r[f"{more}_ms"],
+                             "ms_slower": r[f"{less}_ms"], "ratio": c.ratio, "low": c.low, "high": c.high})
+    return pd.DataFrame(rows)
+
+
+def _on_cpu(rows: pd.DataFrame) -> pd.Series:
+    if "gpu" not in rows.columns:
+        return pd.Series(False, index=rows.index)
+    return rows["gpu"].astype(str).str.lower().eq("cpu")
+
+
+def _name(r) -> str:
+    return (f"{r['size']}@{r['context']} ({r['dtype']}, {r['attention']}{', compiled' if r.get('compile') else ''}"
+            f"{', fused loss' if r.get('fused_loss') else ''})")
+
+
 def _involving(table: pd.DataFrame, notebook: str) -> pd.DataFrame:
     d = disagreements(table)
     return d if d.empty else d[(d["source_a"] == notebook) | (d["source_b"] == notebook)]
 
 
 def consistency_report(table: pd.DataFrame, notebook: str) -> tuple[list[str], str]:
-    """``notebook``'s rows against the other notebooks', compared once: the warnings for the disagreements
-    beyond noise and beyond ``RUN_TO_RUN``, one sentence each, and one sentence counting the differences
-    beyond the noise but within ``RUN_TO_RUN`` ('' if none)."""
+    """``notebook``'s rows checked: its own rows' modes (:func:`impossible_rows`) and its rows against the
+    other notebooks' (:func:`disagreements` beyond noise and beyond ``RUN_TO_RUN``). Any such row measured on
+    a GPU raises :class:`InconsistentTimings` (one line naming every such row); on a CPU each is a warning.
+    Returns the warnings, one sentence each, and one sentence counting the differences beyond the noise but
+    within ``RUN_TO_RUN`` ('' if none)."""
+    own = table[table["source"] == notebook] if "source" in table.columns else table.iloc[:0]
+    bad = impossible_rows(own)
     d = _involving(table, notebook)
-    return _warnings(d), _small_differences(d, notebook)
+    far = d[d["beyond_tolerance"]] if not d.empty else d
+    gpu_bad = bad[~_on_cpu(bad)] if not bad.empty else bad
+    gpu_far = far[~_on_cpu(far)] if not far.empty else far
+    if len(gpu_bad) or len(gpu_far):
+        reasons = [f"{_name(r)} in {r['source']}: {r['faster']} {r['ms_faster']:.4g} ms is faster than its own "
+                   f"{r['slower']} {r['ms_slower']:.4g} ms (ratio {r['ratio']:.3g}, interval {r['low']:.3g}-"
+                   f"{r['high']:.3g})" for _, r in gpu_bad.iterrows()]
+        reasons += [f"{_name(r)} {r['mode']}: {r['ms_a']:.4g} ms in {r['source_a']} against {r['ms_b']:.4g} ms in "
+                    f"{r['source_b']} (ratio {r['ratio']:.3g}, interval {r['low']:.3g}-{r['high']:.3g}, beyond "
+                    f"the noise and the {RUN_TO_RUN:.0%} between runs)" for _, r in gpu_far.iterrows()]
+        raise InconsistentTimings("inconsistent timings in lm_step: " + "; ".join(reasons))
+    warnings = [f"{_name(r)} in {r['source']} (on a CPU): {r['faster']} {r['ms_faster']:.4g} ms is faster than "
+                f"its own {r['slower']} {r['ms_slower']:.4g} ms beyond the noise." for _, r in bad.iterrows()]
+    return warnings + _warnings(d), _small_differences(d, notebook)
 
 
 def _warnings(d: pd.DataFrame) -> list[str]:

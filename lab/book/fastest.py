@@ -1,7 +1,9 @@
 """Notebook 10's tables, plots and prose: the book's fastest step against stock PyTorch.
 
 Every verdict on step times comes from :mod:`lab.measure.verdicts` on their measured spread (a claim only
-beyond the noise); every number from the rows of this render's tables. The fused loss's goals are read from
+beyond the noise), like for like (:mod:`lab.book.fastest_compare`: equal precision, configuration, batch and
+timer); every number from the rows of this render's tables. A profiled step's phases are one step each, with
+no spread: they say where time goes, not which step is faster. The fused loss's goals are read from
 one ``do_bench`` median per implementation (its table keeps no spread), so they are stated only as ratios
 against the goal, not as verdicts within noise.
 """
@@ -14,11 +16,19 @@ from collections.abc import Mapping, Sequence
 
 import pandas as pd
 
+from lab.book.fastest_compare import (  # noqa: F401 - the notebook reads the comparisons through this module
+    FITS_GIB,
+    ablation_sentence,
+    ablation_table,
+    goal_sentence,
+    like_for_like_table,
+    other_precision_sentence,
+    stocks_like,
+    versus_table,
+)
 from lab.book.report import fmt
 from lab.measure.results import measured_on
-from lab.measure.verdicts import GoalCheck, compare_summaries
 from lab.recipes.fastest_step import (
-    ABLATION_BASE,
     CONFIGS,
     HEADLINE,
     StepConfig,
@@ -28,13 +38,13 @@ from lab.recipes.fastest_step import (
     recipes_for,
 )
 
+#: The ablations the quick (CPU) book runs: interpreted Triton takes seconds a step.
+QUICK_ABLATIONS = ("flash_triton_attention", "no_fused_loss")
 PHASES = ["recompute_ms", "attention_ms", "matmul_ms", "loss_ms", "optimizer_ms", "other_kernels_ms",
           "exposed_communication_ms", "idle_ms"]
 #: The phases where a step whose recomputation has no profiler range of its own (compiled blocks) counts it.
 MERGED_WITH_RECOMPUTE = ("recompute", "attention", "matmul", "other kernels")
 MEMORY = ["params_gib", "grads_gib", "optimizer_gib", "activations_and_other_gib"]
-#: The most a step may allocate to fit an 80 GB H100 (79.6 GiB of device memory, less the CUDA context's).
-FITS_GIB = 78.0
 
 
 def _label(column: str) -> str:
@@ -46,8 +56,9 @@ def recipes(config: StepConfig, quick: bool, ablate: bool | Sequence[str] | Mapp
     """The book's recipe, both stock steps and each optimization switched off alone where ``ablate`` says so:
     True or False for every configuration, a list of the configurations to ablate, or a mapping from
     configuration to True or the names of its ablations (``{"leaderboard": ["no_fused_loss"]}``). On the
-    CPU (``quick``) nothing is compiled (inductor's C++ compile would take longer than the whole quick book)
-    and only the attention's and the loss's ablations run."""
+    CPU (``quick``) nothing is compiled (inductor's C++ compile would take longer than the whole quick book), so
+    the stock compiled steps, which would run eagerly under their name, are left out, and only the attention's
+    and the loss's ablations run."""
     every = ablations(recipes_for(config)["project"])
     if isinstance(ablate, str) or not isinstance(ablate, (bool, Sequence, Mapping)):
         raise ValueError(f"ablate must be True, False, a list of configuration names or a mapping, got {ablate!r}")
@@ -67,7 +78,8 @@ def recipes(config: StepConfig, quick: bool, ablate: bool | Sequence[str] | Mapp
     out = list(recipes_for(config).values()) + chosen
     if quick:  # interpreted Triton takes seconds a step: the three headline steps and the Triton attention
         out = [dataclasses.replace(r, compile="none") for r in out
-               if r.name in (*HEADLINE, "flash_triton_attention", "no_fused_loss")]
+               if (r.name in HEADLINE and r.compile == "none") or r.name in QUICK_ABLATIONS
+               or r.name == "project"]
     return out
 
 
@@ -128,85 +140,10 @@ def config_table(names) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _comparison(row: pd.Series, ref: pd.Series, prefix: str = ""):
-    return compare_summaries(row[f"{prefix}step_ms"], row[f"{prefix}step_std_ms"], int(row[f"{prefix}step_n"]),
-                             ref[f"{prefix}step_ms"], ref[f"{prefix}step_std_ms"], int(ref[f"{prefix}step_n"]))
-
-
-def _host_timed(row: pd.Series) -> bool:
-    n = row.get("host_step_n")
-    return pd.notna(n) and n > 0
-
-
-def versus_table(df: pd.DataFrame, reference: str = "stock_compiled") -> pd.DataFrame:
-    """Each recipe's step against ``reference``'s: time ratio with its interval and the verdict."""
-    ok = df[df["status"] == "ok"].set_index("impl")
-    rows = []
-    for impl, row in ok.iterrows():
-        if reference not in ok.index:
-            break
-        c = _comparison(row, ok.loc[reference])
-        rows.append(dict(impl=impl, step_ms=row["step_ms"], ratio_to_reference=c.ratio, low=c.low, high=c.high,
-                         verdict=c.label if impl != reference else "reference"))
-    for impl, status in df.loc[df["status"] != "ok", ["impl", "status"]].itertuples(index=False):
-        rows.append(dict(impl=impl, step_ms=math.nan, verdict="out of memory" if status == "oom" else status))
-    return pd.DataFrame(rows)
-
-
 def measured_on_gpu(df: pd.DataFrame, default: bool) -> bool:
     """Whether ``df``'s rows were measured on GPUs (:func:`lab.measure.results.measured_on`), so that a replay
     on a laptop still judges the GPU's numbers; ``default`` (this render's device) when the rows do not say."""
     return measured_on(df, default="cuda" if default else "cpu") == "cuda"
-
-
-def goal_sentence(df: pd.DataFrame, config: str, target: float, reference: str = "stock_compiled",
-                  on_gpu: bool = True) -> str:
-    """The goal "project <= target x reference" decided within the noise, with the numbers."""
-    ok = df[df["status"] == "ok"].set_index("impl")
-    if "project" not in ok.index or reference not in ok.index:
-        missing = [i for i in ("project", reference) if i not in ok.index]
-        return f"The {config} goal cannot be checked: {', '.join(missing)} has no time (see the table)."
-    c = _comparison(ok.loc["project"], ok.loc[reference])
-    if not on_gpu:
-        return (f"**{config}**: the book's step took {fmt(ok.loc['project', 'step_ms'], 4)} ms and "
-                f"{reference.replace('_', ' ')} {fmt(ok.loc[reference, 'step_ms'], 4)} ms, but on a CPU, with the "
-                "Triton kernels interpreted, these times say nothing about GPUs: the goal is not evaluated here.")
-    met = {True: "met", False: "missed", None: "undecided within the noise"}[GoalCheck(c, target).met]
-    if not c.spread_measured:
-        met = "undecided (fewer than two timed steps, no spread)"
-    return (f"**{config}**: the book's step takes {fmt(ok.loc['project', 'step_ms'], 4)} ms against "
-            f"{fmt(ok.loc[reference, 'step_ms'], 4)} ms for {reference.replace('_', ' ')}, a ratio of "
-            f"{c.ratio:.3f} (95% interval {c.low:.3f}-{c.high:.3f}); the goal (<= {target}x) is **{met}**.")
-
-
-def ablation_table(df: pd.DataFrame, base: str = "project") -> pd.DataFrame:
-    """What each optimization is worth: the step with it switched off alone, the time it adds (ms and x) and
-    whether that exceeds the noise. Each is compared with the book's step timed the same way: host-clock
-    steps of both where the rows have them (``host_step_*``), else their ``step_ms``. Where the ablations ran
-    on GPUs of their own, the book's step measured there (:data:`ABLATION_BASE`) is the base, so that every
-    comparison is on the same cards."""
-    ok = df[df["status"] == "ok"].set_index("impl")
-    bases = (base, "project", ABLATION_BASE)
-    ablated = df[~df["impl"].isin(bases) & ~df["impl"].str.startswith("stock")]
-    base = ABLATION_BASE if ABLATION_BASE in set(df["impl"]) else base
-    if base not in ok.index:  # the book's step itself failed there: nothing to compare with
-        status = df.loc[df["impl"] == base, "status"]
-        why = f"not compared: {base} {status.iloc[0] if len(status) else 'did not run'}"
-        return pd.DataFrame([dict(switched_off=r.impl, verdict=why) for r in ablated.itertuples()])
-    ref = ok.loc[base]
-    rows = []
-    for impl, row in ok.loc[ok.index.isin(ablated["impl"])].iterrows():
-        prefix = "host_" if _host_timed(row) and _host_timed(ref) else ""
-        c = _comparison(row, ref, prefix)
-        rows.append(dict(switched_off=impl, step_ms=row[f"{prefix}step_ms"], base_ms=ref[f"{prefix}step_ms"],
-                         added_ms=row[f"{prefix}step_ms"] - ref[f"{prefix}step_ms"], ratio=c.ratio, low=c.low,
-                         high=c.high, verdict={"slower": "helps", "faster": "hurts"}.get(c.label, c.label),
-                         peak_gib=row.get("peak_gib", math.nan)))
-    for r in ablated[ablated["status"] != "ok"].itertuples(index=False):
-        error = getattr(r, "error", "")
-        rows.append(dict(switched_off=r.impl, verdict="out of memory without it" if r.status == "oom" else
-                         f"{r.status}: {error[:120]}" if isinstance(error, str) and error else r.status))
-    return pd.DataFrame(rows)
 
 
 def plot_phases(df: pd.DataFrame, title: str = "", ax=None):
@@ -286,8 +223,10 @@ def gap_sentence(df: pd.DataFrame, impl: str = "project", reference: str = "stoc
         return ", ".join(f"{r.phase} {sign}{abs(r.difference_ms):.4g} ms" for r in part.itertuples()
                          if abs(r.difference_ms) >= 0.01 * gap[reference].iloc[-1]) or "nothing beyond 1% of the step"
 
-    text = (f"Against {ref}, the book's step gains in {listed(ahead, '-')}, and loses in {listed(behind, '+')} "
-            f"(profiled step {gap[impl].iloc[-1]:.4g} ms against {gap[reference].iloc[-1]:.4g} ms).")
+    text = (f"Against {ref}, the book's step spends less in {listed(ahead, '-')}, and more in "
+            f"{listed(behind, '+')} (one profiled step each, {gap[impl].iloc[-1]:.4g} ms against "
+            f"{gap[reference].iloc[-1]:.4g} ms: where the time goes, not a verdict on which step is faster; that "
+            "is the timed steps').")
     by = phases.set_index("phase")
     if by.loc["recompute", reference] == 0 < by.loc["recompute", impl]:
         merged = by.loc[list(MERGED_WITH_RECOMPUTE)].sum()
@@ -295,38 +234,6 @@ def gap_sentence(df: pd.DataFrame, impl: str = "project", reference: str = "stoc
                  f"recomputation is part of its graph), so its recomputation is counted in its other phases, "
                  f"attention included: compare {', '.join(MERGED_WITH_RECOMPUTE)} together, {merged[impl]:.4g} ms "
                  f"against {merged[reference]:.4g} ms ({merged[impl] - merged[reference]:+.4g}).")
-    return text
-
-
-def ablation_sentence(df: pd.DataFrame, on_gpu: bool = True, fits_gib: float = FITS_GIB) -> str:
-    """What the ablations say about the recipe: the switches that cost time beyond the noise, and any that
-    would make the step faster, with whether the faster step still fits an 80 GB card (peak <= ``fits_gib``)."""
-    table = ablation_table(df)
-    if table.empty:
-        return "No ablation of the book's step ran."
-    if "ratio" not in table:
-        return ("No ablation of the book's step was measured: "
-                + "; ".join(f"`{r.switched_off}`: {r.verdict}" for r in table.itertuples()) + ".")
-    if not on_gpu:
-        return ("On a CPU, with the Triton kernels interpreted, the ablations' times say nothing about GPUs: "
-                "the recipe's choices are not judged here.")
-    ran = table.dropna(subset=["ratio"])
-    helps = ran[ran["verdict"] == "helps"]
-    text = ("These changes make the step slower beyond the noise, so the recipe keeps its choices: "
-            + ", ".join(f"`{r.switched_off}` (+{r.added_ms:.4g} ms)" for r in helps.itertuples()) + "."
-            if len(helps) else "No change makes the step slower beyond the noise.")
-    for r in ran[ran["verdict"] == "hurts"].itertuples():
-        fits = r.peak_gib <= fits_gib if r.peak_gib == r.peak_gib else None
-        why = {True: f"and its peak of {r.peak_gib:.3g} GiB fits an 80 GB card: a better recipe, to adopt once "
-                     "a render has measured it as the book's step",
-               False: f"but its peak of {r.peak_gib:.3g} GiB does not fit an 80 GB card (the recipe must fit one), "
-                      "so the recipe does not adopt it",
-               None: "but its peak memory was not measured"}[fits]
-        text += f" `{r.switched_off}` is faster by {-r.added_ms:.4g} ms (ratio {r.ratio:.3g}), {why}."
-    unmeasured = table[table["ratio"].isna()]
-    if len(unmeasured):
-        text += " Not measured: " + "; ".join(f"`{r.switched_off}` ({r.verdict})" for r in unmeasured.itertuples())
-        text += "."
     return text
 
 

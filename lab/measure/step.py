@@ -11,8 +11,9 @@ timeline:
 * ``optimizer_step``: ``optimizer.step()`` then ``zero_grad(set_to_none=True)``.
 
 Each phase runs inside a ``torch.profiler.record_function`` range of its name. :func:`measure_modes` times
-the three modes a step can be measured in (forward only, forward+backward, the whole train step), each
-with its own peak memory, and :func:`peak_memory_by_phase` reads the peak of each phase.
+the three modes a step can be measured in (forward only, forward+backward, the whole train step),
+interleaved and timed alike, each with its own peak memory, and :func:`peak_memory_by_phase` reads the
+peak of each phase.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from torch import nn
 
 from lab.dtypes import autocast
 from lab.measure.device import synchronize
-from lab.measure.timing import Timing, time_callable
+from lab.measure.timing import Timing
 
 PHASES = ("forward", "backward", "optimizer_step")
 #: What can be timed: the forward alone, forward+backward, or the whole train step.
@@ -122,44 +123,94 @@ class TrainStep:
 # time and memory by mode
 
 
-def measure_mode(step: TrainStep, mode: str, warmup: int = 2, steps: int = 5) -> tuple[dict[str, Timing], float]:
-    """Time ``steps`` steps of ``mode`` after ``warmup`` untimed ones.
+def measure_mode(step: TrainStep, mode: str, warmup: int = 2, steps: int = 5,
+                 clock: Callable[[], float] = time.perf_counter) -> tuple[dict[str, Timing], float]:
+    """:func:`measure_modes` of one mode: ``({column: Timing}, peak_gib)``."""
+    timings, peaks = measure_modes(step, [mode], warmup, steps, clock)
+    return timings, peaks[mode]
 
-    Returns ``({column: Timing}, peak_gib)``: the column is ``fwd``, ``fwdbwd`` or ``step`` (see
-    :func:`mode_columns`); ``forward_backward`` also times its backward alone (``bwd``: the device is
-    synchronized between the two phases of each step). ``peak_gib`` is the peak allocated GPU memory
-    during this mode's steps alone (NaN on the CPU, which has no allocator statistics).
+
+def _timed_run(step: TrainStep, mode: str, clock: Callable[[], float]) -> tuple[float, float]:
+    """One run of ``mode`` between two synchronizations, timed by ``clock`` (seconds): ``(ms, backward ms)``.
+    The backward's share of a forward+backward is read without a synchronization between the two phases
+    (a CUDA event pair on the GPU; the same clock on the CPU, whose ops are synchronous), so the
+    forward+backward runs exactly as it does inside a train step: a host synchronization after the forward
+    would leave the GPU idle while the host launches the backward, a cost the train step never pays."""
+    cuda = step.device.type == "cuda"
+    synchronize(step.device)
+    t0 = clock()
+    backward_ms = math.nan
+    if mode == "forward_backward":
+        step.model.zero_grad(set_to_none=True)
+        loss = step.forward()
+        if cuda:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+        else:
+            t1 = clock()
+        step.backward(loss)
+        del loss
+        if cuda:
+            end.record()
+    else:
+        step.run(mode)
+    synchronize(step.device)
+    t2 = clock()
+    if mode == "forward_backward":
+        backward_ms = begin.elapsed_time(end) if cuda else (t2 - t1) * 1e3
+    return (t2 - t0) * 1e3, backward_ms
+
+
+def measure_modes(step: TrainStep, modes: Sequence[str], warmup: int = 2, steps: int = 5,
+                  clock: Callable[[], float] = time.perf_counter) -> tuple[dict[str, Timing], dict[str, float]]:
+    """Time ``modes`` of one step the same way: ``warmup`` untimed runs of each mode alone, in the order given
+    (its peak memory read there, before a later mode's state exists: the optimizer's, kept gradients), then
+    ``steps`` timed rounds, each running every mode once (interleaved, the order rotating by one each round),
+    each run between two device synchronizations and timed by the same ``clock`` (seconds; the host's by
+    default, so a host-bound step's launch time counts in every mode alike). Measured in separate runs, one
+    mode after the other, the modes of one configuration saw different clocks, caches and host load, and a
+    train step could come out faster than its own forward+backward; interleaved, any drift falls on every
+    mode alike.
+
+    Returns ``({column: Timing}, {mode: peak_gib})``: columns ``fwd``, ``fwdbwd``, ``step`` (see
+    :func:`mode_columns`) and ``bwd`` (the backward's share of each forward+backward, without a
+    synchronization between its phases); a mode's peak is the largest GPU memory allocated during its
+    warm-up runs (its timed runs without warm-up; NaN on the CPU, which has no allocator statistics).
     """
-    if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+    modes = list(modes)
+    for mode in modes:
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
     if steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}")
+    if warmup < 0:
+        raise ValueError(f"warmup must be >= 0, got {warmup}")
     cuda = step.device.type == "cuda"
-    if cuda:
-        synchronize(step.device)
-        torch.cuda.reset_peak_memory_stats(step.device)
-    (col,) = mode_columns([mode])
-    if mode == "forward_backward":
-        both, bwd = Timing(), Timing()
-        for i in range(warmup + steps):
-            step.model.zero_grad(set_to_none=True)
+    columns = dict(zip(modes, mode_columns(modes)))
+    timings = {columns[m]: Timing() for m in modes}
+    if "forward_backward" in modes:
+        timings["bwd"] = Timing()
+    peaks = dict.fromkeys(modes, math.nan if not cuda else 0.0)
+
+    def run(mode: str, timed: bool) -> None:
+        if cuda and (not timed or not warmup):
             synchronize(step.device)
-            t0 = time.perf_counter()
-            loss = step.forward()
-            synchronize(step.device)
-            t1 = time.perf_counter()
-            step.backward(loss)
-            synchronize(step.device)
-            t2 = time.perf_counter()
-            del loss
-            if i >= warmup:
-                both.samples_ms.append((t2 - t0) * 1e3)
-                bwd.samples_ms.append((t2 - t1) * 1e3)
-        timings = {col: both, "bwd": bwd}
-    else:
-        timings = {col: time_callable(lambda: step.run(mode), warmup, steps, step.device)}
-    peak = torch.cuda.max_memory_allocated(step.device) / GiB if cuda else math.nan
-    return timings, peak
+            torch.cuda.reset_peak_memory_stats(step.device)
+        ms, backward_ms = _timed_run(step, mode, clock)
+        if cuda and (not timed or not warmup):
+            peaks[mode] = max(peaks[mode], torch.cuda.max_memory_allocated(step.device) / GiB)
+        if timed:
+            timings[columns[mode]].samples_ms.append(ms)
+            if mode == "forward_backward":
+                timings["bwd"].samples_ms.append(backward_ms)
+
+    for mode in modes:
+        for _ in range(warmup):
+            run(mode, timed=False)
+    for i in range(steps):
+        for mode in modes[i % len(modes):] + modes[:i % len(modes)]:
+            run(mode, timed=True)
+    return timings, peaks
 
 
 class MemoryCounter(Protocol):

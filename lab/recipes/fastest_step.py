@@ -10,12 +10,9 @@ The book's recipe (:data:`PROJECT`):
 * **attention**: SDPA's cuDNN kernel, chosen by measurement on both rungs. On the leaderboard's shape (32k
   tokens, head dim 128) our Triton FlashAttention-2 kernels (``lab.kernels.flash_triton``, a
   ``torch.library`` op) take ~1.5x cuDNN's time forward+backward (notebook 05's grid,
-  ``tools/flash_gpu_check.py``: 0.68x cuDNN's speed end to end at 1 x 32 x 32k x 128) and in the step cost
-  865 ms of 5.17 s on 2 x H100 (notebook 10 at 6b52155; 769 ms of 5.2 s on 4 x H200 at f78d011); on the
-  2.7B rung (512 tokens, head dim 80, which our kernels run in masked 128-wide tiles) the f78d011 render
-  measured SDPA 11 ms faster per step (host clock, 96 against 107 ms; on 1 x H100 at 9002751, with SDPA
-  adopted, our kernels added 49 ms to its 99). The ablation ``flash_triton_attention`` measures the choice
-  again in every render;
+  ``tools/flash_gpu_check.py``), and the step with them is slower by several hundred milliseconds; on the
+  2.7B rung (512 tokens, head dim 80, which our kernels run in masked 128-wide tiles) SDPA is faster too.
+  The ablation ``flash_triton_attention`` measures the choice again in every render;
 * **loss**: the fused LM head + cross-entropy (``lab.kernels.fused_cross_entropy``): the ``(tokens, vocab)``
   logits never exist (at the leaderboard's 32k tokens x 152k vocabulary they would be 10 GB in bf16);
 * **sharding**: ``lab.FSDP``, one all-gather and one reduce-scatter per transformer block, prefetching two
@@ -32,11 +29,15 @@ The book's recipe (:data:`PROJECT`):
   and compiling whole blocks would trace into FSDP's hooks;
 * **AdamW**: ``torch.optim.AdamW(fused=True)``: one multi-tensor kernel for the whole update (the foreach
   version launches several kernels per parameter group, the for-loop one per parameter, and keeps
-  temporaries: on 2 x H100 at 6b52155 foreach added 104 ms and 9 GiB to the leaderboard step).
+  temporaries: the ablation ``foreach_adamw`` measures the difference).
 
 The stock baseline (:data:`STOCK_EAGER`, :data:`STOCK_COMPILED`) is what a PyTorch user writes: FSDP2
 ``fully_shard`` per block and at the root, SDPA, ``torch.utils.checkpoint`` on every block, materialized
-logits with ``F.cross_entropy``, fused AdamW; per-block ``torch.compile`` or eager.
+logits with ``F.cross_entropy``, fused AdamW; per-block ``torch.compile`` or eager. A comparison holds
+precision fixed: every stock step exists at each precision the book's steps use (one GPU: bf16 parameters,
+as the book's step, beside the course's fp32-master reference), and :func:`stock_options` says which of the
+book's differences from a stock step are options any PyTorch user has (a dtype, a checkpointing policy, a
+compile scope, an AdamW flag) rather than the book's own parts.
 """
 
 from __future__ import annotations
@@ -123,16 +124,26 @@ STOCK_EAGER = Recipe("stock_eager", attention="sdpa", fused_loss=False, sharding
 STOCK_COMPILED = dataclasses.replace(STOCK_EAGER, name="stock_compiled", compile="block")
 
 #: One GPU, where the model fits without sharding or recomputation: the book's step compiles the whole model
-#: (the fused loss is an op inside its graph) and keeps bf16 parameters; the stock step
-#: is the course's reference, fp32 master weights under bf16 autocast, whole-model torch.compile, fused AdamW.
+#: (the fused loss is an op inside its graph) and keeps bf16 parameters; the stock steps are the course's
+#: reference (fp32 master weights under bf16 autocast, whole-model torch.compile, fused AdamW) and the same
+#: with bf16 parameters, the book's precision.
 PROJECT_ONE_GPU = Recipe(attention="sdpa", sharding="none", checkpoint="none", compile="model")
 STOCK_ONE_GPU_COMPILED = Recipe("stock_compiled", attention="sdpa", fused_loss=False, sharding="none",
                                 checkpoint="none", compile="model", precision="bf16_autocast", loss_upcast=False)
 STOCK_ONE_GPU_EAGER = dataclasses.replace(STOCK_ONE_GPU_COMPILED, name="stock_eager", compile="none")
+#: The same stock steps at the book's precision (bf16 parameters and AdamW state): what the book's one-GPU step
+#: is set against with precision held fixed.
+STOCK_ONE_GPU_COMPILED_BF16 = dataclasses.replace(STOCK_ONE_GPU_COMPILED, name="stock_compiled_bf16", precision="bf16")
+STOCK_ONE_GPU_EAGER_BF16 = dataclasses.replace(STOCK_ONE_GPU_EAGER, name="stock_eager_bf16", precision="bf16")
 
 
-#: The recipes every render of a configuration times with do_bench and profiles.
-HEADLINE = ("project", "stock_eager", "stock_compiled")
+#: The recipes every render of a configuration times with do_bench and profiles (those a configuration has).
+HEADLINE = ("project", "stock_eager", "stock_compiled", "stock_eager_bf16", "stock_compiled_bf16")
+
+
+def is_stock(name: str) -> bool:
+    """Whether a recipe name is one of the stock PyTorch steps (:data:`STOCK_EAGER` and its kin)."""
+    return name.startswith("stock_")
 #: The name of the book's step measured again beside its ablations where they run on GPUs of their own
 #: (``lab.bench.fastest.plan``): what they are compared with, on the same cards and timed the same way.
 ABLATION_BASE = "ablation_base"
@@ -144,18 +155,76 @@ def ablation_base(project: Recipe) -> Recipe:
 
 
 def recipes_for(config: StepConfig) -> dict[str, Recipe]:
-    """The book's recipe and the two stock baselines for ``config`` (sharded and checkpointed on several
-    GPUs, neither on one)."""
+    """The book's recipe and the stock baselines for ``config``, eager and compiled at each precision the
+    book's steps use: on several GPUs (sharded and checkpointed) bf16 parameters, the book's own; on one (neither
+    sharded nor checkpointed) the course's fp32 master weights under bf16 autocast and bf16 parameters."""
     if config.world_size > 1:
         return {r.name: r for r in (PROJECT, STOCK_EAGER, STOCK_COMPILED)}
-    return {r.name: r for r in (PROJECT_ONE_GPU, STOCK_ONE_GPU_EAGER, STOCK_ONE_GPU_COMPILED)}
+    return {r.name: r for r in (PROJECT_ONE_GPU, STOCK_ONE_GPU_EAGER, STOCK_ONE_GPU_COMPILED, STOCK_ONE_GPU_EAGER_BF16,
+                                STOCK_ONE_GPU_COMPILED_BF16)}
+
+
+#: What each ablation changes, in words, as the tables and sentences name it (read in one direction: the
+#: step with this change, against the book's step).
+ABLATION_LABELS = {
+    "no_flash_attention": "swap in SDPA for our Triton attention",
+    "flash_triton_attention": "swap in our Triton attention for SDPA",
+    "no_fused_loss": "turn off the fused loss (materialized logits)",
+    "full_recompute": "recompute whole blocks (save nothing inside them)",
+    "save_attention_only": "save only the attention outputs",
+    "no_compile": "turn off torch.compile",
+    "foreach_adamw": "foreach AdamW instead of fused",
+    "fp32_master_weights": "fp32 master weights under bf16 autocast",
+}
+
+
+def change_label(name: str) -> str:
+    """What the ablation ``name`` changes, in words (:data:`ABLATION_LABELS`); the name itself if unknown."""
+    return ABLATION_LABELS.get(name, name)
+
+
+#: Per field, whether a recipe's value is an option of stock PyTorch (a dtype, a ``torch.utils.checkpoint``
+#: policy, a ``torch.compile`` scope, an AdamW flag, SDPA, FSDP2) rather than one of the book's own parts
+#: (its Triton attention and fused loss, ``lab.FSDP``).
+_STOCK_VALUE = {
+    "attention": lambda v: v != "flash_triton",
+    "fused_loss": lambda v: not v,
+    "sharding": lambda v: v != "fsdp",
+    "checkpoint": lambda v: True,
+    "compile": lambda v: True,
+    "fused_adamw": lambda v: True,
+    "precision": lambda v: True,
+    "loss_upcast": lambda v: True,
+}
+
+
+def differences(recipe: Recipe, stock: Recipe) -> list[tuple[str, object, object, bool]]:
+    """The fields in which ``recipe`` differs from ``stock`` (both as they run on the same ranks): ``(field,
+    recipe's value, stock's value, stock_option)``, ``stock_option`` True where the recipe's value is a choice
+    any PyTorch user can make. ``loss_upcast`` is skipped when the recipe fuses the loss (it then has no
+    materialized logits to upcast)."""
+    out = []
+    for f in dataclasses.fields(Recipe):
+        if f.name == "name" or (f.name == "loss_upcast" and recipe.fused_loss):
+            continue
+        ours, theirs = getattr(recipe, f.name), getattr(stock, f.name)
+        if ours != theirs:
+            out.append((f.name, ours, theirs, _STOCK_VALUE[f.name](ours)))
+    return out
+
+
+def stock_options(recipe: Recipe, stock: Recipe) -> list[str]:
+    """The fields of :func:`differences` that are stock PyTorch options: the part of any gain over ``stock``
+    that a PyTorch user gets without the book's parts."""
+    return [field for field, _, _, option in differences(recipe, stock) if option]
 
 
 def ablations(recipe: Recipe = PROJECT) -> list[Recipe]:
     """``recipe`` with each optimization switched off (or, for the attention, swapped) alone, named by what
-    changes: ``no_flash_attention`` (SDPA instead of the Triton kernels) or ``flash_triton_attention`` (the
-    other way round), ``no_fused_loss``, ``full_recompute``, ``save_attention_only`` (the smaller
-    checkpointing policy), ``no_compile``, ``foreach_adamw``, ``fp32_master_weights``."""
+    changes (:data:`ABLATION_LABELS` says it in words): ``no_flash_attention`` (SDPA instead of the Triton
+    kernels) or ``flash_triton_attention`` (the other way round), ``no_fused_loss``, ``full_recompute``,
+    ``save_attention_only`` (the smaller checkpointing policy), ``no_compile``, ``foreach_adamw``,
+    ``fp32_master_weights``."""
     out = []
     attention = (("no_flash_attention", dict(attention="sdpa")) if recipe.attention == "flash_triton" else
                  ("flash_triton_attention", dict(attention="flash_triton")))

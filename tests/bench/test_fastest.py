@@ -41,9 +41,9 @@ def test_the_leaderboards_ablations_get_gpus_of_their_own_where_there_are_enough
         ("2.7B", ["project", "stock_eager"])]
     base = groups[1][1][0]
     assert base == lb["project"].__class__(**{**vars(lb["project"]), "name": ABLATION_BASE})
-    assert len(groups[1][1]) == 1 + len(_ablations("leaderboard")) and len(groups[2][1]) == 3 + 5
+    assert len(groups[1][1]) == 1 + len(_ablations("leaderboard")) and len(groups[2][1]) == len(one) + 5
     # three GPUs cannot hold both halves of the leaderboard beside the 2.7B rung: one group each
-    assert [len(rs) for _, rs in bench.plan(jobs, gpus=3)] == [10, 8]
+    assert [len(rs) for _, rs in bench.plan(jobs, gpus=3)] == [10, len(one) + 5]
     assert [len(rs) for _, rs in bench.plan({"leaderboard": list(lb.values())}, gpus=4)] == [3]  # nothing to move
 
 
@@ -185,7 +185,7 @@ def test_benchmark_configs_on_four_gpus_runs_the_plan_side_by_side(monkeypatch):
     with pytest.raises(ValueError, match="no budget for"):
         bench.benchmark_configs(jobs, device="auto", peak_tflops=700.0, rep_ms={"2.7B": 1})
     df = bench.benchmark_configs(jobs, device="auto", peak_tflops=700.0, rep_ms={"leaderboard": 1, "2.7B": 2})
-    assert len(df) == 3 + 1 + 7 + 3
+    assert len(df) == 3 + 1 + 7 + len(jobs["2.7B"])
     by = {(name, first): (gpu, kw) for name, first, gpu, kw in calls}
     assert by[("leaderboard", "project")][0] == 0 and by[("leaderboard", "project")][1]["fresh_cache"]
     gpu, kw = by[("leaderboard", ABLATION_BASE)]
@@ -214,3 +214,11 @@ def test_kernel_phases_by_name_and_launch_range():
     assert bench.kernel_phase("multi_tensor_apply_kernel", "optimizer_step") == "optimizer"
     add = "void at::native::vectorized_elementwise_kernel<8, CUDAFunctor_add>"
     assert bench.kernel_phase(add, "") == "other_kernels"
+
+
+def test_rows_say_what_a_comparison_holds_fixed():
+    one = recipes_for(CONFIGS["2.7B"])
+    rows = {n: bench.empty_row(CONFIGS["2.7B"], r) for n, r in one.items()}
+    assert rows["stock_compiled"]["precision"] == "bf16_autocast" and rows["stock_compiled_bf16"]["precision"] == "bf16"
+    assert {(r["batch"], r["context"]) for r in rows.values()} == {(4, 512)}
+    assert bench.empty_row(CONFIGS["leaderboard"], recipes_for(CONFIGS["leaderboard"])["project"])["batch"] == 2

@@ -1,8 +1,10 @@
-"""The render-time cross-notebook check finds configurations measured twice that disagree beyond noise."""
+"""The render-time check: configurations measured twice must agree, a step cannot beat its own
+forward+backward; on GPU rows either fails the render, on CPU rows it is a warning."""
 
 import pandas as pd
+import pytest
 
-from lab.book.consistency import consistency_report, disagreements
+from lab.book.consistency import InconsistentTimings, consistency_report, disagreements, impossible_rows
 
 
 def consistency_sentences(table, notebook):
@@ -25,9 +27,12 @@ def test_disagreement_beyond_noise_is_found_and_agreement_is_not():
     ])
     d = disagreements(table)
     assert len(d) == 1 and d.iloc[0]["context"] == 512 and d.iloc[0]["mode"] == "fwdbwd"
-    (sentence,) = consistency_sentences(table, "04_attention")
-    assert "25.4 ms in 02_mixed_precision" in sentence and "47.4 ms in 04_attention" in sentence
+    with pytest.raises(InconsistentTimings) as err:
+        consistency_report(table, "04_attention")
+    assert "\n" not in str(err.value) and "25.4" in str(err.value) and "47.4" in str(err.value)
     assert consistency_sentences(table, "01_profiling") == []
+    on_cpu = table.assign(gpu="cpu")
+    assert len(consistency_sentences(on_cpu, "04_attention")) == 1  # a shared CPU's times: warned, not failed
 
 
 def test_rows_without_spread_or_source_are_not_judged():
@@ -37,7 +42,7 @@ def test_rows_without_spread_or_source_are_not_judged():
     assert disagreements(table.drop(columns="source")).empty
 
 
-def test_a_percent_between_runs_is_counted_not_warned():
+def test_a_percent_between_runs_is_counted_not_failed():
     """H100, 2.7B fwdbwd: 130.5 ms in one notebook, 129.9 ms in another, each with a tiny within-run spread:
     beyond the noise, but run-to-run variation, not a disagreement."""
     table = pd.DataFrame([
@@ -48,8 +53,28 @@ def test_a_percent_between_runs_is_counted_not_warned():
     ])
     d = disagreements(table).set_index("context")
     assert len(d) == 2 and not d.loc[512, "beyond_tolerance"] and d.loc[256, "beyond_tolerance"]
-    (warning,) = consistency_sentences(table, "02_mixed_precision")
-    assert "80.4 ms in 01_profiling" in warning
-    note = small_differences_sentence(table, "02_mixed_precision")
+    with pytest.raises(InconsistentTimings, match="80.4"):
+        consistency_report(table, "02_mixed_precision")
+    assert consistency_report(table.iloc[[0, 1]], "02_mixed_precision")[0] == []
+    note = small_differences_sentence(table.iloc[[0, 1]], "02_mixed_precision")
     assert note.startswith("1 more time measured again in 01_profiling differs") and "at most 1.0%" in note
-    assert small_differences_sentence(table.iloc[2:], "02_mixed_precision") == ""
+    assert small_differences_sentence(table.iloc[2:].assign(gpu="cpu"), "02_mixed_precision") == ""
+
+
+def test_a_step_faster_than_its_own_forward_backward_beyond_noise_fails_the_render():
+    """A 04-like eager row: train step 134 ms, its forward+backward 150 ms. With ten steps of 1 ms spread each
+    that is beyond the noise; with a spread as wide as the gap it is not."""
+    row = {**BASE, "source": "04_attention", "fwd_ms": 59.0, "fwd_std_ms": 1.0, "fwdbwd_ms": 150.0,
+           "fwdbwd_std_ms": 1.0, "step_ms": 134.0, "step_std_ms": 1.0}
+    bad = impossible_rows(pd.DataFrame([row]))
+    assert bad[["faster", "slower"]].values.tolist() == [["step", "fwdbwd"]]
+    assert bad.iloc[0]["ratio"] == pytest.approx(134 / 150) and bad.iloc[0]["high"] < 1
+    with pytest.raises(InconsistentTimings, match="small@512"):
+        consistency_report(pd.DataFrame([row]), "04_attention")
+    assert consistency_report(pd.DataFrame([row]), "01_profiling") == ([], "")  # only a notebook's own rows
+    noisy = {**row, "fwdbwd_std_ms": 21.0, "step_std_ms": 11.0, "steps": 5}
+    assert impossible_rows(pd.DataFrame([noisy])).empty
+    backwards = {**row, "fwd_ms": 160.0, "step_ms": 170.0}  # a forward+backward faster than its forward
+    assert impossible_rows(pd.DataFrame([backwards]))[["faster", "slower"]].values.tolist() == [["fwdbwd", "fwd"]]
+    (warning,) = consistency_sentences(pd.DataFrame([{**row, "gpu": "cpu"}]), "04_attention")
+    assert "134" in warning and "150" in warning

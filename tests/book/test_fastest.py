@@ -4,8 +4,9 @@ import math
 
 import matplotlib
 import pandas as pd
+import pytest
 
-from lab.book import fastest
+from lab.book import fastest, fastest_compare
 
 matplotlib.use("Agg")
 
@@ -29,7 +30,54 @@ def test_goal_is_met_missed_or_undecided_from_the_spread():
     one = pd.DataFrame([_row("project", 4500.0, 0.0, n=1), _row("stock_compiled", 6000.0, 0.0, n=1)])
     assert "no spread" in fastest.goal_sentence(one, "leaderboard", 0.8)
     assert "cannot be checked" in fastest.goal_sentence(df[df.impl == "project"], "leaderboard", 0.8)
-    assert "the goal is not evaluated here" in fastest.goal_sentence(df, "tiny", 0.8, on_gpu=False)
+    cpu = fastest.goal_sentence(df, "tiny", 0.8, on_gpu=False)
+    assert "**met**" not in cpu and "**missed**" not in cpu and "4500" in cpu
+
+
+def _one_gpu(impl, ms, precision, std=0.5, n=30, **extra):
+    return _row(impl, ms, std, n, config="2.7B", precision=precision, batch=4, timer="do_bench", **extra)
+
+
+def test_the_goal_compares_only_equal_precision_and_names_the_stock_options():
+    """One H100, 2.7B: the book's bf16 step at 97.6 ms is 0.776x the fp32-master stock_compiled (125.8 ms),
+    but against the stock compiled step with bf16 parameters (95.1 ms) it is not faster. The goal is judged
+    against the latter, and the precision is named as a stock option of the former comparison."""
+    host = dict(host_step_std_ms=0.5, host_step_n=4)
+    df = pd.DataFrame([_one_gpu("project", 97.6, "bf16", host_step_ms=97.9, **host),
+                       _one_gpu("stock_eager", 160.0, "bf16_autocast", host_step_ms=160.0, **host),
+                       _one_gpu("stock_compiled", 125.8, "bf16_autocast", host_step_ms=126.0, **host),
+                       _one_gpu("stock_eager_bf16", 130.0, "bf16", host_step_ms=130.0, **host),
+                       _one_gpu("stock_compiled_bf16", 95.1, "bf16", host_step_ms=95.3, **host),
+                       _row("fp32_master_weights", 128.5, 0.5, n=4, config="2.7B", precision="bf16_autocast",
+                            timer="host", host_step_ms=128.5, **host)])
+    t = fastest.like_for_like_table(df).set_index("book")
+    assert t.loc["project", "stock"] == "stock_compiled_bf16" and t.loc["project", "precision"] == "bf16"
+    assert t.loc["project", "ratio"] == pytest.approx(97.6 / 95.1) and t.loc["project", "verdict"] == "slower"
+    assert t.loc["project", "stock_options"] == "" and t.loc["project", "own_parts"] == "fused_loss"
+    # the precision ablation meets the fp32-master stock step on the host clock, the only timer both have
+    assert t.loc["fp32_master_weights", "stock"] == "stock_compiled" and t.loc["fp32_master_weights", "timer"] == "host"
+    assert t.loc["fp32_master_weights", "ratio"] == pytest.approx(128.5 / 126.0)
+    s = fastest.goal_sentence(df, "2.7B", 0.85)
+    assert "**missed**" in s and "stock_compiled_bf16" in s and "95.1" in s and "125.8" not in s
+    assert "fused_loss" in s and "precision bf16" in s  # the book's own part, and what was held fixed
+    leaderboard = pd.DataFrame([_row("project", 4500.0, 10.0), _row("stock_compiled", 6000.0, 10.0)])
+    for field in ("checkpoint", "compile", "fused_loss", "sharding"):  # options: checkpoint, compile
+        assert field in fastest.goal_sentence(leaderboard, "leaderboard", 0.8)
+    v = fastest.versus_table(df).set_index("impl")
+    assert v.loc["project", "reference"] == "stock_compiled_bf16" and v.loc["stock_compiled", "verdict"] == "reference"
+    assert v.loc["stock_eager", "reference"] == "stock_compiled"
+    assert "fp32_master_weights" not in v.index
+    # without a stock step at the book's precision there is no goal verdict at all
+    old = df[~df.impl.str.endswith("_bf16")]
+    assert "cannot be checked at equal precision" in fastest.goal_sentence(old, "2.7B", 0.85)
+    options, own = fastest_compare.split_differences("2.7B", "project", "stock_compiled")
+    assert options == ["precision"] and own == ["fused_loss"]
+    # against the fp32-master reference the book's step is faster, and the sentence names the precision switch
+    other = fastest.other_precision_sentence(df)
+    assert "stock_compiled (bf16_autocast)" in other and "faster" in other and "precision" in other
+    assert f"{125.8 / 97.6:.3g}x" in other
+    assert fastest.other_precision_sentence(df[df.precision == "bf16"]) == ""
+    assert "faster" not in fastest.other_precision_sentence(df, on_gpu=False)
 
 
 def test_versus_and_ablation_tables():
@@ -38,31 +86,38 @@ def test_versus_and_ablation_tables():
                        _row("full_recompute", math.nan, math.nan, status="oom")])
     v = fastest.versus_table(df).set_index("impl")
     assert v.loc["project", "verdict"] == "faster" and v.loc["stock_compiled", "verdict"] == "reference"
-    assert v.loc["full_recompute", "verdict"] == "out of memory"
-    a = fastest.ablation_table(df).set_index("switched_off")
-    assert a.loc["no_fused_loss", "verdict"] == "helps" and a.loc["no_fused_loss", "added_ms"] == 20.0
+    assert set(v.index) == {"project", "stock_compiled"}  # ablations are the ablation table's
+    a = fastest.ablation_table(df).set_index("ablation")
+    assert a.loc["no_fused_loss", "verdict"] == "slower" and a.loc["no_fused_loss", "added_ms"] == 20.0
+    assert a.loc["no_fused_loss", "change"] != "no_fused_loss"  # named by what changes, in words
     assert a.loc["no_compile", "verdict"] == "within noise"
-    assert a.loc["full_recompute", "verdict"] == "out of memory without it"
+    assert a.loc["full_recompute", "verdict"] == "out of memory"
     assert "stock_compiled" not in a.index
+    cpu = fastest.ablation_table(df, on_gpu=False)
+    assert not cpu["verdict"].isin(["slower", "faster", "within noise"]).any()
+    assert not fastest.versus_table(df, on_gpu=False)["verdict"].isin(["slower", "faster"]).any()
     # one timed step each (an 8B step): no spread, so no verdict either way
     single = pd.DataFrame([_row("project", 6172.0, 0.0, n=1), _row("stock_compiled", 6556.0, 0.0, n=1),
                            _row("no_flash_attention", 5409.0, 5.8, n=2)])
     assert fastest.versus_table(single).set_index("impl").loc["project", "verdict"] == "no spread"
-    assert fastest.ablation_table(single).set_index("switched_off").loc["no_flash_attention", "verdict"] == "no spread"
+    assert fastest.ablation_table(single).set_index("ablation").loc["no_flash_attention", "verdict"] == "no spread"
 
 
-def test_ablation_sentence_keeps_only_faster_steps_that_fit_an_80_gb_card():
+def test_ablation_sentence_reads_each_change_in_one_direction():
     df = pd.DataFrame([_row("project", 5186.0, 5.8, host_step_ms=5188.0, host_step_std_ms=2.0, host_step_n=2),
-                       _row("full_recompute", 5893.0, 0.6, n=2, peak_gib=40.7),
+                       _row("flash_triton_attention", 6051.0, 0.6, n=2, peak_gib=40.7),
                        _row("no_fused_loss", 5129.0, 5.7, n=2, peak_gib=113.3),
-                       _row("no_compile", 5000.0, 1.0, n=2, peak_gib=67.7)])
+                       _row("no_compile", 5000.0, 1.0, n=2, peak_gib=67.7),
+                       _row("full_recompute", math.nan, status="oom")])
     s = fastest.ablation_sentence(df)
-    assert "slower beyond the noise, so the recipe keeps its choices: `full_recompute` (+707 ms)." in s
-    assert "`no_fused_loss` is faster by 57 ms (ratio 0.989), but its peak of 113 GiB does not fit" in s
-    assert "`no_compile` is faster by 186 ms (ratio 0.964), and its peak of 67.7 GiB fits an 80 GB card" in s
-    assert "a better recipe, to adopt once a render has measured it as the book's step." in s
+    a = fastest.ablation_table(df).set_index("ablation")
+    assert f"{a.loc['flash_triton_attention', 'change']}: +865 ms (slower)" in s
+    assert f"{a.loc['full_recompute', 'change']}: out of memory" in s
+    assert "113 GiB does not fit" in s and "67.7 GiB fits" in s and "40.7" not in s
+    assert s.count("faster (ratio") == 2
     assert fastest.ablation_sentence(df[df.impl == "project"]) == "No ablation of the book's step ran."
-    assert "say nothing about GPUs" in fastest.ablation_sentence(df, on_gpu=False)
+    cpu = fastest.ablation_sentence(df, on_gpu=False)
+    assert "slower" not in cpu and "865" not in cpu
 
 
 def test_ablations_are_compared_with_the_book_step_timed_the_same_way():
@@ -71,12 +126,12 @@ def test_ablations_are_compared_with_the_book_step_timed_the_same_way():
     df = pd.DataFrame([_row("project", 100.0, 0.5, host_step_ms=110.0, host_step_std_ms=2.0, host_step_n=2),
                        _row("no_compile", 112.0, 2.0, n=2, host_step_ms=112.0, host_step_std_ms=2.0, host_step_n=2),
                        _row("no_fused_loss", 150.0, 1.0, n=2, host_step_ms=150.0, host_step_std_ms=1.0, host_step_n=2)])
-    a = fastest.ablation_table(df).set_index("switched_off")
+    a = fastest.ablation_table(df).set_index("ablation")
     assert a.loc["no_compile", "base_ms"] == 110.0 and a.loc["no_compile", "verdict"] == "within noise"
-    assert a.loc["no_fused_loss", "added_ms"] == 40.0 and a.loc["no_fused_loss", "verdict"] == "helps"
+    assert a.loc["no_fused_loss", "added_ms"] == 40.0 and a.loc["no_fused_loss", "verdict"] == "slower"
     # rows without host times (an older table) fall back to step_ms
     old = df.drop(columns=["host_step_ms", "host_step_std_ms", "host_step_n"])
-    assert fastest.ablation_table(old).set_index("switched_off").loc["no_compile", "base_ms"] == 100.0
+    assert fastest.ablation_table(old).set_index("ablation").loc["no_compile", "base_ms"] == 100.0
 
 
 def test_phase_sentence_plots_and_mfu():
@@ -117,8 +172,7 @@ def test_quick_recipes_compile_nothing():
 
     quick = fastest.recipes(CONFIGS["tiny"], quick=True)
     assert all(r.compile == "none" for r in quick) and "no_compile" not in [r.name for r in quick]
-    assert [r.name for r in quick] == ["project", "stock_eager", "stock_compiled", "flash_triton_attention",
-                                       "no_fused_loss"]
+    assert [r.name for r in quick] == ["project", "stock_eager", "flash_triton_attention", "no_fused_loss"]
     assert len(fastest.config_table(["leaderboard"])) == 1
 
 
@@ -128,18 +182,19 @@ def test_ablations_for_some_configurations_only():
     from lab.recipes.fastest_step import CONFIGS
 
     headline = ["project", "stock_eager", "stock_compiled"]
+    one_gpu = headline + ["stock_eager_bf16", "stock_compiled_bf16"]
     assert [r.name for r in fastest.recipes(CONFIGS["leaderboard"], quick=False, ablate=["2.7B"])] == headline
     ablated = [r.name for r in fastest.recipes(CONFIGS["2.7B"], quick=False, ablate=["2.7B"])]
-    assert ablated == headline + ["flash_triton_attention", "no_fused_loss", "no_compile", "foreach_adamw",
-                                  "fp32_master_weights"]
-    assert len(fastest.recipes(CONFIGS["2.7B"], quick=False, ablate=False)) == 3
+    assert ablated == one_gpu + ["flash_triton_attention", "no_fused_loss", "no_compile", "foreach_adamw",
+                                 "fp32_master_weights"]
+    assert len(fastest.recipes(CONFIGS["2.7B"], quick=False, ablate=False)) == 5
     with pytest.raises(ValueError, match="unknown configurations"):
         fastest.recipes(CONFIGS["2.7B"], quick=False, ablate=["2.7b"])
     with pytest.raises(ValueError, match="list of configuration names"):
         fastest.recipes(CONFIGS["2.7B"], quick=False, ablate="2.7B")
     some = fastest.recipes(CONFIGS["leaderboard"], quick=False, ablate={"leaderboard": ["flash_triton_attention"]})
     assert [r.name for r in some] == headline + ["flash_triton_attention"]
-    assert len(fastest.recipes(CONFIGS["2.7B"], quick=False, ablate={"leaderboard": True})) == 3
+    assert len(fastest.recipes(CONFIGS["2.7B"], quick=False, ablate={"leaderboard": True})) == 5
     with pytest.raises(ValueError, match="ablations of leaderboard"):
         fastest.recipes(CONFIGS["leaderboard"], quick=False, ablate={"leaderboard": ["no_flash"]})
 
@@ -165,8 +220,8 @@ def test_gap_by_phase_names_where_the_book_gains_and_loses():
     assert math.isclose(gap.loc["total (profiled step)", "difference_ms"], sum(ours.values()) - sum(stock.values()))
     s = fastest.gap_sentence(df)
     # gains largest first, losses beyond 1% of the stock step only (not the 1 ms of exposed communication)
-    assert "gains in recompute -700 ms, other kernels -559 ms, matmul -70 ms" in s
-    assert "loses in attention +925 ms (" in s and "exposed communication" not in s
+    assert "recompute -700 ms, other kernels -559 ms, matmul -70 ms" in s
+    assert "attention +925 ms (" in s and "exposed communication" not in s
     assert "recomputes without a profiler range" not in s
     # a compiled stock block's recomputation is counted in its other phases: compared together
     merged = pd.DataFrame([_row("project", 6172.0, **ours),
@@ -183,7 +238,7 @@ def test_ablations_on_gpus_of_their_own_are_compared_with_the_step_measured_ther
                        _row("ablation_base", 5300.0, 2.0, n=2, host_step_ms=5300.0, gpus="2,3", **host),
                        _row("no_compile", 5400.0, 2.0, n=2, host_step_ms=5400.0, gpus="2,3", **host),
                        _row("no_fused_loss", math.nan, status="failed", error="no result after the 150 s deadline")])
-    a = fastest.ablation_table(df).set_index("switched_off")
+    a = fastest.ablation_table(df).set_index("ablation")
     assert list(a.index) == ["no_compile", "no_fused_loss"]  # neither copy of the book's step is an ablation
     assert a.loc["no_compile", "base_ms"] == 5300.0 and a.loc["no_compile", "added_ms"] == 100.0
     assert a.loc["no_fused_loss", "verdict"] == "failed: no result after the 150 s deadline"
@@ -233,12 +288,33 @@ def test_a_failed_ablation_base_compares_nothing_and_failures_are_said():
     base_failed = pd.DataFrame([_row("project", 5186.0, 5.8, n=2), _row("ablation_base", math.nan, status="oom"),
                                 _row("no_compile", 5400.0, 2.0, n=2, host_step_ms=5400.0, **host)])
     table = fastest.ablation_table(base_failed)
-    assert table.to_dict("records") == [dict(switched_off="no_compile", verdict="not compared: ablation_base oom")]
-    assert "No ablation of the book's step was measured: `no_compile`: not compared" in \
-        fastest.ablation_sentence(base_failed)
+    assert table[["ablation", "verdict"]].to_dict("records") == [
+        dict(ablation="no_compile", verdict="not compared: ablation_base oom")]
+    assert "not compared" in fastest.ablation_sentence(base_failed)
     some = pd.DataFrame([_row("project", 5186.0, 5.8, n=2), _row("stock_compiled", 5548.0, 2.0, n=2),
                          _row("ablation_base", 5300.0, 2.0, n=2, host_step_ms=5300.0, **host),
                          _row("full_recompute", 5900.0, 2.0, n=2, host_step_ms=5900.0, **host),
                          _row("no_fused_loss", math.nan, status="oom")])
     s = fastest.ablation_sentence(some)
-    assert "`full_recompute` (+600 ms)" in s and "Not measured: `no_fused_loss` (out of memory without it)." in s
+    labels = fastest.ablation_table(some).set_index("ablation")["change"]
+    assert f"{labels['full_recompute']}: +600 ms (slower)" in s and f"{labels['no_fused_loss']}: out of memory" in s
+
+
+def test_profiles_are_set_against_the_stock_steps_of_equal_precision_fastest_first():
+    df = pd.DataFrame([_one_gpu("project", 97.6, "bf16"), _one_gpu("stock_compiled", 125.8, "bf16_autocast"),
+                       _one_gpu("stock_eager_bf16", 130.0, "bf16"), _one_gpu("stock_compiled_bf16", 95.1, "bf16")])
+    assert fastest.stocks_like(df) == ["stock_compiled_bf16", "stock_eager_bf16"]
+    assert fastest.stocks_like(df[df.impl != "project"]) == []
+
+
+def test_the_book_step_measured_on_other_cards_is_not_set_against_stock():
+    df = pd.DataFrame([_row("project", 5186.0, 5.8, n=4, gpus="0,1", timer="do_bench"),
+                       _row("stock_compiled", 5548.0, 2.0, n=4, gpus="0,1", timer="do_bench"),
+                       _row("ablation_base", 5300.0, 2.0, n=2, gpus="2,3", timer="host", host_step_ms=5300.0,
+                            host_step_std_ms=2.0, host_step_n=2),
+                       _row("fp32_master_weights", 5900.0, 2.0, n=2, gpus="2,3", timer="host",
+                            precision="bf16_autocast", host_step_ms=5900.0, host_step_std_ms=2.0, host_step_n=2)])
+    t = fastest.like_for_like_table(df).set_index("book")
+    assert t.loc["project", "stock"] == "stock_compiled" and t.loc["ablation_base", "verdict"] == "not compared"
+    assert t.loc["ablation_base", "stock"] != t.loc["fp32_master_weights", "stock"]  # which reason, not one
+    assert (t.loc[["ablation_base", "fp32_master_weights"], "verdict"] == "not compared").all()

@@ -6,7 +6,16 @@ import pytest
 import torch
 from torch import nn
 
-from lab.measure.step import MODES, PHASES, TrainStep, lm_loss, make_optimizer, measure_mode, random_batch
+from lab.measure.step import (
+    MODES,
+    PHASES,
+    TrainStep,
+    lm_loss,
+    make_optimizer,
+    measure_mode,
+    measure_modes,
+    random_batch,
+)
 from lab.model import ModelConfig, TransformerLM
 
 TINY = ModelConfig(d_model=32, d_ff=64, num_layers=2, num_heads=4, context_length=16, vocab_size=64)
@@ -91,3 +100,91 @@ def test_lm_loss_is_the_models_own_loss_and_an_unknown_dtype_fails_early():
     torch.testing.assert_close(lm_loss(step.model, step.tokens, step.targets), expected)
     with pytest.raises(ValueError, match="unknown training dtype"):
         TrainStep(step.model, None, step.tokens, step.targets, dtype="fp8")
+
+
+class _FakeClock:
+    """A clock (seconds) that only the fake model and optimizer move: forward costs ``forward_ms``, backward
+    ``backward_ms``, the optimizer step ``optimizer_ms``, each times ``speed`` (which ``drift`` multiplies
+    after every phase: below 1, a machine that speeds up as it warms)."""
+
+    def __init__(self, forward_ms=3.0, backward_ms=5.0, optimizer_ms=1.0, drift=1.0):
+        self.now, self.speed, self.drift, self.log = 0.0, 1.0, drift, []
+        self.cost = dict(forward=forward_ms, backward=backward_ms, optimizer=optimizer_ms)
+
+    def __call__(self):
+        return self.now
+
+    def spend(self, phase):
+        self.log.append(phase[0])
+        self.now += self.cost[phase] * self.speed / 1e3
+        self.speed *= self.drift
+
+
+class _Spend(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, clock):
+        ctx.clock = clock
+        clock.spend("forward")
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.clock.spend("backward")
+        return grad, None
+
+
+class _ClockedModel(nn.Module):
+    def __init__(self, clock):
+        super().__init__()
+        self.w, self.clock = nn.Parameter(torch.ones(3)), clock
+
+    def forward(self, tokens, targets):
+        return _Spend.apply(self.w, self.clock).sum()
+
+
+class _ClockedSGD(torch.optim.SGD):
+    def __init__(self, params, clock):
+        super().__init__(params, lr=0.0)
+        self.clock = clock
+
+    def step(self, closure=None):
+        self.clock.spend("optimizer")
+        return super().step(closure)
+
+
+def _clocked_step(clock):
+    model = _ClockedModel(clock)
+    tokens = torch.zeros(1, 1, dtype=torch.long)
+    return TrainStep(model, _ClockedSGD(model.parameters(), clock), tokens, tokens)
+
+
+def test_modes_are_timed_by_one_clock_with_exact_costs():
+    clock = _FakeClock()
+    timings, peaks = measure_modes(_clocked_step(clock), MODES, warmup=1, steps=4, clock=clock)
+    assert set(timings) == {"fwd", "fwdbwd", "bwd", "step"} and all(math.isnan(p) for p in peaks.values())
+    for column, ms in dict(fwd=3.0, fwdbwd=8.0, bwd=5.0, step=9.0).items():
+        assert timings[column].samples_ms == pytest.approx([ms] * 4)
+
+
+def test_interleaving_keeps_a_step_no_faster_than_its_forward_backward_on_a_drifting_machine():
+    """A machine that speeds up 3% a phase: measured one mode after the other, the later train step comes out
+    faster than the earlier forward+backward (the impossible row); interleaved, never."""
+    clock = _FakeClock(drift=0.97)
+    step = _clocked_step(clock)
+    apart = {col: t for m in ("forward_backward", "train_step")
+             for col, t in measure_mode(step, m, 2, 5, clock)[0].items()}
+    assert apart["step"].median_ms < apart["fwdbwd"].median_ms  # the artifact the interleaving removes
+    clock = _FakeClock(drift=0.97)
+    together, _ = measure_modes(_clocked_step(clock), ["forward_backward", "train_step"], 2, 5, clock)
+    assert together["step"].median_ms > together["fwdbwd"].median_ms
+    with pytest.raises(ValueError, match="warmup"):
+        measure_modes(_clocked_step(clock), ["forward"], warmup=-1, clock=clock)
+
+
+def test_warm_ups_run_each_mode_alone_in_order_before_the_interleaved_rounds():
+    """Each mode's warm-up (where its peak memory is read) runs before any later mode has run, so a forward's
+    peak holds no optimizer state; the timed rounds then rotate the order."""
+    clock = _FakeClock()
+    measure_modes(_clocked_step(clock), MODES, warmup=1, steps=3, clock=clock)
+    runs = "".join(clock.log).replace("fbo", "S").replace("fb", "B")  # a train step, a forward+backward
+    assert runs == "fBS" + "fBS" + "BSf" + "SfB"

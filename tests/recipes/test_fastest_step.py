@@ -27,6 +27,15 @@ def test_recipes_validate_and_ablate_one_thing_at_a_time():
             changed = [f.name for f in dataclasses.fields(r) if getattr(r, f.name) != getattr(base, f.name)]
             assert changed == ["name", *changed[1:]] and len(changed) == 2, changed
     assert set(fs.recipes_for(fs.CONFIGS["leaderboard"])) == {"project", "stock_eager", "stock_compiled"}
+    one_gpu = fs.recipes_for(fs.CONFIGS["2.7B"])
+    # every stock step exists at each precision the book's steps use
+    assert {(r.compile != "none", r.precision) for n, r in one_gpu.items() if fs.is_stock(n)} == {
+        (c, p) for c in (False, True) for p in ("bf16", "bf16_autocast")}
+    assert {r.precision for n, r in fs.recipes_for(fs.CONFIGS["leaderboard"]).items()} == {"bf16"}
+    assert set(fs.HEADLINE) >= set(one_gpu)
+    labels = [fs.change_label(r.name) for base in (fs.PROJECT, fs.PROJECT_ONE_GPU) for r in fs.ablations(base)]
+    assert all(label != name for label, name in zip(labels, (r.name for b in (fs.PROJECT, fs.PROJECT_ONE_GPU)
+                                                                for r in fs.ablations(b))))
     assert fs.PROJECT.for_world(1).sharding == "none" and fs.PROJECT.for_world(2).sharding == "fsdp"
     with pytest.raises(ValueError, match="hooks"):
         fs.build_model(TINY, dataclasses.replace(fs.PROJECT, compile="model"), torch.device("cpu"))
@@ -209,3 +218,20 @@ def test_the_stock_loss_is_cross_entropy_of_the_logits_as_they_come():
     assert fs.build_step(config, fs.STOCK_ONE_GPU_EAGER, cpu).loss_fn is fs.summed_loss_on_logits
     upcast = fs.Recipe(attention="sdpa", fused_loss=False, sharding="none", checkpoint="none", compile="none")
     assert fs.build_step(config, upcast, cpu).loss_fn is fs.summed_loss
+
+
+def test_the_books_differences_from_stock_split_into_stock_options_and_its_own_parts():
+    """One GPU: against the fp32-master reference the book's step differs in precision (a dtype any user can
+    set) and the fused loss (the book's kernel); against the bf16 stock step only in the fused loss."""
+    one = fs.recipes_for(fs.CONFIGS["2.7B"])
+    diff = fs.differences(one["project"], one["stock_compiled"])
+    assert [(f, ours, theirs, option) for f, ours, theirs, option in diff] == [
+        ("fused_loss", True, False, False), ("precision", "bf16", "bf16_autocast", True)]
+    assert fs.stock_options(one["project"], one["stock_compiled"]) == ["precision"]
+    assert fs.stock_options(one["project"], one["stock_compiled_bf16"]) == []
+    several = fs.recipes_for(fs.CONFIGS["leaderboard"])
+    fields = {f: option for f, _, _, option in fs.differences(several["project"], several["stock_compiled"])}
+    assert fields == dict(fused_loss=False, sharding=False, checkpoint=True, compile=True)
+    triton = dataclasses.replace(several["project"], attention="flash_triton")
+    assert ("attention", "flash_triton", "sdpa", False) in fs.differences(triton, several["stock_compiled"])
+    assert fs.differences(one["project"], one["project"]) == []
