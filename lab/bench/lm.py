@@ -115,6 +115,8 @@ def benchmark_lm(size: str | ModelConfig, context: int = 512, batch: int = 4,
                 row.update({f"{key}_ms": timing.mean_ms, f"{key}_median_ms": timing.median_ms,
                             f"{key}_std_ms": timing.std_ms, f"{key}_samples_ms": timing.samples_ms})
             row.update({f"{col}_peak_gib": peaks[m] for m, col in zip(group, mode_columns(group))})
+            # which way the times were taken: rows timed another way are not compared with these (consistency)
+            row["timer"] = "interleaved" if len(group) > 1 else "alone"
         except Exception as exc:  # noqa: BLE001
             if not is_oom(exc):
                 raise

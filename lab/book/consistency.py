@@ -21,7 +21,9 @@ import pandas as pd
 
 from lab.measure.verdicts import compare_summaries
 
-CONFIG = ["size", "context", "batch", "dtype", "attention", "compile", "fused_loss", "world_size", "gpu"]
+#: What two rows must share to be compared: the configuration, the card and the way the modes were timed
+#: (``timer``; rows that predate the column are compared only with each other).
+CONFIG = ["size", "context", "batch", "dtype", "attention", "compile", "fused_loss", "world_size", "gpu", "timer"]
 MODES = ("fwd", "fwdbwd", "step")
 RUN_TO_RUN = 0.05
 

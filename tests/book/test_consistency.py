@@ -78,3 +78,16 @@ def test_a_step_faster_than_its_own_forward_backward_beyond_noise_fails_the_rend
     assert impossible_rows(pd.DataFrame([backwards]))[["faster", "slower"]].values.tolist() == [["fwdbwd", "fwd"]]
     (warning,) = consistency_sentences(pd.DataFrame([{**row, "gpu": "cpu"}]), "04_attention")
     assert "134" in warning and "150" in warning
+
+
+def test_rows_timed_another_way_are_not_compared():
+    """Rows measured with the interleaved timer are compared only with rows timed the same way: a row that
+    predates the ``timer`` column (modes measured one after the other) neither fails nor excuses a new one."""
+    table = pd.DataFrame([
+        {**BASE, "source": "01_profiling", "timer": "interleaved", "fwdbwd_ms": 25.4, "fwdbwd_std_ms": 0.5},
+        {**BASE, "source": "04_attention", "fwdbwd_ms": 47.4, "fwdbwd_std_ms": 0.8},
+    ])
+    assert disagreements(table).empty
+    assert consistency_report(table, "01_profiling")[0] == []
+    both = table.assign(timer="interleaved")
+    assert len(disagreements(both)) == 1
