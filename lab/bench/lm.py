@@ -15,9 +15,11 @@ from collections.abc import Callable, Iterable, Sequence
 import pandas as pd
 import torch
 
+from lab.accounting import BENCH_DTYPE_TO_POLICY, training_memory
+from lab.bench.memory_estimate import cpu_peak_bytes
 from lab.bench.progress import progress_bar
 from lab.dtypes import autocast_dtype
-from lab.measure.device import empty_cache, error_summary, is_oom, resolve_device
+from lab.measure.device import available_memory_bytes, empty_cache, error_summary, is_oom, resolve_device
 from lab.measure.step import MODES, TrainStep, make_optimizer, measure_modes, mode_columns, random_batch
 from lab.model import ModelConfig, TransformerLM, config_for
 
@@ -38,13 +40,15 @@ def lm_config(size: str | ModelConfig, context: int, attention: str = "sdpa",
 
 def predicted_peak_bytes(cfg: ModelConfig, batch: int, context: int, dtype: str, modes: Sequence[str],
                          device: torch.device) -> tuple[int, int]:
-    """``(predicted peak bytes of the largest mode, bytes available on device)`` from
-    :func:`lab.accounting.training_memory` (an estimate: temporaries such as the logits are not counted)."""
-    from lab.accounting import BENCH_DTYPE_TO_POLICY, training_memory
-    from lab.measure.device import available_memory_bytes
-
-    precision = BENCH_DTYPE_TO_POLICY[dtype]
-    need = max(training_memory(cfg, batch, context, precision, m, device_type=device.type)["total"] for m in modes)
+    """``(predicted peak bytes of the largest mode, bytes available on device)``: on the CPU
+    :func:`lab.bench.memory_estimate.cpu_peak_bytes` (kept state plus the temporaries, such as the logits,
+    that the CPU's allocator cannot reuse), elsewhere the kept state of :func:`lab.accounting.training_memory`."""
+    if device.type == "cpu":
+        need = max(cpu_peak_bytes(cfg, batch, context, dtype, m) for m in modes)
+    else:
+        precision = BENCH_DTYPE_TO_POLICY[dtype]
+        need = max(training_memory(cfg, batch, context, precision, m, device_type=device.type)["total"]
+                   for m in modes)
     return need, available_memory_bytes(device)
 
 
