@@ -46,7 +46,34 @@ def sdpa_on_heads(name: str = "sdpa") -> AttentionFn:
 
 #: The benchmark's implementation names (the ``impl`` column of ``flash_benchmark.csv``).
 IMPLS = ("triton", "triton_compiled_bwd", "pytorch_flash", "pytorch_naive", "sdpa", "sdpa_flash", "sdpa_cudnn",
-         "sdpa_efficient")
+         "sdpa_efficient", "flex")
+
+_FLEX = {}
+
+
+def flex_attention_fn() -> AttentionFn:
+    """PyTorch's FlexAttention as a peer: ``torch.compile`` of ``flex_attention`` (Triton kernels that
+    Inductor generates) with a causal block mask, so fully masked key blocks are skipped as in the other
+    fused kernels; on ``(batch, seq, d)`` inputs viewed as one batch of ``batch`` heads. Block masks are
+    built once per (sequence lengths, device) and reused."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # optional: torch >= 2.5
+
+    if "fn" not in _FLEX:
+        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+
+    def causal_mod(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def fn(q, k, v, causal=True):
+        mask = None
+        if causal:
+            key = (q.shape[-2], k.shape[-2], str(q.device))
+            if key not in _FLEX:
+                _FLEX[key] = create_block_mask(causal_mod, None, None, q.shape[-2], k.shape[-2], device=q.device)
+            mask = _FLEX[key]
+        return _FLEX["fn"](q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), block_mask=mask)[0]
+
+    return fn
 
 
 def attention_impl(name: str, device: torch.device | str = "auto") -> AttentionFn:
@@ -54,7 +81,8 @@ def attention_impl(name: str, device: torch.device | str = "auto") -> AttentionF
 
     ``pytorch_naive`` (the registry's naive attention), ``sdpa`` and ``sdpa_<backend>`` (SDPA, default or one
     backend), ``triton`` (``FlashAttentionTriton``), ``triton_compiled_bwd`` (Triton forward, backward as
-    compiled PyTorch) and ``pytorch_flash`` (``FlashAttentionPytorch``, tiled in pure PyTorch). All share
+    compiled PyTorch), ``flex`` (compiled FlexAttention, :func:`flex_attention_fn`) and ``pytorch_flash``
+    (``FlashAttentionPytorch``, tiled in pure PyTorch). All share
     the registry's top-left causal convention. The flash kernels are imported only when asked for (on a
     machine without a GPU, ``import lab`` has already switched Triton to its interpreter).
     """
@@ -76,6 +104,8 @@ def attention_impl(name: str, device: torch.device | str = "auto") -> AttentionF
         from lab.kernels.flash_pytorch import FlashAttentionPytorch
 
         return lambda q, k, v, causal: FlashAttentionPytorch.apply(q, k, v, causal)
+    if name == "flex":
+        return flex_attention_fn()
     raise ValueError(f"unknown attention implementation {name!r}; choose one of {', '.join(IMPLS)}")
 
 

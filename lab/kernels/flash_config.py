@@ -61,6 +61,8 @@ class FlashConfig:
     * ``bwd_tiles``: ``(BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages)`` overriding the
       backward's table, ``()`` for the table.
     * ``bwd_tma``: stream the backward's Q/dO (dK/dV loop) and K/V (dQ loop) tiles through descriptors.
+    * ``atomic_tma``: in ``"atomic"`` mode, add each tile's dQ share with one bulk TMA reduction (Hopper and
+      later; the copy engine does the read-modify-write in L2) instead of one atomic per element.
     """
 
     autotune: bool = False
@@ -73,6 +75,7 @@ class FlashConfig:
     fused_delta: bool = False
     bwd_tiles: tuple[int, ...] = ()
     bwd_tma: bool = False
+    atomic_tma: bool = True
 
     def __post_init__(self):
         if self.backward_launch not in BACKWARD_LAUNCHES:
@@ -94,7 +97,8 @@ class FlashConfig:
         """The fields in declaration order: the trailing arguments of the ``lab::flash_attention_*`` ops.
         Spelled out rather than ``dataclasses.fields``, which dynamo would have to trace."""
         return (self.autotune, self.fast_launch, self.fp32_precision, self.fwd_tiles, self.fwd_tma,
-                self.warp_specialize, self.backward_launch, self.fused_delta, self.bwd_tiles, self.bwd_tma)
+                self.warp_specialize, self.backward_launch, self.fused_delta, self.bwd_tiles, self.bwd_tma,
+                self.atomic_tma)
 
     def replace(self, **changes) -> FlashConfig:
         return dataclasses.replace(self, **changes)
@@ -151,7 +155,14 @@ def dot_precision(dtype: torch.dtype, setting: str = "auto") -> str:
 # ------------------------------------------------------------------------------------------------ tiles
 @functools.cache
 def multiprocessor_count(device_index: int) -> int:
+    """Number of SMs of CUDA device ``device_index`` (cached: the tile tables ask on every call)."""
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.cache
+def has_tma(device_index: int) -> bool:
+    """True when CUDA device ``device_index`` has the tensor memory accelerator (compute capability >= 9)."""
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 def fills_gpu(programs: int, device: torch.device) -> bool:

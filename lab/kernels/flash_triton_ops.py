@@ -34,10 +34,10 @@ from lab.kernels.flash_triton_forward import flash_forward
 def flash_attention_forward_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, autotune: bool, fast_launch: bool,
                                fp32_precision: str, fwd_tiles: list[int], fwd_tma: bool, warp_specialize: bool,
                                backward_launch: str, fused_delta: bool, bwd_tiles: list[int],
-                               bwd_tma: bool) -> tuple[Tensor, Tensor]:
+                               bwd_tma: bool, atomic_tma: bool) -> tuple[Tensor, Tensor]:
     """FlashAttention forward: (output, fp32 logsumexp)."""
     config = FlashConfig(autotune, fast_launch, fp32_precision, fwd_tiles, fwd_tma, warp_specialize, backward_launch,
-                         fused_delta, bwd_tiles, bwd_tma)
+                         fused_delta, bwd_tiles, bwd_tma, atomic_tma)
     return flash_forward(q, k, v, causal, config)
 
 
@@ -53,10 +53,10 @@ def flash_attention_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tenso
                                 causal: bool, autotune: bool, fast_launch: bool, fp32_precision: str,
                                 fwd_tiles: list[int], fwd_tma: bool, warp_specialize: bool, backward_launch: str,
                                 fused_delta: bool, bwd_tiles: list[int],
-                                bwd_tma: bool) -> tuple[Tensor, Tensor, Tensor]:
+                                bwd_tma: bool, atomic_tma: bool) -> tuple[Tensor, Tensor, Tensor]:
     """FlashAttention backward: (dq, dk, dv)."""
     config = FlashConfig(autotune, fast_launch, fp32_precision, fwd_tiles, fwd_tma, warp_specialize, backward_launch,
-                         fused_delta, bwd_tiles, bwd_tma)
+                         fused_delta, bwd_tiles, bwd_tma, atomic_tma)
     return flash_backward(q, k, v, out, lse, grad_out, causal, config)
 
 
