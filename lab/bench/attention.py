@@ -71,7 +71,10 @@ def flex_attention_fn() -> AttentionFn:
             if key not in _FLEX:
                 _FLEX[key] = create_block_mask(causal_mod, None, None, q.shape[-2], k.shape[-2], device=q.device)
             mask = _FLEX[key]
-        return _FLEX["fn"](q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), block_mask=mask)[0]
+        # Without donated buffers: the benchmark runs one forward's backward repeatedly (retain_graph=True),
+        # which a compiled backward that frees ("donates") its saved tensors refuses.
+        with torch._functorch.config.patch(donated_buffer=False):
+            return _FLEX["fn"](q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), block_mask=mask)[0]
 
     return fn
 

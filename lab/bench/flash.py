@@ -399,17 +399,25 @@ def course_timing_table(compiles: Sequence[bool] = (True, False), batch: int = 1
 # host's share of a short sequence (the command line below runs them on a GPU)
 
 #: Forward tiles ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` a sweep tries besides the table's.
-SWEEP_FWD_TILES = ((128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (64, 128, 4, 3))
+SWEEP_FWD_TILES = ((128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (64, 128, 4, 3), (64, 32, 4, 2))
+#: Shapes up to this many tokens are also timed as CUDA-graph replays (``{pass}_graph_ms``): their kernels
+#: are short enough that the host's launch time, not the device, can set the eager time.
+GRAPH_MAX_SEQ = 2048
 #: Backward variants a sweep tries besides the table's: name -> (launch mode, tiles ``(BLOCK_M1, BLOCK_N1,
 #: BLOCK_M2, BLOCK_N2, num_warps, num_stages)``, extra FlashConfig fields). ``M1 x N1`` are the (query, key)
 #: tiles of the dK/dV programs, ``M2 x N2`` those of the dQ programs.
 SWEEP_BWD = {
+    "fused 32x64 w8 s2": ("fused", (32, 64, 64, 32, 8, 2), {}),
+    "fused 32x64 w4 s2": ("fused", (32, 64, 64, 32, 4, 2), {}),
+    "fused 32x64 w8 s2 +delta": ("fused", (32, 64, 64, 32, 8, 2), {"fused_delta": True}),
     "fused 64x64 w4 s3": ("fused", (64, 64, 64, 64, 4, 3), {}),
+    "two_pass 64x128 w8 s3": ("two_pass", (64, 128, 128, 64, 8, 3), {}),
     "two_pass 64x64 w4 s3": ("two_pass", (64, 64, 64, 64, 4, 3), {}),
     "atomic 64x128 w8 s2": ("atomic", (64, 128, 128, 64, 8, 2), {}),
     "atomic 64x128 w8 s3": ("atomic", (64, 128, 128, 64, 8, 3), {}),
+    "atomic 64x128 w8 s3 +delta": ("atomic", (64, 128, 128, 64, 8, 3), {"fused_delta": True}),
     "atomic 64x64 w4 s3": ("atomic", (64, 64, 64, 64, 4, 3), {}),
-    "atomic 32x128 w4 s3": ("atomic", (32, 128, 128, 32, 4, 3), {}),
+    "atomic 32x64 w4 s2": ("atomic", (32, 64, 64, 32, 4, 2), {}),
     "atomic 64x128 w8 s2 no-tma": ("atomic", (64, 128, 128, 64, 8, 2), {"atomic_tma": False}),
 }
 #: Matrix products per (query tile, key tile) pair of each backward launch mode: the dK/dV programs compute
@@ -491,7 +499,9 @@ def sweep_shape(shape: Shape, dtype: str = "bf16", variants: dict | None = None,
     process: first a correctness check of each against fp32 SDPA on the first ``check_heads`` heads
     (``rel_err``, max error over output and gradients relative to the reference's largest value; ``ok``
     within :data:`TOLERANCE`), then the passes the variant changes, timed (``{pass}_ms`` medians,
-    ``{pass}_tflops``). Backward rows also carry :func:`backward_breakdown`. ``sink(row)`` sees each row as
+    ``{pass}_tflops``; up to :data:`GRAPH_MAX_SEQ` tokens also ``{pass}_graph_ms`` / ``_graph_tflops``, CUDA
+    graph replays). Backward rows also carry :func:`backward_breakdown` (of the graph replay's time when
+    there is one). ``sink(row)`` sees each row as
     it is made (to write it out before a later one fails). A variant that fails is a row with ``status``
     "error" and the reason in ``note``."""
     from lab.bench.attention import attention_impl
@@ -519,12 +529,17 @@ def sweep_shape(shape: Shape, dtype: str = "bf16", variants: dict | None = None,
             row["rel_err"] = relative_errors(got, ref)
             row["ok"] = row["rel_err"] <= TOLERANCE[dtype]
             del got
-            row.update(_time_passes(fn, q, k, v, dout, shape.causal, passes, device, timer))
-            for p in passes:
-                row[f"{p}_tflops"] = attention_flops(shape.batch, shape.seq, shape.d, shape.causal, p,
-                                                     heads=shape.heads) / (row[f"{p}_ms"] * 1e-3) / 1e12
+            graph = device.type == "cuda" and shape.seq <= GRAPH_MAX_SEQ
+            row.update(_time_passes(fn, q, k, v, dout, shape.causal, passes, device, timer, graph))
+            for p in PASSES:
+                flops = attention_flops(shape.batch, shape.seq, shape.d, shape.causal, p, heads=shape.heads)
+                if f"{p}_ms" in row:
+                    row[f"{p}_tflops"] = flops / (row[f"{p}_ms"] * 1e-3) / 1e12
+                if f"{p}_graph_ms" in row:
+                    row[f"{p}_graph_tflops"] = flops / (row[f"{p}_graph_ms"] * 1e-3) / 1e12
             if cfg is not None and "bwd" in passes:
-                row.update(backward_breakdown(shape, row["bwd_ms"], row["bwd_mode"], ceiling_tflops))
+                ms = row.get("bwd_graph_ms", row["bwd_ms"])
+                row.update(backward_breakdown(shape, ms, row["bwd_mode"], ceiling_tflops))
         except Exception as exc:  # noqa: BLE001 - a variant that cannot compile or run is a row, not the end
             if is_oom(exc):
                 empty_cache()
@@ -535,39 +550,50 @@ def sweep_shape(shape: Shape, dtype: str = "bf16", variants: dict | None = None,
     return pd.DataFrame(rows)
 
 
-def _time_passes(fn, q, k, v, dout, causal, passes, device, timer) -> dict:
+def _time_passes(fn, q, k, v, dout, causal, passes, device, timer, graph: bool = False) -> dict:
+    """``{pass}_ms`` of each pass in ``passes`` (do_bench medians); with ``graph`` also ``{pass}_graph_ms`` of
+    every pass, the device's time without the host's: the forward and forward+backward replayed from CUDA
+    graphs, the backward their difference (a backward alone cannot be captured: autograd runs it on the
+    stream of its forward, which ran before the capture)."""
     row = {}
-    if "fwd" in passes:
-        row["fwd_ms"] = time_kernel(lambda: fn(q, k, v, causal), device, **timer).median_ms
-    if "bwd" in passes:
-        out = fn(q, k, v, causal)
-        row["bwd_ms"] = time_kernel(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True), device,
-                                    **timer).median_ms
-        del out
-    if "e2e" in passes:
-        row["e2e_ms"] = time_kernel(lambda: torch.autograd.grad(fn(q, k, v, causal), (q, k, v), dout), device,
-                                    **timer).median_ms
+    out = fn(q, k, v, causal) if "bwd" in passes else None
+    steps = {"fwd": lambda: fn(q, k, v, causal),
+             "bwd": lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True),
+             "e2e": lambda: torch.autograd.grad(fn(q, k, v, causal), (q, k, v), dout)}
+    for p in passes:
+        row[f"{p}_ms"] = time_kernel(steps[p], device, **timer).median_ms
+    if graph:
+        try:
+            for p in ("fwd", "e2e"):
+                row[f"{p}_graph_ms"] = time_kernel(_graph_replay(steps[p]), device, **timer).median_ms
+            row["bwd_graph_ms"] = row["e2e_graph_ms"] - row["fwd_graph_ms"]
+        except Exception as exc:  # noqa: BLE001 - a step that cannot be captured keeps its eager times
+            row["note"] = f"graph: {_first_line(exc)}"
     return row
 
 
 def best_variants(sweep: pd.DataFrame) -> pd.DataFrame:
     """Per (shape, dtype): the fastest correct Triton variant for the forward and for the backward, next to
-    the default and the peers, in TFLOP/s (one row per shape; columns ``{who}_{pass}_tflops``)."""
+    the default and the peers, in TFLOP/s (one row per shape; columns ``{who}_{pass}_tflops``). Where a
+    shape was timed as CUDA-graph replays, those (the device's time) decide and are reported
+    (``timing="graph"``), else the eager times (``timing="eager"``)."""
     ok = sweep[(sweep["status"] == "ok") & (sweep.get("ok", True) != False)]  # noqa: E712 - NaN for peers
     rows = []
     for (shape, dtype), grp in ok.groupby(["shape", "dtype"], sort=False):
-        row = dict(shape=shape, dtype=dtype)
+        graph = "bwd_graph_tflops" in grp and grp["bwd_graph_tflops"].notna().any()
+        suffix = "_graph_tflops" if graph else "_tflops"
+        row = dict(shape=shape, dtype=dtype, timing="graph" if graph else "eager")
         tri = grp[grp["impl"] == "triton"]
         for p in ("fwd", "bwd"):
-            col = f"{p}_tflops"
+            col = f"{p}{suffix}"
             if col in tri and tri[col].notna().any():
                 best = tri.loc[tri[col].idxmax()]
                 row.update({f"best_{p}": best["variant"], f"best_{p}_tflops": best[col]})
         for who in ["default", *grp.loc[grp["impl"] != "triton", "variant"]]:
             sel = grp[grp["variant"] == who]
             for p in PASSES:
-                if len(sel) and f"{p}_tflops" in sel:
-                    row[f"{who}_{p}_tflops"] = sel[f"{p}_tflops"].iloc[0]
+                if len(sel) and f"{p}{suffix}" in sel:
+                    row[f"{who}_{p}_tflops"] = sel[f"{p}{suffix}"].iloc[0]
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -586,6 +612,24 @@ def _graph_replay(step: Callable[[], object]) -> Callable[[], None]:
     return graph.replay
 
 
+def _python_profile(step: Callable[[], object], device: torch.device, calls: int = 50) -> str:
+    """cProfile's table (own time per Python function, top 30) of ``calls`` calls of ``step``."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        step()
+    profiler.disable()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+    return text.getvalue()
+
+
 def host_costs(shape: Shape, dtype: str = "bf16", impls: Sequence[str] = ("flash_triton", "sdpa"),
                device: torch.device | str = "auto", calls: int = 20, rep_ms: float = 50,
                profile: bool = True) -> tuple[pd.DataFrame, str]:
@@ -595,7 +639,8 @@ def host_costs(shape: Shape, dtype: str = "bf16", impls: Sequence[str] = ("flash
     sync), ``graph_ms`` (the same step replayed from a CUDA graph: the device's time alone),
     ``compiled_ms`` (``torch.compile(fullgraph=True)`` of the attention and its output transpose) and
     ``host_bound`` (eager well above the graph replay). Also returns the torch.profiler table of a few
-    eager steps of the first implementation (self CPU time per op), or "" when ``profile`` is False."""
+    eager steps of the first implementation (self CPU time per op) and cProfile's table of its Python functions,
+    or "" when ``profile`` is False."""
     import time
 
     from lab.model.attention import get_attention
@@ -642,6 +687,7 @@ def host_costs(shape: Shape, dtype: str = "bf16", impls: Sequence[str] = ("flash
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
             table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+            table += "\n\nPython functions by own time, 50 eager steps:\n" + _python_profile(step, device)
         rows.append(row)
     return pd.DataFrame(rows), table
 

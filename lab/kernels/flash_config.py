@@ -195,11 +195,12 @@ def forward_tiles(batch_heads: int, n_q: int, n_k: int, d: int, dtype: torch.dty
                   config: FlashConfig = DEFAULT_CONFIG) -> dict:
     """Launch parameters of the forward kernel (``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``).
 
-    bf16/fp16 at d <= 128: the configs tuning chose on an H200 (notes/flash_tuning.md, run 3); padded
-    head dimensions (80, 96) use the tiles of their ``BLOCK_D`` (128); d > 128 gets smaller tiles. fp32
-    tiles are sized for 3xTF32, the default fp32 precision, which splits every operand into two TF32
-    halves: the largest tiles that do not spill registers in an offline sm_90a compile (ptxas), which at
-    d = 128 means 32 x 32 (notes/flash_tuning.md, offline compile).
+    bf16/fp16 at d <= 128, long sequences: the fastest tiles of a sweep (``python -m lab.bench.flash sweep``)
+    on an H100 and H200: 128-query tiles where the heads fill the GPU, 64-query tiles for thin grids; padded
+    head dimensions (80, 96: ``BLOCK_D`` 128 with masked columns) ran fastest on 64 x 64 tiles, whose smaller
+    register footprint pays for the wasted columns; d > 128 gets smaller tiles. fp32 tiles are sized for
+    3xTF32, the default fp32 precision, which splits every operand into two TF32 halves: the largest tiles
+    that do not spill registers in an offline sm_90a compile (ptxas), which at d = 128 means 32 x 32.
     """
     if config.fwd_tiles:
         return _tiles(*config.fwd_tiles)
@@ -217,7 +218,9 @@ def forward_tiles(batch_heads: int, n_q: int, n_k: int, d: int, dtype: torch.dty
         return _tiles(64, 64 if bd <= 64 else 32, 4, 2)
     if not fills_gpu(batch_heads * -(-n_q // 128), device):  # thin grid (one head): more, smaller tiles
         return _tiles(64, 128, 4, 3)
-    return _tiles(128, 64, 8, 3) if bd <= 64 else _tiles(128, 128, 8, 3)
+    if bd <= 64:
+        return _tiles(128, 64, 8, 3)
+    return _tiles(64, 64, 4, 3) if d < bd else _tiles(128, 128, 8, 3)
 
 
 def _bwd_tiles(m1, n1, m2, n2, warps, stages) -> dict:
@@ -230,10 +233,14 @@ def backward_plan(batch_heads: int, n_q: int, n_k: int, d: int, dtype: torch.dty
 
     Passes: 0 = dK/dV and dQ programs in one grid ("fused"), 1 = dK/dV programs (with atomic dQ updates in
     "atomic" mode), 2 = dQ programs. ``BLOCK_M1 x BLOCK_N1`` are the (query, key) tiles of the dK/dV loop,
-    ``BLOCK_M2 x BLOCK_N2`` those of the dQ loop. bf16/fp16 at d <= 128: what tuning chose on an H200
-    (notes/flash_tuning.md, run 3): one fused launch for short sequences and thin grids, two launches when
-    the heads fill the GPU. The dK/dV program keeps two fp32 ``BLOCK_N1 x BLOCK_D`` accumulators in
-    registers, so wide heads and fp32 get narrower key tiles.
+    ``BLOCK_M2 x BLOCK_N2`` those of the dQ loop. bf16/fp16 at d <= 128, as measured by the sweep of
+    ``python -m lab.bench.flash`` on an H100: one fused launch for short sequences and thin grids; when the
+    heads fill the GPU, the five-product "atomic" backward on 64-query x 128-key tiles for ``BLOCK_D`` 128
+    (10-18% faster than two passes at d = 80 and 128), two passes at ``BLOCK_D`` <= 64 (where the atomic
+    additions of dQ, per FLOP twice as many, cost more than the two products they save). With
+    ``torch.use_deterministic_algorithms(True)`` "auto" never picks "atomic" (its dQ sums in a varying
+    order). The dK/dV program keeps two fp32 ``BLOCK_N1 x BLOCK_D`` accumulators in registers, so wide heads
+    and fp32 get narrower key tiles.
     """
     bd = block_d(d)
     long = long_sequence(n_q, n_k)
@@ -243,7 +250,7 @@ def backward_plan(batch_heads: int, n_q: int, n_k: int, d: int, dtype: torch.dty
     elif INTERPRET:
         tiles, table_mode = _bwd_tiles(16, 16, 16, 16, 4, 1), "fused"
     elif dtype == torch.float32:  # sized for 3xTF32 like the forward's fp32 tiles
-        if bd <= 64:  # H100, 16 heads x 2k, d 64, causal: 0.98 ms against 1.88 for (32, 64, 64, 32, 8, 2) (run 5)
+        if bd <= 64:  # on an H100 twice as fast as (32, 64, 64, 32, 8, 2) at 16 heads x 2k, d 64, causal
             tiles = _bwd_tiles(32, 32, 32, 32, 4, 2)
         elif bd <= 128:
             tiles = _bwd_tiles(32, 32, 32, 32, 8, 1)
@@ -260,7 +267,11 @@ def backward_plan(batch_heads: int, n_q: int, n_k: int, d: int, dtype: torch.dty
             tiles, table_mode = small, "fused"
         else:
             dq = small if bd <= 64 else _bwd_tiles(64, 128, 128, 64, 8, 3)
-            mode = "two_pass" if config.backward_launch == "auto" else config.backward_launch
+            mode = config.backward_launch
+            if mode == "auto":
+                mode = "two_pass" if bd <= 64 or torch.are_deterministic_algorithms_enabled() else "atomic"
+            if mode == "atomic":
+                return mode, {0: small, 1: _bwd_tiles(64, 128, 128, 64, 8, 3), 2: dq}
             return mode, {0: small, 1: small, 2: dq}
     mode = table_mode if config.backward_launch == "auto" else config.backward_launch
     return mode, dict.fromkeys((0, 1, 2), tiles)

@@ -13,7 +13,7 @@ of that head through them, so the ``n_queries x n_keys`` scores never exist in m
   loads/stores mask columns ``HEAD_DIM..BLOCK_D`` (see ``flash_launch.load_tile``); nothing is copied.
 * Grid (query tiles, heads, batch); within a head the heaviest causal query tiles start first so the long
   rows do not start last, and heads run one after the other so the programs running together share one
-  head's K/V in L2 (interleaving heads was slower: run 2 in notes/flash_tuning.md).
+  head's K/V in L2 (interleaving heads measured slower).
 * (batch, seq, d) and (batch, heads, seq, d) inputs with any batch/head/sequence strides.
 
 Saved for the backward: the output and the natural-log logsumexp ``L`` of every query row (fp32).

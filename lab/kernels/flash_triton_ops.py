@@ -24,6 +24,7 @@ anything traces, the host functions directly for eager calls on plain tensors (t
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from lab.kernels.flash_config import FlashConfig, check_triton_inputs
 from lab.kernels.flash_triton_backward import flash_backward
@@ -87,8 +88,6 @@ def _eager(*tensors) -> bool:
     """True for an eager call on plain tensors with no dispatch mode active; False under torch.compile, for
     fake, meta or subclassed tensors, and inside a ``TorchDispatchMode`` (selective activation checkpointing
     saves an op's outputs by seeing the op), which must all see the registered ops."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-
     return (not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
             and all(type(t) is torch.Tensor for t in tensors))
 
