@@ -55,10 +55,15 @@ def flex_attention_fn() -> AttentionFn:
     """PyTorch's FlexAttention as a peer: ``torch.compile`` of ``flex_attention`` (Triton kernels that
     Inductor generates) with a causal block mask, so fully masked key blocks are skipped as in the other
     fused kernels; on ``(batch, seq, d)`` inputs viewed as one batch of ``batch`` heads. Block masks are
-    built once per (sequence lengths, device) and reused."""
+    built once per (sequence lengths, device) and reused.
+
+    Turns off AOTAutograd's donated buffers for the rest of the process: the benchmarks run one forward's
+    backward repeatedly (``retain_graph=True``), which a compiled backward that frees ("donates") its saved
+    tensors refuses, and the check reads the setting when the backward runs, so a scoped patch cannot do."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # optional: torch >= 2.5
 
     if "fn" not in _FLEX:
+        torch._functorch.config.donated_buffer = False
         _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
 
     def causal_mod(b, h, q_idx, kv_idx):
@@ -71,10 +76,7 @@ def flex_attention_fn() -> AttentionFn:
             if key not in _FLEX:
                 _FLEX[key] = create_block_mask(causal_mod, None, None, q.shape[-2], k.shape[-2], device=q.device)
             mask = _FLEX[key]
-        # Without donated buffers: the benchmark runs one forward's backward repeatedly (retain_graph=True),
-        # which a compiled backward that frees ("donates") its saved tensors refuses.
-        with torch._functorch.config.patch(donated_buffer=False):
-            return _FLEX["fn"](q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), block_mask=mask)[0]
+        return _FLEX["fn"](q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), block_mask=mask)[0]
 
     return fn
 

@@ -195,12 +195,14 @@ def forward_tiles(batch_heads: int, n_q: int, n_k: int, d: int, dtype: torch.dty
                   config: FlashConfig = DEFAULT_CONFIG) -> dict:
     """Launch parameters of the forward kernel (``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``).
 
-    bf16/fp16 at d <= 128, long sequences: the fastest tiles of a sweep (``python -m lab.bench.flash sweep``)
-    on an H100 and H200: 128-query tiles where the heads fill the GPU, 64-query tiles for thin grids; padded
-    head dimensions (80, 96: ``BLOCK_D`` 128 with masked columns) ran fastest on 64 x 64 tiles, whose smaller
-    register footprint pays for the wasted columns; d > 128 gets smaller tiles. fp32 tiles are sized for
-    3xTF32, the default fp32 precision, which splits every operand into two TF32 halves: the largest tiles
-    that do not spill registers in an offline sm_90a compile (ptxas), which at d = 128 means 32 x 32.
+    bf16/fp16 at d <= 128: the fastest tiles of a sweep (``python -m lab.bench.flash sweep``) on an H100.
+    Long sequences: 128-query tiles where the heads fill the GPU, 64-query tiles for thin grids; padded head
+    dimensions (80, 96: ``BLOCK_D`` 128 with masked columns) ran fastest on 64 x 64 tiles, whose smaller
+    register footprint pays for the wasted columns. Short sequences (< LONG_SEQ): 64 x 64 tiles, 4 warps,
+    timed as CUDA-graph replays (the device's time; eagerly, launching dominates). d > 128 gets smaller
+    tiles. fp32 tiles are sized for 3xTF32, the default fp32 precision, which splits every operand into two
+    TF32 halves: the largest tiles that do not spill registers in an offline sm_90a compile (ptxas), which
+    at d = 128 means 32 x 32.
     """
     if config.fwd_tiles:
         return _tiles(*config.fwd_tiles)
@@ -215,7 +217,7 @@ def forward_tiles(batch_heads: int, n_q: int, n_k: int, d: int, dtype: torch.dty
     if bd > 128:
         return _tiles(64, 32, 8, 2)
     if not long:
-        return _tiles(64, 64 if bd <= 64 else 32, 4, 2)
+        return _tiles(64, 64, 4, 3)
     if not fills_gpu(batch_heads * -(-n_q // 128), device):  # thin grid (one head): more, smaller tiles
         return _tiles(64, 128, 4, 3)
     if bd <= 64:
@@ -234,13 +236,13 @@ def backward_plan(batch_heads: int, n_q: int, n_k: int, d: int, dtype: torch.dty
     Passes: 0 = dK/dV and dQ programs in one grid ("fused"), 1 = dK/dV programs (with atomic dQ updates in
     "atomic" mode), 2 = dQ programs. ``BLOCK_M1 x BLOCK_N1`` are the (query, key) tiles of the dK/dV loop,
     ``BLOCK_M2 x BLOCK_N2`` those of the dQ loop. bf16/fp16 at d <= 128, as measured by the sweep of
-    ``python -m lab.bench.flash`` on an H100: one fused launch for short sequences and thin grids; when the
-    heads fill the GPU, the five-product "atomic" backward on 64-query x 128-key tiles for ``BLOCK_D`` 128
-    (10-18% faster than two passes at d = 80 and 128), two passes at ``BLOCK_D`` <= 64 (where the atomic
-    additions of dQ, per FLOP twice as many, cost more than the two products they save). With
-    ``torch.use_deterministic_algorithms(True)`` "auto" never picks "atomic" (its dQ sums in a varying
-    order). The dK/dV program keeps two fp32 ``BLOCK_N1 x BLOCK_D`` accumulators in registers, so wide heads
-    and fp32 get narrower key tiles.
+    ``python -m lab.bench.flash`` on an H100: one fused launch with 4 warps for short sequences (8 warps
+    took twice as long at 512 tokens) and thin grids; when the heads fill the GPU, two passes, at
+    ``BLOCK_D`` 128 with dK/dV programs of 64 queries x 128 keys on 8 warps. The five-product "atomic"
+    launch (on the same tiles, dQ added by TMA bulk reductions) measured the same at d = 128 and slower at
+    d = 64 and 80, so "auto" keeps the two-pass launch, whose results are also the same from run to run.
+    The dK/dV program keeps two fp32 ``BLOCK_N1 x BLOCK_D`` accumulators in registers, so wide heads and
+    fp32 get narrower key tiles.
     """
     bd = block_d(d)
     long = long_sequence(n_q, n_k)
@@ -260,18 +262,14 @@ def backward_plan(batch_heads: int, n_q: int, n_k: int, d: int, dtype: torch.dty
     elif bd > 128:
         tiles, table_mode = _bwd_tiles(32, 32, 32, 32, 8, 2), "fused"
     elif not long:
-        tiles, table_mode = _bwd_tiles(32, 64, 64, 32, 4 if bd <= 64 else 8, 2), "fused"
+        tiles, table_mode = _bwd_tiles(32, 64, 64, 32, 4, 2), "fused"
     else:
         small = _bwd_tiles(64, 64, 64, 64, 4, 3)
         if not fills_gpu(batch_heads * -(-n_k // 64), device):  # thin grid (one head): one fused launch
             tiles, table_mode = small, "fused"
         else:
-            dq = small if bd <= 64 else _bwd_tiles(64, 128, 128, 64, 8, 3)
-            mode = config.backward_launch
-            if mode == "auto":
-                mode = "two_pass" if bd <= 64 or torch.are_deterministic_algorithms_enabled() else "atomic"
-            if mode == "atomic":
-                return mode, {0: small, 1: _bwd_tiles(64, 128, 128, 64, 8, 3), 2: dq}
-            return mode, {0: small, 1: small, 2: dq}
+            wide = small if bd <= 64 else _bwd_tiles(64, 128, 128, 64, 8, 3)
+            mode = "two_pass" if config.backward_launch == "auto" else config.backward_launch
+            return mode, {0: small, 1: wide, 2: wide}
     mode = table_mode if config.backward_launch == "auto" else config.backward_launch
     return mode, dict.fromkeys((0, 1, 2), tiles)

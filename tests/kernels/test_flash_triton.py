@@ -293,13 +293,11 @@ def test_tile_tables_follow_grid_size_dtype_and_head_dim(monkeypatch):
     assert fp32["BLOCK_N"] * 4 <= many_heads["BLOCK_N"] * 2 and fp32["num_stages"] < many_heads["num_stages"]
     assert fc.backward_plan(1, 16384, 16384, 64, torch.bfloat16, cuda)[0] == "fused"
     mode, plan = fc.backward_plan(16, 16384, 16384, 128, torch.bfloat16, cuda)
-    assert mode == "atomic" and plan[1]["BLOCK_N1"] == 2 * plan[1]["BLOCK_M1"]  # 5 products on 64 x 128 tiles
-    assert fc.backward_plan(16, 16384, 16384, 64, torch.bfloat16, cuda)[0] == "two_pass"
-    two_pass = ft.FlashConfig(backward_launch="two_pass")
-    mode, plan = fc.backward_plan(16, 16384, 16384, 128, torch.bfloat16, cuda, two_pass)
     assert mode == "two_pass" and plan[2]["BLOCK_M2"] == 128
-    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
-    assert fc.backward_plan(16, 16384, 16384, 128, torch.bfloat16, cuda)[0] == "two_pass"  # no atomics
+    assert plan[1]["BLOCK_N1"] == 2 * plan[1]["BLOCK_M1"]  # dK/dV programs: 64 queries x 128 keys
+    assert fc.backward_plan(16, 16384, 16384, 64, torch.bfloat16, cuda)[1][1]["BLOCK_N1"] == 64
+    short = fc.backward_plan(128, 512, 512, 80, torch.bfloat16, cuda)
+    assert short[0] == "fused" and short[1][0]["num_warps"] == 4
     explicit = ft.FlashConfig(fwd_tiles=(32, 64, 4, 5), bwd_tiles=(32, 128, 128, 32, 4, 5))
     assert fc.forward_tiles(16, 4096, 4096, 64, torch.bfloat16, cuda, explicit)["num_stages"] == 5
     assert fc.backward_plan(16, 4096, 4096, 64, torch.bfloat16, cuda, explicit)[1][1]["BLOCK_N1"] == 128
