@@ -118,14 +118,16 @@ def attention_impl(name: str, device: torch.device | str = "auto") -> AttentionF
 # The naive grid (notebook 04): forward and backward passes timed separately, memory before backward
 
 
-def _inputs(batch: int, seq: int, d: int, dtype: torch.dtype, device: torch.device, seed: int = 0):
+def attention_inputs(batch: int, seq: int, d: int, dtype: torch.dtype, device: torch.device, seed: int = 0):
+    """Seeded standard-normal q, k, v (requiring grad) and an output gradient, each (batch, seq, d)."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     make = lambda: torch.randn(batch, seq, d, generator=gen).to(device=device, dtype=dtype)
     q, k, v = (make().requires_grad_() for _ in range(3))
     return q, k, v, make()
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """``"ExceptionType: first line of its message"`` (at most 160 characters of it), for a table's note."""
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0][:160] if text else ''}"
 
@@ -141,7 +143,7 @@ def _measure_naive(fn: AttentionFn, batch, seq, d, dtype, causal, passes, warmup
         synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         row["mem_baseline_mib"] = torch.cuda.memory_allocated(device) / 2**20
-    q, k, v, dout = _inputs(batch, seq, d, torch_dtype, device)
+    q, k, v, dout = attention_inputs(batch, seq, d, torch_dtype, device)
     row["phase"] = "forward"
     fwd = time_callable(lambda: fn(q, k, v, causal), warmup, passes, device)
     row.update(fwd_ms=fwd.mean_ms, fwd_std_ms=fwd.std_ms)
@@ -220,7 +222,7 @@ def run_naive_grid(fn: AttentionFn = naive_attention, ds: Sequence[int] = (16, 3
         except Exception as exc:
             if not is_oom(exc):
                 raise
-            row.update(status="oom", note=f"out of memory in {row.get('phase', 'setup')}: {_first_line(exc)}")
+            row.update(status="oom", note=f"out of memory in {row.get('phase', 'setup')}: {first_line(exc)}")
         row.pop("phase", None)
         rows.append(row)
         gc.collect()
@@ -235,7 +237,7 @@ def _run_naive_config(fn, compile, batch, seq, d, dtype, causal, passes, warmup,
 
         torch._dynamo.reset()
         run = torch.compile(fn, dynamic=False)
-        q, k, v, dout = _inputs(batch, seq, d, DTYPES[dtype], device)
+        q, k, v, dout = attention_inputs(batch, seq, d, DTYPES[dtype], device)
         start = time.perf_counter()
         torch.autograd.grad(run(q, k, v, causal), (q, k, v), dout)
         synchronize(device)

@@ -10,7 +10,7 @@ The book's recipe (:data:`PROJECT`):
 * **attention**: SDPA's cuDNN kernel, chosen by measurement on both rungs. On the leaderboard's shape (32k
   tokens, head dim 128) our Triton FlashAttention-2 kernels (``lab.kernels.flash_triton``, a
   ``torch.library`` op) take ~1.5x cuDNN's time forward+backward (notebook 05's grid,
-  ``tools/flash_gpu_check.py``: 0.68x cuDNN's speed end to end at 1 x 32 x 32k x 128) and in the step cost
+  ``python -m lab.bench.flash_sweep sweep``: 0.68x cuDNN's speed end to end at 1 x 32 x 32k x 128) and in the step cost
   865 ms of 5.17 s on 2 x H100 (notebook 10 at 6b52155; 769 ms of 5.2 s on 4 x H200 at f78d011); on the
   2.7B rung (512 tokens, head dim 80, which our kernels run in masked 128-wide tiles) the f78d011 render
   measured SDPA 11 ms faster per step (host clock, 96 against 107 ms; on 1 x H100 at 9002751, with SDPA
