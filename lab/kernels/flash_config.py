@@ -63,7 +63,7 @@ class FlashConfig:
     * ``bwd_tma``: stream the backward's Q/dO (dK/dV loop) and K/V (dQ loop) tiles through descriptors.
     * ``atomic_tma``: in ``"atomic"`` mode, add each tile's dQ share with one bulk TMA reduction (Hopper and
       later; the copy engine does the read-modify-write in L2) instead of one atomic per element (measured
-      equally fast on an H100; the threads issue fewer instructions).
+      equally fast on an H100).
     """
 
     autotune: bool = False
