@@ -69,6 +69,7 @@ from lab.kernels.flash_launch import (
     stream_source,
     unit_last_stride,
 )
+from lab.kernels.triton_env import empty_in_layout
 
 _LOG2E = tl.constexpr(LOG2E)
 
@@ -367,12 +368,12 @@ def _passes(mode: str, fused_delta: bool) -> list[tuple[int, dict]]:
 
 
 def flash_backward(q, k, v, out, lse, grad_out, is_causal: bool, config: FlashConfig = DEFAULT_CONFIG):
-    """Gradients (dQ, dK, dV) of FlashAttention-2 with Triton kernels, in the dtype and shape of q, k, v
-    (contiguous). ``lse`` is the fp32 logsumexp (q.shape[:-1]) saved by the forward."""
+    """Gradients (dQ, dK, dV) of FlashAttention-2 with Triton kernels, in the dtype, shape and memory layout
+    of q, k, v (:func:`empty_in_layout`). ``lse`` is the fp32 logsumexp (q.shape[:-1]) saved by the forward."""
     if interpreter_needs_fp32(q.dtype):
         grads = flash_backward(q.float(), k.float(), v.float(), out.float(), lse, grad_out.float(), is_causal, config)
         return tuple(g.to(q.dtype) for g in grads)
-    grad_q, grad_k, grad_v = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    grad_q, grad_k, grad_v = (empty_in_layout(t) for t in (q, k, v))
     q4, k4, v4, o4, do4, dq4, dk4, dv4 = (as_bhsd(unit_last_stride(t))
                                           for t in (q, k, v, out, grad_out, grad_q, grad_k, grad_v))
     lse = lse.contiguous()

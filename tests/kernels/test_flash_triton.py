@@ -120,6 +120,24 @@ def test_backward_variants_match_reference(config, causal):
     check_against_reference(ft.FlashAttentionTriton, q, k, v, causal, atol=2e-5, rtol=2e-5, config=config)
 
 
+@pytest.mark.parametrize("mode", ["fused", "atomic"])
+def test_model_layout_comes_back_in_its_own_strides(mode):
+    """q, k, v as the model makes them, (batch, seq, heads, d) projections seen as (batch, heads, seq, d):
+    the output and the gradients come back in that layout, so the model's ``transpose(1, 2).reshape`` of
+    the output is a view, and they match float64 (an atomic dQ through a strided fp32 buffer too)."""
+    gen = torch.Generator().manual_seed(5)
+    base = [torch.randn(2, 37, 3, 24, generator=gen).to(DEVICE) for _ in range(3)]
+    q, k, v = (t.transpose(1, 2).requires_grad_() for t in base)  # leaves with the strides of base
+    check_against_reference(ft.FlashAttentionTriton, q, k, v, True, atol=2e-5, rtol=2e-5,
+                            config=ft.FlashConfig(backward_launch=mode))
+    out = ft.flash_attention_bhsd(q, k, v, True, config=ft.FlashConfig(backward_launch=mode))
+    assert out.stride() == q.stride()
+    merged = out.transpose(1, 2).reshape(2, 37, 72)
+    assert merged.data_ptr() == out.data_ptr() and merged._base is not None  # a view, nothing copied
+    grads = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    assert all(g.stride() == t.stride() for g, t in zip(grads, (q, k, v)))
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_explicit_rectangular_tiles_match_reference(causal):
     """Tiles given in the config, with BLOCK_M != BLOCK_N and BLOCK_M1 != BLOCK_N1, so the causal tile
