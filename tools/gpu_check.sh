@@ -12,7 +12,7 @@ S=$OUT/summary.txt
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"; } | tee "$S"
 GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
 SECOND=$([ "$GPUS" -ge 2 ] && echo 1 || echo 0)
-(CUDA_VISIBLE_DEVICES=0 timeout 400 python3 tools/flash_gpu_check.py --budget-s 270 --workers 12 --out "$W/flash" \
+(CUDA_VISIBLE_DEVICES=0 timeout 400 python3 -m lab.bench.flash_sweep sweep --workers 12 --out "$W/flash" \
    > "$W/flash.log" 2>&1; echo "flash check exit $?" >> "$S") &
 (export CUDA_VISIBLE_DEVICES=$SECOND
  timeout 250 python3 tools/fused_loss_gpu_check.py --budget-s 200 --out "$W/loss" > "$W/loss.log" 2>&1

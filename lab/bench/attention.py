@@ -46,7 +46,39 @@ def sdpa_on_heads(name: str = "sdpa") -> AttentionFn:
 
 #: The benchmark's implementation names (the ``impl`` column of ``flash_benchmark.csv``).
 IMPLS = ("triton", "triton_compiled_bwd", "pytorch_flash", "pytorch_naive", "sdpa", "sdpa_flash", "sdpa_cudnn",
-         "sdpa_efficient")
+         "sdpa_efficient", "flex")
+
+_FLEX = {}
+
+
+def flex_attention_fn() -> AttentionFn:
+    """PyTorch's FlexAttention as a peer: ``torch.compile`` of ``flex_attention`` (Triton kernels that
+    Inductor generates) with a causal block mask, so fully masked key blocks are skipped as in the other
+    fused kernels; on ``(batch, seq, d)`` inputs viewed as one batch of ``batch`` heads. Block masks are
+    built once per (sequence lengths, device) and reused.
+
+    Turns off AOTAutograd's donated buffers for the rest of the process: the benchmarks run one forward's
+    backward repeatedly (``retain_graph=True``), which a compiled backward that frees ("donates") its saved
+    tensors refuses, and the check reads the setting when the backward runs, so a scoped patch cannot do."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # optional: torch >= 2.5
+
+    if "fn" not in _FLEX:
+        torch._functorch.config.donated_buffer = False
+        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+
+    def causal_mod(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def fn(q, k, v, causal=True):
+        mask = None
+        if causal:
+            key = (q.shape[-2], k.shape[-2], str(q.device))
+            if key not in _FLEX:
+                _FLEX[key] = create_block_mask(causal_mod, None, None, q.shape[-2], k.shape[-2], device=q.device)
+            mask = _FLEX[key]
+        return _FLEX["fn"](q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), block_mask=mask)[0]
+
+    return fn
 
 
 def attention_impl(name: str, device: torch.device | str = "auto") -> AttentionFn:
@@ -54,7 +86,8 @@ def attention_impl(name: str, device: torch.device | str = "auto") -> AttentionF
 
     ``pytorch_naive`` (the registry's naive attention), ``sdpa`` and ``sdpa_<backend>`` (SDPA, default or one
     backend), ``triton`` (``FlashAttentionTriton``), ``triton_compiled_bwd`` (Triton forward, backward as
-    compiled PyTorch) and ``pytorch_flash`` (``FlashAttentionPytorch``, tiled in pure PyTorch). All share
+    compiled PyTorch), ``flex`` (compiled FlexAttention, :func:`flex_attention_fn`) and ``pytorch_flash``
+    (``FlashAttentionPytorch``, tiled in pure PyTorch). All share
     the registry's top-left causal convention. The flash kernels are imported only when asked for (on a
     machine without a GPU, ``import lab`` has already switched Triton to its interpreter).
     """
@@ -76,6 +109,8 @@ def attention_impl(name: str, device: torch.device | str = "auto") -> AttentionF
         from lab.kernels.flash_pytorch import FlashAttentionPytorch
 
         return lambda q, k, v, causal: FlashAttentionPytorch.apply(q, k, v, causal)
+    if name == "flex":
+        return flex_attention_fn()
     raise ValueError(f"unknown attention implementation {name!r}; choose one of {', '.join(IMPLS)}")
 
 
@@ -83,14 +118,16 @@ def attention_impl(name: str, device: torch.device | str = "auto") -> AttentionF
 # The naive grid (notebook 04): forward and backward passes timed separately, memory before backward
 
 
-def _inputs(batch: int, seq: int, d: int, dtype: torch.dtype, device: torch.device, seed: int = 0):
+def attention_inputs(batch: int, seq: int, d: int, dtype: torch.dtype, device: torch.device, seed: int = 0):
+    """Seeded standard-normal q, k, v (requiring grad) and an output gradient, each (batch, seq, d)."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     make = lambda: torch.randn(batch, seq, d, generator=gen).to(device=device, dtype=dtype)
     q, k, v = (make().requires_grad_() for _ in range(3))
     return q, k, v, make()
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """``"ExceptionType: first line of its message"`` (at most 160 characters of it), for a table's note."""
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0][:160] if text else ''}"
 
@@ -106,7 +143,7 @@ def _measure_naive(fn: AttentionFn, batch, seq, d, dtype, causal, passes, warmup
         synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         row["mem_baseline_mib"] = torch.cuda.memory_allocated(device) / 2**20
-    q, k, v, dout = _inputs(batch, seq, d, torch_dtype, device)
+    q, k, v, dout = attention_inputs(batch, seq, d, torch_dtype, device)
     row["phase"] = "forward"
     fwd = time_callable(lambda: fn(q, k, v, causal), warmup, passes, device)
     row.update(fwd_ms=fwd.mean_ms, fwd_std_ms=fwd.std_ms)
@@ -185,7 +222,7 @@ def run_naive_grid(fn: AttentionFn = naive_attention, ds: Sequence[int] = (16, 3
         except Exception as exc:
             if not is_oom(exc):
                 raise
-            row.update(status="oom", note=f"out of memory in {row.get('phase', 'setup')}: {_first_line(exc)}")
+            row.update(status="oom", note=f"out of memory in {row.get('phase', 'setup')}: {first_line(exc)}")
         row.pop("phase", None)
         rows.append(row)
         gc.collect()
@@ -200,7 +237,7 @@ def _run_naive_config(fn, compile, batch, seq, d, dtype, causal, passes, warmup,
 
         torch._dynamo.reset()
         run = torch.compile(fn, dynamic=False)
-        q, k, v, dout = _inputs(batch, seq, d, DTYPES[dtype], device)
+        q, k, v, dout = attention_inputs(batch, seq, d, DTYPES[dtype], device)
         start = time.perf_counter()
         torch.autograd.grad(run(q, k, v, causal), (q, k, v), dout)
         synchronize(device)

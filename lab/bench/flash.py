@@ -5,7 +5,9 @@ performance goals, and the course's timing test.
 
 Implementations are named as in ``results/flash_benchmark.csv`` (:data:`lab.bench.attention.IMPLS`):
 ``triton``, ``pytorch_flash`` (the tiled PyTorch FlashAttention-2), ``pytorch_naive``, ``sdpa`` (the default
-backend), ``sdpa_flash``, ``sdpa_cudnn``, ``sdpa_efficient``. Inputs are ``(batch * heads, seq, d)``.
+backend), ``sdpa_flash``, ``sdpa_cudnn``, ``sdpa_efficient``, ``flex`` (compiled FlexAttention). Inputs are
+``(batch * heads, seq, d)``. The Triton kernels' own variants (tiles, backward launch modes) are swept by
+:mod:`lab.bench.flash_sweep`.
 
 A configuration an implementation cannot run (a head dimension its kernels do not support, an SDPA backend
 that has no kernel for this dtype or device) is a row with ``status="unsupported"`` and the reason in
@@ -24,7 +26,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from lab.bench.attention import _first_line, _inputs, attention_impl
+from lab.bench.attention import attention_impl, attention_inputs, first_line
 from lab.bench.attention_costs import DTYPES, PASSES, attention_flops, naive_attention_totals
 from lab.bench.progress import progress_bar
 from lab.measure.device import empty_cache, is_oom, resolve_device
@@ -65,7 +67,7 @@ def unsupported_reason(exc: BaseException) -> str | None:
     text = str(exc).lower()
     if isinstance(exc, (ValueError, TypeError, RuntimeError, NotImplementedError)) and any(
             m in text for m in _UNSUPPORTED_MARKERS):
-        return f"not supported: {_first_line(exc)}"
+        return f"not supported: {first_line(exc)}"
     return None
 
 
@@ -139,7 +141,7 @@ def _record(row: dict, pass_: str, timing: Timing) -> None:
 
 
 def _measure_flash(fn: AttentionFn, bh, seq, d, dtype, causal, device, timer_kwargs, row) -> None:
-    q, k, v, dout = _inputs(bh, seq, d, DTYPES[dtype], device)
+    q, k, v, dout = attention_inputs(bh, seq, d, DTYPES[dtype], device)
     row["phase"] = "forward"
     _record(row, "fwd", time_kernel(lambda: fn(q, k, v, causal), device, **timer_kwargs))
     row["phase"] = "backward"
@@ -233,7 +235,7 @@ def run_flash_grid(impls: Sequence[str] | dict[str, AttentionFn] = ("triton", "p
                 _measure_flash(fns[name], bh, sh.seq, sh.d, dt, sh.causal, device, timer_kwargs, row)
             except Exception as exc:
                 if is_oom(exc):
-                    row.update(status="oom", note=f"out of memory in {row.get('phase')}: {_first_line(exc)}")
+                    row.update(status="oom", note=f"out of memory in {row.get('phase')}: {first_line(exc)}")
                 elif unsupported_reason(exc):
                     row.update(status="unsupported", note=unsupported_reason(exc))
                 else:

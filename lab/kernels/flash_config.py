@@ -54,13 +54,16 @@ class FlashConfig:
     * ``backward_launch``: ``"fused"`` (dK/dV and dQ programs in one grid), ``"two_pass"`` (a dK/dV
       kernel, then a dQ kernel), ``"atomic"`` (one dK/dV kernel that also adds each tile's dQ share into
       an fp32 buffer with atomics: 5 matrix products per tile pair instead of 7, but the summation order,
-      hence the last bits of dQ, varies from run to run), or ``"auto"`` (the table's choice; timed once
-      per shape when autotuning).
+      hence the last bits of dQ, varies from run to run), or ``"auto"`` (the table's choice, never
+      "atomic": the other three give the same bits on every run; timed once per shape when autotuning).
     * ``fused_delta``: compute ``D = rowsum(dO * O)`` inside the backward kernels instead of a separate
       preprocess kernel (one launch and one pass over O and dO fewer; the dK/dV loop then reads O too).
     * ``bwd_tiles``: ``(BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages)`` overriding the
       backward's table, ``()`` for the table.
     * ``bwd_tma``: stream the backward's Q/dO (dK/dV loop) and K/V (dQ loop) tiles through descriptors.
+    * ``atomic_tma``: in ``"atomic"`` mode, add each tile's dQ share with one bulk TMA reduction (Hopper and
+      later; the copy engine does the read-modify-write in L2) instead of one atomic per element (measured
+      equally fast on an H100).
     """
 
     autotune: bool = False
@@ -73,6 +76,7 @@ class FlashConfig:
     fused_delta: bool = False
     bwd_tiles: tuple[int, ...] = ()
     bwd_tma: bool = False
+    atomic_tma: bool = True
 
     def __post_init__(self):
         if self.backward_launch not in BACKWARD_LAUNCHES:
@@ -94,7 +98,8 @@ class FlashConfig:
         """The fields in declaration order: the trailing arguments of the ``lab::flash_attention_*`` ops.
         Spelled out rather than ``dataclasses.fields``, which dynamo would have to trace."""
         return (self.autotune, self.fast_launch, self.fp32_precision, self.fwd_tiles, self.fwd_tma,
-                self.warp_specialize, self.backward_launch, self.fused_delta, self.bwd_tiles, self.bwd_tma)
+                self.warp_specialize, self.backward_launch, self.fused_delta, self.bwd_tiles, self.bwd_tma,
+                self.atomic_tma)
 
     def replace(self, **changes) -> FlashConfig:
         return dataclasses.replace(self, **changes)
@@ -151,7 +156,14 @@ def dot_precision(dtype: torch.dtype, setting: str = "auto") -> str:
 # ------------------------------------------------------------------------------------------------ tiles
 @functools.cache
 def multiprocessor_count(device_index: int) -> int:
+    """Number of SMs of CUDA device ``device_index`` (cached: the tile tables ask on every call)."""
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.cache
+def has_tma(device_index: int) -> bool:
+    """True when CUDA device ``device_index`` has the tensor memory accelerator (compute capability >= 9)."""
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 def fills_gpu(programs: int, device: torch.device) -> bool:
@@ -184,11 +196,14 @@ def forward_tiles(batch_heads: int, n_q: int, n_k: int, d: int, dtype: torch.dty
                   config: FlashConfig = DEFAULT_CONFIG) -> dict:
     """Launch parameters of the forward kernel (``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``).
 
-    bf16/fp16 at d <= 128: the configs tuning chose on an H200 (notes/flash_tuning.md, run 3); padded
-    head dimensions (80, 96) use the tiles of their ``BLOCK_D`` (128); d > 128 gets smaller tiles. fp32
-    tiles are sized for 3xTF32, the default fp32 precision, which splits every operand into two TF32
-    halves: the largest tiles that do not spill registers in an offline sm_90a compile (ptxas), which at
-    d = 128 means 32 x 32 (notes/flash_tuning.md, offline compile).
+    bf16/fp16 at d <= 128: the fastest tiles of a sweep (``python -m lab.bench.flash_sweep sweep``) on an H100.
+    Long sequences: 128-query tiles where the heads fill the GPU, 64-query tiles for thin grids; padded head
+    dimensions (80, 96: ``BLOCK_D`` 128 with masked columns) ran fastest on 64 x 64 tiles, whose smaller
+    register footprint pays for the wasted columns. Short sequences (< LONG_SEQ): 64 x 64 tiles, 4 warps,
+    timed as CUDA-graph replays (the device's time; eagerly, launching dominates). d > 128 gets smaller
+    tiles. fp32 tiles are sized for 3xTF32, the default fp32 precision, which splits every operand into two
+    TF32 halves: the largest tiles that do not spill registers in an offline sm_90a compile (ptxas), which
+    at d = 128 means 32 x 32.
     """
     if config.fwd_tiles:
         return _tiles(*config.fwd_tiles)
@@ -203,10 +218,12 @@ def forward_tiles(batch_heads: int, n_q: int, n_k: int, d: int, dtype: torch.dty
     if bd > 128:
         return _tiles(64, 32, 8, 2)
     if not long:
-        return _tiles(64, 64 if bd <= 64 else 32, 4, 2)
+        return _tiles(64, 64, 4, 3)
     if not fills_gpu(batch_heads * -(-n_q // 128), device):  # thin grid (one head): more, smaller tiles
         return _tiles(64, 128, 4, 3)
-    return _tiles(128, 64, 8, 3) if bd <= 64 else _tiles(128, 128, 8, 3)
+    if bd <= 64:
+        return _tiles(128, 64, 8, 3)
+    return _tiles(64, 64, 4, 3) if d < bd else _tiles(128, 128, 8, 3)
 
 
 def _bwd_tiles(m1, n1, m2, n2, warps, stages) -> dict:
@@ -219,10 +236,14 @@ def backward_plan(batch_heads: int, n_q: int, n_k: int, d: int, dtype: torch.dty
 
     Passes: 0 = dK/dV and dQ programs in one grid ("fused"), 1 = dK/dV programs (with atomic dQ updates in
     "atomic" mode), 2 = dQ programs. ``BLOCK_M1 x BLOCK_N1`` are the (query, key) tiles of the dK/dV loop,
-    ``BLOCK_M2 x BLOCK_N2`` those of the dQ loop. bf16/fp16 at d <= 128: what tuning chose on an H200
-    (notes/flash_tuning.md, run 3): one fused launch for short sequences and thin grids, two launches when
-    the heads fill the GPU. The dK/dV program keeps two fp32 ``BLOCK_N1 x BLOCK_D`` accumulators in
-    registers, so wide heads and fp32 get narrower key tiles.
+    ``BLOCK_M2 x BLOCK_N2`` those of the dQ loop. bf16/fp16 at d <= 128, as measured by the sweep of
+    ``python -m lab.bench.flash_sweep`` on an H100: one fused launch with 4 warps for short sequences (8 warps
+    took twice as long at 512 tokens) and thin grids; when the heads fill the GPU, two passes, at
+    ``BLOCK_D`` 128 with dK/dV programs of 64 queries x 128 keys on 8 warps. The five-product "atomic"
+    launch (on the same tiles, dQ added by TMA bulk reductions) measured the same at d = 128 and slower at
+    d = 64 and 80, so "auto" keeps the two-pass launch, whose results are also the same from run to run.
+    The dK/dV program keeps two fp32 ``BLOCK_N1 x BLOCK_D`` accumulators in registers, so wide heads and
+    fp32 get narrower key tiles.
     """
     bd = block_d(d)
     long = long_sequence(n_q, n_k)
@@ -232,7 +253,7 @@ def backward_plan(batch_heads: int, n_q: int, n_k: int, d: int, dtype: torch.dty
     elif INTERPRET:
         tiles, table_mode = _bwd_tiles(16, 16, 16, 16, 4, 1), "fused"
     elif dtype == torch.float32:  # sized for 3xTF32 like the forward's fp32 tiles
-        if bd <= 64:  # H100, 16 heads x 2k, d 64, causal: 0.98 ms against 1.88 for (32, 64, 64, 32, 8, 2) (run 5)
+        if bd <= 64:  # on an H100 twice as fast as (32, 64, 64, 32, 8, 2) at 16 heads x 2k, d 64, causal
             tiles = _bwd_tiles(32, 32, 32, 32, 4, 2)
         elif bd <= 128:
             tiles = _bwd_tiles(32, 32, 32, 32, 8, 1)
@@ -242,14 +263,14 @@ def backward_plan(batch_heads: int, n_q: int, n_k: int, d: int, dtype: torch.dty
     elif bd > 128:
         tiles, table_mode = _bwd_tiles(32, 32, 32, 32, 8, 2), "fused"
     elif not long:
-        tiles, table_mode = _bwd_tiles(32, 64, 64, 32, 4 if bd <= 64 else 8, 2), "fused"
+        tiles, table_mode = _bwd_tiles(32, 64, 64, 32, 4, 2), "fused"
     else:
         small = _bwd_tiles(64, 64, 64, 64, 4, 3)
         if not fills_gpu(batch_heads * -(-n_k // 64), device):  # thin grid (one head): one fused launch
             tiles, table_mode = small, "fused"
         else:
-            dq = small if bd <= 64 else _bwd_tiles(64, 128, 128, 64, 8, 3)
+            wide = small if bd <= 64 else _bwd_tiles(64, 128, 128, 64, 8, 3)
             mode = "two_pass" if config.backward_launch == "auto" else config.backward_launch
-            return mode, {0: small, 1: small, 2: dq}
+            return mode, {0: small, 1: wide, 2: wide}
     mode = table_mode if config.backward_launch == "auto" else config.backward_launch
     return mode, dict.fromkeys((0, 1, 2), tiles)

@@ -177,5 +177,5 @@ def descriptor_pre_hook(blocks: dict):
         for name, rows in blocks.items():
             src = nargs.get(name)
             if TensorDescriptor is not None and isinstance(src, TensorDescriptor):
-                src.block_shape = [nargs[rows], nargs["BLOCK_D"]]
+                src.block_shape = [1] * (len(src.block_shape) - 2) + [nargs[rows], nargs["BLOCK_D"]]
     return hook

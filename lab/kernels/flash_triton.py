@@ -25,8 +25,8 @@ is the model registry's entry point on (batch, heads, seq, d) tensors.
 
 Where things live: the forward kernel in :mod:`~lab.kernels.flash_triton_forward`, the backward kernels in
 :mod:`~lab.kernels.flash_triton_backward`, tile loads and the launcher in :mod:`~lab.kernels.flash_launch`,
-the configuration, input checks and tile tables in :mod:`~lab.kernels.flash_config`. Measurements and
-tuning history: ``notes/flash_tuning.md``.
+the configuration, input checks and tile tables in :mod:`~lab.kernels.flash_config`. The tables are
+re-measured with ``python -m lab.bench.flash_sweep sweep`` (every variant next to SDPA and FlexAttention).
 """
 
 from __future__ import annotations
@@ -120,8 +120,10 @@ def flash_attention_bhsd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caus
                          backward: str = "triton", config: FlashConfig | None = None) -> torch.Tensor:
     """Triton FlashAttention-2 on (batch, heads, seq, d) tensors, for ``lab.model.attention``'s registry.
     The kernels index batch and heads with their own strides, so head-strided views (as the model's
-    ``transpose(1, 2)`` makes) are not copied. ``backward`` is ``"triton"`` or ``"compiled"``; ``config``
-    a :class:`FlashConfig` (None: the defaults). Returns (batch, heads, n_queries, d), contiguous."""
+    ``transpose(1, 2)`` makes) are not copied; the output and the gradients come in their input's layout,
+    so the model's ``transpose(1, 2).reshape(...)`` of the output (and its backward) is a view, not a
+    copy. ``backward`` is ``"triton"`` or ``"compiled"``; ``config`` a :class:`FlashConfig` (None: the
+    defaults). Returns (batch, heads, n_queries, d)."""
     if backward not in BACKWARDS:
         raise ValueError(f"backward must be one of {sorted(BACKWARDS)}, got {backward!r}")
     check_bhsd(q, k, v)

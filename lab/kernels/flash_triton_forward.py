@@ -13,7 +13,7 @@ of that head through them, so the ``n_queries x n_keys`` scores never exist in m
   loads/stores mask columns ``HEAD_DIM..BLOCK_D`` (see ``flash_launch.load_tile``); nothing is copied.
 * Grid (query tiles, heads, batch); within a head the heaviest causal query tiles start first so the long
   rows do not start last, and heads run one after the other so the programs running together share one
-  head's K/V in L2 (interleaving heads was slower: run 2 in notes/flash_tuning.md).
+  head's K/V in L2 (interleaving heads measured slower).
 * (batch, seq, d) and (batch, heads, seq, d) inputs with any batch/head/sequence strides.
 
 Saved for the backward: the output and the natural-log logsumexp ``L`` of every query row (fp32).
@@ -50,6 +50,7 @@ from lab.kernels.flash_launch import (
     stream_source,
     unit_last_stride,
 )
+from lab.kernels.triton_env import empty_in_layout
 
 _LN2 = tl.constexpr(0.6931471805599453)
 
@@ -169,12 +170,13 @@ def forward_launch_args(q, k, v, out, lse, is_causal: bool, config: FlashConfig,
 def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
                   config: FlashConfig = DEFAULT_CONFIG) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the Triton forward on (batch, seq, d) or (batch, heads, seq, d) tensors. Returns (output in q's
-    dtype and shape, contiguous; logsumexp fp32 of shape q.shape[:-1])."""
+    dtype, shape and memory layout (:func:`empty_in_layout`); logsumexp fp32 of shape q.shape[:-1],
+    contiguous)."""
     check_triton_inputs(q, k, v)
     if interpreter_needs_fp32(q.dtype):
         out, lse = flash_forward(q.float(), k.float(), v.float(), is_causal, config)
         return out.to(q.dtype), lse
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = empty_in_layout(q)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     q4, k4, v4, out4 = (as_bhsd(unit_last_stride(t)) for t in (q, k, v, out))
     batch, heads, n_q, d = q4.shape

@@ -9,11 +9,12 @@ AOTAutograd and Inductor pass through; Inductor calls the real implementation at
 * ``lab::flash_attention_backward(grad_out, q, k, v, out, lse, causal, *config) -> (dq, dk, dv)``;
 
 where ``*config`` are the fields of :class:`~lab.kernels.flash_config.FlashConfig` as plain schema
-arguments, in declaration order (``FlashConfig.op_args``). ``out`` and the gradients are contiguous tensors
-of their input's shape and dtype, ``lse`` is fp32 of shape ``q.shape[:-1]``; inputs are (batch, seq, d)
-or (batch, heads, seq, d). The forward op is differentiable on its own (``register_autograd``: its
-backward is the backward op); ``lab.kernels.flash_triton.FlashAttentionTriton`` calls both from an
-``autograd.Function``, which dynamo traces into a graph with these two ops.
+arguments, in declaration order (``FlashConfig.op_args``). ``out`` and the gradients are tensors of their
+input's shape, dtype and memory layout (``triton_env.empty_in_layout``), ``lse`` is fp32 of shape
+``q.shape[:-1]``; inputs are (batch, seq, d) or (batch, heads, seq, d). The forward op is differentiable
+on its own (``register_autograd``: its backward is the backward op);
+``lab.kernels.flash_triton.FlashAttentionTriton`` calls both from an ``autograd.Function``, which dynamo
+traces into a graph with these two ops.
 
 :func:`attention_forward` / :func:`attention_backward` are what the autograd functions call: the ops when
 anything traces, the host functions directly for eager calls on plain tensors (the dispatcher costs
@@ -24,20 +25,22 @@ anything traces, the host functions directly for eager calls on plain tensors (t
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from lab.kernels.flash_config import FlashConfig, check_triton_inputs
 from lab.kernels.flash_triton_backward import flash_backward
 from lab.kernels.flash_triton_forward import flash_forward
+from lab.kernels.triton_env import empty_in_layout
 
 
 @torch.library.custom_op("lab::flash_attention_forward", mutates_args=())
 def flash_attention_forward_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, autotune: bool, fast_launch: bool,
                                fp32_precision: str, fwd_tiles: list[int], fwd_tma: bool, warp_specialize: bool,
                                backward_launch: str, fused_delta: bool, bwd_tiles: list[int],
-                               bwd_tma: bool) -> tuple[Tensor, Tensor]:
+                               bwd_tma: bool, atomic_tma: bool) -> tuple[Tensor, Tensor]:
     """FlashAttention forward: (output, fp32 logsumexp)."""
     config = FlashConfig(autotune, fast_launch, fp32_precision, fwd_tiles, fwd_tma, warp_specialize, backward_launch,
-                         fused_delta, bwd_tiles, bwd_tma)
+                         fused_delta, bwd_tiles, bwd_tma, atomic_tma)
     return flash_forward(q, k, v, causal, config)
 
 
@@ -45,7 +48,7 @@ def flash_attention_forward_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, au
 def _forward_fake(q, k, v, causal, *config):
     check_triton_inputs(q, k, v)  # the same one-line errors at trace time as in eager mode
     FlashConfig(*config)
-    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
+    return empty_in_layout(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("lab::flash_attention_backward", mutates_args=())
@@ -53,16 +56,16 @@ def flash_attention_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tenso
                                 causal: bool, autotune: bool, fast_launch: bool, fp32_precision: str,
                                 fwd_tiles: list[int], fwd_tma: bool, warp_specialize: bool, backward_launch: str,
                                 fused_delta: bool, bwd_tiles: list[int],
-                                bwd_tma: bool) -> tuple[Tensor, Tensor, Tensor]:
+                                bwd_tma: bool, atomic_tma: bool) -> tuple[Tensor, Tensor, Tensor]:
     """FlashAttention backward: (dq, dk, dv)."""
     config = FlashConfig(autotune, fast_launch, fp32_precision, fwd_tiles, fwd_tma, warp_specialize, backward_launch,
-                         fused_delta, bwd_tiles, bwd_tma)
+                         fused_delta, bwd_tiles, bwd_tma, atomic_tma)
     return flash_backward(q, k, v, out, lse, grad_out, causal, config)
 
 
 @flash_attention_backward_op.register_fake
 def _backward_fake(grad_out, q, k, v, out, lse, causal, *config):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    return empty_in_layout(q), empty_in_layout(k), empty_in_layout(v)
 
 
 def _setup_context(ctx, inputs, output):
@@ -87,8 +90,6 @@ def _eager(*tensors) -> bool:
     """True for an eager call on plain tensors with no dispatch mode active; False under torch.compile, for
     fake, meta or subclassed tensors, and inside a ``TorchDispatchMode`` (selective activation checkpointing
     saves an op's outputs by seeing the op), which must all see the registered ops."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-
     return (not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
             and all(type(t) is torch.Tensor for t in tensors))
 

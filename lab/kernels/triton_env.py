@@ -37,6 +37,16 @@ def tf32_allowed() -> bool:
         return False
 
 
+def empty_in_layout(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An uninitialised tensor of ``t``'s shape (and dtype unless given) in ``t``'s memory layout when that
+    layout is dense with a unit last stride, else contiguous. A transposed view, such as the model's
+    (batch, seq, heads, d) projection seen as (batch, heads, seq, d), then gets an output (or gradient) that
+    transposes back into (batch, seq, heads * d) as a view, where a contiguous one would be copied."""
+    if t.stride(-1) == 1:
+        return torch.empty_like(t, dtype=dtype)
+    return torch.empty(t.shape, dtype=dtype or t.dtype, device=t.device)
+
+
 def unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     """The kernels index the last dimension without a stride: copy only when it is not contiguous."""
     return t if t.stride(-1) == 1 else t.contiguous()

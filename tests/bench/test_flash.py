@@ -216,5 +216,3 @@ def test_flash_grid_runs_interpreted_triton():
                            cpu_steps=1,
                            device="cpu", progress=False)
     assert (df["status"] == "ok").all() and (df["e2e_ms"] > 0).all()
-
-

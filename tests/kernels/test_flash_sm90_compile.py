@@ -61,12 +61,14 @@ def forward(d, causal, tiles, tma=False, dtype="bf16"):
     return compile_sm90(fwd._flash_fwd_kernel, types, constexprs, warps, stages)
 
 
-def backward(d, causal, tiles, pass_, atomic=False, delta_from_o=False, store_delta=False, tma=False):
+def backward(d, causal, tiles, pass_, atomic=False, delta_from_o=False, store_delta=False, tma=False,
+             atomic_tma=False):
     m1, n1, m2, n2, warps, stages = tiles
     bd = fc.block_d(d)
     types = {name: "*bf16" for name in ("Q", "K", "V", "O", "DO", "DK", "DV", "Q_S", "DO_S", "K_S", "V_S")}
     types |= {"L": "*fp32", "Delta": "*fp32", "DQ": "*fp32" if atomic else "*bf16", "qk_scale": "fp32",
               "sm_scale": "fp32"}
+    types["DQ_ACC"] = f"tensordesc<fp32[1,{m1},{bd}]>" if atomic_tma else types["DQ"]
     if tma:
         types["Q_S"] = types["DO_S"] = f"tensordesc<bf16[{m1},{bd}]>"
         types["K_S"] = types["V_S"] = f"tensordesc<bf16[{n2},{bd}]>"
@@ -104,7 +106,8 @@ def compile_in_subprocess(jobs: list) -> list:
 @pytest.mark.parametrize("d", [64, 80])
 def test_default_bf16_kernels_compile_for_hopper(monkeypatch, d):
     """The defaults for long bf16 sequences fit in shared memory; at d <= 64 nothing spills. (At d = 80 and
-    128 the two-pass dK/dV kernel of the run-3 table spills ~170 bytes a thread: notes/flash_tuning.md.)"""
+    128 the dK/dV kernel on 64 x 128 tiles, 8 warps, spills a few bytes a thread: 24 at d = 80; the sweep
+    measured it fastest anyway.)"""
     fwd_tiles, mode, bwd_tiles = table(monkeypatch, d, torch.bfloat16)
     assert mode == "two_pass"
     reports = compile_in_subprocess([["fwd", dict(d=d, causal=True, tiles=fwd_tiles)]] +
@@ -116,14 +119,16 @@ def test_default_bf16_kernels_compile_for_hopper(monkeypatch, d):
 
 @pytest.mark.slow
 def test_variants_and_fp32_compile_for_hopper(monkeypatch):
-    """Atomic dQ with D computed in the kernel and TMA descriptors in both directions compile for sm_90a
-    without spills at d = 64 (the interpreter cannot tell: it emulates descriptors and atomics); the fp32
+    """Atomic dQ with D computed in the kernel, atomic dQ as TMA bulk reductions, and TMA descriptors in both
+    directions compile for sm_90a without spills at d = 64 (the interpreter cannot tell: it emulates
+    descriptors and atomics, and has no bulk reduction at all); the fp32
     forward table at d = 128, sized for 3xTF32 (each operand split in two TF32 halves), does not spill
     either (larger tiles spill hundreds of bytes)."""
     fp32_tiles, _, _ = table(monkeypatch, 128, torch.float32)
     reports = compile_in_subprocess([
         ["fwd", dict(d=64, causal=True, tiles=(128, 64, 8, 3), tma=True)],
         ["bwd", dict(d=64, causal=True, tiles=(64, 128, 128, 64, 8, 3), pass_=1, atomic=True, delta_from_o=True)],
+        ["bwd", dict(d=64, causal=True, tiles=(64, 128, 128, 64, 8, 3), pass_=1, atomic=True, atomic_tma=True)],
         ["bwd", dict(d=64, causal=True, tiles=(64, 128, 128, 64, 8, 3), pass_=2, delta_from_o=True, store_delta=True,
                      tma=True)],
         ["fwd", dict(d=128, causal=True, tiles=fp32_tiles, dtype="fp32")]])

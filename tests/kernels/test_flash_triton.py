@@ -120,6 +120,24 @@ def test_backward_variants_match_reference(config, causal):
     check_against_reference(ft.FlashAttentionTriton, q, k, v, causal, atol=2e-5, rtol=2e-5, config=config)
 
 
+@pytest.mark.parametrize("mode", ["fused", "atomic"])
+def test_model_layout_comes_back_in_its_own_strides(mode):
+    """q, k, v as the model makes them, (batch, seq, heads, d) projections seen as (batch, heads, seq, d):
+    the output and the gradients come back in that layout, so the model's ``transpose(1, 2).reshape`` of
+    the output is a view, and they match float64 (an atomic dQ through a strided fp32 buffer too)."""
+    gen = torch.Generator().manual_seed(5)
+    base = [torch.randn(2, 37, 3, 24, generator=gen).to(DEVICE) for _ in range(3)]
+    q, k, v = (t.transpose(1, 2).requires_grad_() for t in base)  # leaves with the strides of base
+    check_against_reference(ft.FlashAttentionTriton, q, k, v, True, atol=2e-5, rtol=2e-5,
+                            config=ft.FlashConfig(backward_launch=mode))
+    out = ft.flash_attention_bhsd(q, k, v, True, config=ft.FlashConfig(backward_launch=mode))
+    assert out.stride() == q.stride()
+    merged = out.transpose(1, 2).reshape(2, 37, 72)
+    assert merged.data_ptr() == out.data_ptr() and merged._base is not None  # a view, nothing copied
+    grads = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    assert all(g.stride() == t.stride() for g, t in zip(grads, (q, k, v)))
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_explicit_rectangular_tiles_match_reference(causal):
     """Tiles given in the config, with BLOCK_M != BLOCK_N and BLOCK_M1 != BLOCK_N1, so the causal tile
@@ -287,14 +305,17 @@ def test_tile_tables_follow_grid_size_dtype_and_head_dim(monkeypatch):
     one_head = fc.forward_tiles(1, 16384, 16384, 128, torch.bfloat16, cuda)
     many_heads = fc.forward_tiles(16, 16384, 16384, 128, torch.bfloat16, cuda)
     assert one_head["BLOCK_M"] == 64 and many_heads["BLOCK_M"] == 128
-    assert fc.forward_tiles(16, 16384, 16384, 80, torch.bfloat16, cuda) == many_heads
+    padded = fc.forward_tiles(16, 16384, 16384, 80, torch.bfloat16, cuda)  # BLOCK_D 128 with 48 masked columns
+    assert padded["BLOCK_M"] * padded["BLOCK_N"] < many_heads["BLOCK_M"] * many_heads["BLOCK_N"]
     fp32 = fc.forward_tiles(16, 16384, 16384, 128, torch.float32, cuda)
     assert fp32["BLOCK_N"] * 4 <= many_heads["BLOCK_N"] * 2 and fp32["num_stages"] < many_heads["num_stages"]
     assert fc.backward_plan(1, 16384, 16384, 64, torch.bfloat16, cuda)[0] == "fused"
     mode, plan = fc.backward_plan(16, 16384, 16384, 128, torch.bfloat16, cuda)
     assert mode == "two_pass" and plan[2]["BLOCK_M2"] == 128
-    assert fc.backward_plan(16, 16384, 16384, 128, torch.bfloat16, cuda, ft.FlashConfig(backward_launch="atomic"))[0] \
-        == "atomic"
+    assert plan[1]["BLOCK_N1"] == 2 * plan[1]["BLOCK_M1"]  # dK/dV programs: 64 queries x 128 keys
+    assert fc.backward_plan(16, 16384, 16384, 64, torch.bfloat16, cuda)[1][1]["BLOCK_N1"] == 64
+    short = fc.backward_plan(128, 512, 512, 80, torch.bfloat16, cuda)
+    assert short[0] == "fused" and short[1][0]["num_warps"] == 4
     explicit = ft.FlashConfig(fwd_tiles=(32, 64, 4, 5), bwd_tiles=(32, 128, 128, 32, 4, 5))
     assert fc.forward_tiles(16, 4096, 4096, 64, torch.bfloat16, cuda, explicit)["num_stages"] == 5
     assert fc.backward_plan(16, 4096, 4096, 64, torch.bfloat16, cuda, explicit)[1][1]["BLOCK_N1"] == 128
