@@ -3,8 +3,8 @@ turns, so that they all see the same host and device conditions.
 
 Why: a 2-rank step at a small batch is often host-bound, and the host's load drifts. Timing each
 implementation in a block of steps of its own (or in a launch of its own) then ranks them by *when* they
-ran as much as by what they do: the same configuration measured minutes apart differed by 40 % in the
-book's GPU runs (``notes/multi_gpu.md``). Taking turns removes that drift from the comparison, and
+ran as much as by what they do: the same configuration measured minutes apart can differ by tens of
+percent, while its memory repeats to the byte. Taking turns removes that drift from the comparison, and
 repeating the turns gives a spread to judge differences against (:mod:`lab.measure.verdicts`).
 
 The protocol (:func:`time_interleaved`, run inside every rank of a launch):

@@ -5,7 +5,7 @@ impl) the peaks by phase and the state bytes, measured in fresh processes, and t
 interleaved rounds (median, and every round in ``step_samples_ms``). Time comparisons and time goals are
 verdicts of :mod:`lab.measure.verdicts` on the per-round samples, paired by round
 (:func:`lab.bench.interleaved.compare_rounds`). Memory is compared directly: the
-allocator's peaks and the tensors' bytes repeat to the byte from run to run (``notes/multi_gpu.md``), so
+allocator's peaks and the tensors' bytes repeat to the byte from run to run, so
 they have no noise to judge against; on the CPU there are no allocator peaks at all, and the sentences say
 so.
 """
