@@ -12,8 +12,9 @@ import pandas as pd
 import sympy as sp
 
 from lab import accounting as acc
-from lab.accounting import BENCH_DTYPE_TO_POLICY, GiB, saved_activation_bytes, state_memory, training_memory
+from lab.accounting import BENCH_DTYPE_TO_POLICY, saved_activation_bytes, state_memory, training_memory
 from lab.measure.step import MODES, mode_columns
+from lab.units import GiB
 
 #: The two FFNs of the XXL question: as posed (two matrices, up and down, no activation) and SwiGLU's three.
 FFN_VARIANTS = {2: "2 matrices (the question)", 3: "SwiGLU (3 matrices)"}

@@ -37,8 +37,8 @@ from lab.recipes.fastest_step import (
     mfu,
     model_flops_per_step,
 )
+from lab.units import GiB
 
-GiB = 2**30
 #: Kernel classes of a step's time, in the order they are assigned (a kernel launched inside ``recompute``
 #: counts as recomputation whatever it computes).
 PHASE_COLUMNS = ["recompute_ms", "optimizer_ms", "attention_ms", "matmul_ms", "loss_ms", "other_kernels_ms",

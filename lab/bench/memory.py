@@ -41,10 +41,7 @@ from lab.measure.step import TrainStep, make_optimizer, peak_memory_by_phase, ra
 from lab.measure.timing import time_callable
 from lab.model import RMSNorm, TransformerLM
 from lab.model.checkpointing import activation_checkpointing
-
-MiB = 2**20
-GiB = 2**30
-
+from lab.units import GiB, MiB
 
 # ----------------------------------------------------------------------------------------------------------
 # recording a training step

@@ -16,8 +16,7 @@ import pandas as pd
 from lab.dtypes import autocast_dtype
 from lab.model import ModelConfig, config_for
 from lab.model.checkpointing import checkpoint_memory_table, residual_stream_bytes
-
-MiB = 2**20
+from lab.units import MiB
 
 
 @dataclass(frozen=True)

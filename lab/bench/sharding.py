@@ -45,11 +45,11 @@ from lab.measure.profiling import profile_step
 from lab.measure.step import TrainStep, random_batch
 from lab.model import ModelConfig, TransformerLM
 from lab.parallel import launcher as distributed
+from lab.units import GiB
 
 IMPLS = ("ddp", "sharded_optimizer", "zero1", "fsdp", "torch_zero", "torch_fsdp2")
 #: The implementation each one is judged against (the performance goals of notebook 08).
 REFERENCE = {"sharded_optimizer": "torch_zero", "zero1": "torch_zero", "fsdp": "torch_fsdp2"}
-GiB = 2**30
 LR = 1e-4
 WEIGHT_DECAY = 0.01
 

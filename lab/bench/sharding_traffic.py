@@ -13,10 +13,11 @@ import torch
 
 from lab.accounting import parameter_count
 from lab.bench.ddp import model_config
-from lab.bench.sharding import LR, GiB
+from lab.bench.sharding import LR
 from lab.measure.step import lm_loss, random_batch
 from lab.model import ModelConfig, TransformerLM
 from lab.parallel import launcher as distributed
+from lab.units import GiB
 
 
 def _average_gradients(model: torch.nn.Module) -> None:

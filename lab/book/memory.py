@@ -18,10 +18,7 @@ import pandas as pd
 
 from lab.book.snapshot_pages import _phase_label
 from lab.measure.memory_timeline import format_bytes
-
-MiB = 2**20
-GiB = 2**30
-
+from lab.units import GiB, MiB
 
 # ----------------------------------------------------------------------------------------------------------
 # the residual stream and the timelines
