@@ -9,9 +9,9 @@ What lives here, for notebooks 04 and 05:
   memory, the configuration to account for; and the whole model eager against compiled, size by size
   (``lm_step`` rows, notebook 04).
 
-The closed forms (FLOPs, naive attention's memory, FlashAttention's saved bytes, the power-law fit) and
-``saved_tensor_bytes`` live in :mod:`lab.bench.attention_costs`; the FlashAttention grid and its goals in
-:mod:`lab.bench.flash`.
+The closed forms (FLOPs, naive attention's memory, FlashAttention's saved bytes, the power-law fit) live in
+:mod:`lab.bench.attention_costs`, what autograd really saves in :func:`lab.measure.saved_tensors.saved_tensor_bytes`;
+the FlashAttention grid and its goals in :mod:`lab.bench.flash`.
 
 Attention functions here take ``fn(q, k, v, causal)`` on ``(batch, seq, d)`` tensors (heads folded into
 the batch), the interface of ``FlashAttentionTriton.apply``.
@@ -27,9 +27,10 @@ import pandas as pd
 import torch
 import torch._functorch.config  # not imported by ``import torch``; run_naive_grid patches it
 
-from lab.bench.attention_costs import DTYPES, fit_power_law, naive_attention_totals, saved_tensor_bytes
+from lab.bench.attention_costs import DTYPES, fit_power_law, naive_attention_totals
 from lab.bench.progress import progress_bar
-from lab.measure.device import empty_cache, is_oom, resolve_device, synchronize
+from lab.measure.device import empty_cache, error_summary, is_oom, resolve_device, synchronize
+from lab.measure.saved_tensors import saved_tensor_bytes
 from lab.model.attention import AttentionFn, get_attention, naive_attention
 
 # ----------------------------------------------------------------------------------------------------------
@@ -83,16 +84,13 @@ def attention_impl(name: str, device: torch.device | str = "auto") -> AttentionF
 # The naive grid (notebook 04): forward and backward passes timed separately, memory before backward
 
 
-def _inputs(batch: int, seq: int, d: int, dtype: torch.dtype, device: torch.device, seed: int = 0):
+def attention_inputs(batch: int, seq: int, d: int, dtype: torch.dtype, device: torch.device, seed: int = 0):
+    """Seeded random ``q, k, v`` (requiring gradients) and an upstream gradient ``dout``, each ``(batch, seq,
+    d)`` in ``dtype`` on ``device``: the same values on every device for one seed (drawn on the CPU)."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     make = lambda: torch.randn(batch, seq, d, generator=gen).to(device=device, dtype=dtype)
     q, k, v = (make().requires_grad_() for _ in range(3))
     return q, k, v, make()
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:160] if text else ''}"
 
 
 def _measure_naive(fn: AttentionFn, batch, seq, d, dtype, causal, passes, warmup, device, row) -> None:
@@ -106,7 +104,7 @@ def _measure_naive(fn: AttentionFn, batch, seq, d, dtype, causal, passes, warmup
         synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         row["mem_baseline_mib"] = torch.cuda.memory_allocated(device) / 2**20
-    q, k, v, dout = _inputs(batch, seq, d, torch_dtype, device)
+    q, k, v, dout = attention_inputs(batch, seq, d, torch_dtype, device)
     row["phase"] = "forward"
     fwd = time_callable(lambda: fn(q, k, v, causal), warmup, passes, device)
     row.update(fwd_ms=fwd.mean_ms, fwd_std_ms=fwd.std_ms)
@@ -185,7 +183,7 @@ def run_naive_grid(fn: AttentionFn = naive_attention, ds: Sequence[int] = (16, 3
         except Exception as exc:
             if not is_oom(exc):
                 raise
-            row.update(status="oom", note=f"out of memory in {row.get('phase', 'setup')}: {_first_line(exc)}")
+            row.update(status="oom", note=f"out of memory in {row.get('phase', 'setup')}: {error_summary(exc)}")
         row.pop("phase", None)
         rows.append(row)
         gc.collect()
@@ -200,7 +198,7 @@ def _run_naive_config(fn, compile, batch, seq, d, dtype, causal, passes, warmup,
 
         torch._dynamo.reset()
         run = torch.compile(fn, dynamic=False)
-        q, k, v, dout = _inputs(batch, seq, d, DTYPES[dtype], device)
+        q, k, v, dout = attention_inputs(batch, seq, d, DTYPES[dtype], device)
         start = time.perf_counter()
         torch.autograd.grad(run(q, k, v, causal), (q, k, v), dout)
         synchronize(device)

@@ -227,18 +227,9 @@ def benchmark_ddp(size: str | ModelConfig = "xl", context: int = 512, batch: int
                          comm_ms=0.0 if impl == "single_gpu" and ok else profile.get("comm_ms", math.nan),
                          overlap_frac=profile.get("overlap_frac", math.nan),
                          n_buckets=first["n_buckets"].get(key, math.nan), grad_mb=first["grad_mb"],
-                         trace=_relative(profile.get("trace")), status=timing["status"], error=timing["error"]))
+                         trace=paths.repo_relative(profile.get("trace")), status=timing["status"],
+                         error=timing["error"]))
     return pd.DataFrame(rows)
-
-
-def _relative(path: str | None) -> str | None:
-    """A trace path relative to the repository root when it lies inside it (tables travel between machines)."""
-    if path is None:
-        return None
-    try:
-        return str(Path(path).resolve().relative_to(paths.REPO_ROOT))
-    except ValueError:
-        return path
 
 
 @dataclass(frozen=True)

@@ -24,10 +24,10 @@ import numpy as np
 import pandas as pd
 import torch
 
-from lab.bench.attention import _first_line, _inputs, attention_impl
+from lab.bench.attention import attention_impl, attention_inputs
 from lab.bench.attention_costs import DTYPES, PASSES, attention_flops, naive_attention_totals
 from lab.bench.progress import progress_bar
-from lab.measure.device import empty_cache, is_oom, resolve_device
+from lab.measure.device import empty_cache, error_summary, is_oom, resolve_device
 from lab.measure.timing import Timing, time_kernel
 from lab.measure.verdicts import GoalCheck, compare_summaries
 from lab.model.attention import AttentionFn, naive_attention
@@ -65,7 +65,7 @@ def unsupported_reason(exc: BaseException) -> str | None:
     text = str(exc).lower()
     if isinstance(exc, (ValueError, TypeError, RuntimeError, NotImplementedError)) and any(
             m in text for m in _UNSUPPORTED_MARKERS):
-        return f"not supported: {_first_line(exc)}"
+        return f"not supported: {error_summary(exc)}"
     return None
 
 
@@ -139,7 +139,7 @@ def _record(row: dict, pass_: str, timing: Timing) -> None:
 
 
 def _measure_flash(fn: AttentionFn, bh, seq, d, dtype, causal, device, timer_kwargs, row) -> None:
-    q, k, v, dout = _inputs(bh, seq, d, DTYPES[dtype], device)
+    q, k, v, dout = attention_inputs(bh, seq, d, DTYPES[dtype], device)
     row["phase"] = "forward"
     _record(row, "fwd", time_kernel(lambda: fn(q, k, v, causal), device, **timer_kwargs))
     row["phase"] = "backward"
@@ -233,7 +233,7 @@ def run_flash_grid(impls: Sequence[str] | dict[str, AttentionFn] = ("triton", "p
                 _measure_flash(fns[name], bh, sh.seq, sh.d, dt, sh.causal, device, timer_kwargs, row)
             except Exception as exc:
                 if is_oom(exc):
-                    row.update(status="oom", note=f"out of memory in {row.get('phase')}: {_first_line(exc)}")
+                    row.update(status="oom", note=f"out of memory in {row.get('phase')}: {error_summary(exc)}")
                 elif unsupported_reason(exc):
                     row.update(status="unsupported", note=unsupported_reason(exc))
                 else:

@@ -349,14 +349,8 @@ def run_sharding_benchmark(impls: Sequence[str] = IMPLS, sizes: Sequence[str | M
         tables.append(merged.drop(columns=["status_timing", "error_timing"]))
     df = pd.concat(tables, ignore_index=True)
     if "trace" in df:
-        df["trace"] = df["trace"].map(_relative)
+        df["trace"] = df["trace"].map(paths.repo_relative)
     return df
-
-
-def _relative(path):
-    from lab.bench.ddp import _relative as relative
-
-    return relative(path) if isinstance(path, str) else None
 
 
 def memory_breakdown(df: pd.DataFrame) -> pd.DataFrame:

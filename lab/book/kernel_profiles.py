@@ -13,7 +13,7 @@ import pandas as pd
 
 from lab.book import report
 from lab.book.precision import num
-from lab.book.profiling import _int
+from lab.book.profiling import int_text
 from lab.measure import profiling as prof_tables
 from lab.measure.step import MODES
 
@@ -105,7 +105,8 @@ def show_top_kernels(kernels: pd.DataFrame, n: int = 8) -> None:
 
 
 def class_shares(kernels: pd.DataFrame) -> pd.DataFrame:
-    """Time per step by kernel class (matmul, fused attention, other) and mode, with each class's share."""
+    """Time per step by kernel class (:func:`lab.measure.profiling.kernel_class`) and mode, with each class's
+    share."""
     g = kernels.groupby(["mode", "class"], sort=False)["ms_per_step"].sum().reset_index()
     g["share"] = g["ms_per_step"] / g.groupby("mode")["ms_per_step"].transform("sum")
     return g
@@ -163,7 +164,7 @@ def profile_caption(steps: pd.DataFrame, kernels: pd.DataFrame, trace_dir: str |
     r = steps.iloc[0]
     trace_dir = Path(trace_dir)
     shown = trace_dir.relative_to(paths.REPO_ROOT) if trace_dir.is_relative_to(paths.REPO_ROOT) else trace_dir
-    return (f"Profiled **{r['size']}** at context {_int(r['context'])}, batch {_int(r['batch'])}, fp32, "
+    return (f"Profiled **{r['size']}** at context {int_text(r['context'])}, batch {int_text(r['batch'])}, fp32, "
             f"{r['attention']} attention, {int(r['profiled_steps'])} steps per mode; times are "
             f"{time_unit(kernels)[1]}; traces in `{shown}` (open them at ui.perfetto.dev).")
 

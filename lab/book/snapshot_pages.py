@@ -27,7 +27,8 @@ from lab.measure.memory_timeline import (
 )
 
 
-def _phase_label(phase: str) -> str:
+def phase_label(phase: str) -> str:
+    """A phase name as the figures and tables print it: ``optimizer_step`` -> ``optimizer step``."""
     return str(phase).replace("optimizer_step", "optimizer step")
 
 
@@ -86,7 +87,7 @@ def offline_snapshot_html(snapshot_path: str | os.PathLike, title: str | None = 
     plt.close(fig)
     png = base64.b64encode(buf.getvalue()).decode("ascii")
     peaks = phase_peaks_from_snapshot(snapshot, marks)
-    peaks = peaks.assign(phase=peaks["phase"].map(_phase_label))[["phase", "peak_gib", "start_gib", "end_gib"]]
+    peaks = peaks.assign(phase=peaks["phase"].map(phase_label))[["phase", "peak_gib", "start_gib", "end_gib"]]
     largest = largest_allocations(snapshot, n=top, marks=marks)
     style = ("body{font-family:sans-serif;margin:2em;max-width:75em} table{border-collapse:collapse;font-size:0.9em}"
              " td,th{border:1px solid #ccc;padding:0.2em 0.6em;text-align:right} img{max-width:100%}")
