@@ -28,9 +28,14 @@ import torch
 import torch._functorch.config  # not imported by ``import torch``; run_naive_grid patches it
 
 from lab.bench.attention_costs import DTYPES, fit_power_law, naive_attention_totals
+from lab.bench.lm import compare_variants
 from lab.bench.progress import progress_bar
+from lab.kernels.flash_pytorch import FlashAttentionPytorch
 from lab.measure.device import empty_cache, error_summary, is_oom, resolve_device, synchronize
+from lab.measure.results import gpu_label
 from lab.measure.saved_tensors import saved_tensor_bytes
+from lab.measure.timing import time_callable
+from lab.measure.verdicts import compare_summaries
 from lab.model.attention import AttentionFn, get_attention, naive_attention
 
 # ----------------------------------------------------------------------------------------------------------
@@ -66,16 +71,16 @@ def attention_impl(name: str, device: torch.device | str = "auto") -> AttentionF
     if name.startswith("sdpa") and name in IMPLS:
         return sdpa_on_heads(name)
     if name == "triton":
+        # optional dependency: Triton (Linux only), imported only when its kernel is asked for
         from lab.kernels.flash_triton import FlashAttentionTriton
 
         return lambda q, k, v, causal: FlashAttentionTriton.apply(q, k, v, causal)
     if name == "triton_compiled_bwd":
+        # optional dependency: Triton (Linux only), imported only when its kernel is asked for
         from lab.kernels.flash_triton import FlashAttentionTritonCompiledBackward
 
         return lambda q, k, v, causal: FlashAttentionTritonCompiledBackward.apply(q, k, v, causal)
     if name == "pytorch_flash":
-        from lab.kernels.flash_pytorch import FlashAttentionPytorch
-
         return lambda q, k, v, causal: FlashAttentionPytorch.apply(q, k, v, causal)
     raise ValueError(f"unknown attention implementation {name!r}; choose one of {', '.join(IMPLS)}")
 
@@ -94,8 +99,6 @@ def attention_inputs(batch: int, seq: int, d: int, dtype: torch.dtype, device: t
 
 
 def _measure_naive(fn: AttentionFn, batch, seq, d, dtype, causal, passes, warmup, device, row) -> None:
-    from lab.measure.timing import time_callable
-
     torch_dtype = DTYPES[dtype]
     if device.type == "cuda":
         # cuBLAS takes its workspace from PyTorch's allocator on first use: create it before the baseline
@@ -148,8 +151,6 @@ def run_naive_grid(fn: AttentionFn = naive_attention, ds: Sequence[int] = (16, 3
     :func:`naive_attention_totals`, ``gpu`` names the device (``"cpu"`` on the CPU) and ``gpu_memory_gib``
     is its total memory (NaN on the CPU).
     """
-    from lab.measure.results import gpu_label
-
     device = resolve_device(device) if isinstance(device, str) else device
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
@@ -227,8 +228,6 @@ def eager_vs_compiled(eager: pd.DataFrame, compiled: pd.DataFrame) -> pd.DataFra
 
 
 def _compiled_verdict(row: pd.Series, p: str) -> str:
-    from lab.measure.verdicts import compare_summaries
-
     names = [f"{p}_ms_compiled", f"{p}_std_ms_compiled", "passes_compiled", f"{p}_ms_eager", f"{p}_std_ms_eager",
              "passes_eager"]
     if not all(n in row.index for n in names) or pd.isna(row[names]).any():
@@ -293,8 +292,6 @@ def lm_eager_vs_compiled(sizes: Sequence[str], context: int = 512, batch: int = 
     one right after the other in this process: ``lm_step`` rows (each mode's mean, standard deviation over
     ``steps`` samples and peak memory). A size that does not fit is a row with ``status="oom"`` whose modes
     that fit keep their numbers."""
-    from lab.bench.lm import compare_variants
-
     variants = [dict(attention=attention), dict(attention=attention, compile=True)]
     tables = [compare_variants(size, variants, context=context, batch=batch, dtype=dtype, modes=modes,
                                warmup=warmup, steps=steps, device=device, progress=progress) for size in sizes]

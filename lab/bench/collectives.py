@@ -28,6 +28,7 @@ import torch.distributed as dist
 from lab.accounting.collectives import ring_factor
 from lab.bench.progress import progress_bar
 from lab.measure.device import is_oom, synchronize
+from lab.measure.results import save_results
 from lab.parallel import launcher as distributed
 from lab.parallel.collectives import all_gather_tensor, reduce_scatter_tensor
 from lab.units import MiB
@@ -309,8 +310,6 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
     cols = ["backend", "op", "world_size", "size_mb", "time_ms", "algbw_gbps", "busbw_gbps", "correct", "status"]
     print(df[[c for c in cols if c in df.columns]].to_markdown(index=False, floatfmt=".4g"))
     if args.results_dir:
-        from lab.measure.results import save_results
-
         print(save_results(df, "collectives", args.results_dir, vars(args), source="lab.bench.collectives"))
     return df
 

@@ -39,6 +39,7 @@ from lab.bench.interleaved import (
 )
 from lab.measure.device import available_memory_bytes, synchronize
 from lab.measure.profiling import profile_step
+from lab.measure.results import save_results
 from lab.measure.step import TrainStep, make_optimizer, random_batch
 from lab.measure.traces import read_trace, step_overlap
 from lab.model import ModelConfig, TransformerLM, config_for
@@ -386,8 +387,6 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
             "n_buckets", "status"]
     print(df[cols].to_markdown(index=False, floatfmt=".4g"))
     if args.results_dir:
-        from lab.measure.results import save_results
-
         print(save_results(df, "ddp_benchmark", args.results_dir, vars(args), source="lab.bench.ddp"))
     return df
 

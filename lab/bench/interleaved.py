@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from lab.measure.device import error_summary, is_oom, synchronize
+from lab.measure.verdicts import GoalCheck, compare
 
 #: ``build()`` returns ``(step, close)``: one training step, and what releases the implementation.
 Build = Callable[[], tuple[Callable[[], None], Callable[[], None]]]
@@ -314,8 +315,6 @@ def compare_rounds(subject: Sequence[float], reference: Sequence[float], lower_i
     same round, side by side, so a slow round (the host busy) slows both and cancels in their ratio, where
     comparing the two sets of samples unpaired would count it as noise. Unequal rounds (an implementation
     left the rotation): the unpaired comparison of the two sets."""
-    from lab.measure.verdicts import compare
-
     a, b = [float(x) for x in subject], [float(x) for x in reference]
     if len(a) != len(b) or not a or any(x <= 0 for x in b):
         return compare(a, b, lower_is_better)
@@ -324,6 +323,4 @@ def compare_rounds(subject: Sequence[float], reference: Sequence[float], lower_i
 
 def goal_rounds(subject: Sequence[float], reference: Sequence[float], target: float, lower_is_better: bool = True):
     """:func:`lab.measure.verdicts.check_goal` on per-round samples, paired as in :func:`compare_rounds`."""
-    from lab.measure.verdicts import GoalCheck
-
     return GoalCheck(compare_rounds(subject, reference, lower_is_better), target)

@@ -20,6 +20,7 @@ import pandas as pd
 from lab.book import report
 from lab.measure.device import resolve_device
 from lab.measure.results import measured_on
+from lab.model import MODEL_SIZES
 
 # ----------------------------------------------------------------------------------------------------------
 # settings
@@ -55,8 +56,6 @@ def settings(quick: bool = True, device: str = "auto", sizes: Sequence[str] | No
              accumulation_count: int = 1000, norm_width: int = 1024) -> PrecisionSettings:
     """Notebook 02's settings: a knob left ``None`` takes the quick profile's value (toy sizes ``tiny`` and
     ``mini`` at context 64 on the CPU) or the full profile's (every spec size at context 512)."""
-    from lab.model import MODEL_SIZES
-
     defaults = QUICK if quick else {**FULL, "sizes": tuple(MODEL_SIZES)}
     k = report.with_profile_defaults(dict(sizes=sizes, context=context, warmup=warmup, steps=steps), defaults)
     return PrecisionSettings(quick=quick, device=str(resolve_device(device)), sizes=tuple(k["sizes"]),

@@ -35,6 +35,7 @@ from lab.measure.device import resolve_device
 from lab.measure.results import measured_on  # noqa: F401 - notebook 01 calls profiling.measured_on
 from lab.measure.step import MODES
 from lab.measure.verdicts import compare
+from lab.model import MODEL_SIZES, TransformerLM, config_for
 
 # ----------------------------------------------------------------------------------------------------------
 # settings
@@ -93,8 +94,6 @@ def settings(quick: bool = True, device: str = "auto", sizes: Sequence[str] | No
     """Notebook 01's settings: a knob left ``None`` takes the quick profile's value (``tiny``/``mini`` at
     contexts 32 and 64 on the CPU) or the full profile's (every spec size at 128-1024, the train step at 512).
     The default context must be one of the contexts (the train step is timed there)."""
-    from lab.model import MODEL_SIZES
-
     defaults = QUICK if quick else {**FULL, "sizes": tuple(MODEL_SIZES)}
     given = dict(sizes=sizes, contexts=contexts, default_context=default_context, warmup=warmup, steps=steps,
                  warmup_size=warmup_size, cold_runs=cold_runs, profile_size=profile_size,
@@ -133,8 +132,6 @@ def size_table(sizes: Sequence[str]) -> pd.DataFrame:
     """Architecture of each size (d_model, d_ff, layers, heads, vocabulary) and its parameter count in
     millions, counted on the meta device (no memory is allocated)."""
     import torch
-
-    from lab.model import TransformerLM, config_for
 
     rows = []
     for size in sizes:

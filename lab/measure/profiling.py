@@ -7,10 +7,7 @@ under ``nsys profile`` by a user who has it.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import re
-import sys
 from pathlib import Path
 
 import pandas as pd
@@ -18,43 +15,8 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from lab.measure.device import synchronize
+from lab.measure.quiet import quiet_profile
 from lab.measure.step import MODES, TrainStep
-
-
-@contextlib.contextmanager
-def silenced_native_stderr(enabled: bool = True):
-    """Silence file descriptor 2 (C++ writes there directly: the CPU build's profiler prints a line at
-    every start and stop). Python exceptions are unaffected."""
-    if not enabled:
-        yield
-        return
-    sys.stderr.flush()
-    saved = os.dup(2)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
-
-
-@contextlib.contextmanager
-def quiet_profile(profiler):
-    """Run ``with profiler:`` with the profiler's own start/stop chatter on stderr silenced (only around
-    its start and stop, so that warnings raised by the profiled code still show). Yields the profiler."""
-    with silenced_native_stderr():
-        profiler.__enter__()
-    try:
-        yield profiler
-    except BaseException:
-        with silenced_native_stderr():
-            profiler.__exit__(*sys.exc_info())
-        raise
-    with silenced_native_stderr():
-        profiler.__exit__(None, None, None)
-
 
 # cuBLAS / CUTLASS / Triton matmul kernel names on Hopper and Ampere, and the aten ops on the CPU.
 _MATMUL = re.compile(r"gemm|nvjet|xmma|cutlass|wgmma|cublas|matmul|^aten::(mm|addmm|bmm|baddbmm|linear)$", re.I)
