@@ -37,6 +37,7 @@ from lab.measure.saved_tensors import saved_tensor_bytes
 from lab.measure.timing import time_callable
 from lab.measure.verdicts import compare_summaries
 from lab.model.attention import AttentionFn, get_attention, naive_attention
+from lab.units import GiB, MiB
 
 # ----------------------------------------------------------------------------------------------------------
 # The implementations being compared
@@ -106,7 +107,7 @@ def _measure_naive(fn: AttentionFn, batch, seq, d, dtype, causal, passes, warmup
         torch.ones(8, 8, device=device, dtype=torch_dtype) @ torch.ones(8, 8, device=device, dtype=torch_dtype)
         synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-        row["mem_baseline_mib"] = torch.cuda.memory_allocated(device) / 2**20
+        row["mem_baseline_mib"] = torch.cuda.memory_allocated(device) / MiB
     q, k, v, dout = attention_inputs(batch, seq, d, torch_dtype, device)
     row["phase"] = "forward"
     fwd = time_callable(lambda: fn(q, k, v, causal), warmup, passes, device)
@@ -117,17 +118,17 @@ def _measure_naive(fn: AttentionFn, batch, seq, d, dtype, causal, passes, warmup
     out = fn(q, k, v, causal)
     synchronize(device)
     if device.type == "cuda":
-        row["mem_before_bwd_mib"] = torch.cuda.memory_allocated(device) / 2**20
-        row["forward_left_mib"] = (torch.cuda.memory_allocated(device) - base) / 2**20
+        row["mem_before_bwd_mib"] = torch.cuda.memory_allocated(device) / MiB
+        row["forward_left_mib"] = (torch.cuda.memory_allocated(device) - base) / MiB
     row["phase"] = "backward"
     bwd = time_callable(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True), warmup, passes,
                         device)
     row.update(bwd_ms=bwd.mean_ms, bwd_std_ms=bwd.std_ms, phase="saved-tensor count")
     if device.type == "cuda":
-        row["peak_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
+        row["peak_mib"] = torch.cuda.max_memory_allocated(device) / MiB
     out = None  # the lambda above holds the graph through this name: drop it
     # what autograd keeps, counted tensor by tensor (device independent), once per configuration
-    row["saved_mib"] = saved_tensor_bytes(lambda a, b, c: fn(a, b, c, causal), q, k, v) / 2**20
+    row["saved_mib"] = saved_tensor_bytes(lambda a, b, c: fn(a, b, c, causal), q, k, v) / MiB
 
 
 def run_naive_grid(fn: AttentionFn = naive_attention, ds: Sequence[int] = (16, 32, 64, 128),
@@ -161,7 +162,7 @@ def run_naive_grid(fn: AttentionFn = naive_attention, ds: Sequence[int] = (16, 3
         raise ValueError("compile must be a bool or a non-empty sequence of bools")
     impl = impl or getattr(fn, "__name__", "attention")
     gpu = gpu_label() if device.type == "cuda" else "cpu"
-    memory_gib = torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else math.nan
+    memory_gib = torch.cuda.get_device_properties(device).total_memory / GiB if device.type == "cuda" else math.nan
     grid = [(d, s, c) for d in ds for s in seqs for c in compiles]
     label = {(False,): "", (True,): " compiled"}.get(compiles, " eager and compiled")
     rows = []
@@ -171,9 +172,9 @@ def run_naive_grid(fn: AttentionFn = naive_attention, ds: Sequence[int] = (16, 3
                    passes=passes, fwd_ms=math.nan, fwd_std_ms=math.nan, bwd_ms=math.nan, bwd_std_ms=math.nan,
                    mem_baseline_mib=math.nan, mem_before_bwd_mib=math.nan, forward_left_mib=math.nan,
                    peak_mib=math.nan,
-                   saved_mib=math.nan, predicted_saved_mib=predicted["saved"] / 2**20,
-                   predicted_before_bwd_mib=predicted["before_backward"] / 2**20,
-                   predicted_peak_mib=predicted["peak"] / 2**20, compile_s=math.nan, gpu=gpu,
+                   saved_mib=math.nan, predicted_saved_mib=predicted["saved"] / MiB,
+                   predicted_before_bwd_mib=predicted["before_backward"] / MiB,
+                   predicted_peak_mib=predicted["peak"] / MiB, compile_s=math.nan, gpu=gpu,
                    gpu_memory_gib=memory_gib, status="ok", note="")
         empty_cache()
         # Compiled backward graphs may donate (reuse) saved buffers, which forbids retain_graph=True; the

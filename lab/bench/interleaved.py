@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from lab.measure.device import error_summary, is_oom, synchronize
 from lab.measure.verdicts import GoalCheck, compare
+from lab.units import GiB
 
 #: ``build()`` returns ``(step, close)``: one training step, and what releases the implementation.
 Build = Callable[[], tuple[Callable[[], None], Callable[[], None]]]
@@ -131,7 +132,7 @@ def closer(wrapped, model, optimizer=None) -> Callable[[], None]:
     return close
 
 
-LEAK_WARNING_BYTES = 1 << 30
+LEAK_WARNING_BYTES = GiB
 
 
 def _warn_if_left(name: str, device: torch.device, baseline: int, wait_s: float = 2.0) -> None:
@@ -154,8 +155,8 @@ def _warn_if_left(name: str, device: torch.device, baseline: int, wait_s: float 
     waited = time.perf_counter() - start
     then = (f"released within {waited:.1f} s (held a moment past the release, not leaked)"
             if later <= LEAK_WARNING_BYTES else
-            f"{later / 2**30:.1f} GiB after {waited:.1f} s more (a leak: the next builds may run out of memory)")
-    print(f"time_interleaved: {left / 2**30:.1f} GiB still allocated after closing {name!r}; {then}",
+            f"{later / GiB:.1f} GiB after {waited:.1f} s more (a leak: the next builds may run out of memory)")
+    print(f"time_interleaved: {left / GiB:.1f} GiB still allocated after closing {name!r}; {then}",
           file=sys.stderr, flush=True)
 
 

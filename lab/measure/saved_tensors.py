@@ -28,6 +28,8 @@ import pandas as pd
 import torch
 from torch import nn
 
+from lab.units import MiB
+
 
 @dataclass
 class SavedTensorReport:
@@ -73,7 +75,7 @@ class SavedTensorReport:
         g = g.sort_values("bytes", ascending=False).reset_index()
         total = g["bytes"].sum()
         g["share"] = g["bytes"] / total if total else 0.0
-        g["mib"] = g["bytes"] / 2**20
+        g["mib"] = g["bytes"] / MiB
         return g[[key, "bytes", "mib", "share", "tensors", "storages"]]
 
 
