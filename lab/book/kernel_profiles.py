@@ -159,8 +159,7 @@ def matmul_answer(kernels: pd.DataFrame) -> str:
 def profile_caption(steps: pd.DataFrame, kernels: pd.DataFrame, trace_dir: str | Path) -> str:
     """What was profiled and where the traces are."""
     r = steps.iloc[0]
-    trace_dir = Path(trace_dir)
-    shown = trace_dir.relative_to(paths.REPO_ROOT) if trace_dir.is_relative_to(paths.REPO_ROOT) else trace_dir
+    shown = paths.repo_relative(trace_dir)
     return (f"Profiled **{r['size']}** at context {int_text(r['context'])}, batch {int_text(r['batch'])}, fp32, "
             f"{r['attention']} attention, {int(r['profiled_steps'])} steps per mode; times are "
             f"{time_unit(kernels)[1]}; traces in `{shown}` (open them at ui.perfetto.dev).")

@@ -101,11 +101,6 @@ def offline_snapshot_html(snapshot_path: str | os.PathLike, title: str | None = 
             f"{largest.to_html(index=False, float_format='{:.4g}'.format)}\n</body></html>\n")
 
 
-def _display_path(path: str | os.PathLike) -> str:
-    p = Path(path).resolve()
-    return str(p.relative_to(paths.REPO_ROOT)) if p.is_relative_to(paths.REPO_ROOT) else str(p)
-
-
 def export_snapshot_pages(folder: str | os.PathLike, names, titles: dict | None = None) -> pd.DataFrame:
     """Write two HTML pages for each snapshot ``<folder>/<name>.pickle``: ``<name>.offline.html``
     (:func:`offline_snapshot_html`) and ``<name>.memory_viz.html`` (torch's memory_viz page, the snapshot
@@ -122,8 +117,8 @@ def export_snapshot_pages(folder: str | os.PathLike, names, titles: dict | None 
         viz = export_memory_viz_html(pickle_path, folder / f"{name}.memory_viz.html")
         for kind, page in (("offline (PNG + tables)", offline), ("memory_viz", viz)):
             ext = external_resources(Path(page).read_text(encoding="utf-8"))
-            rows.append(dict(snapshot=name, page=kind, path=_display_path(page), external=", ".join(ext) or "none",
-                             works_offline=not ext))
+            rows.append(dict(snapshot=name, page=kind, path=paths.repo_relative(page),
+                             external=", ".join(ext) or "none", works_offline=not ext))
     return pd.DataFrame(rows, columns=["snapshot", "page", "path", "external", "works_offline"])
 
 
