@@ -11,11 +11,12 @@ import sys
 from collections.abc import Sequence
 
 from lab import cli
+from lab.bench.fastest import benchmark, results_table
+from lab.measure.results import save_results
+from lab.recipes.fastest_step import CONFIGS, PROJECT, PROJECT_ONE_GPU, ablations, recipes_for
 
 
 def parser() -> cli.Parser:
-    from lab.recipes.fastest_step import CONFIGS, PROJECT, PROJECT_ONE_GPU, ablations
-
     p = cli.Parser(prog="python -m lab.fastest", description="Time the book's fastest training step (and the stock "
                    "PyTorch step) for a configuration; prints step time, peak memory, tokens/s and MFU.")
     p.add_argument("--config", choices=list(CONFIGS), default="2.7B",
@@ -37,8 +38,6 @@ def parser() -> cli.Parser:
 
 def choose_recipes(config, names: Sequence[str]):
     """The named recipes of ``config`` (``all``: the book's, both stock steps and every ablation)."""
-    from lab.recipes.fastest_step import ablations, recipes_for
-
     base = recipes_for(config)
     known = {**base, **{r.name: r for r in ablations(base["project"])}}
     if list(names) == ["all"]:
@@ -80,8 +79,6 @@ def fastest_main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     import torch
 
-    from lab.bench.fastest import benchmark, results_table
-    from lab.recipes.fastest_step import CONFIGS
 
     config = CONFIGS[args.config]
     if args.num_layers:
@@ -114,8 +111,6 @@ def fastest_main(argv: Sequence[str] | None = None) -> int:
             "wall_s"]
     print(table[cols].to_markdown(index=False, floatfmt=".4g"))
     if args.results_dir:
-        from lab.measure.results import save_results
-
         print(save_results(table, "fastest_step", args.results_dir, vars(args), source="lab.fastest"), file=sys.stderr)
     return 0
 

@@ -14,6 +14,17 @@ def resolve(path: str | os.PathLike) -> Path:
     return p if p.is_absolute() else REPO_ROOT / p
 
 
+def repo_relative(path) -> str | None:
+    """``path`` relative to the repository root when it lies inside it, else as given (tables that name a
+    trace travel between machines); None for anything that is not a path (None, a table's missing value)."""
+    if not isinstance(path, (str, os.PathLike)):
+        return None
+    try:
+        return str(Path(path).resolve().relative_to(REPO_ROOT))
+    except ValueError:
+        return str(path)
+
+
 def results_dir(path: str | os.PathLike = "results") -> Path:
     """The results folder (created if missing)."""
     p = resolve(path)

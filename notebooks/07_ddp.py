@@ -28,7 +28,7 @@
 # per-rank batch: the ideal a data-parallel step can approach.
 #
 # **How the steps are timed.** A 2-rank step at this batch is partly host-bound, and the host's load
-# drifts; timing each wrapper in a block of its own would rank them by when they ran (`notes/multi_gpu.md`).
+# drifts; timing each wrapper in a block of its own would rank them by when they ran.
 # So all wrappers, PyTorch's DDP and the single device included, take turns in the same processes
 # (`lab.bench.interleaved`): round after round, each runs its steps in an order rotated every round, step by
 # step when every copy of the model fits in memory, otherwise rebuilt for each turn. Each reports the median

@@ -1,4 +1,5 @@
-"""The map of lab/: imports point one way (README "Layout"), and there are no import cycles."""
+"""The map of lab/: imports point one way (README "Layout"), there are no import cycles, and lab's own
+imports sit at the top of a module (a function-level import only for an optional dependency)."""
 
 import ast
 from pathlib import Path
@@ -8,7 +9,7 @@ import pytest
 from lab.paths import REPO_ROOT
 
 LAB = REPO_ROOT / "lab"
-LEAVES = {"lab.cli", "lab.dtypes", "lab.paths"}
+LEAVES = {"lab.cli", "lab.dtypes", "lab.paths", "lab.units"}
 # subpackage -> the other parts of lab it may import (besides itself and the leaf modules)
 ALLOWED = {
     "kernels": set(),
@@ -68,3 +69,173 @@ def test_every_subpackage_says_what_it_owns_and_may_import():
 def test_no_module_is_much_longer_than_one_concept():
     long = [(str(p.relative_to(LAB)), n) for p in LAB.rglob("*.py") if (n := len(p.read_text().splitlines())) > 460]
     assert not long, f"modules over ~450 lines (split them by concept): {long}"
+
+
+# --- the import graph, from the AST: top-level and function-level imports alike ---------------------------
+
+#: The comment an allowed function-level import carries (on its line or the line above): it imports a module
+#: that needs an optional dependency (Triton, Linux only), which ``import lab`` must work without.
+OPTIONAL = "optional dependency"
+#: Function-level imports in files that other helpers change in this same round (they hoist them, or mark
+#: them optional). An entry must still exist: delete it when its import is gone, so the list only shrinks.
+PENDING = {
+    ("bench/fastest.py", "lab.measure.traces"), ("bench/fastest.py", "lab.paths"),
+    ("bench/fastest.py", "lab.parallel.gpu_pool"),
+    ("bench/flash.py", "lab.measure.results"), ("bench/flash.py", "lab.kernels.flash_triton"),
+    ("bench/fused_loss.py", "lab.measure.timing"), ("bench/fused_loss.py", "lab.kernels.fused_cross_entropy"),
+    ("bench/fused_loss.py", "lab.kernels.fused_cross_entropy_kernels"),
+    ("bench/lm.py", "lab.accounting"), ("bench/lm.py", "lab.measure.device"), ("bench/lm.py", "lab.measure.process"),
+    ("bench/lm.py", "lab.measure.profiling"),
+    ("book/fastest.py", "lab.accounting"), ("book/flash.py", "lab.book.report"),
+    ("kernels/fused_cross_entropy_kernels.py", "lab.kernels.sm90_compile"),
+    ("measure/step.py", "lab.measure.memory_snapshot"), ("measure/step.py", "lab.measure.memory_timeline"),
+    ("parallel/fsdp_layout.py", "lab.parallel.fsdp"),
+    ("recipes/fastest_step.py", "lab.model.transformer"), ("recipes/fastest_step.py", "lab.accounting"),
+    ("recipes/fastest_step.py", "lab.kernels.flash_triton"), ("recipes/fastest_step.py", "lab.parallel.fsdp"),
+    ("recipes/fastest_step.py", "lab.parallel.launcher"),
+}
+#: Import cycles another helper removes in this same round (delete the entry then, as for PENDING).
+PENDING_CYCLES = [{"lab.parallel.fsdp", "lab.parallel.fsdp_layout"}]
+
+
+def _module_name(path: Path) -> str:
+    name = ".".join(path.relative_to(REPO_ROOT).with_suffix("").parts)
+    return name.removesuffix(".__init__")
+
+
+MODULES = {_module_name(p): p for p in LAB.rglob("*.py")}
+
+
+def _resolve(name: str) -> str:
+    """The lab module an imported name lives in: ``lab.measure.step.MODES`` -> ``lab.measure.step``."""
+    while name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name
+
+
+def _imports(path: Path):
+    """Every import of a lab module in ``path``: (node, resolved modules, at module top)."""
+    tree = ast.parse(path.read_text())
+    top = {id(node) for node in tree.body}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "lab":
+            found = {_resolve(f"{node.module}.{a.name}") for a in node.names}
+        elif isinstance(node, ast.Import):
+            found = {_resolve(a.name) for a in node.names if a.name.split(".")[0] == "lab"}
+        else:
+            continue
+        if found:
+            yield node, found, id(node) in top
+
+
+def _graph() -> dict[str, set[str]]:
+    return {name: {m for _, found, _ in _imports(path) for m in found} - {name} for name, path in MODULES.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(component)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _triton_modules() -> set[str]:
+    """lab modules that import Triton, directly or through the lab modules they import at their top."""
+    direct = set()
+    edges = {}
+    for name, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
+            if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "triton" for a in node.names):
+                direct.add(name)
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "triton":
+                direct.add(name)
+        edges[name] = {m for _, found, top in _imports(path) if top for m in found}
+    needs, grew = set(direct), True
+    while grew:
+        grew = False
+        for name, targets in edges.items():
+            if name not in needs and targets & needs:
+                needs.add(name)
+                grew = True
+    return needs
+
+
+def test_cycle_finder_finds_a_cycle_and_only_cycles():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles_between_lab_modules():
+    cycles = _cycles(_graph())
+    new = [c for c in cycles if c not in PENDING_CYCLES]
+    assert not new, f"import cycles in lab (move the shared code to the lower module): {new}"
+    stale = [c for c in PENDING_CYCLES if c not in cycles]
+    assert not stale, f"these cycles are gone: delete them from PENDING_CYCLES: {stale}"
+
+
+def test_lab_imports_sit_at_the_top_of_a_module():
+    optional = _triton_modules()
+    assert {"lab.kernels.flash_triton", "lab.kernels.fused_cross_entropy"} <= optional
+    found = set()
+    for path in sorted(LAB.rglob("*.py")):
+        lines = path.read_text().splitlines()
+        rel = str(path.relative_to(LAB))
+        for node, modules, top in _imports(path):
+            if top:
+                continue
+            said = " ".join(lines[max(node.lineno - 2, 0):node.lineno])
+            if modules <= optional and OPTIONAL in said:
+                continue
+            found.update((rel, module) for module in modules)
+    late = sorted(found - PENDING)
+    assert not late, ("a lab import inside a function (move it to the top; if it hides a cycle, remove the "
+                      f"cycle; for an optional dependency say '{OPTIONAL}' in a comment): {late}")
+    stale = sorted(PENDING - found)
+    assert not stale, f"these imports moved to the top: delete them from PENDING: {stale}"
+
+
+def test_no_module_imports_another_modules_private_names():
+    bad = []
+    for path in sorted(LAB.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        aliases = {}
+        for node, _, _ in _imports(path):
+            if isinstance(node, ast.ImportFrom):
+                bad += [f"{path.relative_to(LAB)}: {node.module}.{a.name}" for a in node.names
+                        if a.name.startswith("_")]
+                aliases.update({a.asname or a.name: node.module for a in node.names})
+            else:
+                aliases.update({(a.asname or a.name).split(".")[0]: a.name for a in node.names})
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                    and node.attr.startswith("_") and not node.attr.startswith("__")):
+                bad.append(f"{path.relative_to(LAB)}: {node.value.id}.{node.attr}")
+    pending = {"parallel/zero1.py"}  # its owner makes sharded_optimizer's helpers public in this same round
+    new = [b for b in bad if b.split(":")[0] not in pending]
+    assert not new, f"imports of another module's private names (make them public with a docstring): {new}"
+    assert any(b.startswith("parallel/zero1.py") for b in bad), "zero1 is clean: delete it from pending"

@@ -7,7 +7,7 @@ v5p), ``ring_sim`` (the simulator). Formulas take numbers, sympy symbols or any 
 config's fields; nothing here builds or runs a model (measured-vs-predicted checks live in
 ``lab.bench.accounting``). Their public names are importable from ``lab.accounting`` directly.
 
-May import: sympy, numpy, pandas. Nothing else from ``lab``.
+May import: sympy, numpy, pandas, and the leaf ``lab.units``. Nothing else from ``lab``.
 """
 
 from lab.accounting.collectives import *  # noqa: F401,F403

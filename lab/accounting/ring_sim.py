@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from lab import accounting as accounting
+
 
 @dataclass
 class RingResult:
@@ -210,8 +212,6 @@ def check_closed_forms(sizes_bytes, devices, bandwidth: float, latency: float = 
     and times equal to 1e-12 relative). Values are verified by :func:`simulate` on the way.
     """
     import pandas as pd
-
-    from lab import accounting as accounting
 
     rows = []
     for collective in accounting.COLLECTIVES:

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import sympy as sp
 
+from lab.units import GB, GiB  # noqa: F401 (re-exported: the closed forms' units)
+
 S, N, W, alpha = sp.symbols("S N W alpha", positive=True)
 B, D, F, L, V, H, T = sp.symbols("B D F L V H T", positive=True)
 C, p = sp.symbols("C p", positive=True)  # FLOP/s per device; bytes per communicated element
 X, Y, W_X, W_Y, M_X, M_Y, W_ici = sp.symbols("X Y W_X W_Y M_X M_Y W_ici", positive=True)
 
-GB = 10**9  # device memory is sold in decimal gigabytes (H100 "80 GB", TPU v5p "95 GB")
-GiB = 2**30
 HALF = sp.Rational(1, 2)  # FSDP shards every other layer's activations
 
 

@@ -12,8 +12,11 @@ import pandas as pd
 import sympy as sp
 
 from lab import accounting as acc
-from lab.accounting import BENCH_DTYPE_TO_POLICY, GiB, saved_activation_bytes, state_memory, training_memory
-from lab.measure.step import MODES, mode_columns
+from lab.accounting import BENCH_DTYPE_TO_POLICY, saved_activation_bytes, state_memory, training_memory
+from lab.measure.saved_tensors import saved_tensor_report
+from lab.measure.step import MODES, lm_loss, mode_columns
+from lab.model.transformer import MODEL_SIZES, ModelConfig, TransformerLM, config_for
+from lab.units import GiB
 
 #: The two FFNs of the XXL question: as posed (two matrices, up and down, no activation) and SwiGLU's three.
 FFN_VARIANTS = {2: "2 matrices (the question)", 3: "SwiGLU (3 matrices)"}
@@ -23,8 +26,6 @@ TPU_MESH = dict(X=16, Y=4, M_X=2, M_Y=1)
 
 def size_configs(sizes=None, context: int = 512) -> dict:
     """``{name: ModelConfig}`` of the named sizes (default: every size in the spec) at ``context``."""
-    from lab.model.transformer import MODEL_SIZES, config_for
-
     return {s: config_for(s, context_length=context) for s in (sizes or list(MODEL_SIZES))}
 
 
@@ -156,8 +157,6 @@ def predicted_vs_measured(lm_step=None, sharding=None, device_type: str = "cuda"
     skipped. Returns a DataFrame with ``table`` (which results table the row comes from), the configuration,
     ``predicted_gib``, ``measured_gib``, ``ratio`` (measured / predicted) and the predicted parts.
     """
-    from lab.model.transformer import ModelConfig, config_for
-
     def cfg_of(row):
         attention = row.get("attention", "sdpa")
         attention = attention if isinstance(attention, str) else "sdpa"
@@ -237,9 +236,6 @@ def saved_activations_check(configs: dict, batch: int, context: int,
 
     import torch
 
-    from lab.measure.saved_tensors import saved_tensor_report
-    from lab.measure.step import lm_loss
-    from lab.model.transformer import TransformerLM
 
     rows = []
     for name, base in configs.items():

@@ -9,9 +9,9 @@ What lives here, for notebooks 04 and 05:
   memory, the configuration to account for; and the whole model eager against compiled, size by size
   (``lm_step`` rows, notebook 04).
 
-The closed forms (FLOPs, naive attention's memory, FlashAttention's saved bytes, the power-law fit) and
-``saved_tensor_bytes`` live in :mod:`lab.bench.attention_costs`; the FlashAttention grid and its goals in
-:mod:`lab.bench.flash`.
+The closed forms (FLOPs, naive attention's memory, FlashAttention's saved bytes, the power-law fit) live in
+:mod:`lab.bench.attention_costs`, what autograd really saves in :func:`lab.measure.saved_tensors.saved_tensor_bytes`;
+the FlashAttention grid and its goals in :mod:`lab.bench.flash`.
 
 Attention functions here take ``fn(q, k, v, causal)`` on ``(batch, seq, d)`` tensors (heads folded into
 the batch), the interface of ``FlashAttentionTriton.apply``.
@@ -27,10 +27,17 @@ import pandas as pd
 import torch
 import torch._functorch.config  # not imported by ``import torch``; run_naive_grid patches it
 
-from lab.bench.attention_costs import DTYPES, fit_power_law, naive_attention_totals, saved_tensor_bytes
+from lab.bench.attention_costs import DTYPES, fit_power_law, naive_attention_totals
+from lab.bench.lm import compare_variants
 from lab.bench.progress import progress_bar
-from lab.measure.device import empty_cache, is_oom, resolve_device, synchronize
+from lab.kernels.flash_pytorch import FlashAttentionPytorch
+from lab.measure.device import empty_cache, error_summary, is_oom, resolve_device, synchronize
+from lab.measure.results import gpu_label
+from lab.measure.saved_tensors import saved_tensor_bytes
+from lab.measure.timing import time_callable
+from lab.measure.verdicts import compare_summaries
 from lab.model.attention import AttentionFn, get_attention, naive_attention
+from lab.units import GiB, MiB
 
 # ----------------------------------------------------------------------------------------------------------
 # The implementations being compared
@@ -98,16 +105,16 @@ def attention_impl(name: str, device: torch.device | str = "auto") -> AttentionF
     if name.startswith("sdpa") and name in IMPLS:
         return sdpa_on_heads(name)
     if name == "triton":
+        # optional dependency: Triton (Linux only), imported only when its kernel is asked for
         from lab.kernels.flash_triton import FlashAttentionTriton
 
         return lambda q, k, v, causal: FlashAttentionTriton.apply(q, k, v, causal)
     if name == "triton_compiled_bwd":
+        # optional dependency: Triton (Linux only), imported only when its kernel is asked for
         from lab.kernels.flash_triton import FlashAttentionTritonCompiledBackward
 
         return lambda q, k, v, causal: FlashAttentionTritonCompiledBackward.apply(q, k, v, causal)
     if name == "pytorch_flash":
-        from lab.kernels.flash_pytorch import FlashAttentionPytorch
-
         return lambda q, k, v, causal: FlashAttentionPytorch.apply(q, k, v, causal)
     if name == "flex":
         return flex_attention_fn()
@@ -119,22 +126,15 @@ def attention_impl(name: str, device: torch.device | str = "auto") -> AttentionF
 
 
 def attention_inputs(batch: int, seq: int, d: int, dtype: torch.dtype, device: torch.device, seed: int = 0):
-    """Seeded standard-normal q, k, v (requiring grad) and an output gradient, each (batch, seq, d)."""
+    """Seeded random ``q, k, v`` (requiring gradients) and an upstream gradient ``dout``, each ``(batch, seq,
+    d)`` in ``dtype`` on ``device``: the same values on every device for one seed (drawn on the CPU)."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     make = lambda: torch.randn(batch, seq, d, generator=gen).to(device=device, dtype=dtype)
     q, k, v = (make().requires_grad_() for _ in range(3))
     return q, k, v, make()
 
 
-def first_line(exc: BaseException) -> str:
-    """``"ExceptionType: first line of its message"`` (at most 160 characters of it), for a table's note."""
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:160] if text else ''}"
-
-
 def _measure_naive(fn: AttentionFn, batch, seq, d, dtype, causal, passes, warmup, device, row) -> None:
-    from lab.measure.timing import time_callable
-
     torch_dtype = DTYPES[dtype]
     if device.type == "cuda":
         # cuBLAS takes its workspace from PyTorch's allocator on first use: create it before the baseline
@@ -142,7 +142,7 @@ def _measure_naive(fn: AttentionFn, batch, seq, d, dtype, causal, passes, warmup
         torch.ones(8, 8, device=device, dtype=torch_dtype) @ torch.ones(8, 8, device=device, dtype=torch_dtype)
         synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-        row["mem_baseline_mib"] = torch.cuda.memory_allocated(device) / 2**20
+        row["mem_baseline_mib"] = torch.cuda.memory_allocated(device) / MiB
     q, k, v, dout = attention_inputs(batch, seq, d, torch_dtype, device)
     row["phase"] = "forward"
     fwd = time_callable(lambda: fn(q, k, v, causal), warmup, passes, device)
@@ -153,17 +153,17 @@ def _measure_naive(fn: AttentionFn, batch, seq, d, dtype, causal, passes, warmup
     out = fn(q, k, v, causal)
     synchronize(device)
     if device.type == "cuda":
-        row["mem_before_bwd_mib"] = torch.cuda.memory_allocated(device) / 2**20
-        row["forward_left_mib"] = (torch.cuda.memory_allocated(device) - base) / 2**20
+        row["mem_before_bwd_mib"] = torch.cuda.memory_allocated(device) / MiB
+        row["forward_left_mib"] = (torch.cuda.memory_allocated(device) - base) / MiB
     row["phase"] = "backward"
     bwd = time_callable(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True), warmup, passes,
                         device)
     row.update(bwd_ms=bwd.mean_ms, bwd_std_ms=bwd.std_ms, phase="saved-tensor count")
     if device.type == "cuda":
-        row["peak_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
+        row["peak_mib"] = torch.cuda.max_memory_allocated(device) / MiB
     out = None  # the lambda above holds the graph through this name: drop it
     # what autograd keeps, counted tensor by tensor (device independent), once per configuration
-    row["saved_mib"] = saved_tensor_bytes(lambda a, b, c: fn(a, b, c, causal), q, k, v) / 2**20
+    row["saved_mib"] = saved_tensor_bytes(lambda a, b, c: fn(a, b, c, causal), q, k, v) / MiB
 
 
 def run_naive_grid(fn: AttentionFn = naive_attention, ds: Sequence[int] = (16, 32, 64, 128),
@@ -187,8 +187,6 @@ def run_naive_grid(fn: AttentionFn = naive_attention, ds: Sequence[int] = (16, 3
     :func:`naive_attention_totals`, ``gpu`` names the device (``"cpu"`` on the CPU) and ``gpu_memory_gib``
     is its total memory (NaN on the CPU).
     """
-    from lab.measure.results import gpu_label
-
     device = resolve_device(device) if isinstance(device, str) else device
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
@@ -199,7 +197,7 @@ def run_naive_grid(fn: AttentionFn = naive_attention, ds: Sequence[int] = (16, 3
         raise ValueError("compile must be a bool or a non-empty sequence of bools")
     impl = impl or getattr(fn, "__name__", "attention")
     gpu = gpu_label() if device.type == "cuda" else "cpu"
-    memory_gib = torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else math.nan
+    memory_gib = torch.cuda.get_device_properties(device).total_memory / GiB if device.type == "cuda" else math.nan
     grid = [(d, s, c) for d in ds for s in seqs for c in compiles]
     label = {(False,): "", (True,): " compiled"}.get(compiles, " eager and compiled")
     rows = []
@@ -209,9 +207,9 @@ def run_naive_grid(fn: AttentionFn = naive_attention, ds: Sequence[int] = (16, 3
                    passes=passes, fwd_ms=math.nan, fwd_std_ms=math.nan, bwd_ms=math.nan, bwd_std_ms=math.nan,
                    mem_baseline_mib=math.nan, mem_before_bwd_mib=math.nan, forward_left_mib=math.nan,
                    peak_mib=math.nan,
-                   saved_mib=math.nan, predicted_saved_mib=predicted["saved"] / 2**20,
-                   predicted_before_bwd_mib=predicted["before_backward"] / 2**20,
-                   predicted_peak_mib=predicted["peak"] / 2**20, compile_s=math.nan, gpu=gpu,
+                   saved_mib=math.nan, predicted_saved_mib=predicted["saved"] / MiB,
+                   predicted_before_bwd_mib=predicted["before_backward"] / MiB,
+                   predicted_peak_mib=predicted["peak"] / MiB, compile_s=math.nan, gpu=gpu,
                    gpu_memory_gib=memory_gib, status="ok", note="")
         empty_cache()
         # Compiled backward graphs may donate (reuse) saved buffers, which forbids retain_graph=True; the
@@ -222,7 +220,7 @@ def run_naive_grid(fn: AttentionFn = naive_attention, ds: Sequence[int] = (16, 3
         except Exception as exc:
             if not is_oom(exc):
                 raise
-            row.update(status="oom", note=f"out of memory in {row.get('phase', 'setup')}: {first_line(exc)}")
+            row.update(status="oom", note=f"out of memory in {row.get('phase', 'setup')}: {error_summary(exc)}")
         row.pop("phase", None)
         rows.append(row)
         gc.collect()
@@ -266,8 +264,6 @@ def eager_vs_compiled(eager: pd.DataFrame, compiled: pd.DataFrame) -> pd.DataFra
 
 
 def _compiled_verdict(row: pd.Series, p: str) -> str:
-    from lab.measure.verdicts import compare_summaries
-
     names = [f"{p}_ms_compiled", f"{p}_std_ms_compiled", "passes_compiled", f"{p}_ms_eager", f"{p}_std_ms_eager",
              "passes_eager"]
     if not all(n in row.index for n in names) or pd.isna(row[names]).any():
@@ -332,8 +328,6 @@ def lm_eager_vs_compiled(sizes: Sequence[str], context: int = 512, batch: int = 
     one right after the other in this process: ``lm_step`` rows (each mode's mean, standard deviation over
     ``steps`` samples and peak memory). A size that does not fit is a row with ``status="oom"`` whose modes
     that fit keep their numbers."""
-    from lab.bench.lm import compare_variants
-
     variants = [dict(attention=attention), dict(attention=attention, compile=True)]
     tables = [compare_variants(size, variants, context=context, batch=batch, dtype=dtype, modes=modes,
                                warmup=warmup, steps=steps, device=device, progress=progress) for size in sizes]

@@ -1,13 +1,13 @@
 """Closed forms of attention's costs, for notebooks 04 and 05: matmul FLOPs (causal attention counted pair
 by pair), the memory naive attention keeps for backward (the ``batch x seq x seq`` probability matrix) term by
-term, what FlashAttention saves instead, ``saved_tensor_bytes`` (what autograd really saved, on any device: the
-check of those closed forms) and the power-law fit of memory against length. The measurements that use them
-live in :mod:`lab.bench.attention` and :mod:`lab.bench.flash`.
+term, what FlashAttention saves instead, and the power-law fit of memory against length. They are checked
+against what autograd really saves (:func:`lab.measure.saved_tensors.saved_tensor_bytes`); the measurements
+that use them live in :mod:`lab.bench.attention` and :mod:`lab.bench.flash`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import numpy as np
 import pandas as pd
@@ -121,32 +121,6 @@ def flash_attention_saved_bytes(batch: int, seq: int, d: int, dtype: str | torch
     fp32 logsumexp L (``batch*heads*seq``): linear in ``seq``, where naive attention's P is quadratic."""
     bh = batch * heads
     return 4 * bh * seq * d * dtype_bytes(dtype) + bh * seq * 4
-
-
-def saved_tensor_bytes(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor, exclude_inputs: bool = True) -> int:
-    """Bytes of the distinct storages autograd saves for backward while running ``fn(*inputs)``.
-
-    Measured with ``torch.autograd.graph.saved_tensors_hooks`` (so it works on the CPU too); a storage
-    saved by several operations counts once, and by default storages of the inputs are left out (they
-    exist anyway). Returns bytes.
-    """
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor):
-        storage = t.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-        # Detached (same storage): returning an op's own output would tie it to its grad_fn in a cycle
-        # that runs through C++ and that Python's gc cannot break, leaking the seq x seq tensor.
-        return t.detach()
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn(*inputs)
-    del out
-    if exclude_inputs:
-        for t in inputs:
-            if isinstance(t, torch.Tensor):
-                seen.pop(t.untyped_storage().data_ptr(), None)
-    return int(sum(seen.values()))
 
 
 def fit_power_law(x: Iterable[float], y: Iterable[float]) -> tuple[float, float]:

@@ -14,10 +14,11 @@ from collections.abc import Sequence
 import pandas as pd
 
 from lab import cli
-from lab.bench.lm import lm_config
+from lab.bench.lm import benchmark_lm, lm_config, lm_step_table
 from lab.bench.memory_estimate import fit_advice
 from lab.dtypes import TRAINING_DTYPES
-from lab.measure.device import available_memory_bytes
+from lab.measure.device import available_memory_bytes, resolve_device
+from lab.measure.results import save_results
 from lab.measure.step import MODES
 from lab.model import MODEL_SIZES, QUICK_SIZES, ModelConfig, config_for
 from lab.model.attention import attention_names
@@ -89,8 +90,6 @@ def refuse_what_cannot_fit(size, contexts, batch, dtype, modes, device, attentio
 def lm_main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     size = _model(args)
-    from lab.bench.lm import benchmark_lm, lm_step_table
-    from lab.measure.device import resolve_device
 
     try:
         device = resolve_device(args.device)
@@ -114,8 +113,6 @@ def lm_main(argv: Sequence[str] | None = None) -> int:
         shown = df[[c for c in cols if c in df.columns]].dropna(axis=1, how="all")
         print(shown.to_markdown(index=False, floatfmt=".2f"))
     if args.results_dir:
-        from lab.measure.results import save_results
-
         path = save_results(lm_step_table(df), "lm_step", args.results_dir, params=vars(args), source="lab.bench")
         print(f"rows written to {path}", file=sys.stderr)
     return 0

@@ -31,11 +31,12 @@ from lab import cli
 from lab.accounting.collectives import ring_factor
 from lab.bench.progress import progress_bar
 from lab.measure.device import available_memory_bytes, is_oom, synchronize
+from lab.measure.results import save_results
 from lab.parallel import launcher as distributed
 from lab.parallel.collectives import all_gather_tensor, reduce_scatter_tensor
+from lab.units import MiB
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
-MIB = 2**20
 
 
 def bus_bandwidth_factor(op: str, world_size: int) -> float:
@@ -224,7 +225,7 @@ def benchmark_collectives(ops: Sequence[str] = OPS, sizes_mb: Sequence[float] = 
         bus_bandwidth_factor(op, 2)  # validates the name
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' (gloo) or 'cuda' (NCCL), got {device!r}")
-    sizes_bytes = [int(mb * MIB) for mb in sizes_mb]
+    sizes_bytes = [int(mb * MiB) for mb in sizes_mb]
     run, _ = plan_world_sizes(world_sizes, device)
     rows = []
     for n in progress_bar(run, f"collectives on {device}", progress):
@@ -240,7 +241,7 @@ def aggregate_over_ranks(per_rank: list[list[dict]], world_size: int, backend: s
     for results in zip(*per_rank):
         first = results[0]
         row = {"backend": backend, "op": first["op"], "world_size": world_size,
-               "size_mb": first["size_bytes"] / MIB, "size_bytes": first["size_bytes"],
+               "size_mb": first["size_bytes"] / MiB, "size_bytes": first["size_bytes"],
                "correct": all(r["correct"] for r in results if r["correct"] is not None),
                "status": "oom" if any(r["status"] == "oom" for r in results) else "ok"}
         if row["status"] == "ok":
@@ -285,7 +286,7 @@ def latency_bandwidth_fit(df: pd.DataFrame) -> pd.DataFrame:
         bandwidth = 1.0 / per_byte / 1e6 if per_byte > 0 else float("nan")  # per_byte in ms per byte
         predicted = latency + x * max(float(per_byte), 0.0)
         rows.append({"backend": backend, "op": op, "world_size": n, "sizes": len(part), "latency_ms": latency,
-                     "bandwidth_gbps": bandwidth, "half_latency_mb": latency * 1e-3 * bandwidth * 1e9 / MIB,
+                     "bandwidth_gbps": bandwidth, "half_latency_mb": latency * 1e-3 * bandwidth * 1e9 / MiB,
                      "max_residual": float(np.max(np.abs(predicted - y) / y))})
     return pd.DataFrame(rows, columns=["backend", "op", "world_size", "sizes", "latency_ms", "bandwidth_gbps",
                                        "half_latency_mb", "max_residual"])
@@ -318,7 +319,7 @@ def buffer_bytes(op: str, size_bytes: float, world_size: int) -> float:
 def check_fits(ops: Sequence[str], sizes_mb: Sequence[float], world_sizes: Sequence[int], device: str) -> None:
     """Refuse (:class:`lab.cli.UsageError`) a grid whose buffers cannot fit: on the CPU every rank's buffers
     together against the available memory, on CUDA one rank's against one GPU's."""
-    per_rank = max(buffer_bytes(op, mb * MIB, w) for op in ops for mb in sizes_mb for w in world_sizes)
+    per_rank = max(buffer_bytes(op, mb * MiB, w) for op in ops for mb in sizes_mb for w in world_sizes)
     ranks = max(world_sizes) if device == "cpu" else 1
     need = per_rank * ranks
     available = available_memory_bytes("cpu" if device == "cpu" else "cuda:0")
@@ -345,8 +346,6 @@ def collectives_main(argv: Sequence[str] | None = None) -> int:
     cols = ["backend", "op", "world_size", "size_mb", "time_ms", "algbw_gbps", "busbw_gbps", "correct", "status"]
     print(df[[c for c in cols if c in df.columns]].to_markdown(index=False, floatfmt=".4g"))
     if args.results_dir:
-        from lab.measure.results import save_results
-
         print(save_results(df, "collectives", args.results_dir, vars(args), source="lab.bench.collectives"))
     return 0
 

@@ -41,6 +41,7 @@ from lab.bench.interleaved import (
 from lab.bench.memory_estimate import HEADROOM, cpu_peak_bytes
 from lab.measure.device import available_memory_bytes, synchronize
 from lab.measure.profiling import profile_step
+from lab.measure.results import save_results
 from lab.measure.step import TrainStep, make_optimizer, random_batch
 from lab.measure.traces import read_trace, step_overlap
 from lab.model import ModelConfig, TransformerLM, config_for
@@ -229,18 +230,9 @@ def benchmark_ddp(size: str | ModelConfig = "xl", context: int = 512, batch: int
                          comm_ms=0.0 if impl == "single_gpu" and ok else profile.get("comm_ms", math.nan),
                          overlap_frac=profile.get("overlap_frac", math.nan),
                          n_buckets=first["n_buckets"].get(key, math.nan), grad_mb=first["grad_mb"],
-                         trace=_relative(profile.get("trace")), status=timing["status"], error=timing["error"]))
+                         trace=paths.repo_relative(profile.get("trace")), status=timing["status"],
+                         error=timing["error"]))
     return pd.DataFrame(rows)
-
-
-def _relative(path: str | None) -> str | None:
-    """A trace path relative to the repository root when it lies inside it (tables travel between machines)."""
-    if path is None:
-        return None
-    try:
-        return str(Path(path).resolve().relative_to(paths.REPO_ROOT))
-    except ValueError:
-        return path
 
 
 @dataclass(frozen=True)
@@ -423,8 +415,6 @@ def ddp_main(argv: Sequence[str] | None = None) -> int:
             "n_buckets", "status"]
     print(df[cols].to_markdown(index=False, floatfmt=".4g"))
     if args.results_dir:
-        from lab.measure.results import save_results
-
         print(save_results(df, "ddp_benchmark", args.results_dir, vars(args), source="lab.bench.ddp"))
     return 0
 

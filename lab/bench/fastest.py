@@ -23,7 +23,7 @@ import torch
 
 from lab.bench.progress import progress_line
 from lab.measure.device import empty_cache, error_summary, is_oom, synchronize
-from lab.measure.profiling import profile_step
+from lab.measure.profiling import kernel_class, profile_step
 from lab.measure.timing import time_callable, time_kernel
 from lab.parallel import launcher
 from lab.recipes.fastest_step import (
@@ -37,20 +37,13 @@ from lab.recipes.fastest_step import (
     mfu,
     model_flops_per_step,
 )
+from lab.units import GiB
 
-GiB = 2**30
 #: Kernel classes of a step's time, in the order they are assigned (a kernel launched inside ``recompute``
 #: counts as recomputation whatever it computes).
 PHASE_COLUMNS = ["recompute_ms", "optimizer_ms", "attention_ms", "matmul_ms", "loss_ms", "other_kernels_ms",
                  "exposed_communication_ms", "idle_ms"]
 
-
-#: Kernel names of the loss: PyTorch's log-softmax (``cunn_SoftMaxForward<..LogSoftMaxForwardEpilogue>``) and
-#: NLL kernels, and the fused loss's own (``lab.kernels.fused_cross_entropy_kernels``), whose tiles also compute
-#: the LM head's logits forward and again in the backward (the materialized loss's LM head is a cuBLAS matmul);
-#: the fused loss's weight and hidden-state gradient products (its ``_matmul_kernel``) count as matmuls.
-LOSS_KERNELS = ("lce", "cross_entropy", "log_softmax", "logsoftmax", "nll_loss", "_lse_kernel", "_dlogits_kernel",
-                "_softmax_grad_kernel")
 #: How many of the ``other kernels`` (by time) a row names in ``other_kernels_top``.
 OTHER_TOP = 8
 
@@ -58,20 +51,14 @@ OTHER_TOP = 8
 def kernel_phase(name: str, launched_in: str) -> str:
     """The phase a kernel's time belongs to: ``recompute`` or ``optimizer`` by where it was launched, else
     ``attention``, ``matmul``, ``loss``, ``communication`` or ``other`` by its name."""
-    from lab.measure.profiling import kernel_class
-
-    n = name.lower()
-    if "nccl" in n:
+    kind = kernel_class(name)
+    if kind == "communication":
         return "communication"
     if launched_in == "recompute":
         return "recompute"
     if launched_in == "optimizer_step":
         return "optimizer"
-    if any(k in n for k in LOSS_KERNELS):
-        return "loss"
-    if "flash" in n or "attn" in n or "attention" in n or "fmha" in n:
-        return "attention"
-    return "matmul" if kernel_class(name) == "matmul" else "other_kernels"
+    return {"fused attention": "attention", "other": "other_kernels"}.get(kind, kind)
 
 
 def phase_breakdown(trace_path: str | Path, steps: int = 1) -> dict[str, float | str]:

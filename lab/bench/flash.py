@@ -26,10 +26,10 @@ import numpy as np
 import pandas as pd
 import torch
 
-from lab.bench.attention import attention_impl, attention_inputs, first_line
+from lab.bench.attention import attention_impl, attention_inputs
 from lab.bench.attention_costs import DTYPES, PASSES, attention_flops, naive_attention_totals
 from lab.bench.progress import progress_bar
-from lab.measure.device import empty_cache, is_oom, resolve_device
+from lab.measure.device import empty_cache, error_summary, is_oom, resolve_device
 from lab.measure.timing import Timing, time_kernel
 from lab.measure.verdicts import GoalCheck, compare_summaries
 from lab.model.attention import AttentionFn, naive_attention
@@ -67,7 +67,7 @@ def unsupported_reason(exc: BaseException) -> str | None:
     text = str(exc).lower()
     if isinstance(exc, (ValueError, TypeError, RuntimeError, NotImplementedError)) and any(
             m in text for m in _UNSUPPORTED_MARKERS):
-        return f"not supported: {first_line(exc)}"
+        return f"not supported: {error_summary(exc)}"
     return None
 
 
@@ -235,7 +235,7 @@ def run_flash_grid(impls: Sequence[str] | dict[str, AttentionFn] = ("triton", "p
                 _measure_flash(fns[name], bh, sh.seq, sh.d, dt, sh.causal, device, timer_kwargs, row)
             except Exception as exc:
                 if is_oom(exc):
-                    row.update(status="oom", note=f"out of memory in {row.get('phase')}: {first_line(exc)}")
+                    row.update(status="oom", note=f"out of memory in {row.get('phase')}: {error_summary(exc)}")
                 elif unsupported_reason(exc):
                     row.update(status="unsupported", note=unsupported_reason(exc))
                 else:

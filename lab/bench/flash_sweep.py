@@ -35,11 +35,11 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from lab.bench.attention import attention_impl, attention_inputs, first_line
+from lab.bench.attention import attention_impl, attention_inputs
 from lab.bench.attention_costs import DTYPES, PASSES, attention_flops
 from lab.bench.flash import Shape, course_timing_table
 from lab.kernels.flash_config import FlashConfig, backward_plan, block_d, forward_tiles
-from lab.measure.device import empty_cache, is_oom, resolve_device
+from lab.measure.device import empty_cache, error_summary, is_oom, resolve_device
 from lab.measure.timing import time_kernel
 from lab.model.attention import AttentionFn, get_attention
 
@@ -181,7 +181,7 @@ def sweep_shape(shape: Shape, dtype: str = "bf16", variants: dict | None = None,
         except Exception as exc:  # noqa: BLE001 - a variant that cannot compile or run is a row, not the end
             if is_oom(exc):
                 empty_cache()
-            row.update(status="error", note=first_line(exc))
+            row.update(status="error", note=error_summary(exc))
         rows.append(row)
         if sink:
             sink(row)
@@ -206,7 +206,7 @@ def _time_passes(fn, q, k, v, dout, causal, passes, device, timer, graph: bool =
                 row[f"{p}_graph_ms"] = time_kernel(_graph_replay(steps[p]), device, **timer).median_ms
             row["bwd_graph_ms"] = row["e2e_graph_ms"] - row["fwd_graph_ms"]
         except Exception as exc:  # noqa: BLE001 - a step that cannot be captured keeps its eager times
-            row["note"] = f"graph: {first_line(exc)}"
+            row["note"] = f"graph: {error_summary(exc)}"
     return row
 
 
@@ -302,7 +302,7 @@ def host_costs(shape: Shape, dtype: str = "bf16", impls: Sequence[str] = ("flash
             try:
                 row["graph_ms"] = time_kernel(_graph_replay(step), device, **timer).median_ms
             except Exception as exc:  # noqa: BLE001 - a step that cannot be captured keeps its other columns
-                row["note"] = f"graph: {first_line(exc)}"
+                row["note"] = f"graph: {error_summary(exc)}"
         compiled = torch.compile(lambda q, k, v, fn=attn: fn(q, k, v, shape.causal).transpose(1, 2).reshape(
             shape.batch, shape.seq, -1), fullgraph=True)
         douts = dout.transpose(1, 2).reshape(shape.batch, shape.seq, -1)
@@ -359,7 +359,7 @@ def _warm_task(task):
         _outputs(fn, q, k, v, dout, shape.causal, 1)
         return name, None
     except Exception as exc:  # noqa: BLE001 - reported by the parent, which times what compiled
-        return name, first_line(exc)
+        return name, error_summary(exc)
 
 
 def warm_variants(jobs: Sequence[tuple[Shape, str]], names: Sequence[str], device: str, workers: int) -> list:

@@ -3,8 +3,8 @@ turns, so that they all see the same host and device conditions.
 
 Why: a 2-rank step at a small batch is often host-bound, and the host's load drifts. Timing each
 implementation in a block of steps of its own (or in a launch of its own) then ranks them by *when* they
-ran as much as by what they do: the same configuration measured minutes apart differed by 40 % in the
-book's GPU runs (``notes/multi_gpu.md``). Taking turns removes that drift from the comparison, and
+ran as much as by what they do: the same configuration measured minutes apart can differ by tens of
+percent, while its memory repeats to the byte. Taking turns removes that drift from the comparison, and
 repeating the turns gives a spread to judge differences against (:mod:`lab.measure.verdicts`).
 
 The protocol (:func:`time_interleaved`, run inside every rank of a launch):
@@ -40,6 +40,8 @@ import torch
 import torch.distributed as dist
 
 from lab.measure.device import error_summary, is_oom, synchronize
+from lab.measure.verdicts import GoalCheck, compare
+from lab.units import GiB
 
 #: ``build()`` returns ``(step, close)``: one training step, and what releases the implementation.
 Build = Callable[[], tuple[Callable[[], None], Callable[[], None]]]
@@ -130,7 +132,7 @@ def closer(wrapped, model, optimizer=None) -> Callable[[], None]:
     return close
 
 
-LEAK_WARNING_BYTES = 1 << 30
+LEAK_WARNING_BYTES = GiB
 
 
 def _warn_if_left(name: str, device: torch.device, baseline: int, wait_s: float = 2.0) -> None:
@@ -153,8 +155,8 @@ def _warn_if_left(name: str, device: torch.device, baseline: int, wait_s: float 
     waited = time.perf_counter() - start
     then = (f"released within {waited:.1f} s (held a moment past the release, not leaked)"
             if later <= LEAK_WARNING_BYTES else
-            f"{later / 2**30:.1f} GiB after {waited:.1f} s more (a leak: the next builds may run out of memory)")
-    print(f"time_interleaved: {left / 2**30:.1f} GiB still allocated after closing {name!r}; {then}",
+            f"{later / GiB:.1f} GiB after {waited:.1f} s more (a leak: the next builds may run out of memory)")
+    print(f"time_interleaved: {left / GiB:.1f} GiB still allocated after closing {name!r}; {then}",
           file=sys.stderr, flush=True)
 
 
@@ -314,8 +316,6 @@ def compare_rounds(subject: Sequence[float], reference: Sequence[float], lower_i
     same round, side by side, so a slow round (the host busy) slows both and cancels in their ratio, where
     comparing the two sets of samples unpaired would count it as noise. Unequal rounds (an implementation
     left the rotation): the unpaired comparison of the two sets."""
-    from lab.measure.verdicts import compare
-
     a, b = [float(x) for x in subject], [float(x) for x in reference]
     if len(a) != len(b) or not a or any(x <= 0 for x in b):
         return compare(a, b, lower_is_better)
@@ -324,6 +324,4 @@ def compare_rounds(subject: Sequence[float], reference: Sequence[float], lower_i
 
 def goal_rounds(subject: Sequence[float], reference: Sequence[float], target: float, lower_is_better: bool = True):
     """:func:`lab.measure.verdicts.check_goal` on per-round samples, paired as in :func:`compare_rounds`."""
-    from lab.measure.verdicts import GoalCheck
-
     return GoalCheck(compare_rounds(subject, reference, lower_is_better), target)

@@ -36,15 +36,14 @@ from lab.measure.memory_timeline import (
     measure_peak_bytes,
     peaks_by_phase,
 )
-from lab.measure.profiling import silenced_native_stderr
+from lab.measure.quiet import silenced_native_stderr
+from lab.measure.saved_tensors import saved_tensor_report
 from lab.measure.step import TrainStep, make_optimizer, peak_memory_by_phase, random_batch
+from lab.measure.step import make_optimizer as default_optimizer
 from lab.measure.timing import time_callable
 from lab.model import RMSNorm, TransformerLM
 from lab.model.checkpointing import activation_checkpointing
-
-MiB = 2**20
-GiB = 2**30
-
+from lab.units import GiB, MiB
 
 # ----------------------------------------------------------------------------------------------------------
 # recording a training step
@@ -156,8 +155,6 @@ def peak_memory_table(model: nn.Module, contexts: Sequence[int], dtypes: Sequenc
     autocast). Returns columns ``context``, ``batch``, ``dtype``, ``mode`` (``forward``, ``train_step``),
     ``peak_gib``, ``status``, ``error``.
     """
-    from lab.measure.step import make_optimizer as default_optimizer
-
     device = next(model.parameters()).device
     for d in dtypes:
         autocast_dtype(d)  # a clear error for an unknown name, before anything runs
@@ -333,8 +330,6 @@ class MemoryExperiment:
 
     def _block(self):
         if self._block_report is None:
-            from lab.measure.saved_tensors import saved_tensor_report
-
             s = self.setup
             x = torch.randn(s.batch, s.block_context, s.model.d_model, device=self.device, requires_grad=True)
             with autocast(self.device, s.dtype):
@@ -357,8 +352,6 @@ class MemoryExperiment:
         """What one RMSNorm saves for the backward, eager and (with ``compile_rmsnorm``) ``torch.compile``'d:
         ``rmsnorm``, ``saved_bytes``, ``saved_mib``, ``saved_inputs`` (in units of its fp32 input) and
         ``ops`` (operation: bytes)."""
-        from lab.measure.saved_tensors import saved_tensor_report
-
         s = self.setup
         norm = RMSNorm(s.model.d_model).to(self.device)
         x = torch.randn(s.batch, s.block_context, s.model.d_model, device=self.device, requires_grad=True)

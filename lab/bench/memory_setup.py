@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 import pandas as pd
 
+from lab.accounting import parameter_count
 from lab.dtypes import autocast_dtype
 from lab.model import ModelConfig, config_for
 from lab.model.checkpointing import checkpoint_memory_table, residual_stream_bytes
-
-MiB = 2**20
+from lab.units import MiB
 
 
 @dataclass(frozen=True)
@@ -82,8 +82,6 @@ class MemorySetup:
     @property
     def parameter_bytes(self) -> int:
         """Bytes of the fp32 parameters (from the closed form; no model is built)."""
-        from lab.accounting import parameter_count
-
         return 4 * parameter_count(self.model)
 
     @property

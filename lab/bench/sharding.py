@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import pandas as pd
 import torch
 
+from lab import paths
 from lab.accounting import parameter_count
 from lab.bench.ddp import model_config, resolve_schedule, where_to_run
 from lab.bench.interleaved import Interleaving, closer, combine_ranks, summarize_rounds, time_interleaved
@@ -45,11 +46,14 @@ from lab.measure.profiling import profile_step
 from lab.measure.step import TrainStep, random_batch
 from lab.model import ModelConfig, TransformerLM
 from lab.parallel import launcher as distributed
+from lab.parallel.fsdp import FSDP
+from lab.parallel.sharded_optimizer import ShardedOptimizer
+from lab.parallel.zero1 import ZeRO1Optimizer
+from lab.units import GiB
 
 IMPLS = ("ddp", "sharded_optimizer", "zero1", "fsdp", "torch_zero", "torch_fsdp2")
 #: The implementation each one is judged against (the performance goals of notebook 08).
 REFERENCE = {"sharded_optimizer": "torch_zero", "zero1": "torch_zero", "fsdp": "torch_fsdp2"}
-GiB = 2**30
 LR = 1e-4
 WEIGHT_DECAY = 0.01
 
@@ -103,9 +107,6 @@ def build_impl(impl: str, model: TransformerLM, device: torch.device, dtype: str
     reduce-scatters gradients in. None matches FSDP2's default policy (a bf16 ``param_dtype`` reduces in
     bf16), so the ``fsdp`` and ``torch_fsdp2`` rows move the same bytes; the shards' gradients are fp32.
     """
-    from lab.parallel.fsdp import FSDP
-    from lab.parallel.sharded_optimizer import ShardedOptimizer
-    from lab.parallel.zero1 import ZeRO1Optimizer
 
     adamw = dict(lr=LR, weight_decay=WEIGHT_DECAY)
     if impl == "ddp":
@@ -327,8 +328,6 @@ def run_sharding_benchmark(impls: Sequence[str] = IMPLS, sizes: Sequence[str | M
     is ``oom`` (or ``error``) when either measurement failed. ``profile_impl``'s memory run also profiles one
     step: its Chrome trace is ``<artifacts_dir>/sharding_<impl>_<size>.json`` (the ``trace`` column).
     """
-    from lab import paths
-
     tables = []
     for size in progress_bar(sizes, "sharding benchmark", progress):
         name = size if isinstance(size, str) else "custom"
@@ -349,14 +348,8 @@ def run_sharding_benchmark(impls: Sequence[str] = IMPLS, sizes: Sequence[str | M
         tables.append(merged.drop(columns=["status_timing", "error_timing"]))
     df = pd.concat(tables, ignore_index=True)
     if "trace" in df:
-        df["trace"] = df["trace"].map(_relative)
+        df["trace"] = df["trace"].map(paths.repo_relative)
     return df
-
-
-def _relative(path):
-    from lab.bench.ddp import _relative as relative
-
-    return relative(path) if isinstance(path, str) else None
 
 
 def memory_breakdown(df: pd.DataFrame) -> pd.DataFrame:

@@ -13,17 +13,19 @@ import torch
 
 from lab.accounting import parameter_count
 from lab.bench.ddp import model_config
-from lab.bench.sharding import LR, GiB
+from lab.bench.sharding import LR
 from lab.measure.step import lm_loss, random_batch
 from lab.model import ModelConfig, TransformerLM
 from lab.parallel import launcher as distributed
+from lab.parallel.fsdp import FSDP
+from lab.parallel.sharded_optimizer import ShardedOptimizer, TrafficLog, optimizer_traffic, record_collective
+from lab.parallel.zero1 import ZeRO1Optimizer
+from lab.units import GiB
 
 
 def _average_gradients(model: torch.nn.Module) -> None:
     """DDP's gradient synchronization, unbucketed: all-reduce (sum) every gradient, divide by the world size."""
     import torch.distributed as dist
-
-    from lab.parallel.sharded_optimizer import record_collective
 
     for p in model.parameters():
         if p.grad is not None:
@@ -38,9 +40,6 @@ def traffic_worker(cfg: ModelConfig, batch: int = 2) -> dict:
     Returns ``{impl: {collective: ring bytes per rank}}`` for ddp (all-reduce of every gradient),
     sharded_optimizer, zero1 and fsdp (fp32), plus ``num_params``.
     """
-    from lab.parallel.fsdp import FSDP
-    from lab.parallel.sharded_optimizer import ShardedOptimizer, TrafficLog
-    from lab.parallel.zero1 import ZeRO1Optimizer
 
     device, n = distributed.device(), distributed.world_size()
     tokens, targets = random_batch(cfg, batch, device, seed=distributed.rank())
@@ -76,8 +75,6 @@ def measure_traffic(size: str | ModelConfig = "tiny", world_size: int = 2, conte
     Columns: impl, collective, measured_bytes, expected_bytes (NaN for FSDP, which has no row in the
     optimizer closed form), measured_ratio_to_ddp.
     """
-    from lab.parallel.sharded_optimizer import optimizer_traffic
-
     _, cfg = model_config(size, context)
     res = distributed.launch(traffic_worker, world_size, cfg, device=device)[0]
     closed = optimizer_traffic(res["num_params"], world_size).set_index("impl")
@@ -102,8 +99,6 @@ def closed_form_traffic(size: str | ModelConfig, world_size: int = 2) -> pd.Data
     """:func:`lab.parallel.sharded_optimizer.optimizer_traffic` for the model ``size`` (parameters counted on
     the meta device): bytes per rank per step of DDP, the sharded optimizer and ZeRO-1, with ``size`` and
     ``*_gib`` columns."""
-    from lab.parallel.sharded_optimizer import optimizer_traffic
-
     name, cfg = model_config(size, 64)
     df = optimizer_traffic(parameter_count(cfg), world_size)
     for col in ("gradient", "parameter", "total"):

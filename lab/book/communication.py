@@ -17,7 +17,8 @@ import torch
 
 from lab.bench.collectives import bus_bandwidth_factor
 from lab.bench.interleaved import samples
-from lab.measure.verdicts import compare
+from lab.measure.results import load_provenance
+from lab.measure.verdicts import Comparison, compare
 
 OP_NAMES = {"all_reduce": "all-reduce", "all_gather": "all-gather", "reduce_scatter": "reduce-scatter"}
 GRID_COLUMNS = ["backend", "op", "world_size", "size_mb", "time_ms", "time_ms_std", "algbw_gbps", "busbw_gbps",
@@ -71,8 +72,6 @@ def measuring_machine(results_dir: str, replay) -> dict:
     measures, the one named in the table's provenance when it replays (``cores`` None where an older table
     did not record them)."""
     if replay is True or (replay and "collectives" in replay):
-        from lab.measure.results import load_provenance
-
         meta = load_provenance("collectives", results_dir, "06_communication")
         return dict(gpus=int(meta.get("gpu_count") or 0), cores=meta.get("host_cores"))
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -226,8 +225,6 @@ def split_allreduce_sentences(split: pd.DataFrame) -> str:
 
 def compare_row(r):
     """A :class:`~lab.measure.verdicts.Comparison` rebuilt from a table row's ratio, low, high and verdict."""
-    from lab.measure.verdicts import Comparison
-
     return Comparison(r.ratio, r.low, r.high, r.verdict)
 
 

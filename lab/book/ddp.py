@@ -16,9 +16,11 @@ import pandas as pd
 
 from lab.bench.ddp import fit_bucket_overhead, optimal_bucket
 from lab.bench.interleaved import compare_rounds, goal_rounds, samples
+from lab.book import report
 from lab.book.communication import duration
+from lab.book.plots import save_figure
 from lab.book.report import pct
-from lab.measure.traces import existing_trace
+from lab.measure.traces import existing_trace, plot_timeline, read_trace, step_overlap
 from lab.measure.verdicts import CONFIDENCE, span
 
 HOOKED = ("individual", "bucketed")
@@ -152,8 +154,6 @@ def cost_answer(bench: pd.DataFrame) -> str:
 def timelines(bench: pd.DataFrame, config: str) -> dict[str, pd.DataFrame]:
     """``{label: timeline}`` of the config's profiled steps whose traces exist here
     (:func:`lab.measure.traces.read_trace`)."""
-    from lab.measure.traces import read_trace
-
     ok = _ok(bench, config)
     return {r.label: read_trace(p) for r in ok.itertuples() if (p := existing_trace(r.trace)) is not None}
 
@@ -181,8 +181,6 @@ def plot_timelines(shown: dict[str, pd.DataFrame], config: str | None, results_d
     ``<results_dir>/figures/ddp_timelines.png`` when ``results_dir`` is given; None without traces."""
     import matplotlib.pyplot as plt
 
-    from lab.book.plots import save_figure
-    from lab.measure.traces import plot_timeline
 
     if not shown:
         return None
@@ -198,8 +196,6 @@ def plot_timelines(shown: dict[str, pd.DataFrame], config: str | None, results_d
 def overlap_table(shown: dict[str, pd.DataFrame]) -> pd.DataFrame:
     """Per drawn timeline: the profiled step's communication, how much of it ran beside compute, and the
     exposed rest (ms), from :func:`lab.measure.traces.step_overlap`."""
-    from lab.measure.traces import step_overlap
-
     rows = []
     for name, tl in shown.items():
         s = step_overlap(tl)
@@ -251,8 +247,6 @@ def cite_alpha_beta(book, backend: str, world_size: int) -> dict | None:
     """This render's all-reduce latency and bandwidth from notebook 06 (``collectives_latency_bandwidth``,
     read through ``book.other``, which prints who measured it) for ``backend`` and ``world_size``; a visible
     warning and None when 06 has not saved them in this results folder."""
-    from lab.book import report
-
     try:
         fits = book.other("collectives_latency_bandwidth", source="06_communication")
     except FileNotFoundError:

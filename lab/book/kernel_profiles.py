@@ -11,11 +11,14 @@ from typing import Any
 import matplotlib.pyplot as plt
 import pandas as pd
 
+from lab import paths
 from lab.book import report
 from lab.book.precision import num
-from lab.book.profiling import _int
+from lab.book.profiling import int_text
 from lab.measure import profiling as prof_tables
+from lab.measure.results import measured_on
 from lab.measure.step import MODES
+from lab.model import config_for
 
 
 def _size_label(size) -> str:
@@ -66,8 +69,6 @@ class KernelProfiles:
     def attention_ranges(self) -> pd.DataFrame:
         """The naive attention's three ranges in the forward profile: calls and ms per step, GFLOP per step
         (:func:`lab.measure.profiling.attention_phase_flops`) and the TFLOP/s achieved."""
-        from lab.model import config_for
-
         cfg = config_for(self.size) if isinstance(self.size, str) else self.size
         flops = prof_tables.attention_phase_flops(self.batch, cfg.num_heads, self.context, cfg.head_dim,
                                                   cfg.num_layers)
@@ -83,8 +84,6 @@ def time_unit(kernels: pd.DataFrame) -> tuple[str, str]:
     if "timeline" in kernels:
         gpu = (kernels["timeline"] == "gpu kernel").any()
     else:
-        from lab.measure.results import measured_on
-
         gpu = measured_on(kernels) != "cpu"
     return ("kernel", "GPU kernel time") if gpu else ("operator", "CPU operator time (self time of aten operators)")
 
@@ -105,7 +104,8 @@ def show_top_kernels(kernels: pd.DataFrame, n: int = 8) -> None:
 
 
 def class_shares(kernels: pd.DataFrame) -> pd.DataFrame:
-    """Time per step by kernel class (matmul, fused attention, other) and mode, with each class's share."""
+    """Time per step by kernel class (:func:`lab.measure.profiling.kernel_class`) and mode, with each class's
+    share."""
     g = kernels.groupby(["mode", "class"], sort=False)["ms_per_step"].sum().reset_index()
     g["share"] = g["ms_per_step"] / g.groupby("mode")["ms_per_step"].transform("sum")
     return g
@@ -158,12 +158,9 @@ def matmul_answer(kernels: pd.DataFrame) -> str:
 
 def profile_caption(steps: pd.DataFrame, kernels: pd.DataFrame, trace_dir: str | Path) -> str:
     """What was profiled and where the traces are."""
-    from lab import paths
-
     r = steps.iloc[0]
-    trace_dir = Path(trace_dir)
-    shown = trace_dir.relative_to(paths.REPO_ROOT) if trace_dir.is_relative_to(paths.REPO_ROOT) else trace_dir
-    return (f"Profiled **{r['size']}** at context {_int(r['context'])}, batch {_int(r['batch'])}, fp32, "
+    shown = paths.repo_relative(trace_dir)
+    return (f"Profiled **{r['size']}** at context {int_text(r['context'])}, batch {int_text(r['batch'])}, fp32, "
             f"{r['attention']} attention, {int(r['profiled_steps'])} steps per mode; times are "
             f"{time_unit(kernels)[1]}; traces in `{shown}` (open them at ui.perfetto.dev).")
 

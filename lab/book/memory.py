@@ -16,12 +16,9 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from lab.book.snapshot_pages import _phase_label
+from lab.book.snapshot_pages import phase_label
 from lab.measure.memory_timeline import format_bytes
-
-MiB = 2**20
-GiB = 2**30
-
+from lab.units import GiB, MiB
 
 # ----------------------------------------------------------------------------------------------------------
 # the residual stream and the timelines
@@ -60,7 +57,7 @@ def timeline_sentences(phases: pd.DataFrame, parameter_bytes: float) -> str:
             return st.loc[phase, col] * GiB if phase in st.index else math.nan
 
         top = st["peak_gib"].idxmax()
-        out.append(f"In the two training steps the highest peak is in **{_phase_label(top)}** "
+        out.append(f"In the two training steps the highest peak is in **{phase_label(top)}** "
                    f"({format_bytes(g(top, 'peak_gib'))}).")
         if {"forward 1", "backward 1", "optimizer_step 1"} <= set(st.index):
             state = g("optimizer_step 1", "end_gib") - g("forward 1", "start_gib")
@@ -87,14 +84,14 @@ def timeline_answer(phases: pd.DataFrame) -> str:
         r = _phases(phases, recording)
         if not r.empty:
             top = r["peak_gib"].idxmax()
-            parts.append(f"{label} in `{_phase_label(top)}` at {format_bytes(r.loc[top, 'peak_gib'] * GiB)}")
+            parts.append(f"{label} in `{phase_label(top)}` at {format_bytes(r.loc[top, 'peak_gib'] * GiB)}")
     return "; ".join(parts) + "." if parts else "no timeline was recorded."
 
 
 def phase_peaks_display(phases: pd.DataFrame, recording: str) -> pd.DataFrame:
     """The phase table of one recording, for display (phase, peak, start and end GiB)."""
     r = phases[phases["recording"] == recording]
-    return r.assign(phase=r["phase"].map(_phase_label))[["phase", "peak_gib", "start_gib", "end_gib"]]
+    return r.assign(phase=r["phase"].map(phase_label))[["phase", "peak_gib", "start_gib", "end_gib"]]
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -5,6 +5,8 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 import seaborn as sns
 
+from lab import paths
+
 
 def set_style() -> None:
     """Seaborn's whitegrid theme with figure sizes that read well in a rendered notebook."""
@@ -15,8 +17,6 @@ def set_style() -> None:
 
 def save_figure(fig, name: str, results_dir: str = "results") -> str:
     """Save ``fig`` as ``<results_dir>/figures/<name>.png`` (small, committed with the results)."""
-    from lab import paths
-
     out = paths.results_dir(results_dir) / "figures"
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.png"

@@ -21,6 +21,7 @@ from lab.book import report
 from lab.measure.device import resolve_device
 from lab.measure.results import measured_on
 from lab.measure.verdicts import span
+from lab.model import MODEL_SIZES
 
 # ----------------------------------------------------------------------------------------------------------
 # settings
@@ -56,8 +57,6 @@ def settings(quick: bool = True, device: str = "auto", sizes: Sequence[str] | No
              accumulation_count: int = 1000, norm_width: int = 1024) -> PrecisionSettings:
     """Notebook 02's settings: a knob left ``None`` takes the quick profile's value (toy sizes ``tiny`` and
     ``mini`` at context 64 on the CPU) or the full profile's (every spec size at context 512)."""
-    from lab.model import MODEL_SIZES
-
     defaults = QUICK if quick else {**FULL, "sizes": tuple(MODEL_SIZES)}
     k = report.with_profile_defaults(dict(sizes=sizes, context=context, warmup=warmup, steps=steps), defaults)
     return PrecisionSettings(quick=quick, device=str(resolve_device(device)), sizes=tuple(k["sizes"]),

@@ -35,6 +35,7 @@ from lab.measure.device import resolve_device
 from lab.measure.results import measured_on  # noqa: F401 - notebook 01 calls profiling.measured_on
 from lab.measure.step import MODES
 from lab.measure.verdicts import compare, quotable, span
+from lab.model import MODEL_SIZES, TransformerLM, config_for
 
 # ----------------------------------------------------------------------------------------------------------
 # settings
@@ -93,8 +94,6 @@ def settings(quick: bool = True, device: str = "auto", sizes: Sequence[str] | No
     """Notebook 01's settings: a knob left ``None`` takes the quick profile's value (``tiny``/``mini`` at
     contexts 32 and 64 on the CPU) or the full profile's (every spec size at 128-1024, the train step at 512).
     The default context must be one of the contexts (the train step is timed there)."""
-    from lab.model import MODEL_SIZES
-
     defaults = QUICK if quick else {**FULL, "sizes": tuple(MODEL_SIZES)}
     given = dict(sizes=sizes, contexts=contexts, default_context=default_context, warmup=warmup, steps=steps,
                  warmup_size=warmup_size, cold_runs=cold_runs, profile_size=profile_size,
@@ -133,8 +132,6 @@ def size_table(sizes: Sequence[str]) -> pd.DataFrame:
     """Architecture of each size (d_model, d_ff, layers, heads, vocabulary) and its parameter count in
     millions, counted on the meta device (no memory is allocated)."""
     import torch
-
-    from lab.model import TransformerLM, config_for
 
     rows = []
     for size in sizes:
@@ -180,7 +177,7 @@ def backward_ratios(samples: pd.DataFrame, keys: Sequence[str] = ("size", "conte
     return pd.DataFrame(rows, columns=[*keys, "fwd_median_ms", "bwd_median_ms", "ratio", "low", "high", "verdict"])
 
 
-def _int(x) -> str:
+def int_text(x) -> str:
     """A context or batch for prose: ``512``, also when a CSV read it back as ``512.0``."""
     return str(int(x)) if isinstance(x, (int, float)) and float(x).is_integer() else str(x)
 
@@ -200,7 +197,7 @@ def _oom_phrase(lm: pd.DataFrame) -> str:
     oom = lm[lm["status"] != "ok"] if "status" in lm else lm.iloc[:0]
     if oom.empty:
         return ""
-    where = ", ".join(f"{r['size']} at context {_int(r['context'])} {r['dtype']} ({_failed_modes(r.get('error'))})"
+    where = ", ".join(f"{r['size']} at context {int_text(r['context'])} {r['dtype']} ({_failed_modes(r.get('error'))})"
                       for _, r in oom.iterrows())
     return f"Out of memory (recorded as rows, not measured): {where}."
 
@@ -254,7 +251,8 @@ def timing_paragraph(lm: pd.DataFrame, ratios: pd.DataFrame, default_context: in
     if len(configs):
         worst = noisy.iloc[0]
         parts.append(f"The spread is large (standard deviation above 5% of the mean) in {len(configs)} of {len(lm)} "
-                     f"configurations, worst for {worst['size']} at context {_int(worst['context'])} {worst['dtype']} "
+                     f"configurations, worst for {worst['size']} at context {int_text(worst['context'])} "
+                     f"{worst['dtype']} "
                      f"({worst['phase']} std {worst['cv']:.0%} of the mean): there a mean alone misleads, which is "
                      "why the comparisons here use medians and intervals.")
     else:
@@ -323,7 +321,7 @@ def plot_timings(lm: pd.DataFrame):
                         color=colors[size], linestyle=styles[dtype], label=f"{size} {dtype}")
         contexts = sorted(ok["context"].unique())
         ax.set(xscale="log", yscale="log", xlabel="context length", ylabel="ms per step (median ± std)", title=title)
-        ax.set_xticks(contexts, [_int(c) for c in contexts])
+        ax.set_xticks(contexts, [int_text(c) for c in contexts])
         ax.minorticks_off()
     axes[1].legend(title="size, dtype", fontsize=8)
     return fig
@@ -348,7 +346,7 @@ def plot_speedup_by_context(speed: pd.DataFrame):
         ax.axhline(1.0, color="grey", linestyle=":")
         contexts = sorted(speed["context"].unique())
         ax.set(xscale="log", xlabel="context length", ylabel="speedup over fp32 (×)", title=f"bf16 autocast, {mode}")
-        ax.set_xticks(contexts, [_int(c) for c in contexts])
+        ax.set_xticks(contexts, [int_text(c) for c in contexts])
         ax.minorticks_off()
         ax.legend(title="size", fontsize=8)
     return fig
@@ -363,8 +361,9 @@ def dtype_paragraph(speed: pd.DataFrame, on: str) -> str:
     text = " ".join(f"{m.capitalize()}: bf16 autocast is {counts_phrase(verdict_counts(speed, m))}." for m in modes)
     fb = speed[(speed["mode"] == modes[-1]) & speed["speedup"].notna()]
     best, worst = fb.loc[fb["speedup"].idxmax()], fb.loc[fb["speedup"].idxmin()]
-    text += (f" In {modes[-1]}, the largest speedup estimate is for {best['size']} at context {_int(best['context'])}: "
-             f"{speedup_clause(best)}; the smallest for {worst['size']} at context {_int(worst['context'])}: "
+    text += (f" In {modes[-1]}, the largest speedup estimate is for {best['size']} at context "
+             f"{int_text(best['context'])}: "
+             f"{speedup_clause(best)}; the smallest for {worst['size']} at context {int_text(worst['context'])}: "
              f"{speedup_clause(worst)}.")
     if on == "cpu":
         text += (" On a CPU, bf16 speed depends on the CPU's bf16 instructions and library kernels, and at toy "

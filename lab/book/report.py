@@ -23,6 +23,7 @@ from typing import Any
 
 import pandas as pd
 
+from lab.book.consistency import consistency_report
 from lab.measure import results as store
 
 
@@ -195,8 +196,6 @@ class Chapter:
         """Warn visibly where another notebook measured one of this notebook's configurations in ``name`` and
         the two disagree beyond their noise and beyond run-to-run variation (:mod:`lab.book.consistency`);
         smaller differences are counted in one plain sentence. Returns the warnings."""
-        from lab.book.consistency import consistency_report
-
         try:
             table = store.load_results(name, self.results_dir)
         except FileNotFoundError:

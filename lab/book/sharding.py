@@ -5,7 +5,7 @@ impl) the peaks by phase and the state bytes, measured in fresh processes, and t
 interleaved rounds (median, and every round in ``step_samples_ms``). Time comparisons and time goals are
 verdicts of :mod:`lab.measure.verdicts` on the per-round samples, paired by round
 (:func:`lab.bench.interleaved.compare_rounds`). Memory is compared directly: the
-allocator's peaks and the tensors' bytes repeat to the byte from run to run (``notes/multi_gpu.md``), so
+allocator's peaks and the tensors' bytes repeat to the byte from run to run, so
 they have no noise to judge against; on the CPU there are no allocator peaks at all, and the sentences say
 so.
 """
@@ -18,8 +18,10 @@ import pandas as pd
 
 from lab.bench.interleaved import compare_rounds, goal_rounds, samples
 from lab.bench.sharding import REFERENCE
+from lab.book.plots import save_figure
 from lab.book.report import pct
-from lab.measure.verdicts import CONFIDENCE
+from lab.measure.traces import existing_trace, overlap_summary, plot_timeline, read_trace
+from lab.measure.verdicts import CONFIDENCE, Comparison
 
 PEAKS = ["peak_init_gib", "peak_before_step_gib", "peak_after_step_gib"]
 PARTS = ["parameters", "gradients", "optimizer state", "activations + transients"]
@@ -156,8 +158,6 @@ def plot_peaks(df: pd.DataFrame, results_dir: str | None = None):
     g.set_xticklabels(rotation=30)
     g.set_axis_labels("", "peak memory per rank (GiB)")
     if results_dir is not None:
-        from lab.book.plots import save_figure
-
         save_figure(g.figure, "sharding_peak_memory", results_dir)
     return g
 
@@ -248,8 +248,6 @@ def time_comparisons(df: pd.DataFrame) -> pd.DataFrame:
 
 def time_sentences(comparisons: pd.DataFrame) -> str:
     """Per size, one clause per comparison, worded by its verdict."""
-    from lab.measure.verdicts import Comparison
-
     lines = []
     for size, part in comparisons.groupby("size", sort=False):
         clauses = [Comparison(r.ratio, r.low, r.high, r.verdict).describe(r.impl, r.reference)
@@ -342,8 +340,6 @@ def goals_answer(goal_table: pd.DataFrame) -> str:
 
 def profiled_timelines(df: pd.DataFrame) -> dict[str, pd.DataFrame]:
     """``{size: timeline}`` of the profiled implementation's traces that exist on this machine."""
-    from lab.measure.traces import existing_trace, read_trace
-
     out = {}
     if "trace" not in df:
         return out
@@ -359,13 +355,9 @@ def plot_profiled_timeline(timeline: pd.DataFrame, size: str, impl: str, results
     ``results_dir`` is given)."""
     import matplotlib.pyplot as plt
 
-    from lab.measure.traces import plot_timeline
-
     fig, ax = plt.subplots(figsize=(12, 3.4))
     plot_timeline(timeline, title=f"{impl}, {size}: one training step on rank 0", ax=ax)
     if results_dir is not None:
-        from lab.book.plots import save_figure
-
         save_figure(fig, f"sharding_timeline_{impl}_{size}", results_dir)
     return fig
 
@@ -416,8 +408,6 @@ def forward_answer(overlap: pd.DataFrame) -> str:
 def fsdp_overlap(df: pd.DataFrame, impl: str, results_dir: str | None = None) -> tuple[pd.DataFrame, str]:
     """For every size with a profiled trace of ``impl`` here: draw the timeline, and return the per-phase
     overlap tables (one long table with a ``size`` column) and the sentences."""
-    from lab.measure.traces import overlap_summary
-
     tables, lines = [], []
     for size, tl in profiled_timelines(df[df["impl"] == impl]).items():
         plot_profiled_timeline(tl, size, impl, results_dir)

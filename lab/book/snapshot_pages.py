@@ -27,7 +27,8 @@ from lab.measure.memory_timeline import (
 )
 
 
-def _phase_label(phase: str) -> str:
+def phase_label(phase: str) -> str:
+    """A phase name as the figures and tables print it: ``optimizer_step`` -> ``optimizer step``."""
     return str(phase).replace("optimizer_step", "optimizer step")
 
 
@@ -86,7 +87,7 @@ def offline_snapshot_html(snapshot_path: str | os.PathLike, title: str | None = 
     plt.close(fig)
     png = base64.b64encode(buf.getvalue()).decode("ascii")
     peaks = phase_peaks_from_snapshot(snapshot, marks)
-    peaks = peaks.assign(phase=peaks["phase"].map(_phase_label))[["phase", "peak_gib", "start_gib", "end_gib"]]
+    peaks = peaks.assign(phase=peaks["phase"].map(phase_label))[["phase", "peak_gib", "start_gib", "end_gib"]]
     largest = largest_allocations(snapshot, n=top, marks=marks)
     style = ("body{font-family:sans-serif;margin:2em;max-width:75em} table{border-collapse:collapse;font-size:0.9em}"
              " td,th{border:1px solid #ccc;padding:0.2em 0.6em;text-align:right} img{max-width:100%}")
@@ -98,11 +99,6 @@ def offline_snapshot_html(snapshot_path: str | os.PathLike, title: str | None = 
             f"<h2>Peak by phase (GiB)</h2>\n{peaks.to_html(index=False, float_format='{:.4g}'.format)}\n"
             f"<h2>The {top} largest allocations</h2>\n"
             f"{largest.to_html(index=False, float_format='{:.4g}'.format)}\n</body></html>\n")
-
-
-def _display_path(path: str | os.PathLike) -> str:
-    p = Path(path).resolve()
-    return str(p.relative_to(paths.REPO_ROOT)) if p.is_relative_to(paths.REPO_ROOT) else str(p)
 
 
 def export_snapshot_pages(folder: str | os.PathLike, names, titles: dict | None = None) -> pd.DataFrame:
@@ -121,8 +117,8 @@ def export_snapshot_pages(folder: str | os.PathLike, names, titles: dict | None 
         viz = export_memory_viz_html(pickle_path, folder / f"{name}.memory_viz.html")
         for kind, page in (("offline (PNG + tables)", offline), ("memory_viz", viz)):
             ext = external_resources(Path(page).read_text(encoding="utf-8"))
-            rows.append(dict(snapshot=name, page=kind, path=_display_path(page), external=", ".join(ext) or "none",
-                             works_offline=not ext))
+            rows.append(dict(snapshot=name, page=kind, path=paths.repo_relative(page),
+                             external=", ".join(ext) or "none", works_offline=not ext))
     return pd.DataFrame(rows, columns=["snapshot", "page", "path", "external", "works_offline"])
 
 

@@ -4,5 +4,5 @@ and the noise-aware verdicts every comparison uses.
 
 Everything here takes any ``nn.Module`` or callable; nothing knows which model it measures.
 
-May import: torch, pandas, numpy, ``lab.paths``, ``lab.dtypes``.
+May import: torch, pandas, numpy, and the leaves ``lab.paths``, ``lab.dtypes``, ``lab.units``.
 """

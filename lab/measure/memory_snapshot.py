@@ -32,8 +32,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from lab.measure.device import resolve_device, synchronize
+from lab.measure.quiet import quiet_profile
 
 
 @dataclass
@@ -96,10 +98,6 @@ def record_memory_snapshot(path: str | os.PathLike, max_entries: int = 1_000_000
         finally:
             torch.cuda.memory._record_memory_history(enabled=None)
     elif dev.type == "cpu":
-        from torch.profiler import ProfilerActivity, profile
-
-        from lab.measure.profiling import quiet_profile
-
         with quiet_profile(profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
                                    with_stack=True)) as prof:
             yield rec

@@ -18,9 +18,8 @@ import torch
 
 from lab.measure.device import resolve_device, synchronize
 from lab.measure.memory_snapshot import record_memory_snapshot
+from lab.units import GiB, MiB
 
-MiB = 2**20
-GiB = 2**30
 
 def _trace(snapshot: dict, device: int | None) -> list[dict]:
     traces = snapshot.get("device_traces", [])

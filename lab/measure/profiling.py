@@ -7,10 +7,7 @@ under ``nsys profile`` by a user who has it.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import re
-import sys
 from pathlib import Path
 
 import pandas as pd
@@ -18,53 +15,34 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from lab.measure.device import synchronize
+from lab.measure.quiet import quiet_profile
 from lab.measure.step import MODES, TrainStep
-
-
-@contextlib.contextmanager
-def silenced_native_stderr(enabled: bool = True):
-    """Silence file descriptor 2 (C++ writes there directly: the CPU build's profiler prints a line at
-    every start and stop). Python exceptions are unaffected."""
-    if not enabled:
-        yield
-        return
-    sys.stderr.flush()
-    saved = os.dup(2)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
-
-
-@contextlib.contextmanager
-def quiet_profile(profiler):
-    """Run ``with profiler:`` with the profiler's own start/stop chatter on stderr silenced (only around
-    its start and stop, so that warnings raised by the profiled code still show). Yields the profiler."""
-    with silenced_native_stderr():
-        profiler.__enter__()
-    try:
-        yield profiler
-    except BaseException:
-        with silenced_native_stderr():
-            profiler.__exit__(*sys.exc_info())
-        raise
-    with silenced_native_stderr():
-        profiler.__exit__(None, None, None)
-
 
 # cuBLAS / CUTLASS / Triton matmul kernel names on Hopper and Ampere, and the aten ops on the CPU.
 _MATMUL = re.compile(r"gemm|nvjet|xmma|cutlass|wgmma|cublas|matmul|^aten::(mm|addmm|bmm|baddbmm|linear)$", re.I)
-_ATTENTION = re.compile(r"flash|fmha|attention|sdpa|cudnn.*mha", re.I)
+# Fused attention: FlashAttention (PyTorch's, cuDNN's, the book's Triton kernels), memory-efficient attention.
+_ATTENTION = re.compile(r"flash|fmha|attn|attention|sdpa|cudnn.*mha", re.I)
+#: Kernel names of the loss: PyTorch's log-softmax (``cunn_SoftMaxForward<..LogSoftMaxForwardEpilogue>``) and
+#: NLL kernels, and the fused loss's own (:mod:`lab.kernels.fused_cross_entropy_kernels`), whose tiles also
+#: compute the LM head's logits forward and again in the backward (the materialized loss's LM head is a cuBLAS
+#: matmul); the fused loss's weight and hidden-state gradient products (its ``_matmul_kernel``) count as matmuls.
+LOSS_KERNELS = ("lce", "cross_entropy", "log_softmax", "logsoftmax", "nll_loss", "_lse_kernel", "_dlogits_kernel",
+                "_softmax_grad_kernel")
+#: What :func:`kernel_class` returns, in the order it decides.
+KERNEL_CLASSES = ("communication", "loss", "fused attention", "matmul", "other")
 ATTENTION_RANGES = ("attention/scores", "attention/softmax", "attention/final_matmul")
 
 
 def kernel_class(name: str) -> str:
-    """``"matmul"``, ``"fused attention"`` or ``"other"`` from a kernel (or CPU op) name."""
-    if _ATTENTION.search(name) and not _MATMUL.search(name):
+    """The class of a kernel (or CPU op) by its name, one of :data:`KERNEL_CLASSES`: ``"communication"``
+    (NCCL), ``"loss"`` (:data:`LOSS_KERNELS`), ``"fused attention"``, ``"matmul"`` or ``"other"``. The one
+    classification of kernels in lab: profiles' class shares and the fastest step's phases both use it."""
+    lower = name.lower()
+    if "nccl" in lower:
+        return "communication"
+    if any(k in lower for k in LOSS_KERNELS):
+        return "loss"
+    if _ATTENTION.search(name):
         return "fused attention"
     return "matmul" if _MATMUL.search(name) else "other"
 

@@ -200,7 +200,7 @@ def load_provenance(name: str, results_dir: str | os.PathLike = "results", sourc
 
 
 def provenance_line(meta: dict) -> str:
-    """``"1 x NVIDIA H200, torch 2.11.0+cu130, commit a1f101041cfc, 2026-11-26"``: who measured a table."""
+    """``"<count> x <GPU name>, torch <version>, commit <12 hex digits>, <date>"``: who measured a table."""
     gpu = f"{meta.get('gpu_count')} x {meta.get('gpu_name')}" if meta.get("gpu_count") else "CPU"
     return (f"{gpu}, torch {meta.get('torch')}, triton {meta.get('triton')}, commit {meta.get('commit')}, "
             f"{str(meta.get('date', ''))[:10]}")

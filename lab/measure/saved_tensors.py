@@ -12,6 +12,9 @@ q, k and v projections), or a view of a tensor that is saved elsewhere (a transp
 activation), costs memory once. Autograd keeps the whole storage alive, so the storage's size is what the
 saved tensor costs. Parameters that are saved (the weight of a matmul) are listed but counted apart:
 they exist whether or not a backward is coming, so they are not activation memory.
+
+:func:`saved_tensor_bytes` is the same count in one number, for a function of tensors (no module to walk):
+the check of the closed forms of attention's memory.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from typing import Any
 import pandas as pd
 import torch
 from torch import nn
+
+from lab.units import MiB
 
 
 @dataclass
@@ -70,7 +75,7 @@ class SavedTensorReport:
         g = g.sort_values("bytes", ascending=False).reset_index()
         total = g["bytes"].sum()
         g["share"] = g["bytes"] / total if total else 0.0
-        g["mib"] = g["bytes"] / 2**20
+        g["mib"] = g["bytes"] / MiB
         return g[[key, "bytes", "mib", "share", "tensors", "storages"]]
 
 
@@ -185,3 +190,29 @@ def expected_gradient_bytes(module: nn.Module, dtype: torch.dtype | None = None)
     dtype unless ``dtype`` is given): what a backward must leave behind."""
     return sum(p.numel() * (torch.empty((), dtype=dtype or p.dtype).element_size())
                for p in module.parameters() if p.requires_grad)
+
+
+def saved_tensor_bytes(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor, exclude_inputs: bool = True) -> int:
+    """Bytes of the distinct storages autograd saves for backward while running ``fn(*inputs)``.
+
+    Measured with ``torch.autograd.graph.saved_tensors_hooks`` (so it works on the CPU too); a storage
+    saved by several operations counts once, and by default storages of the inputs are left out (they
+    exist anyway). Returns bytes.
+    """
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+        # Detached (same storage): returning an op's own output would tie it to its grad_fn in a cycle
+        # that runs through C++ and that Python's gc cannot break, leaking the seq x seq tensor.
+        return t.detach()
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(*inputs)
+    del out
+    if exclude_inputs:
+        for t in inputs:
+            if isinstance(t, torch.Tensor):
+                seen.pop(t.untyped_storage().data_ptr(), None)
+    return int(sum(seen.values()))

@@ -31,11 +31,11 @@ from torch import nn
 from lab.dtypes import autocast
 from lab.measure.device import synchronize
 from lab.measure.timing import Timing
+from lab.units import GiB
 
 PHASES = ("forward", "backward", "optimizer_step")
 #: What can be timed: the forward alone, forward+backward, or the whole train step.
 MODES = ("forward", "forward_backward", "train_step")
-GiB = 2**30
 
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 

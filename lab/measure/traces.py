@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from lab import paths
 from lab.measure.step import PHASES
 
 KINDS = ("compute", "communication", "phase")
@@ -29,8 +30,6 @@ KINDS = ("compute", "communication", "phase")
 def existing_trace(value) -> Path | None:
     """A results table's ``trace`` cell as a path that exists on this machine (None when it was not written,
     or not kept: traces stay out of git, so a replay elsewhere has none)."""
-    from lab import paths
-
     if not isinstance(value, str) or not value:
         return None
     path = paths.resolve(value)

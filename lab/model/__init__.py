@@ -4,7 +4,7 @@ registry, and activation checkpointing applied from outside.
 The model knows nothing of benchmarking, profiling or parallelism: those take any ``nn.Module`` and are
 applied from outside (torchtitan style).
 
-May import: torch, ``lab.kernels`` (lazily, for the FlashAttention implementations).
+May import: torch, ``lab.kernels`` (lazily: its kernels need Triton, an optional dependency), the leaf ``lab.units``.
 """
 
 from lab.model.transformer import (

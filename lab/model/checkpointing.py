@@ -36,6 +36,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from lab.units import MiB
+
 
 class CheckpointedGroup(nn.Module):
     """Run ``blocks`` in sequence under one non-reentrant checkpoint (only the group's input is saved)."""
@@ -166,7 +168,7 @@ def checkpoint_memory_table(num_blocks: int, boundary_bytes: float, block_activa
                      modelled_bytes=nested_memory_model(num_blocks, boundary_bytes, block_activation_bytes),
                      extra_forwards=(max(0, math.ceil(math.log2(num_blocks))) + 1) / 2))
     df = pd.DataFrame(rows)
-    df["modelled_mib"] = df["modelled_bytes"] / 2**20
+    df["modelled_mib"] = df["modelled_bytes"] / MiB
     return df
 
 

@@ -185,6 +185,7 @@ class LMHead(nn.Linear):
             return super().forward(x)
         hidden, flat_targets = x.reshape(-1, x.shape[-1]), targets.reshape(-1)
         if fused:
+            # optional dependency: Triton (Linux only), imported only when the fused loss is asked for
             from lab.kernels.fused_cross_entropy import fused_linear_cross_entropy
 
             return fused_linear_cross_entropy(hidden, self.weight, flat_targets, reduction=reduction,

@@ -149,15 +149,13 @@ def test_compiled_grid_matches_eager_memory():
 
 
 def test_lm_eager_vs_compiled_runs_each_size_eager_then_compiled(monkeypatch):
-    import lab.bench.lm as lm
-
     calls = []
 
     def fake_compare(size, variants, **kwargs):
         calls.append((size, [dict(v) for v in variants], kwargs["modes"]))
         return pd.DataFrame([dict(size=size, compile=bool(v.get("compile", False))) for v in variants])
 
-    monkeypatch.setattr(lm, "compare_variants", fake_compare)
+    monkeypatch.setattr(ab, "compare_variants", fake_compare)
     df = ab.lm_eager_vs_compiled(["tiny", "mini"], context=32, batch=2, dtype="fp32", device="cpu", progress=False)
     assert [c[0] for c in calls] == ["tiny", "mini"]
     assert calls[0][1] == [dict(attention="sdpa"), dict(attention="sdpa", compile=True)]

@@ -15,6 +15,13 @@ CFG = ModelConfig(d_model=32, d_ff=64, num_layers=2, num_heads=4, context_length
     ("void at::native::vectorized_elementwise_kernel<4, at::native::exp_kernel_cuda>", "other"),
     ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float>", "other"),
     ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128>>", "fused attention"),
+    ("_attn_fwd", "fused attention"),
+    ("fmha_cutlassF_f16_aligned_64x64_rf_sm80", "fused attention"),  # attention although CUTLASS-built
+    ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, "
+     "at::native::(anonymous namespace)::LogSoftMaxForwardEpilogue>", "loss"),
+    ("_lse_kernel", "loss"),
+    ("_matmul_kernel", "matmul"),  # the fused loss's gradient products
+    ("ncclDevKernel_AllGather_RING_LL", "communication"),
 ])
 def test_kernel_class(name, expected):
     assert profiling.kernel_class(name) == expected

@@ -1,10 +1,13 @@
 """lab.measure.saved_tensors: bytes saved for backward, by operation and module, against hand-computed counts."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 from torch import nn
 
-from lab.measure.saved_tensors import expected_gradient_bytes, saved_tensor_report
+from lab.measure.saved_tensors import expected_gradient_bytes, saved_tensor_bytes, saved_tensor_report
 from lab.model.transformer import ModelConfig, RMSNorm, TransformerBlock
 
 
@@ -72,3 +75,18 @@ def test_no_grad_saves_nothing():
     with torch.no_grad():
         report = saved_tensor_report(nn.Linear(4, 3), torch.randn(2, 4))
     assert report.total_bytes == 0 and report.records.empty
+
+
+def test_saved_tensor_bytes_frees_the_graph():
+    """Counting must not keep what it counts alive (a leak here polluted every later memory reading)."""
+    refs = []
+
+    def attention_keeping_a_weakref(q, k, v):
+        probs = torch.softmax(q @ k.transpose(-2, -1), dim=-1)
+        refs.append(weakref.ref(probs))
+        return probs @ v
+
+    q, k, v = (torch.randn(2, 64, 8, requires_grad=True) for _ in range(3))
+    assert saved_tensor_bytes(attention_keeping_a_weakref, q, k, v) == 2 * 64 * 64 * 4
+    gc.collect()
+    assert refs[0]() is None
