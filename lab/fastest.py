@@ -10,8 +10,13 @@ import dataclasses
 import sys
 from collections.abc import Sequence
 
+import torch
+
 from lab import cli
+from lab.accounting import state_memory
 from lab.bench.fastest import benchmark, results_table
+from lab.bench.memory_estimate import HEADROOM
+from lab.measure.device import available_memory_bytes
 from lab.measure.results import save_results
 from lab.recipes.fastest_step import CONFIGS, PROJECT, PROJECT_ONE_GPU, ablations, recipes_for
 
@@ -52,9 +57,6 @@ def check_cpu_fits(config, recipes, world: int) -> None:
     """Refuse (:class:`lab.cli.UsageError`) a CPU run this machine cannot hold: more ranks than cores, or a model
     whose parameters, gradients and AdamW state alone (a lower bound on any recipe's need, as if sharded
     perfectly over the ranks) exceed the available memory; the advice names the layer count that would fit."""
-    from lab.accounting import state_memory
-    from lab.bench.memory_estimate import HEADROOM
-    from lab.measure.device import available_memory_bytes
 
     cli.check_ranks([world], "cpu", 0)
     available = available_memory_bytes("cpu")
@@ -77,9 +79,6 @@ def check_cpu_fits(config, recipes, world: int) -> None:
 
 def fastest_main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    import torch
-
-
     config = CONFIGS[args.config]
     if args.num_layers:
         config = dataclasses.replace(config, name=f"{config.name}_{args.num_layers}layers",

@@ -79,23 +79,14 @@ OPTIONAL = "optional dependency"
 #: Function-level imports in files that other helpers change in this same round (they hoist them, or mark
 #: them optional). An entry must still exist: delete it when its import is gone, so the list only shrinks.
 PENDING = {
-    ("bench/fastest.py", "lab.measure.traces"), ("bench/fastest.py", "lab.paths"),
-    ("bench/fastest.py", "lab.parallel.gpu_pool"),
     ("bench/flash.py", "lab.measure.results"), ("bench/flash.py", "lab.kernels.flash_triton"),
     ("bench/fused_loss.py", "lab.measure.timing"), ("bench/fused_loss.py", "lab.kernels.fused_cross_entropy"),
     ("bench/fused_loss.py", "lab.kernels.fused_cross_entropy_kernels"),
-    ("bench/lm.py", "lab.accounting"), ("bench/lm.py", "lab.measure.device"), ("bench/lm.py", "lab.measure.process"),
-    ("bench/lm.py", "lab.measure.profiling"),
-    ("book/fastest.py", "lab.accounting"), ("book/flash.py", "lab.book.report"),
+    ("book/flash.py", "lab.book.report"),
     ("kernels/fused_cross_entropy_kernels.py", "lab.kernels.sm90_compile"),
-    ("measure/step.py", "lab.measure.memory_snapshot"), ("measure/step.py", "lab.measure.memory_timeline"),
-    ("parallel/fsdp_layout.py", "lab.parallel.fsdp"),
-    ("recipes/fastest_step.py", "lab.model.transformer"), ("recipes/fastest_step.py", "lab.accounting"),
-    ("recipes/fastest_step.py", "lab.kernels.flash_triton"), ("recipes/fastest_step.py", "lab.parallel.fsdp"),
-    ("recipes/fastest_step.py", "lab.parallel.launcher"),
 }
 #: Import cycles another helper removes in this same round (delete the entry then, as for PENDING).
-PENDING_CYCLES = [{"lab.parallel.fsdp", "lab.parallel.fsdp_layout"}]
+PENDING_CYCLES: list[set[str]] = []
 
 
 def _module_name(path: Path) -> str:
@@ -235,7 +226,4 @@ def test_no_module_imports_another_modules_private_names():
             if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
                     and node.attr.startswith("_") and not node.attr.startswith("__")):
                 bad.append(f"{path.relative_to(LAB)}: {node.value.id}.{node.attr}")
-    pending = {"parallel/zero1.py"}  # its owner makes sharded_optimizer's helpers public in this same round
-    new = [b for b in bad if b.split(":")[0] not in pending]
-    assert not new, f"imports of another module's private names (make them public with a docstring): {new}"
-    assert any(b.startswith("parallel/zero1.py") for b in bad), "zero1 is clean: delete it from pending"
+    assert not bad, f"imports of another module's private names (make them public with a docstring): {bad}"

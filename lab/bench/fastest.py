@@ -21,11 +21,14 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from lab import paths
 from lab.bench.progress import progress_line
 from lab.measure.device import empty_cache, error_summary, is_oom, synchronize
 from lab.measure.profiling import kernel_class, profile_step
 from lab.measure.timing import time_callable, time_kernel
+from lab.measure.traces import kernels_by_range, read_trace, step_overlap
 from lab.parallel import launcher
+from lab.parallel.gpu_pool import run_on_gpus
 from lab.recipes.fastest_step import (
     ABLATION_BASE,
     CONFIGS,
@@ -67,7 +70,6 @@ def phase_breakdown(trace_path: str | Path, steps: int = 1) -> dict[str, float |
     streams were idle (launch gaps, waiting); ``other_kernels_top`` names the :data:`OTHER_TOP` largest
     kernels of ``other kernels`` (``"name=ms; ..."``; names cut to 80 characters, and kernels whose names
     agree that far counted as one)."""
-    from lab.measure.traces import kernels_by_range, read_trace, step_overlap
 
     trace = json.loads(Path(trace_path).read_text())  # read once, for both readers
     kernels = kernels_by_range(trace, ("forward", "backward", "optimizer_step", "recompute"))
@@ -184,7 +186,6 @@ def measure_recipe(config: StepConfig, recipe: Recipe, device: torch.device, war
 
 
 def _profile(step, trace_dir: str | None, name: str) -> dict:
-    from lab import paths
 
     path = (Path(trace_dir) if trace_dir else paths.artifacts_dir("artifacts/traces")) / name
     profile_step(step, "train_step", warmup=0, steps=1, trace_path=path)
@@ -409,7 +410,6 @@ def benchmark_configs(jobs: Mapping[str, Sequence[Recipe]], device: str = "auto"
     if not gpus or sum(c.world_size for c in configs.values()) > gpus or len(groups) < 2:
         return pd.concat([benchmark(name, recipes, device=device, rep_ms=budget[name], **extra(recipes), **kwargs)
                           for name, recipes in jobs.items()], ignore_index=True)
-    from lab.parallel.gpu_pool import run_on_gpus
 
     def job(name, recipes):
         return configs[name].world_size, lambda first: benchmark(name, recipes, device=device, first_gpu=first,

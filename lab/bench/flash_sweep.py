@@ -351,7 +351,7 @@ def _warm_task(task):
         bh = shape.batch * shape.heads
         q, k, v, dout = attention_inputs(bh, shape.seq, shape.d, DTYPES[dtype], torch.device(device))
         if name in fns:
-            from lab.kernels.flash_triton import FlashAttentionTriton  # needs Triton (optional)
+            from lab.kernels.flash_triton import FlashAttentionTriton  # needs Triton (an optional dependency)
 
             fn = lambda a, b, c, causal: FlashAttentionTriton.apply(a, b, c, causal, fns[name][0])
         else:

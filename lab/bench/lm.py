@@ -20,6 +20,8 @@ from lab.bench.memory_estimate import cpu_peak_bytes
 from lab.bench.progress import progress_bar
 from lab.dtypes import autocast_dtype
 from lab.measure.device import available_memory_bytes, empty_cache, error_summary, is_oom, resolve_device
+from lab.measure.process import run_python_module
+from lab.measure.profiling import profile_step
 from lab.measure.step import MODES, TrainStep, make_optimizer, measure_modes, mode_columns, random_batch
 from lab.model import ModelConfig, TransformerLM, config_for
 
@@ -207,7 +209,6 @@ def warmup_study(size: str | ModelConfig, warmups: Sequence[int] = (0, 1, 2, 5),
     """
     import json
 
-    from lab.measure.process import run_python_module
 
     if isinstance(size, ModelConfig):
         arch = ["--d-model", str(size.d_model), "--d-ff", str(size.d_ff), "--num-layers", str(size.num_layers),
@@ -237,7 +238,6 @@ def profile_lm(size: str | ModelConfig, mode: str = "forward", context: int = 51
     """:func:`lab.measure.profiling.profile_step` of a freshly built :class:`TransformerLM` (with AdamW for
     ``train_step``); returns the profiler. Naive attention by default: its ranges split scores, softmax and
     the final matmul."""
-    from lab.measure.profiling import profile_step
 
     device = resolve_device(device) if isinstance(device, str) else device
     _, cfg = lm_config(size, context, attention)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from lab.accounting import BENCH_DTYPE_TO_POLICY, policy, training_memory
+from lab.measure.step import TrainStep, make_optimizer, random_batch
 from lab.model import MODEL_SIZES, QUICK_SIZES, ModelConfig, TransformerLM, config_for
 
 GiB = 2**30
@@ -131,7 +132,6 @@ def measured_cpu_peak_bytes(cfg: ModelConfig, batch: int, context: int, dtype: s
     optimizer's moments exist). Small configurations only: it profiles a real step."""
     from torch.profiler._memory_profiler import Action, TensorKey  # the profiler's memory timeline
 
-    from lab.measure.step import TrainStep, make_optimizer, random_batch
 
     torch.manual_seed(seed)
     model = TransformerLM(cfg)

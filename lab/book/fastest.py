@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 
 import pandas as pd
 
+from lab.accounting import parameter_count
 from lab.book.fastest_compare import (  # noqa: F401 - the notebook reads the comparisons through this module
     FITS_GIB,
     ablation_sentence,
@@ -127,7 +128,6 @@ def carried_rows(saved: pd.DataFrame, configs: Sequence[str], carry: Sequence[st
 
 def config_table(names) -> pd.DataFrame:
     """What each configuration trains: model shape, tokens per step, ranks, parameters, model TFLOP per step."""
-    from lab.accounting import parameter_count
 
     rows = []
     for name in names:

@@ -30,6 +30,8 @@ from torch import nn
 
 from lab.dtypes import autocast
 from lab.measure.device import synchronize
+from lab.measure.memory_snapshot import record_memory_snapshot
+from lab.measure.memory_timeline import active_memory_timeline, phase_rows_from_timeline
 from lab.measure.timing import Timing
 from lab.units import GiB
 
@@ -289,8 +291,6 @@ def peak_memory_by_phase(step: TrainStep, steps: int = 1, counter: MemoryCounter
         import tempfile
         from pathlib import Path
 
-        from lab.measure.memory_snapshot import record_memory_snapshot
-        from lab.measure.memory_timeline import active_memory_timeline, phase_rows_from_timeline
 
         with contextlib.ExitStack() as stack:
             path = snapshot_path or Path(stack.enter_context(tempfile.TemporaryDirectory())) / "phases.pickle"

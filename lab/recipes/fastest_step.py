@@ -50,8 +50,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lab.accounting import forward_flops
 from lab.measure.step import TrainStep, random_batch
 from lab.model import ModelConfig, TransformerLM, config_for
+from lab.model.transformer import RMSNorm, RotaryEmbedding, SiLUGate
+from lab.parallel import launcher
+from lab.parallel.fsdp import FSDP
 
 #: The course's 2026 leaderboard model: 34 layers, d_model 4,096, d_ff 11,008, 32 heads, vocabulary 151,936,
 #: 32,768 tokens of context, bf16 parameters; batch 2 (one sequence per GPU on two GPUs).
@@ -254,7 +258,8 @@ def _saved_ops() -> frozenset:
         if hasattr(aten, name):
             ops.add(getattr(aten, name).default)
     try:
-        import lab.kernels.flash_triton  # noqa: F401 - registers torch.ops.lab.*
+        # registers torch.ops.lab.* (Triton is an optional dependency)
+        import lab.kernels.flash_triton  # noqa: F401
 
         ops.add(torch.ops.lab.flash_attention_forward.default)
     except (ImportError, AttributeError):
@@ -348,7 +353,6 @@ class CheckpointedBlock(nn.Module):
 
 
 def _compile_pointwise(model: TransformerLM) -> None:
-    from lab.model.transformer import RMSNorm, RotaryEmbedding, SiLUGate
 
     for module in model.modules():
         if isinstance(module, (RMSNorm, RotaryEmbedding, SiLUGate)):
@@ -377,14 +381,12 @@ def build_model(cfg: ModelConfig, recipe: Recipe, device: torch.device, seed: in
             raise ValueError("compile='model' would trace into lab.FSDP's hooks; use 'pointwise' with fsdp")
         model.compile()
     if recipe.sharding == "fsdp":
-        from lab.parallel.fsdp import FSDP
 
         return FSDP(model)
     if recipe.sharding == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        from lab.parallel import launcher
 
         mesh = init_device_mesh(device.type, (launcher.world_size(),))
         for block in model.blocks:
@@ -422,7 +424,6 @@ def build_step(config: StepConfig, recipe: Recipe, device: torch.device, seed: i
 def model_flops_per_step(config: StepConfig) -> float:
     """Model FLOPs of one step over all ranks, without recomputation: 3x the forward's matmul FLOPs with the
     causal mask's half of the attention scores (the convention of MFU)."""
-    from lab.accounting import forward_flops
 
     cfg, tokens = config.model, config.context * config.batch_per_rank * config.world_size
     full = forward_flops(cfg, config.batch_per_rank * config.world_size, config.context)
