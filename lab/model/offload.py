@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -97,7 +98,7 @@ class _Record:
     def __init__(self, index: int, offload: bool, prev: _Record | None):
         self.index, self.offload, self.prev = index, offload, prev
         self.slots: list[_Slot] = []
-        self.by_storage: dict[tuple, _Slot] = {}  # during the block's forward only
+        self.by_storage: dict[tuple, object] = {}  # storage -> its slot or _KEPT, during the block's forward
         self.alive: list[torch.Tensor] = []  # device tensors held until the block's forward ends
         self.event = None  # the copies back (CUDA)
         self.fetching = False
@@ -112,6 +113,9 @@ class _Handle:
     def __init__(self, record: _Record, slot: _Slot, t: torch.Tensor):
         self.record, self.slot, self.dtype = record, slot, t.dtype
         self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
+
+
+_KEPT = object()  # a storage under ``min_bytes``, already seen in this block
 
 
 def _bytes_view(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
@@ -139,7 +143,9 @@ class ActivationOffloader:
         self.exclude(exclude)
         self._stats = OffloadStats()
         self._stream = None  # the side stream, made on first CUDA use
-        self._last: _Record | None = None
+        # the last block's record, weakly: the autograd graph holds records (through their handles and the
+        # output hooks); holding them here would keep a finished step's host copies alive into the next
+        self._last: weakref.ref | None = None
         self._current: _Record | None = None
 
     def exclude(self, tensors: Iterable[torch.Tensor]) -> None:
@@ -172,9 +178,9 @@ class ActivationOffloader:
     def saving(self, index: int, offload: bool = True) -> Iterator[_Record]:
         """The forward of block ``index``: with ``offload``, its saved tensors go through the hooks. Yields
         the block's record (for :meth:`backward_reached`)."""
-        prev = self._last if self._last is not None and self._last.index < index else None
-        record = _Record(index, offload, prev)
-        self._last, self._current = record, record
+        last = self._last() if self._last is not None else None
+        record = _Record(index, offload, last if last is not None and last.index < index else None)
+        self._last, self._current = weakref.ref(record), record
         try:
             if offload:
                 with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
@@ -199,18 +205,18 @@ class ActivationOffloader:
         if key in self._excluded or (t.is_leaf and t.requires_grad):
             return t
         slot = record.by_storage.get(key)
+        if slot is _KEPT:
+            return t
         if slot is None:
             nbytes = key[3]
             if nbytes < self.min_bytes:
                 self._stats.bytes_kept += nbytes
-                record.by_storage[key] = None
+                record.by_storage[key] = _KEPT
                 return t
             slot = self._offload(t, nbytes)
             record.slots.append(slot)
             record.by_storage[key] = slot
             record.alive.append(t)
-        elif slot is None:  # a small storage already kept
-            return t
         slot.uses += 1
         slot.remaining += 1
         return _Handle(record, slot, t)
@@ -254,11 +260,19 @@ class ActivationOffloader:
             return
         device = slots[0].device
         if device.type == "cuda":
+            # Allocated on the compute stream, which will use and free them: a side-stream allocation would
+            # come from the caching allocator's separate pool for that stream, which the compute stream's
+            # freed memory cannot serve. The copies wait for the compute work queued so far (the previous
+            # block's backward), so they overlap this block's.
+            compute = torch.cuda.current_stream(device)
+            for s in slots:
+                s.fetched = torch.empty(s.nbytes, dtype=torch.uint8, device=device)
             stream = self._side_stream(device)
+            stream.wait_stream(compute)
             with torch.cuda.stream(stream):
                 for s in slots:
-                    s.fetched = torch.empty(s.nbytes, dtype=torch.uint8, device=device)
                     s.fetched.copy_(s.host, non_blocking=True)
+                    s.fetched.record_stream(stream)
                 record.event = stream.record_event()
         else:
             start = time.perf_counter()
@@ -301,9 +315,6 @@ class ActivationOffloader:
             self._stats._wait_events.append((before, after))
         else:
             compute.wait_event(record.event)
-        for s in record.slots:  # allocated on the side stream, used on the compute stream
-            if s.fetched is not None:
-                s.fetched.record_stream(compute)
         record.event = None
 
 
