@@ -84,7 +84,7 @@ class OffloadStats:
 class _Slot:
     """One saved storage: its host copy, and its device copy while the backward needs it."""
 
-    __slots__ = ("device", "fetched", "host", "nbytes", "remaining", "uses")
+    __slots__ = ("__weakref__", "device", "fetched", "host", "nbytes", "remaining", "uses")
 
     def __init__(self, host: torch.Tensor, device: torch.device, nbytes: int):
         self.host, self.device, self.nbytes = host, device, nbytes
@@ -142,6 +142,7 @@ class ActivationOffloader:
         self._excluded: set[tuple] = set()
         self.exclude(exclude)
         self._stats = OffloadStats()
+        self._slots: weakref.WeakSet[_Slot] = weakref.WeakSet()  # host copies alive (their graphs are)
         self._stream = None  # the side stream, made on first CUDA use
         # the last block's record, weakly: the autograd graph holds records (through their handles and the
         # output hooks); holding them here would keep a finished step's host copies alive into the next
@@ -167,6 +168,10 @@ class ActivationOffloader:
             s.wait_s += sum(a.elapsed_time(b) for a, b in s._wait_events) / 1e3
             s._wait_events.clear()
         return OffloadStats(**{k: v for k, v in vars(s).items() if k != "_wait_events"})
+
+    def host_bytes(self) -> int:
+        """Bytes of host memory holding saved activations now (freed with the graph that saved them)."""
+        return sum(s.nbytes for s in list(self._slots))
 
     def reset_stats(self) -> None:
         """Zero the counters (e.g. at the start of each measured step)."""
@@ -235,7 +240,9 @@ class ActivationOffloader:
             host = src.clone()
         self._stats.bytes_offloaded += nbytes
         self._stats.copies += 1
-        return _Slot(host, t.device, nbytes)
+        slot = _Slot(host, t.device, nbytes)
+        self._slots.add(slot)
+        return slot
 
     # ---- backward ------------------------------------------------------------------------------------
 

@@ -50,7 +50,11 @@ def test_bytes_offloaded_equal_the_saved_tensors_of_each_block(setup):
         expected += int(per_block[f"blocks.{i}"]) - rope.cos.untyped_storage().nbytes() \
             - rope.sin.untyped_storage().nbytes()
     with activation_offloading(model, offload_blocks=range(CFG.num_layers), min_bytes=0) as off:
-        lm_loss(model, *batch).backward()
+        loss = lm_loss(model, *batch)
+        assert off.host_bytes() == off.stats().bytes_offloaded  # held in "host" memory until the backward
+        loss.backward()
+    del loss
+    assert off.host_bytes() == 0  # freed with the graph
     s = off.stats()
     assert expected > 0
     assert s.bytes_offloaded == expected
