@@ -45,8 +45,10 @@ prefetch) but their saved tensors are untouched, so a block that is itself a che
 checkpointing. Offloading a checkpointed block moves only its input (the one tensor non-reentrant
 checkpointing saves outside): checkpointing installs its own saved-tensor hooks inside, and autograd uses the
 innermost pair; selective checkpointing keeps its saved outputs in a dispatch-mode cache that no saved-tensor
-hook sees, so those stay on the device. Under ``lab.FSDP`` the gathered weights
-are not parameters; pass ``exclude`` to keep them.
+hook sees, so those stay on the device. Under ``lab.FSDP`` the gathered weights are not parameters, and
+FSDP's own saved-tensor hooks (which replace a saved gathered weight by a key and gather it again in
+backward) are outside ours, so autograd would call only ours: pass ``delegate=fsdp.saved_tensor_hooks()``
+and every saved tensor goes to FSDP's pack first; what FSDP replaces is FSDP's, the rest is offloaded.
 """
 
 from __future__ import annotations
@@ -115,6 +117,15 @@ class _Handle:
         self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
 
 
+class _Delegated:
+    """What autograd keeps for a tensor the delegate's pack replaced."""
+
+    __slots__ = ("packed",)
+
+    def __init__(self, packed):
+        self.packed = packed
+
+
 _KEPT = object()  # a storage under ``min_bytes``, already seen in this block
 
 
@@ -130,15 +141,19 @@ class ActivationOffloader:
     ``exclude``: tensors never offloaded (parameters and buffers of the model, added by
     :func:`activation_offloading`); a storage is excluded if any excluded tensor shares it. ``time_waits``:
     on CUDA, time the compute stream's waits with events (read, with a synchronization, by :meth:`stats`).
+    ``delegate``: an outer (pack, unpack) pair that sees every saved tensor first; a tensor its pack
+    replaces (returns something else than the tensor) is its business, not offloaded (see the module
+    docstring: FSDP's).
     """
 
     def __init__(self, min_bytes: int = 1 << 16, prefetch: int = 1, exclude: Iterable[torch.Tensor] = (),
-                 time_waits: bool = True):
+                 time_waits: bool = True, delegate: tuple[Callable, Callable] | None = None):
         if min_bytes < 0:
             raise ValueError(f"min_bytes must be >= 0, got {min_bytes}")
         if prefetch < 0:
             raise ValueError(f"prefetch must be >= 0 blocks, got {prefetch}")
         self.min_bytes, self.prefetch, self.time_waits = min_bytes, prefetch, time_waits
+        self.delegate = delegate
         self._excluded: set[tuple] = set()
         self.exclude(exclude)
         self._stats = OffloadStats()
@@ -203,6 +218,10 @@ class ActivationOffloader:
         return self._stream
 
     def _pack(self, t: torch.Tensor):
+        if self.delegate is not None:
+            packed = self.delegate[0](t)
+            if packed is not t:
+                return _Delegated(packed)
         record = self._current
         if record is None or t.layout != torch.strided or t.is_neg() or t.is_conj():
             return t
@@ -290,6 +309,8 @@ class ActivationOffloader:
         self._stats.fetches += len(slots)
 
     def _unpack(self, handle):
+        if isinstance(handle, _Delegated):
+            return self.delegate[1](handle.packed)
         if not isinstance(handle, _Handle):
             return handle
         record, slot = handle.record, handle.slot

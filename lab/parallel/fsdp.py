@@ -348,6 +348,11 @@ class FSDP(nn.Module):
                 del w.module.__dict__[w.attr]
         self._live_storage.clear()
 
+    def saved_tensor_hooks(self) -> tuple:
+        """FSDP's (pack, unpack) pair, for inner saved-tensor hooks that must let FSDP see each saved tensor
+        first (autograd calls only the innermost pair): ``lab.model.offload``'s ``delegate``."""
+        return self._pack, self._unpack
+
     def _pack(self, t: torch.Tensor):
         if self._live_storage and t.layout == torch.strided:
             entry = self._live_storage.get(t.untyped_storage().data_ptr())
