@@ -71,6 +71,9 @@ class OptimizerInBackward(torch.optim.Optimizer):
     together (None: one per parameter; see :func:`block_buckets`), covering ``params`` exactly. ``fsdp``:
     the :class:`~lab.parallel.fsdp.FSDP` whose shards ``params`` are (``fsdp.parameters()``); updates then
     follow its gradient collectives and ``buckets`` must be None.
+
+    The gradient hooks hold the optimizer weakly (:mod:`lab.parallel.hooks`): keep a reference to it, as to
+    any optimizer, or the updates stop (and gradients accumulate as without it).
     """
 
     def __init__(self, params: Iterable, optimizer_cls: type[torch.optim.Optimizer] = torch.optim.AdamW, *,

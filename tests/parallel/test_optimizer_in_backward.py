@@ -180,3 +180,18 @@ def test_fsdp_updates_after_each_reduce_scatter_match_single_process_exactly():
         for step, row in enumerate(res["rows"]):
             assert row["grads_left"] == 0
             assert row["params_equal"], f"rank {rank} step {step}: max diff {row['max_diff']}"
+
+
+def test_the_full_gradient_set_never_exists():
+    """Gradients alive during the backward: at most one bucket's (a plain backward ends holding all)."""
+    _, model = _pair()
+    buckets = block_buckets(model)
+    opt = OptimizerInBackward(model.parameters(), buckets=buckets, **HYPER)  # hooks hold it weakly: keep it
+    params = list(model.parameters())
+    alive = []
+    for p in params:  # registered after the optimizer's hooks: runs after each parameter's update
+        p.register_post_accumulate_grad_hook(lambda _: alive.append(sum(q.grad is not None for q in params)))
+    lm_loss(model, *random_batch(CFG, 2, "cpu")).backward()
+    assert len(alive) == len(params)
+    assert max(alive) == max(len(b) for b in buckets) - 1 < len(params)
+    opt.step()
