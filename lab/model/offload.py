@@ -35,10 +35,13 @@ exactness of the round trip (gradients equal bit for bit) and the byte counters 
 
 Cost model (:func:`offload_cost_model`): a block that saves ``B`` bytes needs ``B / bandwidth`` seconds
 each way over the host link. The device-to-host copy overlaps the following blocks' forward, the
-host-to-device copy the previous block's backward; what is not covered is exposed:
+host-to-device copy the backward of the block after it (which runs first); what is not covered is exposed:
 ``max(0, B / bandwidth - compute)``. The bandwidth is a parameter (measure the link: a PCIe Gen5 x16 link
 moves tens of GB/s each way, far below HBM), and the copies also compete with the GPU's own memory traffic
-and, under data parallelism, with the network's use of the same PCIe switch.
+and, under data parallelism, with the network's use of the same PCIe switch. Memory: the device holds
+one block's saved tensors while that block runs (until its copies are queued and its forward ends) and the
+blocks being brought back; pinned host memory holds every offloaded byte of the step
+(:meth:`ActivationOffloader.host_bytes`).
 
 Composition: blocks not chosen for offloading are still wrapped (their output's gradient hook drives the
 prefetch) but their saved tensors are untouched, so a block that is itself a checkpoint wrapper keeps its
