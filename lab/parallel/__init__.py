@@ -1,11 +1,12 @@
 """Parallelism, applied from outside the model: the process launcher, collective primitives, four
-data-parallel wrappers, optimizer-state sharding, ZeRO-1 and FSDP.
+data-parallel wrappers, optimizer-state sharding, ZeRO-1, FSDP and the optimizer step inside the backward.
 
 One file per idea, each readable top to bottom (picotron style): ``launcher`` (run a function on N ranks,
 spawned or under torchrun), ``collectives`` (the primitives and their bandwidth arithmetic),
 ``process_groups`` (which ranks a wrapper talks to: a group, a DeviceMesh or the default group), ``ddp``,
 ``sharded_optimizer``, ``zero1``, ``fsdp`` (with ``fsdp_layout``, its data, and ``fsdp_grads``, its
-gradient collectives, hybrid sharding included).
+gradient collectives, hybrid sharding included), ``optimizer_in_backward`` (each parameter updated as soon
+as its gradient is final, alone or after FSDP's reduce-scatter).
 
 May import: torch, ``lab.measure``, ``lab.accounting`` (the collective cost model).
 """

@@ -32,7 +32,11 @@ How it works here (no change to the model):
   the shards' ``.grad`` (fp32); at the end of backward (an autograd-engine callback) the last ones are
   finished and replicated gradients are all-reduced and averaged (:mod:`lab.parallel.fsdp_grads`).
   :meth:`FSDP.finish_gradient_synchronization` does the same explicitly and is a no-op when the callback
-  already ran.
+  already ran;
+* each time some parameters' gradients become final (a layer's reduce-scatter accumulated into its shards,
+  or the replicated parameters' all-reduce), the callables in ``FSDP.on_shard_grad_ready`` are called with
+  those parameters: the hook point for an optimizer that updates during the backward
+  (:mod:`lab.parallel.optimizer_in_backward`).
 
 Which ranks: ``process_group`` (None: the default group) is the *shard* group, over which weights are cut,
 gathered and reduce-scattered; on a 2-D mesh (data x tensor parallel) it is the data-parallel slice. With
@@ -133,6 +137,8 @@ class FSDP(nn.Module):
         if self.replicate_group is not None:
             broadcast_from_first(state, self.replicate_group)
         self._reducer = GradientReducer(self.shard_group, self.replicate_group, reduce_dtype)
+        #: callables ``f(params)`` run when ``params``' ``.grad`` became final for this backward (see above)
+        self.on_shard_grad_ready = self._reducer.on_grad_ready
         self._layers: list[Layer] = []
         self._weights: dict[str, ShardedWeight] = {}
         self._replicated: list[tuple[str, nn.Parameter]] = []
@@ -342,6 +348,11 @@ class FSDP(nn.Module):
                 del w.module.__dict__[w.attr]
         self._live_storage.clear()
 
+    def saved_tensor_hooks(self) -> tuple:
+        """FSDP's (pack, unpack) pair, for inner saved-tensor hooks that must let FSDP see each saved tensor
+        first (autograd calls only the innermost pair): ``lab.model.offload``'s ``delegate``."""
+        return self._pack, self._unpack
+
     def _pack(self, t: torch.Tensor):
         if self._live_storage and t.layout == torch.strided:
             entry = self._live_storage.get(t.untyped_storage().data_ptr())
@@ -426,6 +437,13 @@ class FSDP(nn.Module):
         """Every parameter's averaged gradient at full size: name -> tensor (None where there is none; a
         collective call). For checking against a single-process step."""
         return full_grads(self.module, self._weights, self.shard_group)
+
+    def gradient_groups(self) -> list[list[nn.Parameter]]:
+        """The trainable parameters whose gradients become final together: each layer's shards (one
+        reduce-scatter), then the replicated parameters (one all-reduce); empty groups left out."""
+        groups = [[w.shard for w in layer.weights if w.shard.requires_grad] for layer in self._layers]
+        groups.append([p for _, p in self._replicated if p.requires_grad])
+        return [g for g in groups if g]
 
     def sharded_parameter_names(self) -> list[str]:
         """Names of the parameters stored as shards (the 2-D ones)."""

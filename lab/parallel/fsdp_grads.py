@@ -16,6 +16,8 @@ was given (which need not span the default group, e.g. beside tensor parallelism
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -41,6 +43,9 @@ class GradientReducer:
         # (weights, work, this rank's slice of the sum, the full input kept alive until the work is done)
         self._scattering: list[tuple[list[ShardedWeight], object, torch.Tensor, torch.Tensor]] = []
         self._replicating: list[tuple[list[ShardedWeight], object, torch.Tensor]] = []
+        # called with the parameters (shards, or replicated parameters) whose ``.grad`` just became final
+        # for this backward: where an optimizer can update them while the rest of the backward runs
+        self.on_grad_ready: list[Callable[[list[torch.Tensor]], None]] = []
 
     def grad_dtype(self, w: ShardedWeight) -> torch.dtype:
         """The dtype ``w``'s gradient is communicated in."""
@@ -87,6 +92,11 @@ class GradientReducer:
                 w.shard.grad = part
             else:
                 w.shard.grad.add_(part)
+        self._grads_ready([w.shard for w in weights])
+
+    def _grads_ready(self, params: list[torch.Tensor]) -> None:
+        for callback in self.on_grad_ready:
+            callback(params)
 
     def finish(self) -> None:
         """Wait for every outstanding gradient collective and accumulate its result."""
@@ -117,3 +127,4 @@ class GradientReducer:
                 p.grad = g.clone()
             else:
                 p.grad.copy_(g)
+        self._grads_ready(params)

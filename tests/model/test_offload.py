@@ -1,0 +1,146 @@
+"""lab.model.offload: the round trip through "host" memory is exact (gradients equal bit for bit in fp32),
+the byte counters equal what autograd saves (lab.measure.saved_tensors, and closed forms), and the backward
+brings blocks back ahead of need."""
+
+import pytest
+import torch
+from torch import nn
+
+from lab.measure.saved_tensors import saved_tensor_report
+from lab.measure.step import lm_loss, random_batch
+from lab.model.checkpointing import CheckpointedGroup, residual_stream_bytes
+from lab.model.offload import ActivationOffloader, activation_offloading, offload_cost_model
+from lab.model.transformer import TransformerLM, config_for
+
+CFG = config_for("tiny", context_length=16, vocab_size=64)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    torch.manual_seed(0)
+    model = TransformerLM(CFG)
+    return model, random_batch(CFG, 2, "cpu")
+
+
+def _grads(model, batch, context=None):
+    model.zero_grad(set_to_none=True)
+    with context if context is not None else torch.enable_grad():
+        loss = lm_loss(model, *batch)
+        loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("kw", [dict(offload_blocks=None), dict(offload_blocks=[0, 1]),
+                                dict(offload_blocks=[0, 1], prefetch=0), dict(offload_blocks=[1], min_bytes=8192)])
+def test_gradients_equal_bit_for_bit(setup, kw):
+    model, batch = setup
+    ref_loss, ref = _grads(model, batch)
+    loss, got = _grads(model, batch, activation_offloading(model, min_bytes=kw.pop("min_bytes", 0), **kw))
+    assert torch.equal(loss, ref_loss)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
+def test_bytes_offloaded_equal_the_saved_tensors_of_each_block(setup):
+    model, batch = setup
+    report = saved_tensor_report(model, batch[0])
+    per_block = report.by_module(depth=2).set_index("module")["bytes"]
+    expected = 0
+    for i, block in enumerate(model.blocks):
+        rope = block.attn.rope  # its cos/sin tables are buffers: saved, but never offloaded
+        expected += int(per_block[f"blocks.{i}"]) - rope.cos.untyped_storage().nbytes() \
+            - rope.sin.untyped_storage().nbytes()
+    with activation_offloading(model, offload_blocks=range(CFG.num_layers), min_bytes=0) as off:
+        loss = lm_loss(model, *batch)
+        assert off.host_bytes() == off.stats().bytes_offloaded  # held in "host" memory until the backward
+        loss.backward()
+    del loss
+    assert off.host_bytes() == 0  # freed with the graph
+    s = off.stats()
+    assert expected > 0
+    assert s.bytes_offloaded == expected
+    assert s.bytes_fetched == expected  # every byte came back once
+    assert s.copies == s.fetches
+    # the last block's backward starts at once (on demand); the others were prefetched while the next one ran
+    assert (s.on_demand, s.prefetched) == (1, CFG.num_layers - 1)
+
+
+class _Mlp(nn.Module):
+    """Blocks of Linear(d, h) -> tanh -> Linear(h, d): each saves its input (d floats a row) and the tanh
+    output (h floats a row, also the second Linear's input); the weights are parameters."""
+
+    def __init__(self, d=8, h=24, n=3):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(d, h), nn.Tanh(), nn.Linear(h, d)) for _ in range(n))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x.square().sum()
+
+
+def test_hand_made_module_closed_form_bytes_and_threshold():
+    torch.manual_seed(1)
+    rows, d, h, n = 5, 8, 24, 3
+    # x needs no gradient: a leaf that requires one is left in place, like a parameter (the caller holds it)
+    model, x = _Mlp(d, h, n), torch.randn(rows, d)
+    model(x).backward()
+    ref = [p.grad.clone() for p in model.parameters()]
+    # every saved storage; only the tanh output (saved twice: by tanh and by the second Linear); none
+    for min_bytes, per_block in [(0, rows * (d + h) * 4), (rows * d * 4 + 1, rows * h * 4), (1 << 20, 0)]:
+        model.zero_grad(set_to_none=True)
+        with activation_offloading(model, offload_blocks=range(n), min_bytes=min_bytes) as off:
+            model(x).backward()
+        got = [p.grad for p in model.parameters()]
+        assert all(torch.equal(a, b) for a, b in zip(got, ref))
+        s = off.stats()
+        assert s.bytes_offloaded == n * per_block
+        assert s.bytes_kept == n * (rows * (d + h) * 4) - n * per_block
+    # the measurement of what the blocks save agrees (block inputs included: block 0's is x; the loss's
+    # square, outside the blocks, is not offloaded)
+    by_module = saved_tensor_report(model, x).by_module(depth=2)
+    assert by_module[by_module["module"].str.startswith("blocks.")]["bytes"].sum() == n * rows * (d + h) * 4
+
+
+def test_composes_with_checkpointing_by_block(setup):
+    """Offload block 0, checkpoint block 1: gradients unchanged, and only block 0's tensors travel."""
+    model, batch = setup
+    ref_loss, ref = _grads(model, batch)
+    with activation_offloading(model, offload_blocks=[0], min_bytes=0) as only_first:
+        _grads(model, batch)
+    original = model.blocks
+    model.blocks = nn.ModuleList([original[0], CheckpointedGroup([original[1]])])
+    try:
+        with activation_offloading(model, offload_blocks=[0, 1], min_bytes=0) as off:
+            loss, got = _grads(model, batch)
+    finally:
+        model.blocks = original
+    assert torch.equal(loss, ref_loss)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    # the checkpointed block's own hooks take what its inside saves: offloading it moves only its input,
+    # the one tensor non-reentrant checkpointing keeps
+    tokens = batch[0]
+    residual = residual_stream_bytes(tokens.shape[0], tokens.shape[1], CFG.d_model)
+    assert off.stats().bytes_offloaded == only_first.stats().bytes_offloaded + residual
+
+
+def test_bad_arguments_are_clear_errors(setup):
+    model, _ = setup
+    with pytest.raises(ValueError, match="offload_blocks"):
+        with activation_offloading(model, offload_blocks=[5]):
+            pass
+    with pytest.raises(ValueError, match="min_bytes"):
+        ActivationOffloader(min_bytes=-1)
+    with pytest.raises(TypeError, match="ModuleList"):
+        with activation_offloading(nn.Linear(2, 2)):
+            pass
+
+
+def test_cost_model():
+    gb = 1e9
+    # 1 GB a block over 50 GB/s: 20 ms each way; a 30 ms forward hides it, a 15 ms backward leaves 5 ms
+    m = offload_cost_model(1 * gb, 0.030, 0.015, 50 * gb, blocks=4)
+    assert m["transfer_s"] == pytest.approx(0.08)
+    assert m["exposed_forward_s"] == 0
+    assert m["exposed_backward_s"] == pytest.approx(4 * 0.005)
+    assert m["hidden_s"] == pytest.approx(0.16 - 0.02)
+    assert m["bytes_moved"] == 8 * gb and m["freed_bytes"] == 4 * gb
