@@ -97,7 +97,9 @@ def _state_bytes(step) -> dict[str, int]:
         return t.numel() * t.element_size()
 
     params = [p for p in step.model.parameters()]
-    state = [v for s in step.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.ndim > 0]
+    # an optimizer stepped inside the backward keeps its state in its inner optimizers
+    optimizers = getattr(step.optimizer, "inner", [step.optimizer])
+    state = [v for o in optimizers for s in o.state.values() for v in s.values() if torch.is_tensor(v) and v.ndim > 0]
     return dict(params=sum(local(p) for p in params), grads=sum(local(p) for p in params),
                 optimizer=sum(local(t) for t in state))
 

@@ -56,6 +56,7 @@ from lab.model import ModelConfig, TransformerLM, config_for
 from lab.model.transformer import RMSNorm, RotaryEmbedding, SiLUGate
 from lab.parallel import launcher
 from lab.parallel.fsdp import FSDP
+from lab.parallel.optimizer_in_backward import OptimizerInBackward, block_buckets
 
 #: The course's 2026 leaderboard model: 34 layers, d_model 4,096, d_ff 11,008, 32 heads, vocabulary 151,936,
 #: 32,768 tokens of context, bf16 parameters; batch 2 (one sequence per GPU on two GPUs).
@@ -110,12 +111,15 @@ class Recipe:
     fused_adamw: bool = True
     precision: str = "bf16"
     loss_upcast: bool = True
+    optimizer_in_backward: bool = False
 
     def __post_init__(self):
         for field, allowed in (("checkpoint", CHECKPOINTS), ("compile", COMPILES), ("sharding", SHARDINGS),
                                ("precision", PRECISIONS)):
             if getattr(self, field) not in allowed:
                 raise ValueError(f"{field} must be one of {', '.join(allowed)}, got {getattr(self, field)!r}")
+        if self.optimizer_in_backward and self.sharding == "fsdp2":
+            raise ValueError("optimizer_in_backward runs with sharding 'fsdp' (lab.FSDP) or 'none', not 'fsdp2'")
 
     def for_world(self, world_size: int) -> Recipe:
         """The same recipe on ``world_size`` ranks: one rank shards nothing."""
@@ -179,6 +183,7 @@ ABLATION_LABELS = {
     "no_compile": "turn off torch.compile",
     "foreach_adamw": "foreach AdamW instead of fused",
     "fp32_master_weights": "fp32 master weights under bf16 autocast",
+    "optimizer_in_backward": "update each block's parameters inside the backward",
 }
 
 
@@ -199,6 +204,7 @@ _STOCK_VALUE = {
     "fused_adamw": lambda v: True,
     "precision": lambda v: True,
     "loss_upcast": lambda v: True,
+    "optimizer_in_backward": lambda v: not v,
 }
 
 
@@ -228,13 +234,15 @@ def ablations(recipe: Recipe = PROJECT) -> list[Recipe]:
     changes (:data:`ABLATION_LABELS` says it in words): ``no_flash_attention`` (SDPA instead of the Triton
     kernels) or ``flash_triton_attention`` (the other way round), ``no_fused_loss``, ``full_recompute``,
     ``save_attention_only`` (the smaller checkpointing policy), ``no_compile``, ``foreach_adamw``,
-    ``fp32_master_weights``."""
+    ``fp32_master_weights``, and one switched on: ``optimizer_in_backward`` (each block's AdamW update runs
+    as soon as its gradients are final, :class:`lab.parallel.optimizer_in_backward.OptimizerInBackward`)."""
     out = []
     attention = (("no_flash_attention", dict(attention="sdpa")) if recipe.attention == "flash_triton" else
                  ("flash_triton_attention", dict(attention="flash_triton")))
     switches = (attention, ("no_fused_loss", dict(fused_loss=False)), ("full_recompute", dict(checkpoint="block")),
                 ("save_attention_only", dict(checkpoint="save_attention")), ("no_compile", dict(compile="none")),
-                ("foreach_adamw", dict(fused_adamw=False)), ("fp32_master_weights", dict(precision="bf16_autocast")))
+                ("foreach_adamw", dict(fused_adamw=False)), ("fp32_master_weights", dict(precision="bf16_autocast")),
+                ("optimizer_in_backward", dict(optimizer_in_backward=True)))
     for name, change in switches:
         if recipe.checkpoint == "none" and change.get("checkpoint"):
             continue  # nothing is recomputed: no checkpointing to switch off
@@ -413,8 +421,15 @@ def build_step(config: StepConfig, recipe: Recipe, device: torch.device, seed: i
     recipe = recipe.for_world(config.world_size)
     model = build_model(config.model, recipe, device, seed)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=recipe.fused_adamw,
-                                  foreach=None if recipe.fused_adamw else True)
+    flags = dict(fused=recipe.fused_adamw, foreach=None if recipe.fused_adamw else True)
+    if not recipe.optimizer_in_backward:
+        optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, **flags)
+    elif recipe.sharding == "fsdp":  # each shard updated right after its reduce-scatter
+        optimizer = OptimizerInBackward(params, fsdp=model, lr=1e-4, weight_decay=0.01, **flags)
+    elif recipe.sharding == "none":  # one fused update per block, as soon as the block's gradients are final
+        optimizer = OptimizerInBackward(params, buckets=block_buckets(model), lr=1e-4, weight_decay=0.01, **flags)
+    else:  # Recipe refuses this combination; kept for a recipe changed after construction
+        raise ValueError(f"optimizer_in_backward runs with sharding 'fsdp' or 'none', not {recipe.sharding!r}")
     tokens, targets = random_batch(config.model, config.batch_per_rank, device, config.context, seed=seed + 1 + rank)
     dtype = "bf16" if recipe.precision == "bf16_autocast" else "fp32"  # bf16 parameters need no autocast
     loss_fn = summed_loss if recipe.fused_loss or recipe.loss_upcast else summed_loss_on_logits

@@ -6,6 +6,7 @@ import dataclasses
 import pytest
 import torch
 
+from lab.bench import fastest as fs_bench
 from lab.model import ModelConfig, TransformerLM
 from lab.parallel import launcher
 from lab.recipes import fastest_step as fs
@@ -19,9 +20,10 @@ def test_recipes_validate_and_ablate_one_thing_at_a_time():
         fs.Recipe(checkpoint="sometimes")
     names = [r.name for r in fs.ablations(fs.PROJECT)]
     assert names == ["flash_triton_attention", "no_fused_loss", "full_recompute", "save_attention_only", "no_compile",
-                     "foreach_adamw", "fp32_master_weights"]
+                     "foreach_adamw", "fp32_master_weights", "optimizer_in_backward"]
     assert [r.name for r in fs.ablations(fs.PROJECT_ONE_GPU)] == [
-        "flash_triton_attention", "no_fused_loss", "no_compile", "foreach_adamw", "fp32_master_weights"]
+        "flash_triton_attention", "no_fused_loss", "no_compile", "foreach_adamw", "fp32_master_weights",
+        "optimizer_in_backward"]
     for base in (fs.PROJECT, fs.PROJECT_ONE_GPU):
         for r in fs.ablations(base):
             changed = [f.name for f in dataclasses.fields(r) if getattr(r, f.name) != getattr(base, f.name)]
@@ -235,3 +237,22 @@ def test_the_books_differences_from_stock_split_into_stock_options_and_its_own_p
     triton = dataclasses.replace(several["project"], attention="flash_triton")
     assert ("attention", "flash_triton", "sdpa", False) in fs.differences(triton, several["stock_compiled"])
     assert fs.differences(one["project"], one["project"]) == []
+
+
+@pytest.mark.parametrize("config", ["tiny_one_rank"])
+def test_optimizer_in_backward_recipe_trains_as_the_plain_step(config):
+    """The ablation that updates each block inside the backward gives the plain step's weights, bit for bit
+    (fp32 on the CPU, three steps), and keeps its AdamW state where the bench counts it."""
+    cfg, cpu = fs.CONFIGS[config], torch.device("cpu")
+    plain = dataclasses.replace(fs.PROJECT_ONE_GPU, precision="fp32", compile="none", fused_loss=False,
+                                fused_adamw=False)
+    inside = dataclasses.replace(plain, optimizer_in_backward=True)
+    a, b = fs.build_step(cfg, plain, cpu), fs.build_step(cfg, inside, cpu)
+    for _ in range(3):
+        a()
+        b()
+    for (name, p), q in zip(a.model.named_parameters(), b.model.parameters()):
+        assert torch.equal(p, q), name
+    assert fs_bench._state_bytes(b)["optimizer"] == fs_bench._state_bytes(a)["optimizer"] > 0
+    with pytest.raises(ValueError, match="optimizer_in_backward"):
+        dataclasses.replace(fs.STOCK_EAGER, optimizer_in_backward=True)
