@@ -64,6 +64,13 @@ class FlashConfig:
     * ``atomic_tma``: in ``"atomic"`` mode, add each tile's dQ share with one bulk TMA reduction (Hopper and
       later; the copy engine does the read-modify-write in L2) instead of one atomic per element (measured
       equally fast on an H100).
+    * ``compile_inline``: under ``torch.compile`` on a GPU, hand Inductor the Triton kernels themselves: during
+      AOTAutograd's functionalization the ``lab::flash_attention_*`` ops decompose into their kernel launches
+      (``torch.library.wrap_triton``, as ``torch.library.triton_op`` does), so the compiled code launches
+      the kernels through Inductor's own launcher and the op's host function (config, checks, tile tables,
+      launch arguments, the custom-op dispatch around it) runs once, at compile time, instead of on every
+      call. Configs that autotune or use TMA descriptors (built from data pointers) keep the opaque op,
+      and so does the interpreter (:func:`inlines`).
     """
 
     autotune: bool = False
@@ -77,6 +84,7 @@ class FlashConfig:
     bwd_tiles: tuple[int, ...] = ()
     bwd_tma: bool = False
     atomic_tma: bool = True
+    compile_inline: bool = True
 
     def __post_init__(self):
         if self.backward_launch not in BACKWARD_LAUNCHES:
@@ -99,13 +107,22 @@ class FlashConfig:
         Spelled out rather than ``dataclasses.fields``, which dynamo would have to trace."""
         return (self.autotune, self.fast_launch, self.fp32_precision, self.fwd_tiles, self.fwd_tma,
                 self.warp_specialize, self.backward_launch, self.fused_delta, self.bwd_tiles, self.bwd_tma,
-                self.atomic_tma)
+                self.atomic_tma, self.compile_inline)
 
     def replace(self, **changes) -> FlashConfig:
         return dataclasses.replace(self, **changes)
 
 
 DEFAULT_CONFIG = FlashConfig()
+
+
+def inlines(config: FlashConfig, device: torch.device) -> bool:
+    """Whether a traced (``torch.compile``) call decomposes into its kernel launches (``config.compile_inline``):
+    compiled kernels on a CUDA device (not the interpreter), no autotuning (the tuner times candidates on
+    real data) and no TMA descriptor (built from a tensor's data pointer, which a traced tensor lacks)."""
+    atomic_descriptor = config.backward_launch == "atomic" and config.atomic_tma
+    return (config.compile_inline and not INTERPRET and device.type == "cuda" and not config.autotune
+            and not config.fwd_tma and not config.bwd_tma and not atomic_descriptor)
 
 
 # ----------------------------------------------------------------------------------------------- checks
