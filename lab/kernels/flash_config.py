@@ -70,7 +70,11 @@ class FlashConfig:
       the kernels through Inductor's own launcher and the op's host function (config, checks, tile tables,
       launch arguments, the custom-op dispatch around it) runs once, at compile time, instead of on every
       call. Configs that autotune or use TMA descriptors (built from data pointers) keep the opaque op,
-      and so does the interpreter (:func:`inlines`).
+      and so does the interpreter (:func:`inlines`). Off by default: AOTAutograd traces the decomposition,
+      but Inductor's recompilation of its copy of the forward kernel fails on an H100 (Triton's ``tl.dot``
+      accumulator-shape assertion in ``_fwd_inner``), so compiled calls keep the opaque op until that is
+      resolved. Measured there, the opaque op's compiled cost does not show in a whole compiled model
+      (the GPU-bound step hides the host's time), only in a small compiled attention call.
     """
 
     autotune: bool = False
@@ -84,7 +88,7 @@ class FlashConfig:
     bwd_tiles: tuple[int, ...] = ()
     bwd_tma: bool = False
     atomic_tma: bool = True
-    compile_inline: bool = True
+    compile_inline: bool = False
 
     def __post_init__(self):
         if self.backward_launch not in BACKWARD_LAUNCHES:

@@ -16,14 +16,15 @@ on its own (``register_autograd``: its backward is the backward op);
 ``lab.kernels.flash_triton.FlashAttentionTriton`` calls both from an ``autograd.Function``, which dynamo
 traces into a graph with these two ops.
 
-Under ``torch.compile`` on a GPU (``FlashConfig.compile_inline``, :func:`~lab.kernels.flash_config.inlines`) both
-ops decompose while AOTAutograd functionalizes the graph: their host function runs once on the traced
-tensors with every launch wrapped in ``torch.library.wrap_triton`` (``flash_launch.inline_launch``), so the
-graph Inductor compiles holds the Triton kernels themselves, launched by Inductor's generated code without
-the op's Python (the custom-op dispatch, the config, the checks, the tile tables, the launch arguments) on
-every call. That is what ``torch.library.triton_op`` does; it is done here by hand so that the same ops
-stay opaque where decomposing is not possible (the interpreter, autotuning, TMA descriptors) and a
-dispatch mode (selective activation checkpointing) still sees them by name.
+With ``FlashConfig.compile_inline`` (off by default, see there), under ``torch.compile`` on a GPU
+(:func:`~lab.kernels.flash_config.inlines`) both ops decompose while AOTAutograd functionalizes the graph:
+their host function runs once on the traced tensors with every launch wrapped in
+``torch.library.wrap_triton`` (``flash_launch.inline_launch``), so the graph Inductor compiles holds the
+Triton kernels themselves, launched by Inductor's generated code without the op's Python (the custom-op
+dispatch, the config, the checks, the tile tables, the launch arguments) on every call. That is what
+``torch.library.triton_op`` does; it is done here by hand so that the same ops stay opaque where
+decomposing is not possible (the interpreter, autotuning, TMA descriptors) and a dispatch mode (selective
+activation checkpointing) still sees them by name.
 
 :func:`attention_forward` / :func:`attention_backward` are what the autograd functions call: the ops when
 anything traces, the host functions directly for eager calls on plain tensors (the dispatcher costs

@@ -176,18 +176,21 @@ def test_inlines_only_compiled_kernels_without_data_dependent_setup(monkeypatch)
     import lab.kernels.flash_config as fc
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    on = ft.FlashConfig(compile_inline=True)
     monkeypatch.setattr(fc, "INTERPRET", True)
-    assert not fc.inlines(ft.FlashConfig(), cuda)
+    assert not fc.inlines(on, cuda)
     monkeypatch.setattr(fc, "INTERPRET", False)
-    assert fc.inlines(ft.FlashConfig(), cuda) and not fc.inlines(ft.FlashConfig(), cpu)
-    assert fc.inlines(ft.FlashConfig(backward_launch="atomic", atomic_tma=False), cuda)
-    for off in (dict(compile_inline=False), dict(autotune=True), dict(fwd_tma=True), dict(bwd_tma=True),
-                dict(backward_launch="atomic")):
-        assert not fc.inlines(ft.FlashConfig(**off), cuda), off
+    assert fc.inlines(on, cuda) and not fc.inlines(on, cpu) and not fc.inlines(ft.FlashConfig(), cuda)
+    assert fc.inlines(on.replace(backward_launch="atomic", atomic_tma=False), cuda)
+    for off in (dict(autotune=True), dict(fwd_tma=True), dict(bwd_tma=True), dict(backward_launch="atomic")):
+        assert not fc.inlines(on.replace(**off), cuda), off
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("inline", [True, False])
+@pytest.mark.parametrize("inline", [pytest.param(True, marks=pytest.mark.xfail(
+    strict=True, reason="Inductor's recompiled copy of the forward kernel fails tl.dot's accumulator-shape "
+                        "assertion on an H100; when this passes, FlashConfig.compile_inline can default to True")),
+    False])
 @pytest.mark.parametrize("launch_mode", ["fused", "two_pass"])
 def test_gpu_inlined_kernels_in_the_compiled_code(inline, launch_mode):
     """Under Inductor with compile_inline the compiled code launches the Triton kernels itself (no call of
