@@ -70,11 +70,12 @@ class FlashConfig:
       the kernels through Inductor's own launcher and the op's host function (config, checks, tile tables,
       launch arguments, the custom-op dispatch around it) runs once, at compile time, instead of on every
       call. Configs that autotune or use TMA descriptors (built from data pointers) keep the opaque op,
-      and so does the interpreter (:func:`inlines`). Off by default: AOTAutograd traces the decomposition,
-      but Inductor's recompilation of its copy of the forward kernel fails on an H100 (Triton's ``tl.dot``
-      accumulator-shape assertion in ``_fwd_inner``), so compiled calls keep the opaque op until that is
-      resolved. Measured there, the opaque op's compiled cost does not show in a whole compiled model
-      (the GPU-bound step hides the host's time), only in a small compiled attention call.
+      and so does the interpreter (:func:`inlines`). Off by default until a GPU run of
+      ``tests/kernels/test_flash_compile.py -k inlined`` passes: Inductor passes Python floats to the kernels
+      it launches as fp64, which broke its compile of the forward (the kernels now cast their scales to
+      fp32, checked by an offline sm_90a compile); nothing after that compile has run on a GPU yet. The
+      opaque op's per-call host cost shows in a small compiled attention call, not in a whole compiled
+      model, whose GPU-bound step hides the host's time.
     """
 
     autotune: bool = False

@@ -247,6 +247,10 @@ def _flash_bwd_kernel(Q, K, V, O, DO, L, Delta, DQ, DK, DV, Q_S, DO_S, K_S, V_S,
     Grid (programs, heads, batch). Q_S/DO_S (streamed by dK/dV programs) and K_S/V_S (streamed by dQ
     programs) are TMA descriptors or the same pointers as Q, DO, K, V; DQ_ACC, where ATOMIC_DQ adds dQ, is
     DQ itself or a (heads, n_q, d) descriptor over it. ``tune_batch`` only keys the autotuner."""
+    # Inductor passes Python floats as fp64 (when it launches this kernel itself, FlashConfig.compile_inline):
+    # fp32 scales keep the recomputed softmax and the gradients' scaling in fp32.
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    sm_scale = tl.cast(sm_scale, tl.float32)
     # Programs start in x-fastest order (slots ordered heaviest first below); heads one after the other,
     # so that the programs running together share one head's Q, K, V, dO in L2.
     pid = tl.program_id(0)

@@ -96,6 +96,9 @@ def _flash_fwd_kernel(Q, K, V, O, L,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (query tiles, heads, batch). K and V are pointers or TMA descriptors (``flash_launch``);
     ``tune_batch`` is unused: it only keys the autotuner."""
+    # Inductor passes a Python float as fp64 (when it launches this kernel itself, FlashConfig.compile_inline):
+    # in fp64 the scale would turn the whole softmax into fp64, which tl.dot's fp32 accumulator refuses.
+    qk_scale = tl.cast(qk_scale, tl.float32)
     # Programs start in x-fastest order: within a head the heaviest causal query tile (the last) starts first.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     h = tl.program_id(1)

@@ -187,10 +187,7 @@ def test_inlines_only_compiled_kernels_without_data_dependent_setup(monkeypatch)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("inline", [pytest.param(True, marks=pytest.mark.xfail(
-    strict=True, reason="Inductor's recompiled copy of the forward kernel fails tl.dot's accumulator-shape "
-                        "assertion on an H100; when this passes, FlashConfig.compile_inline can default to True")),
-    False])
+@pytest.mark.parametrize("inline", [True, False])
 @pytest.mark.parametrize("launch_mode", ["fused", "two_pass"])
 def test_gpu_inlined_kernels_in_the_compiled_code(inline, launch_mode):
     """Under Inductor with compile_inline the compiled code launches the Triton kernels itself (no call of
