@@ -29,6 +29,7 @@ import torch
 from lab.bench.attention import attention_impl, attention_inputs
 from lab.bench.attention_costs import DTYPES, PASSES, attention_flops, naive_attention_totals
 from lab.bench.progress import progress_bar
+from lab.kernels.flash_config import backward_plan
 from lab.measure.device import empty_cache, error_summary, is_oom, resolve_device
 from lab.measure.timing import Timing, time_kernel
 from lab.measure.verdicts import GoalCheck, compare_summaries
@@ -201,7 +202,8 @@ def run_flash_grid(impls: Sequence[str] | dict[str, AttentionFn] = ("triton", "p
     implementation that cannot run a configuration is ``status="unsupported"`` (:func:`unsupported_reason`);
     every out-of-memory is caught and recorded with the pass it hit. Returns one row per (impl, dtype, shape)
     with those times, ``*_tflops`` (FLOPs from :func:`attention_flops`), ``sweep`` (the label given),
-    ``gpu`` (``"cpu"`` on the CPU), ``status`` and ``note``.
+    ``gpu`` (``"cpu"`` on the CPU), ``status`` and ``note``; ``triton`` rows also name the backward launch
+    mode the default config chose for the shape on this device (``bwd_mode``, ``backward_plan``).
     """
     from lab.measure.results import gpu_label
 
@@ -220,6 +222,8 @@ def run_flash_grid(impls: Sequence[str] | dict[str, AttentionFn] = ("triton", "p
         bh = sh.batch * sh.heads
         row = dict(sweep=sweep, impl=name, dtype=dt, batch=sh.batch, heads=sh.heads, seq_len=sh.seq, d=sh.d,
                    causal=sh.causal, gpu=gpu, status="ok", note="")
+        if name == "triton":
+            row["bwd_mode"] = backward_plan(bh, sh.seq, sh.seq, sh.d, DTYPES[dt], device)[0]
         for p in PASSES:
             row.update({f"{p}_ms": math.nan, f"{p}_mean_ms": math.nan, f"{p}_std_ms": math.nan, f"{p}_n": 0})
         need = naive_attention_totals(bh, sh.seq, sh.d, dt, sh.causal)["peak"] / 2**30
