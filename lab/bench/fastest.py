@@ -46,12 +46,11 @@ PHASE_COLUMNS = ["recompute_ms", "optimizer_ms", "attention_ms", "matmul_ms", "l
 
 
 #: Kernel names of the loss: PyTorch's log-softmax (``cunn_SoftMaxForward<..LogSoftMaxForwardEpilogue>``) and
-#: NLL kernels, and the fused loss's own (``lab.kernels.fused_cross_entropy_kernels``), whose tiles also compute
-#: the LM head's logits forward and again in the backward (the materialized loss's LM head is a cuBLAS matmul);
-#: the fused loss's weight and hidden-state gradient products (its ``_matmul_kernel``) count as matmuls. Until
-#: 9002751 the fused loss's kernels counted as ``other kernels``.
-LOSS_KERNELS = ("lce", "cross_entropy", "log_softmax", "logsoftmax", "nll_loss", "_lse_kernel", "_dlogits_kernel",
-                "_softmax_grad_kernel")
+#: NLL kernels, and the fused loss's own (``lab.kernels.fused_cross_entropy_kernels``): by default its row-wise
+#: ``_lce_rows_kernel`` (its three products are cuBLAS matmuls, as the materialized loss's), in its recompute
+#: mode the tiles that also compute the LM head's logits (``_lse_kernel``, ``_dlogits_kernel``; the gradient
+#: products of its ``_matmul_kernel`` count as matmuls).
+LOSS_KERNELS = ("lce", "cross_entropy", "log_softmax", "logsoftmax", "nll_loss", "_lse_kernel", "_dlogits_kernel")
 #: How many of the ``other kernels`` (by time) a row names in ``other_kernels_top``.
 OTHER_TOP = 8
 
