@@ -155,9 +155,21 @@ def _lse_kernel(H, W, T, P, TGT, n_rows, V, D, stride_h, stride_w, stride_p, num
 
 
 # ------------------------------------------------------------------------------------ gradients in forward
+@triton.jit
+def _rounded(x, DTYPE: tl.constexpr, BITWISE_RTNE: tl.constexpr):
+    """fp32 ``x`` rounded to ``DTYPE`` (to nearest even, as compiled casts do). Triton's interpreter truncates
+    fp32 -> bf16 casts instead; ``BITWISE_RTNE`` rounds by integer arithmetic first, so that the CPU tests
+    see the GPU's rounding."""
+    if BITWISE_RTNE:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(DTYPE)
+
+
 @triton.jit(do_not_specialize=["ignore_index"])
-def _lce_rows_kernel(Z, T, SCALE, LSE, TGT, V, stride_z, ignore_index,
-                 BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr, WRITE_GRAD: tl.constexpr):
+def _lce_rows_kernel(Z, T, SCALE, LSE, TGT, V, stride_z, ignore_index, BLOCK: tl.constexpr,
+                     ONE_BLOCK: tl.constexpr, WRITE_GRAD: tl.constexpr, BITWISE_RTNE: tl.constexpr):
     """Row ``i`` of the stored logits ``Z``: ``LSE[i]``, ``TGT[i] = Z[i, T[i]]`` (0 when ``T[i]`` is outside
     [0, V)) and, with ``WRITE_GRAD``, ``Z[i] <- (exp(Z[i] - lse) - onehot(T[i])) * g`` in place, where
     ``g = SCALE[0]`` (0 at ``T[i] == ignore_index``). Every value is read before any is overwritten (the
@@ -193,13 +205,13 @@ def _lce_rows_kernel(Z, T, SCALE, LSE, TGT, V, stride_z, ignore_index,
         g = tl.where(t != ignore_index, tl.load(SCALE), 0.0)
         if ONE_BLOCK:
             dz = (tl.exp(z - lse) - (cols == t).to(tl.float32)) * g
-            tl.store(z_row + cols, dz.to(Z.dtype.element_ty), mask=ok)
+            tl.store(z_row + cols, _rounded(dz, Z.dtype.element_ty, BITWISE_RTNE), mask=ok)
         else:
             for start in range(0, V, BLOCK):
                 ok = start + cols < V
                 z = tl.load(z_row + start + cols, mask=ok, other=0.0).to(tl.float32)
                 dz = (tl.exp(z - lse) - (start + cols == t).to(tl.float32)) * g
-                tl.store(z_row + start + cols, dz.to(Z.dtype.element_ty), mask=ok)
+                tl.store(z_row + start + cols, _rounded(dz, Z.dtype.element_ty, BITWISE_RTNE), mask=ok)
 
 
 # ----------------------------------------------------------------------------------------------- backward
@@ -333,8 +345,8 @@ def launch_rows(logits, targets, scale, lse, target_logit, ignore_index: int, wr
         return
     cfg = rows_config(v)
     _lce_rows_kernel[(rows,)](logits, targets, scale, lse, target_logit, v, logits.stride(0), ignore_index,
-                          BLOCK=cfg["BLOCK"], ONE_BLOCK=cfg["ONE_BLOCK"], WRITE_GRAD=write_grad,
-                          num_warps=cfg["num_warps"])
+                              BLOCK=cfg["BLOCK"], ONE_BLOCK=cfg["ONE_BLOCK"], WRITE_GRAD=write_grad,
+                              BITWISE_RTNE=INTERPRET and logits.dtype == torch.bfloat16, num_warps=cfg["num_warps"])
 
 
 def launch_dlogits(hidden, weight_chunk, targets, lse, grad_lse, grad_target, scratch, v0: int, cfg: dict,
@@ -426,7 +438,7 @@ def compile_report(arch: int = 90) -> list[dict]:
                       ("stride_ak", "stride_bn", "stride_fk"))]
         for vocab in (151_936, 10_000):
             rc = rows_config(vocab)
-            consts = {"BLOCK": rc["BLOCK"], "ONE_BLOCK": rc["ONE_BLOCK"], "WRITE_GRAD": True}
+            consts = {"BLOCK": rc["BLOCK"], "ONE_BLOCK": rc["ONE_BLOCK"], "WRITE_GRAD": True, "BITWISE_RTNE": False}
             variants.append((f"rows V={vocab} {dtype}", _lce_rows_kernel, rows_t, consts,
                              dict(num_warps=rc["num_warps"], num_stages=3), ()))
     rows = []
