@@ -90,8 +90,9 @@ SCRATCH_BYTES = 256 * 2**20
 #: log-softmax, the NLL gradient and the log-softmax gradient, three fp32 N x V tensors.
 MATERIALIZED_BYTES_PER_LOGIT = 12
 #: Memory budget of the gradients-in-forward path (token chunk, optional fp32 dW accumulator) as a share of
-#: the eager materialized loss's ``12 N V`` bytes: the goal is 5%; 4% leaves room for the per-token vectors.
-EXTRA_MEMORY_SHARE = 0.04
+#: the eager materialized loss's ``12 N V`` bytes: the goal is 5%; the rest is room for the per-token
+#: vectors and the allocator's rounding.
+EXTRA_MEMORY_SHARE = 0.045
 #: Token chunks hold at most this many rows: each chunk adds one read and write of dW (``2 V D`` elements)
 #: to its ``6 C D V`` FLOPs, a time share of about ``e * peak FLOP/s / (3 C * DRAM bytes/s)``, ~140 / C in
 #: bf16 on an H100 (3.4% at 4096 rows, 1.7% at 8192); beyond 8192 the gain is below 1%.
@@ -379,6 +380,9 @@ def _grads_setup(ctx, inputs, output):
     ctx.need = inputs[5], inputs[6]
     ctx.save_for_backward(output[1], output[2])
     ctx.mark_non_differentiable(output[1], output[2])
+    # the gradient outputs get no gradient: without this, autograd would fill two tensors of their size with
+    # zeros for the backward (as much memory as the gradients themselves, and a memset)
+    ctx.set_materialize_grads(False)
 
 
 def _scaled(grad: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:

@@ -59,14 +59,19 @@ CONFIGS: dict[tuple[str, str], dict] = {
 }
 _INTERPRET_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=1)
 
-#: Rows of logits up to this many columns (rounded up to a power of two) are held in registers by
-#: :func:`_lce_rows_kernel` and read once: 16,384 fp32 values over 16 warps are 32 a thread (96 registers, no
-#: spills on sm_90a; 32,768 over 32 warps spills, as a 1024-thread block gets 64 registers a thread).
-#: Longer rows are streamed in :data:`ROW_BLOCK`-wide blocks by 16 warps (8 values a thread per block: one
-#: 16-byte load of bf16, 49 registers) and read twice. Under the interpreter both are small, so that tests
-#: reach both paths.
+#: Launch settings of :func:`_lce_rows_kernel` (``rows_config``). Rows of logits up to
+#: ``ROW_IN_REGISTERS_MAX`` columns (rounded up to a power of two) are held in registers by
+#: ``ROW_IN_REGISTERS_WARPS`` warps and read once (16,384 fp32 values over 16 warps are 32 a thread: 96
+#: registers, no spills on sm_90a; a 1024-thread block gets 64 registers a thread and spills 32,768).
+#: Longer rows are streamed in ``ROW_BLOCK``-wide blocks by ``ROW_BLOCK_WARPS`` warps and read twice; a
+#: streaming thread keeps ``ROW_BLOCK / (32 * warps)`` values of each block in flight, which is what hides
+#: DRAM latency. ``ROW_VECTOR_STATS``: see the kernel. Under the interpreter the sizes are small, so that
+#: tests reach both paths.
 ROW_IN_REGISTERS_MAX = 64 if INTERPRET else 16384
+ROW_IN_REGISTERS_WARPS = 16
 ROW_BLOCK = 16 if INTERPRET else 4096
+ROW_BLOCK_WARPS = 16
+ROW_VECTOR_STATS = True
 
 
 def config(kernel: str, dtype: torch.dtype, interpret: bool | None = None) -> dict:
@@ -169,42 +174,55 @@ def _rounded(x, DTYPE: tl.constexpr, BITWISE_RTNE: tl.constexpr):
 
 @triton.jit(do_not_specialize=["ignore_index"])
 def _lce_rows_kernel(Z, T, SCALE, LSE, TGT, V, stride_z, ignore_index, BLOCK: tl.constexpr,
-                     ONE_BLOCK: tl.constexpr, WRITE_GRAD: tl.constexpr, BITWISE_RTNE: tl.constexpr):
+                     ONE_BLOCK: tl.constexpr, VECTOR_STATS: tl.constexpr, WRITE_GRAD: tl.constexpr,
+                     BITWISE_RTNE: tl.constexpr):
     """Row ``i`` of the stored logits ``Z``: ``LSE[i]``, ``TGT[i] = Z[i, T[i]]`` (0 when ``T[i]`` is outside
     [0, V)) and, with ``WRITE_GRAD``, ``Z[i] <- (exp(Z[i] - lse) - onehot(T[i])) * g`` in place, where
-    ``g = SCALE[0]`` (0 at ``T[i] == ignore_index``). Every value is read before any is overwritten (the
-    target's logit is taken from the loaded values, not re-read)."""
+    ``g = SCALE[0]`` (0 at ``T[i] == ignore_index``).
+
+    ``ONE_BLOCK``: the row in registers, read once. Otherwise streamed in ``BLOCK``-wide blocks, with the
+    running max and sum kept per lane (``VECTOR_STATS``: no block-wide reduction in the loop, more
+    registers) or per row (two block-wide reductions a block, few registers: room for wide blocks). Every
+    value is read before any is overwritten: the target's logit is loaded (and stored) before the first
+    block-wide reduction, which every thread passes before the dZ pass writes."""
     row = tl.program_id(0).to(tl.int64)
     z_row = Z + row * stride_z
     cols = tl.arange(0, BLOCK)
     t = tl.load(T + row)
+    target_logit = tl.load(z_row + t, mask=(t >= 0) & (t < V), other=0.0).to(tl.float32)
+    tl.store(TGT + row, target_logit)
     if ONE_BLOCK:
         ok = cols < V
         z = tl.load(z_row + cols, mask=ok, other=float("-inf")).to(tl.float32)
         m = tl.max(z, axis=0)
-        lse = m + tl.log(tl.sum(tl.exp(z - m), axis=0))
-        target_logit = tl.sum(tl.where((cols == t) & ok, z, 0.0), axis=0)
-    else:
+        e = tl.exp(z - m)
+        s = tl.sum(e, axis=0)
+        lse = m + tl.log(s)
+    elif VECTOR_STATS:
         # per-lane running max and sum; -1e30 (not -inf) as the start, so that exp(start - start) is defined
         m_vec = tl.full((BLOCK,), -1e30, tl.float32)
         s_vec = tl.zeros((BLOCK,), tl.float32)
-        t_vec = tl.zeros((BLOCK,), tl.float32)
         for start in range(0, V, BLOCK):
-            ok = start + cols < V
-            z = tl.load(z_row + start + cols, mask=ok, other=float("-inf")).to(tl.float32)
+            z = tl.load(z_row + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32)
             m_new = tl.maximum(m_vec, z)
             s_vec = s_vec * tl.exp(m_vec - m_new) + tl.exp(z - m_new)
             m_vec = m_new
-            t_vec += tl.where((start + cols == t) & ok, z, 0.0)
         m = tl.max(m_vec, axis=0)
         lse = m + tl.log(tl.sum(s_vec * tl.exp(m_vec - m), axis=0))
-        target_logit = tl.sum(t_vec, axis=0)
+    else:
+        m = -1e30
+        s = 0.0
+        for start in range(0, V, BLOCK):
+            z = tl.load(z_row + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32)
+            m_new = tl.maximum(m, tl.max(z, axis=0))
+            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+            m = m_new
+        lse = m + tl.log(s)
     tl.store(LSE + row, lse)
-    tl.store(TGT + row, target_logit)
     if WRITE_GRAD:
         g = tl.where(t != ignore_index, tl.load(SCALE), 0.0)
         if ONE_BLOCK:
-            dz = (tl.exp(z - lse) - (cols == t).to(tl.float32)) * g
+            dz = (e * (1.0 / s) - (cols == t).to(tl.float32)) * g
             tl.store(z_row + cols, _rounded(dz, Z.dtype.element_ty, BITWISE_RTNE), mask=ok)
         else:
             for start in range(0, V, BLOCK):
@@ -329,11 +347,12 @@ def launch_lse(hidden, weight, targets, partial, target_logit, cfg: dict) -> Non
 
 def rows_config(vocab: int) -> dict:
     """Launch keywords of :func:`_lce_rows_kernel` for rows of ``vocab`` logits: ``BLOCK``, ``ONE_BLOCK``,
-    ``num_warps`` (see :data:`ROW_IN_REGISTERS_MAX`)."""
+    ``VECTOR_STATS``, ``num_warps`` (see :data:`ROW_IN_REGISTERS_MAX`)."""
     whole = triton.next_power_of_2(max(vocab, 1))
     if whole <= ROW_IN_REGISTERS_MAX:
-        return dict(BLOCK=whole, ONE_BLOCK=True, num_warps=min(16, max(4, whole // 1024)))
-    return dict(BLOCK=ROW_BLOCK, ONE_BLOCK=False, num_warps=16)
+        return dict(BLOCK=whole, ONE_BLOCK=True, VECTOR_STATS=False,
+                    num_warps=max(1, min(ROW_IN_REGISTERS_WARPS, whole // 32)))
+    return dict(BLOCK=ROW_BLOCK, ONE_BLOCK=False, VECTOR_STATS=ROW_VECTOR_STATS, num_warps=ROW_BLOCK_WARPS)
 
 
 def launch_rows(logits, targets, scale, lse, target_logit, ignore_index: int, write_grad: bool) -> None:
@@ -343,10 +362,9 @@ def launch_rows(logits, targets, scale, lse, target_logit, ignore_index: int, wr
     rows, v = logits.shape
     if rows == 0:
         return
-    cfg = rows_config(v)
     _lce_rows_kernel[(rows,)](logits, targets, scale, lse, target_logit, v, logits.stride(0), ignore_index,
-                              BLOCK=cfg["BLOCK"], ONE_BLOCK=cfg["ONE_BLOCK"], WRITE_GRAD=write_grad,
-                              BITWISE_RTNE=INTERPRET and logits.dtype == torch.bfloat16, num_warps=cfg["num_warps"])
+                              WRITE_GRAD=write_grad, BITWISE_RTNE=INTERPRET and logits.dtype == torch.bfloat16,
+                              **rows_config(v))
 
 
 def launch_dlogits(hidden, weight_chunk, targets, lse, grad_lse, grad_target, scratch, v0: int, cfg: dict,
@@ -438,7 +456,8 @@ def compile_report(arch: int = 90) -> list[dict]:
                       ("stride_ak", "stride_bn", "stride_fk"))]
         for vocab in (151_936, 10_000):
             rc = rows_config(vocab)
-            consts = {"BLOCK": rc["BLOCK"], "ONE_BLOCK": rc["ONE_BLOCK"], "WRITE_GRAD": True, "BITWISE_RTNE": False}
+            consts = {k: rc[k] for k in ("BLOCK", "ONE_BLOCK", "VECTOR_STATS")} | {"WRITE_GRAD": True,
+                                                                                  "BITWISE_RTNE": False}
             variants.append((f"rows V={vocab} {dtype}", _lce_rows_kernel, rows_t, consts,
                              dict(num_warps=rc["num_warps"], num_stages=3), ()))
     rows = []
