@@ -172,9 +172,9 @@ def test_backward_allocates_nothing_of_the_gradients_size():
     assert max(e.cpu_memory_usage for e in prof.events()) >= 300 * 32 * 4
 
 
-def test_rows_kernel_with_per_row_statistics(monkeypatch):
-    """The streaming rows kernel with its running max and sum per row instead of per lane."""
-    monkeypatch.setattr(kernels, "ROW_VECTOR_STATS", False)
+def test_rows_kernel_with_per_lane_statistics(monkeypatch):
+    """The streaming rows kernel with its running max and sum per lane instead of per row."""
+    monkeypatch.setattr(kernels, "ROW_VECTOR_STATS", True)
     check(*inputs(37, 40, 100, torch.bfloat16, scale=3.0, ignore_every=7), "bf16", "mean")
 
 
