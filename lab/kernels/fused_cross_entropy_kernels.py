@@ -8,7 +8,7 @@ targets, 1 for the sum, 0 at ignored targets).
 works on a chunk of stored logits, row by row:
 
 * :func:`_lce_rows_kernel`: one program per token reads its row of logits (fp32 arithmetic on the stored
-  values), keeps an online max and sum of exponentials per lane, and writes ``lse`` and the target's logit;
+  values), keeps an online max and sum of exponentials, and writes ``lse`` and the target's logit;
   with ``WRITE_GRAD`` it then overwrites the row with ``dZ = (softmax - onehot(target)) * g`` in the logits'
   dtype. A row that fits in registers (``ONE_BLOCK``: ``next_power_of_2(V) <=``
   :data:`ROW_IN_REGISTERS_MAX`) is read once; a longer one twice (the max/sum pass, then the dZ pass).
@@ -59,22 +59,19 @@ CONFIGS: dict[tuple[str, str], dict] = {
 }
 _INTERPRET_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=1)
 
-#: Launch settings of :func:`_lce_rows_kernel` (``rows_config``). Rows of logits up to
-#: ``ROW_IN_REGISTERS_MAX`` columns (rounded up to a power of two) are held in registers by
-#: ``ROW_IN_REGISTERS_WARPS`` warps and read once (16,384 fp32 values over 32 warps: 32 registers a thread,
-#: no spills on sm_90a; 32,768 spill, as a 1024-thread block gets at most 64 registers a thread). Longer
-#: rows are streamed in ``ROW_BLOCK``-wide blocks by ``ROW_BLOCK_WARPS`` warps and read twice (the second
-#: read partly from L2); ``ROW_VECTOR_STATS`` False keeps the running max and sum per row, so that a wide
-#: block (16 values of each block in flight per thread, which is what hides DRAM latency) needs 32
-#: registers. Timed on an H100 (blocks of 2048 to 32768, 4 to 32 warps, either statistics), long rows ran
-#: near a plain copy's bandwidth with every setting and fastest with these; rows of 10,000 ran about as fast
-#: in registers as streamed (their second read hits L2), narrow streamed blocks slightly faster. Under the
-#: interpreter the sizes are small, so that tests reach both paths.
+#: Launch settings of :func:`_lce_rows_kernel` (``rows_config``). Rows of up to ``ROW_IN_REGISTERS_MAX``
+#: logits (rounded up to a power of two) are held in registers by ``ROW_IN_REGISTERS_WARPS`` warps and read
+#: once (16,384 fp32 values over 32 warps: 32 registers a thread, no spills on sm_90a; 32,768 spill, as a
+#: 1024-thread block gets at most 64 registers a thread). Longer rows are streamed in ``ROW_BLOCK``-wide
+#: blocks by ``ROW_BLOCK_WARPS`` warps and read twice (the second read partly from L2); 16 values of each
+#: block in flight per thread hide DRAM latency. Timed on an H100 (blocks of 2048 to 32768, 4 to 32 warps,
+#: per-row or per-lane running statistics), long rows ran near a plain copy's bandwidth with every setting
+#: and fastest with these; rows of 10,000 about as fast in registers as streamed. Under the interpreter the
+#: sizes are small, so that tests reach both paths.
 ROW_IN_REGISTERS_MAX = 64 if INTERPRET else 16384
 ROW_IN_REGISTERS_WARPS = 32
 ROW_BLOCK = 16 if INTERPRET else 16384
 ROW_BLOCK_WARPS = 32
-ROW_VECTOR_STATS = False
 
 
 def config(kernel: str, dtype: torch.dtype, interpret: bool | None = None) -> dict:
@@ -177,17 +174,15 @@ def _rounded(x, DTYPE: tl.constexpr, BITWISE_RTNE: tl.constexpr):
 
 @triton.jit(do_not_specialize=["ignore_index"])
 def _lce_rows_kernel(Z, T, SCALE, LSE, TGT, V, stride_z, ignore_index, BLOCK: tl.constexpr,
-                     ONE_BLOCK: tl.constexpr, VECTOR_STATS: tl.constexpr, WRITE_GRAD: tl.constexpr,
-                     BITWISE_RTNE: tl.constexpr):
+                     ONE_BLOCK: tl.constexpr, WRITE_GRAD: tl.constexpr, BITWISE_RTNE: tl.constexpr):
     """Row ``i`` of the stored logits ``Z``: ``LSE[i]``, ``TGT[i] = Z[i, T[i]]`` (0 when ``T[i]`` is outside
     [0, V)) and, with ``WRITE_GRAD``, ``Z[i] <- (exp(Z[i] - lse) - onehot(T[i])) * g`` in place, where
     ``g = SCALE[0]`` (0 at ``T[i] == ignore_index``).
 
-    ``ONE_BLOCK``: the row in registers, read once. Otherwise streamed in ``BLOCK``-wide blocks, with the
-    running max and sum kept per lane (``VECTOR_STATS``: no block-wide reduction in the loop, more
-    registers) or per row (two block-wide reductions a block, few registers: room for wide blocks). Every
-    value is read before any is overwritten: the target's logit is loaded (and stored) before the first
-    block-wide reduction, which every thread passes before the dZ pass writes."""
+    ``ONE_BLOCK``: the row in registers, read once. Otherwise streamed in ``BLOCK``-wide blocks with a
+    running max and sum per row (two block-wide reductions a block, few registers: room for wide blocks).
+    Every value is read before any is overwritten: the target's logit is loaded (and stored) before the
+    first block-wide reduction, which every thread passes before the dZ pass writes."""
     row = tl.program_id(0).to(tl.int64)
     z_row = Z + row * stride_z
     cols = tl.arange(0, BLOCK)
@@ -201,19 +196,8 @@ def _lce_rows_kernel(Z, T, SCALE, LSE, TGT, V, stride_z, ignore_index, BLOCK: tl
         e = tl.exp(z - m)
         s = tl.sum(e, axis=0)
         lse = m + tl.log(s)
-    elif VECTOR_STATS:
-        # per-lane running max and sum; -1e30 (not -inf) as the start, so that exp(start - start) is defined
-        m_vec = tl.full((BLOCK,), -1e30, tl.float32)
-        s_vec = tl.zeros((BLOCK,), tl.float32)
-        for start in range(0, V, BLOCK):
-            z = tl.load(z_row + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32)
-            m_new = tl.maximum(m_vec, z)
-            s_vec = s_vec * tl.exp(m_vec - m_new) + tl.exp(z - m_new)
-            m_vec = m_new
-        m = tl.max(m_vec, axis=0)
-        lse = m + tl.log(tl.sum(s_vec * tl.exp(m_vec - m), axis=0))
     else:
-        m = -1e30
+        m = -1e30  # not -inf: exp(m - m_new) must be defined in the first block
         s = 0.0
         for start in range(0, V, BLOCK):
             z = tl.load(z_row + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32)
@@ -350,12 +334,11 @@ def launch_lse(hidden, weight, targets, partial, target_logit, cfg: dict) -> Non
 
 def rows_config(vocab: int) -> dict:
     """Launch keywords of :func:`_lce_rows_kernel` for rows of ``vocab`` logits: ``BLOCK``, ``ONE_BLOCK``,
-    ``VECTOR_STATS``, ``num_warps`` (see :data:`ROW_IN_REGISTERS_MAX`)."""
+    ``num_warps`` (see :data:`ROW_IN_REGISTERS_MAX`)."""
     whole = triton.next_power_of_2(max(vocab, 1))
     if whole <= ROW_IN_REGISTERS_MAX:
-        return dict(BLOCK=whole, ONE_BLOCK=True, VECTOR_STATS=False,
-                    num_warps=max(1, min(ROW_IN_REGISTERS_WARPS, whole // 32)))
-    return dict(BLOCK=ROW_BLOCK, ONE_BLOCK=False, VECTOR_STATS=ROW_VECTOR_STATS, num_warps=ROW_BLOCK_WARPS)
+        return dict(BLOCK=whole, ONE_BLOCK=True, num_warps=max(1, min(ROW_IN_REGISTERS_WARPS, whole // 32)))
+    return dict(BLOCK=ROW_BLOCK, ONE_BLOCK=False, num_warps=ROW_BLOCK_WARPS)
 
 
 def launch_rows(logits, targets, scale, lse, target_logit, ignore_index: int, write_grad: bool) -> None:
@@ -459,8 +442,7 @@ def compile_report(arch: int = 90) -> list[dict]:
                       ("stride_ak", "stride_bn", "stride_fk"))]
         for vocab in (151_936, 10_000):
             rc = rows_config(vocab)
-            consts = {k: rc[k] for k in ("BLOCK", "ONE_BLOCK", "VECTOR_STATS")} | {"WRITE_GRAD": True,
-                                                                                  "BITWISE_RTNE": False}
+            consts = {"BLOCK": rc["BLOCK"], "ONE_BLOCK": rc["ONE_BLOCK"], "WRITE_GRAD": True, "BITWISE_RTNE": False}
             variants.append((f"rows V={vocab} {dtype}", _lce_rows_kernel, rows_t, consts,
                              dict(num_warps=rc["num_warps"], num_stages=3), ()))
     rows = []

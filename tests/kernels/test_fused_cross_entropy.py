@@ -172,12 +172,6 @@ def test_backward_allocates_nothing_of_the_gradients_size():
     assert max(e.cpu_memory_usage for e in prof.events()) >= 300 * 32 * 4
 
 
-def test_rows_kernel_with_per_lane_statistics(monkeypatch):
-    """The streaming rows kernel with its running max and sum per lane instead of per row."""
-    monkeypatch.setattr(kernels, "ROW_VECTOR_STATS", True)
-    check(*inputs(37, 40, 100, torch.bfloat16, scale=3.0, ignore_every=7), "bf16", "mean")
-
-
 def test_d_weight_rounding_bounds(monkeypatch):
     """dW from 8 token chunks in bf16 against float64 from the same dZ (the rows kernel's, rounded to bf16):
     summed in fp32 it is off by one rounding of the result (2**-8 relative); summed in bf16 by at most one
