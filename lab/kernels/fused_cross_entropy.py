@@ -30,9 +30,8 @@ compiled one the bf16 logits, ``2 N V`` = 9.3 GiB.
 *Rounding of dW.* dH is rounded once. dW sums ``k = ceil(N / C)`` chunk products. With the fp32
 accumulator the only rounding to the input dtype is the last, as in one GEMM. Accumulated in the weight's
 dtype (each ``addmm`` adds a chunk's fp32 product to the stored sum and rounds), the error grows with the
-number of roundings: at most ``k`` units in the last place (``2**-8`` relative in bf16, ``2**-11`` in fp16)
-of the largest partial sum, about ``sqrt(k)`` of them for random rounding errors, against one for a single
-GEMM. :func:`chunk_plan` takes the fp32 accumulator only where it fits the memory budget beside a chunk of
+number of roundings: at most ``k`` roundings of ``2**-8`` (bf16; ``2**-11`` fp16) of the largest partial
+sum, about ``sqrt(k)`` of them for random rounding errors, against one for a single GEMM (tested). :func:`chunk_plan` takes the fp32 accumulator only where it fits the memory budget beside a chunk of
 :data:`MAX_CHUNK_TOKENS` rows, so that it costs no speed; otherwise it accumulates in the weight's dtype, as
 Liger-Kernel does.
 
@@ -98,7 +97,7 @@ EXTRA_MEMORY_SHARE = 0.045
 #: bf16 on an H100 (3.4% at 4096 rows, 1.7% at 8192); beyond 8192 the gain is below 1%.
 MAX_CHUNK_TOKENS = 8192
 #: Token chunks hold at least this many rows (where N has them), whatever the budget: below it the per-chunk
-#: dW pass costs > 13% and the chunk's GEMMs run below cuBLAS's peak. Only N < ~4300 tokens exceed the
+#: dW pass costs > 13% and the chunk's GEMMs run below cuBLAS's peak. Only N < ~3800 tokens exceed the
 #: budget with it (the chunk is then at most 1024 x V x e bytes, 0.29 GiB at V = 151,936 in bf16).
 MIN_CHUNK_TOKENS = 1024
 #: Chunk rows are rounded to this multiple (whole 128-row GEMM tiles).
