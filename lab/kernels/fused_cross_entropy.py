@@ -31,7 +31,8 @@ compiled one the bf16 logits, ``2 N V`` = 9.3 GiB.
 accumulator the only rounding to the input dtype is the last, as in one GEMM. Accumulated in the weight's
 dtype (each ``addmm`` adds a chunk's fp32 product to the stored sum and rounds), the error grows with the
 number of roundings: at most ``k`` roundings of ``2**-8`` (bf16; ``2**-11`` fp16) of the largest partial
-sum, about ``sqrt(k)`` of them for random rounding errors, against one for a single GEMM (tested). :func:`chunk_plan` takes the fp32 accumulator only where it fits the memory budget beside a chunk of
+sum, about ``sqrt(k)`` of them for random rounding errors, against one for a single GEMM (tested).
+:func:`chunk_plan` takes the fp32 accumulator only where it fits the memory budget beside a chunk of
 :data:`MAX_CHUNK_TOKENS` rows, so that it costs no speed; otherwise it accumulates in the weight's dtype, as
 Liger-Kernel does.
 
