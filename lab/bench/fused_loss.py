@@ -165,7 +165,8 @@ def loss_impl(name: str, device: torch.device | None = None) -> LossFn:
     a peer that cannot run on ``device`` (or at all) raises :class:`PeerUnavailable`."""
     chunk = re.fullmatch(r"fused_chunk(\d+)", name)
     if name in ("fused", "fused_recompute") or chunk:
-        from lab.kernels.fused_cross_entropy import fused_linear_cross_entropy  # Triton: only when asked for
+        # Triton, an optional dependency: only when asked for
+        from lab.kernels.fused_cross_entropy import fused_linear_cross_entropy
 
         options = {"grad_in_forward": False} if name == "fused_recompute" else \
             {"chunk_tokens": int(chunk.group(1))} if chunk else {}
@@ -352,8 +353,9 @@ def fused_memory_model(tokens: int, d_model: int, vocab: int, dtype: str = "bf16
     """Closed-form extra bytes of the fused loss on a GPU (its transient buffers with the current settings and
     compiled tile configs; the d_hidden/d_weight outputs not counted). Returns term -> bytes, with ``"peak"``
     the largest phase."""
-    from lab.kernels import fused_cross_entropy as fce  # Triton: only when asked for
-    from lab.kernels import fused_cross_entropy_kernels as K
+    # Triton, an optional dependency: only when asked for
+    from lab.kernels import fused_cross_entropy as fce
+    from lab.kernels import fused_cross_entropy_kernels as K  # optional dependency (Triton)
 
     dt = DTYPES[dtype]
     e = element_size(dt)

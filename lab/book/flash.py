@@ -21,7 +21,7 @@ import torch
 from lab.bench import flash as fl
 from lab.bench.attention_costs import DTYPES, PASSES, attention_flops
 from lab.bench.flash_sweep import PRODUCTS, backward_breakdown, matmul_ceiling
-from lab.book.report import fmt, with_profile_defaults
+from lab.book.report import fmt, warn, with_profile_defaults
 from lab.measure.results import measured_on
 from lab.measure.verdicts import GoalCheck, compare_summaries
 
@@ -126,7 +126,6 @@ INTERPRETED_SHORT = ("Measured with Triton interpreted on the CPU: these times s
 
 def warn_if_interpreted(df: pd.DataFrame) -> bool:
     """Show :data:`INTERPRETED_NOTE` as a warning when ``df`` was measured on the CPU; returns whether it was."""
-    from lab.book.report import warn
 
     if interpreted(df):
         warn(INTERPRETED_NOTE)

@@ -45,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lab.kernels.sm90_compile import compile_sm90
 from lab.kernels.triton_env import INTERPRET, interpreter_needs_fp32, tf32_allowed  # noqa: F401
 
 #: Tile configs of compiled runs: (kernel, "16bit" | "fp32") -> launch keywords. The matmul config used with
@@ -402,7 +403,6 @@ def compile_report(arch: int = 90) -> list[dict]:
     divisible by 16 except the ``do_not_specialize`` ones, unit strides constant). Returns one row per
     compile: kernel, config, registers, spill_bytes, shared_kib, wgmma (or error). Run this process without
     ``TRITON_INTERPRET`` (interpreted kernels cannot be compiled)."""
-    from lab.kernels.sm90_compile import compile_sm90  # imports Triton's compiler internals: only here
 
     # arguments the JIT does not mark divisible by 16: floats, flag strides, do_not_specialize sizes
     no_hint = {"threshold", "stride_fm", "stride_fk", "stride_f"}
