@@ -290,7 +290,9 @@ def benchmark_loss(impl: str, vocab: int, d_model: int, tokens: int, dtype: str 
             row["peak_extra_gib"], row["peak_with_grads_gib"] = extra / 2**30, with_grads / 2**30
         timer = dict(warmup_ms=warmup_ms, rep_ms=rep_ms, cpu_steps=cpu_steps)
         row["fwd_ms"] = time_ms(lambda: loss_fn(hidden, weight, targets), device, **timer)
-        row["fwdbwd_ms"] = time_ms(fwdbwd, device, **timer)
+        # the median with its spread and sample count, so that a comparison can say "within noise"
+        timing = time_kernel(fwdbwd, device, warmup_ms, rep_ms, cpu_warmup=1, cpu_steps=cpu_steps)
+        row.update(fwdbwd_ms=timing.median_ms, fwdbwd_std_ms=timing.std_ms, fwdbwd_n=len(timing.samples_ms))
         row["tflops"] = loss_flops(tokens, d_model, vocab) / (row["fwdbwd_ms"] * 1e-3) / 1e12
     except PeerUnavailable as exc:
         row.update(status=exc.status, error=str(exc))
