@@ -40,6 +40,7 @@ from lab.recipes.fastest_step import (
     mfu,
     model_flops_per_step,
 )
+from lab.recipes.step_parts import node_size, offloaded_count, sharded_traffic, uses_cuda_graphs
 from lab.units import GiB
 
 #: Kernel classes of a step's time, in the order they are assigned (a kernel launched inside ``recompute``
@@ -119,17 +120,31 @@ def allocator_env() -> dict[str, str]:
     return {"PYTORCH_CUDA_ALLOC_CONF": own} if own is not None else dict(ALLOCATOR)
 
 
+def traffic_columns(config: StepConfig, recipe: Recipe) -> dict[str, float]:
+    """``nodes``, and ``within_node_bytes`` / ``across_node_bytes`` each rank sends per step (NaN unsharded;
+    :func:`lab.recipes.step_parts.sharded_traffic`, the parameters' dtype gathered and reduced)."""
+    recipe, per_node = recipe.for_world(config.world_size), node_size(config.world_size, config.gpus_per_node)
+    width = 2 if recipe.precision == "bf16" else 4
+    first_recomputed = recipe.checkpoint != "none" and offloaded_count(recipe.offload, config.model.num_layers) < 2
+    return dict(nodes=config.world_size // per_node, **(
+        sharded_traffic(config.model, recipe.sharding, config.world_size, per_node, width, width, first_recomputed)
+        if recipe.sharding != "none" else dict(within_node_bytes=math.nan, across_node_bytes=math.nan)))
+
+
 def empty_row(config: StepConfig, recipe: Recipe, status: str = "ok", error: str = "") -> dict:
     """A recipe's row before anything is measured (and the row of one whose processes failed). The columns
     that say what a comparison holds fixed: ``precision`` (the recipe's), ``batch`` (sequences per step over
-    all ranks) and ``context``."""
+    all ranks) and ``context``; what a step sends within and across nodes (:func:`traffic_columns`);
+    ``offload_bytes`` (per step and rank, to the host) and ``offload_wait_ms`` (per step, waiting for copies
+    back; NaN without offloading); ``cuda_graphs`` (captured or not) and ``note`` (why a choice did not apply)."""
     return dict(impl=recipe.name, config=config.name, world_size=config.world_size, status=status, error=error,
                 precision=recipe.precision, batch=config.batch_per_rank * config.world_size, context=config.context,
                 step_ms=math.nan, step_std_ms=math.nan, step_n=0, step_samples_ms=[], first_step_s=math.nan,
                 wall_s=math.nan, host_step_ms=math.nan, host_step_std_ms=math.nan, host_step_n=0,
                 peak_gib=math.nan, params_gib=math.nan, grads_gib=math.nan, optimizer_gib=math.nan,
                 activations_and_other_gib=math.nan, **dict.fromkeys(PHASE_COLUMNS, math.nan),
-                other_kernels_top="", recipe=repr(recipe.for_world(config.world_size)))
+                other_kernels_top="", offload_bytes=math.nan, offload_wait_ms=math.nan, cuda_graphs=False, note="",
+                **traffic_columns(config, recipe), recipe=repr(recipe.for_world(config.world_size)))
 
 
 def measure_recipe(config: StepConfig, recipe: Recipe, device: torch.device, warmup_ms: float = 1,
@@ -145,6 +160,9 @@ def measure_recipe(config: StepConfig, recipe: Recipe, device: torch.device, war
     the book's step timed the same way."""
     row = empty_row(config, recipe)
     rank = launcher.rank()
+    row["cuda_graphs"] = uses_cuda_graphs(recipe.compile, device)
+    if recipe.compile == "model_cudagraphs" and not row["cuda_graphs"]:
+        row["note"] = "CUDA graphs need a GPU: the model compiled without them"
     empty_cache()
     step = None
     begun = time.perf_counter()
@@ -157,15 +175,20 @@ def measure_recipe(config: StepConfig, recipe: Recipe, device: torch.device, war
         row["first_step_s"] = time.perf_counter() - start
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
+        offloader = getattr(step, "offloader", None)
         if device.type == "cuda" and not host_steps:
             timing, row["timer"] = time_kernel(step, device, warmup_ms=warmup_ms, rep_ms=rep_ms), "do_bench"
         else:
+            if offloader is not None:
+                offloader.reset_stats()
             timing, row["timer"] = time_callable(step, warmup=0, steps=max(host_steps, 2), device=device), "host"
         if device.type == "cuda":
             row["peak_gib"] = torch.cuda.max_memory_allocated(device) / GiB
         row.update(step_ms=timing.median_ms, step_std_ms=timing.std_ms, step_n=len(timing.samples_ms),
                    step_samples_ms=timing.samples_ms)
         row["wall_s"] = time.perf_counter() - begun
+        if offloader is not None:
+            row.update(_offload_per_step(step, offloader, len(timing.samples_ms) if row["timer"] == "host" else 0))
         if row["timer"] == "do_bench" and host_reference:
             timing = time_callable(step, warmup=0, steps=2, device=device)
         if row["timer"] == "host" or host_reference:
@@ -185,6 +208,16 @@ def measure_recipe(config: StepConfig, recipe: Recipe, device: torch.device, war
     gc.collect()
     empty_cache()
     return row
+
+
+def _offload_per_step(step, offloader, steps: int) -> dict:
+    """``offload_bytes`` and ``offload_wait_ms`` per step: over the ``steps`` steps just timed, or (0: do_bench
+    timed them, and counted them itself) over one more step."""
+    if not steps:
+        offloader.reset_stats()
+        step()
+    stats, steps = offloader.stats(), steps or 1
+    return dict(offload_bytes=stats.bytes_offloaded / steps, offload_wait_ms=stats.wait_s * 1e3 / steps)
 
 
 def _profile(step, trace_dir: str | None, name: str) -> dict:

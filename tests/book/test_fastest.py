@@ -186,7 +186,7 @@ def test_ablations_for_some_configurations_only():
     assert [r.name for r in fastest.recipes(CONFIGS["leaderboard"], quick=False, ablate=["2.7B"])] == headline
     ablated = [r.name for r in fastest.recipes(CONFIGS["2.7B"], quick=False, ablate=["2.7B"])]
     assert ablated == one_gpu + ["flash_triton_attention", "no_fused_loss", "no_compile", "foreach_adamw",
-                                 "fp32_master_weights"]
+                                 "fp32_master_weights", "optimizer_in_backward", "cuda_graphs"]
     assert len(fastest.recipes(CONFIGS["2.7B"], quick=False, ablate=False)) == 5
     with pytest.raises(ValueError, match="unknown configurations"):
         fastest.recipes(CONFIGS["2.7B"], quick=False, ablate=["2.7b"])
@@ -265,10 +265,10 @@ def test_carry_whole_configurations_or_their_headline_rows():
 
     configs = ["leaderboard", "2.7B"]
     measured = fastest.measured_recipes(configs, ["2.7B"], quick=False)
-    assert list(measured) == ["leaderboard"] and len(measured["leaderboard"]) == 3 + 7
+    assert list(measured) == ["leaderboard"] and len(measured["leaderboard"]) == 3 + 10
     split = fastest.measured_recipes(configs, ["leaderboard:headline", "2.7B"], quick=False)
     names = [r.name for r in split["leaderboard"]]
-    assert list(split) == ["leaderboard"] and names[0] == "ablation_base" and len(names) == 1 + 7
+    assert list(split) == ["leaderboard"] and names[0] == "ablation_base" and len(names) == 1 + 10
     assert split["leaderboard"][0].attention == fastest.recipes_for(fastest.CONFIGS["leaderboard"])["project"].attention
     assert fastest.measured_recipes(configs, ["leaderboard:headline"], quick=False, ablate=False) == {
         "2.7B": list(fastest.recipes_for(fastest.CONFIGS["2.7B"]).values())}  # no ablations: nothing left to measure
