@@ -357,7 +357,7 @@ def benchmark(config: str | StepConfig, recipes: Sequence[Recipe], world_size: i
                                                    profile, trace_dir, tuple(headline),
                                                    fresh_cache and not per_recipe, progress, device=device,
                                                    timeout_s=timeout_s, deadline_s=left, first_gpu=first_gpu,
-                                                   env=env))
+                                                   env=None if launcher.is_torchrun() else env))
                 break
             except launcher.WorkerError as exc:
                 error, finished = exc, _salvaged(progress, len(todo), world_size)

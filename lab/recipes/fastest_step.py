@@ -197,7 +197,13 @@ def ablation_base(project: Recipe) -> Recipe:
 def recipes_for(config: StepConfig) -> dict[str, Recipe]:
     """The book's recipe and the stock baselines for ``config``, eager and compiled at each precision the
     book's steps use: on several GPUs (sharded and checkpointed) bf16 parameters, the book's own; on one (neither
-    sharded nor checkpointed) the course's fp32 master weights under bf16 autocast and bf16 parameters."""
+    sharded nor checkpointed) the course's fp32 master weights under bf16 autocast and bf16 parameters. On
+    several nodes (``gpus_per_node`` below the world size) the sharding is hybrid: ``hsdp`` and FSDP2's
+    ``fsdp2_hsdp``."""
+    if config.world_size > 1 and 0 < config.gpus_per_node < config.world_size:  # several nodes: hybrid sharding
+        return {r.name: r for r in (dataclasses.replace(PROJECT, sharding="hsdp"),
+                                    dataclasses.replace(STOCK_EAGER, sharding="fsdp2_hsdp"),
+                                    dataclasses.replace(STOCK_COMPILED, sharding="fsdp2_hsdp"))}
     if config.world_size > 1:
         return {r.name: r for r in (PROJECT, STOCK_EAGER, STOCK_COMPILED)}
     return {r.name: r for r in (PROJECT_ONE_GPU, STOCK_ONE_GPU_EAGER, STOCK_ONE_GPU_COMPILED, STOCK_ONE_GPU_EAGER_BF16,
@@ -219,6 +225,7 @@ ABLATION_LABELS = {
     "cuda_graphs": "capture the compiled model in CUDA graphs",
     "offload_half": "offload the first half of the blocks' activations to the host instead of recomputing",
     "offload_all": "offload every block's activations but the last's to the host instead of recomputing",
+    "flat_sharding": "shard over every rank (no replicas) instead of within each node",
 }
 
 
@@ -274,7 +281,7 @@ def ablations(recipe: Recipe = PROJECT) -> list[Recipe]:
     as soon as its gradients are final, :class:`lab.parallel.optimizer_in_backward.OptimizerInBackward`);
     where the whole model is compiled, ``cuda_graphs`` (captured in CUDA graphs); where blocks are
     checkpointed, ``offload_half`` and ``offload_all`` (the first half of the blocks, or every block but the
-    last, offloaded instead of recomputed)."""
+    last, offloaded instead of recomputed); under HSDP ``flat_sharding`` (lab.FSDP over every rank)."""
     out = []
     attention = (("no_flash_attention", dict(attention="sdpa")) if recipe.attention == "flash_triton" else
                  ("flash_triton_attention", dict(attention="flash_triton")))
@@ -283,12 +290,15 @@ def ablations(recipe: Recipe = PROJECT) -> list[Recipe]:
                 ("foreach_adamw", dict(fused_adamw=False)), ("fp32_master_weights", dict(precision="bf16_autocast")),
                 ("optimizer_in_backward", dict(optimizer_in_backward=True)),
                 ("cuda_graphs", dict(compile="model_cudagraphs")),
-                ("offload_half", dict(offload=0.5)), ("offload_all", dict(offload=1.0)))
+                ("offload_half", dict(offload=0.5)), ("offload_all", dict(offload=1.0)),
+                ("flat_sharding", dict(sharding="fsdp")))
     for name, change in switches:
         if recipe.checkpoint == "none" and (change.get("checkpoint") or change.get("offload")):
             continue  # nothing is recomputed: no checkpointing to switch off or to replace by offloading
         if name == "cuda_graphs" and recipe.compile != "model":
             continue  # CUDA graphs capture a whole compiled model
+        if name == "flat_sharding" and recipe.sharding != "hsdp":
+            continue  # only hybrid sharding has replicas to give up
         if any(getattr(recipe, k) != v for k, v in change.items()):
             out.append(dataclasses.replace(recipe, name=name, **change))
     return out

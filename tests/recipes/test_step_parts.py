@@ -252,3 +252,14 @@ def test_hsdp_on_two_nodes_of_two_ranks_matches_the_plain_step(sharding):
         assert closed["within_node_bytes"] == pytest.approx(within)
         assert closed["across_node_bytes"] == pytest.approx(across)
 
+
+
+def test_two_node_configurations_shard_within_nodes():
+    hybrid = fs.recipes_for(fs.CONFIGS["leaderboard_hsdp"])
+    assert {n: r.sharding for n, r in hybrid.items()} == dict(project="hsdp", stock_eager="fsdp2_hsdp",
+                                                              stock_compiled="fsdp2_hsdp")
+    assert fs.CONFIGS["leaderboard_hsdp"].tokens_per_step == 4 * 32_768
+    flat = next(r for r in fs.ablations(hybrid["project"]) if r.name == "flat_sharding")
+    assert flat.sharding == "fsdp" and "flat_sharding" not in [r.name for r in fs.ablations(fs.PROJECT)]
+    one_node = dataclasses.replace(fs.CONFIGS["tiny_hsdp"], gpus_per_node=4)
+    assert fs.recipes_for(one_node)["project"].sharding == "fsdp"
