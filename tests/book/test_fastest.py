@@ -318,3 +318,21 @@ def test_the_book_step_measured_on_other_cards_is_not_set_against_stock():
     assert t.loc["project", "stock"] == "stock_compiled" and t.loc["ablation_base", "verdict"] == "not compared"
     assert t.loc["ablation_base", "stock"] != t.loc["fp32_master_weights", "stock"]  # which reason, not one
     assert (t.loc[["ablation_base", "fp32_master_weights"], "verdict"] == "not compared").all()
+
+
+def test_choices_table_keeps_the_rows_that_offload_capture_or_communicate():
+    import dataclasses
+
+    from lab.bench.fastest import empty_row
+    from lab.recipes import fastest_step as fs
+
+    one, hybrid = fs.CONFIGS["2.7B"], fs.CONFIGS["leaderboard_hsdp"]
+    graphs = next(r for r in fs.ablations(fs.PROJECT_ONE_GPU) if r.name == "cuda_graphs")
+    rows = [empty_row(one, fs.PROJECT_ONE_GPU), {**empty_row(one, graphs), "cuda_graphs": True},
+            {**empty_row(hybrid, dataclasses.replace(fs.PROJECT, sharding="hsdp", name="offload_all", offload=1.0)),
+             "offload_bytes": 3 * 2**30, "offload_wait_ms": 12.0}]
+    t = fastest.choices_table(pd.DataFrame(rows)).set_index("impl")
+    assert list(t.index) == ["cuda_graphs", "offload_all"]  # the plain one-GPU step has nothing to say
+    assert t.loc["offload_all", "offload_gib"] == 3.0 and t.loc["offload_all", "nodes"] == 2
+    assert t.loc["offload_all", "across_node_gib"] > 0 and math.isnan(t.loc["cuda_graphs", "within_node_gib"])
+    assert fastest.choices_table(pd.DataFrame([_row("project", 1.0)])).empty  # rows of an older render
