@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pandas as pd
 import torch
+from torch._dynamo.utils import counters
 
 from lab import paths
 from lab.bench.progress import progress_line
@@ -39,8 +40,9 @@ from lab.recipes.fastest_step import (
     build_step,
     mfu,
     model_flops_per_step,
+    step_traffic,
 )
-from lab.recipes.step_parts import node_size, offloaded_count, sharded_traffic, uses_cuda_graphs
+from lab.recipes.step_parts import uses_cuda_graphs
 from lab.units import GiB
 
 #: Kernel classes of a step's time, in the order they are assigned (a kernel launched inside ``recompute``
@@ -120,21 +122,10 @@ def allocator_env() -> dict[str, str]:
     return {"PYTORCH_CUDA_ALLOC_CONF": own} if own is not None else dict(ALLOCATOR)
 
 
-def traffic_columns(config: StepConfig, recipe: Recipe) -> dict[str, float]:
-    """``nodes``, and ``within_node_bytes`` / ``across_node_bytes`` each rank sends per step (NaN unsharded;
-    :func:`lab.recipes.step_parts.sharded_traffic`, the parameters' dtype gathered and reduced)."""
-    recipe, per_node = recipe.for_world(config.world_size), node_size(config.world_size, config.gpus_per_node)
-    width = 2 if recipe.precision == "bf16" else 4
-    first_recomputed = recipe.checkpoint != "none" and offloaded_count(recipe.offload, config.model.num_layers) < 2
-    return dict(nodes=config.world_size // per_node, **(
-        sharded_traffic(config.model, recipe.sharding, config.world_size, per_node, width, width, first_recomputed)
-        if recipe.sharding != "none" else dict(within_node_bytes=math.nan, across_node_bytes=math.nan)))
-
-
 def empty_row(config: StepConfig, recipe: Recipe, status: str = "ok", error: str = "") -> dict:
     """A recipe's row before anything is measured (and the row of one whose processes failed). The columns
     that say what a comparison holds fixed: ``precision`` (the recipe's), ``batch`` (sequences per step over
-    all ranks) and ``context``; what a step sends within and across nodes (:func:`traffic_columns`);
+    all ranks) and ``context``; what a step sends within and across nodes (``step_traffic``);
     ``offload_bytes`` (per step and rank, to the host) and ``offload_wait_ms`` (per step, waiting for copies
     back; NaN without offloading); ``cuda_graphs`` (captured or not) and ``note`` (why a choice did not apply)."""
     return dict(impl=recipe.name, config=config.name, world_size=config.world_size, status=status, error=error,
@@ -144,7 +135,7 @@ def empty_row(config: StepConfig, recipe: Recipe, status: str = "ok", error: str
                 peak_gib=math.nan, params_gib=math.nan, grads_gib=math.nan, optimizer_gib=math.nan,
                 activations_and_other_gib=math.nan, **dict.fromkeys(PHASE_COLUMNS, math.nan),
                 other_kernels_top="", offload_bytes=math.nan, offload_wait_ms=math.nan, cuda_graphs=False, note="",
-                **traffic_columns(config, recipe), recipe=repr(recipe.for_world(config.world_size)))
+                **step_traffic(config, recipe), recipe=repr(recipe.for_world(config.world_size)))
 
 
 def measure_recipe(config: StepConfig, recipe: Recipe, device: torch.device, warmup_ms: float = 1,
@@ -155,14 +146,15 @@ def measure_recipe(config: StepConfig, recipe: Recipe, device: torch.device, war
     their time), or with ``host_steps`` that many steps timed by the host clock (cheaper, for ablations),
     the peak memory of those steps, memory by category, and one profiled step's phases. Returns this rank's
     row (``timer`` says which timer; ``wall_s``: from the build to the end of the timing). ``host_step_*`` are
-    host-clock times: the ablations' own, and with
-    ``host_reference`` two more steps of a do_bench-timed recipe, so that the ablations are compared with
-    the book's step timed the same way."""
+    host-clock times: the ablations' own, and with ``host_reference`` two more steps of a do_bench-timed
+    recipe, so that the ablations are compared with the book's step timed the same way. ``note`` says where
+    CUDA graphs were asked for but not (all) captured: on the CPU, or graphs Inductor left out of them."""
     row = empty_row(config, recipe)
     rank = launcher.rank()
     row["cuda_graphs"] = uses_cuda_graphs(recipe.compile, device)
     if recipe.compile == "model_cudagraphs" and not row["cuda_graphs"]:
         row["note"] = "CUDA graphs need a GPU: the model compiled without them"
+    skips = counters["inductor"]["cudagraph_skips"]
     empty_cache()
     step = None
     begun = time.perf_counter()
@@ -173,6 +165,8 @@ def measure_recipe(config: StepConfig, recipe: Recipe, device: torch.device, war
         step()
         synchronize(device)
         row["first_step_s"] = time.perf_counter() - start
+        if row["cuda_graphs"] and counters["inductor"]["cudagraph_skips"] > skips:  # its log says why
+            row["note"] = f"Inductor ran {counters['inductor']['cudagraph_skips'] - skips} graph(s) without CUDA graphs"
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         offloader = getattr(step, "offloader", None)

@@ -65,6 +65,7 @@ from lab.recipes.step_parts import (
     marking_steps,
     node_size,
     offloaded_count,
+    sharded_traffic,
     uses_cuda_graphs,
 )
 
@@ -403,6 +404,17 @@ def build_step(config: StepConfig, recipe: Recipe, device: torch.device, seed: i
         hooks = model.saved_tensor_hooks() if isinstance(model, FSDP) else None
         keep_offloading(step, inner, offloaded, hooks, min_bytes=offload_min_bytes)
     return step
+
+
+def step_traffic(config: StepConfig, recipe: Recipe) -> dict[str, float]:
+    """``nodes``, and ``within_node_bytes`` / ``across_node_bytes`` each rank sends per step (NaN unsharded;
+    :func:`lab.recipes.step_parts.sharded_traffic`, the parameters' dtype gathered and reduced)."""
+    recipe, per_node = recipe.for_world(config.world_size), node_size(config.world_size, config.gpus_per_node)
+    width = 2 if recipe.precision == "bf16" else 4
+    first_recomputed = recipe.checkpoint != "none" and offloaded_count(recipe.offload, config.model.num_layers) < 2
+    return dict(nodes=config.world_size // per_node, **(
+        sharded_traffic(config.model, recipe.sharding, config.world_size, per_node, width, width, first_recomputed)
+        if recipe.sharding != "none" else dict(within_node_bytes=math.nan, across_node_bytes=math.nan)))
 
 
 def model_flops_per_step(config: StepConfig) -> float:

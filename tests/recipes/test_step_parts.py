@@ -100,6 +100,29 @@ def test_a_cuda_graph_row_on_the_cpu_says_they_did_not_apply(monkeypatch):
     assert math.isnan(row["offload_bytes"]) and math.isnan(row["within_node_bytes"]) and row["nodes"] == 1
 
 
+def test_graphs_inductor_left_out_of_cuda_graphs_are_noted(monkeypatch):
+    """On a GPU Inductor may run a graph without capturing it (its log says why): the row says how many."""
+    from torch._dynamo.utils import counters
+
+    def build(*args, **kwargs):
+        step = _cheap_build(*args, **kwargs)
+        first = step.forward_backward
+
+        def skipping():
+            counters["inductor"]["cudagraph_skips"] += 2
+            first()
+            step.forward_backward = first
+
+        step.forward_backward = skipping
+        return step
+
+    monkeypatch.setattr(bench, "build_step", build)
+    monkeypatch.setattr(bench, "uses_cuda_graphs", lambda compile, device: True)  # as on a GPU
+    recipe = next(r for r in fs.ablations(fs.PROJECT_ONE_GPU) if r.name == "cuda_graphs")
+    row = bench.measure_recipe(fs.CONFIGS["tiny_one_rank"], recipe, CPU, profile=False, host_steps=2)
+    assert row["cuda_graphs"] is True and "2 graph(s)" in row["note"]
+
+
 # ----------------------------------------------------------------------------------------------------------
 # activation offload
 
@@ -248,7 +271,7 @@ def test_hsdp_on_two_nodes_of_two_ranks_matches_the_plain_step(sharding):
                   + ring_bytes_per_rank("reduce_scatter", log["reduce_scatter"], 2)
                   + ring_bytes_per_rank("all_reduce", small, 2))
         across = ring_bytes_per_rank("all_reduce", log["all_reduce"] - small, 2)
-        closed = bench.traffic_columns(config, recipe)  # the first blocks recomputed: the embedding regathered
+        closed = fs.step_traffic(config, recipe)  # the first blocks recomputed: the embedding regathered
         assert closed["within_node_bytes"] == pytest.approx(within)
         assert closed["across_node_bytes"] == pytest.approx(across)
 
