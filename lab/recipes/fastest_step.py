@@ -44,12 +44,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from lab.accounting import forward_flops
+from lab.accounting import forward_flops, saved_activation_bytes
 from lab.measure.step import TrainStep, random_batch
 from lab.model import ModelConfig, TransformerLM, config_for
 from lab.model.transformer import RMSNorm, RotaryEmbedding, SiLUGate
@@ -59,6 +60,7 @@ from lab.parallel.optimizer_in_backward import OptimizerInBackward, block_bucket
 from lab.recipes.checkpointing import SAVED_PROJECTIONS, CheckpointedBlock, saved_ops  # noqa: F401 - public here
 from lab.recipes.step_parts import (
     OFFLOAD_MIN_BYTES,
+    check_host_memory,
     compile_options,
     hsdp_mesh,
     keep_offloading,
@@ -224,6 +226,7 @@ ABLATION_LABELS = {
     "fp32_master_weights": "fp32 master weights under bf16 autocast",
     "optimizer_in_backward": "update each block's parameters inside the backward",
     "cuda_graphs": "capture the compiled model in CUDA graphs",
+    "offload_quarter": "offload the first quarter of the blocks' activations to the host instead of recomputing",
     "offload_half": "offload the first half of the blocks' activations to the host instead of recomputing",
     "offload_all": "offload every block's activations but the last's to the host instead of recomputing",
     "flat_sharding": "shard over every rank (no replicas) instead of within each node",
@@ -281,8 +284,10 @@ def ablations(recipe: Recipe = PROJECT) -> list[Recipe]:
     ``fp32_master_weights``, and some switched on: ``optimizer_in_backward`` (each block's AdamW update runs
     as soon as its gradients are final, :class:`lab.parallel.optimizer_in_backward.OptimizerInBackward`);
     where the whole model is compiled, ``cuda_graphs`` (captured in CUDA graphs); where blocks are
-    checkpointed, ``offload_half`` and ``offload_all`` (the first half of the blocks, or every block but the
-    last, offloaded instead of recomputed); under HSDP ``flat_sharding`` (lab.FSDP over every rank)."""
+    checkpointed, ``offload_quarter``, ``offload_half`` and ``offload_all`` (the first quarter or half of the
+    blocks, or every block but the last, offloaded instead of recomputed: at the leaderboard's 32k tokens a
+    block saves several GiB, and the host's memory may hold only the quarter); under HSDP ``flat_sharding``
+    (lab.FSDP over every rank)."""
     out = []
     attention = (("no_flash_attention", dict(attention="sdpa")) if recipe.attention == "flash_triton" else
                  ("flash_triton_attention", dict(attention="flash_triton")))
@@ -291,7 +296,8 @@ def ablations(recipe: Recipe = PROJECT) -> list[Recipe]:
                 ("foreach_adamw", dict(fused_adamw=False)), ("fp32_master_weights", dict(precision="bf16_autocast")),
                 ("optimizer_in_backward", dict(optimizer_in_backward=True)),
                 ("cuda_graphs", dict(compile="model_cudagraphs")),
-                ("offload_half", dict(offload=0.5)), ("offload_all", dict(offload=1.0)),
+                ("offload_quarter", dict(offload=0.25)), ("offload_half", dict(offload=0.5)),
+                ("offload_all", dict(offload=1.0)),
                 ("flat_sharding", dict(sharding="fsdp")))
     for name, change in switches:
         if recipe.checkpoint == "none" and (change.get("checkpoint") or change.get("offload")):
@@ -399,7 +405,10 @@ def build_step(config: StepConfig, recipe: Recipe, device: torch.device, seed: i
         loss_fn = marking_steps(loss_fn)
     step = TrainStep(model, optimizer, tokens, targets, dtype=dtype, loss_fn=loss_fn)
     offloaded = offloaded_count(recipe.offload, config.model.num_layers)
-    if offloaded:
+    if offloaded:  # at most what the blocks save, checked against the host before any of it is pinned
+        cfg = dataclasses.replace(config.model, attention=recipe.attention)
+        saved = saved_activation_bytes(cfg, config.batch_per_rank, config.context, recipe.precision)["blocks"]
+        check_host_memory(saved * offloaded / cfg.num_layers, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
         inner = model.module if isinstance(model, FSDP) else model
         hooks = model.saved_tensor_hooks() if isinstance(model, FSDP) else None
         keep_offloading(step, inner, offloaded, hooks, min_bytes=offload_min_bytes)

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from lab.accounting.collectives import ring_bytes_per_rank
+from lab.measure.device import available_memory_bytes
 from lab.measure.step import TrainStep
 from lab.model import ModelConfig
 from lab.model.offload import activation_offloading
@@ -75,6 +76,21 @@ def offloaded_count(offload: float, num_layers: int) -> int:
     at most every block but the last (whose backward starts as soon as the forward ends, so its copies could
     not be hidden)."""
     return min(num_layers - 1, round(offload * num_layers)) if offload > 0 else 0
+
+
+#: Share of the host's available memory the offloaded activations of every rank on it may plan to fill.
+HOST_HEADROOM = 0.8
+
+
+def check_host_memory(offloaded_bytes: float, ranks_here: int, available: int | None = None) -> None:
+    """Refuse an offload the host cannot hold: each of the ``ranks_here`` ranks on this host keeps
+    ``offloaded_bytes`` of a step's activations in pinned host memory; more than :data:`HOST_HEADROOM` of the
+    ``available`` bytes (default: the kernel's ``MemAvailable``) raises ``MemoryError`` (a row's ``oom``), one
+    line with both numbers, before pinned allocations push the host into its out-of-memory killer."""
+    available = available_memory_bytes("cpu") if available is None else available
+    if offloaded_bytes * ranks_here > HOST_HEADROOM * available:
+        raise MemoryError(f"offloading needs {offloaded_bytes / 2**30:.1f} GiB of pinned host memory per rank x "
+                          f"{ranks_here} ranks, but the host has {available / 2**30:.1f} GiB available")
 
 
 def keep_offloading(step: TrainStep, model: nn.Module, blocks: int, fsdp_hooks: tuple | None = None,

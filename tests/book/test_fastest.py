@@ -265,10 +265,10 @@ def test_carry_whole_configurations_or_their_headline_rows():
 
     configs = ["leaderboard", "2.7B"]
     measured = fastest.measured_recipes(configs, ["2.7B"], quick=False)
-    assert list(measured) == ["leaderboard"] and len(measured["leaderboard"]) == 3 + 10
+    assert list(measured) == ["leaderboard"] and len(measured["leaderboard"]) == 3 + 11
     split = fastest.measured_recipes(configs, ["leaderboard:headline", "2.7B"], quick=False)
     names = [r.name for r in split["leaderboard"]]
-    assert list(split) == ["leaderboard"] and names[0] == "ablation_base" and len(names) == 1 + 10
+    assert list(split) == ["leaderboard"] and names[0] == "ablation_base" and len(names) == 1 + 11
     assert split["leaderboard"][0].attention == fastest.recipes_for(fastest.CONFIGS["leaderboard"])["project"].attention
     assert fastest.measured_recipes(configs, ["leaderboard:headline"], quick=False, ablate=False) == {
         "2.7B": list(fastest.recipes_for(fastest.CONFIGS["2.7B"]).values())}  # no ablations: nothing left to measure

@@ -20,7 +20,8 @@ def test_recipes_validate_and_ablate_one_thing_at_a_time():
         fs.Recipe(checkpoint="sometimes")
     names = [r.name for r in fs.ablations(fs.PROJECT)]
     assert names == ["flash_triton_attention", "no_fused_loss", "full_recompute", "save_attention_only", "no_compile",
-                     "foreach_adamw", "fp32_master_weights", "optimizer_in_backward", "offload_half", "offload_all"]
+                     "foreach_adamw", "fp32_master_weights", "optimizer_in_backward", "offload_quarter",
+                     "offload_half", "offload_all"]
     assert [r.name for r in fs.ablations(fs.PROJECT_ONE_GPU)] == [
         "flash_triton_attention", "no_fused_loss", "no_compile", "foreach_adamw", "fp32_master_weights",
         "optimizer_in_backward", "cuda_graphs"]

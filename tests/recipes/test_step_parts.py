@@ -27,7 +27,7 @@ PLAIN = dataclasses.replace(fs.PROJECT, precision="fp32", compile="none", fused_
 
 def test_new_choices_validate_and_ablate_one_thing_at_a_time():
     names = [r.name for r in fs.ablations(fs.PROJECT)]
-    assert names[-2:] == ["offload_half", "offload_all"] and "cuda_graphs" not in names
+    assert names[-3:] == ["offload_quarter", "offload_half", "offload_all"] and "cuda_graphs" not in names
     one = [r.name for r in fs.ablations(fs.PROJECT_ONE_GPU)]
     assert "cuda_graphs" in one and "offload_half" not in one  # nothing is recomputed on one GPU
     graphs = next(r for r in fs.ablations(fs.PROJECT_ONE_GPU) if r.name == "cuda_graphs")
@@ -54,7 +54,16 @@ def test_new_choices_validate_and_ablate_one_thing_at_a_time():
         fused_loss=False, sharding=False, checkpoint=True, compile=True, offload=False)
     assert fs.stock_options(next(r for r in fs.ablations(fs.PROJECT_ONE_GPU) if r.name == "cuda_graphs"),
                             fs.PROJECT_ONE_GPU) == ["compile"]
-    assert [step_parts.offloaded_count(f, 34) for f in (0, 0.5, 1.0)] == [0, 17, 33]
+    assert [step_parts.offloaded_count(f, 34) for f in (0, 0.25, 0.5, 1.0)] == [0, 8, 17, 33]
+
+
+def test_an_offload_the_host_cannot_hold_is_refused_as_out_of_memory():
+    from lab.measure.device import is_oom
+
+    step_parts.check_host_memory(3 * 2**30, 2, available=10 * 2**30)  # 6 of 8 GiB allowed
+    with pytest.raises(MemoryError, match="pinned host memory") as info:
+        step_parts.check_host_memory(5 * 2**30, 2, available=10 * 2**30)
+    assert is_oom(info.value)
 
 
 # ----------------------------------------------------------------------------------------------------------
