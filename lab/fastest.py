@@ -7,7 +7,9 @@
         -m lab.fastest --config leaderboard_hsdp
 
 Under torchrun every rank runs this command; the ranks per node come from ``LOCAL_WORLD_SIZE`` (or
-``--gpus-per-node``), and rank 0 alone prints and saves the rows.
+``--gpus-per-node``), each rank takes the allocator settings spawned ranks get
+(``lab.bench.fastest.allocator_env``), and rank 0 alone prints and saves the rows. Two agents on one
+machine need disjoint GPUs: ``CUDA_VISIBLE_DEVICES=0,1`` for one, ``2,3`` for the other.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 
 from lab import cli
 from lab.accounting import state_memory
-from lab.bench.fastest import benchmark, results_table
+from lab.bench.fastest import allocator_env, benchmark, results_table
 from lab.bench.memory_estimate import HEADROOM
 from lab.measure.device import available_memory_bytes
 from lab.measure.results import save_results
@@ -99,6 +101,8 @@ def fastest_main(argv: Sequence[str] | None = None) -> int:
     if not args.rep_ms > 0:
         raise cli.UsageError(f"--rep-ms must be a positive number of milliseconds, got {args.rep_ms:g}")
     torchrun = launcher.is_torchrun()
+    if torchrun:  # this process is a rank: the allocator settings the spawned ranks get, before CUDA starts
+        os.environ.update(allocator_env())
     world = args.world_size or (int(os.environ["WORLD_SIZE"]) if torchrun else config.world_size)
     per_node = args.gpus_per_node or (int(os.environ.get("LOCAL_WORLD_SIZE", 0)) if torchrun else 0)
     if per_node and world % per_node:

@@ -132,6 +132,23 @@ def test_graphs_inductor_left_out_of_cuda_graphs_are_noted(monkeypatch):
     assert row["cuda_graphs"] is True and "2 graph(s)" in row["note"]
 
 
+@pytest.mark.gpu
+def test_cuda_graph_step_trains_as_the_compiled_step_on_a_gpu():
+    """Past cudagraph trees' warm-up and recording, replayed steps (whose outputs share memory from one replay
+    to the next) train as the same compiled model without CUDA graphs (fp32)."""
+    config, cuda = fs.CONFIGS["tiny_one_rank"], torch.device("cuda")
+    compiled = dataclasses.replace(fs.PROJECT_ONE_GPU, precision="fp32", fused_loss=False)
+    graphs = dataclasses.replace(compiled, compile="model_cudagraphs")
+    a, b = fs.build_step(config, compiled, cuda), fs.build_step(config, graphs, cuda)
+    for _ in range(5):
+        a()
+        b()
+    for (name, p), q in zip(a.model.named_parameters(), b.model.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=name)
+    row = bench.measure_recipe(config, graphs, cuda, profile=False, host_steps=2)
+    assert row["status"] == "ok" and row["cuda_graphs"] is True and row["note"] == ""
+
+
 # ----------------------------------------------------------------------------------------------------------
 # activation offload
 
