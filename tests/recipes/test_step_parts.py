@@ -173,6 +173,22 @@ def test_offloaded_step_trains_as_the_plain_step_on_one_rank(offload):
     assert type(model.blocks[0]).__name__ == "TransformerBlock"  # the offloading left with the step
 
 
+@pytest.mark.slow
+def test_offload_composes_with_the_compiled_pointwise_modules():
+    """The book's step compiles RMSNorm, RoPE and the SwiGLU gate: under the offloader's saved-tensor hooks
+    their compiled graphs save through the hooks too, and the step still trains bit for bit as without."""
+    config = fs.CONFIGS["tiny_one_rank"]
+    compiled = dataclasses.replace(PLAIN, compile="pointwise")
+    plain = fs.build_step(config, compiled, CPU)
+    offloaded = fs.build_step(config, dataclasses.replace(compiled, offload=1.0), CPU, offload_min_bytes=0)
+    for _ in range(2):
+        plain()
+        offloaded()
+    for (name, p), q in zip(plain.model.named_parameters(), offloaded.model.parameters()):
+        assert torch.equal(p, q), name
+    assert offloaded.offloader.stats().bytes_offloaded > 0
+
+
 def test_offload_row_counts_one_steps_bytes(monkeypatch):
     config = fs.CONFIGS["tiny_one_rank"]
     recipe = dataclasses.replace(PLAIN, name="offload_all", offload=1.0)
