@@ -32,7 +32,8 @@ check_impls = None                # correctness; None: every implementation (ful
 check_ds = None                   # None: 64, 80, 96, 128 (full) or 16, 80, 96 (quick)
 check_dtypes = ["bf16", "fp32"]
 check_seq = None                  # None: 1024 (full) or 64 (quick); batch 4, causal
-impls = ["triton", "sdpa", "sdpa_flash", "sdpa_cudnn", "pytorch_flash"]  # "sdpa" is the default backend
+impls = None                      # None: triton, sdpa (default backend), sdpa_flash, sdpa_cudnn, pytorch_flash,
+                                  # and compiled FlexAttention "flex" (full only: it needs torch.compile)
 shapes = None                     # [batch, heads, seq, d, causal]; None: lab.bench.flash.LM_SHAPES or two tiny ones
 dtypes = ["bf16", "fp16"]
 pytorch_flash_max_seq = None      # longer: its Python tile loop is too slow (a row says so); None: 2048 or 64
@@ -53,6 +54,7 @@ lm_dtype = None                   # None: "bf16" autocast (full) or "fp32" (quic
 lm_compile = None                 # None: [False, True] (full) or [False] (quick)
 lm_warmup = None                  # None: 2 (full; the first compiled step compiles) or 1
 lm_steps = None                   # None: 5 (full) or 2
+ceiling_n = None                  # matmul ceiling: one n x n x n torch.mm; None: 8192 (full) or 256 (quick)
 
 # %%
 import matplotlib.pyplot as plt
@@ -71,7 +73,7 @@ cfg = present.settings(
     pytorch_flash_dtypes=pytorch_flash_dtypes, fp32_impls=fp32_impls, fp32_seqs=fp32_seqs, fp32_ds=fp32_ds,
     warmup_ms=warmup_ms, rep_ms=rep_ms, cpu_steps=cpu_steps, course_shape=course_shape, course_compile=course_compile,
     course_goal_ms=course_goal_ms, lm_size=lm_size, lm_context=lm_context, lm_batch=lm_batch, lm_dtype=lm_dtype,
-    lm_compile=lm_compile, lm_warmup=lm_warmup, lm_steps=lm_steps)
+    lm_compile=lm_compile, lm_warmup=lm_warmup, lm_steps=lm_steps, ceiling_n=ceiling_n)
 book = report.Chapter("05_flash", cfg.params(), results_dir, replay=replay)
 plots.set_style()
 book.show_machine()
@@ -171,12 +173,27 @@ book.answer("Are the performance goals met?", grid.goals_sentence(goals, interpr
 # products per tile pair where a kernel that adds dQ atomically (FlashAttention-2 and -3) needs 5. What is left at the powers
 # of two, in the forward especially, is scheduling: cuDNN's Hopper kernels overlap one tile's softmax with the
 # next tile's matrix products across warp groups and load tiles with TMA; these Triton kernels use Hopper's
-# matrix instructions through Triton's software pipelining, and the TMA, warp-specialisation and atomic-dQ
-# variants tried in `notes/flash_tuning.md` (run 5) gained little or nothing over the default tiles.
+# matrix instructions through Triton's software pipelining (the TMA, warp-specialisation and atomic-dQ
+# variants are options of `FlashConfig`, timed by `python -m lab.bench.flash_sweep sweep`).
 
 # %%
 report.show_table(grid.why_missed_table(goals), floatfmt=".3g")
 report.say(grid.why_missed_sentence(goals, interpreted_=on_cpu))
+
+# %% [markdown]
+# ### Where the backward's time goes
+#
+# Each shape's Triton backward: the launch mode the default tables chose (`fused` or `two_pass`, both 7
+# matrix products per tile pair), its time, the useful rate (FlashAttention-2's 5-product count) and the
+# rate of the products it really issues on power-of-two tiles (7/5 of the useful ones, times `BLOCK_D / d`),
+# against the rate of one large `torch.mm` in the same dtype measured here: the share of the tensor cores'
+# reachable speed the backward's matrix work gets.
+
+# %%
+ceilings = book.table("flash_matmul_ceiling", lambda: present.matmul_ceilings(cfg.dtypes, cfg.ceiling_n, dev))
+backward = present.backward_table(bench, ceilings)
+report.show_table(backward, floatfmt=".3g")
+report.say(present.backward_sentence(backward, interpreted_=on_cpu))
 
 # %% [markdown]
 # ## fp32: is Triton ever slower than naive PyTorch or SDPA?

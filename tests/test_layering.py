@@ -76,17 +76,6 @@ def test_no_module_is_much_longer_than_one_concept():
 #: The comment an allowed function-level import carries (on its line or the line above): it imports a module
 #: that needs an optional dependency (Triton, Linux only), which ``import lab`` must work without.
 OPTIONAL = "optional dependency"
-#: Function-level imports in files that other helpers change in this same round (they hoist them, or mark
-#: them optional). An entry must still exist: delete it when its import is gone, so the list only shrinks.
-PENDING = {
-    ("bench/flash.py", "lab.measure.results"), ("bench/flash.py", "lab.kernels.flash_triton"),
-    ("bench/fused_loss.py", "lab.measure.timing"), ("bench/fused_loss.py", "lab.kernels.fused_cross_entropy"),
-    ("bench/fused_loss.py", "lab.kernels.fused_cross_entropy_kernels"),
-    ("book/flash.py", "lab.book.report"),
-    ("kernels/fused_cross_entropy_kernels.py", "lab.kernels.sm90_compile"),
-}
-#: Import cycles another helper removes in this same round (delete the entry then, as for PENDING).
-PENDING_CYCLES: list[set[str]] = []
 
 
 def _module_name(path: Path) -> str:
@@ -183,10 +172,8 @@ def test_cycle_finder_finds_a_cycle_and_only_cycles():
 
 def test_no_import_cycles_between_lab_modules():
     cycles = _cycles(_graph())
-    new = [c for c in cycles if c not in PENDING_CYCLES]
-    assert not new, f"import cycles in lab (move the shared code to the lower module): {new}"
-    stale = [c for c in PENDING_CYCLES if c not in cycles]
-    assert not stale, f"these cycles are gone: delete them from PENDING_CYCLES: {stale}"
+
+    assert not cycles, f"import cycles in lab (move the shared code to the lower module): {cycles}"
 
 
 def test_lab_imports_sit_at_the_top_of_a_module():
@@ -203,11 +190,9 @@ def test_lab_imports_sit_at_the_top_of_a_module():
             if modules <= optional and OPTIONAL in said:
                 continue
             found.update((rel, module) for module in modules)
-    late = sorted(found - PENDING)
+    late = sorted(found)
     assert not late, ("a lab import inside a function (move it to the top; if it hides a cycle, remove the "
                       f"cycle; for an optional dependency say '{OPTIONAL}' in a comment): {late}")
-    stale = sorted(PENDING - found)
-    assert not stale, f"these imports moved to the top: delete them from PENDING: {stale}"
 
 
 def test_no_module_imports_another_modules_private_names():

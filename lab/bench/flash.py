@@ -29,7 +29,9 @@ import torch
 from lab.bench.attention import attention_impl, attention_inputs
 from lab.bench.attention_costs import DTYPES, PASSES, attention_flops, naive_attention_totals
 from lab.bench.progress import progress_bar
+from lab.kernels.flash_config import backward_plan
 from lab.measure.device import empty_cache, error_summary, is_oom, resolve_device
+from lab.measure.results import gpu_label
 from lab.measure.timing import Timing, time_kernel
 from lab.measure.verdicts import GoalCheck, compare_summaries
 from lab.model.attention import AttentionFn, naive_attention
@@ -201,9 +203,9 @@ def run_flash_grid(impls: Sequence[str] | dict[str, AttentionFn] = ("triton", "p
     implementation that cannot run a configuration is ``status="unsupported"`` (:func:`unsupported_reason`);
     every out-of-memory is caught and recorded with the pass it hit. Returns one row per (impl, dtype, shape)
     with those times, ``*_tflops`` (FLOPs from :func:`attention_flops`), ``sweep`` (the label given),
-    ``gpu`` (``"cpu"`` on the CPU), ``status`` and ``note``.
+    ``gpu`` (``"cpu"`` on the CPU), ``status`` and ``note``; ``triton`` rows also name the backward launch
+    mode the default config chose for the shape on this device (``bwd_mode``, ``backward_plan``).
     """
-    from lab.measure.results import gpu_label
 
     device = resolve_device(device) if isinstance(device, str) else device
     fns = dict(impls) if isinstance(impls, dict) else {name: attention_impl(name, device) for name in impls}
@@ -220,6 +222,8 @@ def run_flash_grid(impls: Sequence[str] | dict[str, AttentionFn] = ("triton", "p
         bh = sh.batch * sh.heads
         row = dict(sweep=sweep, impl=name, dtype=dt, batch=sh.batch, heads=sh.heads, seq_len=sh.seq, d=sh.d,
                    causal=sh.causal, gpu=gpu, status="ok", note="")
+        if name == "triton":
+            row["bwd_mode"] = backward_plan(bh, sh.seq, sh.seq, sh.d, DTYPES[dt], device)[0]
         for p in PASSES:
             row.update({f"{p}_ms": math.nan, f"{p}_mean_ms": math.nan, f"{p}_std_ms": math.nan, f"{p}_n": 0})
         need = naive_attention_totals(bh, sh.seq, sh.d, dt, sh.causal)["peak"] / 2**30
@@ -371,8 +375,7 @@ def course_timing_test(compile: bool = True, batch: int = 16, seq: int = 16384, 
     ``compile``) on q, k, v of shape (batch, seq, d) in bf16, causal; forward, ``o.sum()``, backward, timed
     as one call with ``triton.testing.do_bench`` (on the CPU: the host timer, ``cpu_steps`` calls). Returns
     ``ms`` (median), ``mean_ms``, ``std_ms``, ``n`` (samples), ``gpu`` (``"cpu"`` on the CPU) and the shape."""
-    from lab.kernels import flash_triton as flash
-    from lab.measure.results import gpu_label
+    from lab.kernels import flash_triton as flash  # Triton, an optional dependency
 
     device = resolve_device(device) if isinstance(device, str) else device
     gen = torch.Generator(device="cpu").manual_seed(0)

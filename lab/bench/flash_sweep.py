@@ -264,7 +264,21 @@ def _python_profile(step: Callable[[], object], device: torch.device, calls: int
     return text.getvalue()
 
 
-def host_costs(shape: Shape, dtype: str = "bf16", impls: Sequence[str] = ("flash_triton", "sdpa"),
+def host_attention(name: str) -> AttentionFn:
+    """The registry's attention ``name`` (``fn(q, k, v, causal)`` on (batch, heads, seq, d)), or
+    ``"flash_triton_inline"``: the Triton kernels with ``FlashConfig(compile_inline=True)``, whose compiled
+    code launches the kernels itself instead of calling the opaque ``lab::flash_attention_*`` ops (the op's
+    host function on every call), the comparison that shows what inlining saves."""
+    if name == "flash_triton_inline":
+        from lab.kernels.flash_triton import flash_attention_bhsd  # needs Triton (an optional dependency)
+
+        inline = FlashConfig(compile_inline=True)
+        return lambda q, k, v, causal: flash_attention_bhsd(q, k, v, causal, config=inline)
+    return get_attention(name)
+
+
+def host_costs(shape: Shape, dtype: str = "bf16",
+               impls: Sequence[str] = ("flash_triton", "sdpa"),
                device: torch.device | str = "auto", calls: int = 20, rep_ms: float = 50,
                profile: bool = True) -> tuple[pd.DataFrame, str]:
     """Where a short sequence's attention time goes, in the model's layout (q, k, v as ``transpose(1, 2)``
@@ -274,7 +288,7 @@ def host_costs(shape: Shape, dtype: str = "bf16", impls: Sequence[str] = ("flash
     ``compiled_ms`` (``torch.compile(fullgraph=True)`` of the attention and its output transpose) and
     ``host_bound`` (eager well above the graph replay). Also returns the torch.profiler table of a few
     eager steps of the first implementation (self CPU time per op) and cProfile's table of its Python functions,
-    or "" when ``profile`` is False."""
+    or "" when ``profile`` is False. ``impls`` are names for :func:`host_attention`."""
     device = resolve_device(device) if isinstance(device, str) else device
     gen = torch.Generator(device="cpu").manual_seed(0)
     dt = DTYPES[dtype]
@@ -284,7 +298,7 @@ def host_costs(shape: Shape, dtype: str = "bf16", impls: Sequence[str] = ("flash
     rows, table = [], ""
     timer = dict(warmup_ms=10, rep_ms=rep_ms)
     for name in impls:
-        attn = get_attention(name)
+        attn = host_attention(name)
 
         def step(fn=attn):
             q, k, v = (t.transpose(1, 2) for t in base)

@@ -1,27 +1,41 @@
-"""Benchmarks of the LM-head loss: fused Triton kernels against materialized and chunked PyTorch.
+"""Benchmarks of the LM-head loss: the fused op against materialized and chunked PyTorch, Liger and CCE.
 
 The implementations (``impl`` column), each ``fn(hidden (N, D), weight (V, D), targets (N,)) -> mean loss``:
 
-* ``fused``: :func:`lab.kernels.fused_cross_entropy.fused_linear_cross_entropy` (tiled forward, recompute
-  backward: ``8 N D V`` matmul FLOPs, no logits in memory);
-* ``fused_grad_in_forward``: the same with ``grad_in_forward=True`` (``6 N D V``, gradients held from the
-  forward to the backward, an fp32 ``V x D`` accumulator during the forward);
+* ``fused``: :func:`lab.kernels.fused_cross_entropy.fused_linear_cross_entropy` (gradients in the forward,
+  cuBLAS matmuls over token chunks: ``6 N D V`` FLOPs, one chunk of logits in memory); ``fused_chunk<C>``
+  the same with ``chunk_tokens=C`` (the chunk size's trade of memory for time);
+* ``fused_recompute``: the same op with ``grad_in_forward=False`` (Triton tiles, the logits recomputed in
+  the backward: ``8 N D V``, the least memory);
 * ``torch``: :func:`materialized_loss`, ``F.cross_entropy((hidden @ weight.T).float(), targets)`` in eager
   PyTorch: bf16 logits, their fp32 copy, the fp32 log-softmax and its gradient all exist at once;
 * ``torch_compiled``: the same function through ``torch.compile`` (Inductor fuses the cross-entropy; the
   bf16 logits and their gradient remain);
 * ``torch_chunked``: :class:`ChunkedLinearCrossEntropy`, Liger's approach in plain PyTorch: tokens in chunks,
-  one chunk's logits materialized at a time, gradients computed in the forward and scaled in the backward.
+  one chunk's logits materialized at a time, gradients computed in the forward and scaled in the backward;
+* ``liger``: Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss`` (the same approach, its Triton cross-entropy
+  kernel), and ``cce``: Cut Cross-Entropy's ``linear_cross_entropy`` with its defaults (recompute in the
+  backward, gradient entries below its ``filter_eps`` skipped: approximate). Both are optional: where they
+  do not import, their rows say ``status="not installed"``; on the CPU ``"skipped"`` (CUDA kernels).
 
 Every implementation is credited with the same useful work, ``6 N D V`` FLOPs (the three GEMMs of the
 materialized loss), so ``tflops`` compares speed, not work done. Timing: ``triton.testing.do_bench`` median
-on CUDA (L2 flushed between calls), the host timer of :mod:`lab.measure.timing` on the CPU.
+on CUDA (L2 flushed between calls), the host timer of :mod:`lab.measure.timing` on the CPU. With ``check``
+each row also gives its loss's and gradients' relative error against an fp32 reference.
+
+Command line (one row per shape and implementation, a markdown table, optionally the CSV)::
+
+    python -m lab.bench.fused_loss --shapes 151936x4096x32768 10000x2560x16384 --check --rep-ms 600 \
+        --results-dir results
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import gc
 import math
+import re
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 
@@ -29,14 +43,27 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
+from lab import cli
 from lab.bench.attention_costs import DTYPES  # fp32, bf16, fp16 of the one dtype table
 from lab.dtypes import element_size
 from lab.measure.device import empty_cache, error_summary, is_oom, resolve_device, synchronize
+from lab.measure.results import save_results
+from lab.measure.timing import time_kernel
 
-IMPLS = ("fused", "fused_grad_in_forward", "torch", "torch_compiled", "torch_chunked")
-COLUMNS = ["impl", "vocab", "d_model", "tokens", "dtype", "fwdbwd_ms", "fwd_ms", "peak_extra_gib", "tflops",
-           "status", "error", "device"]
+IMPLS = ("fused", "fused_recompute", "torch", "torch_compiled", "torch_chunked", "liger", "cce")
+#: Optional peers: impl -> the package that must import.
+PEERS = {"liger": "liger_kernel", "cce": "cut_cross_entropy"}
+COLUMNS = ["impl", "vocab", "d_model", "tokens", "dtype", "fwdbwd_ms", "fwd_ms", "peak_extra_gib",
+           "peak_with_grads_gib", "tflops", "loss_rel_err", "dh_rel_err", "dw_rel_err", "status", "error", "device"]
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class PeerUnavailable(RuntimeError):
+    """An optional peer implementation that cannot run here; ``status`` is the row's status."""
+
+    def __init__(self, status: str, message: str):
+        super().__init__(message)
+        self.status = status
 
 
 def loss_flops(tokens: int, d_model: int, vocab: int) -> float:
@@ -112,26 +139,50 @@ def chunked_loss(hidden, weight, targets, reduction: str = "mean", ignore_index:
     return ChunkedLinearCrossEntropy.apply(hidden, weight, targets, reduction, ignore_index, chunk_tokens)
 
 
+def _peer(name: str, device: torch.device | None) -> LossFn:
+    """Liger's or CCE's loss as ``fn(hidden, weight, targets)``; :class:`PeerUnavailable` where it cannot run."""
+    if device is not None and device.type != "cuda":
+        raise PeerUnavailable("skipped", f"{name} runs CUDA kernels only (device {device})")
+    try:  # optional dependencies: imported only when asked for
+        if name == "liger":
+            from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+
+            liger = LigerFusedLinearCrossEntropyLoss()
+            return lambda h, w, t: liger(w, h, t)  # Liger takes the weight first
+        from cut_cross_entropy import linear_cross_entropy
+
+        return lambda h, w, t: linear_cross_entropy(h, w, t)
+    except ImportError as exc:
+        raise PeerUnavailable("not installed", f"{PEERS[name]} is not installed ({exc})") from None
+
+
 _COMPILED: dict[str, LossFn] = {}
 
 
-def loss_impl(name: str) -> LossFn:
-    """The loss function ``fn(hidden, weight, targets)`` (mean reduction) called ``name`` in the tables
-    (one of :data:`IMPLS`). The Triton op is imported only when asked for."""
-    if name in ("fused", "fused_grad_in_forward"):
+def loss_impl(name: str, device: torch.device | None = None) -> LossFn:
+    """The loss function ``fn(hidden, weight, targets)`` (mean reduction) called ``name`` in the tables: one
+    of :data:`IMPLS` or ``fused_chunk<tokens>``. The Triton op and the peers are imported only when asked for;
+    a peer that cannot run on ``device`` (or at all) raises :class:`PeerUnavailable`."""
+    chunk = re.fullmatch(r"fused_chunk(\d+)", name)
+    if name in ("fused", "fused_recompute") or chunk:
+        # Triton, an optional dependency: only when asked for
         from lab.kernels.fused_cross_entropy import fused_linear_cross_entropy
 
-        grad_in_forward = name == "fused_grad_in_forward"
-        return lambda h, w, t: fused_linear_cross_entropy(h, w, t, grad_in_forward=grad_in_forward)
+        options = {"grad_in_forward": False} if name == "fused_recompute" else \
+            {"chunk_tokens": int(chunk.group(1))} if chunk else {}
+        return lambda h, w, t: fused_linear_cross_entropy(h, w, t, **options)
     if name == "torch":
         return materialized_loss
     if name == "torch_compiled":
         if name not in _COMPILED:
-            _COMPILED[name] = torch.compile(materialized_loss)
+            # static shapes: each benchmarked shape gets its own specialised graph, as in a training run
+            _COMPILED[name] = torch.compile(materialized_loss, dynamic=False)
         return _COMPILED[name]
     if name == "torch_chunked":
         return chunked_loss
-    raise ValueError(f"unknown loss implementation {name!r}; choose one of {', '.join(IMPLS)}")
+    if name in PEERS:
+        return _peer(name, device)
+    raise ValueError(f"unknown loss implementation {name!r}; choose one of {', '.join(IMPLS)} or fused_chunk<N>")
 
 
 # ------------------------------------------------------------------------------------------- measurement
@@ -147,18 +198,42 @@ def make_inputs(vocab: int, d_model: int, tokens: int, dtype: str = "bf16", devi
     return hidden, weight, targets
 
 
+@contextlib.contextmanager
+def _ieee_fp32_matmuls():
+    old = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(old)
+
+
+def reference_loss_and_grads(hidden, weight, targets) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 mean loss and fp32 (d_hidden, d_weight) of fp32 copies of the inputs, IEEE fp32 matmuls (no TF32),
+    through :func:`chunked_loss` (one chunk of logits at a time, so it fits wherever the inputs do)."""
+    with _ieee_fp32_matmuls():
+        h = hidden.detach().float().requires_grad_()
+        w = weight.detach().float().requires_grad_()
+        loss = chunked_loss(h, w, targets)
+        d_hidden, d_weight = torch.autograd.grad(loss, (h, w))
+    return loss.detach(), d_hidden, d_weight
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """``||got - ref|| / ||ref||`` (Frobenius norms, fp32)."""
+    return ((got.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
 def time_ms(fn: Callable[[], object], device: torch.device, warmup_ms: float = 25, rep_ms: float = 100,
             cpu_steps: int = 3) -> float:
     """Median milliseconds per call of ``fn`` (:func:`lab.measure.timing.time_kernel`: do_bench on CUDA, the
     host timer with one warm-up and ``cpu_steps`` timed calls on the CPU)."""
-    from lab.measure.timing import time_kernel
-
     return time_kernel(fn, device, warmup_ms, rep_ms, cpu_warmup=1, cpu_steps=cpu_steps).median_ms
 
 
-def peak_extra_bytes(fn: LossFn, hidden, weight, targets) -> int:
+def peak_extra_bytes(fn: LossFn, hidden, weight, targets) -> tuple[int, int]:
     """Peak CUDA memory allocated during one forward+backward of ``fn`` beyond what existed before (the
-    inputs) and beyond its outputs (d_hidden, d_weight; the loss is a scalar). Returns bytes."""
+    inputs): ``(beyond the inputs and the outputs d_hidden, d_weight, beyond the inputs only)`` in bytes."""
     device = hidden.device
     synchronize(device)
     gc.collect()
@@ -168,30 +243,34 @@ def peak_extra_bytes(fn: LossFn, hidden, weight, targets) -> int:
     grads = torch.autograd.grad(fn(hidden, weight, targets), (hidden, weight))
     synchronize(device)
     outputs = sum(g.numel() * g.element_size() for g in grads)
-    return int(torch.cuda.max_memory_allocated(device) - base - outputs)
+    with_grads = torch.cuda.max_memory_allocated(device) - base
+    return int(with_grads - outputs), int(with_grads)
 
 
 def benchmark_loss(impl: str, vocab: int, d_model: int, tokens: int, dtype: str = "bf16",
                    device: torch.device | str = "auto", fn: LossFn | None = None, warmup_ms: float = 25,
-                   rep_ms: float = 100, cpu_steps: int = 3, seed: int = 0, record_errors: bool = False) -> dict:
+                   rep_ms: float = 100, cpu_steps: int = 3, seed: int = 0, record_errors: bool = False,
+                   reference: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> dict:
     """One row: forward and forward+backward time of the loss ``impl`` (or ``fn``, named ``impl``) and its
     peak extra memory at one shape.
 
-    ``fwd_ms``: median ms of the forward with autograd recording (what a training step pays; for
-    ``fused_grad_in_forward`` and ``torch_chunked`` it includes the gradients). ``fwdbwd_ms``: median ms of
-    forward + ``torch.autograd.grad`` for hidden and weight. ``peak_extra_gib``: :func:`peak_extra_bytes` in
-    GiB (NaN on the CPU). ``tflops``: :func:`loss_flops` / ``fwdbwd_ms``. One untimed forward+backward runs
-    first (compilation, Triton JIT). Out-of-memory anywhere gives ``status="oom"`` and the error in ``error``;
-    other errors are raised, or recorded with ``status="error"`` when ``record_errors``.
+    ``fwd_ms``: median ms of the forward with autograd recording (what a training step pays; for ``fused``,
+    ``torch_chunked`` and ``liger`` it includes the gradients). ``fwdbwd_ms``: median ms of forward +
+    ``torch.autograd.grad`` for hidden and weight. ``peak_extra_gib`` / ``peak_with_grads_gib``:
+    :func:`peak_extra_bytes` in GiB (NaN on the CPU). ``tflops``: :func:`loss_flops` / ``fwdbwd_ms``.
+    ``reference`` (:func:`reference_loss_and_grads` of the same inputs): the ``*_rel_err`` columns. One
+    untimed forward+backward runs first (compilation, Triton JIT). Out-of-memory anywhere gives
+    ``status="oom"``; a peer that cannot run its :class:`PeerUnavailable` status; other errors are raised, or
+    recorded with ``status="error"`` when ``record_errors``.
     """
     device = resolve_device(device) if isinstance(device, str) else device
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-    row = dict(impl=impl, vocab=vocab, d_model=d_model, tokens=tokens, dtype=dtype, fwdbwd_ms=math.nan,
-               fwd_ms=math.nan, peak_extra_gib=math.nan, tflops=math.nan, status="ok", error="", device=str(device))
+    row = {c: math.nan for c in COLUMNS} | dict(impl=impl, vocab=vocab, d_model=d_model, tokens=tokens, dtype=dtype,
+                                                status="ok", error="", device=str(device))
     hidden = weight = targets = None
     try:
-        loss_fn = fn if fn is not None else loss_impl(impl)
+        loss_fn = fn if fn is not None else loss_impl(impl, device)
         hidden, weight, targets = make_inputs(vocab, d_model, tokens, dtype, device, seed)
 
         def fwdbwd():
@@ -200,12 +279,23 @@ def benchmark_loss(impl: str, vocab: int, d_model: int, tokens: int, dtype: str 
         with warnings.catch_warnings():  # Inductor's notice that it split the compiled loss's reduction
             warnings.filterwarnings("ignore", message=r"\s*Online softmax is disabled", category=UserWarning)
             fwdbwd()  # compile / JIT / autotune outside the measurements
+        if reference is not None:
+            loss = loss_fn(hidden, weight, targets)
+            d_hidden, d_weight = torch.autograd.grad(loss, (hidden, weight))
+            row["loss_rel_err"] = abs(loss.item() - reference[0].item()) / abs(reference[0].item())
+            row["dh_rel_err"], row["dw_rel_err"] = rel_err(d_hidden, reference[1]), rel_err(d_weight, reference[2])
+            loss = d_hidden = d_weight = None
         if device.type == "cuda":
-            row["peak_extra_gib"] = peak_extra_bytes(loss_fn, hidden, weight, targets) / 2**30
+            extra, with_grads = peak_extra_bytes(loss_fn, hidden, weight, targets)
+            row["peak_extra_gib"], row["peak_with_grads_gib"] = extra / 2**30, with_grads / 2**30
         timer = dict(warmup_ms=warmup_ms, rep_ms=rep_ms, cpu_steps=cpu_steps)
         row["fwd_ms"] = time_ms(lambda: loss_fn(hidden, weight, targets), device, **timer)
-        row["fwdbwd_ms"] = time_ms(fwdbwd, device, **timer)
+        # the median with its spread and sample count, so that a comparison can say "within noise"
+        timing = time_kernel(fwdbwd, device, warmup_ms, rep_ms, cpu_warmup=1, cpu_steps=cpu_steps)
+        row.update(fwdbwd_ms=timing.median_ms, fwdbwd_std_ms=timing.std_ms, fwdbwd_n=len(timing.samples_ms))
         row["tflops"] = loss_flops(tokens, d_model, vocab) / (row["fwdbwd_ms"] * 1e-3) / 1e12
+    except PeerUnavailable as exc:
+        row.update(status=exc.status, error=str(exc))
     except Exception as exc:
         if not (is_oom(exc) or record_errors):
             raise
@@ -216,21 +306,33 @@ def benchmark_loss(impl: str, vocab: int, d_model: int, tokens: int, dtype: str 
     return row
 
 
-def sweep(impls: Sequence[str] = ("fused", "torch", "torch_compiled", "torch_chunked"),
-          shapes: Iterable[tuple[int, int, int]] = ((10_000, 768, 4096),), dtypes: Sequence[str] = ("bf16",),
-          device: torch.device | str = "auto", progress: bool = False, **kwargs) -> pd.DataFrame:
+def sweep(impls: Sequence[str] = IMPLS, shapes: Iterable[tuple[int, int, int]] = ((10_000, 768, 4096),),
+          dtypes: Sequence[str] = ("bf16",), device: torch.device | str = "auto", progress: bool = False,
+          check: bool = False, **kwargs) -> pd.DataFrame:
     """:func:`benchmark_loss` for every ``(vocab, d_model, tokens)`` in ``shapes``, dtype and implementation.
+    ``check``: each shape's :func:`reference_loss_and_grads` first, and every row's errors against it.
     Returns a DataFrame with one row per measurement and the columns of :data:`COLUMNS`; keyword arguments go
     to :func:`benchmark_loss`."""
+    device = resolve_device(device) if isinstance(device, str) else device
     rows = []
     for vocab, d_model, tokens in shapes:
         for dtype in dtypes:
+            reference = None
+            if check:
+                reference = reference_loss_and_grads(*make_inputs(vocab, d_model, tokens, dtype, device,
+                                                                  kwargs.get("seed", 0)))
             for impl in impls:
-                rows.append(benchmark_loss(impl, vocab, d_model, tokens, dtype, device, **kwargs))
-                if progress:
+                rows.append(benchmark_loss(impl, vocab, d_model, tokens, dtype, device, reference=reference,
+                                           **kwargs))
+                if progress:  # every number of the row: a run cut short still says what it measured
                     r = rows[-1]
-                    print(f"{impl:>22} V={vocab} D={d_model} N={tokens} {dtype}: {r['fwdbwd_ms']:.2f} ms "
-                          f"{r['peak_extra_gib']:.3f} GiB {r['status']}", flush=True)
+                    print(f"{impl:>18} V={vocab} D={d_model} N={tokens} {dtype}: fwdbwd {r['fwdbwd_ms']:.2f} ms, "
+                          f"fwd {r['fwd_ms']:.2f} ms, extra {r['peak_extra_gib']:.3f} GiB "
+                          f"({r['peak_with_grads_gib']:.3f} with the gradients), errors loss {r['loss_rel_err']:.1e} "
+                          f"dh {r['dh_rel_err']:.1e} dw {r['dw_rel_err']:.1e}, {r['status']} {r['error'][:200]}",
+                          flush=True)
+            reference = None
+            empty_cache()
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
@@ -247,25 +349,27 @@ def add_ratios(df: pd.DataFrame, baseline: str = "torch_compiled") -> pd.DataFra
     return df
 
 
+# ----------------------------------------------------------------------------------- closed-form memory
 def fused_memory_model(tokens: int, d_model: int, vocab: int, dtype: str = "bf16",
-                       grad_in_forward: bool = False) -> dict[str, float]:
-    """Closed-form extra bytes of the fused loss on a GPU (the transient buffers of
-    :mod:`lab.kernels.fused_cross_entropy` with its current settings and compiled tile configs; the
-    d_hidden/d_weight outputs not counted). Returns term -> bytes, with ``"peak"`` the largest phase."""
+                       grad_in_forward: bool = True) -> dict[str, float]:
+    """Closed-form extra bytes of the fused loss on a GPU (its transient buffers with the current settings and
+    compiled tile configs; the d_hidden/d_weight outputs not counted). Returns term -> bytes, with ``"peak"``
+    the largest phase."""
+    # Triton, an optional dependency: only when asked for
     from lab.kernels import fused_cross_entropy as fce
-    from lab.kernels import fused_cross_entropy_kernels as K
+    from lab.kernels import fused_cross_entropy_kernels as K  # optional dependency (Triton)
 
     dt = DTYPES[dtype]
     e = element_size(dt)
     n, d, v = tokens, d_model, vocab
-    lse_cfg = K.config("lse", dt, interpret=False)
-    tiles = math.ceil(v / lse_cfg["BLOCK_N"])
     if grad_in_forward:
-        rows = min(n, max(lse_cfg["BLOCK_M"], fce.FORWARD_GRAD_CHUNK_TOKENS // lse_cfg["BLOCK_M"] * lse_cfg["BLOCK_M"]))
-        terms = {"logits chunk": rows * v * e, "partials": rows * tiles * 4,
-                 "fp32 d_weight accumulator": v * d * 4 if n > rows else 0, "per-token vectors": 6 * n * 4}
+        plan = fce.chunk_plan(n, d, v, dt)
+        terms = {"logits chunk": min(plan.rows, n) * v * e,
+                 "fp32 d_weight accumulator": v * d * 4 if plan.fp32_accumulator else 0,
+                 "per-token vectors": 3 * n * 4}
         terms["peak"] = sum(terms.values())
         return terms
+    tiles = math.ceil(v / K.config("lse", dt, interpret=False)["BLOCK_N"])
     width = fce.chunk_columns(n, v, dt, interpret=False)
     terms = {"forward partials": n * tiles * 4, "saved lse": n * 4, "dZ scratch": n * width * e,
              "fp32 d_hidden accumulator": n * d * 4 if v > width else 0, "per-token vectors": 4 * n * 4}
@@ -284,3 +388,56 @@ def materialized_memory_model(tokens: int, vocab: int, dtype: str = "bf16") -> d
     forward = nv * e + nv * 4 + nv * 4
     backward = 3 * nv * 4
     return {"forward": forward, "backward": backward, "peak": max(forward, backward)}
+
+
+# ------------------------------------------------------------------------------------------ command line
+def _shape(text: str) -> tuple[int, int, int]:
+    try:
+        vocab, d_model, tokens = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected VOCABxD_MODELxTOKENS, e.g. 151936x4096x32768, got {text!r}")
+    return vocab, d_model, tokens
+
+
+def parser() -> cli.Parser:
+    p = cli.Parser(prog="python -m lab.bench.fused_loss",
+                   description="Time the LM-head loss (forward+backward) and its peak extra memory: the fused op, "
+                               "materialized PyTorch (eager, compiled), chunked PyTorch, Liger, CCE.")
+    p.add_argument("--shapes", nargs="+", type=_shape, default=[(151_936, 4096, 32_768), (10_000, 2560, 16_384)],
+                   metavar="VxDxN", help="vocabulary x width x tokens")
+    p.add_argument("--impls", nargs="+", default=list(IMPLS), help=f"{', '.join(IMPLS)} or fused_chunk<N>")
+    p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    p.add_argument("--check", action="store_true", help="errors against an fp32 reference (IEEE matmuls)")
+    p.add_argument("--warmup-ms", type=float, default=25)
+    p.add_argument("--rep-ms", type=float, default=100)
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:<index>")
+    p.add_argument("--results-dir", default=None, help="also save the rows as <dir>/fused_loss.csv")
+    p.add_argument("--source", default="lab.bench.fused_loss",
+                   help="the source the saved rows are tagged with (10_fastest_step: the rows notebook 10 replays)")
+    return p
+
+
+def loss_main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    for impl in args.impls:
+        if impl not in IMPLS and not re.fullmatch(r"fused_chunk\d+", impl):
+            raise cli.UsageError(f"unknown --impls {impl!r}; choose from {', '.join(IMPLS)} or fused_chunk<N>")
+    df = add_ratios(sweep(args.impls, args.shapes, (args.dtype,), args.device, progress=True, check=args.check,
+                          warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, record_errors=True))
+    shown = ["impl", "vocab", "d_model", "tokens", "fwdbwd_ms", "time_vs_torch_compiled", "peak_extra_gib",
+             "peak_with_grads_gib", "loss_rel_err", "dh_rel_err", "dw_rel_err", "status"]
+    print(df[shown].dropna(axis=1, how="all").to_markdown(index=False, floatfmt=".4g"))
+    if args.results_dir:
+        path = save_results(df, "fused_loss", args.results_dir, params={k: str(v) for k, v in vars(args).items()},
+                            source=args.source)
+        print(f"rows written to {path}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m lab.bench.fused_loss``: :func:`sweep` from the command line, with one-line errors."""
+    return cli.run(loss_main, argv, prog="python -m lab.bench.fused_loss")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -20,7 +20,8 @@ import torch
 
 from lab.bench import flash as fl
 from lab.bench.attention_costs import DTYPES, PASSES, attention_flops
-from lab.book.report import fmt, with_profile_defaults
+from lab.bench.flash_sweep import PRODUCTS, backward_breakdown, matmul_ceiling
+from lab.book.report import fmt, warn, with_profile_defaults
 from lab.measure.results import measured_on
 from lab.measure.verdicts import GoalCheck, compare_summaries
 
@@ -34,13 +35,16 @@ FULL = dict(check_impls=("triton", "triton_compiled_bwd", "pytorch_flash", "pyto
             check_ds=(64, 80, 96, 128), check_seq=1024, shapes=tuple(fl.LM_SHAPES), pytorch_flash_max_seq=2048,
             fp32_seqs=(1024, 4096, 16384), fp32_ds=(64, 128), course_shape=(16, 16384, 64),
             course_compile=(True, False), lm_size="2.7B", lm_context=512, lm_batch=4, lm_dtype="bf16",
-            lm_compile=(False, True), lm_warmup=2, lm_steps=5)
-#: The quick profile: tiny shapes, Triton interpreted on the CPU, no torch.compile (inductor would dominate).
+            lm_compile=(False, True), lm_warmup=2, lm_steps=5,
+            impls=("triton", "sdpa", "sdpa_flash", "sdpa_cudnn", "pytorch_flash", "flex"), ceiling_n=8192)
+#: The quick profile: tiny shapes, Triton interpreted on the CPU, no torch.compile (inductor would dominate; so
+#: no FlexAttention, which runs only compiled).
 QUICK = dict(check_impls=("triton", "pytorch_flash", "pytorch_naive", "sdpa", "sdpa_flash", "sdpa_cudnn"),
              check_ds=(16, 80, 96), check_seq=64, shapes=(fl.Shape(1, 2, 64, 16), fl.Shape(2, 1, 64, 32, False)),
              pytorch_flash_max_seq=64, fp32_seqs=(64, 128), fp32_ds=(16,), course_shape=(1, 64, 16),
              course_compile=(False,), lm_size="tiny", lm_context=32, lm_batch=2, lm_dtype="fp32", lm_compile=(False,),
-             lm_warmup=1, lm_steps=2)
+             lm_warmup=1, lm_steps=2, impls=("triton", "sdpa", "sdpa_flash", "sdpa_cudnn", "pytorch_flash"),
+             ceiling_n=256)
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,7 @@ class Settings:
     lm_compile: tuple
     lm_warmup: int
     lm_steps: int
+    ceiling_n: int
 
     def __post_init__(self):
         # shapes may come from a parameters cell as lists [batch, heads, seq, d, causal]
@@ -121,7 +126,6 @@ INTERPRETED_SHORT = ("Measured with Triton interpreted on the CPU: these times s
 
 def warn_if_interpreted(df: pd.DataFrame) -> bool:
     """Show :data:`INTERPRETED_NOTE` as a warning when ``df`` was measured on the CPU; returns whether it was."""
-    from lab.book.report import warn
 
     if interpreted(df):
         warn(INTERPRETED_NOTE)
@@ -304,3 +308,57 @@ def lm_sentence(lm: pd.DataFrame, versus: pd.DataFrame) -> str:
         text += " Did not run: " + ", ".join(f"{r['attention']}{' compiled' if bool(r['compile']) else ''} "
                                               f"({r['status']})" for _, r in failed.iterrows()) + "."
     return text
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Where the backward's time goes
+
+
+def matmul_ceilings(dtypes, n: int, device) -> pd.DataFrame:
+    """The tensor-core rate a kernel's matrix products can hope for: one ``n x n x n`` ``torch.mm`` per dtype
+    (:func:`lab.bench.flash_sweep.matmul_ceiling`), columns ``dtype``, ``n``, ``tflops``."""
+    return pd.DataFrame([dict(dtype=dt, n=n, tflops=matmul_ceiling(dt, n=n, device=device)) for dt in dtypes])
+
+
+def backward_table(bench: pd.DataFrame, ceilings: pd.DataFrame, sweep: str = "lm") -> pd.DataFrame:
+    """Triton's backward on each shape of ``sweep``: the launch mode the default config chose (``bwd_mode``),
+    matrix products per tile pair, the useful rate (FlashAttention-2's 5-product count), the executed rate (the
+    products really issued, on power-of-two ``BLOCK_D`` tiles) and its share of the dtype's measured matmul
+    ceiling (:func:`lab.bench.flash_sweep.backward_breakdown`). Rows without a time or a mode are left out."""
+    cols = ["shape", "dtype", "bwd_mode", "products", "bwd_ms", "useful_tflops", "executed_tflops", "ceiling_tflops",
+            "of_ceiling"]
+    ceiling = ceilings.set_index("dtype")["tflops"].to_dict() if len(ceilings) else {}
+    rows = []
+    sel = bench[(bench["sweep"] == sweep) & (bench["impl"] == "triton") & (bench["status"] == "ok")]
+    for _, r in sel.iterrows():
+        mode = r.get("bwd_mode")
+        if not isinstance(mode, str) or mode not in PRODUCTS or not r["bwd_ms"] > 0:
+            continue
+        shape = fl.Shape(int(r["batch"]), int(r["heads"]), int(r["seq_len"]), int(r["d"]), bool(r["causal"]))
+        top = ceiling.get(r["dtype"], math.nan)
+        parts = backward_breakdown(shape, float(r["bwd_ms"]), mode, top)
+        rows.append(dict(shape=f"{shape.batch}x{shape.heads}x{shape.seq}x{shape.d}{'' if shape.causal else ' full'}",
+                         dtype=r["dtype"], bwd_mode=mode, bwd_ms=r["bwd_ms"], ceiling_tflops=top, **parts))
+    return pd.DataFrame(rows, columns=cols)
+
+
+def backward_sentence(table: pd.DataFrame, interpreted_: bool = False) -> str:
+    """The range of the executed backward rate as a share of the matmul ceiling, with the products per tile
+    pair of the modes that ran (on the CPU: no claim)."""
+    if table.empty:
+        return "No Triton backward was timed."
+    if interpreted_:
+        return f"{len(table)} backward times measured. " + INTERPRETED_SHORT
+    share = table["of_ceiling"].dropna()
+    modes = ", ".join(f"{m} ({PRODUCTS[m]} products per tile pair)" for m in table["bwd_mode"].unique())
+    if share.empty:
+        return f"Backward launch modes: {modes}; no matmul ceiling was measured."
+    return (f"Triton's backward issued its matrix products at {_span(100 * share, 2)}% of the measured matmul "
+            f"ceiling ({_span(table['ceiling_tflops'].dropna(), 3)} TFLOP/s) over {len(table)} shapes; launch modes: "
+            f"{modes}. Useful work (5 products) ran at {_span(table['useful_tflops'], 3)} TFLOP/s.")
+
+
+def _span(values: pd.Series, digits: int) -> str:
+    """``"low-high"`` of ``values``, one number when both ends print alike."""
+    low, high = fmt(values.min(), digits), fmt(values.max(), digits)
+    return low if low == high else f"{low}-{high}"

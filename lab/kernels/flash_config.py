@@ -64,6 +64,18 @@ class FlashConfig:
     * ``atomic_tma``: in ``"atomic"`` mode, add each tile's dQ share with one bulk TMA reduction (Hopper and
       later; the copy engine does the read-modify-write in L2) instead of one atomic per element (measured
       equally fast on an H100).
+    * ``compile_inline``: under ``torch.compile`` on a GPU, hand Inductor the Triton kernels themselves: during
+      AOTAutograd's functionalization the ``lab::flash_attention_*`` ops decompose into their kernel launches
+      (``torch.library.wrap_triton``, as ``torch.library.triton_op`` does), so the compiled code launches
+      the kernels through Inductor's own launcher and the op's host function (config, checks, tile tables,
+      launch arguments, the custom-op dispatch around it) runs once, at compile time, instead of on every
+      call. Configs that autotune or use TMA descriptors (built from data pointers) keep the opaque op,
+      and so does the interpreter (:func:`inlines`). Off by default until a GPU run of
+      ``tests/kernels/test_flash_compile.py -k inlined`` passes: Inductor passes Python floats to the kernels
+      it launches as fp64, which broke its compile of the forward (the kernels now cast their scales to
+      fp32, checked by an offline sm_90a compile); nothing after that compile has run on a GPU yet. The
+      opaque op's per-call host cost shows in a small compiled attention call, not in a whole compiled
+      model, whose GPU-bound step hides the host's time.
     """
 
     autotune: bool = False
@@ -77,6 +89,7 @@ class FlashConfig:
     bwd_tiles: tuple[int, ...] = ()
     bwd_tma: bool = False
     atomic_tma: bool = True
+    compile_inline: bool = False
 
     def __post_init__(self):
         if self.backward_launch not in BACKWARD_LAUNCHES:
@@ -99,13 +112,22 @@ class FlashConfig:
         Spelled out rather than ``dataclasses.fields``, which dynamo would have to trace."""
         return (self.autotune, self.fast_launch, self.fp32_precision, self.fwd_tiles, self.fwd_tma,
                 self.warp_specialize, self.backward_launch, self.fused_delta, self.bwd_tiles, self.bwd_tma,
-                self.atomic_tma)
+                self.atomic_tma, self.compile_inline)
 
     def replace(self, **changes) -> FlashConfig:
         return dataclasses.replace(self, **changes)
 
 
 DEFAULT_CONFIG = FlashConfig()
+
+
+def inlines(config: FlashConfig, device: torch.device) -> bool:
+    """Whether a traced (``torch.compile``) call decomposes into its kernel launches (``config.compile_inline``):
+    compiled kernels on a CUDA device (not the interpreter), no autotuning (the tuner times candidates on
+    real data) and no TMA descriptor (built from a tensor's data pointer, which a traced tensor lacks)."""
+    atomic_descriptor = config.backward_launch == "atomic" and config.atomic_tma
+    return (config.compile_inline and not INTERPRET and device.type == "cuda" and not config.autotune
+            and not config.fwd_tma and not config.bwd_tma and not atomic_descriptor)
 
 
 # ----------------------------------------------------------------------------------------------- checks

@@ -157,6 +157,15 @@ def launch(kernel, grid: tuple, args: tuple, constexprs: dict, fast: bool = True
                  triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook, *params)
 
 
+def inline_launch(kernel, grid: tuple, args: tuple, constexprs: dict, fast: bool = True) -> None:
+    """``kernel[grid](*args, **constexprs)`` through ``torch.library.wrap_triton``: while AOTAutograd traces (the
+    ops' functional decomposition, ``FlashConfig.compile_inline``) the launch becomes a graph node that Inductor
+    compiles and launches itself; on real tensors outside tracing it is a plain launch. ``num_warps`` and
+    ``num_stages`` among ``constexprs`` become the launch's config. Same signature as :func:`launch`
+    (``fast`` is ignored)."""
+    torch.library.wrap_triton(kernel)[grid](*args, **constexprs)
+
+
 # -------------------------------------------------------------------------------------------- autotune
 #: (kernel, tuning key) -> launch keywords of the config the autotuner chose; read on every later call so
 #: that the hot path skips the autotuner's own dispatch.

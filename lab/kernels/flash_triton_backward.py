@@ -247,6 +247,10 @@ def _flash_bwd_kernel(Q, K, V, O, DO, L, Delta, DQ, DK, DV, Q_S, DO_S, K_S, V_S,
     Grid (programs, heads, batch). Q_S/DO_S (streamed by dK/dV programs) and K_S/V_S (streamed by dQ
     programs) are TMA descriptors or the same pointers as Q, DO, K, V; DQ_ACC, where ATOMIC_DQ adds dQ, is
     DQ itself or a (heads, n_q, d) descriptor over it. ``tune_batch`` only keys the autotuner."""
+    # Inductor passes Python floats as fp64 (when it launches this kernel itself, FlashConfig.compile_inline):
+    # fp32 scales keep the recomputed softmax and the gradients' scaling in fp32.
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    sm_scale = tl.cast(sm_scale, tl.float32)
     # Programs start in x-fastest order (slots ordered heaviest first below); heads one after the other,
     # so that the programs running together share one head's Q, K, V, dO in L2.
     pid = tl.program_id(0)
@@ -367,11 +371,15 @@ def _passes(mode: str, fused_delta: bool) -> list[tuple[int, dict]]:
             (2, {"ATOMIC_DQ": False, "DELTA_FROM_O": False, "STORE_DELTA": False})]
 
 
-def flash_backward(q, k, v, out, lse, grad_out, is_causal: bool, config: FlashConfig = DEFAULT_CONFIG):
+def flash_backward(q, k, v, out, lse, grad_out, is_causal: bool, config: FlashConfig = DEFAULT_CONFIG,
+                   launcher=launch):
     """Gradients (dQ, dK, dV) of FlashAttention-2 with Triton kernels, in the dtype, shape and memory layout
-    of q, k, v (:func:`empty_in_layout`). ``lse`` is the fp32 logsumexp (q.shape[:-1]) saved by the forward."""
+    of q, k, v (:func:`empty_in_layout`). ``lse`` is the fp32 logsumexp (q.shape[:-1]) saved by the forward.
+    ``launcher`` launches the kernels (``flash_launch.launch``, or ``inline_launch`` when traced for Inductor;
+    the autotuner always launches itself)."""
     if interpreter_needs_fp32(q.dtype):
-        grads = flash_backward(q.float(), k.float(), v.float(), out.float(), lse, grad_out.float(), is_causal, config)
+        grads = flash_backward(q.float(), k.float(), v.float(), out.float(), lse, grad_out.float(), is_causal, config,
+                               launcher)
         return tuple(g.to(q.dtype) for g in grads)
     grad_q, grad_k, grad_v = (empty_in_layout(t) for t in (q, k, v))
     q4, k4, v4, o4, do4, dq4, dk4, dv4 = (as_bhsd(unit_last_stride(t))
@@ -392,9 +400,9 @@ def flash_backward(q, k, v, out, lse, grad_out, is_causal: bool, config: FlashCo
         fused_delta = config.fused_delta
         if not fused_delta:
             pre_block = 16 if INTERPRET else 64
-            launch(_bwd_preprocess_kernel, (triton.cdiv(n_q, pre_block), heads, batch),
-                   (o4, do4, delta, *o4.stride()[:3], *do4.stride()[:3], n_q),
-                   {"HEAD_DIM": d, "BLOCK_D": block_d(d), "BLOCK_M": pre_block}, fast=config.fast_launch)
+            launcher(_bwd_preprocess_kernel, (triton.cdiv(n_q, pre_block), heads, batch),
+                     (o4, do4, delta, *o4.stride()[:3], *do4.stride()[:3], n_q),
+                     {"HEAD_DIM": d, "BLOCK_D": block_d(d), "BLOCK_M": pre_block}, fast=config.fast_launch)
         for pass_, switches in _passes(mode_, fused_delta):
             tiles = TUNED_CONFIGS.get(("bwd", *key, pass_, mode_)) if tuned else table[pass_]
             args, meta = backward_launch_args(q4, k4, v4, o4, do4, lse, delta, dq_target, dk4, dv4, is_causal, config,
@@ -409,7 +417,7 @@ def flash_backward(q, k, v, out, lse, grad_out, is_causal: bool, config: FlashCo
                 _flash_bwd_tuned[grid](*args, **meta)
                 remember_tuning(("bwd", *key, pass_, mode_), _flash_bwd_tuned)
             else:
-                launch(_flash_bwd_kernel, grid(tiles), args, {**meta, **tiles}, fast=config.fast_launch)
+                launcher(_flash_bwd_kernel, grid(tiles), args, {**meta, **tiles}, fast=config.fast_launch)
         if mode_ == "atomic":  # one elementwise kernel: scale (and cast to q's dtype)
             torch.mul(dq_target.view(grad_q.shape), 1.0 / math.sqrt(d), out=grad_q)
 

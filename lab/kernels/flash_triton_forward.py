@@ -96,6 +96,9 @@ def _flash_fwd_kernel(Q, K, V, O, L,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (query tiles, heads, batch). K and V are pointers or TMA descriptors (``flash_launch``);
     ``tune_batch`` is unused: it only keys the autotuner."""
+    # Inductor passes a Python float as fp64 (when it launches this kernel itself, FlashConfig.compile_inline):
+    # in fp64 the scale would turn the whole softmax into fp64, which tl.dot's fp32 accumulator refuses.
+    qk_scale = tl.cast(qk_scale, tl.float32)
     # Programs start in x-fastest order: within a head the heaviest causal query tile (the last) starts first.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     h = tl.program_id(1)
@@ -168,13 +171,14 @@ def forward_launch_args(q, k, v, out, lse, is_causal: bool, config: FlashConfig,
 
 
 def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
-                  config: FlashConfig = DEFAULT_CONFIG) -> tuple[torch.Tensor, torch.Tensor]:
+                  config: FlashConfig = DEFAULT_CONFIG, launcher=launch) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the Triton forward on (batch, seq, d) or (batch, heads, seq, d) tensors. Returns (output in q's
     dtype, shape and memory layout (:func:`empty_in_layout`); logsumexp fp32 of shape q.shape[:-1],
-    contiguous)."""
+    contiguous). ``launcher`` launches the kernel (``flash_launch.launch``, or ``inline_launch`` when
+    traced for Inductor; the autotuner always launches itself)."""
     check_triton_inputs(q, k, v)
     if interpreter_needs_fp32(q.dtype):
-        out, lse = flash_forward(q.float(), k.float(), v.float(), is_causal, config)
+        out, lse = flash_forward(q.float(), k.float(), v.float(), is_causal, config, launcher)
         return out.to(q.dtype), lse
     out = empty_in_layout(q)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
@@ -194,6 +198,6 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
     else:
         tiles = forward_tiles(batch * heads, n_q, n_k, d, q.dtype, q.device, config)
     args, meta = forward_launch_args(q4, k4, v4, out4, lse, is_causal, config, tiles["BLOCK_N"])
-    launch(_flash_fwd_kernel, (triton.cdiv(n_q, tiles["BLOCK_M"]), heads, batch), args, {**meta, **tiles},
-           fast=config.fast_launch)
+    launcher(_flash_fwd_kernel, (triton.cdiv(n_q, tiles["BLOCK_M"]), heads, batch), args, {**meta, **tiles},
+             fast=config.fast_launch)
     return out, lse

@@ -16,6 +16,16 @@ on its own (``register_autograd``: its backward is the backward op);
 ``lab.kernels.flash_triton.FlashAttentionTriton`` calls both from an ``autograd.Function``, which dynamo
 traces into a graph with these two ops.
 
+With ``FlashConfig.compile_inline`` (off by default, see there), under ``torch.compile`` on a GPU
+(:func:`~lab.kernels.flash_config.inlines`) both ops decompose while AOTAutograd functionalizes the graph:
+their host function runs once on the traced tensors with every launch wrapped in
+``torch.library.wrap_triton`` (``flash_launch.inline_launch``), so the graph Inductor compiles holds the
+Triton kernels themselves, launched by Inductor's generated code without the op's Python (the custom-op
+dispatch, the config, the checks, the tile tables, the launch arguments) on every call. That is what
+``torch.library.triton_op`` does; it is done here by hand so that the same ops stay opaque where
+decomposing is not possible (the interpreter, autotuning, TMA descriptors) and a dispatch mode (selective
+activation checkpointing) still sees them by name.
+
 :func:`attention_forward` / :func:`attention_backward` are what the autograd functions call: the ops when
 anything traces, the host functions directly for eager calls on plain tensors (the dispatcher costs
 ~8 us of host time per call, on the critical path for small shapes).
@@ -25,9 +35,12 @@ anything traces, the host functions directly for eager calls on plain tensors (t
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from lab.kernels.flash_config import FlashConfig, check_triton_inputs
+from lab.kernels.flash_config import FlashConfig, check_triton_inputs, inlines
+from lab.kernels.flash_launch import inline_launch
 from lab.kernels.flash_triton_backward import flash_backward
 from lab.kernels.flash_triton_forward import flash_forward
 from lab.kernels.triton_env import empty_in_layout
@@ -37,10 +50,10 @@ from lab.kernels.triton_env import empty_in_layout
 def flash_attention_forward_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, autotune: bool, fast_launch: bool,
                                fp32_precision: str, fwd_tiles: list[int], fwd_tma: bool, warp_specialize: bool,
                                backward_launch: str, fused_delta: bool, bwd_tiles: list[int],
-                               bwd_tma: bool, atomic_tma: bool) -> tuple[Tensor, Tensor]:
+                               bwd_tma: bool, atomic_tma: bool, compile_inline: bool) -> tuple[Tensor, Tensor]:
     """FlashAttention forward: (output, fp32 logsumexp)."""
     config = FlashConfig(autotune, fast_launch, fp32_precision, fwd_tiles, fwd_tma, warp_specialize, backward_launch,
-                         fused_delta, bwd_tiles, bwd_tma, atomic_tma)
+                         fused_delta, bwd_tiles, bwd_tma, atomic_tma, compile_inline)
     return flash_forward(q, k, v, causal, config)
 
 
@@ -56,10 +69,10 @@ def flash_attention_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tenso
                                 causal: bool, autotune: bool, fast_launch: bool, fp32_precision: str,
                                 fwd_tiles: list[int], fwd_tma: bool, warp_specialize: bool, backward_launch: str,
                                 fused_delta: bool, bwd_tiles: list[int],
-                                bwd_tma: bool, atomic_tma: bool) -> tuple[Tensor, Tensor, Tensor]:
+                                bwd_tma: bool, atomic_tma: bool, compile_inline: bool) -> tuple[Tensor, Tensor, Tensor]:
     """FlashAttention backward: (dq, dk, dv)."""
     config = FlashConfig(autotune, fast_launch, fp32_precision, fwd_tiles, fwd_tma, warp_specialize, backward_launch,
-                         fused_delta, bwd_tiles, bwd_tma, atomic_tma)
+                         fused_delta, bwd_tiles, bwd_tma, atomic_tma, compile_inline)
     return flash_backward(q, k, v, out, lse, grad_out, causal, config)
 
 
@@ -84,6 +97,35 @@ def _forward_op_backward(ctx, grad_out, grad_lse):
 
 
 flash_attention_forward_op.register_autograd(_forward_op_backward, setup_context=_setup_context)
+
+
+def _decomposes(types, q: Tensor, config: FlashConfig) -> bool:
+    """Whether a call seen by the functionalization mode is traced into its kernel launches: plain, fake or
+    functional tensors only (another subclass keeps the op), and :func:`inlines` for this config and device."""
+    plain = all(t is Tensor or issubclass(t, (FakeTensor, FunctionalTensor)) for t in types)
+    return plain and inlines(config, q.device)
+
+
+def _functional_forward(mode, op, types, args, kwargs):
+    q, k, v, causal, *fields = args
+    config = FlashConfig(*fields)
+    if kwargs or not _decomposes(types, q, config):
+        return mode.__torch_dispatch__(op, types, args, kwargs)
+    with mode:
+        return flash_forward(q, k, v, causal, config, launcher=inline_launch)
+
+
+def _functional_backward(mode, op, types, args, kwargs):
+    grad_out, q, k, v, out, lse, causal, *fields = args
+    config = FlashConfig(*fields)
+    if kwargs or not _decomposes(types, q, config):
+        return mode.__torch_dispatch__(op, types, args, kwargs)
+    with mode:
+        return flash_backward(q, k, v, out, lse, grad_out, causal, config, launcher=inline_launch)
+
+
+flash_attention_forward_op.register_torch_dispatch(FunctionalTensorMode, _functional_forward)
+flash_attention_backward_op.register_torch_dispatch(FunctionalTensorMode, _functional_backward)
 
 
 def _eager(*tensors) -> bool:

@@ -1,13 +1,26 @@
 """Triton kernels of the fused LM head + cross-entropy (the op lives in :mod:`lab.kernels.fused_cross_entropy`).
 
 Notation: hidden ``H`` (N, D), weight ``W`` (V, D), logits ``Z = H W^T`` (N, V), ``lse`` the per-token
-logsumexp of ``Z``. Three kernels, all GEMM-shaped (a grid of output tiles in grouped order, an fp32
-accumulator, a loop over the reduction dimension in ``BLOCK_K`` steps):
+logsumexp of ``Z``, ``g`` the loss's gradient per token (``1/count`` for the mean over ``count`` non-ignored
+targets, 1 for the sum, 0 at ignored targets).
+
+**Gradients in the forward** (the default): the matmuls are cuBLAS's (``torch.mm`` in the op); one kernel
+works on a chunk of stored logits, row by row:
+
+* :func:`_lce_rows_kernel`: one program per token reads its row of logits (fp32 arithmetic on the stored
+  values), keeps an online max and sum of exponentials, and writes ``lse`` and the target's logit;
+  with ``WRITE_GRAD`` it then overwrites the row with ``dZ = (softmax - onehot(target)) * g`` in the logits'
+  dtype. A row that fits in registers (``ONE_BLOCK``: ``next_power_of_2(V) <=``
+  :data:`ROW_IN_REGISTERS_MAX`) is read once; a longer one twice (the max/sum pass, then the dZ pass).
+  DRAM traffic per token: ``(2 or 3) x V x element size`` bytes.
+
+**Recompute backward** (``reduction="none"``, the skip threshold, or ``grad_in_forward=False``): three
+GEMM-shaped kernels (a grid of output tiles in grouped order, an fp32 accumulator, a loop over the reduction
+dimension in ``BLOCK_K`` steps):
 
 * :func:`_lse_kernel`: one (token tile x vocab tile) block of ``Z`` per program (loop over D), reduced in
   its epilogue to a partial logsumexp per token and tile; the target logit is picked out by the one tile
   that holds it. The partials (N x vocab tiles) are combined on the host side with ``torch.logsumexp``.
-  Optionally (gradients-in-forward mode) the tile of logits is also stored.
 * :func:`_dlogits_kernel`: the same recomputed tile of ``Z``, with the epilogue
   ``dZ = softmax * grad_lse + onehot(target) * grad_target``, stored in the input dtype into a scratch
   buffer of one *vocabulary chunk* (N x chunk). With a skip threshold it also writes one flag per tile:
@@ -20,9 +33,10 @@ programs that run at the same time (GROUP_M hidden tiles + ~#SMs/GROUP_M weight 
 D = 4096) inside L2. Loads index rows modulo the row count (as in Triton's matmul tutorial) so that only
 the reduction dimension needs masks; out-of-range rows and columns are masked in the epilogues.
 
-Tile configs: :data:`CONFIGS` (chosen for Hopper, see ``notes/fused_loss.md``; ``tools/fused_loss_gpu_check.py``
-times the candidates in :data:`CANDIDATES`); under ``TRITON_INTERPRET=1`` one small config.
-:func:`compile_report` compiles every variant for sm_90a without a GPU and reports registers and spills.
+Tile configs: :data:`CONFIGS` (Hopper: logits kernels 128x128x64 with 8 warps and 3 stages, 96 KiB of shared
+memory and 128 registers, two programs per SM; GEMMs 128x256x64, 144 KiB); under ``TRITON_INTERPRET=1``
+one small config. :func:`compile_report` compiles every variant for sm_90a without a GPU and reports
+registers and spills.
 """
 
 from __future__ import annotations
@@ -31,11 +45,11 @@ import torch
 import triton
 import triton.language as tl
 
+from lab.kernels.sm90_compile import compile_sm90
 from lab.kernels.triton_env import INTERPRET, interpreter_needs_fp32, tf32_allowed  # noqa: F401
 
-#: Tile configs of compiled runs: (kernel, "16bit" | "fp32") -> launch keywords. Mutable on purpose (the GPU
-#: check script swaps candidates in). The matmul config with a skip threshold must tile inside the dlogits
-#: tiles (see :func:`check_skip_configs`).
+#: Tile configs of compiled runs: (kernel, "16bit" | "fp32") -> launch keywords. The matmul config used with
+#: a skip threshold must tile inside the dlogits tiles (:func:`launch_matmul` checks).
 CONFIGS: dict[tuple[str, str], dict] = {
     ("lse", "16bit"): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
     ("dlogits", "16bit"): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
@@ -46,18 +60,19 @@ CONFIGS: dict[tuple[str, str], dict] = {
 }
 _INTERPRET_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=1)
 
-#: Alternatives the GPU check script times at the goal shape (bf16): kernel -> list of configs ("lse" also
-#: serves the dlogits kernel). ``tools/fused_loss_gpu_check.py --compile-only candidates`` compiles them for
-#: sm_90a on any machine and reports registers, spills and shared memory.
-CANDIDATES: dict[str, list[dict]] = {
-    "lse": [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=g, num_warps=w, num_stages=s)
-            for m, n, k, g, w, s in [(128, 128, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4), (128, 256, 64, 8, 8, 3),
-                                     (128, 64, 64, 8, 4, 4), (64, 128, 64, 8, 4, 4), (128, 128, 128, 8, 8, 2),
-                                     (128, 128, 64, 16, 8, 3), (128, 128, 64, 4, 8, 3)]],
-    "matmul": [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=g, num_warps=w, num_stages=s)
-               for m, n, k, g, w, s in [(128, 256, 64, 8, 8, 3), (128, 256, 64, 8, 8, 4), (128, 128, 64, 8, 8, 4),
-                                        (128, 128, 64, 8, 8, 3), (64, 256, 64, 8, 8, 4), (128, 256, 32, 8, 8, 4)]],
-}
+#: Launch settings of :func:`_lce_rows_kernel` (``rows_config``). Rows of up to ``ROW_IN_REGISTERS_MAX``
+#: logits (rounded up to a power of two) are held in registers by ``ROW_IN_REGISTERS_WARPS`` warps and read
+#: once (16,384 fp32 values over 32 warps: 32 registers a thread, no spills on sm_90a; 32,768 spill, as a
+#: 1024-thread block gets at most 64 registers a thread). Longer rows are streamed in ``ROW_BLOCK``-wide
+#: blocks by ``ROW_BLOCK_WARPS`` warps and read twice (the second read partly from L2); 16 values of each
+#: block in flight per thread hide DRAM latency. Timed on an H100 (blocks of 2048 to 32768, 4 to 32 warps,
+#: per-row or per-lane running statistics), long rows ran near a plain copy's bandwidth with every setting
+#: and fastest with these; rows of 10,000 about as fast in registers as streamed. Under the interpreter the
+#: sizes are small, so that tests reach both paths.
+ROW_IN_REGISTERS_MAX = 64 if INTERPRET else 16384
+ROW_IN_REGISTERS_WARPS = 32
+ROW_BLOCK = 16 if INTERPRET else 16384
+ROW_BLOCK_WARPS = 32
 
 
 def config(kernel: str, dtype: torch.dtype, interpret: bool | None = None) -> dict:
@@ -120,14 +135,13 @@ def _logits_tile(H, W, rows, cols, n_rows, n_cols, D, stride_h, stride_w,
 # Token counts are not specialised on divisibility by 16 (one compiled kernel serves every batch size) where
 # that costs nothing; the vocabulary, the chunk width and the matmul's M and N are: without it the modulo row
 # indexing loses its contiguity (no vectorised loads along a unit-stride M, so no pipelining) and the lse
-# kernel needs 187 instead of 128 registers (``tools/fused_loss_gpu_check.py --compile-only`` shows both).
+# kernel needs 187 instead of 128 registers (:func:`compile_report` shows both).
 @triton.jit(do_not_specialize=["n_rows", "num_pid_m", "num_pid_n"])
-def _lse_kernel(H, W, T, P, TGT, L, n_rows, V, D, stride_h, stride_w, stride_p, stride_l, num_pid_m, num_pid_n,
+def _lse_kernel(H, W, T, P, TGT, n_rows, V, D, stride_h, stride_w, stride_p, num_pid_m, num_pid_n,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                EVEN_K: tl.constexpr, PRECISION: tl.constexpr, STORE_LOGITS: tl.constexpr):
+                EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
     """Partial logsumexp of one logits tile per token -> ``P[row, tile]``; the target logit -> ``TGT[row]``
-    (only the tile holding the target writes it). ``STORE_LOGITS``: also store the tile, rounded to ``L``'s
-    dtype, into ``L`` (N x V), and reduce the *rounded* values so that ``lse`` matches what is stored."""
+    (only the tile holding the target writes it)."""
     pid_m, pid_n = _grouped_pid(num_pid_m, num_pid_n, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -135,11 +149,6 @@ def _lse_kernel(H, W, T, P, TGT, L, n_rows, V, D, stride_h, stride_w, stride_p, 
                        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
     row_ok = rows < n_rows
     col_ok = cols < V
-    if STORE_LOGITS:
-        rounded = acc.to(L.dtype.element_ty)
-        tl.store(L + rows.to(tl.int64)[:, None] * stride_l + cols[None, :], rounded,
-                 mask=row_ok[:, None] & col_ok[None, :])
-        acc = rounded.to(tl.float32)
     z = tl.where(col_ok[None, :], acc, float("-inf"))
     z_max = tl.max(z, axis=1)
     sum_exp = tl.sum(tl.exp(z - z_max[:, None]), axis=1)
@@ -149,6 +158,66 @@ def _lse_kernel(H, W, T, P, TGT, L, n_rows, V, D, stride_h, stride_w, stride_p, 
     target_logit = tl.sum(tl.where(hit, acc, 0.0), axis=1)
     here = row_ok & (t >= pid_n * BLOCK_N) & (t < pid_n * BLOCK_N + BLOCK_N) & (t < V)
     tl.store(TGT + rows, target_logit, mask=here)
+
+
+# ------------------------------------------------------------------------------------ gradients in forward
+@triton.jit
+def _rounded(x, DTYPE: tl.constexpr, BITWISE_RTNE: tl.constexpr):
+    """fp32 ``x`` rounded to ``DTYPE`` (to nearest even, as compiled casts do). Triton's interpreter truncates
+    fp32 -> bf16 casts instead; ``BITWISE_RTNE`` rounds by integer arithmetic first, so that the CPU tests
+    see the GPU's rounding."""
+    if BITWISE_RTNE:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(DTYPE)
+
+
+@triton.jit(do_not_specialize=["ignore_index"])
+def _lce_rows_kernel(Z, T, SCALE, LSE, TGT, V, stride_z, ignore_index, BLOCK: tl.constexpr,
+                     ONE_BLOCK: tl.constexpr, WRITE_GRAD: tl.constexpr, BITWISE_RTNE: tl.constexpr):
+    """Row ``i`` of the stored logits ``Z``: ``LSE[i]``, ``TGT[i] = Z[i, T[i]]`` (0 when ``T[i]`` is outside
+    [0, V)) and, with ``WRITE_GRAD``, ``Z[i] <- (exp(Z[i] - lse) - onehot(T[i])) * g`` in place, where
+    ``g = SCALE[0]`` (0 at ``T[i] == ignore_index``).
+
+    ``ONE_BLOCK``: the row in registers, read once. Otherwise streamed in ``BLOCK``-wide blocks with a
+    running max and sum per row (two block-wide reductions a block, few registers: room for wide blocks).
+    Every value is read before any is overwritten: the target's logit is loaded (and stored) before the
+    first block-wide reduction, which every thread passes before the dZ pass writes."""
+    row = tl.program_id(0).to(tl.int64)
+    z_row = Z + row * stride_z
+    cols = tl.arange(0, BLOCK)
+    t = tl.load(T + row)
+    target_logit = tl.load(z_row + t, mask=(t >= 0) & (t < V), other=0.0).to(tl.float32)
+    tl.store(TGT + row, target_logit)
+    if ONE_BLOCK:
+        ok = cols < V
+        z = tl.load(z_row + cols, mask=ok, other=float("-inf")).to(tl.float32)
+        m = tl.max(z, axis=0)
+        e = tl.exp(z - m)
+        s = tl.sum(e, axis=0)
+        lse = m + tl.log(s)
+    else:
+        m = -1e30  # not -inf: exp(m - m_new) must be defined in the first block
+        s = 0.0
+        for start in range(0, V, BLOCK):
+            z = tl.load(z_row + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32)
+            m_new = tl.maximum(m, tl.max(z, axis=0))
+            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+            m = m_new
+        lse = m + tl.log(s)
+    tl.store(LSE + row, lse)
+    if WRITE_GRAD:
+        g = tl.where(t != ignore_index, tl.load(SCALE), 0.0)
+        if ONE_BLOCK:
+            dz = (e * (1.0 / s) - (cols == t).to(tl.float32)) * g
+            tl.store(z_row + cols, _rounded(dz, Z.dtype.element_ty, BITWISE_RTNE), mask=ok)
+        else:
+            for start in range(0, V, BLOCK):
+                ok = start + cols < V
+                z = tl.load(z_row + start + cols, mask=ok, other=0.0).to(tl.float32)
+                dz = (tl.exp(z - lse) - (start + cols == t).to(tl.float32)) * g
+                tl.store(z_row + start + cols, _rounded(dz, Z.dtype.element_ty, BITWISE_RTNE), mask=ok)
 
 
 # ----------------------------------------------------------------------------------------------- backward
@@ -187,20 +256,6 @@ def _dlogits_kernel(H, W, T, LSE, GL, GT, S, FLAGS, n_rows, width, v0, D, stride
             tl.store(s_ptrs, dz.to(S.dtype.element_ty), mask=inside)
     else:
         tl.store(s_ptrs, dz.to(S.dtype.element_ty), mask=inside)
-
-
-@triton.jit(do_not_specialize=["n_rows"])
-def _softmax_grad_kernel(L, LSE, T, GL, GT, n_rows, V, stride_l, BLOCK: tl.constexpr):
-    """In place over stored logits (gradients-in-forward mode): ``L = exp(L - lse) * GL + onehot * GT``.
-    Grid (rows, column blocks)."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < V
-    ptrs = L + row * stride_l + cols
-    z = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
-    dz = tl.exp(z - tl.load(LSE + row)) * tl.load(GL + row)
-    dz += tl.where(cols == tl.load(T + row), tl.load(GT + row), 0.0)
-    tl.store(ptrs, dz.to(L.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -265,19 +320,38 @@ def _split(cfg: dict) -> tuple[dict, dict]:
     return meta, {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
 
 
-def launch_lse(hidden, weight, targets, partial, target_logit, cfg: dict, logits=None) -> None:
+def launch_lse(hidden, weight, targets, partial, target_logit, cfg: dict) -> None:
     """Run :func:`_lse_kernel` over all (token tile, vocab tile) blocks. ``partial`` (N, cdiv(V, BLOCK_N))
-    fp32 receives the per-tile logsumexps, ``target_logit`` (N,) fp32 the target logits; ``logits`` (N, V),
-    when given, the logits themselves."""
+    fp32 receives the per-tile logsumexps, ``target_logit`` (N,) fp32 the target logits."""
     n, d = hidden.shape
     v = weight.shape[0]
     meta, launch = _split(cfg)
     grid_m, grid_n = triton.cdiv(n, meta["BLOCK_M"]), triton.cdiv(v, meta["BLOCK_N"])
-    store = logits is not None
     _lse_kernel[(grid_m * grid_n,)](
-        hidden, weight, targets, partial, target_logit, logits if store else partial, n, v, d,
-        hidden.stride(0), weight.stride(0), partial.stride(0), logits.stride(0) if store else 0, grid_m, grid_n,
-        EVEN_K=d % meta["BLOCK_K"] == 0, PRECISION=dot_precision(hidden.dtype), STORE_LOGITS=store, **meta, **launch)
+        hidden, weight, targets, partial, target_logit, n, v, d, hidden.stride(0), weight.stride(0),
+        partial.stride(0), grid_m, grid_n, EVEN_K=d % meta["BLOCK_K"] == 0, PRECISION=dot_precision(hidden.dtype),
+        **meta, **launch)
+
+
+def rows_config(vocab: int) -> dict:
+    """Launch keywords of :func:`_lce_rows_kernel` for rows of ``vocab`` logits: ``BLOCK``, ``ONE_BLOCK``,
+    ``num_warps`` (see :data:`ROW_IN_REGISTERS_MAX`)."""
+    whole = triton.next_power_of_2(max(vocab, 1))
+    if whole <= ROW_IN_REGISTERS_MAX:
+        return dict(BLOCK=whole, ONE_BLOCK=True, num_warps=max(1, min(ROW_IN_REGISTERS_WARPS, whole // 32)))
+    return dict(BLOCK=ROW_BLOCK, ONE_BLOCK=False, num_warps=ROW_BLOCK_WARPS)
+
+
+def launch_rows(logits, targets, scale, lse, target_logit, ignore_index: int, write_grad: bool) -> None:
+    """Run :func:`_lce_rows_kernel` over the rows of ``logits`` (rows, V; unit column stride): ``lse`` and
+    ``target_logit`` (rows,) fp32 receive the per-row values; with ``write_grad`` the logits are overwritten
+    by ``dZ`` scaled by ``scale`` (a one-element fp32 tensor, read on the device: no host sync)."""
+    rows, v = logits.shape
+    if rows == 0:
+        return
+    _lce_rows_kernel[(rows,)](logits, targets, scale, lse, target_logit, v, logits.stride(0), ignore_index,
+                              WRITE_GRAD=write_grad, BITWISE_RTNE=INTERPRET and logits.dtype == torch.bfloat16,
+                              **rows_config(v))
 
 
 def launch_dlogits(hidden, weight_chunk, targets, lse, grad_lse, grad_target, scratch, v0: int, cfg: dict,
@@ -294,14 +368,6 @@ def launch_dlogits(hidden, weight_chunk, targets, lse, grad_lse, grad_target, sc
         flags.stride(0) if use_flags else 0, float(threshold), grid_m, grid_n,
         EVEN_K=d % meta["BLOCK_K"] == 0, PRECISION=dot_precision(hidden.dtype), USE_FLAGS=use_flags,
         **meta, **launch)
-
-
-def launch_softmax_grad(logits, lse, targets, grad_lse, grad_target, block: int = 1024) -> None:
-    """Run :func:`_softmax_grad_kernel` in place over ``logits`` (rows, V)."""
-    rows, v = logits.shape
-    block = min(block, triton.next_power_of_2(v))
-    _softmax_grad_kernel[(rows, triton.cdiv(v, block))](logits, lse, targets, grad_lse, grad_target, rows, v,
-                                                        logits.stride(0), BLOCK=block, num_warps=4)
 
 
 def launch_matmul(a, b, out, cfg: dict, c_in=None, flags=None, flag_block: tuple[int, int] = (1, 1),
@@ -330,66 +396,62 @@ def config_name(cfg: dict) -> str:
     return "{BLOCK_M}x{BLOCK_N}x{BLOCK_K} g{GROUP_M} w{num_warps} s{num_stages}".format(**cfg)
 
 
-def compile_report(which: str = "default", arch: int = 90) -> list[dict]:
+def compile_report(arch: int = 90) -> list[dict]:
     """Compile every kernel variant for ``sm_<arch>a`` on any machine (no GPU: Triton's bundled ptxas), with
-    the default configs of bf16 and fp32 (``which="default"``) or every bf16 candidate (``"candidates"``).
+    the default configs of bf16 and fp32 (the rows kernel at the goal vocabulary, 151,936, and at 10,000).
     Arguments are specialised as the JIT would at the goal shape (pointers 16-byte aligned, sizes and strides
     divisible by 16 except the ``do_not_specialize`` ones, unit strides constant). Returns one row per
     compile: kernel, config, registers, spill_bytes, shared_kib, wgmma (or error). Run this process without
     ``TRITON_INTERPRET`` (interpreted kernels cannot be compiled)."""
-    from lab.kernels.sm90_compile import compile_sm90
 
     # arguments the JIT does not mark divisible by 16: floats, flag strides, do_not_specialize sizes
     no_hint = {"threshold", "stride_fm", "stride_fk", "stride_f"}
 
     def build(fn, types: dict, consts: dict, cfg: dict, ones=()):
-        meta = _split(cfg)[0]
+        meta = _split(cfg)[0] if "BLOCK_M" in cfg else {}
         consts = {**consts, **meta, **{o: 1 for o in ones}}  # the JIT turns int arguments equal to 1 into constants
         sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
         # the JIT marks 16-byte aligned pointers and ints divisible by 16 (all of them at the goal shape)
         divisible = [i for i, n in enumerate(fn.arg_names)
                      if sig[n] != "constexpr" and n not in no_hint and n not in fn.do_not_specialize]
-        out = compile_sm90(fn, sig, consts, divisible, cfg["num_warps"], cfg["num_stages"], arch)
+        out = compile_sm90(fn, sig, consts, divisible, cfg["num_warps"], cfg.get("num_stages", 3), arch)
         return dict(registers=out["registers"], spill_bytes=out["spill_bytes"],
                     shared_kib=out["shared_bytes"] / 1024, wgmma=out["wgmma"])
 
     variants = []
-    for dtype in ("bf16", "fp32") if which == "default" else ("bf16",):
+    for dtype in ("bf16", "fp32"):
         p, cls = "*" + dtype, "fp32" if dtype == "fp32" else "16bit"
-        lse_t = {"H": p, "W": p, "T": "*i64", "P": "*fp32", "TGT": "*fp32", "L": p}
+        lse_t = {"H": p, "W": p, "T": "*i64", "P": "*fp32", "TGT": "*fp32"}
         dl_t = {**lse_t, "LSE": "*fp32", "GL": "*fp32", "GT": "*fp32", "S": p, "FLAGS": "*i32", "threshold": "fp32"}
         mm_t = {"A": p, "B": p, "C_IN": "*fp32", "C": p, "FLAGS": "*i32"}
+        rows_t = {"Z": p, "T": "*i64", "SCALE": "*fp32", "LSE": "*fp32", "TGT": "*fp32"}
         base = {"EVEN_K": True, "PRECISION": "tf32"}
         dl = CONFIGS[("dlogits", cls)]
         off, on = {"USE_FLAGS": False, "FLAG_M": 1, "FLAG_K": 1}, {"FLAG_M": dl["BLOCK_M"], "FLAG_K": dl["BLOCK_N"]}
-
-        def configs(kernel):
-            return CANDIDATES["lse" if kernel == "dlogits" else kernel] if which == "candidates" else \
-                [CONFIGS[(kernel, cls)]]
-
         # (name, kernel, pointer types, constexprs, config, int arguments equal to 1 in the real launches)
-        variants += [(f"{name} {dtype}", _lse_kernel, lse_t, {**base, "STORE_LOGITS": store}, cfg, ())
-                     for cfg in configs("lse") for name, store in (("lse", False), ("lse+store", True))]
-        variants += [(f"{name} {dtype}", _dlogits_kernel, dl_t, {**base, "USE_FLAGS": flags}, cfg, ())
-                     for cfg in configs("dlogits") for name, flags in (("dlogits", False), ("dlogits+flags", True))]
-        for cfg in configs("matmul"):
-            variants += [(f"matmul dW {dtype}", _matmul_kernel, mm_t, {**base, **off, "HAS_C_IN": False}, cfg,
-                          ("stride_am", "stride_bn")),
-                         (f"matmul dH+= {dtype}", _matmul_kernel, {**mm_t, "C": "*fp32"},
-                          {**base, **off, "HAS_C_IN": True}, cfg, ("stride_ak", "stride_bn")),
-                         (f"matmul dH+= flags {dtype}", _matmul_kernel, {**mm_t, "C": "*fp32"},
-                          {**base, **on, "USE_FLAGS": True, "HAS_C_IN": True}, cfg,
-                          ("stride_ak", "stride_bn", "stride_fk"))]
-        variants.append((f"softmax_grad {dtype}", _softmax_grad_kernel, {"L": p, "LSE": "*fp32", "T": "*i64",
-                         "GL": "*fp32", "GT": "*fp32"}, {}, dict(BLOCK=1024, num_warps=4, num_stages=1), ()))
+        variants += [(f"lse {dtype}", _lse_kernel, lse_t, base, CONFIGS[("lse", cls)], ())]
+        variants += [(f"{name} {dtype}", _dlogits_kernel, dl_t, {**base, "USE_FLAGS": flags}, dl, ())
+                     for name, flags in (("dlogits", False), ("dlogits+flags", True))]
+        cfg = CONFIGS[("matmul", cls)]
+        variants += [(f"matmul dW {dtype}", _matmul_kernel, mm_t, {**base, **off, "HAS_C_IN": False}, cfg,
+                      ("stride_am", "stride_bn")),
+                     (f"matmul dH+= {dtype}", _matmul_kernel, {**mm_t, "C": "*fp32"},
+                      {**base, **off, "HAS_C_IN": True}, cfg, ("stride_ak", "stride_bn")),
+                     (f"matmul dH+= flags {dtype}", _matmul_kernel, {**mm_t, "C": "*fp32"},
+                      {**base, **on, "USE_FLAGS": True, "HAS_C_IN": True}, cfg,
+                      ("stride_ak", "stride_bn", "stride_fk"))]
+        for vocab in (151_936, 10_000):
+            rc = rows_config(vocab)
+            consts = {"BLOCK": rc["BLOCK"], "ONE_BLOCK": rc["ONE_BLOCK"], "WRITE_GRAD": True, "BITWISE_RTNE": False}
+            variants.append((f"rows V={vocab} {dtype}", _lce_rows_kernel, rows_t, consts,
+                             dict(num_warps=rc["num_warps"], num_stages=3), ()))
     rows = []
     for name, fn, types, consts, cfg, ones in variants:
-        row = dict(kernel=name, config=config_name(cfg) if "BLOCK_M" in cfg else str(cfg))
+        row = dict(kernel=name, config=config_name(cfg) if "BLOCK_M" in cfg else
+                   "BLOCK {BLOCK} w{num_warps}".format(BLOCK=consts.get("BLOCK"), **cfg))
         try:
             row.update(build(fn, types, consts, cfg, ones))
         except Exception as exc:  # noqa: BLE001 - a config that does not compile is a result
             row.update(error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
         rows.append(row)
     return rows
-
-

@@ -23,11 +23,11 @@ _MATMUL = re.compile(r"gemm|nvjet|xmma|cutlass|wgmma|cublas|matmul|^aten::(mm|ad
 # Fused attention: FlashAttention (PyTorch's, cuDNN's, the book's Triton kernels), memory-efficient attention.
 _ATTENTION = re.compile(r"flash|fmha|attn|attention|sdpa|cudnn.*mha", re.I)
 #: Kernel names of the loss: PyTorch's log-softmax (``cunn_SoftMaxForward<..LogSoftMaxForwardEpilogue>``) and
-#: NLL kernels, and the fused loss's own (:mod:`lab.kernels.fused_cross_entropy_kernels`), whose tiles also
-#: compute the LM head's logits forward and again in the backward (the materialized loss's LM head is a cuBLAS
-#: matmul); the fused loss's weight and hidden-state gradient products (its ``_matmul_kernel``) count as matmuls.
-LOSS_KERNELS = ("lce", "cross_entropy", "log_softmax", "logsoftmax", "nll_loss", "_lse_kernel", "_dlogits_kernel",
-                "_softmax_grad_kernel")
+#: NLL kernels, and the fused loss's own (:mod:`lab.kernels.fused_cross_entropy_kernels`): by default its
+#: row-wise ``_lce_rows_kernel`` (its three products are cuBLAS matmuls, as the materialized loss's), in its
+#: recompute mode the tiles that also compute the LM head's logits (``_lse_kernel``, ``_dlogits_kernel``; the
+#: gradient products of its ``_matmul_kernel`` count as matmuls).
+LOSS_KERNELS = ("lce", "cross_entropy", "log_softmax", "logsoftmax", "nll_loss", "_lse_kernel", "_dlogits_kernel")
 #: What :func:`kernel_class` returns, in the order it decides.
 KERNEL_CLASSES = ("communication", "loss", "fused attention", "matmul", "other")
 ATTENTION_RANGES = ("attention/scores", "attention/softmax", "attention/final_matmul")

@@ -196,7 +196,7 @@ def test_benchmark_configs_on_four_gpus_runs_the_plan_side_by_side(monkeypatch):
                for name, _, _, kw in calls)
     calls.clear()  # the leaderboard alone on four GPUs: its ablations still go to GPUs of their own
     alone = bench.benchmark_configs({"leaderboard": jobs["leaderboard"]}, device="auto", peak_tflops=1.0, rep_ms=1)
-    assert len(alone) == 15
+    assert len(alone) == 3 + 1 + len(_ablations("leaderboard"))
     assert sorted((first, gpu) for _, first, gpu, _ in calls) == [(ABLATION_BASE, 2), ("project", 0)]
     assert bench.benchmark_configs({}, device="auto").empty
 

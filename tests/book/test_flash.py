@@ -21,7 +21,7 @@ def _knobs(**given):
                  pytorch_flash_dtypes=["bf16"], fp32_impls=["triton", "sdpa", "pytorch_naive"], fp32_seqs=None,
                  fp32_ds=None, warmup_ms=5, rep_ms=20, cpu_steps=2, course_shape=None, course_compile=None,
                  course_goal_ms=4.6, lm_size=None, lm_context=None, lm_batch=None, lm_dtype=None, lm_compile=None,
-                 lm_warmup=None, lm_steps=None)
+                 lm_warmup=None, lm_steps=None, ceiling_n=None)
     knobs.update(given)
     return knobs
 
@@ -40,6 +40,10 @@ def test_settings_profiles_shapes_and_variants():
         dict(attention="sdpa", compile=False), dict(attention="flash_triton", compile=False)]
     assert "triton_compiled_bwd" not in quick.check_impls and quick.course_compile == (False,)
     assert quick.params()["shapes"] == [[1, 2, 32, 16, True]]
+    # FlexAttention runs only compiled: in the full profile's grid, not in the quick one's
+    assert "flex" in present.settings(False, "cuda", **_knobs(impls=None)).impls
+    assert "flex" not in present.settings(True, "cpu", **_knobs(impls=None)).impls
+    assert (full.ceiling_n, quick.ceiling_n) == (8192, 256)
 
 
 def _errors(impl, dtype, d, worst, status="ok"):
@@ -113,3 +117,30 @@ def test_lm_versus_and_sentence():
     assert (present.lm_versus(cpu)["verdict_vs_sdpa"] == "").all()
     failed = pd.DataFrame([_lm("sdpa", False, 400.0), _lm("flash_triton", False, math.nan, status="oom")])
     assert "FlashAttention-Triton did not run" in present.lm_sentence(failed, present.lm_versus(failed))
+
+
+def test_backward_table_and_sentence():
+    """Each timed Triton backward against the matmul ceiling of its dtype: products per tile pair of its
+    launch mode, useful (5-product) and executed (products x BLOCK_D / d) rates; rows with no time or no
+    mode are left out; the sentence quotes the share's range and the modes."""
+    base = dict(sweep="lm", impl="triton", dtype="bf16", batch=4, heads=32, causal=True, status="ok")
+    bench = pd.DataFrame([
+        dict(base, seq_len=512, d=80, bwd_ms=0.2, bwd_mode="fused"),
+        dict(base, seq_len=4096, d=128, bwd_ms=4.0, bwd_mode="two_pass"),
+        dict(base, seq_len=4096, d=64, bwd_ms=math.nan, bwd_mode="two_pass"),  # no time
+        dict(base, seq_len=4096, d=64, bwd_ms=1.0, bwd_mode=math.nan),  # an old row without the mode
+        dict(base, impl="sdpa", seq_len=512, d=80, bwd_ms=0.1),
+    ])
+    ceilings = pd.DataFrame([dict(dtype="bf16", n=8192, tflops=700.0)])
+    table = present.backward_table(bench, ceilings)
+    assert list(table["shape"]) == ["4x32x512x80", "4x32x4096x128"] and list(table["products"]) == [7, 7]
+    useful = fl.attention_flops(4, 512, 80, True, "bwd", heads=32) / 0.2e-3 / 1e12
+    first = table.iloc[0]
+    assert first["useful_tflops"] == pytest.approx(useful)
+    assert first["executed_tflops"] == pytest.approx(useful * 7 / 5 * 128 / 80)
+    assert first["of_ceiling"] == pytest.approx(first["executed_tflops"] / 700.0)
+    text = present.backward_sentence(table)
+    shares = sorted(100 * table["of_ceiling"])
+    assert f"{shares[0]:.2g}-{shares[1]:.2g}%" in text and "fused" in text and "two_pass" in text and "700" in text
+    assert "700" not in present.backward_sentence(table, interpreted_=True)
+    assert present.backward_table(bench, ceilings.iloc[:0])["of_ceiling"].isna().all()

@@ -4,6 +4,7 @@ import pandas as pd
 import pytest
 
 from lab.book import report
+from lab.book.consistency import InconsistentTimings
 
 
 def test_table_measures_saves_and_replays(tmp_path, capsys):
@@ -46,13 +47,18 @@ def test_answers_are_collected_with_links():
     assert "(#Warm-up:-why-the-first-steps)" in md
 
 
-def test_check_consistency_warns_about_this_notebooks_rows(tmp_path, capsys):
+def test_check_consistency_fails_on_gpu_rows_and_warns_on_cpu_rows(tmp_path, capsys):
     base = dict(size="small", context=512, batch=4, dtype="bf16", attention="sdpa", compile=False, fused_loss=False,
                 world_size=1, gpu="G", status="ok", steps=10)
     from lab.measure.results import save_results
 
     save_results(pd.DataFrame([{**base, "fwd_ms": 10.0, "fwd_std_ms": 0.1}]), "lm_step", tmp_path, source="a")
     save_results(pd.DataFrame([{**base, "fwd_ms": 20.0, "fwd_std_ms": 0.1}]), "lm_step", tmp_path, source="b")
+    with pytest.raises(InconsistentTimings):  # measured on a GPU: the render stops
+        report.Chapter("b", {}, str(tmp_path)).check_consistency()
+    for source, ms in (("a", 10.0), ("b", 20.0)):  # the same disagreement on a shared CPU is a warning
+        save_results(pd.DataFrame([{**base, "gpu": "cpu", "fwd_ms": ms, "fwd_std_ms": 0.1}]), "lm_step", tmp_path,
+                     source=source)
     warnings = report.Chapter("b", {}, str(tmp_path)).check_consistency()
     assert len(warnings) == 1 and "Warning" in capsys.readouterr().out
 

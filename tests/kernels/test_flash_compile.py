@@ -167,3 +167,51 @@ def test_gpu_course_compile_test():
             t.grad = None
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, atol=1e-2, rtol=1e-2)
+
+
+# ---------------------------------------------------------------------------- inlined kernels (GPU)
+def test_inlines_only_compiled_kernels_without_data_dependent_setup(monkeypatch):
+    """compile_inline decomposes the ops only where tracing can: compiled (not interpreted) kernels on a
+    CUDA device, no autotuning, no TMA descriptor; the interpreter always keeps the opaque op."""
+    import lab.kernels.flash_config as fc
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    on = ft.FlashConfig(compile_inline=True)
+    monkeypatch.setattr(fc, "INTERPRET", True)
+    assert not fc.inlines(on, cuda)
+    monkeypatch.setattr(fc, "INTERPRET", False)
+    assert fc.inlines(on, cuda) and not fc.inlines(on, cpu) and not fc.inlines(ft.FlashConfig(), cuda)
+    assert fc.inlines(on.replace(backward_launch="atomic", atomic_tma=False), cuda)
+    for off in (dict(autotune=True), dict(fwd_tma=True), dict(bwd_tma=True), dict(backward_launch="atomic")):
+        assert not fc.inlines(on.replace(**off), cuda), off
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("inline", [True, False])
+@pytest.mark.parametrize("launch_mode", ["fused", "two_pass"])
+def test_gpu_inlined_kernels_in_the_compiled_code(inline, launch_mode):
+    """Under Inductor with compile_inline the compiled code launches the Triton kernels itself (no call of
+    the lab ops left), without it it calls the ops; both equal eager to the bit (the same kernels on the
+    same tiles), in the model's head-strided layout."""
+    from torch._inductor.utils import run_and_get_code
+
+    config = ft.FlashConfig(compile_inline=inline, backward_launch=launch_mode)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    base = [torch.randn(2, 300, 4, 80, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+            for _ in range(3)]
+    dout = torch.randn(2, 300, 320, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+    def step(fn):
+        out = fn(*(t.transpose(1, 2) for t in base)).transpose(1, 2).reshape(2, 300, 320)
+        return (out, *torch.autograd.grad(out, base, dout))
+
+    attend = lambda q, k, v: ft.flash_attention_bhsd(q, k, v, True, config=config)
+    eager = step(attend)
+    torch._dynamo.reset()
+    compiled = torch.compile(attend, fullgraph=True)
+    got, codes = run_and_get_code(lambda: step(compiled))
+    for a, b in zip(got, eager):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    code = "\n".join(codes)
+    assert ("lab.flash_attention_forward" in code) != inline and ("lab.flash_attention_backward" in code) != inline
+    assert ("_flash_fwd_kernel" in code and "_flash_bwd_kernel" in code) == inline

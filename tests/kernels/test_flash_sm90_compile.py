@@ -49,10 +49,10 @@ def compile_sm90(kernel, types: dict, constexprs: dict, num_warps: int, num_stag
     return {"shared": out["shared_bytes"], "registers": out["registers"], "spill": out["spill_bytes"]}
 
 
-def forward(d, causal, tiles, tma=False, dtype="bf16"):
+def forward(d, causal, tiles, tma=False, dtype="bf16", scale="fp32"):
     m, n, warps, stages = tiles
     bd = fc.block_d(d)
-    types = {name: f"*{dtype}" for name in ("Q", "K", "V", "O")} | {"L": "*fp32", "qk_scale": "fp32"}
+    types = {name: f"*{dtype}" for name in ("Q", "K", "V", "O")} | {"L": "*fp32", "qk_scale": scale}
     if tma:
         types["K"] = types["V"] = f"tensordesc<{dtype}[{n},{bd}]>"
     precision = "tf32x3" if dtype == "fp32" else "tf32"
@@ -62,12 +62,12 @@ def forward(d, causal, tiles, tma=False, dtype="bf16"):
 
 
 def backward(d, causal, tiles, pass_, atomic=False, delta_from_o=False, store_delta=False, tma=False,
-             atomic_tma=False):
+             atomic_tma=False, scale="fp32"):
     m1, n1, m2, n2, warps, stages = tiles
     bd = fc.block_d(d)
     types = {name: "*bf16" for name in ("Q", "K", "V", "O", "DO", "DK", "DV", "Q_S", "DO_S", "K_S", "V_S")}
-    types |= {"L": "*fp32", "Delta": "*fp32", "DQ": "*fp32" if atomic else "*bf16", "qk_scale": "fp32",
-              "sm_scale": "fp32"}
+    types |= {"L": "*fp32", "Delta": "*fp32", "DQ": "*fp32" if atomic else "*bf16", "qk_scale": scale,
+              "sm_scale": scale}
     types["DQ_ACC"] = f"tensordesc<fp32[1,{m1},{bd}]>" if atomic_tma else types["DQ"]
     if tma:
         types["Q_S"] = types["DO_S"] = f"tensordesc<bf16[{m1},{bd}]>"
@@ -133,6 +133,21 @@ def test_variants_and_fp32_compile_for_hopper(monkeypatch):
                      tma=True)],
         ["fwd", dict(d=128, causal=True, tiles=fp32_tiles, dtype="fp32")]])
     assert all(r["shared"] <= MAX_SHARED and r["spill"] == 0 for r in reports), reports
+
+
+@pytest.mark.slow
+def test_kernels_compile_with_fp64_scales_as_inductor_passes_them():
+    """Inductor types a Python float argument of a kernel it launches as fp64 (``FlashConfig.compile_inline``
+    hands it these kernels); the kernels turn their scales into fp32 first, so an fp64 scale neither turns
+    the softmax into fp64 (which ``tl.dot``'s fp32 accumulator refuses) nor costs fp64 arithmetic: the
+    forward and every backward pass compile for sm_90a with the same shared memory as with fp32 scales."""
+    jobs = [["fwd", dict(d=80, causal=True, tiles=(64, 64, 4, 3))],
+            ["bwd", dict(d=80, causal=True, tiles=(32, 64, 64, 32, 4, 2), pass_=0)],
+            ["bwd", dict(d=80, causal=True, tiles=(64, 128, 128, 64, 8, 3), pass_=1)],
+            ["bwd", dict(d=80, causal=True, tiles=(64, 128, 128, 64, 8, 3), pass_=2)]]
+    fp32 = compile_in_subprocess(jobs)
+    fp64 = compile_in_subprocess([[kind, {**kwargs, "scale": "fp64"}] for kind, kwargs in jobs])
+    assert [r["shared"] for r in fp64] == [r["shared"] for r in fp32], (fp64, fp32)
 
 
 if __name__ == "__main__":  # the subprocess of compile_in_subprocess

@@ -6,6 +6,7 @@ that are not multiples of the tile). GPU-marked tests run realistic sizes agains
 """
 
 import copy
+import json
 import os
 import subprocess
 import sys
@@ -26,6 +27,8 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # largest |error| / largest |reference| allowed for the gradients: fp32 accumulation everywhere, so the error
 # is that of rounding dZ and the results to the input dtype (2**-11 fp16, 2**-8 bf16) plus slack
 GRAD_TOL = {"fp32": 1e-5, "fp16": 2e-3, "bf16": 1.5e-2}
+# the loss from logits rounded to the input dtype (gradients in the forward), against float64
+LOSS_TOL_ROUNDED = {"fp16": 1e-3, "bf16": 8e-3}
 
 
 def inputs(n, d, v, dtype=torch.float32, scale=1.0, seed=0, ignore_every=0, device=DEVICE):
@@ -53,15 +56,32 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return ((got.detach().cpu().double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
 
 
-def check(hidden, weight, targets, dtype_name, reduction="mean", ignore_index=-100, **kwargs):
-    """Run the fused loss forward and backward and compare loss and gradients with float64."""
+def materialized_loss(hidden, weight, targets, reduction="mean", ignore_index=-100):
+    """The materialized loss in the inputs' dtype: logits rounded to it, cross-entropy in fp32."""
+    return F.cross_entropy((hidden.detach() @ weight.detach().T).float(), targets, reduction=reduction,
+                           ignore_index=ignore_index)
+
+
+def check(hidden, weight, targets, dtype_name, reduction="mean", ignore_index=-100, grad_out_scale=1.0, **kwargs):
+    """Run the fused loss forward and backward (upstream gradient ``grad_out_scale``, random per token for
+    "none") and compare loss and gradients with float64."""
     loss = fce.fused_linear_cross_entropy(hidden, weight, targets, reduction, ignore_index, **kwargs)
-    grad_out = torch.randn(loss.shape, generator=torch.Generator().manual_seed(1)) if reduction == "none" else None
-    grads = torch.autograd.grad(loss, (hidden, weight), grad_out.to(loss.device) if grad_out is not None else None)
+    grad_out = torch.randn(loss.shape, generator=torch.Generator().manual_seed(1)) if reduction == "none" else \
+        torch.tensor(grad_out_scale)
+    grads = torch.autograd.grad(loss, (hidden, weight), grad_out.to(loss.device))
     ref_loss, ref_grads = reference64(hidden, weight, targets, reduction, ignore_index, grad_out)
     assert loss.dtype == torch.float32 and loss.shape == ref_loss.shape
-    # the logits are accumulated in fp32 from the (rounded) inputs, so the loss is fp32-accurate in any dtype
-    torch.testing.assert_close(loss.detach().cpu().double(), ref_loss, rtol=2e-5, atol=2e-5)
+    in_forward = reduction != "none" and kwargs.get("grad_in_forward") is not False and \
+        kwargs.get("softmax_skip_threshold") is None
+    if in_forward and dtype_name != "fp32":
+        # cuBLAS rounds the logits to the input dtype, as the materialized loss does: equal to that loss ...
+        torch.testing.assert_close(loss.detach(), materialized_loss(hidden, weight, targets, reduction, ignore_index),
+                                   rtol=2e-5, atol=2e-5)
+        # ... and off float64 by the rounding of the logits (relative 2**-9 in bf16, 2**-12 in fp16)
+        torch.testing.assert_close(loss.detach().cpu().double(), ref_loss, rtol=LOSS_TOL_ROUNDED[dtype_name],
+                                   atol=LOSS_TOL_ROUNDED[dtype_name])
+    else:  # fp32 logits: fp32-accurate in any input dtype
+        torch.testing.assert_close(loss.detach().cpu().double(), ref_loss, rtol=2e-5, atol=2e-5)
     for name, g, r, x in zip(("d_hidden", "d_weight"), grads, ref_grads, (hidden, weight)):
         assert g.dtype == x.dtype and g.shape == x.shape
         assert rel_err(g, r) < GRAD_TOL[dtype_name], f"{name}: {rel_err(g, r):.2e}"
@@ -73,32 +93,108 @@ def check(hidden, weight, targets, dtype_name, reduction="mean", ignore_index=-1
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("shape", [(37, 40, 100), (64, 80, 48)], ids=["ragged", "even"])
 def test_matches_float64(shape, reduction, dtype):
-    """Odd token count, vocabulary and width not multiples of the 16-wide tiles (ragged), or exact (even);
-    some targets ignored."""
+    """Default path (gradients in the forward for mean/sum, recompute for none). Odd token count, vocabulary
+    and width not multiples of the 16-wide tiles (ragged), or exact (even); some targets ignored; V = 100
+    streams the rows kernel's blocks, V = 48 holds each row in registers."""
     n, d, v = shape
-    check(*inputs(n, d, v, DTYPES[dtype], scale=3.0, ignore_every=7), dtype, reduction)
+    check(*inputs(n, d, v, DTYPES[dtype], scale=3.0, ignore_every=7), dtype, reduction, grad_out_scale=0.7)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("grad_in_forward", [False, True], ids=["recompute", "grad_in_forward"])
-def test_many_chunks(monkeypatch, grad_in_forward, dtype):
-    """Several vocabulary chunks (the fp32 d_hidden accumulator: first, middle and last chunk) in the
-    recompute backward; several token chunks (the fp32 d_weight accumulator) with gradients in the forward.
-    Sizes follow the tile configs in use (16 interpreted, 64-128 compiled)."""
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_recompute_backward_matches_float64(reduction, dtype):
+    check(*inputs(37, 40, 100, DTYPES[dtype], scale=3.0, ignore_every=7), dtype, reduction, grad_in_forward=False)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_many_vocabulary_chunks_in_the_recompute_backward(monkeypatch, dtype):
+    """Several vocabulary chunks (the fp32 d_hidden accumulator: first, middle and last chunk). Sizes follow
+    the tile configs in use (16 interpreted, 64-128 compiled)."""
     dt = DTYPES[dtype]
     align = max(kernels.config("dlogits", dt)["BLOCK_N"], kernels.config("matmul", dt)["BLOCK_K"])
-    rows = kernels.config("lse", dt)["BLOCK_M"]
-    n, v = 2 * rows + 13, 5 * align + 7  # 3 token chunks, the last ragged; 3 vocabulary chunks of 2, 2, 1+ tiles
+    n, v = 45, 5 * align + 7  # 3 vocabulary chunks of 2, 2, 1+ tiles
     element = 4 if dt == torch.float32 or kernels.interpreter_needs_fp32(dt) else 2
     monkeypatch.setattr(fce, "SCRATCH_BYTES", n * element * 2 * align)
-    monkeypatch.setattr(fce, "FORWARD_GRAD_CHUNK_TOKENS", rows)
     assert fce.chunk_columns(n, v, torch.float32 if element == 4 else dt) == 2 * align
     hidden, weight, targets = inputs(n, 24, v, dt, scale=3.0, ignore_every=5)
     for reduction in ("mean", "sum"):
-        check(hidden, weight, targets, dtype, reduction, grad_in_forward=grad_in_forward)
+        check(hidden, weight, targets, dtype, reduction, grad_in_forward=False)
 
 
-@pytest.mark.parametrize("grad_in_forward", [False, True], ids=["recompute", "grad_in_forward"])
+@pytest.mark.parametrize("fp32_accumulator", [False, True], ids=["dw_in_weight_dtype", "dw_in_fp32"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_many_token_chunks(monkeypatch, dtype, fp32_accumulator):
+    """Token chunks of 16 rows (3 of them, the last ragged), dW summed in the weight's dtype or, where the
+    budget is made to hold it, in fp32."""
+    if fp32_accumulator:  # a budget that holds the V x D accumulator beside a full-size chunk
+        monkeypatch.setattr(fce, "EXTRA_MEMORY_SHARE", 100.0)
+        monkeypatch.setattr(fce, "MAX_CHUNK_TOKENS", 16)
+        monkeypatch.setattr(fce, "CHUNK_ALIGN", 16)
+    hidden, weight, targets = inputs(45, 24, 70, DTYPES[dtype], scale=3.0, ignore_every=5)
+    plan = fce.chunk_plan(45, 24, 70, DTYPES[dtype], chunk_tokens=None if fp32_accumulator else 16)
+    assert plan.rows == 16 and plan.fp32_accumulator == (fp32_accumulator and dtype != "fp32")
+    for reduction in ("mean", "sum"):
+        check(hidden, weight, targets, dtype, reduction, chunk_tokens=None if fp32_accumulator else 16)
+
+
+def test_chunk_plan_budget():
+    """At the benchmark's shapes the chunk stays within 4.5% of the eager materialized loss's 12 N V bytes (4
+    chunks: 8192 and 4096 tokens) and dW is summed in bf16; a long batch affords the fp32 accumulator; a
+    short one is one chunk."""
+    bf16 = torch.bfloat16
+    for (n, d, v), rows in (((32768, 4096, 151936), 8192), ((16384, 2560, 10000), 4096)):
+        plan = fce.chunk_plan(n, d, v, bf16)
+        assert plan == (rows, False) and rows * v * 2 <= 0.045 * 12 * n * v
+    uneven = fce.chunk_plan(30000, 4096, 151936, bf16)  # evened out: no small last chunk
+    chunks = -(-30000 // uneven.rows)
+    assert uneven.rows % fce.CHUNK_ALIGN == 0 and chunks * uneven.rows - 30000 < chunks * fce.CHUNK_ALIGN
+    long = fce.chunk_plan(131072, 4096, 151936, bf16)
+    assert long.fp32_accumulator and long.rows == fce.MAX_CHUNK_TOKENS
+    assert 4 * 151936 * 4096 + long.rows * 151936 * 2 <= 0.045 * 12 * 131072 * 151936
+    assert not fce.chunk_plan(131072, 4096, 151936, bf16, need_weight=False).fp32_accumulator
+    assert not fce.chunk_plan(131072, 4096, 151936, torch.float32).fp32_accumulator  # already fp32
+    assert fce.chunk_plan(700, 64, 1000, bf16) == (700, False)  # one chunk (the floor of 1024 rows)
+    assert fce.chunk_plan(700, 64, 1000, bf16, chunk_tokens=300) == (300, False)
+
+
+def test_backward_allocates_nothing_of_the_gradients_size():
+    """The backward scales the gradients held from the forward in place and gets no zero-filled gradients
+    for the op's gradient outputs: no allocation as large as d_hidden (N x D) during it."""
+    hidden, weight, targets = inputs(64, 32, 300)
+    loss = fce.fused_linear_cross_entropy(hidden, weight, targets)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        torch.autograd.grad(3 * loss, (hidden, weight))
+    allocated = [e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0]
+    assert max(allocated, default=0) < 64 * 32 * 4
+    # the same profile sees the forward's allocations: the check can fail
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        fce.fused_linear_cross_entropy(hidden, weight, targets)
+    assert max(e.cpu_memory_usage for e in prof.events()) >= 300 * 32 * 4
+
+
+def test_d_weight_rounding_bounds(monkeypatch):
+    """dW from 8 token chunks in bf16 against float64 from the same dZ (the rows kernel's, rounded to bf16):
+    summed in fp32 it is off by one rounding of the result (2**-8 relative); summed in bf16 by at most one
+    rounding of each of the 8 partial sums, and by more than the fp32 sum."""
+    n, d, v, rows = 512, 32, 64, 64
+    hidden, weight, targets = (x.detach() for x in inputs(n, d, v, torch.bfloat16, scale=3.0))
+    dz = hidden @ weight.T  # the logits as the op stores them, then dZ written over them by the same kernel
+    lse, target_logit = torch.empty(n), torch.empty(n)
+    kernels.launch_rows(dz, targets, torch.tensor([1.0 / n]), lse, target_logit, -100, write_grad=True)
+    h64 = hidden.double()
+    partials = torch.stack([dz[:r].double().T @ h64[:r] for r in range(rows, n + 1, rows)])
+    exact, u = partials[-1], 2.0**-8
+    errors = {}
+    for fp32 in (False, True):
+        monkeypatch.setattr(fce, "chunk_plan", lambda *a, plan=fce.ChunkPlan(rows, fp32), **k: plan)
+        d_weight = fce.loss_and_gradients(hidden, weight, targets, -100, True)[2]
+        errors[fp32] = (d_weight.double() - exact).abs().max().item()
+    assert errors[True] <= 1.01 * u * exact.abs().max().item()  # one final rounding
+    assert errors[False] <= (n // rows) * u * partials.abs().max().item()
+    assert errors[False] > errors[True]
+
+
+@pytest.mark.parametrize("grad_in_forward", [False, None], ids=["recompute", "grad_in_forward"])
 def test_ignored_targets(grad_in_forward):
     hidden, weight, targets = inputs(21, 16, 40)
     # every target ignored: sum is 0, mean is NaN (as torch), and the gradients are 0 either way
@@ -139,11 +235,30 @@ def test_leading_dims_and_frozen_weight():
 
 
 def test_no_grad_runs_forward_only(monkeypatch):
+    """Without gradients the default path runs the logits GEMM and the lse only: no dZ, no gradient GEMM."""
     hidden, weight, targets = inputs(10, 16, 20)
-    monkeypatch.setattr(fce, "loss_and_gradients", None)  # would fail if the gradient path ran
+    calls = []
+    launch = kernels.launch_rows
+    monkeypatch.setattr(kernels, "launch_rows", lambda *a, **k: calls.append(k["write_grad"]) or launch(*a, **k))
     with torch.no_grad():
-        loss = fce.fused_linear_cross_entropy(hidden, weight, targets, grad_in_forward=True)
+        loss = fce.fused_linear_cross_entropy(hidden, weight, targets)
+    assert calls == [False]
     torch.testing.assert_close(loss.double(), reference64(hidden, weight, targets)[0], rtol=1e-5, atol=1e-5)
+    _, d_hidden, d_weight = fce._loss_and_grads_op(hidden.detach(), weight.detach(), targets, -100, True, False,
+                                                   False, 0)
+    assert d_hidden.numel() == d_weight.numel() == 0
+
+
+def test_second_backward_through_held_gradients_is_refused():
+    """The backward scales the gradients held from the forward in place: a second backward through the same
+    graph would scale them twice, and autograd refuses it (the saved tensors were modified)."""
+    hidden, weight, targets = inputs(10, 16, 20)
+    loss = fce.fused_linear_cross_entropy(hidden, weight, targets)
+    (2 * loss).backward(retain_graph=True)
+    ref = reference64(hidden, weight, targets, grad_out=torch.tensor(2.0))[1]
+    assert rel_err(hidden.grad, ref[0]) < 1e-5 and rel_err(weight.grad, ref[1]) < 1e-5
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
 
 
 def test_input_errors():
@@ -156,6 +271,8 @@ def test_input_errors():
         fce.fused_linear_cross_entropy(hidden, weight[:, :8], targets)
     with pytest.raises(ValueError, match="grad_in_forward"):
         fce.fused_linear_cross_entropy(hidden, weight, targets, "none", grad_in_forward=True)
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        fce.fused_linear_cross_entropy(hidden, weight, targets, chunk_tokens=0)
 
 
 def test_autocast_casts_both_operands():
@@ -191,7 +308,7 @@ def test_skip_threshold(monkeypatch):
     with torch.no_grad():  # the first 16 columns carry most of the mass and all the targets
         weight[16:] *= 0.05
     targets = targets % 16
-    exact = check(hidden, weight, targets, "fp32")[1]
+    exact = check(hidden, weight, targets, "fp32", grad_in_forward=False)[1]  # the recompute path, flags off
     # threshold 0: every tile is kept, through the flag path: bitwise the exact result
     zero = torch.autograd.grad(fce.fused_linear_cross_entropy(hidden, weight, targets, softmax_skip_threshold=0.0),
                                (hidden, weight))
@@ -212,14 +329,15 @@ def test_skip_threshold(monkeypatch):
 def test_opcheck():
     hidden, weight, targets = inputs(20, 24, 40, ignore_every=4)
     torch.library.opcheck(fce._forward_op, (hidden, weight, targets, None))
-    torch.library.opcheck(fce._loss_and_grads_op, (hidden, weight, targets, -100, True))
+    for need in ((True, True), (False, True), (True, False), (False, False)):
+        torch.library.opcheck(fce._loss_and_grads_op, (hidden, weight, targets, -100, True, *need, 8))
     lse, _ = fce._forward_op(hidden.detach(), weight.detach(), targets, None)
     g = torch.randn(20)
     for need in ((True, True), (False, True), (True, False)):
         torch.library.opcheck(fce._backward_op, (hidden.detach(), weight.detach(), targets, lse, g, -g, 1e-3, *need))
 
 
-@pytest.mark.parametrize("grad_in_forward", [False, True], ids=["recompute", "grad_in_forward"])
+@pytest.mark.parametrize("grad_in_forward", [False, None], ids=["recompute", "grad_in_forward"])
 def test_compile_fullgraph_matches_eager(grad_in_forward):
     hidden, weight, targets = inputs(20, 24, 40, ignore_every=4)
 
@@ -304,17 +422,22 @@ def test_fused_loss_inside_fsdp_matches_single_process():
 
 
 @pytest.mark.slow
-def test_kernels_compile_for_hopper_without_spills(tmp_path):
+def test_kernels_compile_for_hopper_without_spills():
     """Compile every kernel variant with the default configs for sm_90a (Triton's bundled ptxas; no GPU
     needed): catches what the interpreter cannot (compile errors, register spills, shared memory)."""
     env = {**os.environ, "TRITON_INTERPRET": "0"}  # compiled, not interpreted (import lab would set 1)
+    code = ("import json; from lab.kernels import fused_cross_entropy_kernels as K; "
+            "print(json.dumps(K.compile_report()))")
     root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, str(root / "tools/fused_loss_gpu_check.py"), "--compile-only",
-                           "--out", str(tmp_path)], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=600)
     if "ptxas" in proc.stderr and "No such file" in proc.stderr:
         pytest.skip("this Triton build ships no ptxas")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "16 kernels compiled for sm_90a: 0 failed, 0 spill registers" in proc.stdout
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(rows) == 16 and not [r for r in rows if "error" in r], rows
+    assert [r["kernel"] for r in rows if r["spill_bytes"] != 0] == []
+    assert all(r["wgmma"] for r in rows if not r["kernel"].startswith("rows"))
 
 
 # ------------------------------------------------------------------------------------------------------ GPU
@@ -332,7 +455,7 @@ def fp32_reference(hidden, weight, targets, reduction="mean"):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("grad_in_forward", [False, True], ids=["recompute", "grad_in_forward"])
+@pytest.mark.parametrize("grad_in_forward", [False, None], ids=["recompute", "grad_in_forward"])
 @pytest.mark.parametrize("shape", [(2048, 4096, 151936), (1999, 8192, 32003), (4096, 768, 10000)])
 def test_gpu_realistic_sizes_match_fp32(shape, grad_in_forward):
     n, d, v = shape
@@ -340,8 +463,8 @@ def test_gpu_realistic_sizes_match_fp32(shape, grad_in_forward):
     loss = fce.fused_linear_cross_entropy(hidden, weight, targets, grad_in_forward=grad_in_forward)
     grads = torch.autograd.grad(loss, (hidden, weight))
     ref_loss, ref_grads = fp32_reference(hidden, weight, targets)
-    # recompute mode keeps fp32 logits; gradients-in-forward stores bf16 logits (as the materialized loss does)
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-4 if not grad_in_forward else 3e-3, atol=1e-4)
+    # recompute mode keeps fp32 logits; gradients-in-forward rounds them to bf16 (as the materialized loss does)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-4 if grad_in_forward is False else 3e-3, atol=1e-4)
     for g, r in zip(grads, ref_grads):
         err = ((g.float() - r).norm() / r.norm()).item()
         assert err < 1e-2, err

@@ -50,6 +50,25 @@ def test_matches_the_plain_step_bit_for_bit(bucketing):
         assert _same(ref, model), step
 
 
+@pytest.mark.gpu
+def test_fused_updates_on_cuda_match_the_plain_fused_step():
+    """On a GPU each block's update is one fused AdamW kernel: the weights equal the plain fused step's after
+    a few steps (fp32; the fused kernel's arithmetic per element does not depend on its neighbours)."""
+    ref, model = (m.cuda() for m in _pair())
+    ref_opt = torch.optim.AdamW(ref.parameters(), fused=True, **HYPER)
+    opt = OptimizerInBackward(model.parameters(), buckets=block_buckets(model), fused=True, **HYPER)
+    for step in range(3):
+        batch = random_batch(CFG, 2, "cuda", seed=step)
+        ref_opt.zero_grad()
+        lm_loss(ref, *batch).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        lm_loss(model, *batch).backward()
+        opt.step()
+    torch.cuda.synchronize()
+    assert _same(ref, model)
+
+
 class _Branchy(nn.Module):
     """``b`` is used only on odd steps: its bucket (shared with ``a``) gets a partial set of gradients."""
 
