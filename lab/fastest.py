@@ -2,11 +2,20 @@
 
     python -m lab.fastest --config leaderboard --world-size 2     # two GPUs: the course's leaderboard step
     python -m lab.fastest --config 2.7B                           # one GPU: 2.7B, batch 4, context 512
+    # two nodes of two GPUs (HSDP), as on two machines: the same command with --node-rank 0 and 1
+    torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint localhost:29500 --node-rank 0 \
+        -m lab.fastest --config leaderboard_hsdp
+
+Under torchrun every rank runs this command; the ranks per node come from ``LOCAL_WORLD_SIZE`` (or
+``--gpus-per-node``), each rank takes the allocator settings spawned ranks get
+(``lab.bench.fastest.allocator_env``), and rank 0 alone prints and saves the rows. Two agents on one
+machine need disjoint GPUs: ``CUDA_VISIBLE_DEVICES=0,1`` for one, ``2,3`` for the other.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from collections.abc import Sequence
 
@@ -14,10 +23,11 @@ import torch
 
 from lab import cli
 from lab.accounting import state_memory
-from lab.bench.fastest import benchmark, results_table
+from lab.bench.fastest import allocator_env, benchmark, results_table
 from lab.bench.memory_estimate import HEADROOM
 from lab.measure.device import available_memory_bytes
 from lab.measure.results import save_results
+from lab.parallel import launcher
 from lab.recipes.fastest_step import CONFIGS, PROJECT, PROJECT_ONE_GPU, ablations, recipes_for
 
 
@@ -25,9 +35,14 @@ def parser() -> cli.Parser:
     p = cli.Parser(prog="python -m lab.fastest", description="Time the book's fastest training step (and the stock "
                    "PyTorch step) for a configuration; prints step time, peak memory, tokens/s and MFU.")
     p.add_argument("--config", choices=list(CONFIGS), default="2.7B",
-                   help="leaderboard: 8.1B params, 32k context, 2 GPUs; 2.7B: batch 4, context 512, 1 GPU")
-    p.add_argument("--world-size", type=cli.positive_int, default=None, help="ranks (default: the config's)")
-    switches = dict.fromkeys(r.name for base in (PROJECT, PROJECT_ONE_GPU) for r in ablations(base))
+                   help="leaderboard: 8.1B params, 32k context, 2 GPUs; 2.7B: batch 4, context 512, 1 GPU; "
+                   "leaderboard_hsdp: the leaderboard on 2 nodes of 2 GPUs; tiny*: CPU-sized stand-ins")
+    p.add_argument("--world-size", type=cli.positive_int, default=None,
+                   help="ranks (default: torchrun's WORLD_SIZE, else the config's)")
+    p.add_argument("--gpus-per-node", type=cli.positive_int, default=None,
+                   help="ranks per node for hybrid sharding (default: torchrun's LOCAL_WORLD_SIZE, else the config's)")
+    bases = (PROJECT, PROJECT_ONE_GPU, dataclasses.replace(PROJECT, sharding="hsdp"))
+    switches = dict.fromkeys(r.name for base in bases for r in ablations(base))
     p.add_argument("--recipes", nargs="+", default=["project", "stock_compiled"],
                    help=f"project, stock_eager, stock_compiled, and the ablations ({', '.join(switches)}), or 'all'")
     p.add_argument("--num-layers", type=cli.positive_int, default=None,
@@ -85,16 +100,25 @@ def fastest_main(argv: Sequence[str] | None = None) -> int:
                                      model=dataclasses.replace(config.model, num_layers=args.num_layers))
     if not args.rep_ms > 0:
         raise cli.UsageError(f"--rep-ms must be a positive number of milliseconds, got {args.rep_ms:g}")
-    world = args.world_size or config.world_size
+    torchrun = launcher.is_torchrun()
+    if torchrun:  # this process is a rank: the allocator settings the spawned ranks get, before CUDA starts
+        os.environ.update(allocator_env())
+    world = args.world_size or (int(os.environ["WORLD_SIZE"]) if torchrun else config.world_size)
+    per_node = args.gpus_per_node or (int(os.environ.get("LOCAL_WORLD_SIZE", 0)) if torchrun else 0)
+    if per_node and world % per_node:
+        raise cli.UsageError(f"{world} ranks do not make whole nodes of {per_node} (--gpus-per-node)")
+    if per_node:
+        config = dataclasses.replace(config, gpus_per_node=per_node)
+    local = per_node if torchrun and per_node else world  # the ranks this machine runs
     if args.device not in ("auto", "cuda", "cpu"):
         raise cli.UsageError(f"unknown --device {args.device!r}; choose auto, cuda or cpu")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if args.device in ("auto", "cuda"):
         if gpus == 0 and args.device == "cuda":
             raise cli.UsageError("--device cuda was asked for but this machine has no CUDA GPU")
-        if gpus and world > gpus:
-            raise cli.UsageError(f"--world-size {world} needs {world} GPUs; this machine has {gpus}")
-        if gpus == 0 and args.config == "leaderboard":
+        if gpus and local > gpus:
+            raise cli.UsageError(f"--world-size {world} needs {local} GPUs here; this machine has {gpus}")
+        if gpus == 0 and args.config.startswith("leaderboard"):
             raise cli.UsageError("the leaderboard step needs two GPUs with about 60 GiB each; this machine has no GPU")
     device = "cuda" if args.device == "auto" and gpus else args.device
     device = "cpu" if device == "auto" else device
@@ -102,9 +126,11 @@ def fastest_main(argv: Sequence[str] | None = None) -> int:
     if args.results_dir:
         cli.writable_dir(args.results_dir)
     if device == "cpu":
-        check_cpu_fits(config, recipes, world)
+        check_cpu_fits(config, recipes, local)
     df = benchmark(config, recipes, world, device, rep_ms=args.rep_ms,
                    profile=not args.no_profile, fresh_cache=args.fresh_cache)
+    if torchrun and int(os.environ["RANK"]) != 0:
+        return 0  # every rank has the rows (gathered): rank 0 prints and saves them
     table = results_table(df)
     cols = ["impl", "config", "world_size", "status", "step_ms", "peak_gib", "tokens_per_s", "mfu", "first_step_s",
             "wall_s"]

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pandas as pd
 import torch
+from torch._dynamo.utils import counters
 
 from lab import paths
 from lab.bench.progress import progress_line
@@ -39,7 +40,9 @@ from lab.recipes.fastest_step import (
     build_step,
     mfu,
     model_flops_per_step,
+    step_traffic,
 )
+from lab.recipes.step_parts import uses_cuda_graphs
 from lab.units import GiB
 
 #: Kernel classes of a step's time, in the order they are assigned (a kernel launched inside ``recompute``
@@ -122,14 +125,17 @@ def allocator_env() -> dict[str, str]:
 def empty_row(config: StepConfig, recipe: Recipe, status: str = "ok", error: str = "") -> dict:
     """A recipe's row before anything is measured (and the row of one whose processes failed). The columns
     that say what a comparison holds fixed: ``precision`` (the recipe's), ``batch`` (sequences per step over
-    all ranks) and ``context``."""
+    all ranks) and ``context``; what a step sends within and across nodes (``step_traffic``);
+    ``offload_bytes`` (per step and rank, to the host) and ``offload_wait_ms`` (per step, waiting for copies
+    back; NaN without offloading); ``cuda_graphs`` (captured or not) and ``note`` (why a choice did not apply)."""
     return dict(impl=recipe.name, config=config.name, world_size=config.world_size, status=status, error=error,
                 precision=recipe.precision, batch=config.batch_per_rank * config.world_size, context=config.context,
                 step_ms=math.nan, step_std_ms=math.nan, step_n=0, step_samples_ms=[], first_step_s=math.nan,
                 wall_s=math.nan, host_step_ms=math.nan, host_step_std_ms=math.nan, host_step_n=0,
                 peak_gib=math.nan, params_gib=math.nan, grads_gib=math.nan, optimizer_gib=math.nan,
                 activations_and_other_gib=math.nan, **dict.fromkeys(PHASE_COLUMNS, math.nan),
-                other_kernels_top="", recipe=repr(recipe.for_world(config.world_size)))
+                other_kernels_top="", offload_bytes=math.nan, offload_wait_ms=math.nan, cuda_graphs=False, note="",
+                **step_traffic(config, recipe), recipe=repr(recipe.for_world(config.world_size)))
 
 
 def measure_recipe(config: StepConfig, recipe: Recipe, device: torch.device, warmup_ms: float = 1,
@@ -140,11 +146,15 @@ def measure_recipe(config: StepConfig, recipe: Recipe, device: torch.device, war
     their time), or with ``host_steps`` that many steps timed by the host clock (cheaper, for ablations),
     the peak memory of those steps, memory by category, and one profiled step's phases. Returns this rank's
     row (``timer`` says which timer; ``wall_s``: from the build to the end of the timing). ``host_step_*`` are
-    host-clock times: the ablations' own, and with
-    ``host_reference`` two more steps of a do_bench-timed recipe, so that the ablations are compared with
-    the book's step timed the same way."""
+    host-clock times: the ablations' own, and with ``host_reference`` two more steps of a do_bench-timed
+    recipe, so that the ablations are compared with the book's step timed the same way. ``note`` says where
+    CUDA graphs were asked for but not (all) captured: on the CPU, or graphs Inductor left out of them."""
     row = empty_row(config, recipe)
     rank = launcher.rank()
+    row["cuda_graphs"] = uses_cuda_graphs(recipe.compile, device)
+    if recipe.compile == "model_cudagraphs" and not row["cuda_graphs"]:
+        row["note"] = "CUDA graphs need a GPU: the model compiled without them"
+    skips = counters["inductor"]["cudagraph_skips"]
     empty_cache()
     step = None
     begun = time.perf_counter()
@@ -155,17 +165,24 @@ def measure_recipe(config: StepConfig, recipe: Recipe, device: torch.device, war
         step()
         synchronize(device)
         row["first_step_s"] = time.perf_counter() - start
+        if row["cuda_graphs"] and counters["inductor"]["cudagraph_skips"] > skips:  # its log says why
+            row["note"] = f"Inductor ran {counters['inductor']['cudagraph_skips'] - skips} graph(s) without CUDA graphs"
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
+        offloader = getattr(step, "offloader", None)
         if device.type == "cuda" and not host_steps:
             timing, row["timer"] = time_kernel(step, device, warmup_ms=warmup_ms, rep_ms=rep_ms), "do_bench"
         else:
+            if offloader is not None:
+                offloader.reset_stats()
             timing, row["timer"] = time_callable(step, warmup=0, steps=max(host_steps, 2), device=device), "host"
         if device.type == "cuda":
             row["peak_gib"] = torch.cuda.max_memory_allocated(device) / GiB
         row.update(step_ms=timing.median_ms, step_std_ms=timing.std_ms, step_n=len(timing.samples_ms),
                    step_samples_ms=timing.samples_ms)
         row["wall_s"] = time.perf_counter() - begun
+        if offloader is not None:
+            row.update(_offload_per_step(step, offloader, len(timing.samples_ms) if row["timer"] == "host" else 0))
         if row["timer"] == "do_bench" and host_reference:
             timing = time_callable(step, warmup=0, steps=2, device=device)
         if row["timer"] == "host" or host_reference:
@@ -185,6 +202,16 @@ def measure_recipe(config: StepConfig, recipe: Recipe, device: torch.device, war
     gc.collect()
     empty_cache()
     return row
+
+
+def _offload_per_step(step, offloader, steps: int) -> dict:
+    """``offload_bytes`` and ``offload_wait_ms`` per step: over the ``steps`` steps just timed, or (0: do_bench
+    timed them, and counted them itself) over one more step."""
+    if not steps:
+        offloader.reset_stats()
+        step()
+    stats, steps = offloader.stats(), steps or 1
+    return dict(offload_bytes=stats.bytes_offloaded / steps, offload_wait_ms=stats.wait_s * 1e3 / steps)
 
 
 def _profile(step, trace_dir: str | None, name: str) -> dict:
@@ -324,7 +351,7 @@ def benchmark(config: str | StepConfig, recipes: Sequence[Recipe], world_size: i
                                                    profile, trace_dir, tuple(headline),
                                                    fresh_cache and not per_recipe, progress, device=device,
                                                    timeout_s=timeout_s, deadline_s=left, first_gpu=first_gpu,
-                                                   env=env))
+                                                   env=None if launcher.is_torchrun() else env))
                 break
             except launcher.WorkerError as exc:
                 error, finished = exc, _salvaged(progress, len(todo), world_size)

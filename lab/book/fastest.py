@@ -351,3 +351,24 @@ def other_kernels_table(df: pd.DataFrame, impls: Sequence[str] = ("project", "st
         return pd.DataFrame()
     out = pd.DataFrame(parts).rename_axis("kernel").reset_index()
     return out.sort_values(list(parts)[0], ascending=False, na_position="last", ignore_index=True)
+
+
+#: What the offload, CUDA-graph and sharding choices did in each row (:func:`choices_table`).
+CHOICE_COLUMNS = ["nodes", "within_node_bytes", "across_node_bytes", "offload_bytes", "offload_wait_ms", "cuda_graphs",
+                  "note"]
+
+
+def choices_table(df: pd.DataFrame) -> pd.DataFrame:
+    """The rows where a recipe offloads, is captured in CUDA graphs (or asked to be), or sends bytes between
+    ranks: ``impl``, the offloaded GiB per step and rank with the time waited for copies back (ms per step),
+    and the GiB each rank sends per step within its node and across nodes. Empty when no row has any (or the
+    rows predate these columns)."""
+    if not set(CHOICE_COLUMNS) <= set(df.columns):
+        return pd.DataFrame()
+    used = (df["offload_bytes"].notna() | df["within_node_bytes"].notna() | df["cuda_graphs"].astype(bool)
+            | df["note"].fillna("").astype(str).ne(""))
+    out = df.loc[used, ["impl", *CHOICE_COLUMNS]].copy()
+    for column in ("within_node_bytes", "across_node_bytes", "offload_bytes"):
+        out[column.replace("_bytes", "_gib")] = out.pop(column) / 2**30
+    out["note"] = out["note"].fillna("")
+    return out.reset_index(drop=True)

@@ -43,20 +43,33 @@ compile scope, an AdamW flag) rather than the book's own parts.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
+import os
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from lab.accounting import forward_flops
+from lab.accounting import forward_flops, saved_activation_bytes
 from lab.measure.step import TrainStep, random_batch
 from lab.model import ModelConfig, TransformerLM, config_for
 from lab.model.transformer import RMSNorm, RotaryEmbedding, SiLUGate
 from lab.parallel import launcher
 from lab.parallel.fsdp import FSDP
 from lab.parallel.optimizer_in_backward import OptimizerInBackward, block_buckets
+from lab.recipes.checkpointing import SAVED_PROJECTIONS, CheckpointedBlock, saved_ops  # noqa: F401 - public here
+from lab.recipes.step_parts import (
+    OFFLOAD_MIN_BYTES,
+    check_host_memory,
+    compile_options,
+    hsdp_mesh,
+    keep_offloading,
+    marking_steps,
+    node_size,
+    offloaded_count,
+    sharded_traffic,
+    uses_cuda_graphs,
+)
 
 #: The course's 2026 leaderboard model: 34 layers, d_model 4,096, d_ff 11,008, 32 heads, vocabulary 151,936,
 #: 32,768 tokens of context, bf16 parameters; batch 2 (one sequence per GPU on two GPUs).
@@ -73,6 +86,9 @@ class StepConfig:
     context: int
     batch_per_rank: int
     world_size: int
+    #: ranks per node for hybrid sharding (0: the environment's ``LOCAL_WORLD_SIZE``, see
+    #: :func:`lab.recipes.step_parts.node_size`)
+    gpus_per_node: int = 0
 
     @property
     def tokens_per_step(self) -> int:
@@ -85,12 +101,18 @@ CONFIGS = {
     # CPU-sized stand-ins of the two (gloo ranks, Triton interpreted): the quick book and the tests
     "tiny": StepConfig("tiny", config_for("tiny", context_length=64, vocab_size=512), 64, 1, 2),
     "tiny_one_rank": StepConfig("tiny_one_rank", config_for("tiny", context_length=64, vocab_size=512), 64, 2, 1),
+    # two nodes of two GPUs (HSDP: shard within a node, replicate across), and its CPU-sized stand-in
+    "leaderboard_hsdp": StepConfig("leaderboard_hsdp", LEADERBOARD, 32_768, 1, 4, gpus_per_node=2),
+    "tiny_hsdp": StepConfig("tiny_hsdp", config_for("tiny", context_length=64, vocab_size=512), 64, 1, 4,
+                            gpus_per_node=2),
 }
 
 CHECKPOINTS = ("none", "block", "save_attention", "save_outputs")
-COMPILES = ("none", "pointwise", "block", "model")
+COMPILES = ("none", "pointwise", "block", "model", "model_cudagraphs")
 PRECISIONS = ("bf16", "bf16_autocast", "fp32")
-SHARDINGS = ("none", "fsdp", "fsdp2")
+SHARDINGS = ("none", "fsdp", "fsdp2", "hsdp", "fsdp2_hsdp")
+#: the shardings of the book's own wrapper (lab.FSDP), flat and hybrid
+OURS = ("fsdp", "hsdp")
 
 
 @dataclass(frozen=True)
@@ -100,7 +122,14 @@ class Recipe:
     (the course's 2.7B reference); ``fp32``: everything fp32 (exact comparisons in tests). ``loss_upcast``
     (materialized logits only): the model's own loss, cross-entropy of the logits cast to fp32; False:
     ``F.cross_entropy`` of the logits as they come (bf16 with bf16 parameters), as the stock step the issue
-    measured does: at the leaderboard's 32k x 152k logits the fp32 copy and fp32 log-softmax cost ~28 GiB."""
+    measured does: at the leaderboard's 32k x 152k logits the fp32 copy and fp32 log-softmax cost ~28 GiB.
+
+    ``sharding``: ``hsdp`` is ``lab.FSDP`` sharding within a node and replicating across nodes, ``fsdp2_hsdp``
+    stock ``fully_shard`` on the same ("replicate", "shard") mesh. ``compile="model_cudagraphs"``: the whole
+    model under ``torch.compile(mode="reduce-overhead")``, captured in CUDA graphs on a GPU
+    (:mod:`lab.recipes.step_parts`). ``offload``: the share of the blocks (the first ones, at most every
+    block but the last) whose saved activations go to host memory instead of being recomputed; those blocks
+    are not checkpointed, the others keep ``checkpoint``."""
 
     name: str = "project"
     attention: str = "flash_triton"
@@ -112,14 +141,20 @@ class Recipe:
     precision: str = "bf16"
     loss_upcast: bool = True
     optimizer_in_backward: bool = False
+    offload: float = 0.0
 
     def __post_init__(self):
         for field, allowed in (("checkpoint", CHECKPOINTS), ("compile", COMPILES), ("sharding", SHARDINGS),
                                ("precision", PRECISIONS)):
             if getattr(self, field) not in allowed:
                 raise ValueError(f"{field} must be one of {', '.join(allowed)}, got {getattr(self, field)!r}")
-        if self.optimizer_in_backward and self.sharding == "fsdp2":
-            raise ValueError("optimizer_in_backward runs with sharding 'fsdp' (lab.FSDP) or 'none', not 'fsdp2'")
+        if self.optimizer_in_backward and self.sharding.startswith("fsdp2"):
+            raise ValueError(f"optimizer_in_backward runs with lab.FSDP or no sharding, not {self.sharding!r}")
+        if not 0 <= self.offload <= 1:
+            raise ValueError(f"offload is a share of the blocks between 0 and 1, got {self.offload}")
+        if self.offload and (self.sharding.startswith("fsdp2") or self.compile.startswith("model")):
+            raise ValueError("offload wraps the blocks from outside: it runs with lab.FSDP or no sharding and "
+                             f"without a whole-model compile, not sharding={self.sharding!r}, compile={self.compile!r}")
 
     def for_world(self, world_size: int) -> Recipe:
         """The same recipe on ``world_size`` ranks: one rank shards nothing."""
@@ -165,7 +200,13 @@ def ablation_base(project: Recipe) -> Recipe:
 def recipes_for(config: StepConfig) -> dict[str, Recipe]:
     """The book's recipe and the stock baselines for ``config``, eager and compiled at each precision the
     book's steps use: on several GPUs (sharded and checkpointed) bf16 parameters, the book's own; on one (neither
-    sharded nor checkpointed) the course's fp32 master weights under bf16 autocast and bf16 parameters."""
+    sharded nor checkpointed) the course's fp32 master weights under bf16 autocast and bf16 parameters. On
+    several nodes (``gpus_per_node`` below the world size) the sharding is hybrid: ``hsdp`` and FSDP2's
+    ``fsdp2_hsdp``."""
+    if config.world_size > 1 and 0 < config.gpus_per_node < config.world_size:  # several nodes: hybrid sharding
+        return {r.name: r for r in (dataclasses.replace(PROJECT, sharding="hsdp"),
+                                    dataclasses.replace(STOCK_EAGER, sharding="fsdp2_hsdp"),
+                                    dataclasses.replace(STOCK_COMPILED, sharding="fsdp2_hsdp"))}
     if config.world_size > 1:
         return {r.name: r for r in (PROJECT, STOCK_EAGER, STOCK_COMPILED)}
     return {r.name: r for r in (PROJECT_ONE_GPU, STOCK_ONE_GPU_EAGER, STOCK_ONE_GPU_COMPILED, STOCK_ONE_GPU_EAGER_BF16,
@@ -184,6 +225,11 @@ ABLATION_LABELS = {
     "foreach_adamw": "foreach AdamW instead of fused",
     "fp32_master_weights": "fp32 master weights under bf16 autocast",
     "optimizer_in_backward": "update each block's parameters inside the backward",
+    "cuda_graphs": "capture the compiled model in CUDA graphs",
+    "offload_quarter": "offload the first quarter of the blocks' activations to the host instead of recomputing",
+    "offload_half": "offload the first half of the blocks' activations to the host instead of recomputing",
+    "offload_all": "offload every block's activations but the last's to the host instead of recomputing",
+    "flat_sharding": "shard over every rank (no replicas) instead of within each node",
 }
 
 
@@ -198,13 +244,14 @@ def change_label(name: str) -> str:
 _STOCK_VALUE = {
     "attention": lambda v: v != "flash_triton",
     "fused_loss": lambda v: not v,
-    "sharding": lambda v: v != "fsdp",
+    "sharding": lambda v: v not in OURS,
     "checkpoint": lambda v: True,
     "compile": lambda v: True,
     "fused_adamw": lambda v: True,
     "precision": lambda v: True,
     "loss_upcast": lambda v: True,
     "optimizer_in_backward": lambda v: not v,
+    "offload": lambda v: not v,
 }
 
 
@@ -234,126 +281,34 @@ def ablations(recipe: Recipe = PROJECT) -> list[Recipe]:
     changes (:data:`ABLATION_LABELS` says it in words): ``no_flash_attention`` (SDPA instead of the Triton
     kernels) or ``flash_triton_attention`` (the other way round), ``no_fused_loss``, ``full_recompute``,
     ``save_attention_only`` (the smaller checkpointing policy), ``no_compile``, ``foreach_adamw``,
-    ``fp32_master_weights``, and one switched on: ``optimizer_in_backward`` (each block's AdamW update runs
-    as soon as its gradients are final, :class:`lab.parallel.optimizer_in_backward.OptimizerInBackward`)."""
+    ``fp32_master_weights``, and some switched on: ``optimizer_in_backward`` (each block's AdamW update runs
+    as soon as its gradients are final, :class:`lab.parallel.optimizer_in_backward.OptimizerInBackward`);
+    where the whole model is compiled, ``cuda_graphs`` (captured in CUDA graphs); where blocks are
+    checkpointed, ``offload_quarter``, ``offload_half`` and ``offload_all`` (the first quarter or half of the
+    blocks, or every block but the last, offloaded instead of recomputed: at the leaderboard's 32k tokens a
+    block saves several GiB, and the host's memory may hold only the quarter); under HSDP ``flat_sharding``
+    (lab.FSDP over every rank)."""
     out = []
     attention = (("no_flash_attention", dict(attention="sdpa")) if recipe.attention == "flash_triton" else
                  ("flash_triton_attention", dict(attention="flash_triton")))
     switches = (attention, ("no_fused_loss", dict(fused_loss=False)), ("full_recompute", dict(checkpoint="block")),
                 ("save_attention_only", dict(checkpoint="save_attention")), ("no_compile", dict(compile="none")),
                 ("foreach_adamw", dict(fused_adamw=False)), ("fp32_master_weights", dict(precision="bf16_autocast")),
-                ("optimizer_in_backward", dict(optimizer_in_backward=True)))
+                ("optimizer_in_backward", dict(optimizer_in_backward=True)),
+                ("cuda_graphs", dict(compile="model_cudagraphs")),
+                ("offload_quarter", dict(offload=0.25)), ("offload_half", dict(offload=0.5)),
+                ("offload_all", dict(offload=1.0)),
+                ("flat_sharding", dict(sharding="fsdp")))
     for name, change in switches:
-        if recipe.checkpoint == "none" and change.get("checkpoint"):
-            continue  # nothing is recomputed: no checkpointing to switch off
+        if recipe.checkpoint == "none" and (change.get("checkpoint") or change.get("offload")):
+            continue  # nothing is recomputed: no checkpointing to switch off or to replace by offloading
+        if name == "cuda_graphs" and recipe.compile != "model":
+            continue  # CUDA graphs capture a whole compiled model
+        if name == "flat_sharding" and recipe.sharding != "hsdp":
+            continue  # only hybrid sharding has replicas to give up
         if any(getattr(recipe, k) != v for k, v in change.items()):
             out.append(dataclasses.replace(recipe, name=name, **change))
     return out
-
-
-# ----------------------------------------------------------------------------------------------------------
-# activation checkpointing per block
-
-
-@functools.cache
-def _saved_ops() -> frozenset:
-    """The attention operators whose outputs ``save_attention`` keeps (every attention implementation of
-    the registry that runs as one op); looked up once, not at every block's forward."""
-    ops = set()
-    aten = torch.ops.aten
-    for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention",
-                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu"):
-        if hasattr(aten, name):
-            ops.add(getattr(aten, name).default)
-    try:
-        # registers torch.ops.lab.* (Triton is an optional dependency)
-        import lab.kernels.flash_triton  # noqa: F401
-
-        ops.add(torch.ops.lab.flash_attention_forward.default)
-    except (ImportError, AttributeError):
-        pass
-    return frozenset(ops)
-
-
-#: The submodules whose matmul outputs ``save_outputs`` keeps besides the attention's: the two projections
-#: that write back to the residual stream.
-SAVED_PROJECTIONS = ("attn.o_proj", "ffn.w2")
-
-
-@functools.cache
-def _matmul_ops() -> frozenset:
-    aten = torch.ops.aten
-    return frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default})
-
-
-class CheckpointedBlock(nn.Module):
-    """Run ``block`` under non-reentrant ``torch.utils.checkpoint``: ``policy="block"`` saves only the block's
-    input and recomputes the rest in backward; ``"save_attention"`` also keeps the attention op's outputs;
-    ``"save_outputs"`` keeps those and the matmul outputs of :data:`SAVED_PROJECTIONS` (selective activation
-    checkpointing). The recomputation runs inside a profiler range ``recompute`` and runs the whole block (no
-    early stop), so every module's hooks (FSDP's gathers and releases) pair up."""
-
-    def __init__(self, block: nn.Module, policy: str = "block"):
-        super().__init__()
-        if policy not in ("block", "save_attention", "save_outputs"):
-            raise ValueError(f"policy must be 'block', 'save_attention' or 'save_outputs', got {policy!r}")
-        self.block, self.policy = block, policy
-        # looked up here, not in forward: a compiled block would trace the lookup (and its imports)
-        self._saved = _saved_ops() if policy != "block" else frozenset()
-        self._matmuls = _matmul_ops()
-        self._inside = 0  # > 0 while a saved projection runs (its module's hooks count it)
-        if policy == "save_outputs":
-            for name in SAVED_PROJECTIONS:
-                module = block.get_submodule(name)
-                module.register_forward_pre_hook(self._enter)
-                module.register_forward_hook(self._leave)
-
-    def _enter(self, module, args) -> None:
-        self._inside += 1
-
-    def _leave(self, module, args, output) -> None:
-        self._inside -= 1
-
-    def _run(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():
-            # A compiled block (the stock recipe's per-block torch.compile) traces the checkpoint as one
-            # higher-order op, which must not hold the graph-task query below: Dynamo cannot trace it, and
-            # the whole checkpointed block then ran eagerly, so "stock_compiled" was the eager step. A
-            # compiled block's recomputation has no range of its own: its profile counts it with the block's.
-            return self.block(x)
-        # The same range op in the forward and in the recomputation (selective checkpointing replays the
-        # forward's ops one for one), named by which one this is: inside backward it is the recomputation.
-        name = "recompute" if torch._C._current_graph_task_id() != -1 else "block"
-        with torch.profiler.record_function(name):
-            return self.block(x)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from torch.utils.checkpoint import checkpoint
-
-        if not torch.is_grad_enabled():
-            return self.block(x)
-        if self.policy == "block":
-            return checkpoint(self._run, x, use_reentrant=False, early_stop=False)
-        from functools import partial
-
-        from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-
-        saved, matmuls = self._saved, self._matmuls
-        if self.policy == "save_attention":  # constants only: a compiled block can trace it
-
-            def policy(ctx, op, *args, **kwargs):
-                return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
-        else:
-
-            def policy(ctx, op, *args, **kwargs):
-                # only the matmul's own output inside a saved projection: not the views of its weight around
-                # it, which under FSDP would keep the whole gathered block alive
-                if op in saved or (self._inside and op in matmuls):
-                    return CheckpointPolicy.MUST_SAVE
-                return CheckpointPolicy.PREFER_RECOMPUTE
-
-        return checkpoint(self._run, x, use_reentrant=False, early_stop=False,
-                          context_fn=partial(create_selective_checkpoint_contexts, policy))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -367,10 +322,14 @@ def _compile_pointwise(model: TransformerLM) -> None:
             module.compile()
 
 
-def build_model(cfg: ModelConfig, recipe: Recipe, device: torch.device, seed: int = 0) -> nn.Module:
+def build_model(cfg: ModelConfig, recipe: Recipe, device: torch.device, seed: int = 0,
+                gpus_per_node: int = 0) -> nn.Module:
     """``TransformerLM(cfg)`` with the recipe's attention, loss, dtype, checkpointing, compilation and sharding
     applied from outside, in torchtitan's order (checkpoint, compile, shard). Every rank builds the same
-    initial weights (``seed``); the sharding wrappers broadcast rank 0's anyway."""
+    initial weights (``seed``); the sharding wrappers broadcast rank 0's anyway. The blocks a recipe offloads
+    (:func:`lab.recipes.step_parts.offloaded_count`) are not checkpointed; :func:`build_step` offloads them.
+    Hybrid sharding cuts the ranks into nodes of ``gpus_per_node`` (0: the environment's
+    ``LOCAL_WORLD_SIZE``)."""
     cfg = dataclasses.replace(cfg, attention=recipe.attention, fused_loss=recipe.fused_loss)
     torch.manual_seed(seed)
     with torch.device(device):
@@ -378,25 +337,30 @@ def build_model(cfg: ModelConfig, recipe: Recipe, device: torch.device, seed: in
     if recipe.precision == "bf16":
         model.to(torch.bfloat16)
     if recipe.checkpoint != "none":
-        model.blocks = nn.ModuleList(CheckpointedBlock(b, recipe.checkpoint) for b in model.blocks)
+        offloaded = offloaded_count(recipe.offload, len(model.blocks))
+        model.blocks = nn.ModuleList(CheckpointedBlock(b, recipe.checkpoint) if i >= offloaded else b
+                                     for i, b in enumerate(model.blocks))
     if recipe.compile == "pointwise":
         _compile_pointwise(model)
     elif recipe.compile == "block":
         for block in model.blocks:
             block.compile()
-    elif recipe.compile == "model":
-        if recipe.sharding == "fsdp":
-            raise ValueError("compile='model' would trace into lab.FSDP's hooks; use 'pointwise' with fsdp")
-        model.compile()
+    elif recipe.compile in ("model", "model_cudagraphs"):
+        if recipe.sharding in OURS:
+            raise ValueError(f"compile={recipe.compile!r} would trace into lab.FSDP's hooks; use 'pointwise' with "
+                             f"{recipe.sharding!r}")
+        model.compile(**compile_options(recipe.compile, device))
+    world = launcher.world_size()
     if recipe.sharding == "fsdp":
-
         return FSDP(model)
-    if recipe.sharding == "fsdp2":
-        from torch.distributed.device_mesh import init_device_mesh
+    if recipe.sharding == "hsdp":
+        return FSDP(model, process_group=hsdp_mesh(device.type, world, node_size(world, gpus_per_node)))
+    if recipe.sharding in ("fsdp2", "fsdp2_hsdp"):
+        from torch.distributed.device_mesh import init_device_mesh  # distributed-only: imported where it runs
         from torch.distributed.fsdp import fully_shard
 
-
-        mesh = init_device_mesh(device.type, (launcher.world_size(),))
+        mesh = (init_device_mesh(device.type, (world,)) if recipe.sharding == "fsdp2" else
+                hsdp_mesh(device.type, world, node_size(world, gpus_per_node)))
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -415,16 +379,20 @@ def summed_loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -
     return model(tokens, targets, reduction="sum")
 
 
-def build_step(config: StepConfig, recipe: Recipe, device: torch.device, seed: int = 0, rank: int = 0) -> TrainStep:
+def build_step(config: StepConfig, recipe: Recipe, device: torch.device, seed: int = 0, rank: int = 0,
+               offload_min_bytes: int = OFFLOAD_MIN_BYTES) -> TrainStep:
     """The training step of ``config`` built with ``recipe`` on this rank: zero_grad, forward, summed loss,
-    backward (with the wrapper's gradient synchronization), AdamW step. Each rank draws its own sequences."""
+    backward (with the wrapper's gradient synchronization), AdamW step. Each rank draws its own sequences.
+    A recipe that offloads keeps its offloading entered for the step's life (``step.offloader``, storages of
+    at least ``offload_min_bytes``; :func:`lab.recipes.step_parts.keep_offloading`); one captured in CUDA
+    graphs marks each step's beginning (:func:`lab.recipes.step_parts.marking_steps`)."""
     recipe = recipe.for_world(config.world_size)
-    model = build_model(config.model, recipe, device, seed)
+    model = build_model(config.model, recipe, device, seed, config.gpus_per_node)
     params = [p for p in model.parameters() if p.requires_grad]
     flags = dict(fused=recipe.fused_adamw, foreach=None if recipe.fused_adamw else True)
     if not recipe.optimizer_in_backward:
         optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, **flags)
-    elif recipe.sharding == "fsdp":  # each shard updated right after its reduce-scatter
+    elif recipe.sharding in OURS:  # each shard updated right after its reduce-scatter
         optimizer = OptimizerInBackward(params, fsdp=model, lr=1e-4, weight_decay=0.01, **flags)
     elif recipe.sharding == "none":  # one fused update per block, as soon as the block's gradients are final
         optimizer = OptimizerInBackward(params, buckets=block_buckets(model), lr=1e-4, weight_decay=0.01, **flags)
@@ -433,7 +401,29 @@ def build_step(config: StepConfig, recipe: Recipe, device: torch.device, seed: i
     tokens, targets = random_batch(config.model, config.batch_per_rank, device, config.context, seed=seed + 1 + rank)
     dtype = "bf16" if recipe.precision == "bf16_autocast" else "fp32"  # bf16 parameters need no autocast
     loss_fn = summed_loss if recipe.fused_loss or recipe.loss_upcast else summed_loss_on_logits
-    return TrainStep(model, optimizer, tokens, targets, dtype=dtype, loss_fn=loss_fn)
+    if uses_cuda_graphs(recipe.compile, device):
+        loss_fn = marking_steps(loss_fn)
+    step = TrainStep(model, optimizer, tokens, targets, dtype=dtype, loss_fn=loss_fn)
+    offloaded = offloaded_count(recipe.offload, config.model.num_layers)
+    if offloaded:  # at most what the blocks save, checked against the host before any of it is pinned
+        cfg = dataclasses.replace(config.model, attention=recipe.attention)
+        saved = saved_activation_bytes(cfg, config.batch_per_rank, config.context, recipe.precision)["blocks"]
+        check_host_memory(saved * offloaded / cfg.num_layers, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        inner = model.module if isinstance(model, FSDP) else model
+        hooks = model.saved_tensor_hooks() if isinstance(model, FSDP) else None
+        keep_offloading(step, inner, offloaded, hooks, min_bytes=offload_min_bytes)
+    return step
+
+
+def step_traffic(config: StepConfig, recipe: Recipe) -> dict[str, float]:
+    """``nodes``, and ``within_node_bytes`` / ``across_node_bytes`` each rank sends per step (NaN unsharded;
+    :func:`lab.recipes.step_parts.sharded_traffic`, the parameters' dtype gathered and reduced)."""
+    recipe, per_node = recipe.for_world(config.world_size), node_size(config.world_size, config.gpus_per_node)
+    width = 2 if recipe.precision == "bf16" else 4
+    first_recomputed = recipe.checkpoint != "none" and offloaded_count(recipe.offload, config.model.num_layers) < 2
+    return dict(nodes=config.world_size // per_node, **(
+        sharded_traffic(config.model, recipe.sharding, config.world_size, per_node, width, width, first_recomputed)
+        if recipe.sharding != "none" else dict(within_node_bytes=math.nan, across_node_bytes=math.nan)))
 
 
 def model_flops_per_step(config: StepConfig) -> float:

@@ -41,9 +41,9 @@ def test_the_leaderboards_ablations_get_gpus_of_their_own_where_there_are_enough
         ("2.7B", ["project", "stock_eager"])]
     base = groups[1][1][0]
     assert base == lb["project"].__class__(**{**vars(lb["project"]), "name": ABLATION_BASE})
-    assert len(groups[1][1]) == 1 + len(_ablations("leaderboard")) and len(groups[2][1]) == len(one) + 6
+    assert len(groups[1][1]) == 1 + len(_ablations("leaderboard")) and len(groups[2][1]) == len(one) + 7
     # three GPUs cannot hold both halves of the leaderboard beside the 2.7B rung: one group each
-    assert [len(rs) for _, rs in bench.plan(jobs, gpus=3)] == [11, len(one) + 6]
+    assert [len(rs) for _, rs in bench.plan(jobs, gpus=3)] == [14, len(one) + 7]
     assert [len(rs) for _, rs in bench.plan({"leaderboard": list(lb.values())}, gpus=4)] == [3]  # nothing to move
 
 
@@ -185,11 +185,11 @@ def test_benchmark_configs_on_four_gpus_runs_the_plan_side_by_side(monkeypatch):
     with pytest.raises(ValueError, match="no budget for"):
         bench.benchmark_configs(jobs, device="auto", peak_tflops=700.0, rep_ms={"2.7B": 1})
     df = bench.benchmark_configs(jobs, device="auto", peak_tflops=700.0, rep_ms={"leaderboard": 1, "2.7B": 2})
-    assert len(df) == 3 + 1 + 8 + len(jobs["2.7B"])
+    assert len(df) == 3 + 1 + 11 + len(jobs["2.7B"])
     by = {(name, first): (gpu, kw) for name, first, gpu, kw in calls}
     assert by[("leaderboard", "project")][0] == 0 and by[("leaderboard", "project")][1]["fresh_cache"]
     gpu, kw = by[("leaderboard", ABLATION_BASE)]
-    assert gpu == 2 and kw["deadline_s"] == 60 * 9 and "fresh_cache" not in kw  # 60 s for each of 9 recipes
+    assert gpu == 2 and kw["deadline_s"] == 60 * 12 and "fresh_cache" not in kw  # 60 s for each of 12 recipes
     assert {k["env"]["PYTORCH_CUDA_ALLOC_CONF"] for _, _, _, k in calls} == {"expandable_segments:True"}
     assert by[("2.7B", "project")][0] == 2  # the 2.7B rung waits for a pair: the (quicker) ablations free 2-3
     assert all(kw["peak_tflops"] == 700.0 and kw["rep_ms"] == (1 if name == "leaderboard" else 2)

@@ -200,7 +200,7 @@ def test_ablations_for_some_configurations_only():
     assert [r.name for r in fastest.recipes(CONFIGS["leaderboard"], quick=False, ablate=["2.7B"])] == headline
     ablated = [r.name for r in fastest.recipes(CONFIGS["2.7B"], quick=False, ablate=["2.7B"])]
     assert ablated == one_gpu + ["flash_triton_attention", "no_fused_loss", "no_compile", "foreach_adamw",
-                                 "fp32_master_weights", "optimizer_in_backward"]
+                                 "fp32_master_weights", "optimizer_in_backward", "cuda_graphs"]
     assert len(fastest.recipes(CONFIGS["2.7B"], quick=False, ablate=False)) == 5
     with pytest.raises(ValueError, match="unknown configurations"):
         fastest.recipes(CONFIGS["2.7B"], quick=False, ablate=["2.7b"])
@@ -279,10 +279,10 @@ def test_carry_whole_configurations_or_their_headline_rows():
 
     configs = ["leaderboard", "2.7B"]
     measured = fastest.measured_recipes(configs, ["2.7B"], quick=False)
-    assert list(measured) == ["leaderboard"] and len(measured["leaderboard"]) == 3 + 8
+    assert list(measured) == ["leaderboard"] and len(measured["leaderboard"]) == 3 + 11
     split = fastest.measured_recipes(configs, ["leaderboard:headline", "2.7B"], quick=False)
     names = [r.name for r in split["leaderboard"]]
-    assert list(split) == ["leaderboard"] and names[0] == "ablation_base" and len(names) == 1 + 8
+    assert list(split) == ["leaderboard"] and names[0] == "ablation_base" and len(names) == 1 + 11
     assert split["leaderboard"][0].attention == fastest.recipes_for(fastest.CONFIGS["leaderboard"])["project"].attention
     assert fastest.measured_recipes(configs, ["leaderboard:headline"], quick=False, ablate=False) == {
         "2.7B": list(fastest.recipes_for(fastest.CONFIGS["2.7B"]).values())}  # no ablations: nothing left to measure
@@ -332,3 +332,21 @@ def test_the_book_step_measured_on_other_cards_is_not_set_against_stock():
     assert t.loc["project", "stock"] == "stock_compiled" and t.loc["ablation_base", "verdict"] == "not compared"
     assert t.loc["ablation_base", "stock"] != t.loc["fp32_master_weights", "stock"]  # which reason, not one
     assert (t.loc[["ablation_base", "fp32_master_weights"], "verdict"] == "not compared").all()
+
+
+def test_choices_table_keeps_the_rows_that_offload_capture_or_communicate():
+    import dataclasses
+
+    from lab.bench.fastest import empty_row
+    from lab.recipes import fastest_step as fs
+
+    one, hybrid = fs.CONFIGS["2.7B"], fs.CONFIGS["leaderboard_hsdp"]
+    graphs = next(r for r in fs.ablations(fs.PROJECT_ONE_GPU) if r.name == "cuda_graphs")
+    rows = [empty_row(one, fs.PROJECT_ONE_GPU), {**empty_row(one, graphs), "cuda_graphs": True},
+            {**empty_row(hybrid, dataclasses.replace(fs.PROJECT, sharding="hsdp", name="offload_all", offload=1.0)),
+             "offload_bytes": 3 * 2**30, "offload_wait_ms": 12.0}]
+    t = fastest.choices_table(pd.DataFrame(rows)).set_index("impl")
+    assert list(t.index) == ["cuda_graphs", "offload_all"]  # the plain one-GPU step has nothing to say
+    assert t.loc["offload_all", "offload_gib"] == 3.0 and t.loc["offload_all", "nodes"] == 2
+    assert t.loc["offload_all", "across_node_gib"] > 0 and math.isnan(t.loc["cuda_graphs", "within_node_gib"])
+    assert fastest.choices_table(pd.DataFrame([_row("project", 1.0)])).empty  # rows of an older render

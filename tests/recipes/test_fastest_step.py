@@ -20,10 +20,11 @@ def test_recipes_validate_and_ablate_one_thing_at_a_time():
         fs.Recipe(checkpoint="sometimes")
     names = [r.name for r in fs.ablations(fs.PROJECT)]
     assert names == ["flash_triton_attention", "no_fused_loss", "full_recompute", "save_attention_only", "no_compile",
-                     "foreach_adamw", "fp32_master_weights", "optimizer_in_backward"]
+                     "foreach_adamw", "fp32_master_weights", "optimizer_in_backward", "offload_quarter",
+                     "offload_half", "offload_all"]
     assert [r.name for r in fs.ablations(fs.PROJECT_ONE_GPU)] == [
         "flash_triton_attention", "no_fused_loss", "no_compile", "foreach_adamw", "fp32_master_weights",
-        "optimizer_in_backward"]
+        "optimizer_in_backward", "cuda_graphs"]
     for base in (fs.PROJECT, fs.PROJECT_ONE_GPU):
         for r in fs.ablations(base):
             changed = [f.name for f in dataclasses.fields(r) if getattr(r, f.name) != getattr(base, f.name)]
@@ -111,7 +112,7 @@ def test_recomputation_runs_every_module_hook_in_pairs(policy):
 def test_save_attention_does_not_recompute_attention(policy, calls, attention):
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    saved = fs._saved_ops()
+    saved = fs.saved_ops()
 
     class Count(TorchDispatchMode):
         n = 0
@@ -144,7 +145,7 @@ def test_save_outputs_skips_the_two_residual_projections_in_the_recomputation():
     assert backward_flops("save_attention") - backward_flops("save_outputs") == 2 * tokens * (d * d + f * d)
 
 
-def _reference_step(config, recipe, tokens, targets):
+def reference_step(config, recipe, tokens, targets):
     """A plain single-process step on the whole global batch (loss summed, divided by the world size: the
     data-parallel average of each rank's summed loss)."""
     cfg = dataclasses.replace(config.model, attention="sdpa", fused_loss=False)
@@ -187,7 +188,7 @@ def test_recipe_on_two_ranks_matches_the_plain_step(recipe):
     out = launcher.launch(recipe_step_worker, 2, SMALL, recipe, device="cpu")
     tokens = torch.cat([o[1] for o in out])
     targets = torch.cat([o[2] for o in out])
-    loss, ref_grads, ref = _reference_step(SMALL, recipe, tokens, targets)
+    loss, ref_grads, ref = reference_step(SMALL, recipe, tokens, targets)
     torch.testing.assert_close(out[0][0] + out[1][0], loss, rtol=1e-5, atol=1e-5)
     for name, grad in out[0][3].items():
         scale = ref_grads[name].abs().max()
