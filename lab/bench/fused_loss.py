@@ -53,8 +53,9 @@ from lab.measure.timing import time_kernel
 IMPLS = ("fused", "fused_recompute", "torch", "torch_compiled", "torch_chunked", "liger", "cce")
 #: Optional peers: impl -> the package that must import.
 PEERS = {"liger": "liger_kernel", "cce": "cut_cross_entropy"}
-COLUMNS = ["impl", "vocab", "d_model", "tokens", "dtype", "fwdbwd_ms", "fwd_ms", "peak_extra_gib",
-           "peak_with_grads_gib", "tflops", "loss_rel_err", "dh_rel_err", "dw_rel_err", "status", "error", "device"]
+COLUMNS = ["impl", "vocab", "d_model", "tokens", "dtype", "fwdbwd_ms", "fwdbwd_std_ms", "fwdbwd_n", "fwd_ms",
+           "peak_extra_gib", "peak_with_grads_gib", "tflops", "loss_rel_err", "dh_rel_err", "dw_rel_err",
+           "status", "error", "device"]
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 

@@ -20,6 +20,8 @@ def test_sweep_rows_and_columns():
     assert (df["status"] == "ok").all() and (df["error"] == "").all()
     assert (df[["vocab", "d_model", "tokens"]].drop_duplicates().values.tolist() == [[50, 24, 37]])
     assert (df["fwdbwd_ms"] > 0).all() and (df["fwd_ms"] > 0).all()
+    # each forward+backward keeps its spread and sample count, for the noise-aware verdicts of 10's loss table
+    assert (df["fwdbwd_n"] == 1).all() and df["fwdbwd_std_ms"].notna().all()
     assert df["peak_extra_gib"].isna().all() and df["peak_with_grads_gib"].isna().all()  # no CUDA allocator
     expected = fl.loss_flops(37, 24, 50) / (df["fwdbwd_ms"] * 1e-3) / 1e12
     assert df["tflops"].to_numpy() == pytest.approx(expected.to_numpy())
