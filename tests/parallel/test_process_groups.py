@@ -19,7 +19,6 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from lab.model.transformer import ModelConfig, TransformerLM
@@ -29,22 +28,11 @@ from lab.parallel.fsdp import FSDP
 from lab.parallel.process_groups import global_rank, members
 from lab.parallel.sharded_optimizer import ShardedOptimizer
 from lab.parallel.zero1 import ZeRO1Optimizer
+from tests.parallel.test_ddp import ToyModel as _Toy
 
 WORLD = 4
 STEPS = 3
 CFG = ModelConfig(d_model=32, d_ff=64, num_layers=2, num_heads=4, context_length=16, vocab_size=64)
-
-
-class _Toy(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(10, 24)
-        self.fc2 = nn.Linear(24, 16)
-        self.fc3 = nn.Linear(16, 5)
-        self.register_buffer("shift", torch.randn(24))  # different per rank until broadcast
-
-    def forward(self, x):
-        return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x) + self.shift))))
 
 
 def _toy(seed: int) -> _Toy:
