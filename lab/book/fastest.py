@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 import pandas as pd
 
 from lab.accounting import parameter_count
+from lab.bench.fastest import PHASE_COLUMNS
 from lab.book.fastest_compare import (  # noqa: F401 - the notebook reads the comparisons through this module
     FITS_GIB,
     ablation_sentence,
@@ -42,8 +43,8 @@ from lab.recipes.fastest_step import (
 
 #: The ablations the quick (CPU) book runs: interpreted Triton takes seconds a step.
 QUICK_ABLATIONS = ("flash_triton_attention", "no_fused_loss")
-PHASES = ["recompute_ms", "attention_ms", "matmul_ms", "loss_ms", "optimizer_ms", "other_kernels_ms",
-          "exposed_communication_ms", "idle_ms"]
+#: The phases of a profiled step, as the bench assigns them (one list: lab.bench.fastest.PHASE_COLUMNS).
+PHASES = PHASE_COLUMNS
 #: The phases where a step whose recomputation has no profiler range of its own (compiled blocks) counts it.
 MERGED_WITH_RECOMPUTE = ("recompute", "attention", "matmul", "other kernels")
 MEMORY = ["params_gib", "grads_gib", "optimizer_gib", "activations_and_other_gib"]
