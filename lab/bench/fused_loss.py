@@ -225,13 +225,6 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return ((got.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def time_ms(fn: Callable[[], object], device: torch.device, warmup_ms: float = 25, rep_ms: float = 100,
-            cpu_steps: int = 3) -> float:
-    """Median milliseconds per call of ``fn`` (:func:`lab.measure.timing.time_kernel`: do_bench on CUDA, the
-    host timer with one warm-up and ``cpu_steps`` timed calls on the CPU)."""
-    return time_kernel(fn, device, warmup_ms, rep_ms, cpu_warmup=1, cpu_steps=cpu_steps).median_ms
-
-
 def peak_extra_bytes(fn: LossFn, hidden, weight, targets) -> tuple[int, int]:
     """Peak CUDA memory allocated during one forward+backward of ``fn`` beyond what existed before (the
     inputs): ``(beyond the inputs and the outputs d_hidden, d_weight, beyond the inputs only)`` in bytes."""
@@ -289,10 +282,10 @@ def benchmark_loss(impl: str, vocab: int, d_model: int, tokens: int, dtype: str 
         if device.type == "cuda":
             extra, with_grads = peak_extra_bytes(loss_fn, hidden, weight, targets)
             row["peak_extra_gib"], row["peak_with_grads_gib"] = extra / 2**30, with_grads / 2**30
-        timer = dict(warmup_ms=warmup_ms, rep_ms=rep_ms, cpu_steps=cpu_steps)
-        row["fwd_ms"] = time_ms(lambda: loss_fn(hidden, weight, targets), device, **timer)
+        timer = dict(warmup_ms=warmup_ms, rep_ms=rep_ms, cpu_warmup=1, cpu_steps=cpu_steps)
+        row["fwd_ms"] = time_kernel(lambda: loss_fn(hidden, weight, targets), device, **timer).median_ms
         # the median with its spread and sample count, so that a comparison can say "within noise"
-        timing = time_kernel(fwdbwd, device, warmup_ms, rep_ms, cpu_warmup=1, cpu_steps=cpu_steps)
+        timing = time_kernel(fwdbwd, device, **timer)
         row.update(fwdbwd_ms=timing.median_ms, fwdbwd_std_ms=timing.std_ms, fwdbwd_n=len(timing.samples_ms))
         row["tflops"] = loss_flops(tokens, d_model, vocab) / (row["fwdbwd_ms"] * 1e-3) / 1e12
     except PeerUnavailable as exc:
