@@ -394,10 +394,8 @@ def build_step(config: StepConfig, recipe: Recipe, device: torch.device, seed: i
         optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, **flags)
     elif recipe.sharding in OURS:  # each shard updated right after its reduce-scatter
         optimizer = OptimizerInBackward(params, fsdp=model, lr=1e-4, weight_decay=0.01, **flags)
-    elif recipe.sharding == "none":  # one fused update per block, as soon as the block's gradients are final
+    else:  # unsharded (Recipe refuses FSDP2): one fused update per block, as soon as its gradients are final
         optimizer = OptimizerInBackward(params, buckets=block_buckets(model), lr=1e-4, weight_decay=0.01, **flags)
-    else:  # Recipe refuses this combination; kept for a recipe changed after construction
-        raise ValueError(f"optimizer_in_backward runs with sharding 'fsdp' or 'none', not {recipe.sharding!r}")
     tokens, targets = random_batch(config.model, config.batch_per_rank, device, config.context, seed=seed + 1 + rank)
     dtype = "bf16" if recipe.precision == "bf16_autocast" else "fp32"  # bf16 parameters need no autocast
     loss_fn = summed_loss if recipe.fused_loss or recipe.loss_upcast else summed_loss_on_logits
