@@ -47,10 +47,12 @@ import matplotlib.pyplot as plt
 
 from lab import paths
 from lab.bench import lm as bench
-from lab.bench.precision import speedup_table
-from lab.book import kernel_profiles, plots, profiling, report
-from lab.book import warmup as warmup_study
-from lab.book.precision import speedup_display
+from lab.book import plots, report
+from lab.book.precision.bench import speedup_table
+from lab.book.precision.present import speedup_display
+from lab.book.profiling import kernels as kernel_profiles
+from lab.book.profiling import present as profiling
+from lab.book.profiling import warmup as warmup_study
 
 s = profiling.settings(quick, device, sizes=sizes, contexts=contexts, default_context=default_context, dtypes=dtypes,
                        batch=batch, warmup=warmup, steps=steps, warmup_size=warmup_size, warmups=warmups,

@@ -38,8 +38,9 @@ norm_width = 1024                 # width of the synthetic activations in the no
 import matplotlib.pyplot as plt
 
 from lab.bench import lm as bench
-from lab.bench import precision as experiments
-from lab.book import plots, precision, report
+from lab.book import plots, report
+from lab.book.precision import bench as experiments
+from lab.book.precision import present as precision
 
 s = precision.settings(quick, device, sizes=sizes, context=context, batch=batch, warmup=warmup, steps=steps,
                        accumulation_value=accumulation_value, accumulation_count=accumulation_count,

@@ -46,10 +46,11 @@ timing_steps = 2                  # timed steps per checkpointing configuration
 top_allocations = 10
 
 # %%
-from lab.bench import memory as bench_memory
-from lab.bench import memory_setup
-from lab.book import memory as memory_book
-from lab.book import plots, report, snapshot_pages
+from lab.book import plots, report
+from lab.book.memory import bench as bench_memory
+from lab.book.memory import present as memory_book
+from lab.book.memory import snapshot_pages
+from lab.book.memory import workload as memory_setup
 from lab.book.report import shown
 
 setup = memory_setup.MemorySetup.resolve(
@@ -90,7 +91,7 @@ book.answer("How large is the residual stream?", memory_book.residual_sentence(r
 phases = book.table("memory_timeline_phases", exp.record_timelines)
 report.show_table(memory_book.phase_peaks_display(phases, "forward"), floatfmt=".4g")
 snapshot_pages.show_timeline(exp.snapshot_path("forward"),
-                             f"{setup.size}: one forward pass (context {setup.timeline_context}, {setup.dtype})");
+                             f"{setup.size}: one forward pass (context {setup.timeline_context}, {setup.dtype})")
 
 # %%
 report.show_table(memory_book.phase_peaks_display(phases, "train_step"), floatfmt=".4g")
@@ -98,14 +99,14 @@ report.say(memory_book.timeline_sentences(phases, setup.parameter_bytes))
 book.answer("Which phase is each timeline's peak?", memory_book.timeline_answer(phases),
             section="Timelines: a forward pass, and two training steps")
 snapshot_pages.show_timeline(exp.snapshot_path("train_step"),
-                             f"{setup.size}: two AdamW steps (context {setup.timeline_context}, {setup.dtype})");
+                             f"{setup.size}: two AdamW steps (context {setup.timeline_context}, {setup.dtype})")
 
 # %% [markdown]
 # ### Opening a snapshot in a browser, online or not
 #
 # torch's memory_viz page (`torch.cuda._memory_viz.trace_plot`) embeds the snapshot but imports its viewer
 # script, `MemoryViz.js`, from a CDN: without a network it is a blank page. So each snapshot also gets a
-# self-contained page, `lab.book.snapshot_pages.offline_snapshot_html`: the timeline above as an embedded PNG, the
+# self-contained page, `lab.book.memory.snapshot_pages.offline_snapshot_html`: the timeline above as an embedded PNG, the
 # peak of each phase and the largest allocations, no script at all. The table says what each page loads
 # from the web, read off the pages themselves.
 
@@ -156,7 +157,7 @@ report.show_table(shown(grads, head=4), floatfmt=".4g")
 report.say(memory_book.gradients_sentence(grads, setup.embedding_bytes))
 book.answer("How much gradient memory does each block leave?", memory_book.gradients_answer(grads),
             section="Gradient memory per block, read off the backward timeline")
-memory_book.gradients_figure(grads);
+memory_book.gradients_figure(grads)
 
 # %% [markdown]
 # ## Peak memory across context lengths, fp32 vs bf16 autocast
@@ -252,4 +253,4 @@ book.answer("Which checkpointing is memory-optimal, and which block size is best
             memory_book.checkpoint_answer(sweep),
             section="Measured: peak memory of a training step for each group size")
 memory_book.checkpoint_figure(sweep, f"{setup.size}, batch {setup.batch}, context {setup.checkpoint_context}, "
-                              f"{setup.dtype}");
+                              f"{setup.dtype}")

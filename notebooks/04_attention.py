@@ -43,9 +43,9 @@ lm_steps = None                   # timed steps per mode; None: 5 (full) or 3
 # %%
 import matplotlib.pyplot as plt
 
-from lab.bench import attention as ab
-from lab.book import attention as present
 from lab.book import plots, report
+from lab.book.attention import bench as ab
+from lab.book.attention import present
 from lab.measure.device import resolve_device
 
 dev = resolve_device(device)

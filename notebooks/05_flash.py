@@ -34,7 +34,7 @@ check_dtypes = ["bf16", "fp32"]
 check_seq = None                  # None: 1024 (full) or 64 (quick); batch 4, causal
 impls = None                      # None: triton, sdpa (default backend), sdpa_flash, sdpa_cudnn, pytorch_flash,
                                   # and compiled FlexAttention "flex" (full only: it needs torch.compile)
-shapes = None                     # [batch, heads, seq, d, causal]; None: lab.bench.flash.LM_SHAPES or two tiny ones
+shapes = None                     # [batch, heads, seq, d, causal]; None: lab.book.flash.bench.LM_SHAPES or two tiny ones
 dtypes = ["bf16", "fp16"]
 pytorch_flash_max_seq = None      # longer: its Python tile loop is too slow (a row says so); None: 2048 or 64
 pytorch_flash_dtypes = ["bf16"]   # the tile loop's time barely depends on the dtype: one is enough
@@ -59,11 +59,10 @@ ceiling_n = None                  # matmul ceiling: one n x n x n torch.mm; None
 # %%
 import matplotlib.pyplot as plt
 
-from lab.bench import flash as fl
 from lab.bench.lm import compare_variants
-from lab.book import flash as present
-from lab.book import flash_grid as grid
 from lab.book import plots, report
+from lab.book.flash import bench as fl
+from lab.book.flash import grid, present
 from lab.measure.device import resolve_device
 
 dev = resolve_device(device)
@@ -174,7 +173,7 @@ book.answer("Are the performance goals met?", grid.goals_sentence(goals, interpr
 # of two, in the forward especially, is scheduling: cuDNN's Hopper kernels overlap one tile's softmax with the
 # next tile's matrix products across warp groups and load tiles with TMA; these Triton kernels use Hopper's
 # matrix instructions through Triton's software pipelining (the TMA, warp-specialisation and atomic-dQ
-# variants are options of `FlashConfig`, timed by `python -m lab.bench.flash_sweep sweep`).
+# variants are options of `FlashConfig`, timed by `python -m lab.book.flash.sweep sweep`).
 
 # %%
 report.show_table(grid.why_missed_table(goals), floatfmt=".3g")

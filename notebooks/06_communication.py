@@ -43,9 +43,9 @@ warmup = 5
 iters = 20
 
 # %%
-from lab.bench import collectives  # noqa: E402 - after the parameters cell
-from lab.book import communication as comm  # noqa: E402 - after the parameters cell
 from lab.book import plots, report  # noqa: E402 - after the parameters cell
+from lab.book.communication import collectives  # noqa: E402 - after the parameters cell
+from lab.book.communication import present as comm  # noqa: E402 - after the parameters cell
 
 machine = comm.measuring_machine(results_dir, replay)  # a replay plans for the machine that measured
 grid_plan = collectives.plan_grid(quick, device, world_sizes, ops, gpu_sizes_mb, cpu_sizes_mb, warmup, iters,

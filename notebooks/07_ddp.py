@@ -54,9 +54,9 @@ goal_vs_torch_ddp = 1.0           # the best bucketed step at most this many tim
 goal_vs_single = 1.1              # ... and the single-device step's
 
 # %%
-from lab.bench import ddp as ddp_bench  # noqa: E402 - after the parameters cell
-from lab.book import ddp as ddp_book  # noqa: E402 - after the parameters cell
 from lab.book import plots, report  # noqa: E402 - after the parameters cell
+from lab.book.ddp import bench as ddp_bench  # noqa: E402 - after the parameters cell
+from lab.book.ddp import present as ddp_book  # noqa: E402 - after the parameters cell
 
 run = ddp_bench.plan_run(quick, device, world_size, configs, bucket_sizes_mb, rounds, steps_per_round, warmup,
                          schedule)

@@ -54,10 +54,10 @@ profile_impl = "fsdp"             # its step is profiled: compute vs communicati
 fsdp_memory_factor = 1.1          # goal: FSDP's peak at most this many times FSDP2's
 
 # %%
-from lab.bench import sharding as sharding_bench  # noqa: E402 - after the parameters cell
-from lab.bench import sharding_traffic  # noqa: E402
 from lab.book import plots, report  # noqa: E402 - after the parameters cell
-from lab.book import sharding as sharding_book  # noqa: E402 - after the parameters cell
+from lab.book.sharding import bench as sharding_bench  # noqa: E402 - after the parameters cell
+from lab.book.sharding import present as sharding_book  # noqa: E402 - after the parameters cell
+from lab.book.sharding import traffic as sharding_traffic  # noqa: E402
 
 run = sharding_bench.plan_run(quick, device, world_size, sizes, impls, context, batch, dtype, fsdp_reduce_dtype, rounds,
                               steps_per_round, warmup, schedule, profile_impl)
@@ -86,7 +86,7 @@ report.say(sharding_book.state_sentence(expected, world_size))
 # Bytes each rank sends per step on a ring (all-reduce $2\frac{N-1}{N}S$, reduce-scatter and all-gather
 # $\frac{N-1}{N}S$ each, a pipelined broadcast $\frac{N-1}{N}S$ per rank on average). The closed form
 # (`lab.parallel.sharded_optimizer.optimizer_traffic`) next to what the code actually issued in one step of a
-# tiny model (`lab.bench.sharding_traffic.measure_traffic`: every collective is recorded by a `TrafficLog`).
+# tiny model (`lab.book.sharding.traffic.measure_traffic`: every collective is recorded by a `TrafficLog`).
 
 # %%
 closed = sharding_traffic.closed_form_traffic(run.sizes[-1], world_size)

@@ -47,10 +47,10 @@ memory_tolerance = 0.25           # a measured peak further than this from the p
 # %%
 from lab import accounting as acc
 from lab.accounting.ring_sim import check_closed_forms
-from lab.bench import accounting as bench_accounting
-from lab.book import accounting as acc_book
 from lab.book import plots, report
-from lab.book import xxl as xxl_book
+from lab.book.accounting import bench as bench_accounting
+from lab.book.accounting import present as acc_book
+from lab.book.accounting import xxl as xxl_book
 from lab.book.report import shown
 from lab.model.transformer import ModelConfig
 
@@ -74,7 +74,7 @@ book.show_answers()
 # twice the forward. The tests match these counts with the real model and `torch.utils.flop_counter`.
 
 # %%
-acc_book.show_parameter_count();
+acc_book.show_parameter_count()
 
 # %% [markdown]
 # Per parameter, AdamW training keeps the weight, its gradient and two moments (m, v). Three precision
@@ -103,7 +103,7 @@ report.show_table(shown(flops), floatfmt=".3g")
 report.say(acc_book.flops_sentence(flops, context))
 book.answer("How much memory does an AdamW step of the largest model take?",
             acc_book.memory_sentence(memory, batch, context), section="1 · Memory and FLOPs of the language model")
-acc_book.memory_figure(memory, batch, context);
+acc_book.memory_figure(memory, batch, context)
 
 # %% [markdown]
 # ## 2 · The XXL FFN-only model
@@ -119,7 +119,7 @@ acc_book.memory_figure(memory, batch, context);
 # **(a)** fp32 state, bf16 activations and H100s:
 
 # %%
-xxl_book.show_xxl_equations();
+xxl_book.show_xxl_equations()
 xxl = book.table("accounting_xxl_memory", lambda: bench_accounting.xxl_table(xxl_tokens))
 report.show_table(xxl_book.xxl_display(xxl), floatfmt=",.4g")
 report.say(xxl_book.xxl_sentence(xxl))
@@ -147,7 +147,7 @@ book.answer("XXL (b): per-device memory with FSDP, and N for 95 GB?", xxl_book.f
 # forward of the question's two matrices:
 
 # %%
-xxl_book.show_tpu_equations();
+xxl_book.show_tpu_equations()
 
 # %% [markdown]
 # Compute bound means both communications hide behind the math:
@@ -187,14 +187,14 @@ book.answer("XXL (d): which tricks keep throughput at a smaller batch?", xxl_boo
 #   $S$ bytes it last received and adds what arrives; $N-1$ steps of $S$.
 
 # %%
-acc_book.show_collective_equations();
+acc_book.show_collective_equations()
 coll = book.table("accounting_collectives",
                   lambda: acc.collective_table(collective_size_bytes, ring_devices, ring_bandwidth))
 report.show_table(acc_book.collectives_pivot(coll), floatfmt=".3f")
 report.say(acc_book.collectives_sentence(coll))
 book.answer("How long do the ring collectives take?", acc_book.collectives_sentence(coll),
             section="3 · Ring collectives")
-acc_book.collectives_figure(coll);
+acc_book.collectives_figure(coll)
 
 # %% [markdown]
 # **The simulator** (`lab.accounting.ring_sim`) moves real numpy arrays chunk by chunk around the ring, checks every
@@ -238,7 +238,7 @@ report.show_table(acc_book.ffn_cost_table(ffn_matrices))
 # its compute both scale with the tokens. That is why 2-D parallelism multiplies the two limits.
 
 # %%
-acc_book.show_max_device_equations(ffn_matrices);
+acc_book.show_max_device_equations(ffn_matrices)
 
 # %% [markdown]
 # Numbers for the XXL FFN's sizes on H100s connected by NVLink (bf16 communication, $p = 2$):
@@ -253,7 +253,7 @@ ffn_sweep = book.table("accounting_ffn_sweep", lambda: bench_accounting.ffn_swee
 report.say(acc_book.ffn_sweep_sentence(ffn_sweep))
 book.answer("How far do DP, FSDP, TP and 2-D scale one SwiGLU FFN?", acc_book.limits_answer(limits),
             section="4 · One SwiGLU FFN under DP, FSDP, TP and 2-D parallelism")
-acc_book.ffn_sweep_figure(ffn_sweep, ffn_tokens);
+acc_book.ffn_sweep_figure(ffn_sweep, ffn_tokens)
 
 # %% [markdown]
 # ## 5 · Predicted vs measured memory
@@ -289,7 +289,7 @@ lm_step = acc_book.measured_results(book, "lm_step", "01_profiling")
 sharding = acc_book.measured_results(book, "sharding_benchmark", "08_sharding")
 check = bench_accounting.predicted_vs_measured(lm_step, sharding)
 acc_book.save_memory_check(book, check)
-acc_book.show_memory_check(check, memory_tolerance, [lm_step, sharding]);
+acc_book.show_memory_check(check, memory_tolerance, [lm_step, sharding])
 book.answer("Does the predicted peak memory match the GPU measurements?",
             acc_book.memory_check_answer(check, memory_tolerance), section="5 · Predicted vs measured memory")
 
@@ -297,4 +297,4 @@ book.answer("Does the predicted peak memory match the GPU measurements?",
 # Every comparison, and the same as a plot (the band is the tolerance):
 
 # %%
-acc_book.show_comparisons(check, memory_tolerance);
+acc_book.show_comparisons(check, memory_tolerance)

@@ -57,11 +57,10 @@ loss_shapes = None                # (vocab, d_model, tokens) of the loss benchma
 
 # %%
 import matplotlib.pyplot as plt
-import pandas as pd
 
-from lab.bench import fastest as bench
-from lab.bench import fused_loss
-from lab.book import fastest, plots, report
+from lab.book import plots, report
+from lab.book.fastest import bench, fused_loss
+from lab.book.fastest import present as fastest
 from lab.measure.device import resolve_device
 
 dev = resolve_device(device)

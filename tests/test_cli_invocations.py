@@ -13,22 +13,23 @@ from lab.paths import REPO_ROOT
 CORES = os.cpu_count() or 1
 NO_GPU = not torch.cuda.is_available()
 
+COLLECTIVES = "lab.book.communication.collectives"
 CASES = [  # module, argv, whether this machine can tell it is wrong
     ("lab.bench", ["--context", "0"], True),
     ("lab.bench", ["--size", "gigantic"], True),
     ("lab.bench", ["--size", "tiny", "--context", "8", "--device", "cpu", "--results-dir", "/proc/no/such"], True),
     ("lab.bench", ["--size", "tiny", "--context", "10000000", "--device", "cpu"], True),
-    ("lab.bench.collectives", ["--world-sizes", "0"], True),
-    ("lab.bench.collectives", ["--sizes-mb", "-1"], True),
-    ("lab.bench.collectives", ["--device", "cpu", "--world-sizes", str(CORES + 1)], True),
-    ("lab.bench.collectives", ["--device", "cpu", "--world-sizes", "2", "--sizes-mb", "100000000"], CORES >= 2),
-    ("lab.bench.collectives", ["--device", "cpu", "--world-sizes", "2", "--results-dir", "/proc/no/such"], CORES >= 2),
-    ("lab.bench.collectives", ["--device", "cuda"], NO_GPU),
-    ("lab.bench.ddp", ["--world-size", "0"], True),
-    ("lab.bench.ddp", ["--size", "gigantic"], True),
-    ("lab.bench.ddp", ["--device", "cpu", "--world-size", str(CORES + 1)], True),
-    ("lab.bench.ddp", ["--device", "cpu", "--world-size", "1", "--size", "10B"], True),
-    ("lab.bench.ddp", ["--bucket-sizes-mb", "0"], True),
+    (COLLECTIVES, ["--world-sizes", "0"], True),
+    (COLLECTIVES, ["--sizes-mb", "-1"], True),
+    (COLLECTIVES, ["--device", "cpu", "--world-sizes", str(CORES + 1)], True),
+    (COLLECTIVES, ["--device", "cpu", "--world-sizes", "2", "--sizes-mb", "100000000"], CORES >= 2),
+    (COLLECTIVES, ["--device", "cpu", "--world-sizes", "2", "--results-dir", "/proc/no/such"], CORES >= 2),
+    (COLLECTIVES, ["--device", "cuda"], NO_GPU),
+    ("lab.book.ddp.bench", ["--world-size", "0"], True),
+    ("lab.book.ddp.bench", ["--size", "gigantic"], True),
+    ("lab.book.ddp.bench", ["--device", "cpu", "--world-size", str(CORES + 1)], True),
+    ("lab.book.ddp.bench", ["--device", "cpu", "--world-size", "1", "--size", "10B"], True),
+    ("lab.book.ddp.bench", ["--bucket-sizes-mb", "0"], True),
     ("lab.fastest", ["--config", "leaderboard", "--device", "cpu"], True),
     ("lab.fastest", ["--config", "tiny", "--device", "cpu", "--world-size", str(CORES + 1)], True),
     ("lab.fastest", ["--config", "tiny", "--device", "cpu", "--results-dir", "/proc/no/such"], CORES >= 2),
@@ -59,6 +60,6 @@ def test_memory_refusal_names_the_estimate_and_the_change():
 
 
 def test_debug_shows_the_traceback():
-    out = subprocess.run([sys.executable, "-m", "lab.bench.ddp", "--size", "gigantic", "--debug"], cwd=REPO_ROOT,
+    out = subprocess.run([sys.executable, "-m", "lab.book.ddp.bench", "--size", "gigantic", "--debug"], cwd=REPO_ROOT,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "Traceback" in out.stderr and "gigantic" in out.stderr

@@ -212,3 +212,31 @@ def test_no_module_imports_another_modules_private_names():
                     and node.attr.startswith("_") and not node.attr.startswith("__")):
                 bad.append(f"{path.relative_to(LAB)}: {node.value.id}.{node.attr}")
     assert not bad, f"imports of another module's private names (make them public with a docstring): {bad}"
+
+
+# --- one place per chapter ----------------------------------------------------------------------------------
+
+#: notebook -> the lab.book package that holds its experiments and presentation
+CHAPTERS = {"01_profiling": "profiling", "02_mixed_precision": "precision", "03_memory": "memory",
+            "04_attention": "attention", "05_flash": "flash", "06_communication": "communication", "07_ddp": "ddp",
+            "08_sharding": "sharding", "09_accounting": "accounting", "10_fastest_step": "fastest"}
+
+
+def test_every_notebook_has_one_chapter_package_and_its_tests():
+    notebooks = sorted(p.stem for p in (REPO_ROOT / "notebooks").glob("[0-9][0-9]_*.py"))
+    assert notebooks == sorted(CHAPTERS)
+    packages = sorted(p.name for p in (LAB / "book").iterdir() if (p / "__init__.py").exists())
+    assert packages == sorted(CHAPTERS.values())
+    for notebook, chapter in CHAPTERS.items():
+        assert (LAB / "book" / chapter / "present.py").exists(), chapter
+        assert ast.get_docstring(ast.parse((LAB / "book" / chapter / "__init__.py").read_text())), chapter
+        assert list((REPO_ROOT / "tests" / "book" / chapter).glob("test_*.py")), chapter
+        used = {m.split(".")[2] for m in _lab_imports(REPO_ROOT / "notebooks" / f"{notebook}.py")
+                if m.startswith("lab.book.") and m.split(".")[2] in CHAPTERS.values()}
+        assert chapter in used, f"{notebook} does not use lab.book.{chapter}"
+
+
+def test_only_the_book_and_its_command_lines_import_the_book():
+    importers = {name for name, path in MODULES.items() if not name.startswith("lab.book")
+                 for _, found, _ in _imports(path) if any(m.startswith("lab.book") for m in found)}
+    assert importers <= {"lab.render", "lab.fastest"}, importers

@@ -5,7 +5,7 @@ Modules: ``symbols`` (shared symbols and units), ``transformer`` (memory and FLO
 ``collectives`` (the one ring cost model), ``parallelism`` (one FFN under DP/FSDP/TP, the XXL model, TPU
 v5p), ``ring_sim`` (the simulator). Formulas take numbers, sympy symbols or any object with a model
 config's fields; nothing here builds or runs a model (measured-vs-predicted checks live in
-``lab.bench.accounting``). Their public names are importable from ``lab.accounting`` directly.
+``lab.book.accounting.bench``). Their public names are importable from ``lab.accounting`` directly.
 
 May import: sympy, numpy, pandas, and the leaf ``lab.units``. Nothing else from ``lab``.
 """

@@ -1,6 +1,8 @@
-"""The book's experiments: each module measures one notebook's subject with the shared parts
-(``lab.measure`` for timing, phases, memory and results; ``lab.model``; ``lab.kernels``; ``lab.parallel``)
-and returns tables. ``python -m lab.bench`` is the language-model benchmark CLI.
+"""Benchmarks a user runs from the command line and the measuring parts the book's chapters share:
+``python -m lab.bench`` times a Transformer LM (:mod:`lab.bench.lm`, :mod:`lab.bench.cli`); interleaved timing
+of several implementations in the same processes (:mod:`lab.bench.interleaved`); the CPU memory pre-check
+every command line runs before it starts (:mod:`lab.bench.memory_estimate`); progress lines
+(:mod:`lab.bench.progress`). A chapter's own experiments live with the chapter, in ``lab.book.<chapter>``.
 
 May import: every other ``lab`` subpackage except ``lab.book``.
 """

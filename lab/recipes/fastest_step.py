@@ -10,7 +10,7 @@ The book's recipe (:data:`PROJECT`):
 * **attention**: SDPA's cuDNN kernel, chosen by measurement on both rungs. On the leaderboard's shape (32k
   tokens, head dim 128) our Triton FlashAttention-2 kernels (``lab.kernels.flash_triton``, a
   ``torch.library`` op) take ~1.5x cuDNN's time forward+backward (notebook 05's grid,
-  ``python -m lab.bench.flash_sweep``), and the step with them is slower by several hundred milliseconds; on the
+  ``python -m lab.book.flash.sweep``), and the step with them is slower by several hundred milliseconds; on the
   2.7B rung (512 tokens, head dim 80, which our kernels run in masked 128-wide tiles) SDPA is faster too.
   The ablation ``flash_triton_attention`` measures the choice again in every render;
 * **loss**: the fused LM head + cross-entropy (``lab.kernels.fused_cross_entropy``): the ``(tokens, vocab)``
@@ -188,7 +188,7 @@ def is_stock(name: str) -> bool:
     """Whether a recipe name is one of the stock PyTorch steps (:data:`STOCK_EAGER` and its kin)."""
     return name.startswith("stock_")
 #: The name of the book's step measured again beside its ablations where they run on GPUs of their own
-#: (``lab.bench.fastest.plan``): what they are compared with, on the same cards and timed the same way.
+#: (``lab.book.fastest.bench.plan``): what they are compared with, on the same cards and timed the same way.
 ABLATION_BASE = "ablation_base"
 
 

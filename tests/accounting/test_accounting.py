@@ -10,7 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lab import accounting as acc
 from lab.accounting.ring_sim import simulate
-from lab.bench.accounting import predicted_vs_measured, saved_activations_check
+from lab.book.accounting.bench import predicted_vs_measured, saved_activations_check
 from lab.measure.step import lm_loss
 from lab.model.transformer import MODEL_SIZES, ModelConfig, TransformerLM, config_for
 
@@ -493,7 +493,7 @@ def test_saved_activations_check_agrees_with_lab_saved_tensors():
 
 
 def test_xxl_table_by_hand():
-    from lab.bench.accounting import xxl_table
+    from lab.book.accounting.bench import xxl_table
 
     t = xxl_table(2048).set_index("matrices")
     # two matrices: 2 x 16,384 x 53,248 x 126 = 219,848,638,464 parameters; 16 B each = 3,517.58 GB -> 44 H100s
@@ -512,7 +512,7 @@ def test_xxl_table_by_hand():
 
 
 def test_xxl_fsdp_and_tpu_tables():
-    from lab.bench.accounting import TPU_MESH, tpu_batch_table, tpu_tricks_table, xxl_fsdp_table
+    from lab.book.accounting.bench import TPU_MESH, tpu_batch_table, tpu_tricks_table, xxl_fsdp_table
 
     fsdp = xxl_fsdp_table([0, 2048]).set_index(["matrices", "tokens"])
     assert fsdp.loc[(2, 0), "devices_needed"] == 38  # 3,517.6 / 95 = 37.03
@@ -535,7 +535,7 @@ def test_xxl_fsdp_and_tpu_tables():
 
 
 def test_size_configs_and_ffn_limits():
-    from lab.bench.accounting import ffn_limits_table, size_configs
+    from lab.book.accounting.bench import ffn_limits_table, size_configs
 
     configs = size_configs(["small", "2.7B"], 256)
     assert list(configs) == ["small", "2.7B"] and configs["2.7B"].context_length == 256

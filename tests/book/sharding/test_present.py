@@ -1,0 +1,166 @@
+"""lab.book.sharding.present: the sentences, tables and goals of notebook 08, from small synthetic benchmark tables."""
+
+import json
+import math
+import re
+
+import matplotlib
+import pandas as pd
+import pytest
+
+from lab.book.sharding import bench as sharding_bench
+from lab.book.sharding import present as sharding_book
+from lab.book.sharding import traffic as sharding_traffic
+from lab.measure.traces import overlap_summary
+from tests.book.prose import in_order, numbers, sentence_with
+
+matplotlib.use("Agg")
+#           impl: (median step ms, peak after step GiB, overall peak GiB, state GiB: params, grads, optimizer)
+ROWS = {"ddp": (100, 38.0, 39.0, (7.4, 7.4, 14.9)), "sharded_optimizer": (150, 23.0, 31.0, (7.4, 7.4, 7.45)),
+        "zero1": (110, 22.5, 31.0, (7.4, 7.4, 7.45)), "fsdp": (120, 19.0, 19.0, (3.7, 3.7, 7.45)),
+        "torch_zero": (130, 26.6, 31.0, (7.4, 7.4, 7.45)), "torch_fsdp2": (140, 19.0, 18.0, (3.7, 3.7, 7.45))}
+
+
+def _samples(ms, spread, shift):
+    return json.dumps([ms * (1 + spread * ((i * 7 + shift) % 5 - 2)) for i in range(10)])
+
+
+def table(gpu=True, spread=0.005, size="xl"):
+    rows = []
+    for impl, (ms, after, peak, (p, g, o)) in ROWS.items():
+        e = sharding_bench.expected_state_bytes(impl, 2e9, 2)
+        rows.append(dict(impl=impl, size=size, world_size=2, status="ok", error="", step_ms=ms, step_iqr_ms=ms * spread,
+                         rounds=10, step_samples_ms=_samples(ms, spread, len(rows)), peak_init_gib=math.nan,
+                         peak_before_step_gib=peak if gpu else math.nan, peak_after_step_gib=after if gpu else math.nan,
+                         peak_gib=peak if gpu else math.nan, reduce_dtype="fp32", param_gib=p, grad_gib=g,
+                         optimizer_state_gib=o, activations_gib=(peak - p - g - o) if gpu else math.nan,
+                         expected_param_gib=e["params"] / 2**30, expected_grad_gib=e["grads"] / 2**30,
+                         expected_optimizer_state_gib=e["optimizer_state"] / 2**30, trace=None))
+    return pd.DataFrame(rows)
+
+
+def test_state_and_traffic_sentences():
+    expected = sharding_bench.expected_state_table(["tiny"], world_size=2)
+    text = sharding_book.state_sentence(expected, 2)
+    assert "tiny" in text and in_order(text, [1.411, 2, 0.021])  # parameters (M), ranks, DDP's GiB
+    assert in_order(text, [25, 50])  # the two sharded layouts' savings, in percent
+    closed = sharding_traffic.closed_form_traffic("tiny", 2)
+    recorded = [("ddp", "all_reduce", 10, 10), ("sharded_optimizer", "all_reduce", 10, 10),
+                ("sharded_optimizer", "broadcast", 5, 5), ("zero1", "reduce_scatter", 5, 5),
+                ("zero1", "all_gather", 5, 5), ("fsdp", "all_gather", 8, math.nan)]
+    traffic = pd.DataFrame(recorded, columns=["impl", "collective", "measured_bytes", "expected_bytes"])
+    traffic["measured_ratio_to_ddp"] = traffic["impl"].map({"ddp": 1.0, "sharded_optimizer": 1.5, "zero1": 1.0,
+                                                            "fsdp": 0.8})
+    text = sharding_book.traffic_sentences(closed, traffic)
+    assert "do not match" not in text and "FSDP" in text
+    traffic.loc[4, "measured_bytes"] = 6
+    assert "**do not match**" in sharding_book.traffic_sentences(closed, traffic)
+    assert numbers(sharding_book.traffic_answer(closed, traffic))[:2] == [1.5, 1.0]  # sharded optimizer, ZeRO-1
+    assert 1.5 in numbers(sharding_book.difference_sentence(closed, 2))
+
+
+def test_time_comparisons_against_ddp_and_the_reference():
+    t = sharding_book.time_comparisons(table())
+    pairs = list(zip(t["impl"], t["reference"]))
+    assert ("zero1", "ddp") in pairs and ("zero1", "torch_zero") in pairs and ("fsdp", "torch_fsdp2") in pairs
+    assert ("ddp", "ddp") not in pairs and ("torch_zero", "torch_zero") not in pairs
+    v = t.set_index(["impl", "reference"])["verdict"]
+    assert v[("zero1", "torch_zero")] == "faster" and v[("sharded_optimizer", "ddp")] == "slower"
+    text = sharding_book.time_sentences(t)
+    first = text.split(";")[0]  # one clause per comparison, in the table's order
+    assert text.startswith("**xl:**") and "sharded_optimizer" in first and "ddp" in first
+    assert "slower" in first and 1.5 <= numbers(first)[0] < 1.6
+    fsdp = sentence_with(text, "fsdp is", "torch_fsdp2")
+    assert "faster" in fsdp and 1.1 <= numbers(fsdp)[0] < 1.2
+    noisy = sharding_book.time_comparisons(table(spread=0.3))
+    assert (noisy.set_index(["impl", "reference"])["verdict"][("zero1", "ddp")]) == "within noise"
+    assert re.match(r"xl: sharded_optimizer slower \(ratio 1\.5\d?\), zero1 slower", sharding_book.time_answer(t))
+
+
+def test_goals_time_from_verdicts_memory_direct():
+    g = sharding_book.goals(table()).set_index(["impl", "goal"])["result"]
+    assert g[("sharded_optimizer", "peak after step <= torch_zero")] == "met"  # 23 <= 26.6
+    assert g[("sharded_optimizer", "step time <= torch_zero")] == "missed"  # 150 vs 130, beyond the noise
+    assert g[("zero1", "step time <= torch_zero")] == "met"
+    assert g[("fsdp", "step time <= torch_fsdp2")] == "met"
+    assert g[("fsdp", "peak memory <= 1.1 x torch_fsdp2")] == "met"  # 19 <= 1.1 * 18
+    assert sharding_book.goals(table(), 1.05).set_index(["impl", "goal"])["result"][
+        ("fsdp", "peak memory <= 1.05 x torch_fsdp2")] == "missed"
+    cpu = sharding_book.goals(table(gpu=False)).set_index(["impl", "goal"])["result"]
+    assert cpu[("zero1", "peak after step <= torch_zero")] == "not measured"
+    noisy = sharding_book.goals(table(spread=0.3)).set_index(["impl", "goal"])["result"]
+    assert noisy[("zero1", "step time <= torch_zero")] == "undecided (within noise)"
+    oom = table()
+    oom.loc[oom["impl"] == "torch_fsdp2", "status"] = "oom"
+    assert sharding_book.goals(oom).set_index(["impl", "goal"])["result"][("fsdp", "step time <= torch_fsdp2")] == \
+        "not measured"
+    answer = sharding_book.goals_answer(sharding_book.goals(table()))
+    assert numbers(answer)[:3] == [6, 5, 1]  # checks, met, missed
+    missed = answer[answer.index("missed:"):]
+    assert "sharded_optimizer" in missed and "torch_zero" in missed and 1.1 <= numbers(missed)[0] < 1.2
+
+
+def test_memory_sentences_and_answers():
+    df = table()
+    assert "DDP 38 GiB" in sharding_book.memory_sentences(df)
+    assert "n/a (no GPU)" in sharding_book.memory_sentences(table(gpu=False))
+    answer = sharding_book.memory_answer(df)
+    assert in_order(answer, [29.7, 0.75, 0.5, 39])  # DDP's state, two ratios to it, DDP's overall peak
+    assert "overall peak" in answer
+    assert "overall peak" not in sharding_book.memory_answer(table(gpu=False))
+    assert sharding_book.peaks_sentence(df) == "" and "No CUDA allocator" in sharding_book.peaks_sentence(
+        table(gpu=False))
+    assert sharding_book.failures(df) == "Every configuration ran."
+    oom = df.assign(status=["oom"] + ["ok"] * 5, error=["OutOfMemoryError: CUDA out of memory"] + [""] * 5)
+    assert "| xl     | ddp    | oom      | OutOfMemoryError" in sharding_book.failures(oom)
+    assert "DDP n/a (oom), sharded optimizer" in sharding_book.memory_sentences(oom)
+    nothing = df.assign(status="oom")  # a GPU render where every row ran out of memory: not "no GPU"
+    assert sharding_book.peaks_sentence(nothing).startswith("No configuration ran to the end")
+
+
+def test_breakdown_and_fsdp_saving():
+    df = table()
+    breakdown = sharding_bench.memory_breakdown(df)
+    text = sharding_book.breakdown_sentence(breakdown, 2)
+    assert numbers(text)[0] == 6 and "within" in text
+    assert sharding_book.plot_breakdown(breakdown) is not None
+    assert sharding_book.plot_breakdown(sharding_bench.memory_breakdown(table(gpu=False))) is None
+    expected = pd.DataFrame([dict(size="xl", impl="ddp", total_gib=29.8), dict(size="xl", impl="fsdp", total_gib=14.9)])
+    saving = sharding_book.fsdp_saving(df, expected)
+    (r,) = saving.itertuples()
+    assert r.expected_saving_gib == pytest.approx(14.9) and r.measured_state_saving_gib == pytest.approx(29.7 - 14.85)
+    assert r.measured_peak_saving_gib == pytest.approx(20.0)
+    assert "the peak is 20 GiB lower" in sharding_book.fsdp_saving_sentences(saving)
+    cpu = sharding_book.fsdp_saving(table(gpu=False), expected)
+    assert "not measured on the CPU" in sharding_book.fsdp_saving_sentences(cpu)
+
+
+def _timeline(gather_end, compute_start):
+    """A forward of 10 ms: communication from 0 to ``gather_end``, compute from ``compute_start`` to 10."""
+    rows = [("phase", "phase", "forward", 0.0, 10.0), ("main thread", "compute", "aten::mm", compute_start,
+                                                       10.0 - compute_start),
+            ("gloo thread 1", "communication", "gloo:all_gather", 0.0, gather_end)]
+    return pd.DataFrame(rows, columns=["lane", "kind", "name", "start_ms", "dur_ms"])
+
+
+def test_forward_readings():
+    in_time = overlap_summary(_timeline(gather_end=0.5, compute_start=0.5))
+    assert "no gaps to speak of" in sharding_book.forward_sentence(in_time, "xl")
+    late = overlap_summary(_timeline(gather_end=6.0, compute_start=6.0))
+    text = sharding_book.forward_sentence(late, "xl", timed_step_ms=7.0)
+    assert text.startswith("xl, in the profiled step: the forward (10 ms) kept the compute lane busy 4 ms and idle "
+                           "6 ms (60%)")
+    assert "critical path" in text and "median timed step 7 ms" in text
+    host = overlap_summary(_timeline(gather_end=1.0, compute_start=6.0))
+    assert "host launching work" in sharding_book.forward_sentence(host, "xl")
+    overlap = pd.concat([late.assign(size="xl")])
+    assert sharding_book.forward_answer(overlap).startswith("xl (one profiled step): Most of the idle time")
+    assert sharding_book.forward_answer(pd.DataFrame()) == "no profiled trace here to tell."
+    table_, text = sharding_book.fsdp_overlap(table(), "fsdp")
+    assert table_.empty and "No profiler trace of fsdp" in text
+
+
+def test_plots():
+    assert sharding_book.plot_step_times(table()).axes[0].get_title() == "xl"
+    assert sharding_book.plot_peaks(table()) is not None and sharding_book.plot_peaks(table(gpu=False)) is None
+    assert list(sharding_book.benchmark_table(table()).columns[:4]) == ["size", "impl", "status", "step_ms"]
