@@ -221,7 +221,7 @@ def test_device_caveat(capsys):
 
 @pytest.mark.parametrize("budget,name", [(70, "02_mixed_precision")])
 def test_notebook_holds_no_logic(budget, name):
-    from tests.book.test_profiling import notebook_code
+    from tests.book.profiling.test_present import notebook_code
 
     lines = notebook_code(name)
     assert len(lines) <= budget, f"{name} has {len(lines)} lines of code (budget {budget})"
