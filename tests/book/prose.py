@@ -50,6 +50,14 @@ def sentence_of(text: str, value: float, unit: str, rel: float = 1e-9) -> str:
     raise AssertionError(f"no sentence holds {value} {unit}: {text}")
 
 
+def clause_of(text: str, name: str) -> str:
+    """The clause of ``text`` that starts at ``name`` (a configuration's or implementation's label), up to the next
+    ';' or end of sentence; AssertionError if ``text`` does not name it."""
+    if name not in text:
+        raise AssertionError(f"{name!r} is not named: {text}")
+    return re.split(r"(?<=[.;])\s", text[text.index(name):])[0]
+
+
 def counts(text: str) -> list[tuple[int, int]]:
     """The ``k of n`` counts in ``text``, in order."""
     return [(int(a), int(b)) for a, b in re.findall(r"(\d+) of (\d+)", text)]
