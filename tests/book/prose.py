@@ -58,6 +58,11 @@ def clause_of(text: str, name: str) -> str:
     return re.split(r"(?<=[.;])\s", text[text.index(name):])[0]
 
 
+def bold(text: str) -> list[str]:
+    """The ``**bold**`` spans of ``text`` (the values a sentence stresses: a result, a verdict), in order."""
+    return re.findall(r"\*\*(.+?)\*\*", text)
+
+
 def counts(text: str) -> list[tuple[int, int]]:
     """The ``k of n`` counts in ``text``, in order."""
     return [(int(a), int(b)) for a, b in re.findall(r"(\d+) of (\d+)", text)]
