@@ -95,7 +95,8 @@ def test_overlap_table_and_sentences():
     assert numbers(shares) == [0, 80]  # naive 0%, the one hook-based wrapper 80% (one number, not "80%-80%")
     verdict = sentence_with(text, "faster than flat")
     assert "bucketed 8 MB" in verdict and "saves" in verdict
-    for untraced in (ddp_book.overlap_answer(overlap, bench(), None), ddp_book.overlap_sentences(overlap, bench(), None)):
+    for untraced in (ddp_book.overlap_answer(overlap, bench(), None),
+                     ddp_book.overlap_sentences(overlap, bench(), None)):
         assert "trace" in untraced and numbers(untraced) == [] and "faster" not in untraced  # no share, no verdict
     assert ddp_book.timeline_config(bench()) is None and ddp_book.shown_timelines(bench(), None) == {}
 

@@ -99,7 +99,7 @@ def test_course_sentence_and_goal():
     assert "NVIDIA H200" in text and "H100" in text and "missed" in text  # the card it ran on, the goal's card
     cpu = pd.DataFrame([_course(400.0, 10.0, "cpu", compiled=False, n=2)])
     assert present.course_table(cpu)["goal"].tolist() == ["not evaluated (CPU)"]
-    assert "is not evaluated" in present.course_sentence(cpu) and present.INTERPRETED_SHORT in \
+    assert "not evaluated" in present.course_sentence(cpu) and present.INTERPRETED_SHORT in \
         present.course_sentence(cpu)
 
 

@@ -13,7 +13,7 @@ from lab.book.profiling import kernels as kernel_profiles
 from lab.book.profiling import present as profiling
 from lab.book.profiling import warmup
 from lab.paths import REPO_ROOT
-from tests.book.prose import amounts, bold, clause_of, counts, in_order, numbers, sentence_with, sentences
+from tests.book.prose import amounts, bold, clause_of, counts, in_order, numbers, sentence_of, sentence_with, sentences
 
 matplotlib.use("Agg")
 
@@ -136,15 +136,16 @@ def test_timing_paragraph_quotes_the_tables():
                    error="forward_backward: CUDA out of memory; train_step: CUDA out of memory")])
     ratios = profiling.backward_ratios(_samples(_sweep_spec()))
     text = profiling.timing_paragraph(lm, ratios, 64)
-    assert numbers(sentence_with(text, "forward takes")) == [64, 10, 40]
-    noisy = sentence_with(text, "worst for a")
+    assert numbers(sentence_of(text, 10, "ms")) == [64, 10, 40]  # context; a's and b's forward
+    noisy = sentence_of(text, 20, "%")  # the noisiest configuration's spread
     assert counts(noisy) == [(1, 4)] and 20 in numbers(noisy) and "fwd" in noisy
     from_csv = profiling.timing_paragraph(lm.astype({"context": float}), ratios, 64)  # NaN rows make ints floats
-    assert "at context 32 fp32" in from_csv and "32.0" not in from_csv
-    oom = text[text.index("Out of memory"):]
-    assert "b at context 32 fp32" in oom and "forward_backward/train_step" in oom
+    assert in_order(sentence_of(from_csv, 20, "%"), [32]) and "32.0" not in from_csv
+    oom = sentences(text)[-1]  # the configuration that ran out of memory, and in which modes
+    assert numbers(oom) == [32] and "b" in oom.split() and "a" not in oom.split() and "fp32" in oom
+    assert "forward_backward" in oom and "train_step" in oom and "ms" not in oom
     noisy_fwd = lm.iloc[:2].assign(fwd_std_ms=[2.0, 50.0])  # b's spread exceeds its 40 ms median
-    forward = sentence_with(profiling.timing_paragraph(noisy_fwd, ratios, 64), "forward takes")
+    forward = sentence_of(profiling.timing_paragraph(noisy_fwd, ratios, 64), 10, "ms")
     assert numbers(forward) == [64, 10, 50] and "noisy" in forward  # b's 40 ms is not quoted
     quiet = profiling.timing_paragraph(lm.iloc[:2], ratios, 64)
     assert "worst for" not in quiet and 5 in numbers(quiet)  # no noisy configuration; the 5% threshold named
@@ -243,7 +244,7 @@ def test_warmup_paragraph_explains_by_the_measured_device():
     assert "slower" in first and amounts(first)[-2:] == [(95, "%"), (12, "x")] and in_order(first, [9.9, 12])
     assert warmup.GPU_FIRST_STEP in gpu and "page faults" not in gpu
     cpu = warmup.warmup_paragraph(_warmup(), "cpu")
-    assert warmup.CPU_FIRST_STEP in cpu and "cudaMalloc" not in cpu and "creating the CUDA context" not in cpu
+    assert warmup.CPU_FIRST_STEP in cpu and "cudaMalloc" not in cpu and warmup.GPU_FIRST_STEP not in cpu
     for device, cause, not_cause in (("cpu", "CPU", "cuBLAS"), ("cuda", "cuBLAS", "CPU")):
         answer = warmup.warmup_answer(_warmup(), device)
         assert amounts(answer) == [(11, "x"), (95, "%"), (12, "x")] and "slower" in answer
