@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 
 from lab.book.attention import present
-from tests.book.prose import counts, numbers, sentence_with
+from tests.book.prose import amounts, amounts_in_order, counts, has_amount, numbers, sentence_of, sentence_with
 
 matplotlib.use("Agg")
 
@@ -86,13 +86,17 @@ def test_memory_terms_and_accounting_sentence():
     check = pd.DataFrame([dict(quantity="saved for backward beyond q, k, v", predicted_mib=8192.0,
                                measured_mib=8192.0, measured_over_predicted=1.0)])
     text = present.accounting_sentence(row, "largest_fit", check)
-    assert "largest configuration that fit" in text and numbers(text)[:3] == [8, 16384, 64]
+    assert numbers(text)[:3] == [8, 16384, 64] and "out of memory" not in text  # batch, seq, d of a fit
     assert "8 × 16384² × 4 B = 8 GiB" in text  # the formula with its numbers
+    assert amounts_in_order(text, [(8, "GiB"), (8.16, "GiB"), (24.2, "GiB")])  # P, before the backward, its peak
     assert numbers(sentence_with(text, "measured"))[-3:] == [8192, 8192, 1.0]  # measured, predicted, ratio
     oom = pd.Series(_grid_row(64, 65536, status="oom"))
     text = present.accounting_sentence(oom, "oom", check.assign(measured_mib=math.nan))
-    assert "smallest configuration that ran out of memory" in text and "This GPU has 80 GiB" in text
-    assert "cannot fit" in text and "no allocator statistics" in text
+    assert "out of memory" in text and numbers(text)[:3] == [8, 65536, 64]
+    assert amounts_in_order(text, [(128, "GiB"), (129, "GiB"), (385, "GiB")])  # P, before the backward, its peak
+    assert "allocator" in text and not [a for a in amounts(text) if a[1] == "MiB"]  # nothing measured, said so
+    assert amounts(sentence_of(text, 80, "GiB")) == [(80, "GiB"), (385, "GiB")] and "cannot" in sentence_of(
+        text, 80, "GiB")  # the GPU's memory against the predicted peak: the verdict
 
 
 def test_saved_memory_curves_and_scaling_sentence():
@@ -126,7 +130,8 @@ def test_compile_table_and_sentence_use_verdicts():
     assert counts(backward) == [(0, 3)] and "slower in 1" in backward
     assert numbers(sentence_with(text, "gains most")) == [256, 16, 2]
     assert numbers(sentence_with(text, "Compiling cost")) == [3, 3]
-    assert "seq × seq" in sentence_with(text, "saves for the backward")
+    saved = sentence_with(text, "seq^2.00")
+    assert "seq × seq" in saved and has_amount(saved, 1.0, "x")  # compiled saves as much as eager, still seq²
     assert present.plot_compile_speedups(versus) is not None
     eager_only = pd.DataFrame([_grid_row(16, 256)])
     assert present.compile_table(eager_only).empty
@@ -159,7 +164,10 @@ def test_lm_compile_speedups_and_sentence():
     assert numbers(small)[:3] == [50, 20, 2.5] and "faster" in small
     xl = text[text.index("xl train step"):].split(";")[0]
     assert numbers(xl)[:2] == [100, 98] and "within noise" in xl
-    assert "10B forward" in text and "10B eager, 10B compiled" in text[text.index("Did not fit"):]
+    ten = text[text.index("10B forward"):].split(";")[0]
+    assert numbers(ten)[1:4] == [40, 30, 1.33] and "within noise" in ten  # eager, compiled, speedup, verdict
+    failed = sentence_with(text, "10B eager", "10B compiled")  # the configurations that did not fit, by name
+    assert "small" not in failed and "xl" not in failed and not amounts(failed)
     assert present.plot_lm_compile(present.lm_compile_speedups(lm)) is not None
     assert list(present.lm_table(lm).columns)[:3] == ["size", "compile", "fwd_ms"]
     assert list(present.lm_table(lm).columns)[-2:] == ["status", "error"]

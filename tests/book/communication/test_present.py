@@ -10,7 +10,7 @@ import torch
 
 from lab.book.communication import collectives
 from lab.book.communication import present as comm
-from tests.book.prose import counts, in_order, numbers
+from tests.book.prose import amounts, amounts_in_order, counts, has_amount, in_order, numbers
 
 matplotlib.use("Agg")
 MIB = 2**20
@@ -63,7 +63,8 @@ def test_correctness_sentence_names_wrong_results():
 
 def test_cpu_sharing_sentence():
     g = grid()
-    assert "4 gloo processes" in comm.cpu_sharing_sentence(g, cores=2)
+    shared = comm.cpu_sharing_sentence(g, cores=2)
+    assert numbers(shared)[:2] == [2, 4] and "gloo" in shared  # cores, then the processes sharing them
     assert numbers(comm.cpu_sharing_sentence(g, cores=8)) == [8]  # no process shared a core of the 8
     assert comm.cpu_sharing_sentence(g[g["backend"] == "nccl"], cores=2) == ""
     assert "not recorded" in comm.cpu_sharing_sentence(g, cores=None)
@@ -85,7 +86,7 @@ def test_a_replay_describes_the_machine_that_measured(tmp_path):
     assert here["cores"] == os.cpu_count() and here["gpus"] == torch.cuda.device_count()
     plan = collectives.plan_grid(False, "auto", [2, 4, 6], gpus=2)
     assert list(plan.gpu_world_sizes) == [2]
-    assert "this machine has 2 GPU(s)" in plan.note
+    assert numbers(plan.note) == [4, 6, 2, 2] and "NCCL" in plan.note  # the sizes dropped, the GPUs, the limit
 
 
 def test_split_allreduce_verdicts_follow_the_samples():
@@ -93,13 +94,15 @@ def test_split_allreduce_verdicts_follow_the_samples():
     assert list(same["world_size"]) == [2, 4] and (same["size_mb"] == 10).all()
     assert (same["verdict"] == "within noise").all()
     text = comm.split_allreduce_sentences(same)
-    assert "within noise of the all-reduce" in text and "no difference" in text and "no extra" not in text
+    assert amounts_in_order(text, [(11, "ms"), (11, "ms"), (16.5, "ms"), (16.5, "ms")])  # split vs all-reduce
+    assert text.count("within noise") == 2 and "slower" not in text and "faster" not in text
     slower = comm.split_allreduce(grid(split_factor=1.3))
     assert (slower["verdict"] == "slower").all() and slower["ratio"].iloc[0] == pytest.approx(1.3, rel=0.03)
     text = comm.split_allreduce_sentences(slower)
     assert "slower" in text and 1.3 in numbers(text)  # the split's time ratio, named as slower
     faster = comm.split_allreduce(grid(split_factor=0.7))
-    assert "costs no extra time" in comm.split_allreduce_sentences(faster)
+    text = comm.split_allreduce_sentences(faster)
+    assert amounts_in_order(text, [(7.7, "ms"), (11, "ms"), (1.43, "x")]) and "faster" in text
     answer = comm.split_allreduce_answer(slower)
     assert "gloo" in answer and numbers(answer)[:2] == [2, 10] and "slower" in answer
 
@@ -110,16 +113,21 @@ def test_bus_bandwidth_holds_or_not():
     r4 = held.set_index("world_size").loc[4]
     assert r4["busbw_gbps"] == pytest.approx(held.set_index("world_size").loc[2, "busbw_gbps"], rel=0.03)
     assert r4["algbw_gbps"] == pytest.approx(r4["busbw_gbps"] / 1.5)
-    assert "holds within the noise" in comm.bus_bandwidth_sentences(held)
+    text = comm.bus_bandwidth_sentences(held)
+    assert amounts(text) == [(10, "MiB"), (0.953, "GB/s"), (0.953, "GB/s")] and "within noise" in text
+    assert "lower" not in text and "higher" not in text
     dropped = comm.bus_bandwidth_by_ranks(grid(slow_ranks=2.0))
     assert list(dropped["verdict"]) == ["reference", "lower"]
-    assert "does not hold" in comm.bus_bandwidth_sentences(dropped)
-    assert "(lower)" in comm.bus_bandwidth_answer(dropped)
+    text = comm.bus_bandwidth_sentences(dropped)
+    assert amounts(text)[1:] == [(0.953, "GB/s"), (0.477, "GB/s")] and "lower" in text and "within noise" not in text
+    answer = comm.bus_bandwidth_answer(dropped)
+    assert in_order(answer, [0.953, 2, 0.477, 4]) and "lower" in answer  # GB/s on 2 ranks, on 4, the verdict
     rose = comm.bus_bandwidth_by_ranks(grid(slow_ranks=0.5))  # H100 host, gloo: 2.55 GB/s on 2 ranks, 3.52 on 4
     assert list(rose["verdict"]) == ["reference", "higher"]
     text = comm.bus_bandwidth_sentences(rose)
-    assert "rises with the ranks" in text and "does not hold" not in text
-    assert comm.bus_bandwidth_answer(held[held["world_size"] == 2]) == "only one world size was measured."
+    assert has_amount(text, 1.91, "GB/s") and "higher" in text and "lower" not in text
+    one = comm.bus_bandwidth_answer(held[held["world_size"] == 2])
+    assert not amounts(one) and not any(v in one for v in ("within noise", "lower", "higher"))  # no comparison
 
 
 def test_latency_bandwidth_sentences_from_a_fit():
@@ -128,16 +136,21 @@ def test_latency_bandwidth_sentences_from_a_fit():
     ar2 = fits[(fits["op"] == "all_reduce") & (fits["world_size"] == 2)].iloc[0]
     assert ar2["latency_ms"] == pytest.approx(1.0, rel=0.05)  # 1 ms + 1 ms per MiB
     text = comm.latency_bandwidth_sentences(fits)
-    assert text.startswith(f"**gloo, 2 ranks:** latency {comm.duration(ar2['latency_ms'])} per call, bandwidth "
-                           f"{ar2['bandwidth_gbps']:.3g} GB/s; a call is latency-bound below about 1 MiB")
-    assert comm.latency_bandwidth_answer(fits).startswith("All-reduce: gloo with 2 ranks: ")
-    flat = fits.assign(bandwidth_gbps=float("nan"))
-    assert "finds no bandwidth" in comm.latency_bandwidth_sentences(flat)
+    first = text.split("\n\n")[0]  # one paragraph per backend and world size
+    latency, bandwidth = float(f"{ar2['latency_ms']:.3g}"), float(f"{ar2['bandwidth_gbps']:.3g}")
+    assert "gloo" in first and numbers(first)[0] == 2  # backend, ranks
+    assert amounts(first) == [(latency, "ms"), (bandwidth, "GB/s"), (1, "MiB")]  # latency, bandwidth, crossover
+    answer = comm.latency_bandwidth_answer(fits)
+    assert "gloo" in answer and numbers(answer)[0] == 2
+    assert amounts(answer)[:2] == [(latency, "ms"), (bandwidth, "GB/s")]
+    flat = comm.latency_bandwidth_sentences(fits.assign(bandwidth_gbps=float("nan")))
+    assert not [a for a in amounts(flat) if a[1] == "GB/s"] and "bandwidth" in flat  # no bandwidth, and says so
 
 
 def test_backend_sentence_needs_both_backends():
     g = grid()
-    assert "not compared" in comm.backend_sentence(g)
+    alone = comm.backend_sentence(g)
+    assert numbers(alone) == [2] and "gloo" in alone and "NCCL" in alone and "faster" not in alone
     fast = g.assign(backend="nccl", samples_ms=[json.dumps([t / 50 for t in json.loads(s)]) for s in g["samples_ms"]])
     text = comm.backend_sentence(pd.concat([g, fast]))
     assert numbers(text)[:3] == [10, 2, 50] and "faster" in text.split(".")[0]  # size, ranks, speedup

@@ -8,6 +8,7 @@ import pytest
 
 from lab.book.fastest import compare as fastest_compare
 from lab.book.fastest import present as fastest
+from tests.book.prose import amounts, amounts_in_order, clause_of, has_amount, in_order, numbers, sentence_of
 
 matplotlib.use("Agg")
 
@@ -27,10 +28,13 @@ def test_goal_is_met_missed_or_undecided_from_the_spread():
     assert "**met**" in fastest.goal_sentence(df, "leaderboard", 0.8)
     assert "**missed**" in fastest.goal_sentence(df, "leaderboard", 0.7)
     noisy = pd.DataFrame([_row("project", 4700.0, 400.0, n=3), _row("stock_compiled", 6000.0, 400.0, n=3)])
-    assert "undecided within the noise" in fastest.goal_sentence(noisy, "leaderboard", 0.8)
+    undecided = fastest.goal_sentence(noisy, "leaderboard", 0.8)
+    assert "undecided" in undecided and "**met**" not in undecided and "**missed**" not in undecided
+    assert amounts_in_order(undecided, [(4700, "ms"), (6000, "ms"), (0.8, "x")]) and in_order(undecided, [0.783])
     one = pd.DataFrame([_row("project", 4500.0, 0.0, n=1), _row("stock_compiled", 6000.0, 0.0, n=1)])
     assert "no spread" in fastest.goal_sentence(one, "leaderboard", 0.8)
-    assert "cannot be checked" in fastest.goal_sentence(df[df.impl == "project"], "leaderboard", 0.8)
+    alone = fastest.goal_sentence(df[df.impl == "project"], "leaderboard", 0.8)
+    assert not amounts(alone) and "bf16" in alone and "**met**" not in alone and "**missed**" not in alone
     cpu = fastest.goal_sentence(df, "tiny", 0.8, on_gpu=False)
     assert "**met**" not in cpu and "**missed**" not in cpu and "4500" in cpu
 
@@ -59,8 +63,9 @@ def test_the_goal_compares_only_equal_precision_and_names_the_stock_options():
     assert t.loc["fp32_master_weights", "stock"] == "stock_compiled" and t.loc["fp32_master_weights", "timer"] == "host"
     assert t.loc["fp32_master_weights", "ratio"] == pytest.approx(128.5 / 126.0)
     s = fastest.goal_sentence(df, "2.7B", 0.85)
-    assert "**missed**" in s and "stock_compiled_bf16" in s and "95.1" in s and "125.8" not in s
-    assert "fused_loss" in s and "precision bf16" in s  # the book's own part, and what was held fixed
+    assert "**missed**" in s and "stock_compiled_bf16" in s and "125.8" not in s
+    assert amounts_in_order(s, [(97.6, "ms"), (95.1, "ms"), (0.85, "x")]) and in_order(s, [1.026])  # ratio to goal
+    assert "fused_loss" in s and "bf16" in s.split(":")[0]  # the book's own part, and the precision held fixed
     leaderboard = pd.DataFrame([_row("project", 4500.0, 10.0), _row("stock_compiled", 6000.0, 10.0)])
     for field in ("checkpoint", "compile", "fused_loss", "sharding"):  # options: checkpoint, compile
         assert field in fastest.goal_sentence(leaderboard, "leaderboard", 0.8)
@@ -70,7 +75,9 @@ def test_the_goal_compares_only_equal_precision_and_names_the_stock_options():
     assert "fp32_master_weights" not in v.index
     # without a stock step at the book's precision there is no goal verdict at all
     old = df[~df.impl.str.endswith("_bf16")]
-    assert "cannot be checked at equal precision" in fastest.goal_sentence(old, "2.7B", 0.85)
+    unchecked = fastest.goal_sentence(old, "2.7B", 0.85)
+    assert not amounts(unchecked) and "**met**" not in unchecked and "**missed**" not in unchecked
+    assert "bf16_autocast" in unchecked and "stock_compiled" in unchecked  # which stock steps ran, at what
     options, own = fastest_compare.split_differences("2.7B", "project", "stock_compiled")
     assert options == ["precision"] and own == ["fused_loss"]
     # against the fp32-master reference the book's step is faster, and the sentence names the precision switch
@@ -112,11 +119,15 @@ def test_ablation_sentence_reads_each_change_in_one_direction():
                        _row("full_recompute", math.nan, status="oom")])
     s = fastest.ablation_sentence(df)
     a = fastest.ablation_table(df).set_index("ablation")
-    assert f"{a.loc['flash_triton_attention', 'change']}: +865 ms (slower)" in s
-    assert f"{a.loc['full_recompute', 'change']}: out of memory" in s
-    assert "113 GiB does not fit" in s and "67.7 GiB fits" in s and "40.7" not in s
-    assert s.count("faster (ratio") == 2
-    assert fastest.ablation_sentence(df[df.impl == "project"]) == "No ablation of the book's step ran."
+    flash = clause_of(s, a.loc["flash_triton_attention", "change"])
+    assert amounts(flash) == [(865, "ms")] and "slower" in flash
+    assert "out of memory" in clause_of(s, a.loc["full_recompute", "change"])
+    big, fits = sentence_of(s, 113, "GiB"), sentence_of(s, 67.7, "GiB")  # faster, but does it fit an 80 GB card?
+    assert "faster" in big and in_order(big, [0.989]) and has_amount(big, 80, "GB") and "not fit" in big
+    assert "faster" in fits and in_order(fits, [0.964]) and has_amount(fits, 80, "GB") and "not fit" not in fits
+    assert "40.7" not in s  # a slower change's peak is not discussed
+    none = fastest.ablation_sentence(df[df.impl == "project"])
+    assert not numbers(none) and "slower" not in none and "faster" not in none
     cpu = fastest.ablation_sentence(df, on_gpu=False)
     assert "slower" not in cpu and "865" not in cpu
 
@@ -140,12 +151,16 @@ def test_phase_sentence_plots_and_mfu():
                   other_kernels_ms=200.0, exposed_communication_ms=20.0, idle_ms=130.0)
     df = pd.DataFrame([_row("project", 5000.0, **phases), _row("stock_compiled", 6000.0)])
     s = fastest.phase_sentence(df)
-    assert s.startswith("One profiled step of project: attention 2e+03 ms (40%)") and "idle" in s
-    assert "no CPU" not in s and "No GPU profile" in fastest.phase_sentence(df, "stock_compiled")
+    assert "project" in s and amounts(s)[:4] == [(2000, "ms"), (40, "%"), (1500, "ms"), (30, "%")]  # largest first
+    assert s.index("attention") < s.index("matmul") < s.index("recompute") < s.index("idle")
+    unprofiled = fastest.phase_sentence(df, "stock_compiled")
+    assert "no CPU" not in s and "stock_compiled" in unprofiled and "GPU" in unprofiled and not amounts(unprofiled)
     assert fastest.plot_phases(df, "t").get_title() == "t"
     assert fastest.plot_memory(df, "m").get_title() == "m"
-    assert "50.0% of the 780 TFLOP/s" in fastest.mfu_sentence(df, on_gpu=True)
-    assert "only meaningful on a GPU" in fastest.mfu_sentence(df, on_gpu=False)
+    mfu = fastest.mfu_sentence(df, on_gpu=True)  # MFU against the measured ceiling, then the datasheet's
+    assert amounts_in_order(mfu, [(50.0, "%"), (780, "TFLOP/s"), (40.0, "%"), (989, "TFLOP/s")])
+    cpu = fastest.mfu_sentence(df, on_gpu=False)
+    assert "GPU" in cpu and not amounts(cpu)
 
 
 def test_fused_loss_goals():
@@ -154,15 +169,19 @@ def test_fused_loss_goals():
             dict(impl="torch", fwdbwd_ms=400.0, peak_extra_gib=55.6, **shape),
             dict(impl="torch_compiled", fwdbwd_ms=200.0, peak_extra_gib=18.5, **shape)]
     s = fastest.fused_loss_sentence(pd.DataFrame(rows), on_gpu=True)
-    assert "1.5x" in s and "missed" in s  # 300 / 200 against a goal of 1.0
-    assert "1.3%" in s and "55.6 GiB" in s and "met" in s  # 0.75 / 55.6 against a goal of 5%
-    assert "no GPU" in fastest.fused_loss_sentence(pd.DataFrame(rows), on_gpu=False)
+    time_goal, memory_goal = s.split(";")
+    assert amounts(time_goal)[-2:] == [(300, "ms"), (1.5, "x")] and "missed" in time_goal  # 300 / 200, goal 1.0
+    assert "met" not in time_goal
+    assert amounts(memory_goal) == [(0.75, "GiB"), (1.3, "%"), (55.6, "GiB")] and "met" in memory_goal  # goal 5%
+    assert "missed" not in memory_goal
+    cpu = fastest.fused_loss_sentence(pd.DataFrame(rows), on_gpu=False)
+    assert "GPU" in cpu and not amounts(cpu) and "met" not in cpu and "missed" not in cpu
     # with TFLOP/s (each credited with 6 N D V = 122.3 TFLOP): the default design does the same work, so the
     # gap is the rate: 122.3 / 0.3 s = 408 TFLOP/s against 122.3 / 0.2 s = 612
     flops = 6 * 32768 * 4096 * 151936 / 1e12
     timed = [dict(r, tflops=flops / r["fwdbwd_ms"] * 1e3) for r in rows]
     s = fastest.fused_loss_sentence(pd.DataFrame(timed), on_gpu=True)
-    assert "408 TFLOP/s" in s and "612" in s
+    assert has_amount(s, 408, "TFLOP/s") and in_order(s, [408, 612])
 
 
 def test_fused_loss_against_peers_is_judged_beyond_the_noise():
@@ -179,7 +198,10 @@ def test_fused_loss_against_peers_is_judged_beyond_the_noise():
     assert fastest.loss_verdict(by, "fused", "liger")[1] == "within noise"
     assert fastest.loss_verdict(by.drop(columns=["fwdbwd_std_ms"]), "fused", "liger")[1] == "unjudged"
     s = fastest.fused_loss_sentence(rows, on_gpu=True)
-    assert f"{180 / 194:.3g}x" in s and f"{180 / 181:.3g}x" in s and "181 ms" in s and "0.29 GiB" in s
+    assert has_amount(s, float(f"{180 / 194:.3g}"), "x") and has_amount(s, float(f"{180 / 181:.3g}"), "x")
+    assert has_amount(s, 181, "ms") and has_amount(s, 0.29, "GiB")
+    liger = sentence_of(s, 181, "ms")
+    assert "within noise" in liger and "faster" in s.split(";")[0]  # the peer within noise; the goal faster
 
 
 def test_quick_recipes_compile_nothing():
@@ -235,16 +257,20 @@ def test_gap_by_phase_names_where_the_book_gains_and_loses():
     assert math.isclose(gap.loc["total (profiled step)", "difference_ms"], sum(ours.values()) - sum(stock.values()))
     s = fastest.gap_sentence(df)
     # gains largest first, losses beyond 1% of the stock step only (not the 1 ms of exposed communication)
-    assert "recompute -700 ms, other kernels -559 ms, matmul -70 ms" in s
-    assert "attention +925 ms (" in s and "exposed communication" not in s
-    assert "recomputes without a profiler range" not in s
+    # the phases' differences, gains first, then the two profiled totals; no note on merged recomputation
+    assert amounts(s) == [(-700, "ms"), (-559, "ms"), (-70, "ms"), (925, "ms"), (6158, "ms"), (6584, "ms")]
+    assert s.index("recompute") < s.index("other kernels") < s.index("matmul") < s.index("attention")
+    assert "exposed communication" not in s
     # a compiled stock block's recomputation is counted in its other phases: compared together
     merged = pd.DataFrame([_row("project", 6172.0, **ours),
                            _row("stock_compiled", 5689.0, **{**stock, "recompute_ms": 0.0, "attention_ms": 2600.0})])
     s = fastest.gap_sentence(merged)
-    assert ("compare recompute, attention, matmul, other kernels together, 6085 ms against 5614 ms (+471)" in s), s
+    together = sentence_of(s, 6085, "ms")
+    assert amounts(together) == [(6085, "ms"), (5614, "ms")] and numbers(together)[-1] == 471, s
+    assert all(p in together for p in ("recompute", "attention", "matmul", "other kernels"))
     assert fastest.gap_table(df[df.impl != "stock_compiled"]).empty
-    assert "cannot be split" in fastest.gap_sentence(df.assign(**{c: math.nan for c in fastest.PHASES}))
+    unsplit = fastest.gap_sentence(df.assign(**{c: math.nan for c in fastest.PHASES}))
+    assert not amounts(unsplit) and "project" in unsplit and "stock_compiled" in unsplit
 
 
 def test_ablations_on_gpus_of_their_own_are_compared_with_the_step_measured_there():
@@ -265,9 +291,12 @@ def test_compile_sentence_and_other_kernels_table():
                        _row("stock_compiled", 5548.0, wall_s=70.0, first_step_s=8.0,
                             other_kernels_top="copy_kernel=60.25; vectorized_elementwise=10")])
     s = fastest.compile_sentence(df, "leaderboard", on_gpu=True)
-    assert "first step (15.1 s" in s and "took 92 s, within the 10-minute limit" in s
-    assert "beyond the 1-minute limit" in fastest.compile_sentence(df, "leaderboard", True, limit_s=60)
-    assert "only in a GPU render" in fastest.compile_sentence(df, "leaderboard", on_gpu=False)
+    assert amounts(s) == [(15.1, "s"), (92, "s")] and numbers(s)[-1] == 10  # first step, all, the limit in minutes
+    assert "within" in s and "beyond" not in s
+    over = fastest.compile_sentence(df, "leaderboard", True, limit_s=60)
+    assert "beyond" in over and "within" not in over and numbers(over)[-1] == 1
+    cpu = fastest.compile_sentence(df, "leaderboard", on_gpu=False)
+    assert "GPU" in cpu and not amounts(cpu)
     t = fastest.other_kernels_table(df)
     assert list(t["kernel"]) == ["triton_red_fused_rms", "copy_kernel", "vectorized_elementwise"]
     assert t.set_index("kernel").loc["copy_kernel", "stock_compiled"] == 60.25
@@ -312,7 +341,9 @@ def test_a_failed_ablation_base_compares_nothing_and_failures_are_said():
                          _row("no_fused_loss", math.nan, status="oom")])
     s = fastest.ablation_sentence(some)
     labels = fastest.ablation_table(some).set_index("ablation")["change"]
-    assert f"{labels['full_recompute']}: +600 ms (slower)" in s and f"{labels['no_fused_loss']}: out of memory" in s
+    recompute = clause_of(s, labels["full_recompute"])
+    assert amounts(recompute) == [(600, "ms")] and "slower" in recompute
+    assert "out of memory" in clause_of(s, labels["no_fused_loss"])
 
 
 def test_profiles_are_set_against_the_stock_steps_of_equal_precision_fastest_first():

@@ -9,6 +9,7 @@ import pytest
 
 from lab.book.flash import bench as fl
 from lab.book.flash import grid, present
+from tests.book.prose import amounts, clause_of, counts, in_order, numbers, sentence_of
 
 matplotlib.use("Agg")
 
@@ -66,15 +67,17 @@ def test_speedups_sentences_and_heatmap():
     assert shown.iloc[1]["pytorch_flash"] == "25x (1 sample)"  # not "≈": no noise was measured
     assert grid.speedup_display(sp, "e2e", interpreted_=True).iloc[0]["sdpa"] == "1.2x"
     text = grid.speed_sentence(sp)
-    assert text.startswith("Triton, end to end (forward + backward): against sdpa faster on 1, slower on 1, "
-                           "within noise on 0 of 2 (speedup 0.5–1.2x)")
-    assert "against sdpa_cudnn faster on 0, slower on 0, within noise on 1 of 1" in text
-    assert "against pytorch_flash faster on 0, slower on 0, within noise on 0, one sample (no spread) on 1 of 1" in text
+    sdpa, cudnn, flash = text.split(";")  # one clause per reference: faster, slower, within noise on k of n
+    assert "Triton" in sdpa and "sdpa" in sdpa and sdpa.index("faster") < sdpa.index("slower") < sdpa.index("within")
+    assert numbers(sdpa)[-6:] == [1, 1, 0, 2, 0.5, 1.2] and amounts(sdpa) == [(1.2, "x")]  # counts, speedup range
+    assert "sdpa_cudnn" in cudnn and numbers(cudnn) == [0, 0, 1, 1, 1, 1]
+    assert "pytorch_flash" in flash and numbers(flash) == [0, 0, 0, 1, 1, 25, 25] and "no spread" in flash
     assert grid.speed_sentence(sp, interpreted_=True) == present.INTERPRETED_SHORT
     assert grid.plot_speedup_heatmap(sp) is not None
     tf = grid.tflops_table(bench, "lm")
     assert tf.iloc[0]["triton"] == pytest.approx(fl.attention_flops(1, 4096, 64, True, "e2e", heads=16) / 3e-3 / 1e12)
-    assert "Triton reaches bf16: at best" in grid.tflops_sentence(bench)
+    tf = grid.tflops_sentence(bench)  # Triton's best forward, backward, end to end; the best other's end to end
+    assert amounts(tf) == [(137, "TFLOP/s")] and numbers(tf) == [137, 172, 160, 321] and "bf16" in tf and "sdpa" in tf
 
 
 def test_goals_sentence():
@@ -83,13 +86,21 @@ def test_goals_sentence():
     shown = grid.goals_display(goals)
     assert shown["shape"].tolist() == ["1x16x4096 d64 causal", "8x16x2048 d128 full"]
     text = grid.goals_sentence(goals)
-    assert text.startswith("The goals (fwd ≥ 1x, bwd ≥ 0.9x, e2e ≥ 0.95x SDPA's speed) do not all hold: "
-                           "fwd: 1 met, 1 missed, 0 undecided of 2")
-    assert "Furthest from its goal: fwd on 8x16x2048 d128 full bf16 at 0.5x against a goal of 1x (50% below it)" in text
-    met = fl.flash_goals(bench[bench["seq_len"] == 4096])
-    assert grid.goals_sentence(met).startswith("All goals met on all 1 configurations")
-    assert "No configuration qualifies" in grid.goals_sentence(fl.flash_goals(bench[bench["heads"] < 16]))
-    assert "not evaluated on interpreted Triton" in grid.goals_sentence(goals, interpreted_=True)
+    tally, furthest = text.split(". ")[:2]
+    assert amounts(tally) == [(1, "x"), (0.9, "x"), (0.95, "x")]  # the goals of each pass
+    for p in ("fwd:", "bwd:", "e2e:"):  # met, missed, undecided of n
+        assert numbers(clause_of(tally, p)) == [1, 1, 0, 2] and clause_of(tally, p).index("met") < clause_of(
+            tally, p).index("missed") < clause_of(tally, p).index("undecided")
+    assert "fwd" in furthest and "8x16x2048 d128 full" in furthest and "bwd" not in furthest
+    assert amounts(furthest) == [(0.5, "x"), (1, "x"), (50, "%")] and "below" in furthest
+    met = grid.goals_sentence(fl.flash_goals(bench[bench["seq_len"] == 4096]))
+    assert "met" in met and "missed" not in met and "1x16x4096 d64 causal" in met and "above" in met
+    assert amounts(met) == [(1, "x"), (0.9, "x"), (0.95, "x"), (1.2, "x"), (1, "x"), (20, "%")]  # goals; the closest
+    none = grid.goals_sentence(fl.flash_goals(bench[bench["heads"] < 16]))
+    assert not amounts(none) and "met" not in none and "missed" not in none and numbers(none) == [16]
+    interpreted_text = grid.goals_sentence(goals, interpreted_=True)
+    assert present.INTERPRETED_SHORT in interpreted_text and not amounts(interpreted_text)
+    assert "met" not in interpreted_text and "missed" not in interpreted_text
 
 
 def test_fp32_sentence_says_whether_triton_is_ever_slower():
@@ -102,8 +113,11 @@ def test_fp32_sentence_says_whether_triton_is_ever_slower():
     faster = _bench()
     faster.loc[(faster["sweep"] == "fp32") & (faster["impl"] == "sdpa"), ["fwd_mean_ms", "bwd_mean_ms",
                                                                           "e2e_mean_ms"]] = [5.0, 10.0, 15.0]
-    assert grid.fp32_sentence(faster).startswith("No: in fp32")
-    assert "GPU question" in grid.fp32_sentence(_bench(), interpreted_=True)
+    never = grid.fp32_sentence(faster)
+    assert never.startswith("No") and not counts(never) and not amounts(never) and never.count("never") == 2
+    interpreted_text = grid.fp32_sentence(_bench(), interpreted_=True)
+    assert present.INTERPRETED_SHORT in interpreted_text and not counts(interpreted_text)
+    assert not interpreted_text.startswith(("Yes", "No"))  # no answer either way
 
 
 def test_interpreted_is_read_from_the_rows():
@@ -119,11 +133,15 @@ def test_why_missed_reads_the_gap_by_head_dimension():
     assert t.loc[80, "shapes"] == 2 and t.loc[80, "fwd_median"] == pytest.approx(0.69)
     assert t.loc[80, "useful_columns"] == 0.625 and t.loc[128, "useful_columns"] == 1.0
     text = grid.why_missed_sentence(goals)
-    assert "d 80: forward 0.69x, backward 0.64x, end to end 0.66x" in text
-    assert "Furthest from its goal: the forward at d 80." in text  # 0.69 / 1.0 below 0.64 / 0.9
+    d80 = clause_of(text, "d 80")  # forward, backward, end to end
+    assert amounts(d80) == [(0.69, "x"), (0.64, "x"), (0.66, "x")] and d80.index("forward") < d80.index("backward")
+    furthest = text.split(". ")[1]  # 0.69 / 1.0 below 0.64 / 0.9
+    assert numbers(furthest) == [80] and "forward" in furthest and "backward" not in furthest
     # the powers of two's forward median: (0.96 + 0.73) / 2
-    assert "only 62.5% of each tile's columns are the head's (masked 128-wide tiles)" in text
-    assert "its forward is 0.69x against 0.845x at the powers of two" in text
-    assert "trails the forward at 2 of 3 head dimensions" in text  # d 128: equal, not behind
-    assert "would reach 0.714x" in text
-    assert "not examined" in grid.why_missed_sentence(goals, interpreted_=True)
+    masked = sentence_of(text, 62.5, "%")
+    assert numbers(masked) == [80, 62.5, 128, 0.69, 0.845] and amounts(masked)[1:] == [(0.69, "x"), (0.845, "x")]
+    products = sentence_of(text, 0.714, "x")
+    assert counts(products) == [(2, 3)] and in_order(products, [7, 5, 0.714])  # d 128: equal, not behind
+    assert products.index("backward") < products.index("forward")  # the backward trails the forward
+    unexamined = grid.why_missed_sentence(goals, interpreted_=True)
+    assert not amounts(unexamined) and not numbers(unexamined)

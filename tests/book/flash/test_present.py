@@ -9,6 +9,7 @@ import pytest
 
 from lab.book.flash import bench as fl
 from lab.book.flash import present
+from tests.book.prose import amounts, clause_of, has_amount, in_order, numbers, sentences
 
 matplotlib.use("Agg")
 
@@ -66,12 +67,16 @@ def test_correctness_summary_and_sentence():
     # naive fp32's error 5e-8 is below the floor of one fp32 epsilon (1.19e-7): the ratio is taken to the floor
     assert s.loc[("sdpa", "fp32"), "ratio_to_naive"] == pytest.approx(2e-7 / 2**-23)
     text = present.correctness_sentence(present.correctness_summary(errors))
-    assert text.startswith("Every implementation that ran agrees with float64")
-    assert "the worst is triton in bf16 at 2x" in text
-    assert "Not supported here: triton bf16 at d = 80; sdpa_cudnn bf16" in text
+    verdict, unsupported = text.split(". ")
+    assert "agrees" in verdict and amounts(verdict) == [(4, "x"), (2, "x")]  # the bound, then the worst's ratio
+    assert "triton" in clause_of(verdict, "worst") and "bf16" in clause_of(verdict, "worst")  # the worst, named
+    assert "triton bf16" in unsupported and numbers(unsupported) == [80] and "sdpa_cudnn bf16" in unsupported
+    assert "pytorch_naive" not in unsupported
     bad = pd.concat([errors, pd.DataFrame([_errors("triton", "fp32", 64, 1e-3)])], ignore_index=True)
     text = present.correctness_sentence(present.correctness_summary(bad))
-    assert text.startswith("Errors beyond the dtype's rounding (more than 4x naive PyTorch's): triton fp32")
+    beyond = text.split(". ")[0]
+    assert "agrees" not in beyond and amounts(beyond) == [(4, "x"), (8390, "x")] and "triton fp32" in beyond
+    assert "sdpa" not in beyond and "pytorch_naive" not in beyond  # only the one beyond the bound is named
 
 
 def _course(ms, std, gpu, compiled=True, n=20):
@@ -83,14 +88,18 @@ def test_course_sentence_and_goal():
     h100 = pd.DataFrame([_course(4.0, 0.05, GPU), _course(4.59, 0.3, GPU, compiled=False)])
     assert present.course_table(h100)["goal"].tolist() == ["met", "undecided (within noise)"]
     text = present.course_sentence(h100)
-    assert "compiled 4 ms (± 0.05, 20 samples); eager 4.59 ms" in text
-    assert "the GPU the goal is set for: the goal applies" in text and "compiled: goal time <= 1x 4.6 ms: met" in text
+    assert numbers(clause_of(text, "compiled")) == [4, 0.05, 20] and numbers(clause_of(text, "eager"))[:3] == [
+        4.59, 0.3, 20]  # median ms, its spread, samples
+    assert GPU in text
+    compiled_goal, eager_goal = [s for s in sentences(text) if has_amount(s, 1, "x")]  # time <= 1x 4.6 ms
+    assert "compiled" in compiled_goal and "met" in compiled_goal and in_order(compiled_goal, [4.6, 0.87])
+    assert "eager" in eager_goal and "undecided" in eager_goal and in_order(eager_goal, [4.6, 0.998])
     h200 = pd.DataFrame([_course(5.0, 0.05, "NVIDIA H200")])
     text = present.course_sentence(h200)
-    assert "It ran on NVIDIA H200, not an H100" in text and "missed" in text
+    assert "NVIDIA H200" in text and "H100" in text and "missed" in text  # the card it ran on, the goal's card
     cpu = pd.DataFrame([_course(400.0, 10.0, "cpu", compiled=False, n=2)])
     assert present.course_table(cpu)["goal"].tolist() == ["not evaluated (CPU)"]
-    assert "is not evaluated" in present.course_sentence(cpu) and present.INTERPRETED_SHORT in \
+    assert "not evaluated" in present.course_sentence(cpu) and present.INTERPRETED_SHORT in \
         present.course_sentence(cpu)
 
 
@@ -108,15 +117,21 @@ def test_lm_versus_and_sentence():
     assert vs.loc[("flash_triton", True), "verdict_vs_sdpa"] == "within noise"
     assert vs.loc[("sdpa", True), "verdict_vs_eager"] == "faster" and vs.loc[("sdpa", False), "verdict_vs_sdpa"] == ""
     text = present.lm_sentence(lm, present.lm_versus(lm))
-    assert text.startswith("2.7B train step (batch 4, context 512, bf16) with FlashAttention-Triton: eager 380 ms vs "
-                           "SDPA 400 ms (1.05x, faster than SDPA); compiled 301 ms vs SDPA 300 ms")
-    assert "within noise of SDPA" in text and "Compiling the model: sdpa 1.33x (faster)" in text
+    head = text.split(":")[0]
+    assert numbers(head) == [2.7, 4, 512] and "bf16" in head and "FlashAttention-Triton" in head
+    eager = clause_of(text, "eager")
+    assert amounts(eager) == [(380, "ms"), (400, "ms"), (1.05, "x")] and "faster" in eager
+    compiled = clause_of(text, "compiled")
+    assert amounts(compiled) == [(301, "ms"), (300, "ms"), (0.997, "x")] and "within noise" in compiled
+    compiling = text.split(". ")[-1]  # compiled against eager, per attention
+    assert "faster" in clause_of(compiling, "sdpa") and amounts(clause_of(compiling, "flash_triton")) == [(1.26, "x")]
     cpu = pd.DataFrame([_lm("sdpa", False, 400.0, device="cpu"), _lm("flash_triton", False, 4000.0, device="cpu")])
     text = present.lm_sentence(cpu, present.lm_versus(cpu))
     assert "slower" not in text and present.INTERPRETED_SHORT in text
     assert (present.lm_versus(cpu)["verdict_vs_sdpa"] == "").all()
     failed = pd.DataFrame([_lm("sdpa", False, 400.0), _lm("flash_triton", False, math.nan, status="oom")])
-    assert "FlashAttention-Triton did not run" in present.lm_sentence(failed, present.lm_versus(failed))
+    text = present.lm_sentence(failed, present.lm_versus(failed))
+    assert "FlashAttention-Triton" in text and not amounts(text) and "faster" not in text and "slower" not in text
 
 
 def test_backward_table_and_sentence():

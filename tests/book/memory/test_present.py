@@ -10,7 +10,7 @@ matplotlib.use("Agg")
 from lab.book.memory import present as mb  # noqa: E402
 from lab.book.memory.workload import MemorySetup  # noqa: E402
 from lab.model import ModelConfig  # noqa: E402
-from tests.book.prose import in_order, numbers, sentence_with  # noqa: E402
+from tests.book.prose import amounts, clause_of, in_order, numbers, sentence_with, sentences  # noqa: E402
 
 MiB, GiB = 2**20, 2**30
 
@@ -125,17 +125,21 @@ def test_best_group_and_its_neighbours():
 
 def test_checkpoint_sentences_and_figure():
     text = mb.checkpoint_sentence(_sweep(), parameter_bytes=8 * GiB)
-    assert "best single-level group size is **k = 1**, peaking at **40 GiB** (1.4 s per step)" in text
-    assert "its neighbours: k = 2: 41 GiB (1.35 s)." in text
-    assert "Without checkpointing the step peaks at 60 GiB (1 s, 0.71× the time of k = 1)" in text
-    assert "With nested checkpointing the step peaks at 40.2 GiB (2 s, 1.43×" in text
-    assert "Nesting saves no measurable memory over k = 1 (within 2%): 32 GiB of that peak" in text
+    best, neighbour, none, nested, nesting = sentences(text)
+    assert numbers(best) == [1, 40, 1.4] and amounts(best) == [(40, "GiB"), (1.4, "s")]  # k, its peak, its step
+    assert numbers(neighbour) == [2, 41, 1.35] and amounts(neighbour) == [(41, "GiB"), (1.35, "s")]
+    assert amounts(none) == [(60, "GiB"), (1, "s"), (0.71, "x")] and numbers(none)[-1] == 1  # time against k = 1
+    assert "nested" in nested and amounts(nested) == [(40.2, "GiB"), (2, "s"), (1.43, "x")]
+    assert numbers(nesting) == [1, 2, 32] and "within" in nesting  # nested vs k = 1 within 2%; 4 x 8 GiB of state
     answer = mb.checkpoint_answer(_sweep())
-    assert "best single level is k = 1 at 40 GiB (neighbours k = 2: 41 GiB (1.35 s))" in answer
-    assert answer.endswith("; nested peaks at 40.2 GiB.")
+    assert amounts(answer) == [(40, "GiB"), (41, "GiB"), (1.35, "s"), (40.2, "GiB")]
+    assert in_order(answer, [1, 40, 2, 41])  # best k and its peak, its neighbour and its peak
+    assert "nested" in answer.split(";")[-1] and amounts(answer.split(";")[-1]) == [(40.2, "GiB")]
     oom = _sweep()
     oom.loc[3, "peak_gib"] = 30.0
-    assert "k = 8: out of memory" in mb.checkpoint_sentence(oom, parameter_bytes=GiB)
+    with_oom = mb.checkpoint_sentence(oom, parameter_bytes=GiB)
+    assert numbers(with_oom)[:3] == [4, 30, 1.3] and "out of memory" in clause_of(with_oom, "k = 8")
+    assert not amounts(clause_of(with_oom, "k = 8"))
     fig = mb.checkpoint_figure(_sweep().assign(modelled_peak_gib=50.0), "toy")
     assert [line.get_label() for line in fig.axes[0].lines[:2]] == ["measured peak", "model: 4×params + (N/k)·r + k·A"]
     assert list(fig.axes[0].lines[0].get_xdata()) == [1, 2, 4]
@@ -146,9 +150,10 @@ def test_checkpoint_model_sentence():
                               modelled_bytes=[40 * MiB, 14 * MiB, 24 * MiB, 12 * MiB],
                               extra_forwards=[0, 1, 1, 1.5], boundary_bytes=MiB, block_bytes=10 * MiB, k_star=0.63))
     text = mb.checkpoint_model_sentence(model, num_blocks=4, context=64)
-    assert "r = 1 MiB and A = 10 MiB" in text and "k* = √(N·r/A) = 0.63" in text
-    assert "predicts k = 1 (14 MiB of activations, vs 40 MiB without" in text
-    assert "memory-optimal strategy: 12 MiB, for 1.5 extra forwards" in text
+    single, nested = sentences(text)
+    assert amounts(single) == [(1, "MiB"), (10, "MiB"), (14, "MiB"), (40, "MiB")]  # r, A; k = 1's and none's
+    assert "k* = √(N·r/A)" in single and in_order(single, [64, 0.63, 4, 1, 14])  # context, k*, N, the predicted k
+    assert "Nested" in nested and amounts(nested) == [(12, "MiB")] and numbers(nested) == [12, 1.5, 1]
 
 
 def test_shown_drops_provenance_columns():

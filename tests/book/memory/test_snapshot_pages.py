@@ -41,7 +41,8 @@ def test_offline_page_is_self_contained_and_memory_viz_is_not(snapshot_dir):
     assert pages["works_offline"].tolist() == [True, False]
     sentence = sn.pages_sentence(pages)
     assert "forward.offline.html" in sentence and "`cdn.jsdelivr.net`" in sentence
-    assert sn.pages_sentence(pages.iloc[:0]).startswith("No snapshot pickle is on this machine")
+    nothing = sn.pages_sentence(pages.iloc[:0])
+    assert ".html" not in nothing and "`replay=False`" in nothing  # no page named; how to record one
 
 
 def test_external_resources_finds_every_kind_of_link():
@@ -57,4 +58,5 @@ def test_timeline_figure_and_missing_snapshot(snapshot_dir, capsys):
     fig = sn.timeline_figure(snapshot_dir / "forward.pickle", "toy")
     assert fig.axes[0].get_title() == "toy"
     assert sn.show_timeline(snapshot_dir / "nothing.pickle") is None
-    assert "No snapshot at" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"`{snapshot_dir / 'nothing.pickle'}`" in out and "`replay=False`" in out  # the path it lacks; the fix

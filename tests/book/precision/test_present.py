@@ -9,7 +9,8 @@ import pytest
 
 from lab.book.precision import bench as experiments
 from lab.book.precision import present as precision
-from tests.book.prose import counts, in_order, sentence_with
+from tests.book.profiling.test_present import notebook_code
+from tests.book.prose import amounts, bold, counts, has_amount, in_order, numbers, sentence_of, sentence_with, sentences
 
 matplotlib.use("Agg")
 
@@ -39,12 +40,14 @@ def test_num_and_measured_on():
 def test_accumulation_paragraph_from_the_real_experiment():
     acc = experiments.accumulation_experiment()
     text = precision.accumulation_paragraph(acc)
-    assert "fp16 ends at **9.95312**" in text
-    assert "stops at **4** (60% error) once the addend (0.01) is below half a unit" in text
-    assert "(0.0156)" in text  # half an ulp of 4 in bf16: 2^(2-8)
-    assert "makes no difference" in text
-    answer = precision.accumulation_answer(acc)
-    assert answer.startswith("Summing to 10:") and "bf16 one at 4" in answer
+    fp16 = sentences(text)[0]
+    assert "fp16" in fp16 and bold(fp16) == ["9.95312"] and numbers(fp16) == [9.95312, 0.0469]  # result, error
+    stall = sentence_of(text, 60, "%")  # bf16 stalls at 4 once 0.01 is below half an ulp of the sum
+    assert "bf16" in stall and bold(stall) == ["4"] and numbers(stall) == [8, 4, 60, 0.01, 0.0156]  # 2^(2-8)
+    upcast = sentence_with(text, "upcast")  # the implicit and explicit upcast agree: no difference
+    assert numbers(upcast) == [10.002136, 10.002136] and "no " in upcast
+    answer = precision.accumulation_answer(acc)  # the target, then fp16, bf16 and fp32-accumulated results
+    assert numbers(answer) == [10, 9.95312, 4, 10.0021] and answer.index("fp16") < answer.index("bf16")
 
 
 def test_accumulation_paragraph_follows_the_data():
@@ -52,10 +55,12 @@ def test_accumulation_paragraph_follows_the_data():
     row = acc.set_index(["accumulator", "addend", "upcast"])
     assert row.loc[("bf16", "bf16", False), "result"] > 0.09
     text = precision.accumulation_paragraph(acc)
-    assert "ends at" in text and "below half a unit" not in text
+    bf16 = sentence_of(text, 0, "%")
+    assert "bf16" in bf16 and numbers(bf16) == [8, 0.0996094, 0]  # no stall: no addend or ulp to explain one
     changed = acc.copy()
     changed.loc[(changed.accumulator == "fp32") & (changed.addend == "fp16") & ~changed.upcast, "result"] = 0.5
-    assert "changes the result" in precision.accumulation_paragraph(changed)
+    upcast = sentence_with(precision.accumulation_paragraph(changed), "upcast")
+    assert numbers(upcast) == [0.5, 0.10002136] and "no " not in upcast  # implicit, explicit: they differ
 
 
 # ---- 2. autocast probe ----------------------------------------------------------------------------------
@@ -64,11 +69,16 @@ def test_accumulation_paragraph_follows_the_data():
 def test_autocast_paragraph_on_a_cpu_render():
     probe = experiments.autocast_dtype_tables("cpu")
     text = precision.autocast_paragraph(probe)
-    assert text.startswith("On cpu, under fp16 autocast the parameters stay **fp32**")
-    assert "the LayerNorm output **fp16**" in text
-    assert "does not carry over to GPUs" in text
-    assert precision.autocast_answer(probe) == ("On cpu: matmul outputs and logits become bf16; parameters, loss "
-                                                "and parameter gradients stay fp32; the LayerNorm output is bf16.")
+    fp16 = sentences(text)[0]
+    assert "cpu" in fp16.split(",")[0] and "fp16" in fp16.split(",")[1]  # the device, then the autocast dtype
+    # parameters, first Linear's output, LayerNorm output, logits, loss, parameter gradients
+    assert bold(fp16) == ["fp32", "fp16", "fp16", "fp16", "fp32", "fp32"]
+    assert fp16.index("parameters") < fp16.index("Linear") < fp16.index("LayerNorm") < fp16.index("logits")
+    assert "GPU" in text  # the CPU's LayerNorm rule is said not to hold on GPUs
+    cast, kept, layer_norm = precision.autocast_answer(probe).split(";")
+    assert "cpu" in cast and "matmul" in cast and "logits" in cast and "bf16" in cast and "fp32" not in cast
+    assert all(w in kept for w in ("parameters", "loss", "gradients", "fp32")) and "bf16" not in kept
+    assert "LayerNorm" in layer_norm and "bf16" in layer_norm and "fp32" not in layer_norm
 
 
 def test_autocast_paragraph_compares_gpu_and_cpu():
@@ -80,16 +90,18 @@ def test_autocast_paragraph_compares_gpu_and_cpu():
     tables = precision.autocast_tables(probe)
     assert list(tables) == ["cuda", "cpu"]
     text = precision.autocast_paragraph(probe)
-    assert text.startswith("On cuda,") and "the LayerNorm output **fp32**" in text
-    assert "differs between devices: **fp32** on cuda, **bf16** on the CPU" in text
-    assert "does not carry over" not in text
+    fp16 = sentences(text)[0]
+    assert "cuda" in fp16.split(",")[0] and bold(fp16) == ["fp32", "fp16", "fp32", "fp16", "fp32", "fp32"]
+    devices = sentence_with(text, "cuda", "CPU")  # the LayerNorm output per device
+    assert "LayerNorm" in devices and bold(devices) == ["fp32", "bf16"] and devices.index("cuda") < devices.index("CPU")
+    assert "GPU" not in text  # measured on a GPU: no caveat about GPUs
 
 
 def test_show_autocast_tables_prints_one_table_per_device(capsys):
     cpu = experiments.autocast_dtype_tables("cpu")
     precision.show_autocast_tables(pd.concat([cpu.assign(device="cuda"), cpu], ignore_index=True))
     out = capsys.readouterr().out
-    assert "**Observed dtypes on cuda**" in out and "**Observed dtypes on cpu**" in out
+    assert [heading.split()[-1] for heading in bold(out)] == ["cuda", "cpu"]  # one titled table per device
 
 
 # ---- 3. norm statistics ---------------------------------------------------------------------------------
@@ -98,12 +110,13 @@ def test_show_autocast_tables_prints_one_table_per_device(capsys):
 def test_norm_paragraph_overflow_and_cancellation():
     norm = experiments.norm_statistics_demo(d_model=256)
     text = precision.norm_paragraph(norm)
-    assert "For N(0, 300^2) activations" in text and "the fp16 mean of squares is **inf**" in text
-    assert "collapses to zero" in text
-    assert "one bf16 step is 64" in text  # E[x^2] ~ 1e4 lies in [8192, 16384): 2^13 / 2^7
-    assert "N(100, 1) activations" in text
+    overflow, cancellation = sentences(text)[:2]
+    assert "N(0, 300^2)" in overflow and "fp16" in overflow and bold(overflow) == ["inf"] and "collapses" in overflow
+    assert in_order(overflow, [90855, 65504, 3.8]) and has_amount(overflow, 0.01, "%")  # squares, fp16 max, errors
+    assert "N(100, 1)" in cancellation and bold(cancellation) == ["4"]  # bf16's variance, should be 1.04
+    assert in_order(cancellation, [1.04, 4, 0, 1.036, 9997, 64])  # E[x^2] ~ 1e4 in [8192, 16384): 2^13 / 2^7
     answer = precision.norm_answer(norm)
-    assert "is inf" in answer and "N(100, 1)" in answer
+    assert "N(0, 300^2)" in answer and "inf" in answer and "N(100, 1)" in answer and has_amount(answer, 286, "%")
     table = precision.norm_error_table(norm)
     assert {"bf16", "fp16", "fp32"} <= set(table.columns) and len(table) == 9
 
@@ -111,7 +124,9 @@ def test_norm_paragraph_overflow_and_cancellation():
 def test_norm_paragraph_without_overflow():
     norm = experiments.norm_statistics_demo(d_model=64, scales=(1.0, 50.0))  # squares up to ~4e4 < 65504
     text = precision.norm_paragraph(norm)
-    assert "For N(0, 50^2) activations" in text and "collapses" not in text and "% off" in text
+    no_overflow = sentences(text)[0]
+    assert "N(0, 50^2)" in no_overflow and bold(no_overflow) == ["2,472"] and "inf" not in no_overflow
+    assert amounts(no_overflow) == [(0.0, "%"), (0.03, "%")] and "collapses" not in text  # fp16, bf16 errors
 
 
 # ---- 4. timings -----------------------------------------------------------------------------------------
@@ -128,23 +143,27 @@ def _lm(sizes, device="cuda:0"):
 
 def test_speedup_clause_words_come_from_the_verdict():
     row = dict(speedup=2.0, speedup_low=1.8, speedup_high=2.2)
-    assert precision.speedup_clause(pd.Series({**row, "verdict": "faster"})) == \
-        "bf16 autocast is 2x faster than fp32 (95% interval 1.8-2.2x)"
-    assert precision.speedup_clause(pd.Series({**row, "verdict": "within noise"})).startswith(
-        "bf16 autocast is within noise of fp32 (speedup 2x")
+    faster = precision.speedup_clause(pd.Series({**row, "verdict": "faster"}))
+    assert "faster" in faster and amounts(faster)[0] == (2, "x") and numbers(faster) == [2, 95, 1.8, 2.2]
+    noise = precision.speedup_clause(pd.Series({**row, "verdict": "within noise"}))
+    assert "within noise" in noise and "faster" not in noise and numbers(noise) == [2, 95, 1.8, 2.2]
     slow = dict(speedup=0.5, speedup_low=0.4, speedup_high=0.6, verdict="slower")
-    assert "slower than fp32: 0.5x its speed" in precision.speedup_clause(pd.Series(slow))
+    slower = precision.speedup_clause(pd.Series(slow))
+    assert "slower" in slower and amounts(slower)[0] == (0.5, "x") and numbers(slower) == [0.5, 95, 0.4, 0.6]
     none = dict(speedup=3.0, speedup_low=math.nan, speedup_high=math.nan, verdict="within noise")
-    assert "no spread measured" in precision.speedup_clause(pd.Series(none))
+    unspread = precision.speedup_clause(pd.Series(none))
+    assert "no spread" in unspread and numbers(unspread) == [3] and "faster" not in unspread  # no interval
 
 
 def test_verdict_counts_and_phrase():
     speed = _speed([dict(size="a", verdict="faster"), dict(size="b", verdict="within noise"),
                     dict(size="c", verdict="not measured")])
-    counts = precision.verdict_counts(speed, "forward+backward")
-    assert counts == {"faster": 1, "within noise": 1, "slower": 0, "not measured": 1}
-    assert precision.counts_phrase(counts) == ("faster beyond noise in 1 of 2 configurations, within noise in 1, "
-                                               "not measured (out of memory) in 1")
+    tally = precision.verdict_counts(speed, "forward+backward")
+    assert tally == {"faster": 1, "within noise": 1, "slower": 0, "not measured": 1}
+    phrase = precision.counts_phrase(tally)
+    assert counts(phrase) == [(1, 2)] and numbers(phrase) == [1, 2, 1, 1] and "slower" not in phrase
+    assert phrase.index("faster") < phrase.index("within noise") < phrase.index("not measured")
+    assert "out of memory" in phrase
 
 
 def test_size_trend_needs_separated_intervals():
@@ -171,10 +190,11 @@ def test_speedup_paragraph_gpu_and_cpu():
     assert in_order(large, [4, 3.5, 4.5]) and "faster" in large
     assert precision.size_trend(speed, _lm([("small", 1e8), ("large", 1e9)])) == "grows"
     assert in_order(sentence_with(gpu, "grows"), [1.5, 4])
-    assert counts(sentence_with(gpu, "forward alone")) == [(0, 1)] and "within noise in 1" in gpu
-    assert precision.CPU_BF16_CAVEAT not in gpu
+    (forward,) = [s for s in sentences(gpu) if counts(s) == [(0, 1)]]  # the forward: faster in 0 of 1
+    assert "forward" in forward and "within noise" in forward and numbers(forward) == [0, 1, 1]
+    assert precision.CPU_BF16_CAVEAT not in gpu and "matmuls" in sentence_with(gpu, "grows")  # the GPU's reason
     cpu = precision.speedup_paragraph(speed, _lm([("small", 1e8), ("large", 1e9)], device="cpu"))
-    assert cpu.endswith(precision.CPU_BF16_CAVEAT) and "larger models spend" not in cpu
+    assert cpu.endswith(precision.CPU_BF16_CAVEAT) and "matmuls" not in sentence_with(cpu, "grows")
     answer = precision.speedup_answer(speed, _lm([("small", 1e8), ("large", 1e9)], device="cpu"))
     assert in_order(answer, [1.5, 4]) and answer.count("(faster)") == 2 and "GPU" in answer
 
@@ -182,7 +202,8 @@ def test_speedup_paragraph_gpu_and_cpu():
 def test_speedup_paragraph_when_nothing_fits():
     speed = _speed([dict(size="a", speedup=math.nan, speedup_low=math.nan, speedup_high=math.nan,
                          verdict="not measured")])
-    assert "no speedup to report" in precision.speedup_paragraph(speed, _lm([("a", 1e8)]))
+    nothing = precision.speedup_paragraph(speed, _lm([("a", 1e8)]))
+    assert not amounts(nothing) and not counts(nothing) and "out of memory" in nothing and "faster" not in nothing
     assert precision.speedup_answer(speed, _lm([("a", 1e8)])).startswith("Not measured")
 
 
@@ -212,7 +233,7 @@ def test_plot_speedup_draws_one_line_per_mode():
 def test_device_caveat(capsys):
     assert precision.device_caveat("cuda") is None
     text = precision.device_caveat("cpu")
-    assert "timings do not carry over to GPUs" in text and precision.SHARED_CPU_NOTE in text
+    assert "timings" in sentence_with(text, "GPU") and precision.SHARED_CPU_NOTE in text
     precision.show_device_caveat("cuda")
     assert capsys.readouterr().out == ""
     precision.show_device_caveat("cpu")
@@ -221,8 +242,6 @@ def test_device_caveat(capsys):
 
 @pytest.mark.parametrize("budget,name", [(70, "02_mixed_precision")])
 def test_notebook_holds_no_logic(budget, name):
-    from tests.book.profiling.test_present import notebook_code
-
     lines = notebook_code(name)
     assert len(lines) <= budget, f"{name} has {len(lines)} lines of code (budget {budget})"
     assert not [ln for ln in lines if ln.startswith(("def ", "class ", "for ", "while "))]

@@ -13,7 +13,7 @@ from lab.book.profiling import kernels as kernel_profiles
 from lab.book.profiling import present as profiling
 from lab.book.profiling import warmup
 from lab.paths import REPO_ROOT
-from tests.book.prose import counts, numbers, sentence_with
+from tests.book.prose import amounts, bold, clause_of, counts, in_order, numbers, sentence_of, sentence_with, sentences
 
 matplotlib.use("Agg")
 
@@ -65,7 +65,8 @@ def test_warmup_runs_add_cold_processes():
 
 def test_device_caveat_only_on_the_cpu(capsys):
     assert profiling.device_caveat("cuda") is None
-    assert "do not carry over to GPUs" in profiling.device_caveat("cpu")
+    caveat = profiling.device_caveat("cpu")  # the claims that do not carry over to GPUs, named
+    assert "GPU" in caveat and all(claim in caveat for claim in ("matmul", "bf16", "first step"))
     profiling.show_device_caveat("cpu")
     assert "Warning" in capsys.readouterr().out
 
@@ -121,7 +122,7 @@ def test_backward_ratios_use_medians_and_verdicts():
     assert ratios.loc[("a", 32, "bf16"), "verdict"] == "within noise"
     assert ratios.loc[("b", 32, "fp32"), "verdict"] == "higher"  # one wild sample cannot flip the median
     text = profiling.backward_sentence(ratios.reset_index())
-    assert counts(text) == [(7, 8)] and "within noise in 1" in text  # 7 higher, 1 within noise
+    assert counts(text) == [(7, 8)] and numbers(clause_of(text, "within noise"))[0] == 1  # 7 higher, 1 within noise
     assert 2.0 in numbers(sentence_with(text, "FLOPs"))  # the FLOPs' 2x beside the measured ratios
     answer = profiling.backward_answer(ratios.reset_index())
     assert numbers(answer)[:3] == [2.0, 2.0, 4.0] and counts(answer) == [(7, 8)]  # median, range, verdict count
@@ -135,15 +136,16 @@ def test_timing_paragraph_quotes_the_tables():
                    error="forward_backward: CUDA out of memory; train_step: CUDA out of memory")])
     ratios = profiling.backward_ratios(_samples(_sweep_spec()))
     text = profiling.timing_paragraph(lm, ratios, 64)
-    assert numbers(sentence_with(text, "forward takes")) == [64, 10, 40]
-    noisy = sentence_with(text, "worst for a")
+    assert numbers(sentence_of(text, 10, "ms")) == [64, 10, 40]  # context; a's and b's forward
+    noisy = sentence_of(text, 20, "%")  # the noisiest configuration's spread
     assert counts(noisy) == [(1, 4)] and 20 in numbers(noisy) and "fwd" in noisy
     from_csv = profiling.timing_paragraph(lm.astype({"context": float}), ratios, 64)  # NaN rows make ints floats
-    assert "at context 32 fp32" in from_csv and "32.0" not in from_csv
-    oom = text[text.index("Out of memory"):]
-    assert "b at context 32 fp32" in oom and "forward_backward/train_step" in oom
+    assert in_order(sentence_of(from_csv, 20, "%"), [32]) and "32.0" not in from_csv
+    oom = sentences(text)[-1]  # the configuration that ran out of memory, and in which modes
+    assert numbers(oom) == [32] and "b" in oom.split() and "a" not in oom.split() and "fp32" in oom
+    assert "forward_backward" in oom and "train_step" in oom and "ms" not in oom
     noisy_fwd = lm.iloc[:2].assign(fwd_std_ms=[2.0, 50.0])  # b's spread exceeds its 40 ms median
-    forward = sentence_with(profiling.timing_paragraph(noisy_fwd, ratios, 64), "forward takes")
+    forward = sentence_of(profiling.timing_paragraph(noisy_fwd, ratios, 64), 10, "ms")
     assert numbers(forward) == [64, 10, 50] and "noisy" in forward  # b's 40 ms is not quoted
     quiet = profiling.timing_paragraph(lm.iloc[:2], ratios, 64)
     assert "worst for" not in quiet and 5 in numbers(quiet)  # no noisy configuration; the 5% threshold named
@@ -207,7 +209,7 @@ def test_dtype_paragraph_says_within_noise():
     speed = speedup_table(_samples(spec), keys=("size", "context"))
     text = profiling.dtype_paragraph(speed, "cuda")
     fb = sentence_with(text, "Forward+backward:")
-    assert counts(fb) == [(3, 4)] and "within noise in 1" in fb
+    assert counts(fb) == [(3, 4)] and numbers(clause_of(fb, "within noise"))[0] == 1
     assert (speed.set_index(["mode", "size", "context"]).loc[("forward+backward", "a", 64), "verdict"]
             == "within noise")
     assert "within noise" in text[text.index("the smallest"):]
@@ -237,32 +239,40 @@ def test_cold_start_compares_first_steps_with_the_steady_state():
 
 def test_warmup_paragraph_explains_by_the_measured_device():
     gpu = warmup.warmup_paragraph(_warmup(), "cuda")
-    assert "first timed step takes **110 ms** (median of 2 cold processes), **11x** the steady-state median" in gpu
-    assert "slower beyond noise (95% interval" in gpu
+    first = sentences(gpu)[0]  # the cold first step: median of 2 processes, times the steady state after 5 steps
+    assert bold(first) == ["110 ms", "11x"] and in_order(first, [110, 2, 11, 10, 5])
+    assert "slower" in first and amounts(first)[-2:] == [(95, "%"), (12, "x")] and in_order(first, [9.9, 12])
     assert warmup.GPU_FIRST_STEP in gpu and "page faults" not in gpu
     cpu = warmup.warmup_paragraph(_warmup(), "cpu")
-    assert warmup.CPU_FIRST_STEP in cpu and "cudaMalloc" not in cpu and "creating the CUDA context" not in cpu
-    assert "CUDA setup costs appear on GPUs only" in warmup.warmup_answer(_warmup(), "cpu")
-    assert "context, kernel loading, cuBLAS" in warmup.warmup_answer(_warmup(), "cuda")
+    assert warmup.CPU_FIRST_STEP in cpu and "cudaMalloc" not in cpu and warmup.GPU_FIRST_STEP not in cpu
+    for device, cause, not_cause in (("cpu", "CPU", "cuBLAS"), ("cuda", "cuBLAS", "CPU")):
+        answer = warmup.warmup_answer(_warmup(), device)
+        assert amounts(answer) == [(11, "x"), (95, "%"), (12, "x")] and "slower" in answer
+        assert cause in answer.split(":", 1)[1] and not_cause not in answer  # the cause named for the device measured
 
 
 def test_warmup_paragraph_makes_no_claim_within_noise():
     flat = _warmup(first=(10.0, 10.1))
     text = warmup.warmup_paragraph(flat, "cpu")
-    assert "within noise" in text and "claims no cause" in text
-    assert warmup.CPU_FIRST_STEP not in text and warmup.GPU_FIRST_STEP not in text
-    assert warmup.warmup_answer(flat, "cuda").startswith("Here it is not, beyond noise")
+    first = sentences(text)[0]
+    assert bold(first) == ["10.1 ms", "1.01x"] and "within noise" in first and "slower" not in text
+    assert warmup.CPU_FIRST_STEP not in text and warmup.GPU_FIRST_STEP not in text  # no cause claimed
+    answer = warmup.warmup_answer(flat, "cuda")
+    assert amounts(answer)[0] == (1.01, "x") and "not" in answer and "slower" not in answer
     one = warmup.warmup_paragraph(_warmup(first=(100.0,)), "cuda")
-    assert "one cold process" in one and "no claim is made" in one and warmup.GPU_FIRST_STEP not in one
-    assert "cannot tell" in one and "no first-step cost" not in one
-    assert warmup.warmup_answer(_warmup(first=(100.0,)), "cuda") == ("Undecided: one cold process, no spread "
-                                                                        "(10x the steady state).")
+    first = sentences(one)[0]  # one cold process: a ratio, but no spread and so no verdict
+    assert bold(first) == ["100 ms", "10x"] and "no spread" in first and "slower" not in first
+    assert "within noise" not in first and numbers(first)[:2] == [100, 10]  # no "median of n" either
+    assert warmup.GPU_FIRST_STEP not in one and warmup.CPU_FIRST_STEP not in one
+    answer = warmup.warmup_answer(_warmup(first=(100.0,)), "cuda")
+    assert answer.startswith("Undecided") and "no spread" in answer and amounts(answer) == [(10, "x")]
 
 
 def test_warmup_study_that_failed_makes_no_claim():
     failed = pd.DataFrame([dict(warmup=w, step=0, status="oom") for w in (0, 1, 2, 5)])
     assert warmup.cold_start(failed).first is None
-    assert "no cold first step and steady-state steps to compare" in warmup.warmup_paragraph(failed, "cuda")
+    nothing = warmup.warmup_paragraph(failed, "cuda")
+    assert not amounts(nothing) and not bold(nothing) and "slower" not in nothing and "within noise" not in nothing
     assert warmup.warmup_answer(failed, "cuda") == "Not measured."
 
 
@@ -294,17 +304,22 @@ def test_class_shares_and_matmul_paragraph_on_a_gpu():
     assert shares[("forward", "matmul")] == pytest.approx(0.8)
     assert shares[("train_step", "matmul")] == pytest.approx(24 / 34)
     text = kernel_profiles.matmul_paragraph(_kernels())
-    assert text.startswith("Matrix multiplications take **80%** of the GPU kernel time in the forward pass, 80% in "
-                           "forward+backward and 71% in the full train step (the optimizer adds elementwise kernels)")
-    assert "`softmax_warp_forward` (20.0% of forward time, 4 calls per step)" in text and "memory-bound" in text
-    assert kernel_profiles.matmul_answer(_kernels()) == ("80% of forward, 80% of forward+backward, 71% of train step "
-                                                   "(GPU kernel time).")
+    shares = sentences(text)[0]  # the matmul share per mode
+    assert bold(shares) == ["80%"] and amounts(shares) == [(80, "%"), (80, "%"), (71, "%")] and "GPU" in shares
+    assert shares.index("forward") < shares.index("forward+backward") < shares.index("train step")
+    largest = sentence_with(text, "`softmax_warp_forward`")  # the largest other kernel: share, calls per step
+    assert amounts(largest) == [(20.0, "%")] and numbers(largest) == [20.0, 4] and "memory-bound" in text
+    answer = kernel_profiles.matmul_answer(_kernels())
+    assert amounts(answer) == [(80, "%"), (80, "%"), (71, "%")] and "GPU" in answer
+    assert answer.index("forward") < answer.index("forward+backward") < answer.index("train step")
 
 
 def test_matmul_paragraph_on_a_cpu_makes_no_gpu_claim():
     text = kernel_profiles.matmul_paragraph(_kernels("cpu op"))
-    assert "of the CPU operator time" in text and "largest non-matmul operator" in text
-    assert "memory-bound" not in text and "do not predict a GPU's kernel mix" in text
+    shares = sentences(text)[0]
+    assert "CPU" in shares and "GPU" not in shares and amounts(shares) == [(80, "%"), (80, "%"), (71, "%")]
+    assert "`softmax_warp_forward`" in text and "kernel" not in text.split("`softmax_warp_forward`")[0]  # operators
+    assert "memory-bound" not in text and "GPU" in sentences(text)[-1]  # no GPU reading of CPU times
 
 
 def test_top_kernels_tables(capsys):
@@ -317,7 +332,9 @@ def test_top_kernels_tables(capsys):
     assert kernel_profiles.time_unit(old.assign(gpu="cpu"))[0] == "operator"
     assert kernel_profiles.time_unit(old)[0] == "operator"  # no gpu column: nothing says it was a GPU
     out = capsys.readouterr().out
-    assert "**Top operators, forward** (per step)" in out and "**Top operators, train_step**" in out
+    headings = bold(out)  # one table per mode, titled by the CPU's unit: operators
+    assert [h.split(", ")[-1] for h in headings] == ["forward", "forward_backward", "train_step"]
+    assert all("operators" in h and "kernels" not in h for h in headings)
     fig = kernel_profiles.plot_class_shares(_kernels(), "2.7B")
     assert fig.axes[0].get_title() == "2.7B: matmul vs other"
 
@@ -331,16 +348,17 @@ def test_profile_timer_sentence():
     lm = _lm([dict(size="2.7B", context=512, dtype="fp32", fwd_median_ms=309.0),
               dict(size="2.7B", context=512, dtype="bf16", fwd_median_ms=40.0)])
     text = kernel_profiles.profile_timer_sentence(_steps(), lm)
-    assert text == ("The profiler sees a forward step of **320 ms** wall time, of which kernels are busy 300 ms "
-                    "(94%); the Python timer measured 309 ms (median) for the same size and context in the sweep, "
-                    "with sdpa attention instead of naive and without the profiler's overhead.")
+    # wall time, kernels' busy time and its share, the Python timer's median (of the sdpa sweep, not naive)
+    assert bold(text) == ["320 ms"] and amounts(text) == [(320, "ms"), (300, "ms"), (94, "%"), (309, "ms")]
+    assert "sdpa" in text and "naive" in text and "forward" in text
     cpu = kernel_profiles.profile_timer_sentence(_steps(busy=0.0), lm.iloc[:0])
-    assert cpu == "The profiler sees a forward step of **320 ms** wall time."
+    assert amounts(cpu) == [(320, "ms")] and len(sentences(cpu)) == 1  # no kernels, no timer to compare
     # H100, 01 at 395bd41: 139 ms "wall" against 324 ms of kernels; said as impossible, not as 234%
     wrong = kernel_profiles.profile_timer_sentence(_steps(busy=324.0).assign(wall_ms=139.0), lm)
-    assert "busy 324 ms" in wrong and "was not measured right" in wrong and "%" not in wrong
+    assert amounts(wrong) == [(324, "ms"), (139, "ms")] and "%" not in wrong and "309" not in wrong  # no share
     caption = kernel_profiles.profile_caption(_steps(), _kernels(), REPO_ROOT / "artifacts" / "traces")
-    assert "Profiled **2.7B** at context 512, batch 4, fp32, naive attention, 3 steps per mode" in caption
+    assert bold(caption) == ["2.7B"] and numbers(caption)[:4] == [2.7, 512, 4, 3]  # size, context, batch, steps
+    assert "fp32" in caption and "naive" in caption and "GPU" in caption
     assert "`artifacts/traces`" in caption
 
 
@@ -356,15 +374,16 @@ def test_softmax_ratios_and_paragraph():
     r = kernel_profiles.softmax_ratios(_ranges())
     assert r["runtime"] == pytest.approx(2.4 / 19.4) and r["flops"] == pytest.approx(5.37 / 345.0)
     gpu = kernel_profiles.softmax_paragraph(_ranges(), "cuda")
-    assert gpu.startswith("Softmax takes **0.12x** the time of the two attention matmuls together for **0.016x** "
-                          "their FLOPs: per FLOP it is 7.9x more expensive")
-    assert "bound by memory bandwidth" in gpu
+    first = sentences(gpu)[0]  # time share, FLOP share, cost per FLOP, the two rates
+    assert bold(first) == ["0.12x", "0.016x"] and "more" in first and "less" not in first
+    assert amounts(first) == [(0.12, "x"), (0.016, "x"), (7.9, "x"), (2.24, "TFLOP/s"), (17.8, "TFLOP/s")]
+    assert "memory bandwidth" in gpu and "CPU" not in gpu
     cpu = kernel_profiles.softmax_paragraph(_ranges(), "cpu")
-    assert "These are CPU times" in cpu and "is for GPU renders" in cpu
-    cheap = kernel_profiles.softmax_paragraph(_ranges(softmax_ms=0.1), "cuda")
-    assert "x less expensive" in cheap
+    assert sentences(cpu)[0] == first and "CPU" in cpu and "GPU" in sentences(cpu)[-1]  # GPU reading: for GPUs
+    cheap = sentences(kernel_profiles.softmax_paragraph(_ranges(softmax_ms=0.1), "cuda"))[0]
+    assert amounts(cheap)[:3] == [(0.0052, "x"), (0.016, "x"), (3, "x")] and "less" in cheap and "more" not in cheap
     answer = kernel_profiles.softmax_answer(_ranges())
-    assert answer.startswith("0.12x the time of the two attention matmuls for 0.016x")
+    assert amounts(answer) == [(0.12, "x"), (0.016, "x"), (7.9, "x")]
     assert list(kernel_profiles.attention_table(_ranges()).columns) == ["range", "calls_per_step", "ms_per_step",
                                                                   "gflop_per_step", "tflop_per_s"]
 

@@ -2,7 +2,6 @@
 
 import json
 import math
-import re
 
 import matplotlib
 import pandas as pd
@@ -12,7 +11,7 @@ from lab.book.sharding import bench as sharding_bench
 from lab.book.sharding import present as sharding_book
 from lab.book.sharding import traffic as sharding_traffic
 from lab.measure.traces import overlap_summary
-from tests.book.prose import in_order, numbers, sentence_with
+from tests.book.prose import amounts, bold, clause_of, in_order, numbers, sentence_of, sentence_with, sentences
 
 matplotlib.use("Agg")
 #           impl: (median step ms, peak after step GiB, overall peak GiB, state GiB: params, grads, optimizer)
@@ -52,9 +51,12 @@ def test_state_and_traffic_sentences():
     traffic["measured_ratio_to_ddp"] = traffic["impl"].map({"ddp": 1.0, "sharded_optimizer": 1.5, "zero1": 1.0,
                                                             "fsdp": 0.8})
     text = sharding_book.traffic_sentences(closed, traffic)
-    assert "do not match" not in text and "FSDP" in text
+    match = sentences(text)[0]
+    assert "match" in match and "not" not in match and not bold(text) and "FSDP" in text  # no stressed mismatch
+    assert amounts(text.split(". ")[-1]) == [(1.5, "x"), (1.0, "x"), (0.8, "x")]  # measured, to DDP's bytes
     traffic.loc[4, "measured_bytes"] = 6
-    assert "**do not match**" in sharding_book.traffic_sentences(closed, traffic)
+    mismatch = sentences(sharding_book.traffic_sentences(closed, traffic))[0]
+    assert bold(mismatch) and "not" in bold(mismatch)[0]  # the mismatch, stressed
     assert numbers(sharding_book.traffic_answer(closed, traffic))[:2] == [1.5, 1.0]  # sharded optimizer, ZeRO-1
     assert 1.5 in numbers(sharding_book.difference_sentence(closed, 2))
 
@@ -68,13 +70,16 @@ def test_time_comparisons_against_ddp_and_the_reference():
     assert v[("zero1", "torch_zero")] == "faster" and v[("sharded_optimizer", "ddp")] == "slower"
     text = sharding_book.time_sentences(t)
     first = text.split(";")[0]  # one clause per comparison, in the table's order
-    assert text.startswith("**xl:**") and "sharded_optimizer" in first and "ddp" in first
+    assert bold(text)[0] == "xl:" and "sharded_optimizer" in first and "ddp" in first
     assert "slower" in first and 1.5 <= numbers(first)[0] < 1.6
     fsdp = sentence_with(text, "fsdp is", "torch_fsdp2")
     assert "faster" in fsdp and 1.1 <= numbers(fsdp)[0] < 1.2
     noisy = sharding_book.time_comparisons(table(spread=0.3))
     assert (noisy.set_index(["impl", "reference"])["verdict"][("zero1", "ddp")]) == "within noise"
-    assert re.match(r"xl: sharded_optimizer slower \(ratio 1\.5\d?\), zero1 slower", sharding_book.time_answer(t))
+    answer = sharding_book.time_answer(t)
+    sharded, zero1 = answer[answer.index("sharded_optimizer"):answer.index("zero1")], answer[answer.index("zero1"):]
+    assert answer.startswith("xl") and "slower" in sharded and 1.5 <= numbers(sharded)[0] < 1.6
+    assert "slower" in zero1.split(",")[0] and 1.1 <= numbers(zero1)[1] < 1.2  # after the "1" of "zero1"
 
 
 def test_goals_time_from_verdicts_memory_direct():
@@ -102,20 +107,26 @@ def test_goals_time_from_verdicts_memory_direct():
 
 def test_memory_sentences_and_answers():
     df = table()
-    assert "DDP 38 GiB" in sharding_book.memory_sentences(df)
-    assert "n/a (no GPU)" in sharding_book.memory_sentences(table(gpu=False))
+    memory = sharding_book.memory_sentences(df)  # after the step: DDP, sharded, ZeRO-1, torch's; then the FSDPs
+    assert amounts(memory) == [(38, "GiB"), (23, "GiB"), (22.5, "GiB"), (26.6, "GiB"), (19, "GiB"), (18, "GiB")]
+    assert memory.index("DDP") < memory.index("ZeRO-1") < memory.index("FSDP") < memory.index("FSDP2")
+    no_gpu = sharding_book.memory_sentences(table(gpu=False))
+    assert not amounts(no_gpu) and no_gpu.count("n/a") == 6 and "GPU" in no_gpu
     answer = sharding_book.memory_answer(df)
     assert in_order(answer, [29.7, 0.75, 0.5, 39])  # DDP's state, two ratios to it, DDP's overall peak
     assert "overall peak" in answer
     assert "overall peak" not in sharding_book.memory_answer(table(gpu=False))
-    assert sharding_book.peaks_sentence(df) == "" and "No CUDA allocator" in sharding_book.peaks_sentence(
-        table(gpu=False))
-    assert sharding_book.failures(df) == "Every configuration ran."
+    cpu = sharding_book.peaks_sentence(table(gpu=False))
+    assert sharding_book.peaks_sentence(df) == "" and "CPU" in cpu and not amounts(cpu)
+    assert "|" not in sharding_book.failures(df)  # no table of failures
     oom = df.assign(status=["oom"] + ["ok"] * 5, error=["OutOfMemoryError: CUDA out of memory"] + [""] * 5)
-    assert "| xl     | ddp    | oom      | OutOfMemoryError" in sharding_book.failures(oom)
-    assert "DDP n/a (oom), sharded optimizer" in sharding_book.memory_sentences(oom)
-    nothing = df.assign(status="oom")  # a GPU render where every row ran out of memory: not "no GPU"
-    assert sharding_book.peaks_sentence(nothing).startswith("No configuration ran to the end")
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in sharding_book.failures(oom).splitlines()[2:]]
+    assert rows == [["xl", "ddp", "oom", "OutOfMemoryError: CUDA out of memory"]]
+    memory = sharding_book.memory_sentences(oom)
+    assert memory.count("n/a") == 1 and memory.index("DDP") < memory.index("oom") < memory.index("sharded optimizer")
+    assert amounts(memory)[0] == (23, "GiB")  # the others keep their peaks
+    nothing = sharding_book.peaks_sentence(df.assign(status="oom"))  # every row ran out of memory: not "no GPU"
+    assert not amounts(nothing) and "GPU" not in nothing and "CPU" not in nothing and nothing
 
 
 def test_breakdown_and_fsdp_saving():
@@ -130,9 +141,10 @@ def test_breakdown_and_fsdp_saving():
     (r,) = saving.itertuples()
     assert r.expected_saving_gib == pytest.approx(14.9) and r.measured_state_saving_gib == pytest.approx(29.7 - 14.85)
     assert r.measured_peak_saving_gib == pytest.approx(20.0)
-    assert "the peak is 20 GiB lower" in sharding_book.fsdp_saving_sentences(saving)
-    cpu = sharding_book.fsdp_saving(table(gpu=False), expected)
-    assert "not measured on the CPU" in sharding_book.fsdp_saving_sentences(cpu)
+    text = sharding_book.fsdp_saving_sentences(saving)  # closed form, state tensors, peak
+    assert amounts(text) == [(14.9, "GiB"), (14.9, "GiB"), (20, "GiB")] and "lower" in clause_of(text, "20 GiB")
+    cpu = sharding_book.fsdp_saving_sentences(sharding_book.fsdp_saving(table(gpu=False), expected))
+    assert amounts(cpu) == [(14.9, "GiB"), (14.9, "GiB")] and "not measured" in cpu and "CPU" in cpu
 
 
 def _timeline(gather_end, compute_start):
@@ -145,19 +157,22 @@ def _timeline(gather_end, compute_start):
 
 def test_forward_readings():
     in_time = overlap_summary(_timeline(gather_end=0.5, compute_start=0.5))
-    assert "no gaps to speak of" in sharding_book.forward_sentence(in_time, "xl")
+    text = sharding_book.forward_sentence(in_time, "xl")  # forward, busy, idle (share); communication exposed
+    assert amounts(text.split(";")[0]) == [(10, "ms"), (9.5, "ms"), (0.5, "ms"), (5, "%")]
+    assert "critical path" not in text and "host" not in text  # gaps too small to read a cause into
     late = overlap_summary(_timeline(gather_end=6.0, compute_start=6.0))
     text = sharding_book.forward_sentence(late, "xl", timed_step_ms=7.0)
-    assert text.startswith("xl, in the profiled step: the forward (10 ms) kept the compute lane busy 4 ms and idle "
-                           "6 ms (60%)")
-    assert "critical path" in text and "median timed step 7 ms" in text
-    host = overlap_summary(_timeline(gather_end=1.0, compute_start=6.0))
-    assert "host launching work" in sharding_book.forward_sentence(host, "xl")
-    overlap = pd.concat([late.assign(size="xl")])
-    assert sharding_book.forward_answer(overlap).startswith("xl (one profiled step): Most of the idle time")
-    assert sharding_book.forward_answer(pd.DataFrame()) == "no profiled trace here to tell."
+    assert text.startswith("xl") and amounts(text.split(";")[0]) == [(10, "ms"), (4, "ms"), (6, "ms"), (60, "%")]
+    assert "critical path" in text and "host" not in sentence_with(text, "critical path")
+    assert amounts(sentence_of(text, 7, "ms")) == [(10, "ms"), (7, "ms")]  # profiled step against the timed median
+    host = sharding_book.forward_sentence(overlap_summary(_timeline(gather_end=1.0, compute_start=6.0)), "xl")
+    assert "critical path" not in host and "host" in sentence_of(host, 17, "%")  # 1 of the 6 idle ms exposed
+    answer = sharding_book.forward_answer(pd.concat([late.assign(size="xl")]))
+    assert answer.startswith("xl") and "critical path" in answer
+    nothing = sharding_book.forward_answer(pd.DataFrame())
+    assert "trace" in nothing and not numbers(nothing)
     table_, text = sharding_book.fsdp_overlap(table(), "fsdp")
-    assert table_.empty and "No profiler trace of fsdp" in text
+    assert table_.empty and "fsdp" in text and "trace" in text and not amounts(text)
 
 
 def test_plots():
