@@ -253,10 +253,13 @@ def test_copies_go_through_pinned_memory_on_a_side_stream_and_overlap_the_comput
     trace = json.loads(path.read_text())
     out, back = _memcpys(trace, "Device -> Pinned"), _memcpys(trace, "Pinned -> Device")
     assert (len(out), len(back)) == (s.copies, s.fetches) and s.copies > 0
-    assert sum(e["args"]["bytes"] for e in out) == s.bytes_offloaded == s.bytes_pinned
+    assert s.bytes_pinned == s.bytes_offloaded == s.bytes_fetched
+    sizes = [(e.get("args") or {}).get("bytes") for e in out]
+    if None not in sizes:  # where the profiler gives the copies' sizes
+        assert sum(sizes) == s.bytes_offloaded
     kernels = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") == "kernel"]
-    copy_streams = {e["args"]["stream"] for e in out + back}
-    assert not copy_streams & {e["args"]["stream"] for e in kernels}
+    copy_streams = {(e.get("args") or {}).get("stream") for e in out + back}
+    assert None not in copy_streams and not copy_streams & {(e.get("args") or {}).get("stream") for e in kernels}
     copying = union_intervals([(e["ts"], e["ts"] + e["dur"]) for e in out + back])
     computing = union_intervals([(e["ts"], e["ts"] + e["dur"]) for e in kernels])
     overlapped = intervals_length(intersect_intervals(copying, computing))
