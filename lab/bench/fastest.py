@@ -148,12 +148,9 @@ def measure_recipe(config: StepConfig, recipe: Recipe, device: torch.device, war
     row (``timer`` says which timer; ``wall_s``: from the build to the end of the timing). ``host_step_*`` are
     host-clock times: the ablations' own, and with ``host_reference`` two more steps of a do_bench-timed
     recipe, so that the ablations are compared with the book's step timed the same way. ``note`` says where
-    CUDA graphs were asked for but not (all) captured: on the CPU, or graphs Inductor left out of them.
-
-    A step captured in CUDA graphs first runs :func:`lab.recipes.step_parts.warm_up_cuda_graphs` (its
-    graphs recorded before any timing) and on a GPU is timed with do_bench even as an ablation: a few
-    host-timed steps would be too few to be told from the book's do_bench-timed step, whose compiled model it
-    captures (like for like: same timer, same cards)."""
+    CUDA graphs were asked for but not (all) captured: on the CPU, or graphs Inductor left out of them. A
+    captured step is timed once :func:`lab.recipes.step_parts.warm_up_cuda_graphs` recorded its graphs, on a
+    GPU with do_bench even as an ablation (like for like with the compiled step it captures)."""
     row = empty_row(config, recipe)
     rank = launcher.rank()
     row["cuda_graphs"] = uses_cuda_graphs(recipe.compile, device)
