@@ -76,8 +76,9 @@ class OffloadStats:
     buffers: all of them on CUDA, none on the CPU), ``bytes_fetched`` and ``fetches`` (copied back),
     ``bytes_kept`` (storages an offloaded block saved but left in place: under ``min_bytes`` or on another
     device than the block's; parameters and buffers are not counted), ``prefetched`` / ``on_demand`` (blocks
-    whose copies back started ahead of their backward / when it began), ``wait_s`` (seconds the computation waited for copies back: on CUDA the compute stream's stall,
-    timed by events around each wait; on the CPU the host time of the copies back)."""
+    whose copies back started ahead of their backward / when it began), ``wait_s`` (seconds the computation
+    waited for copies back: on CUDA the compute stream's stall, timed by events around each wait; on the CPU
+    the host time of the copies back)."""
 
     bytes_offloaded: int = 0
     copies: int = 0
