@@ -13,8 +13,11 @@ How it works (the model knows nothing of it): :func:`activation_offloading` repl
 :class:`OffloadedBlock` wrappers around the same blocks. An offloaded block runs inside a
 ``torch.autograd.graph.saved_tensors_hooks`` pair from one :class:`ActivationOffloader`:
 
-* **pack** (forward, as an operation saves a tensor): parameters, buffers and storages smaller than
-  ``min_bytes`` stay where they are. Otherwise the tensor's whole *storage* is copied once per block (the
+* **pack** (forward, as an operation saves a tensor): parameters, buffers, storages smaller than
+  ``min_bytes`` and tensors on another device than the block computes on stay where they are (offloading
+  frees the block's *device* memory: a host tensor the block saves, such as the CPU seed and offset that
+  SDPA's efficient and flash kernels keep for their backward, is in host memory already, and a record's
+  copies back all go to its block's device). Otherwise the tensor's whole *storage* is copied once per block (the
   input of q, k and v projections is saved three times but travels once; a view keeps its size, stride and
   offset, so the backward sees exactly the tensor that was saved): on CUDA a ``non_blocking`` copy into a
   pinned host buffer on a side stream that first waits for the compute stream. The device tensor is held
@@ -69,17 +72,20 @@ from torch import nn
 @dataclass
 class OffloadStats:
     """Counters since the last :meth:`ActivationOffloader.reset_stats`: ``bytes_offloaded`` and ``copies``
-    (storages copied to the host), ``bytes_fetched`` and ``fetches`` (copied back), ``bytes_kept`` (saved
-    tensors left in place: under ``min_bytes`` or in blocks not offloaded, parameters and buffers excluded),
-    ``prefetched`` / ``on_demand`` (blocks whose copies back started ahead of their backward / when it
-    began), ``wait_s`` (seconds the computation waited for copies back: on CUDA the compute stream's stall,
-    timed by events around each wait; on the CPU the host time of the copies back)."""
+    (storages copied to the host), ``bytes_pinned`` (of those, the bytes copied into page-locked host
+    buffers: all of them on CUDA, none on the CPU), ``bytes_fetched`` and ``fetches`` (copied back),
+    ``bytes_kept`` (storages an offloaded block saved but left in place: under ``min_bytes`` or on another
+    device than the block's; parameters and buffers are not counted), ``prefetched`` / ``on_demand`` (blocks
+    whose copies back started ahead of their backward / when it began), ``wait_s`` (seconds the computation
+    waited for copies back: on CUDA the compute stream's stall, timed by events around each wait; on the CPU
+    the host time of the copies back)."""
 
     bytes_offloaded: int = 0
     copies: int = 0
     bytes_fetched: int = 0
     fetches: int = 0
     bytes_kept: int = 0
+    bytes_pinned: int = 0
     prefetched: int = 0
     on_demand: int = 0
     wait_s: float = 0.0
@@ -87,21 +93,22 @@ class OffloadStats:
 
 
 class _Slot:
-    """One saved storage: its host copy, and its device copy while the backward needs it."""
+    """One saved storage of a block's device: its host copy, and its device copy while the backward needs it."""
 
-    __slots__ = ("__weakref__", "device", "fetched", "host", "nbytes", "remaining", "uses")
+    __slots__ = ("__weakref__", "fetched", "host", "nbytes", "remaining", "uses")
 
-    def __init__(self, host: torch.Tensor, device: torch.device, nbytes: int):
-        self.host, self.device, self.nbytes = host, device, nbytes
+    def __init__(self, host: torch.Tensor, nbytes: int):
+        self.host, self.nbytes = host, nbytes
         self.fetched: torch.Tensor | None = None
         self.uses = self.remaining = 0
 
 
 class _Record:
-    """One forward call of one block: its slots, and where its copies back stand."""
+    """One forward call of one block on ``device`` (the one whose memory offloading frees): its slots, all
+    storages of that device, and where their copies back stand."""
 
-    def __init__(self, index: int, offload: bool, prev: _Record | None):
-        self.index, self.offload, self.prev = index, offload, prev
+    def __init__(self, index: int, device: torch.device, offload: bool, prev: _Record | None):
+        self.index, self.device, self.offload, self.prev = index, torch.device(device), offload, prev
         self.slots: list[_Slot] = []
         self.by_storage: dict[tuple, object] = {}  # storage -> its slot or _KEPT, during the block's forward
         self.alive: list[torch.Tensor] = []  # device tensors held until the block's forward ends
@@ -129,7 +136,7 @@ class _Delegated:
         self.packed = packed
 
 
-_KEPT = object()  # a storage under ``min_bytes``, already seen in this block
+_KEPT = object()  # a storage left in place (under ``min_bytes``, or not on the block's device), already seen
 
 
 def _bytes_view(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
@@ -198,11 +205,11 @@ class ActivationOffloader:
     # ---- forward -------------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def saving(self, index: int, offload: bool = True) -> Iterator[_Record]:
-        """The forward of block ``index``: with ``offload``, its saved tensors go through the hooks. Yields
-        the block's record (for :meth:`backward_reached`)."""
+    def saving(self, index: int, device: torch.device, offload: bool = True) -> Iterator[_Record]:
+        """The forward of block ``index``, computing on ``device`` (its input's): with ``offload``, the saved
+        tensors of that device go through the hooks. Yields the block's record (for :meth:`backward_reached`)."""
         last = self._last() if self._last is not None else None
-        record = _Record(index, offload, last if last is not None and last.index < index else None)
+        record = _Record(index, device, offload, last if last is not None and last.index < index else None)
         self._last, self._current = weakref.ref(record), record
         try:
             if offload:
@@ -236,7 +243,7 @@ class ActivationOffloader:
             return t
         if slot is None:
             nbytes = key[3]
-            if nbytes < self.min_bytes:
+            if nbytes < max(self.min_bytes, 1) or t.device != record.device:  # nothing to move, or not ours
                 self._stats.bytes_kept += nbytes
                 record.by_storage[key] = _KEPT
                 return t
@@ -258,11 +265,12 @@ class ActivationOffloader:
                 host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
                 host.copy_(src, non_blocking=True)
             t.record_stream(stream)
+            self._stats.bytes_pinned += nbytes if host.is_pinned() else 0
         else:
             host = src.clone()
         self._stats.bytes_offloaded += nbytes
         self._stats.copies += 1
-        slot = _Slot(host, t.device, nbytes)
+        slot = _Slot(host, nbytes)
         self._slots.add(slot)
         return slot
 
@@ -287,7 +295,7 @@ class ActivationOffloader:
         slots = [s for s in record.slots if s.fetched is None]
         if not slots:
             return
-        device = slots[0].device
+        device = record.device
         if device.type == "cuda":
             # Allocated on the compute stream, which will use and free them: a side-stream allocation would
             # come from the caching allocator's separate pool for that stream, which the compute stream's
@@ -326,7 +334,7 @@ class ActivationOffloader:
             if record.event is not None:
                 self._wait(record)
         with torch.no_grad():
-            out = torch.empty(0, dtype=handle.dtype, device=slot.device).set_(
+            out = torch.empty(0, dtype=handle.dtype, device=record.device).set_(
                 slot.fetched.untyped_storage(), handle.offset, handle.size, handle.stride)
         slot.remaining -= 1
         if slot.remaining == 0:  # every saved use has its tensor: autograd holds it from here
@@ -337,7 +345,7 @@ class ActivationOffloader:
         return out
 
     def _wait(self, record: _Record) -> None:
-        compute = torch.cuda.current_stream(record.slots[0].device)
+        compute = torch.cuda.current_stream(record.device)
         if self.time_waits:
             before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             before.record(compute)
@@ -360,7 +368,7 @@ class OffloadedBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled():
             return self.block(x)
-        with self.offloader.saving(self.index, self.offload) as record:
+        with self.offloader.saving(self.index, x.device, self.offload) as record:
             out = self.block(x)
         if isinstance(out, torch.Tensor) and out.requires_grad:
             offloader = self.offloader

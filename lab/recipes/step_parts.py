@@ -8,8 +8,11 @@ bytes a step sends within and across nodes. :mod:`lab.recipes.fastest_step` appl
   cudagraph trees reuse the graphs' output memory on the next replay, so every step first calls
   ``torch.compiler.cudagraph_mark_step_begin()`` (:func:`marking_steps`): the previous step's outputs (its
   loss) are then declared dead, and nothing of one step is read after the next begins (``TrainStep`` drops
-  its gradients with ``zero_grad(set_to_none=True)``). CUDA graphs need a GPU: on the CPU the same recipe
-  compiles the model without them (:func:`compile_options`), and the row says so.
+  its gradients with ``zero_grad(set_to_none=True)``). A compiled function's first call under cudagraph
+  trees runs it without a graph (warm-up), its second records the graph, later ones replay it: a step is
+  timed only after :data:`CUDA_GRAPH_WARMUP_STEPS` steps beyond the first (:func:`warm_up_cuda_graphs`).
+  CUDA graphs need a GPU: on the CPU the same recipe compiles the model without them
+  (:func:`compile_options`), and the row says so.
 * **Activation offloading** (``offload``): the first blocks' saved activations wait in host memory instead of
   being recomputed (:mod:`lab.model.offload`); :func:`keep_offloading` enters the offloading for the step's
   life and leaves it when the step is dropped.
@@ -24,6 +27,7 @@ import contextlib
 import functools
 import math
 import os
+import time
 import weakref
 from collections.abc import Callable
 
@@ -31,7 +35,7 @@ import torch
 from torch import nn
 
 from lab.accounting.collectives import ring_bytes_per_rank
-from lab.measure.device import available_memory_bytes
+from lab.measure.device import available_memory_bytes, synchronize
 from lab.measure.step import TrainStep
 from lab.model import ModelConfig
 from lab.model.offload import activation_offloading
@@ -65,6 +69,26 @@ def _mark_then(loss_fn: Callable, model: nn.Module, tokens: torch.Tensor, target
 def marking_steps(loss_fn: Callable) -> Callable:
     """``loss_fn`` that first tells cudagraph trees a new step begins (see the module docstring)."""
     return functools.partial(_mark_then, loss_fn)
+
+
+#: Steps run after a captured step's first one before it is timed: the first of them records the forward's
+#: and the backward's graphs (the first step ran them as cudagraph trees' warm-up), the others replay them,
+#: so that the timing sees replays only (one more than needed, in case a graph is recorded a step late).
+CUDA_GRAPH_WARMUP_STEPS = 3
+
+
+def warm_up_cuda_graphs(step: Callable[[], object], device: torch.device,
+                        steps: int = CUDA_GRAPH_WARMUP_STEPS) -> list[float]:
+    """Run ``step`` ``steps`` times (after its first run) so that cudagraph trees have recorded its graphs
+    before it is timed; returns each step's host time in ms (``device`` synchronized after each): the
+    recording step's far above the replays'."""
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        synchronize(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
 
 
 # ----------------------------------------------------------------------------------------------------------

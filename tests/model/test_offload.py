@@ -2,15 +2,18 @@
 the byte counters equal what autograd saves (lab.measure.saved_tensors, and closed forms), and the backward
 brings blocks back ahead of need."""
 
+import json
+
 import pytest
 import torch
 from torch import nn
 
 from lab.measure.saved_tensors import saved_tensor_report
 from lab.measure.step import lm_loss, random_batch
+from lab.measure.traces import intersect_intervals, intervals_length, union_intervals
 from lab.model.checkpointing import CheckpointedGroup, residual_stream_bytes
 from lab.model.offload import ActivationOffloader, activation_offloading, offload_cost_model
-from lab.model.transformer import TransformerLM, config_for
+from lab.model.transformer import ModelConfig, TransformerLM, config_for
 
 CFG = config_for("tiny", context_length=16, vocab_size=64)
 
@@ -146,16 +149,68 @@ def test_cost_model():
     assert m["bytes_moved"] == 8 * gb and m["freed_bytes"] == 4 * gb
 
 
+class _HostScale(nn.Module):
+    """``x * s`` with ``s`` a 0-dim tensor made on the host inside the forward: the product saves ``s`` for the
+    backward, as SDPA's efficient and flash kernels save their host-side seed and offset."""
+
+    def forward(self, x):
+        return x * torch.tensor(0.5)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_only_the_blocks_own_device_is_offloaded(device):
+    """A block on the GPU that saves a host tensor keeps it where it is (it frees no device memory, and its
+    copy back would go to the wrong device); on the CPU the same tensor is the block's and travels. Closed
+    form: each block saves its input (d floats a row), the tanh output (h floats a row) and the 4-byte scale."""
+    torch.manual_seed(1)
+    rows, d, h, n = 5, 8, 24, 3
+    model = _Mlp(d, h, n).to(device)
+    for block in model.blocks:
+        block.append(_HostScale())
+    x = torch.randn(rows, d, device=device)
+    model(x).backward()
+    ref = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    with activation_offloading(model, offload_blocks=range(n), min_bytes=0) as off:
+        model(x).backward()
+    assert all(torch.equal(p.grad, r) for p, r in zip(model.parameters(), ref))
+    s = off.stats()
+    on_gpu = device == "cuda"
+    assert s.bytes_offloaded == s.bytes_fetched == n * (rows * (d + h) * 4 + (0 if on_gpu else 4))
+    assert s.bytes_kept == (n * 4 if on_gpu else 0)
+    assert s.bytes_pinned == (s.bytes_offloaded if on_gpu else 0)
+
+
+def _cuda_grads(model, batch, context=None):
+    loss, grads = _grads(model, batch, context)
+    torch.cuda.synchronize()
+    return loss, grads
+
+
+def _assert_same_grads(got, ref, again):
+    """Bit for bit where two runs without offloading (``ref``, ``again``) agree bit for bit; otherwise (a
+    kernel that adds with atomics) within fp32 rounding."""
+    deterministic = all(torch.equal(a, b) for a, b in zip(again, ref))
+    for a, b in zip(got, ref):
+        if deterministic:
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.gpu
 def test_offload_on_cuda_is_exact_and_moves_the_bytes_through_pinned_host_memory():
     """On a GPU the copies run on a side stream into pinned host memory and come back by prefetch: the
-    gradients still equal those without offloading (fp32), every offloaded byte comes back, and the host
-    buffers are pinned."""
+    gradients still equal those without offloading (fp32; bit for bit where the step without offloading is
+    itself deterministic: SDPA's efficient backward may add with atomics), and every offloaded byte comes
+    back from pinned host memory. (SDPA saves host-side seeds among the blocks' device tensors: they stay.)"""
     torch.manual_seed(0)
     cfg = config_for("tiny", context_length=256, vocab_size=512)
     model = TransformerLM(cfg).cuda()
     batch = random_batch(cfg, 4, "cuda")
-    ref_loss, ref = _grads(model, batch)
+    ref_loss, ref = _cuda_grads(model, batch)
+    _, again = _cuda_grads(model, batch)
+    model.zero_grad(set_to_none=True)  # the gradients below are this backward's alone
     with activation_offloading(model, offload_blocks=None, min_bytes=0) as off:
         loss = lm_loss(model, *batch)
         held = off.host_bytes()
@@ -164,5 +219,51 @@ def test_offload_on_cuda_is_exact_and_moves_the_bytes_through_pinned_host_memory
     torch.cuda.synchronize()
     s = off.stats()
     assert torch.equal(loss.detach(), ref_loss)
-    assert all(torch.equal(a, b) for a, b in zip(grads, ref))
-    assert held == s.bytes_offloaded > 0 and s.bytes_fetched == s.bytes_offloaded
+    _assert_same_grads(grads, ref, again)
+    assert held == s.bytes_offloaded > 0 and s.bytes_fetched == s.bytes_offloaded == s.bytes_pinned
+    assert s.wait_s >= 0 and s.on_demand + s.prefetched == cfg.num_layers - 1
+
+
+def _memcpys(trace: dict, kind: str) -> list[dict]:
+    return [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") == "gpu_memcpy"
+            and kind in e.get("name", "")]
+
+
+@pytest.mark.gpu
+def test_copies_go_through_pinned_memory_on_a_side_stream_and_overlap_the_compute(tmp_path):
+    """Profiled: every offloaded storage is one device-to-pinned copy and every fetch one pinned-to-device
+    copy, all on a stream no compute kernel runs on, and the copies run while kernels compute (the blocks'
+    activations, tens of MB, take milliseconds over the host link)."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=256, d_ff=1024, num_layers=4, num_heads=4, vocab_size=512, context_length=1024,
+                      attention="naive")
+    model = TransformerLM(cfg).cuda()
+    batch = random_batch(cfg, 4, "cuda")
+    ref_loss, ref = _cuda_grads(model, batch)
+    _, again = _cuda_grads(model, batch)
+    with activation_offloading(model, min_bytes=1 << 16) as off:
+        _cuda_grads(model, batch)  # the first use pins host buffers and makes the side stream
+        off.reset_stats()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            loss, grads = _cuda_grads(model, batch)
+    assert torch.equal(loss, ref_loss)
+    _assert_same_grads(grads, ref, again)
+    s = off.stats()
+    path = tmp_path / "trace.json"
+    prof.export_chrome_trace(str(path))
+    trace = json.loads(path.read_text())
+    out, back = _memcpys(trace, "Device -> Pinned"), _memcpys(trace, "Pinned -> Device")
+    assert (len(out), len(back)) == (s.copies, s.fetches) and s.copies > 0
+    assert s.bytes_pinned == s.bytes_offloaded == s.bytes_fetched
+    sizes = [(e.get("args") or {}).get("bytes") for e in out]
+    if None not in sizes:  # where the profiler gives the copies' sizes
+        assert sum(sizes) == s.bytes_offloaded
+    kernels = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") == "kernel"]
+    copy_streams = {(e.get("args") or {}).get("stream") for e in out + back}
+    assert None not in copy_streams and not copy_streams & {(e.get("args") or {}).get("stream") for e in kernels}
+    copying = union_intervals([(e["ts"], e["ts"] + e["dur"]) for e in out + back])
+    computing = union_intervals([(e["ts"], e["ts"] + e["dur"]) for e in kernels])
+    overlapped = intervals_length(intersect_intervals(copying, computing))
+    print(f"offload: {s.bytes_offloaded / 2**20:.1f} MiB out and back, copies {intervals_length(copying) / 1e3:.2f} "
+          f"ms, {overlapped / 1e3:.2f} ms of them beside kernels, compute waited {s.wait_s * 1e3:.2f} ms")
+    assert overlapped > 0

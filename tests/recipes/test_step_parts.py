@@ -4,6 +4,7 @@ as the plain step (fp32, gloo), and rows that record what each choice did."""
 import dataclasses
 import gc
 import math
+import time
 
 import pytest
 import torch
@@ -132,6 +133,28 @@ def test_graphs_inductor_left_out_of_cuda_graphs_are_noted(monkeypatch):
     assert row["cuda_graphs"] is True and "2 graph(s)" in row["note"]
 
 
+def test_a_captured_step_is_timed_only_after_its_graphs_are_recorded(monkeypatch):
+    """Cudagraph trees record on a function's second call: a row of a captured step runs the first step, then
+    CUDA_GRAPH_WARMUP_STEPS more, and only then the timed ones (here the CPU's host-timed two)."""
+    calls = []
+
+    def build(*args, **kwargs):
+        step = _cheap_build(*args, **kwargs)
+        inner = step.forward_backward
+        step.forward_backward = lambda: (calls.append(time.perf_counter()), inner())
+        return step
+
+    monkeypatch.setattr(bench, "build_step", build)
+    monkeypatch.setattr(bench, "uses_cuda_graphs", lambda compile, device: True)  # as on a GPU
+    recipe = next(r for r in fs.ablations(fs.PROJECT_ONE_GPU) if r.name == "cuda_graphs")
+    row = bench.measure_recipe(fs.CONFIGS["tiny_one_rank"], recipe, CPU, profile=False, host_steps=2)
+    assert row["step_n"] == 2 and row["timer"] == "host"
+    assert len(calls) == 1 + step_parts.CUDA_GRAPH_WARMUP_STEPS + 2
+    counted = []
+    times = step_parts.warm_up_cuda_graphs(lambda: counted.append(1), CPU, steps=4)
+    assert len(counted) == len(times) == 4 and all(t >= 0 for t in times)
+
+
 @pytest.mark.gpu
 def test_cuda_graph_step_trains_as_the_compiled_step_on_a_gpu():
     """Past cudagraph trees' warm-up and recording, replayed steps (whose outputs share memory from one replay
@@ -145,8 +168,10 @@ def test_cuda_graph_step_trains_as_the_compiled_step_on_a_gpu():
         b()
     for (name, p), q in zip(a.model.named_parameters(), b.model.parameters()):
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=name)
-    row = bench.measure_recipe(config, graphs, cuda, profile=False, host_steps=2)
+    row = bench.measure_recipe(config, graphs, cuda, profile=False, host_steps=2, rep_ms=200)
     assert row["status"] == "ok" and row["cuda_graphs"] is True and row["note"] == ""
+    # like the book's compiled step: do_bench over many replays, not two host-timed steps (one recording)
+    assert row["timer"] == "do_bench" and row["step_n"] >= 10 and row["step_ms"] > 0
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -42,7 +42,7 @@ from lab.recipes.fastest_step import (
     model_flops_per_step,
     step_traffic,
 )
-from lab.recipes.step_parts import uses_cuda_graphs
+from lab.recipes.step_parts import uses_cuda_graphs, warm_up_cuda_graphs
 from lab.units import GiB
 
 #: Kernel classes of a step's time, in the order they are assigned (a kernel launched inside ``recompute``
@@ -148,7 +148,9 @@ def measure_recipe(config: StepConfig, recipe: Recipe, device: torch.device, war
     row (``timer`` says which timer; ``wall_s``: from the build to the end of the timing). ``host_step_*`` are
     host-clock times: the ablations' own, and with ``host_reference`` two more steps of a do_bench-timed
     recipe, so that the ablations are compared with the book's step timed the same way. ``note`` says where
-    CUDA graphs were asked for but not (all) captured: on the CPU, or graphs Inductor left out of them."""
+    CUDA graphs were asked for but not (all) captured: on the CPU, or graphs Inductor left out of them. A
+    captured step is timed once :func:`lab.recipes.step_parts.warm_up_cuda_graphs` recorded its graphs, on a
+    GPU with do_bench even as an ablation (like for like with the compiled step it captures)."""
     row = empty_row(config, recipe)
     rank = launcher.rank()
     row["cuda_graphs"] = uses_cuda_graphs(recipe.compile, device)
@@ -165,12 +167,14 @@ def measure_recipe(config: StepConfig, recipe: Recipe, device: torch.device, war
         step()
         synchronize(device)
         row["first_step_s"] = time.perf_counter() - start
+        if row["cuda_graphs"]:
+            warm_up_cuda_graphs(step, device)
         if row["cuda_graphs"] and counters["inductor"]["cudagraph_skips"] > skips:  # its log says why
             row["note"] = f"Inductor ran {counters['inductor']['cudagraph_skips'] - skips} graph(s) without CUDA graphs"
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         offloader = getattr(step, "offloader", None)
-        if device.type == "cuda" and not host_steps:
+        if device.type == "cuda" and (not host_steps or row["cuda_graphs"]):
             timing, row["timer"] = time_kernel(step, device, warmup_ms=warmup_ms, rep_ms=rep_ms), "do_bench"
         else:
             if offloader is not None:
