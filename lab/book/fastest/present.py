@@ -158,8 +158,13 @@ def plot_phases(df: pd.DataFrame, title: str = "", ax=None):
     if data.empty:
         ax.set_title(f"{title}: no GPU kernels were profiled")
         return ax
+    return _stacked_bars(data, ax, "ms per step", title)
+
+
+def _stacked_bars(data: pd.DataFrame, ax, xlabel: str, title: str):
+    """``data``'s columns stacked as horizontal bars, one bar per row, the legend outside on the right."""
     data.rename(columns=_label).plot.barh(stacked=True, ax=ax, width=0.7)
-    ax.set_xlabel("ms per step")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("")
     ax.set_title(title)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
@@ -173,12 +178,7 @@ def plot_memory(df: pd.DataFrame, title: str = "", ax=None):
     data = df[df["status"] == "ok"].set_index("impl")[MEMORY]
     if ax is None:
         _, ax = plt.subplots(figsize=(10, 0.8 + 0.5 * max(len(data), 1)))
-    data.rename(columns=_label).plot.barh(stacked=True, ax=ax, width=0.7)
-    ax.set_xlabel("GiB per GPU at the step's peak")
-    ax.set_ylabel("")
-    ax.set_title(title)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
-    return ax
+    return _stacked_bars(data, ax, "GiB per GPU at the step's peak", title)
 
 
 def phase_sentence(df: pd.DataFrame, impl: str = "project") -> str:

@@ -174,17 +174,25 @@ def peak_memory_table(model: nn.Module, contexts: Sequence[int], dtypes: Sequenc
             optimizer = opt
         step = TrainStep(model, optimizer, *batch_of(context), dtype=dt)
         row = dict(context=context, batch=batch, dtype=dt, mode=mode, peak_gib=math.nan, status="ok", error="")
-        try:
-            with silenced_native_stderr(device.type == "cpu"):
-                row["peak_gib"] = measure_peak_bytes(lambda s=step, m=mode: s.run(m), device) / GiB
-        except Exception as exc:
-            if not is_oom(exc):
-                raise
-            row.update(status="oom", error=error_summary(exc))
-        model.zero_grad(set_to_none=True)
-        empty_cache()
-        rows.append(row)
+        rows.append(_measured(row, lambda s=step, m=mode: dict(
+            peak_gib=measure_peak_bytes(lambda: s.run(m), device) / GiB), model, device))
     return pd.DataFrame(rows)
+
+
+def _measured(row: dict, measure, model: nn.Module, device: torch.device) -> dict:
+    """``row`` updated with what ``measure()`` returns, or with ``status="oom"`` and the error where it runs out
+    of memory (any other error propagates); the model's gradients and the allocator's cache are freed after
+    either, so that the next configuration starts from the same memory."""
+    try:
+        with silenced_native_stderr(device.type == "cpu"):
+            row.update(measure())
+    except Exception as exc:
+        if not is_oom(exc):
+            raise
+        row.update(status="oom", error=error_summary(exc))
+    model.zero_grad(set_to_none=True)
+    empty_cache()
+    return row
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -217,19 +225,14 @@ def checkpoint_sweep(model: nn.Module, tokens: torch.Tensor, targets: torch.Tens
         row = dict(strategy="none" if (strategy == "single" and k is None) else strategy,
                    group_size=k if k is not None else math.nan, peak_gib=math.nan, step_ms=math.nan,
                    step_std_ms=math.nan, status="ok", error="")
-        try:
+
+        def measure(k=k, strategy=strategy):
             with activation_checkpointing(model, group_size=k, strategy=strategy):
-                with silenced_native_stderr(device.type == "cpu"):
-                    row["peak_gib"] = measure_peak_bytes(step, device) / GiB
+                peak = measure_peak_bytes(step, device) / GiB
                 timing = time_callable(step, warmup=0, steps=timing_steps, device=device)
-                row.update(step_ms=timing.mean_ms, step_std_ms=timing.std_ms)
-        except Exception as exc:
-            if not is_oom(exc):
-                raise
-            row.update(status="oom", error=error_summary(exc))
-        model.zero_grad(set_to_none=True)
-        empty_cache()
-        rows.append(row)
+            return dict(peak_gib=peak, step_ms=timing.mean_ms, step_std_ms=timing.std_ms)
+
+        rows.append(_measured(row, measure, model, device))
     return pd.DataFrame(rows)
 
 
