@@ -136,9 +136,9 @@ LEAK_WARNING_BYTES = GiB
 
 
 def _warn_if_left(name: str, device: torch.device, baseline: int, wait_s: float = 2.0) -> None:
-    """Say so on stderr (rank 0) when more than 1 GiB is still allocated after the collection that follows
-    ``name``'s turn (before the next build): the later builds of the rotation would run out of memory, and
-    this line names the implementation that leaked. Rank 0 then collects again for up to ``wait_s`` and says
+    """Say so on stderr (rank 0) when more than 1 GiB above ``baseline`` is still allocated after the collection
+    that follows ``name``'s turn (before the next build): the later builds of the rotation would run out of
+    memory, and this line names the implementation that leaked. Rank 0 then collects again for up to ``wait_s`` and says
     what is left, telling memory held a moment past the release (by work still queued somewhere, NCCL's
     for instance) from a leak."""
     if device.type != "cuda" or dist.get_rank() != 0:
@@ -207,9 +207,14 @@ def time_interleaved(builders: dict[str, Build], plan: Interleaving, device: tor
         return True
 
     def build(name: str) -> None:
+        nonlocal floor
         _release(device)  # what the last turn left behind, including what was still held at its release
         if closed:  # measured here, not at the turn's own release, where NCCL may still hold its tensors
-            _warn_if_left(closed.pop(), device, baseline)
+            name_closed = closed.pop()
+            if floor is None:  # what the first turn leaves is what every turn leaves (see below)
+                floor = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+            else:
+                _warn_if_left(name_closed, device, floor)
         if runs_here[name]:
             live[name] = builders[name]()
 
@@ -243,7 +248,10 @@ def time_interleaved(builders: dict[str, Build], plan: Interleaving, device: tor
     # collector's sight, so that the collections between turns are quick; unfrozen at the end.
     gc.collect()
     gc.freeze()
-    baseline = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    # A leak is memory that grows from turn to turn. The floor is measured after the first turn's release, not
+    # before it: state the run keeps from its first step on (a shared model's gradients or AdamW moments, NCCL's
+    # and cuBLAS's workspaces) is allocated then and stays, the same after every turn, without ever growing.
+    floor: int | None = None
     try:
         if plan.schedule == "resident":
             for name in list(alive):
