@@ -119,14 +119,15 @@ def each(items: Sequence, measure: Callable[[Any], dict], progress: Progress,
         rows.append(progress.finish(row, i))
         if announce is not None:
             announce(row)
-        if row.get("status") == "oom" and launcher.world_size() > 1 and not launcher.is_torchrun():
+        if row.get("status") == "oom" and launcher.world_size() > 1 and launcher.is_spawned():
             raise StoppedAfterOOM(f"item {i} ran out of memory on rank {launcher.rank()}")
     return rows
 
 
-def each_item(measure: Callable, items: Sequence, *args, progress: Progress) -> list[dict]:
+def each_item(measure: Callable, items: Sequence, progress: Progress, *args) -> list[dict]:
     """A launched worker for :func:`run` whose items need no setup: ``measure(item, *args)`` of each
-    (:func:`each`). ``measure`` must be a module-level function (it travels to the ranks by reference)."""
+    (:func:`each`); ``run(each_item, items, n, lambda todo, progress: (measure, todo, progress, *args))``.
+    ``measure`` must be a module-level function (it travels to the ranks by reference)."""
     return each(items, lambda item: measure(item, *args), progress)
 
 
@@ -177,7 +178,7 @@ def run(worker: Callable, items: Sequence, world_size: int,
     """Every item of ``items`` measured by ``worker`` on ``world_size`` ranks (:func:`launcher.launch`);
     returns, in the items' order, each item's rows: one per rank, or one row where the item failed.
 
-    ``worker(*args(launch_items, progress))`` (default ``worker(launch_items, progress=progress)``) runs on
+    ``worker(*args(launch_items, progress))`` (default ``worker(launch_items, progress)``) runs on
     every rank and returns one row per item of its launch, recording each as it finishes (:func:`each`).
     ``items_per_launch``: at most that many items in one launch (1: each item in fresh processes). When a
     launch fails, its finished rows are kept (:func:`salvage`) and the item it failed in becomes a row
@@ -188,7 +189,7 @@ def run(worker: Callable, items: Sequence, world_size: int,
     ``launch_kwargs`` go to :func:`launcher.launch` (device, timeout_s, first_gpu, env...)."""
     if items_per_launch is not None and items_per_launch < 1:
         raise ValueError(f"items_per_launch must be a positive int or None, got {items_per_launch!r}")
-    args = args or (lambda batch, progress: (batch,))
+    args = args or (lambda batch, progress: (batch, progress))
     items = list(items)
     out: dict[int, tuple[dict, ...]] = {}
     todo, started, launches, cause = list(range(len(items))), time.monotonic(), 0, ""
