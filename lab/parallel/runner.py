@@ -183,7 +183,8 @@ def run(worker: Callable, items: Sequence, world_size: int,
     ``items_per_launch``: at most that many items in one launch (1: each item in fresh processes). When a
     launch fails, its finished rows are kept (:func:`salvage`) and the item it failed in becomes a row
     (``blank(item, status, cause)``): ``oom`` where it ran out of memory, after which the next items run in
-    a new launch; otherwise ``failed``, after which, with ``skip_failed``, the next items run in a new launch,
+    a new launch; otherwise ``failed``, after which, with ``skip_failed`` (and the failure inside an item, not
+    in the launch's setup), the next items run in a new launch,
     with a ``deadline_s`` (seconds for the whole run) every item left becomes ``failed`` too, and else the
     launch's :class:`launcher.WorkerError` is raised. Past the deadline every item left becomes ``failed``.
     ``launch_kwargs`` go to :func:`launcher.launch` (device, timeout_s, first_gpu, env...)."""
@@ -208,7 +209,10 @@ def run(worker: Callable, items: Sequence, world_size: int,
                                            deadline_s=left, **launch_kwargs)
             except launcher.WorkerError as exc:
                 hung = left is not None and time.monotonic() - launched >= left
-                rows, failed = salvage(progress.read(world_size), len(batch), exc.rank, hung)
+                ranks = progress.read(world_size)
+                rows, failed = salvage(ranks, len(batch), exc.rank, hung)
+                # a launch that failed before any rank began an item (its setup) is no item's failure
+                began = any(done or current is not None for done, current in ranks)
                 error = exc
             else:
                 for ranks in per_rank:
@@ -227,7 +231,7 @@ def run(worker: Callable, items: Sequence, world_size: int,
         if failed is not None and not stopped:
             oom = _out_of_memory(error)
             out[batch[failed]] = (blank(items[batch[failed]], "oom" if oom else "failed", cause),)
-            resumable = resumable or oom or skip_failed
+            resumable = resumable or oom or (skip_failed and began)
         todo = [i for i in todo if i not in out]
         if todo and not resumable:
             if deadline_s is None:
