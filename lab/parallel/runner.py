@@ -27,6 +27,7 @@ travel through the progress files as JSON. Jobs that each need GPUs of their own
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -62,6 +63,7 @@ class Progress:
     folder: str
     launch: int = 0
     _done: int = field(default=0, repr=False)
+    _current: int | None = field(default=None, repr=False)
 
     def _write(self, event: dict) -> None:
         if not self.folder:
@@ -71,7 +73,23 @@ class Progress:
 
     def start(self, index: int) -> None:
         """This rank begins item ``index`` (the item a failure is charged to, until it finishes)."""
+        self._current = index
         self._write({"start": index})
+
+    def enter(self, index: int) -> None:
+        """This rank is in item ``index`` now, noted in memory only (cheap enough for a timed region, where
+        items take turns): written by :meth:`charging` if an error leaves the block."""
+        self._current = index
+
+    @contextlib.contextmanager
+    def charging(self):
+        """A block whose error is charged to the item last entered (:meth:`enter`), then re-raised."""
+        try:
+            yield
+        except BaseException:
+            if self._current is not None:
+                self.start(self._current)
+            raise
 
     def finish(self, row: dict, index: int | None = None) -> dict:
         """This rank's ``row`` of item ``index`` (default: the item after the last one finished here),
@@ -100,6 +118,15 @@ class Progress:
                     current = None if current == event["done"] else current
             out.append((done, current))
         return out
+
+
+def entering(progress: Progress, index: int, fn: Callable) -> Callable:
+    """``fn`` that notes item ``index`` as entered (:meth:`Progress.enter`) at each call: the step of one
+    implementation among several taking turns, so that an error in it is charged to it."""
+    def call(*args, **kwargs):
+        progress.enter(index)
+        return fn(*args, **kwargs)
+    return call
 
 
 def each(items: Sequence, measure: Callable[[Any], dict], progress: Progress,

@@ -68,6 +68,18 @@ def test_step_times_interleaved_on_gloo():
         assert len(xs) == 3 and r.step_ms == pytest.approx(statistics.median(xs), rel=1e-4) and r.step_iqr_ms >= 0
 
 
+def test_an_implementation_failing_in_step_times_is_a_row_and_the_others_are_timed():
+    # fp8-ish is no reduce dtype: only FSDP's build reads it, on every rank
+    df = sharding.step_times(("ddp", "fsdp", "zero1"), "tiny", context=32, dtype="fp32", device="cpu",
+                             interleaving=Interleaving(rounds=2, warmup=1, schedule="resident"),
+                             fsdp_reduce_dtype="fp8-ish").set_index("impl")
+    assert list(df.index) == ["ddp", "fsdp", "zero1"]
+    assert df.loc["fsdp", "status"] == "failed" and "fp8-ish" in df.loc["fsdp", "error"]
+    assert df.loc["fsdp", "rounds"] == 0 and math.isnan(df.loc["fsdp", "step_ms"])
+    others = df.drop(index="fsdp")
+    assert (others["status"] == "ok").all() and (others["rounds"] == 2).all() and (others["step_ms"] > 0).all()
+
+
 @pytest.mark.slow
 def test_step_times_rebuilt_each_turn():
     """Every implementation built, stepped and closed in turn (close() clears AdamW's state and the
@@ -97,7 +109,8 @@ def test_memory_row_on_cpu(tmp_path):
 def test_a_failed_configuration_is_a_row():
     row = sharding.memory_row("fsdp", "tiny", world_size=2, context=32, batch=2, dtype="fp32", device="cpu",
                               timeout_s=30, fsdp_reduce_dtype="fp8-ish")  # fails inside the workers
-    assert row["status"] == "error" and "fp8-ish" in row["error"] and math.isnan(row["peak_gib"])
+    assert row["status"] == "failed" and "fp8-ish" in row["error"] and math.isnan(row["peak_gib"])
+    assert row["error"].startswith("rank ") and "\n" not in row["error"]  # the failing rank's cause, one line
     with pytest.raises(ValueError):
         sharding.memory_row("zero3", "tiny", device="cpu")
 
