@@ -77,7 +77,6 @@ def test_a_rank_failing_mid_list_keeps_the_rows_before_it():
     assert rows[3][0]["pid"] != rows[0][0]["pid"]
 
 
-@pytest.mark.slow
 def test_out_of_memory_on_one_rank_resumes_with_the_next_item_in_new_processes():
     started = time.monotonic()
     rows = _run("b", how="oom")  # rank 0 waits in b's all-reduce, which rank 1 never joins

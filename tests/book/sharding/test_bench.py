@@ -134,3 +134,27 @@ def test_step_times_on_two_gpus():
         pytest.skip("needs 2 GPUs")
     df = sharding.step_times(sharding.IMPLS, "tiny", context=64, device="cuda", interleaving=Interleaving(rounds=2))
     assert (df["status"] == "ok").all() and (df["step_ms"] > 0).all()
+
+
+def _zero1_fails_on_rank_one(impl, cfg):
+    from lab.parallel import launcher
+
+    if impl == "zero1" and launcher.rank() == 1:
+        raise RuntimeError("injected failure in zero1")
+    return sharding_traffic.traffic_row(impl, cfg)  # (the ranks' own module: not monkeypatched there)
+
+
+def test_traffic_matches_the_closed_form_and_a_failing_schedule_is_a_row(monkeypatch):
+    monkeypatch.setattr(sharding_traffic, "traffic_row", _zero1_fails_on_rank_one)
+    df = sharding_traffic.measure_traffic("tiny", 2, 16, "cpu")
+    assert list(dict.fromkeys(df["impl"])) == list(sharding_traffic.IMPLS)
+    zero1 = df[df["impl"] == "zero1"]
+    assert len(zero1) == 1 and zero1["status"].iloc[0] == "failed" and math.isnan(zero1["measured_bytes"].iloc[0])
+    assert zero1["error"].iloc[0].startswith("rank 1 failed: RuntimeError: injected failure in zero1")
+    rest = df[df["impl"] != "zero1"]
+    assert (rest["status"] == "ok").all() and (rest["measured_bytes"] > 0).all()
+    matched = rest.dropna(subset=["expected_bytes"])  # fsdp (measured after the failure, anew) has no closed form
+    assert set(matched["impl"]) == {"ddp", "sharded_optimizer"} and set(rest["impl"]) == {"ddp", "sharded_optimizer",
+                                                                                         "fsdp"}
+    assert (matched["measured_bytes"] == matched["expected_bytes"]).all()
+    assert rest.loc[rest["impl"] == "ddp", "measured_ratio_to_ddp"].iloc[0] == 1.0
