@@ -205,15 +205,20 @@ def run(worker: Callable, items: Sequence, world_size: int,
     """Every item of ``items`` measured by ``worker`` on ``world_size`` ranks (:func:`launcher.launch`);
     returns, in the items' order, each item's rows: one per rank, or one row where the item failed.
 
-    ``worker(*args(launch_items, progress))`` (default ``worker(launch_items, progress)``) runs on
-    every rank and returns one row per item of its launch, recording each as it finishes (:func:`each`).
-    ``items_per_launch``: at most that many items in one launch (1: each item in fresh processes). When a
-    launch fails, its finished rows are kept (:func:`salvage`) and the item it failed in becomes a row
-    (``blank(item, status, cause)``): ``oom`` where it ran out of memory, after which the next items run in
-    a new launch; otherwise ``failed``, after which, with ``skip_failed`` (and the failure inside an item, not
-    in the launch's setup), the next items run in a new launch,
-    with a ``deadline_s`` (seconds for the whole run) every item left becomes ``failed`` too, and else the
-    launch's :class:`launcher.WorkerError` is raised. Past the deadline every item left becomes ``failed``.
+    ``worker(*args(launch_items, progress))`` (default ``worker(launch_items, progress)``) runs on every rank
+    and returns one row per item of its launch, recording each as it finishes (:func:`each`).
+    ``items_per_launch``: at most that many items in one launch (1: each item in fresh processes).
+
+    When a launch fails, its finished rows are kept (:func:`salvage`) and the item it failed in becomes a row
+    ``blank(item, status, cause)``, ``cause`` the failing rank's error in one line. Then:
+
+    * the item ran out of memory (``oom``): the next items run in a new launch;
+    * otherwise (``failed``) with ``skip_failed``, where the failure was inside an item (not in the launch's
+      setup): the next items run in a new launch;
+    * otherwise with ``deadline_s``: every item left becomes a ``failed`` row with the cause;
+    * otherwise the launch's :class:`launcher.WorkerError` is raised.
+
+    ``deadline_s`` counts seconds for the whole run; past it every item left becomes ``failed``.
     ``launch_kwargs`` go to :func:`launcher.launch` (device, timeout_s, first_gpu, env...)."""
     if items_per_launch is not None and items_per_launch < 1:
         raise ValueError(f"items_per_launch must be a positive int or None, got {items_per_launch!r}")
@@ -249,6 +254,7 @@ def run(worker: Callable, items: Sequence, world_size: int,
                 out.update({batch[j]: rows for j, rows in enumerate(zip(*per_rank))})
                 todo = todo[len(batch):]
                 continue
+        before = len(out)
         out.update({batch[j]: r for j, r in rows.items()})
         cause = _cause(error)
         # a rank that stopped after an item's out-of-memory row (:func:`each`) failed in no item
@@ -260,7 +266,7 @@ def run(worker: Callable, items: Sequence, world_size: int,
             out[batch[failed]] = (blank(items[batch[failed]], "oom" if oom else "failed", cause),)
             resumable = resumable or oom or (skip_failed and began)
         todo = [i for i in todo if i not in out]
-        if todo and not resumable:
+        if todo and not (resumable and len(out) > before):  # a launch that settled no item is not retried
             if deadline_s is None:
                 raise error
             break
