@@ -2,7 +2,8 @@
 data-parallel wrappers, optimizer-state sharding, ZeRO-1, FSDP and the optimizer step inside the backward.
 
 One file per idea, each readable top to bottom (picotron style): ``launcher`` (run a function on N ranks,
-spawned or under torchrun), ``collectives`` (the primitives and their bandwidth arithmetic),
+spawned or under torchrun), ``runner`` (several items measured on the ranks of a launch, one
+item's failure a row), ``collectives`` (the primitives and their bandwidth arithmetic),
 ``process_groups`` (which ranks a wrapper talks to: a group, a DeviceMesh or the default group), ``ddp``,
 ``sharded_optimizer``, ``zero1``, ``fsdp`` (with ``fsdp_layout``, its data, and ``fsdp_grads``, its
 gradient collectives, hybrid sharding included), ``optimizer_in_backward`` (each parameter updated as soon

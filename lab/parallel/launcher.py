@@ -56,6 +56,8 @@ CHILD_ENV = {**WORKER_ENV, "TORCH_CPP_LOG_LEVEL": "ERROR"}
 
 # This process's device, set by the launcher in each worker (None outside a launched function).
 _DEVICE: torch.device | None = None
+# True in a rank that launch() spawned (whose environment also has torchrun's variables).
+_SPAWNED = False
 _ENV_LOCK = threading.Lock()
 
 
@@ -115,8 +117,15 @@ def device() -> torch.device:
 
 
 def is_torchrun() -> bool:
-    """True when this process was started by torchrun (or any launcher that sets the env:// variables)."""
+    """True when this process was started by torchrun (or any launcher that sets the env:// variables;
+    a rank :func:`launch` spawned sets them too, see :func:`is_spawned`)."""
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+
+
+def is_spawned() -> bool:
+    """True inside a rank that :func:`launch` spawned: its peers are ended when it fails, so a rank may end
+    the launch on purpose (under torchrun a failing rank ends only itself)."""
+    return _SPAWNED
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -186,7 +195,8 @@ def _from_bytes(data: bytes) -> Any:
 
 def _worker(local: int, world: int, port: int, backend: str, device_type: str, timeout_s: float,
             fn: Callable, args: tuple, kwargs: dict, results, first_gpu: int = 0) -> None:
-    global _DEVICE
+    global _DEVICE, _SPAWNED
+    _SPAWNED = True
     os.environ.update(WORKER_ENV)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(local),
                        "LOCAL_RANK": str(local), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)})

@@ -30,9 +30,10 @@ import torch.distributed as dist
 from lab import cli
 from lab.accounting.collectives import ring_factor
 from lab.bench.progress import progress_bar
-from lab.measure.device import available_memory_bytes, is_oom, synchronize
+from lab.measure.device import available_memory_bytes, error_summary, is_oom, synchronize
 from lab.measure.results import save_results
 from lab.parallel import launcher as distributed
+from lab.parallel import runner
 from lab.parallel.collectives import all_gather_tensor, reduce_scatter_tensor
 from lab.units import MiB
 
@@ -94,39 +95,43 @@ def _expected(op: str, out: torch.Tensor, n: int, r: int) -> torch.Tensor:
     return torch.full_like(out, (r + 1) * n * (n + 1) / 2)
 
 
-def collective_worker(ops: Sequence[str], sizes_bytes: Sequence[int], warmup: int, iters: int) -> list[dict]:
-    """Inside a launched process: time each collective at each size; check its values once.
+def collective_row(item: tuple[str, int], warmup: int, iters: int) -> dict:
+    """Inside a launched process: time one collective ``item = (op, size_bytes)``; check its values once.
 
     Each timed iteration starts after a barrier (so ranks start together) and ends with a device
-    synchronize; returns one dict per (op, size) with this rank's per-iteration seconds.
+    synchronize; returns this rank's per-iteration seconds (``samples_s``), ``correct`` and ``status``
+    (``oom`` when its buffers do not fit: the runner then ends the launch, see :func:`lab.parallel.runner.each`).
     """
+    op, size = item
     n, r, dev = distributed.world_size(), distributed.rank(), distributed.device()
-    rows = []
-    for op in ops:
-        for size in sizes_bytes:
-            numel = (size // 4) // n * n  # divisible by n, so every rank's share is the same
-            row = {"op": op, "size_bytes": numel * 4, "rank": r, "samples_s": [], "correct": None, "status": "ok"}
-            try:
-                inp, out = _buffers(op, numel, n, r, dev)
-                _run(op, inp, out)  # one call on known inputs checks the values
-                row["correct"] = bool(torch.equal(out, _expected(op, out, n, r)))
-                for i in range(warmup + iters):
-                    dist.barrier()
-                    synchronize(dev)
-                    start = time.perf_counter()
-                    _run(op, inp, out)
-                    synchronize(dev)
-                    if i >= warmup:
-                        row["samples_s"].append(time.perf_counter() - start)
-                del inp, out
-            except Exception as exc:  # noqa: BLE001 - out of memory is a result
-                if not is_oom(exc):
-                    raise
-                row["status"] = "oom"
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
-            rows.append(row)
-    return rows
+    numel = (size // 4) // n * n  # divisible by n, so every rank's share is the same
+    row = {"op": op, "size_bytes": numel * 4, "rank": r, "samples_s": [], "correct": None, "status": "ok",
+           "error": ""}
+    try:
+        inp, out = _buffers(op, numel, n, r, dev)
+        _run(op, inp, out)  # one call on known inputs checks the values
+        row["correct"] = bool(torch.equal(out, _expected(op, out, n, r)))
+        for i in range(warmup + iters):
+            dist.barrier()
+            synchronize(dev)
+            start = time.perf_counter()
+            _run(op, inp, out)
+            synchronize(dev)
+            if i >= warmup:
+                row["samples_s"].append(time.perf_counter() - start)
+        del inp, out
+    except Exception as exc:  # noqa: BLE001 - out of memory is a result
+        if not is_oom(exc):
+            raise
+        row.update(status="oom", error=error_summary(exc))
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def collective_worker(ops: Sequence[str], sizes_bytes: Sequence[int], warmup: int, iters: int) -> list[dict]:
+    """Inside a launched process: :func:`collective_row` of each op at each size, in that order."""
+    return [collective_row((op, size), warmup, iters) for op in ops for size in sizes_bytes]
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -209,7 +214,8 @@ def plan_grid(quick: bool, device: str = "auto", world_sizes: Sequence[int] = (2
 
 def benchmark_collectives(ops: Sequence[str] = OPS, sizes_mb: Sequence[float] = (1, 10, 100, 1024),
                           world_sizes: Sequence[int] = (2, 4, 6), device: str = "cpu", warmup: int = 5,
-                          iters: int = 20, timeout_s: float = 600, progress: bool = True) -> pd.DataFrame:
+                          iters: int = 20, timeout_s: float = 600, progress: bool = True,
+                          deadline_s: float | None = None) -> pd.DataFrame:
     """Time all-reduce / all-gather / reduce-scatter of float32 tensors; one row per (op, world size, size).
 
     ``device`` "cpu" uses gloo, "cuda" NCCL with one GPU per rank (world sizes larger than the GPU count are
@@ -219,7 +225,10 @@ def benchmark_collectives(ops: Sequence[str] = OPS, sizes_mb: Sequence[float] = 
     time_ms_mean (nccl-tests' mean of the same), time_ms_rank_mean (mean over ranks and iterations),
     time_ms_std (of the per-iteration max),
     samples_ms (every iteration's slowest-rank time as a JSON list: what verdicts are drawn from),
-    algbw_gbps, busbw_gbps, correct (values checked against the closed form), status.
+    algbw_gbps, busbw_gbps, correct (values checked against the closed form), status (ok, oom, failed) and
+    error. Each world size's (op, size) pairs run through :func:`lab.parallel.runner.run`: one that runs out
+    of memory or fails on a rank (a hung collective fails after ``timeout_s``) is a row of its own and the
+    rest are measured in new processes; ``deadline_s`` (per world size) makes what is left ``failed`` rows.
     """
     for op in ops:
         bus_bandwidth_factor(op, 2)  # validates the name
@@ -227,35 +236,49 @@ def benchmark_collectives(ops: Sequence[str] = OPS, sizes_mb: Sequence[float] = 
         raise ValueError(f"device must be 'cpu' (gloo) or 'cuda' (NCCL), got {device!r}")
     sizes_bytes = [int(mb * MiB) for mb in sizes_mb]
     run, _ = plan_world_sizes(world_sizes, device)
+    items = [(op, size) for op in ops for size in sizes_bytes]
+    backend = "nccl" if device == "cuda" else "gloo"
     rows = []
     for n in progress_bar(run, f"collectives on {device}", progress):
-        per_rank = distributed.launch(collective_worker, n, list(ops), sizes_bytes, warmup, iters,
-                                      device=device, timeout_s=timeout_s)
-        rows.extend(aggregate_over_ranks(per_rank, n, "nccl" if device == "cuda" else "gloo"))
+        def blank(item, status, error, n=n):
+            numel = (item[1] // 4) // n * n
+            return {"op": item[0], "size_bytes": numel * 4, "samples_s": [], "correct": None, "status": status,
+                    "error": error}
+
+        per_item = runner.run(runner.each_item, items, n,
+                              lambda todo, progress_: (collective_row, todo, progress_, warmup, iters),
+                              blank=blank, skip_failed=True, deadline_s=deadline_s, device=device,
+                              timeout_s=timeout_s)
+        rows.extend(aggregate_item(results, n, backend) for results in per_item)
     return pd.DataFrame(rows)
 
 
 def aggregate_over_ranks(per_rank: list[list[dict]], world_size: int, backend: str) -> list[dict]:
     """Combine the ranks' samples of :func:`collective_worker` into one row per (op, size) with bandwidths."""
-    rows = []
-    for results in zip(*per_rank):
-        first = results[0]
-        row = {"backend": backend, "op": first["op"], "world_size": world_size,
-               "size_mb": first["size_bytes"] / MiB, "size_bytes": first["size_bytes"],
-               "correct": all(r["correct"] for r in results if r["correct"] is not None),
-               "status": "oom" if any(r["status"] == "oom" for r in results) else "ok"}
-        if row["status"] == "ok":
-            samples = torch.tensor([r["samples_s"] for r in results], dtype=torch.float64)  # (ranks, iters)
-            slowest = samples.max(dim=0).values
-            t = statistics.median(slowest.tolist())
-            row.update(time_ms=t * 1e3, time_ms_mean=slowest.mean().item() * 1e3,
-                       time_ms_rank_mean=samples.mean().item() * 1e3,
-                       time_ms_std=(slowest.std().item() * 1e3) if slowest.numel() > 1 else 0.0,
-                       samples_ms=json.dumps([round(x * 1e3, 6) for x in slowest.tolist()]),
-                       algbw_gbps=algorithm_bandwidth_gbps(row["size_bytes"], t),
-                       busbw_gbps=bus_bandwidth_gbps(row["op"], row["size_bytes"], t, world_size))
-        rows.append(row)
-    return rows
+    return [aggregate_item(results, world_size, backend) for results in zip(*per_rank)]
+
+
+def aggregate_item(results: Sequence[dict], world_size: int, backend: str) -> dict:
+    """One (op, size)'s row from its ranks' :func:`collective_row` (or the one row of an item that failed):
+    the slowest rank per iteration, its median and mean, bandwidths; ``status`` ``oom`` or ``failed`` (with
+    ``error``) where any rank's was."""
+    first = results[0]
+    bad = [r for r in results if r["status"] != "ok"]
+    row = {"backend": backend, "op": first["op"], "world_size": world_size,
+           "size_mb": first["size_bytes"] / MiB, "size_bytes": first["size_bytes"],
+           "correct": all(r["correct"] for r in results if r["correct"] is not None),
+           "status": bad[0]["status"] if bad else "ok", "error": bad[0].get("error", "") if bad else ""}
+    if row["status"] == "ok":
+        samples = torch.tensor([r["samples_s"] for r in results], dtype=torch.float64)  # (ranks, iters)
+        slowest = samples.max(dim=0).values
+        t = statistics.median(slowest.tolist())
+        row.update(time_ms=t * 1e3, time_ms_mean=slowest.mean().item() * 1e3,
+                   time_ms_rank_mean=samples.mean().item() * 1e3,
+                   time_ms_std=(slowest.std().item() * 1e3) if slowest.numel() > 1 else 0.0,
+                   samples_ms=json.dumps([round(x * 1e3, 6) for x in slowest.tolist()]),
+                   algbw_gbps=algorithm_bandwidth_gbps(row["size_bytes"], t),
+                   busbw_gbps=bus_bandwidth_gbps(row["op"], row["size_bytes"], t, world_size))
+    return row
 
 
 def latency_bandwidth_fit(df: pd.DataFrame) -> pd.DataFrame:

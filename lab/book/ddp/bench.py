@@ -46,6 +46,7 @@ from lab.measure.step import TrainStep, make_optimizer, random_batch
 from lab.measure.traces import read_trace, step_overlap
 from lab.model import ModelConfig, TransformerLM, config_for
 from lab.parallel import launcher as distributed
+from lab.parallel import runner
 from lab.parallel.ddp import DDPBucketed, DDPIndividualParameters, FlatDDP, NaiveDDP
 
 IMPLS = ("naive", "flat", "individual", "bucketed", "torch_ddp", "single_gpu")
@@ -129,15 +130,18 @@ def resolve_schedule(interleaving: Interleaving, bytes_per_copy: float, copies: 
 
 def ddp_benchmark_worker(plan: list[tuple[str, float]], cfg: ModelConfig, batch: int, dtype: str,
                          interleaving: Interleaving, trace_dir: str | None, profile_steps: int = 1,
-                         seed: int = 0) -> dict:
+                         seed: int = 0, progress: runner.Progress | None = None) -> list[dict]:
     """Inside a launched process: time a train step for each (impl, bucket_mb) of ``plan``, interleaved.
 
     Each rank draws its own batch of ``batch`` sequences. Resident: every entry trains its own copy of the
     model with its own AdamW. Rebuild: one model and one AdamW, re-wrapped for each turn. ``single_gpu``
     runs on rank 0 alone. Then each entry that ran is profiled for ``profile_steps`` steps (rank 0 writes the
-    trace). Returns this rank's timings (:func:`lab.bench.interleaved.time_interleaved`), rank 0's profile
-    summaries, bucket counts and the gradient size in MiB.
+    trace). Returns one row per entry: ``status``, ``error``, this rank's ``timing``
+    (:func:`lab.bench.interleaved.time_interleaved`), rank 0's ``profile`` summary, ``n_buckets`` and
+    ``grad_mb`` (the gradient size in MiB), each recorded in ``progress`` once profiled (an error is charged
+    to the entry it happened in: :func:`lab.parallel.runner.run`).
     """
+    progress = progress or runner.Progress("")
     r, dev = distributed.rank(), distributed.device()
     torch.manual_seed(seed)
     with torch.device(dev):
@@ -148,8 +152,9 @@ def ddp_benchmark_worker(plan: list[tuple[str, float]], cfg: ModelConfig, batch:
     shared_optimizer = None if resident else make_optimizer(base, dev)
     n_buckets: dict[str, float] = {}
 
-    def builder(impl: str, bucket_mb: float):
+    def builder(index: int, impl: str, bucket_mb: float):
         def build():
+            progress.start(index)
             model = copy.deepcopy(base) if resident else base
             wrapped = wrap(impl, model, bucket_mb, dev)
             n_buckets[entry_key(impl, bucket_mb)] = _bucket_count(impl, wrapped)
@@ -158,27 +163,47 @@ def ddp_benchmark_worker(plan: list[tuple[str, float]], cfg: ModelConfig, batch:
             return step, closer(wrapped, model)  # rebuild: the one AdamW is shared, its state kept
         return build
 
-    builders = {entry_key(i, b): builder(i, b) for i, b in plan}
-    timings = time_interleaved(builders, interleaving, dev, solo={"single_gpu"})
-    profiles = {}
-    for impl, bucket_mb in plan:
+    def entered(index: int, build):
+        def timed_build():
+            step, close = build()
+            return runner.entering(progress, index, step), close
+        return timed_build
+
+    builders = {entry_key(i, b): builder(n, i, b) for n, (i, b) in enumerate(plan)}
+    with progress.charging():
+        timings = time_interleaved({k: entered(n, b) for n, (k, b) in enumerate(builders.items())}, interleaving,
+                                   dev, solo={"single_gpu"})
+    rows = []
+    for index, (impl, bucket_mb) in enumerate(plan):
         key = entry_key(impl, bucket_mb)
-        if timings[key]["status"] != "ok" or profile_steps < 1:
-            continue
-        if impl != "single_gpu" or r == 0:
+        profile = {}
+        if timings[key]["status"] == "ok" and profile_steps >= 1 and (impl != "single_gpu" or r == 0):
             step, close = builders[key]()
             step()  # the first step after a build allocates buffers and optimizer state
             if r == 0:
-                profiles[key] = _profile(step, dev, profile_steps, f"ddp_{key}_d{cfg.d_model}.json", trace_dir)
+                profile = _profile(step, dev, profile_steps, f"ddp_{key}_d{cfg.d_model}.json", trace_dir)
             else:
                 for _ in range(profile_steps):  # keep in step with the profiled rank
                     step()
             synchronize(dev)
             close()
             del step, close
-        if impl == "single_gpu":
+        if impl == "single_gpu" and timings[key]["status"] == "ok" and profile_steps >= 1:
             dist.barrier()
-    return {"timings": timings, "profiles": profiles, "n_buckets": n_buckets, "grad_mb": grad_bytes / 2**20}
+        rows.append(progress.finish(dict(status=timings[key]["status"], error=timings[key]["error"],
+                                         timing=timings[key], profile=profile,
+                                         n_buckets=n_buckets.get(key, math.nan), grad_mb=grad_bytes / 2**20),
+                                    index))
+    return rows
+
+
+def combined_rounds(ranks: Sequence[dict]) -> dict:
+    """One entry's ranks' timings (:func:`lab.bench.interleaved.combine_ranks`), or the one row of an entry
+    that failed (status neither ok nor oom): ``{"status", "error", "round_ms"}``."""
+    failed = [r for r in ranks if r["status"] not in ("ok", "oom")]
+    if failed:
+        return {"status": failed[0]["status"], "error": failed[0]["error"], "round_ms": []}
+    return combine_ranks([{"entry": r} for r in ranks])["entry"]
 
 
 def _profile(step, dev: torch.device, n_steps: int, name: str, trace_dir: str | None) -> dict:
@@ -208,28 +233,31 @@ def benchmark_ddp(size: str | ModelConfig = "xl", context: int = 512, batch: int
     slowest rank, ms; comm_ms: communication time in rank 0's profiled step, ms; status ok/oom) plus the
     spread (step_q1_ms, step_q3_ms, step_iqr_ms, rounds, step_samples_ms: the per-round samples as a JSON
     list, see :func:`lab.bench.interleaved.samples`), schedule, overlap_frac, n_buckets, grad_mb, trace (its
-    Chrome trace under ``<artifacts_dir>/ddp_traces``) and error.
+    Chrome trace under ``<artifacts_dir>/ddp_traces``) and error. An entry that fails on a rank (a collective
+    that hangs fails after ``timeout_s``) is a ``failed`` row with the rank's cause, and the others are timed
+    again, interleaved, in new processes (:func:`lab.parallel.runner.run`).
     """
     name, cfg = model_config(size, context)
     plan = benchmark_plan(bucket_sizes_mb, impls)
     interleaving = resolve_schedule(interleaving, parameter_count(cfg) * BYTES_PER_PARAM, len(plan), device,
                                     world_size)
     trace_dir = str(paths.artifacts_dir(Path(artifacts_dir) / "ddp_traces"))
-    per_rank = distributed.launch(ddp_benchmark_worker, world_size, plan, cfg, batch, dtype, interleaving,
-                                  trace_dir, profile_steps, device=device, timeout_s=timeout_s)
-    rounds = combine_ranks([res["timings"] for res in per_rank])
-    first = per_rank[0]
+    per_entry = runner.run(
+        ddp_benchmark_worker, plan, world_size,
+        lambda todo, progress: (todo, cfg, batch, dtype, interleaving, trace_dir, profile_steps, 0, progress),
+        blank=lambda entry, status, error: dict(status=status, error=error, timing=dict(status=status, error=error)),
+        skip_failed=True, device=device, timeout_s=timeout_s)
     rows = []
-    for impl, bucket_mb in plan:
-        key = entry_key(impl, bucket_mb)
-        timing, profile = rounds[key], first["profiles"].get(key, {})
+    for (impl, bucket_mb), ranks in zip(plan, per_entry):
+        timing, first = combined_rounds([r["timing"] for r in ranks]), ranks[0]
+        profile = first.get("profile", {})
         ok = timing["status"] == "ok"
         rows.append(dict(impl=impl, bucket_mb=bucket_mb, world_size=1 if impl == "single_gpu" else world_size,
                          size=name, context=context, batch=batch, dtype=dtype, **summarize_rounds(timing["round_ms"]),
                          schedule=interleaving.schedule,
                          comm_ms=0.0 if impl == "single_gpu" and ok else profile.get("comm_ms", math.nan),
                          overlap_frac=profile.get("overlap_frac", math.nan),
-                         n_buckets=first["n_buckets"].get(key, math.nan), grad_mb=first["grad_mb"],
+                         n_buckets=first.get("n_buckets", math.nan), grad_mb=first.get("grad_mb", math.nan),
                          trace=paths.repo_relative(profile.get("trace")), status=timing["status"],
                          error=timing["error"]))
     return pd.DataFrame(rows)

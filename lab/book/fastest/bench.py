@@ -28,7 +28,7 @@ from lab.measure.device import empty_cache, error_summary, is_oom, synchronize
 from lab.measure.profiling import kernel_class, profile_step
 from lab.measure.timing import time_callable, time_kernel
 from lab.measure.traces import kernels_by_range, read_trace, step_overlap
-from lab.parallel import launcher
+from lab.parallel import launcher, runner
 from lab.parallel.gpu_pool import run_on_gpus
 from lab.recipes.fastest_step import (
     ABLATION_BASE,
@@ -225,12 +225,8 @@ def _profile(step, trace_dir: str | None, name: str) -> dict:
     return phase_breakdown(path)
 
 
-def _finished(row: dict, progress_dir: str | None) -> dict:
-    """A recipe's row as soon as this rank has it: appended to ``progress_dir``'s file of this rank (read
-    back by :func:`benchmark` when the launch fails) and, on rank 0, a :func:`progress_line`."""
-    if progress_dir:
-        with open(os.path.join(progress_dir, f"rank{launcher.rank()}.jsonl"), "a") as f:
-            f.write(json.dumps(row, default=str) + "\n")
+def _announce(row: dict) -> dict:
+    """On rank 0, a :func:`progress_line` for a recipe's row."""
     if launcher.rank() == 0:
         done = (f"{row['step_ms']:.1f} ms a step ({row['timer']})" if row["status"] == "ok"
                 else str(row["error"]).split(":")[0])
@@ -239,41 +235,19 @@ def _finished(row: dict, progress_dir: str | None) -> dict:
     return row
 
 
-def _salvaged(progress_dir: str, launched: int, world_size: int) -> list[tuple[dict, ...]]:
-    """The leading recipes of the ``launched`` ones that a failed launch finished (:func:`_finished`), each
-    as its ranks' rows: those every rank finished, and one a rank ran out of memory in (its peers may still
-    have been in its collectives, waiting for it), after which the ranks stop (:func:`fastest_worker`)."""
-    per_rank = []
-    for r in range(world_size):
-        path = Path(progress_dir) / f"rank{r}.jsonl"
-        lines = path.read_text().splitlines(keepends=True) if path.exists() else []
-        per_rank.append([json.loads(line) for line in lines if line.endswith("\n")])  # not one cut off mid-write
-    out = []
-    for i in range(launched):
-        rows = tuple(rows[i] for rows in per_rank if len(rows) > i)
-        oom = [(r, rows[i]) for r, rows in enumerate(per_rank) if len(rows) > i and rows[i]["status"] == "oom"]
-        if len(rows) < world_size and not oom:
-            break
-        if len(rows) < world_size:  # say which rank ran out: the others never finished the recipe
-            rows = ({**oom[0][1], "error": f"rank {oom[0][0]}: {oom[0][1]['error']}"},)
-        out.append(rows)
-        if oom:
-            break
-    return out
-
-
-class StoppedAfterOOM(RuntimeError):
-    """Raised by a rank of several after a recipe ran out of memory on it: its peers may be waiting in that
-    recipe's collectives, so the launch ends and :func:`benchmark` resumes with the next recipe."""
+def _finished(row: dict, progress: runner.Progress) -> dict:
+    """A recipe's row as soon as this rank has it: recorded in the launch's ``progress`` (salvaged by
+    :func:`lab.parallel.runner.run` when the launch fails) and, on rank 0, a :func:`progress_line`."""
+    return _announce(progress.finish(row))
 
 
 def fastest_worker(config: StepConfig, recipes: list[Recipe], warmup_ms: float, rep_ms: float, profile: bool,
                    trace_dir: str | None, headline: tuple[str, ...], fresh_cache: bool = False,
-                   progress_dir: str | None = None) -> list[dict]:
+                   progress: runner.Progress | None = None) -> list[dict]:
     """Inside a launched process: every recipe in turn on this rank (the ``headline`` ones timed with
     do_bench and profiled, the others with two host-timed steps; where both kinds run, each headline recipe
     with two host-timed steps more, so that an ablation can be compared with any of them timed the same way);
-    returns the rows, each also written to ``progress_dir`` as it finishes (:func:`_finished`).
+    returns the rows, each also recorded in ``progress`` as it finishes (:func:`run_recipes`).
     ``fresh_cache``: compile into empty Inductor and Triton caches of this process's own
     (removed at the end), so the first recipe's ``first_step_s`` and ``wall_s`` include every compilation
     and autotuning from scratch, as the leaderboard's 10-minute rule counts them."""
@@ -290,19 +264,14 @@ def fastest_worker(config: StepConfig, recipes: list[Recipe], warmup_ms: float, 
             return run_recipes(recipes, lambda r: measure_recipe(
                 config, r, device, warmup_ms, rep_ms, profile and r.name in headline, trace_dir,
                 host_steps=0 if r.name in headline else 2, host_reference=ablated and r.name in headline),
-                progress_dir)
+                progress or runner.Progress(""))
 
 
-def run_recipes(recipes: Sequence[Recipe], measure, progress_dir: str | None) -> list[dict]:
-    """``measure(recipe)`` of each recipe in turn on this rank, each row :func:`_finished` as it comes; on a
-    rank of several launched processes, a recipe that ran out of memory ends the launch
-    (:class:`StoppedAfterOOM`)."""
-    rows = []
-    for recipe in recipes:
-        rows.append(_finished(measure(recipe), progress_dir))
-        if rows[-1]["status"] == "oom" and launcher.world_size() > 1 and not launcher.is_torchrun():
-            raise StoppedAfterOOM(f"{recipe.name} ran out of memory on rank {launcher.rank()}")
-    return rows
+def run_recipes(recipes: Sequence[Recipe], measure, progress: runner.Progress) -> list[dict]:
+    """``measure(recipe)`` of each recipe in turn on this rank (:func:`lab.parallel.runner.each`), each row
+    recorded in ``progress`` and announced (:func:`_finished`) as it comes; on a rank of several launched
+    processes, a recipe that ran out of memory ends the launch (:class:`lab.parallel.runner.StoppedAfterOOM`)."""
+    return runner.each(recipes, measure, progress, announce=_announce)
 
 
 def matmul_ceiling_tflops(device: torch.device | str = "cuda", n: int = 8192) -> float:
@@ -345,29 +314,13 @@ def benchmark(config: str | StepConfig, recipes: Sequence[Recipe], world_size: i
         config = dataclasses.replace(config, world_size=world_size)
 
     env = allocator_env() if env is None else env
-    per_recipe: list[tuple[dict, ...]] = []
-    todo, started = list(recipes), time.monotonic()
-    while todo:
-        left = None if deadline_s is None else deadline_s - (time.monotonic() - started)
-        with tempfile.TemporaryDirectory(prefix="lab_fastest_rows_") as progress:
-            try:
-                per_recipe += zip(*launcher.launch(fastest_worker, world_size, config, todo, warmup_ms, rep_ms,
-                                                   profile, trace_dir, tuple(headline),
-                                                   fresh_cache and not per_recipe, progress, device=device,
-                                                   timeout_s=timeout_s, deadline_s=left, first_gpu=first_gpu,
-                                                   env=None if launcher.is_torchrun() else env))
-                break
-            except launcher.WorkerError as exc:
-                error, finished = exc, _salvaged(progress, len(todo), world_size)
-                reason = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
-        per_recipe += finished
-        todo = todo[len(finished):]
-        resumable = finished and any(r["status"] == "oom" for r in finished[-1])
-        if not resumable or (deadline_s is not None and time.monotonic() - started >= deadline_s):
-            if deadline_s is None:
-                raise error
-            per_recipe += [(empty_row(config, r, status="failed", error=reason),) for r in todo]
-            break
+    per_recipe = runner.run(
+        fastest_worker, recipes, world_size,
+        lambda todo, progress: (config, todo, warmup_ms, rep_ms, profile, trace_dir, tuple(headline),
+                                fresh_cache and progress.launch == 0, progress),
+        blank=lambda recipe, status, error: empty_row(config, recipe, status=status, error=error),
+        deadline_s=deadline_s, device=device, timeout_s=timeout_s, first_gpu=first_gpu,
+        env=None if launcher.is_torchrun() else env)
     if peak_tflops is None:
         peak_tflops = matmul_ceiling_tflops("cuda") if torch.cuda.is_available() else math.nan
     on_gpu = launcher.resolve_backend(world_size, None, device)[1] == "cuda"

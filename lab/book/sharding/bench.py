@@ -37,15 +37,16 @@ import torch
 
 from lab import paths
 from lab.accounting import parameter_count
-from lab.bench.interleaved import Interleaving, closer, combine_ranks, summarize_rounds, time_interleaved
+from lab.bench.interleaved import Interleaving, closer, summarize_rounds, time_interleaved
 from lab.bench.progress import progress_bar
-from lab.book.ddp.bench import model_config, resolve_schedule, where_to_run
+from lab.book.ddp.bench import combined_rounds, model_config, resolve_schedule, where_to_run
 from lab.dtypes import autocast_dtype
 from lab.measure.device import error_summary, is_oom
 from lab.measure.profiling import profile_step
 from lab.measure.step import TrainStep, random_batch
 from lab.model import ModelConfig, TransformerLM
 from lab.parallel import launcher as distributed
+from lab.parallel import runner
 from lab.parallel.fsdp import FSDP
 from lab.parallel.sharded_optimizer import ShardedOptimizer
 from lab.parallel.zero1 import ZeRO1Optimizer
@@ -221,15 +222,17 @@ def _reduce_dtype(impl: str, dtype: str, fsdp_reduce_dtype: str | None) -> str:
 
 def memory_row(impl: str, size: str | ModelConfig, world_size: int = 2, context: int = 512, batch: int = 2,
                dtype: str = "bf16", warmup: int = 1, device: str = "auto", trace_path: str | None = None,
-               timeout_s: float = 180, fsdp_reduce_dtype: str | None = None) -> dict:
+               timeout_s: float = 180, fsdp_reduce_dtype: str | None = None,
+               deadline_s: float | None = None) -> dict:
     """Peak memory by phase of ``impl`` on ``size`` with ``world_size`` ranks, in fresh processes.
 
     ``batch`` is per rank. Returns impl, world_size, size, context, batch, dtype, reduce_dtype,
     peak_init_gib, peak_before_step_gib, peak_after_step_gib, peak_gib (the largest; the rank that needs the
     most decides whether it fits), the breakdown (param_gib, grad_gib, optimizer_state_gib, activations_gib =
     peak before the step minus the three), the closed-form expectations (expected_*_gib), num_params, trace,
-    status and error. Out-of-memory on any rank gives ``status="oom"``; any other failure ``status="error"``
-    with the message, so a sweep always completes.
+    status and error. Out-of-memory on any rank gives ``status="oom"``; any other failure (a collective that
+    hangs fails after ``timeout_s``; the whole run after ``deadline_s`` where given) ``status="failed"`` with
+    the failing rank's cause (:func:`lab.parallel.runner.run`), so a sweep always completes.
     """
     autocast_dtype(dtype)  # a clear error for an unknown name
     sharded_parts(impl)  # validates the name
@@ -239,10 +242,17 @@ def memory_row(impl: str, size: str | ModelConfig, world_size: int = 2, context:
                peak_before_step_gib=math.nan, peak_after_step_gib=math.nan, peak_gib=math.nan, trace=trace_path,
                status="ok", error="")
     try:
-        per_rank = distributed.launch(memory_worker, world_size, impl, cfg, batch, dtype, warmup, trace_path,
-                                      fsdp_reduce_dtype, device=device, timeout_s=timeout_s)
+        per_rank = runner.run(runner.each_item, [impl], world_size,
+                              lambda todo, progress: (memory_worker, todo, progress, cfg, batch, dtype, warmup,
+                                                      trace_path, fsdp_reduce_dtype),
+                              blank=lambda item, status, error: dict(status=status, error=error),
+                              skip_failed=True, deadline_s=deadline_s, device=device, timeout_s=timeout_s)[0]
     except Exception as exc:  # noqa: BLE001 - a failed configuration is a row, not a crashed sweep
-        row.update(status="oom" if is_oom(exc) else "error", error=error_summary(exc, limit=300), trace=None)
+        row.update(status="oom" if is_oom(exc) else "failed", error=error_summary(exc, limit=300), trace=None)
+        return row
+    failed = [r for r in per_rank if r.get("status", "ok") != "ok"]
+    if failed:
+        row.update(status=failed[0]["status"], error=str(failed[0]["error"])[:300], trace=None)
         return row
     for key in ("peak_init_gib", "peak_before_step_gib", "peak_after_step_gib"):
         row[key] = max(r[key] for r in per_rank)
@@ -264,11 +274,13 @@ def memory_row(impl: str, size: str | ModelConfig, world_size: int = 2, context:
 
 
 def step_time_worker(impls: Sequence[str], cfg: ModelConfig, batch: int, dtype: str, interleaving: Interleaving,
-                     fsdp_reduce_dtype: str | None = None) -> dict:
+                     fsdp_reduce_dtype: str | None = None, progress: runner.Progress | None = None) -> list[dict]:
     """Inside a launched process: the implementations' train steps taking turns
     (:func:`lab.bench.interleaved.time_interleaved`). Each turn's implementation trains its own model (built
     from the same seed, or copied from one built once when resident) with its own optimizer; returns this
-    rank's timings."""
+    rank's timings, one row per impl (``impl``, ``status``, ``error``, ``steps_ms``), recorded in ``progress``
+    (an error is charged to the implementation it happened in: :func:`lab.parallel.runner.run`)."""
+    progress = progress or runner.Progress("")
     device = distributed.device()
     tokens, targets = random_batch(cfg, batch, device, seed=distributed.rank())
     base = None
@@ -277,8 +289,9 @@ def step_time_worker(impls: Sequence[str], cfg: ModelConfig, batch: int, dtype: 
         with torch.device(device):
             base = TransformerLM(cfg)
 
-    def builder(impl: str):
+    def builder(index: int, impl: str):
         def build():
+            progress.start(index)
             if base is not None:
                 model = copy.deepcopy(base)
             else:
@@ -286,30 +299,42 @@ def step_time_worker(impls: Sequence[str], cfg: ModelConfig, batch: int, dtype: 
                 with torch.device(device):
                     model = TransformerLM(cfg)
             runnable, opt, state = build_impl(impl, model, device, dtype, fsdp_reduce_dtype)
-            return TrainStep(runnable, opt, tokens, targets, dtype=dtype), closer(runnable, model, state)
+            step = TrainStep(runnable, opt, tokens, targets, dtype=dtype)
+            return runner.entering(progress, index, step), closer(runnable, model, state)
         return build
 
-    return time_interleaved({impl: builder(impl) for impl in impls}, interleaving, device)
+    with progress.charging():
+        timings = time_interleaved({impl: builder(i, impl) for i, impl in enumerate(impls)}, interleaving, device)
+    return [progress.finish({"impl": impl, **timings[impl]}, i) for i, impl in enumerate(impls)]
 
 
 def step_times(impls: Sequence[str], size: str | ModelConfig, world_size: int = 2, context: int = 512,
                batch: int = 2, dtype: str = "bf16", interleaving: Interleaving = Interleaving(),
-               device: str = "auto", timeout_s: float = 600, fsdp_reduce_dtype: str | None = None) -> pd.DataFrame:
+               device: str = "auto", timeout_s: float = 600, fsdp_reduce_dtype: str | None = None,
+               deadline_s: float | None = None) -> pd.DataFrame:
     """Step time of every implementation in ``impls``, interleaved in one launch: one row per impl with size,
     step_ms (median over rounds, each step at its slowest rank), step_q1_ms, step_q3_ms, step_iqr_ms, rounds,
-    step_samples_ms (JSON list), schedule, status and error (out-of-memory is a row)."""
+    step_samples_ms (JSON list), schedule, status and error (out-of-memory is a row). An implementation that
+    fails on a rank (or hangs in a collective past ``timeout_s``) is a ``failed`` row with the rank's cause,
+    and the others are timed again, interleaved, in new processes (:func:`lab.parallel.runner.run`);
+    ``deadline_s`` makes what is left past it ``failed`` rows."""
     for impl in impls:
         sharded_parts(impl)
     name, cfg = model_config(size, context)
     n = parameter_count(cfg)
     state = sum(expected_state_bytes(impl, n, world_size)["total"] for impl in impls)  # every model resident
     interleaving = resolve_schedule(interleaving, state, 1, device, world_size)
-    per_rank = distributed.launch(step_time_worker, world_size, list(impls), cfg, batch, dtype, interleaving,
-                                  fsdp_reduce_dtype, device=device, timeout_s=timeout_s)
-    rounds = combine_ranks(per_rank)
-    return pd.DataFrame([dict(impl=impl, size=name, **summarize_rounds(rounds[impl]["round_ms"]),
-                              schedule=interleaving.schedule, status=rounds[impl]["status"],
-                              error=rounds[impl]["error"]) for impl in impls])
+    per_impl = runner.run(step_time_worker, impls, world_size,
+                          lambda todo, progress: (todo, cfg, batch, dtype, interleaving, fsdp_reduce_dtype, progress),
+                          blank=lambda impl, status, error: dict(impl=impl, status=status, error=error, steps_ms=[]),
+                          skip_failed=True, deadline_s=deadline_s, device=device, timeout_s=timeout_s)
+    rows = []
+    for impl, ranks in zip(impls, per_impl):
+        rounds = combined_rounds(ranks)
+        rows.append(dict(impl=impl, size=name, **summarize_rounds(rounds["round_ms"]), schedule=interleaving.schedule,
+                         status=rounds["status"], error=rounds["error"]))
+    return pd.DataFrame(rows)
+
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -62,6 +62,11 @@ def state_sentence(expected: pd.DataFrame, world_size: int) -> str:
             "activations.")
 
 
+def _times(ratio: float) -> str:
+    """``"1.50x"``, or ``"n/a"`` for a schedule whose traffic run failed (NaN)."""
+    return f"{ratio:.2f}x" if ratio == ratio else "n/a"
+
+
 def traffic_sentences(closed: pd.DataFrame, traffic: pd.DataFrame) -> str:
     """Whether the collectives the code issued match the closed form, and what each schedule sends."""
     matches = traffic.dropna(subset=["expected_bytes"])
@@ -75,9 +80,9 @@ def traffic_sentences(closed: pd.DataFrame, traffic: pd.DataFrame) -> str:
             f"parameter: {ct.loc['sharded_optimizer', 'total_gib']:.3g} GiB "
             f"({ct.loc['sharded_optimizer', 'ratio_to_ddp']:.2f}x DDP). ZeRO-1 replaces the all-reduce by a "
             f"reduce-scatter and an all-gather and sends {ct.loc['zero1', 'total_gib']:.3g} GiB "
-            f"({ct.loc['zero1', 'ratio_to_ddp']:.2f}x). Measured on the tiny model: {tt['sharded_optimizer']:.2f}x and "
-            f"{tt['zero1']:.2f}x DDP; FSDP (fp32, parameters gathered in forward and again in backward) "
-            f"{tt['fsdp']:.2f}x.")
+            f"({ct.loc['zero1', 'ratio_to_ddp']:.2f}x). Measured on the tiny model: {_times(tt['sharded_optimizer'])} "
+            f"and {_times(tt['zero1'])} DDP; FSDP (fp32, parameters gathered in forward and again in backward) "
+            f"{_times(tt['fsdp'])}.")
 
 
 def traffic_answer(closed: pd.DataFrame, traffic: pd.DataFrame) -> str:
@@ -85,8 +90,8 @@ def traffic_answer(closed: pd.DataFrame, traffic: pd.DataFrame) -> str:
     ct = closed.set_index("impl")["ratio_to_ddp"]
     tt = traffic.groupby("impl")["measured_ratio_to_ddp"].first()
     return (f"relative to DDP's all-reduce: sharded optimizer {ct['sharded_optimizer']:.2f}x, ZeRO-1 "
-            f"{ct['zero1']:.2f}x (closed form, matched by the recorded collectives), FSDP {tt['fsdp']:.2f}x (measured, "
-            "fp32).")
+            f"{ct['zero1']:.2f}x (closed form, matched by the recorded collectives), FSDP {_times(tt['fsdp'])} "
+            "(measured, fp32).")
 
 
 def difference_sentence(closed: pd.DataFrame, world_size: int) -> str:

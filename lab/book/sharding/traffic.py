@@ -17,6 +17,7 @@ from lab.book.sharding.bench import LR
 from lab.measure.step import lm_loss, random_batch
 from lab.model import ModelConfig, TransformerLM
 from lab.parallel import launcher as distributed
+from lab.parallel import runner
 from lab.parallel.fsdp import FSDP
 from lab.parallel.sharded_optimizer import ShardedOptimizer, TrafficLog, optimizer_traffic, record_collective
 from lab.parallel.zero1 import ZeRO1Optimizer
@@ -34,37 +35,43 @@ def _average_gradients(model: torch.nn.Module) -> None:
             p.grad.div_(distributed.world_size())
 
 
-def traffic_worker(cfg: ModelConfig, batch: int = 2) -> dict:
-    """Inside a launched process: one training step of each schedule under a :class:`TrafficLog`.
+IMPLS = ("ddp", "sharded_optimizer", "zero1", "fsdp")
 
-    Returns ``{impl: {collective: ring bytes per rank}}`` for ddp (all-reduce of every gradient),
-    sharded_optimizer, zero1 and fsdp (fp32), plus ``num_params``.
-    """
 
+def traffic_row(impl: str, cfg: ModelConfig, batch: int = 2) -> dict:
+    """Inside a launched process: one training step of ``impl`` (one of :data:`IMPLS`; ddp all-reduces every
+    gradient, fsdp in fp32) under a :class:`TrafficLog`. Returns ``impl``, ``collectives`` (``{collective:
+    ring bytes per rank}``), ``num_params`` and ``status``."""
     device, n = distributed.device(), distributed.world_size()
     tokens, targets = random_batch(cfg, batch, device, seed=distributed.rank())
-    out: dict = {}
-    for impl in ("ddp", "sharded_optimizer", "zero1", "fsdp"):
-        torch.manual_seed(0)
-        with torch.device(device):
-            model = TransformerLM(cfg)
-        out["num_params"] = model.num_parameters()
-        if impl == "ddp":
-            runnable, opt = model, torch.optim.AdamW(model.parameters(), lr=LR)
-        elif impl == "sharded_optimizer":
-            runnable, opt = model, ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=LR)
-        elif impl == "zero1":
-            runnable, opt = model, ZeRO1Optimizer(model.parameters(), torch.optim.AdamW, lr=LR)
-        else:
-            runnable = FSDP(model)
-            opt = torch.optim.AdamW(runnable.parameters(), lr=LR)
-        with TrafficLog() as log:
-            lm_loss(runnable, tokens, targets).backward()
-            if impl in ("ddp", "sharded_optimizer"):
-                _average_gradients(model)
-            opt.step()
-        out[impl] = {op: log.bytes_per_rank(n, op) for op in log.summary()}
-    return out
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = TransformerLM(cfg)
+    if impl == "ddp":
+        runnable, opt = model, torch.optim.AdamW(model.parameters(), lr=LR)
+    elif impl == "sharded_optimizer":
+        runnable, opt = model, ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=LR)
+    elif impl == "zero1":
+        runnable, opt = model, ZeRO1Optimizer(model.parameters(), torch.optim.AdamW, lr=LR)
+    elif impl == "fsdp":
+        runnable = FSDP(model)
+        opt = torch.optim.AdamW(runnable.parameters(), lr=LR)
+    else:
+        raise ValueError(f"unknown impl {impl!r}; choose one of {', '.join(IMPLS)}")
+    with TrafficLog() as log:
+        lm_loss(runnable, tokens, targets).backward()
+        if impl in ("ddp", "sharded_optimizer"):
+            _average_gradients(model)
+        opt.step()
+    return dict(impl=impl, collectives={op: log.bytes_per_rank(n, op) for op in log.summary()},
+                num_params=model.num_parameters(), status="ok", error="")
+
+
+def traffic_worker(cfg: ModelConfig, batch: int = 2) -> dict:
+    """Inside a launched process: :func:`traffic_row` of each schedule. Returns ``{impl: {collective: ring
+    bytes per rank}}`` for ddp, sharded_optimizer, zero1 and fsdp, plus ``num_params``."""
+    rows = [traffic_row(impl, cfg, batch) for impl in IMPLS]
+    return {"num_params": rows[0]["num_params"], **{r["impl"]: r["collectives"] for r in rows}}
 
 
 def measure_traffic(size: str | ModelConfig = "tiny", world_size: int = 2, context: int = 64,
@@ -73,26 +80,36 @@ def measure_traffic(size: str | ModelConfig = "tiny", world_size: int = 2, conte
     :func:`lab.parallel.sharded_optimizer.optimizer_traffic`'s closed form (fp32 gradients and parameters).
 
     Columns: impl, collective, measured_bytes, expected_bytes (NaN for FSDP, which has no row in the
-    optimizer closed form), measured_ratio_to_ddp.
+    optimizer closed form), measured_ratio_to_ddp, status and error. Each schedule is an item of
+    :func:`lab.parallel.runner.run`: one that fails on a rank is one row (status ``failed`` or ``oom``, NaN
+    bytes) and the others are measured in new processes.
     """
     _, cfg = model_config(size, context)
-    res = distributed.launch(traffic_worker, world_size, cfg, device=device)[0]
-    closed = optimizer_traffic(res["num_params"], world_size).set_index("impl")
+    per_impl = runner.run(runner.each_item, IMPLS, world_size,
+                          lambda todo, progress: (traffic_row, todo, progress, cfg),
+                          blank=lambda impl, status, error: dict(impl=impl, status=status, error=error),
+                          skip_failed=True, device=device)
+    results = [ranks[0] for ranks in per_impl]  # rank 0's log: every rank issues the same collectives
+    num_params = next((r["num_params"] for r in results if r["status"] == "ok"), parameter_count(cfg))
+    closed = optimizer_traffic(num_params, world_size).set_index("impl")
     rows = []
-    for impl in ("ddp", "sharded_optimizer", "zero1", "fsdp"):
-        for op, measured in res[impl].items():
+    for impl, res in zip(IMPLS, results):
+        if res["status"] != "ok":
+            rows.append(dict(impl=impl, collective="", measured_bytes=math.nan, expected_bytes=math.nan,
+                             status=res["status"], error=res["error"]))
+            continue
+        for op, measured in res["collectives"].items():
             expected = math.nan
             if impl in closed.index:
                 c = closed.loc[impl]
                 expected = c["gradient_bytes"] if op == c["gradient_collective"] else \
                     c["parameter_bytes"] if op == c["parameter_collective"] else math.nan
-            rows.append(dict(impl=impl, collective=op, measured_bytes=measured, expected_bytes=expected))
+            rows.append(dict(impl=impl, collective=op, measured_bytes=measured, expected_bytes=expected,
+                             status="ok", error=""))
     df = pd.DataFrame(rows)
-    totals = df.groupby("impl", sort=False)["measured_bytes"].sum()
-    df["measured_ratio_to_ddp"] = df["impl"].map(totals / totals["ddp"])
+    totals = df.groupby("impl", sort=False)["measured_bytes"].sum(min_count=1)
+    df["measured_ratio_to_ddp"] = df["impl"].map(totals / totals.get("ddp", math.nan))
     return df
-
-
 
 
 def closed_form_traffic(size: str | ModelConfig, world_size: int = 2) -> pd.DataFrame:

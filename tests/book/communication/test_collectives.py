@@ -77,6 +77,26 @@ def test_gloo_run_rows_and_values():
         assert math.isclose(row["algbw_gbps"], expected, rel_tol=1e-9)
 
 
+def _all_gather_fails_on_rank_one(item, warmup, iters):
+    from lab.parallel import launcher
+
+    if item[0] == "all_gather" and launcher.rank() == 1:
+        raise RuntimeError("injected failure in all_gather")
+    return collectives.collective_row(item, warmup, iters)  # (the ranks' own module: not monkeypatched there)
+
+
+def test_a_failing_collective_is_a_row_and_the_others_are_measured(monkeypatch):
+    monkeypatch.setattr(collectives, "collective_row", _all_gather_fails_on_rank_one)
+    df = collectives.benchmark_collectives(sizes_mb=[0.25], world_sizes=[2], device="cpu", warmup=1, iters=2,
+                                           progress=False).set_index("op")
+    assert list(df.index) == list(collectives.OPS)
+    assert df.loc["all_gather", "status"] == "failed" and math.isnan(df.loc["all_gather", "time_ms"])
+    assert df.loc["all_gather", "error"].startswith("rank 1 failed: RuntimeError: injected failure")
+    others = df.drop(index="all_gather")
+    assert (others["status"] == "ok").all() and others["correct"].all() and (others["time_ms"] > 0).all()
+    assert (others["size_bytes"] == 2**18).all() and df.loc["all_gather", "size_bytes"] == 2**18
+
+
 @pytest.mark.slow
 def test_gloo_run_with_three_ranks():
     df = collectives.benchmark_collectives(sizes_mb=[0.25, 1], world_sizes=[2, 3], device="cpu", warmup=1, iters=2,

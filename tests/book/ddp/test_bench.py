@@ -99,6 +99,22 @@ def test_benchmark_ddp_rebuilt_each_turn(tmp_path):
     assert df["trace"].isna().all() and df.loc[df["impl"] != "single_gpu", "comm_ms"].isna().all()
 
 
+def test_an_entry_failing_on_its_ranks_is_a_row_and_the_others_are_timed(tmp_path):
+    # a bucket of -1 MiB: DDPBucketed refuses it when the entry is built, on every rank
+    df = ddp_bench.benchmark_ddp("tiny", context=16, batch=2, device="cpu", impls=("naive", "bucketed", "single_gpu"),
+                                 bucket_sizes_mb=(0.05, -1.0),
+                                 interleaving=Interleaving(rounds=2, warmup=1, schedule="resident"),
+                                 profile_steps=0, artifacts_dir=str(tmp_path))
+    assert list(zip(df["impl"], df["bucket_mb"])) == [("naive", 0), ("bucketed", 0.05), ("bucketed", -1),
+                                                      ("single_gpu", 0)]
+    bad = df.iloc[2]
+    assert bad["status"] == "failed" and "bucket_size_mb must be positive" in bad["error"]
+    assert bad["rounds"] == 0 and math.isnan(bad["step_ms"])
+    good = df.drop(index=2)
+    assert (good["status"] == "ok").all() and (good["rounds"] == 2).all() and (good["step_ms"] > 0).all()
+    assert df.loc[1, "n_buckets"] > 1
+
+
 @pytest.mark.gpu
 def test_benchmark_ddp_on_two_gpus(tmp_path):
     if torch.cuda.device_count() < 2:

@@ -68,6 +68,18 @@ def test_step_times_interleaved_on_gloo():
         assert len(xs) == 3 and r.step_ms == pytest.approx(statistics.median(xs), rel=1e-4) and r.step_iqr_ms >= 0
 
 
+def test_an_implementation_failing_in_step_times_is_a_row_and_the_others_are_timed():
+    # fp8-ish is no reduce dtype: only FSDP's build reads it, on every rank
+    df = sharding.step_times(("ddp", "fsdp", "zero1"), "tiny", context=32, dtype="fp32", device="cpu",
+                             interleaving=Interleaving(rounds=2, warmup=1, schedule="resident"),
+                             fsdp_reduce_dtype="fp8-ish").set_index("impl")
+    assert list(df.index) == ["ddp", "fsdp", "zero1"]
+    assert df.loc["fsdp", "status"] == "failed" and "fp8-ish" in df.loc["fsdp", "error"]
+    assert df.loc["fsdp", "rounds"] == 0 and math.isnan(df.loc["fsdp", "step_ms"])
+    others = df.drop(index="fsdp")
+    assert (others["status"] == "ok").all() and (others["rounds"] == 2).all() and (others["step_ms"] > 0).all()
+
+
 @pytest.mark.slow
 def test_step_times_rebuilt_each_turn():
     """Every implementation built, stepped and closed in turn (close() clears AdamW's state and the
@@ -97,7 +109,8 @@ def test_memory_row_on_cpu(tmp_path):
 def test_a_failed_configuration_is_a_row():
     row = sharding.memory_row("fsdp", "tiny", world_size=2, context=32, batch=2, dtype="fp32", device="cpu",
                               timeout_s=30, fsdp_reduce_dtype="fp8-ish")  # fails inside the workers
-    assert row["status"] == "error" and "fp8-ish" in row["error"] and math.isnan(row["peak_gib"])
+    assert row["status"] == "failed" and "fp8-ish" in row["error"] and math.isnan(row["peak_gib"])
+    assert row["error"].startswith("rank ") and "\n" not in row["error"]  # the failing rank's cause, one line
     with pytest.raises(ValueError):
         sharding.memory_row("zero3", "tiny", device="cpu")
 
@@ -121,3 +134,27 @@ def test_step_times_on_two_gpus():
         pytest.skip("needs 2 GPUs")
     df = sharding.step_times(sharding.IMPLS, "tiny", context=64, device="cuda", interleaving=Interleaving(rounds=2))
     assert (df["status"] == "ok").all() and (df["step_ms"] > 0).all()
+
+
+def _zero1_fails_on_rank_one(impl, cfg):
+    from lab.parallel import launcher
+
+    if impl == "zero1" and launcher.rank() == 1:
+        raise RuntimeError("injected failure in zero1")
+    return sharding_traffic.traffic_row(impl, cfg)  # (the ranks' own module: not monkeypatched there)
+
+
+def test_traffic_matches_the_closed_form_and_a_failing_schedule_is_a_row(monkeypatch):
+    monkeypatch.setattr(sharding_traffic, "traffic_row", _zero1_fails_on_rank_one)
+    df = sharding_traffic.measure_traffic("tiny", 2, 16, "cpu")
+    assert list(dict.fromkeys(df["impl"])) == list(sharding_traffic.IMPLS)
+    zero1 = df[df["impl"] == "zero1"]
+    assert len(zero1) == 1 and zero1["status"].iloc[0] == "failed" and math.isnan(zero1["measured_bytes"].iloc[0])
+    assert zero1["error"].iloc[0].startswith("rank 1 failed: RuntimeError: injected failure in zero1")
+    rest = df[df["impl"] != "zero1"]
+    assert (rest["status"] == "ok").all() and (rest["measured_bytes"] > 0).all()
+    matched = rest.dropna(subset=["expected_bytes"])  # fsdp (measured after the failure, anew) has no closed form
+    assert set(matched["impl"]) == {"ddp", "sharded_optimizer"} and set(rest["impl"]) == {"ddp", "sharded_optimizer",
+                                                                                         "fsdp"}
+    assert (matched["measured_bytes"] == matched["expected_bytes"]).all()
+    assert rest.loc[rest["impl"] == "ddp", "measured_ratio_to_ddp"].iloc[0] == 1.0
