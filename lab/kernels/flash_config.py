@@ -11,7 +11,10 @@ Nothing here launches a kernel, so all of it is plain Python that the tests can 
   (:meth:`FlashConfig.op_args`).
 * Head dimensions: any multiple of 8 from 8 to 256. The kernels work on a power-of-two ``BLOCK_D >= d``
   (:func:`block_d`) and mask the columns ``d..BLOCK_D`` on every load and store, so inputs are never
-  copied into padded buffers.
+  copied into padded buffers. A head dimension that is not a power of two can instead be cut into two
+  power-of-two column chunks (80 = 64 + 16, 96 = 64 + 32, 40 = 32 + 16 with 8 masked columns;
+  :func:`head_chunks`): every matrix product over d becomes a sum of two products and every product
+  into d two products, so no tensor-core work is spent on a 128-wide tile of which 48 columns are zeros.
 * fp32: ``tl.dot`` on fp32 tiles runs on tensor cores as TF32 when PyTorch allows TF32 for its own
   matmuls, else as 3xTF32 (``"tf32x3"``: three TF32 products that recover about fp32 accuracy, the same
   arithmetic PyTorch's fp32 SDPA kernel uses), see :func:`dot_precision`.
@@ -33,6 +36,7 @@ LONG_SEQ = 1024
 
 BACKWARD_LAUNCHES = ("auto", "fused", "two_pass", "atomic")
 FP32_PRECISIONS = ("auto", "ieee", "tf32", "tf32x3")
+SPLIT_MODES = ("auto", "on", "off")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +80,11 @@ class FlashConfig:
       fp32, checked by an offline sm_90a compile); nothing after that compile has run on a GPU yet. The
       opaque op's per-call host cost shows in a small compiled attention call, not in a whole compiled
       model, whose GPU-bound step hides the host's time.
+    * ``split_d``: ``"on"``: a head dimension that is not a power of two runs as two power-of-two column
+      chunks where that covers fewer columns than one padded tile (:func:`head_chunks`); ``"off"``: one
+      power-of-two tile with masked columns; ``"auto"``: the table's choice per head dimension, dtype and
+      pass (:func:`splits_head_dim`). Split chunks are loaded through pointers (a TMA descriptor has one
+      block shape), so ``fwd_tma``/``bwd_tma``/``atomic_tma`` apply only to unsplit tiles.
     """
 
     autotune: bool = False
@@ -90,12 +99,15 @@ class FlashConfig:
     bwd_tma: bool = False
     atomic_tma: bool = True
     compile_inline: bool = False
+    split_d: str = "auto"
 
     def __post_init__(self):
         if self.backward_launch not in BACKWARD_LAUNCHES:
             raise ValueError(f"backward_launch must be one of {BACKWARD_LAUNCHES}, got {self.backward_launch!r}")
         if self.fp32_precision not in FP32_PRECISIONS:
             raise ValueError(f"fp32_precision must be one of {FP32_PRECISIONS}, got {self.fp32_precision!r}")
+        if self.split_d not in SPLIT_MODES:
+            raise ValueError(f"split_d must be one of {SPLIT_MODES}, got {self.split_d!r}")
         # lists arrive from the torch.library schema (int[]): store tuples so the config stays hashable
         object.__setattr__(self, "fwd_tiles", tuple(int(x) for x in self.fwd_tiles))
         object.__setattr__(self, "bwd_tiles", tuple(int(x) for x in self.bwd_tiles))
@@ -112,7 +124,7 @@ class FlashConfig:
         Spelled out rather than ``dataclasses.fields``, which dynamo would have to trace."""
         return (self.autotune, self.fast_launch, self.fp32_precision, self.fwd_tiles, self.fwd_tma,
                 self.warp_specialize, self.backward_launch, self.fused_delta, self.bwd_tiles, self.bwd_tma,
-                self.atomic_tma, self.compile_inline)
+                self.atomic_tma, self.compile_inline, self.split_d)
 
     def replace(self, **changes) -> FlashConfig:
         return dataclasses.replace(self, **changes)
@@ -161,6 +173,35 @@ def check_triton_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> No
 def block_d(d: int) -> int:
     """The power-of-two tile width covering head dimension ``d`` (at least 16, the smallest ``tl.dot``)."""
     return max(16, 1 << (d - 1).bit_length())
+
+
+def split_widths(d: int) -> tuple[int, int]:
+    """(first, second) column-chunk widths of head dimension ``d`` cut in two power-of-two tiles: the largest
+    power of two <= d, then the tile covering the rest (at least 16, the smallest ``tl.dot``). ``(block_d(d),
+    0)`` where that saves no columns against one padded tile (d a power of two, 24 = 16 + 16, 112 = 64 + 64)."""
+    first = 1 << (d.bit_length() - 1)
+    if first == d or first < 16:
+        return block_d(d), 0
+    second = block_d(d - first)
+    if first + second >= block_d(d):
+        return block_d(d), 0
+    return first, second
+
+
+def splits_head_dim(d: int, dtype: torch.dtype, direction: str) -> bool:
+    """The table behind ``split_d="auto"``: whether the ``direction`` (``"fwd"`` or ``"bwd"``) kernels of
+    head dimension ``d`` run on split column chunks. Interpreted: never (the tests choose it explicitly)."""
+    if INTERPRET or split_widths(d)[1] == 0:
+        return False
+    return False
+
+
+def head_chunks(d: int, dtype: torch.dtype, direction: str, config: FlashConfig = DEFAULT_CONFIG) -> tuple[int, int]:
+    """``(BLOCK_D, BLOCK_D1)`` of the ``direction`` (``"fwd"``/``"bwd"``) kernels: the widths of the first and
+    the second column chunk of the head dimension (``BLOCK_D1`` 0: one chunk, :func:`block_d` wide, the
+    columns past ``d`` masked). Follows ``config.split_d`` (:func:`split_widths`, :func:`splits_head_dim`)."""
+    split = config.split_d == "on" or (config.split_d == "auto" and splits_head_dim(d, dtype, direction))
+    return split_widths(d) if split else (block_d(d), 0)
 
 
 # -------------------------------------------------------------------------------------------- precision

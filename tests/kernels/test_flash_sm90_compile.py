@@ -49,22 +49,22 @@ def compile_sm90(kernel, types: dict, constexprs: dict, num_warps: int, num_stag
     return {"shared": out["shared_bytes"], "registers": out["registers"], "spill": out["spill_bytes"]}
 
 
-def forward(d, causal, tiles, tma=False, dtype="bf16", scale="fp32"):
+def forward(d, causal, tiles, tma=False, dtype="bf16", scale="fp32", split=False):
     m, n, warps, stages = tiles
-    bd = fc.block_d(d)
+    bd, bd1 = fc.split_widths(d) if split else (fc.block_d(d), 0)
     types = {name: f"*{dtype}" for name in ("Q", "K", "V", "O")} | {"L": "*fp32", "qk_scale": scale}
     if tma:
         types["K"] = types["V"] = f"tensordesc<{dtype}[{n},{bd}]>"
     precision = "tf32x3" if dtype == "fp32" else "tf32"
-    constexprs = dict(HEAD_DIM=d, BLOCK_D=bd, IS_CAUSAL=causal, PRECISION=precision, WARP_SPECIALIZE=False,
-                      BLOCK_M=m, BLOCK_N=n)
+    constexprs = dict(HEAD_DIM=d, BLOCK_D=bd, BLOCK_D1=bd1, IS_CAUSAL=causal, PRECISION=precision,
+                      WARP_SPECIALIZE=False, BLOCK_M=m, BLOCK_N=n)
     return compile_sm90(fwd._flash_fwd_kernel, types, constexprs, warps, stages)
 
 
 def backward(d, causal, tiles, pass_, atomic=False, delta_from_o=False, store_delta=False, tma=False,
-             atomic_tma=False, scale="fp32"):
+             atomic_tma=False, scale="fp32", split=False):
     m1, n1, m2, n2, warps, stages = tiles
-    bd = fc.block_d(d)
+    bd, bd1 = fc.split_widths(d) if split else (fc.block_d(d), 0)
     types = {name: "*bf16" for name in ("Q", "K", "V", "O", "DO", "DK", "DV", "Q_S", "DO_S", "K_S", "V_S")}
     types |= {"L": "*fp32", "Delta": "*fp32", "DQ": "*fp32" if atomic else "*bf16", "qk_scale": scale,
               "sm_scale": scale}
@@ -72,9 +72,9 @@ def backward(d, causal, tiles, pass_, atomic=False, delta_from_o=False, store_de
     if tma:
         types["Q_S"] = types["DO_S"] = f"tensordesc<bf16[{m1},{bd}]>"
         types["K_S"] = types["V_S"] = f"tensordesc<bf16[{n2},{bd}]>"
-    constexprs = dict(HEAD_DIM=d, BLOCK_D=bd, IS_CAUSAL=causal, PRECISION="tf32", PASS=pass_, ATOMIC_DQ=atomic,
-                      DELTA_FROM_O=delta_from_o, STORE_DELTA=store_delta, BLOCK_M1=m1, BLOCK_N1=n1, BLOCK_M2=m2,
-                      BLOCK_N2=n2)
+    constexprs = dict(HEAD_DIM=d, BLOCK_D=bd, BLOCK_D1=bd1, IS_CAUSAL=causal, PRECISION="tf32", PASS=pass_,
+                      ATOMIC_DQ=atomic, DELTA_FROM_O=delta_from_o, STORE_DELTA=store_delta,
+                      BLOCK_M1=m1, BLOCK_N1=n1, BLOCK_M2=m2, BLOCK_N2=n2)
     return compile_sm90(bwd._flash_bwd_kernel, types, constexprs, warps, stages)
 
 
