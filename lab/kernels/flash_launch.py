@@ -4,8 +4,9 @@ fast relaunch of compiled kernels and the autotuning cache.
 Tile loads: :func:`load_tile` reads rows ``[start, start + BLOCK)`` of one head's ``(seq, d)`` matrix as a
 ``(BLOCK, BLOCK_D)`` tile, zero outside the matrix. Its ``src`` is either a pointer (masked loads; the
 mask on the head dimension is what lets any d that is a multiple of 8 run on a power-of-two ``BLOCK_D``
-without padded copies) or a tensor descriptor (TMA: the copy engine fetches the tile, and fills columns
-past d and rows past the end of the tensor with zeros). Which one is a compile-time choice: Triton
+without padded copies; a column offset reads the second chunk of a split head dimension) or a tensor
+descriptor (TMA: the copy engine fetches the tile, and fills columns past d and rows past the end of the
+tensor with zeros). Which one is a compile-time choice: Triton
 specialises the kernel on the argument's type.
 
 A descriptor describes the (batch x heads x seq, d) matrix of all heads at once, so for a ragged last

@@ -379,7 +379,8 @@ def _prune_bwd_configs(configs, named_args, **kwargs):
 # DQ is reset before every trial: with atomic dQ updates the trials would otherwise add up.
 _flash_bwd_tuned = triton.autotune(
     configs=_bwd_configs(),
-    key=["n_q", "n_k", "tune_batch", "HEAD_DIM", "BLOCK_D1", "IS_CAUSAL", "PRECISION", "PASS", "ATOMIC_DQ", "DELTA_FROM_O"],
+    key=["n_q", "n_k", "tune_batch", "HEAD_DIM", "BLOCK_D1", "IS_CAUSAL", "PRECISION", "PASS", "ATOMIC_DQ",
+         "DELTA_FROM_O"],
     prune_configs_by={"early_config_prune": _prune_bwd_configs}, reset_to_zero=["DQ"])(_flash_bwd_kernel)
 
 
@@ -401,7 +402,7 @@ def backward_launch_args(q, k, v, out, grad_out, lse, delta, grad_q, grad_k, gra
     of the backward kernel on (batch, heads, seq, d) tensors; ``atomic``: the pass adds dQ atomically into
     the fp32 buffer ``grad_q`` (see :func:`atomic_target`)."""
     d = q.shape[-1]
-    bd, bd1 = head_chunks(d, q.dtype, "bwd", config)
+    bd, bd1 = head_chunks(d, q.dtype, "bwd", q.shape[2], k.shape[2], config)
     dq_acc = atomic_target(grad_q, tiles["BLOCK_M1"], bd, config, split=bd1 > 0) if atomic else grad_q
     tma = config.bwd_tma and not bd1
     q_s, do_s = (stream_source(t, tiles["BLOCK_M1"], bd, tma) for t in (q, grad_out))
@@ -451,7 +452,8 @@ def flash_backward(q, k, v, out, lse, grad_out, is_causal: bool, config: FlashCo
     n_k = k4.shape[2]
     delta = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     tuned = autotunes(config, q.dtype, n_q, n_k, config.bwd_tiles)
-    key = (n_q, n_k, tune_batch(batch * heads), d, head_chunks(d, q.dtype, "bwd", config), bool(is_causal), q.dtype,
+    key = (n_q, n_k, tune_batch(batch * heads), d, head_chunks(d, q.dtype, "bwd", n_q, n_k, config),
+           bool(is_causal), q.dtype,
            config.bwd_tma, config.fused_delta)
     mode, table = backward_plan(batch * heads, n_q, n_k, d, q.dtype, q.device, config)
 

@@ -186,7 +186,7 @@ def forward_launch_args(q, k, v, out, lse, is_causal: bool, config: FlashConfig,
     (batch, heads, seq, d) tensors; K and V become TMA descriptors with ``block_n``-row tiles when
     ``config.fwd_tma`` and their layout allow it and the head dimension is one chunk (``head_chunks``)."""
     d = q.shape[-1]
-    bd, bd1 = head_chunks(d, q.dtype, "fwd", config)
+    bd, bd1 = head_chunks(d, q.dtype, "fwd", q.shape[2], k.shape[2], config)
     k_src, v_src = (stream_source(t, block_n, bd, config.fwd_tma and not bd1) for t in (k, v))
     args = (q, k_src, v_src, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
             q.shape[2], k.shape[2], base2_scale(d), tune_batch(q.shape[0] * q.shape[1]))
@@ -212,7 +212,8 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
     n_k = k4.shape[2]
     autotune = autotunes(config, q.dtype, n_q, n_k, config.fwd_tiles)
     if autotune:
-        key = ("fwd", n_q, n_k, tune_batch(batch * heads), d, head_chunks(d, q.dtype, "fwd", config), bool(is_causal),
+        key = ("fwd", n_q, n_k, tune_batch(batch * heads), d, head_chunks(d, q.dtype, "fwd", n_q, n_k, config),
+               bool(is_causal),
                q.dtype, config.fwd_tma, config.warp_specialize)
         tiles = TUNED_CONFIGS.get(key)
         if tiles is None:

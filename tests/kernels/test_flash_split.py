@@ -32,10 +32,10 @@ def test_split_widths_cover_d_with_fewer_columns_than_one_padded_tile():
 
 
 def test_split_d_follows_the_config_and_is_validated():
-    assert fc.head_chunks(80, torch.bfloat16, "fwd", SPLIT) == (64, 16)
-    assert fc.head_chunks(80, torch.bfloat16, "bwd", ft.FlashConfig(split_d="off")) == (128, 0)
-    assert fc.head_chunks(64, torch.bfloat16, "fwd", SPLIT) == (64, 0)
-    assert fc.head_chunks(80, torch.float32, "fwd") == (128, 0)  # interpreted, "auto" never splits
+    assert fc.head_chunks(80, torch.bfloat16, "fwd", 64, 64, SPLIT) == (64, 16)
+    assert fc.head_chunks(80, torch.bfloat16, "bwd", 64, 64, ft.FlashConfig(split_d="off")) == (128, 0)
+    assert fc.head_chunks(64, torch.bfloat16, "fwd", 64, 64, SPLIT) == (64, 0)
+    assert fc.head_chunks(80, torch.float32, "fwd", 64, 64) == (128, 0)  # interpreted, "auto" never splits
     with pytest.raises(ValueError, match="split_d"):
         ft.FlashConfig(split_d="yes")
 
@@ -112,3 +112,22 @@ def test_gpu_split_head_dims_match_float64_reference(d, causal, lead, n):
 def test_gpu_split_variants_match_float64_reference(config):
     q, k, v = random_qkv((1, 4), 1100, 1100, 80, dtype=torch.bfloat16, device=DEVICE)
     check_against_reference(ft.FlashAttentionTriton, q, k, v, True, atol=3e-2, rtol=3e-2, config=config)
+
+
+def test_auto_splits_only_where_measured_faster(monkeypatch):
+    """On a GPU, ``"auto"`` splits 16-bit d = 80 and 96: the forward always, the backward on long sequences,
+    whose table then runs two passes on 64 x 64 tiles; fp32, d = 40 and the padded-tile config do not split."""
+    monkeypatch.setattr(fc, "INTERPRET", False)
+    monkeypatch.setattr(fc, "multiprocessor_count", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    for d, chunks in ((80, (64, 16)), (96, (64, 32))):
+        assert fc.head_chunks(d, torch.bfloat16, "fwd", 4096, 4096) == chunks
+        assert fc.head_chunks(d, torch.float16, "bwd", 4096, 4096) == chunks
+        assert fc.head_chunks(d, torch.bfloat16, "fwd", 512, 512) == chunks
+        assert fc.head_chunks(d, torch.bfloat16, "bwd", 512, 512) == (128, 0)
+        assert fc.head_chunks(d, torch.float32, "fwd", 4096, 4096) == (128, 0)
+    assert fc.head_chunks(40, torch.bfloat16, "fwd", 4096, 4096) == (64, 0)
+    mode, plan = fc.backward_plan(64, 4096, 4096, 80, torch.bfloat16, cuda)
+    assert mode == "two_pass" and plan[1]["BLOCK_N1"] == plan[2]["BLOCK_M2"] == 64
+    mode, plan = fc.backward_plan(64, 4096, 4096, 80, torch.bfloat16, cuda, ft.FlashConfig(split_d="off"))
+    assert mode == "two_pass" and plan[1]["BLOCK_N1"] == plan[2]["BLOCK_M2"] == 128
