@@ -11,7 +11,10 @@ Nothing here launches a kernel, so all of it is plain Python that the tests can 
   (:meth:`FlashConfig.op_args`).
 * Head dimensions: any multiple of 8 from 8 to 256. The kernels work on a power-of-two ``BLOCK_D >= d``
   (:func:`block_d`) and mask the columns ``d..BLOCK_D`` on every load and store, so inputs are never
-  copied into padded buffers.
+  copied into padded buffers. A head dimension that is not a power of two can instead be cut into two
+  power-of-two column chunks (80 = 64 + 16, 96 = 64 + 32, 40 = 32 + 16 with 8 masked columns;
+  :func:`head_chunks`): every matrix product over d becomes a sum of two products and every product
+  into d two products, so no tensor-core work is spent on a 128-wide tile of which 48 columns are zeros.
 * fp32: ``tl.dot`` on fp32 tiles runs on tensor cores as TF32 when PyTorch allows TF32 for its own
   matmuls, else as 3xTF32 (``"tf32x3"``: three TF32 products that recover about fp32 accuracy, the same
   arithmetic PyTorch's fp32 SDPA kernel uses), see :func:`dot_precision`.
@@ -33,6 +36,7 @@ LONG_SEQ = 1024
 
 BACKWARD_LAUNCHES = ("auto", "fused", "two_pass", "atomic")
 FP32_PRECISIONS = ("auto", "ieee", "tf32", "tf32x3")
+SPLIT_MODES = ("auto", "on", "off")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +80,11 @@ class FlashConfig:
       fp32, checked by an offline sm_90a compile); nothing after that compile has run on a GPU yet. The
       opaque op's per-call host cost shows in a small compiled attention call, not in a whole compiled
       model, whose GPU-bound step hides the host's time.
+    * ``split_d``: ``"on"``: a head dimension that is not a power of two runs as two power-of-two column
+      chunks where that covers fewer columns than one padded tile (:func:`head_chunks`); ``"off"``: one
+      power-of-two tile with masked columns; ``"auto"``: the table's choice per head dimension, dtype,
+      pass and sequence length (:func:`splits_head_dim`). Split chunks are loaded through pointers (a TMA
+      descriptor has one block shape), so ``fwd_tma``/``bwd_tma``/``atomic_tma`` apply only to unsplit tiles.
     """
 
     autotune: bool = False
@@ -90,12 +99,15 @@ class FlashConfig:
     bwd_tma: bool = False
     atomic_tma: bool = True
     compile_inline: bool = False
+    split_d: str = "auto"
 
     def __post_init__(self):
         if self.backward_launch not in BACKWARD_LAUNCHES:
             raise ValueError(f"backward_launch must be one of {BACKWARD_LAUNCHES}, got {self.backward_launch!r}")
         if self.fp32_precision not in FP32_PRECISIONS:
             raise ValueError(f"fp32_precision must be one of {FP32_PRECISIONS}, got {self.fp32_precision!r}")
+        if self.split_d not in SPLIT_MODES:
+            raise ValueError(f"split_d must be one of {SPLIT_MODES}, got {self.split_d!r}")
         # lists arrive from the torch.library schema (int[]): store tuples so the config stays hashable
         object.__setattr__(self, "fwd_tiles", tuple(int(x) for x in self.fwd_tiles))
         object.__setattr__(self, "bwd_tiles", tuple(int(x) for x in self.bwd_tiles))
@@ -112,7 +124,7 @@ class FlashConfig:
         Spelled out rather than ``dataclasses.fields``, which dynamo would have to trace."""
         return (self.autotune, self.fast_launch, self.fp32_precision, self.fwd_tiles, self.fwd_tma,
                 self.warp_specialize, self.backward_launch, self.fused_delta, self.bwd_tiles, self.bwd_tma,
-                self.atomic_tma, self.compile_inline)
+                self.atomic_tma, self.compile_inline, self.split_d)
 
     def replace(self, **changes) -> FlashConfig:
         return dataclasses.replace(self, **changes)
@@ -161,6 +173,47 @@ def check_triton_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> No
 def block_d(d: int) -> int:
     """The power-of-two tile width covering head dimension ``d`` (at least 16, the smallest ``tl.dot``)."""
     return max(16, 1 << (d - 1).bit_length())
+
+
+def split_widths(d: int) -> tuple[int, int]:
+    """(first, second) column-chunk widths of head dimension ``d`` cut in two power-of-two tiles: the largest
+    power of two <= d, then the tile covering the rest (at least 16, the smallest ``tl.dot``). ``(block_d(d),
+    0)`` where that saves no columns against one padded tile (d a power of two, 24 = 16 + 16, 112 = 64 + 64)."""
+    first = 1 << (d.bit_length() - 1)
+    if first == d or first < 16:
+        return block_d(d), 0
+    second = block_d(d - first)
+    if first + second >= block_d(d):
+        return block_d(d), 0
+    return first, second
+
+
+#: Head dimensions whose split kernels were timed against the padded ones (bf16, H100): the model's 80 and 96.
+SPLIT_MEASURED = (80, 96)
+
+
+def splits_head_dim(d: int, dtype: torch.dtype, direction: str, n_q: int, n_k: int) -> bool:
+    """The table behind ``split_d="auto"``: whether the ``direction`` (``"fwd"`` or ``"bwd"``) kernels of
+    head dimension ``d`` run on split column chunks for ``n_q`` queries and ``n_k`` keys.
+
+    Only where measured faster: 16-bit inputs at the head dimensions of :data:`SPLIT_MEASURED`; the forward
+    at every length (64 + 16 columns beat a masked 128-wide tile on the same 64 x 64 tiles, long and short),
+    the backward on long sequences (on 64 x 64 tiles, two launches; on short sequences the split backward
+    was not faster). fp32 and other head dimensions keep the padded tile (not timed).
+    Interpreted: never (the tests choose ``split_d`` explicitly)."""
+    if INTERPRET or dtype == torch.float32 or d not in SPLIT_MEASURED or split_widths(d)[1] == 0:
+        return False
+    return direction == "fwd" or long_sequence(n_q, n_k)
+
+
+def head_chunks(d: int, dtype: torch.dtype, direction: str, n_q: int, n_k: int,
+                config: FlashConfig = DEFAULT_CONFIG) -> tuple[int, int]:
+    """``(BLOCK_D, BLOCK_D1)`` of the ``direction`` (``"fwd"``/``"bwd"``) kernels for ``n_q`` queries and
+    ``n_k`` keys: the widths of the first and the second column chunk of the head dimension (``BLOCK_D1`` 0:
+    one chunk, :func:`block_d` wide, the columns past ``d`` masked). Follows ``config.split_d``
+    (:func:`split_widths`, :func:`splits_head_dim`)."""
+    split = config.split_d == "on" or (config.split_d == "auto" and splits_head_dim(d, dtype, direction, n_q, n_k))
+    return split_widths(d) if split else (block_d(d), 0)
 
 
 # -------------------------------------------------------------------------------------------- precision
@@ -221,7 +274,8 @@ def forward_tiles(batch_heads: int, n_q: int, n_k: int, d: int, dtype: torch.dty
     bf16/fp16 at d <= 128: the fastest tiles of a sweep (``python -m lab.book.flash.sweep sweep``) on an H100.
     Long sequences: 128-query tiles where the heads fill the GPU, 64-query tiles for thin grids; padded head
     dimensions (80, 96: ``BLOCK_D`` 128 with masked columns) ran fastest on 64 x 64 tiles, whose smaller
-    register footprint pays for the wasted columns. Short sequences (< LONG_SEQ): 64 x 64 tiles, 4 warps,
+    register footprint pays for the wasted columns, and so did their split kernels (64 + 16, 64 + 32 columns,
+    :func:`head_chunks`) against 128-query tiles. Short sequences (< LONG_SEQ): 64 x 64 tiles, 4 warps,
     timed as CUDA-graph replays (the device's time; eagerly, launching dominates). d > 128 gets smaller
     tiles. fp32 tiles are sized for 3xTF32, the default fp32 precision, which splits every operand into two
     TF32 halves: the largest tiles that do not spill registers in an offline sm_90a compile (ptxas), which
@@ -264,8 +318,9 @@ def backward_plan(batch_heads: int, n_q: int, n_k: int, d: int, dtype: torch.dty
     ``BLOCK_D`` 128 with dK/dV programs of 64 queries x 128 keys on 8 warps. The five-product "atomic"
     launch (on the same tiles, dQ added by TMA bulk reductions) measured the same at d = 128 and slower at
     d = 64 and 80, so "auto" keeps the two-pass launch, whose results are also the same from run to run.
-    The dK/dV program keeps two fp32 ``BLOCK_N1 x BLOCK_D`` accumulators in registers, so wide heads and
-    fp32 get narrower key tiles.
+    A split head dimension (:func:`head_chunks`: 80 as 64 + 16 columns) ran fastest on 64 x 64 tiles, 4 warps,
+    in both passes (the wide tiles measured slower there, at d = 80 and 96). The dK/dV program keeps two fp32
+    ``BLOCK_N1 x BLOCK_D`` accumulators in registers, so wide heads and fp32 get narrower key tiles.
     """
     bd = block_d(d)
     long = long_sequence(n_q, n_k)
@@ -291,7 +346,8 @@ def backward_plan(batch_heads: int, n_q: int, n_k: int, d: int, dtype: torch.dty
         if not fills_gpu(batch_heads * -(-n_k // 64), device):  # thin grid (one head): one fused launch
             tiles, table_mode = small, "fused"
         else:
-            wide = small if bd <= 64 else _bwd_tiles(64, 128, 128, 64, 8, 3)
+            split = head_chunks(d, dtype, "bwd", n_q, n_k, config)[1] > 0
+            wide = small if bd <= 64 or split else _bwd_tiles(64, 128, 128, 64, 8, 3)
             mode = "two_pass" if config.backward_launch == "auto" else config.backward_launch
             return mode, {0: small, 1: wide, 2: wide}
     mode = table_mode if config.backward_launch == "auto" else config.backward_launch

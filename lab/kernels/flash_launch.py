@@ -4,8 +4,9 @@ fast relaunch of compiled kernels and the autotuning cache.
 Tile loads: :func:`load_tile` reads rows ``[start, start + BLOCK)`` of one head's ``(seq, d)`` matrix as a
 ``(BLOCK, BLOCK_D)`` tile, zero outside the matrix. Its ``src`` is either a pointer (masked loads; the
 mask on the head dimension is what lets any d that is a multiple of 8 run on a power-of-two ``BLOCK_D``
-without padded copies) or a tensor descriptor (TMA: the copy engine fetches the tile, and fills columns
-past d and rows past the end of the tensor with zeros). Which one is a compile-time choice: Triton
+without padded copies; a column offset reads the second chunk of a split head dimension) or a tensor
+descriptor (TMA: the copy engine fetches the tile, and fills columns past d and rows past the end of the
+tensor with zeros). Which one is a compile-time choice: Triton
 specialises the kernel on the argument's type.
 
 A descriptor describes the (batch x heads x seq, d) matrix of all heads at once, so for a ragged last
@@ -46,26 +47,28 @@ MASK_VALUE = tl.constexpr(-1.0e6)
 # ---------------------------------------------------------------------------------------------- tiles
 @triton.jit
 def load_tile(src, head_offset, row0, start, n_rows, stride_s,
-              BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, CHECK_ROWS: tl.constexpr):
-    """Rows ``[start, start + BLOCK)`` of one head as a (BLOCK, BLOCK_D) tile.
+              BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, CHECK_ROWS: tl.constexpr,
+              COL0: tl.constexpr = 0):
+    """Rows ``[start, start + BLOCK)``, columns ``[COL0, COL0 + BLOCK_D)`` of one head as a (BLOCK, BLOCK_D)
+    tile (``COL0`` > 0: the second column chunk of a split head dimension, see ``flash_config.head_chunks``).
 
     Pointer ``src``: the tensor's base pointer; the head starts at ``src + head_offset`` with rows
     ``stride_s`` apart. Rows at or past ``n_rows`` are masked only when ``CHECK_ROWS`` (tiles known to be
-    inside the sequence skip the comparison); columns past ``HEAD_DIM`` only when ``BLOCK_D > HEAD_DIM``.
+    inside the sequence skip the comparison); columns past ``HEAD_DIM`` only when the tile reaches past it.
     Descriptor ``src``: the head's first row is row ``row0`` of the described (rows, d) matrix.
     """
     if isinstance(src, tl.tensor_descriptor):
-        return src.load([row0 + start, 0])
+        return src.load([row0 + start, COL0])
     else:
         rows = start + tl.arange(0, BLOCK)
-        cols = tl.arange(0, BLOCK_D)
+        cols = COL0 + tl.arange(0, BLOCK_D)
         ptrs = src + head_offset + rows[:, None] * stride_s + cols[None, :]
         if CHECK_ROWS:
-            if BLOCK_D != HEAD_DIM:
+            if COL0 + BLOCK_D > HEAD_DIM:
                 return tl.load(ptrs, mask=(rows[:, None] < n_rows) & (cols[None, :] < HEAD_DIM), other=0.0)
             else:
                 return tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
-        elif BLOCK_D != HEAD_DIM:
+        elif COL0 + BLOCK_D > HEAD_DIM:
             return tl.load(ptrs, mask=cols[None, :] < HEAD_DIM, other=0.0)
         else:
             return tl.load(ptrs)
@@ -73,12 +76,13 @@ def load_tile(src, head_offset, row0, start, n_rows, stride_s,
 
 @triton.jit
 def store_tile(dst, head_offset, start, n_rows, stride_s, value,
-               BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Store a (BLOCK, BLOCK_D) tile to rows ``[start, start + BLOCK)`` of one head, masked to the matrix."""
+               BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, COL0: tl.constexpr = 0):
+    """Store a (BLOCK, BLOCK_D) tile to rows ``[start, start + BLOCK)``, columns ``[COL0, COL0 + BLOCK_D)``
+    of one head, masked to the matrix."""
     rows = start + tl.arange(0, BLOCK)
-    cols = tl.arange(0, BLOCK_D)
+    cols = COL0 + tl.arange(0, BLOCK_D)
     ptrs = dst + head_offset + rows[:, None] * stride_s + cols[None, :]
-    if BLOCK_D != HEAD_DIM:
+    if COL0 + BLOCK_D > HEAD_DIM:
         tl.store(ptrs, value.to(dst.dtype.element_ty), mask=(rows[:, None] < n_rows) & (cols[None, :] < HEAD_DIM))
     else:
         tl.store(ptrs, value.to(dst.dtype.element_ty), mask=rows[:, None] < n_rows)

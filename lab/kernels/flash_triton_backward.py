@@ -10,6 +10,9 @@ Both recompute ``P = exp2(S * log2(e) / sqrt(d) - L * log2(e))`` from the saved 
 * a **dQ program** holds one query tile and loops over key tiles up to the diagonal (the same split into an
   unmasked part and masked diagonal tiles as the forward), recomputing ``S`` and ``dP`` for ``dQ += dS K``.
 
+The two programs are device functions of :mod:`lab.kernels.flash_backward_tiles`; this module holds the
+kernel that runs them over a grid, and its host function :func:`flash_backward`.
+
 That is 7 matrix products per tile pair where 5 suffice, the price of every program owning the rows it
 writes. ``backward_launch="atomic"`` takes the other side of the trade: the dK/dV program also computes
 ``dS K`` and adds it into an fp32 dQ buffer with atomics (5 products; the order of the additions, so the
@@ -31,7 +34,9 @@ pass), a dK/dV program recomputes it per query tile from O and dO.
 
 Head dimensions, TMA and strides work as in the forward (``flash_launch``): Q/dO tiles streamed by the
 dK/dV loop and K/V tiles streamed by the dQ loop come from pointers or TMA descriptors; the tiles a program
-keeps are loaded once with pointers.
+keeps are loaded once with pointers. A head dimension split in two column chunks (``BLOCK_D1 > 0``,
+``flash_config.head_chunks``) sums the two chunks' products into ``S`` and ``dP`` and keeps one accumulator
+per chunk for dK, dV and dQ; its tiles always come through pointers.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lab.kernels.flash_backward_tiles import dkdv_tile, dq_tile
 from lab.kernels.flash_config import (
     DEFAULT_CONFIG,
     INTERPRET,
@@ -51,12 +57,11 @@ from lab.kernels.flash_config import (
     block_d,
     dot_precision,
     has_tma,
+    head_chunks,
     interpreter_needs_fp32,
     tune_batch,
 )
 from lab.kernels.flash_launch import (
-    LOG2E,
-    MASK_VALUE,
     TUNED_CONFIGS,
     TensorDescriptor,
     as_bhsd,
@@ -65,13 +70,10 @@ from lab.kernels.flash_launch import (
     launch,
     load_tile,
     remember_tuning,
-    store_tile,
     stream_source,
     unit_last_stride,
 )
 from lab.kernels.triton_env import empty_in_layout
-
-_LOG2E = tl.constexpr(LOG2E)
 
 
 @triton.jit
@@ -91,147 +93,6 @@ def _bwd_preprocess_kernel(O, DO, Delta, stride_oz, stride_oh, stride_os, stride
              mask=rows < n_q)
 
 
-@triton.jit
-def _dkdv_inner(dk, dv, k, v, q_src, do_src, O, DQ, q_off, do_off, o_off, dq_off, q_row0, l_base, delta_base,
-                stride_qs, stride_dos, stride_os, stride_dqs, lo, hi, offs_n, n_q, qk_scale, zh,
-                BLOCK_M1: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
-                PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, DELTA_FROM_O: tl.constexpr):
-    """Accumulate dK, dV of one key tile over query tiles [lo, hi); transposed so no P^T is formed."""
-    offs_m0 = tl.arange(0, BLOCK_M1)
-    cols = tl.arange(0, BLOCK_D)
-    for start_m in range(lo, hi, BLOCK_M1):
-        rows = start_m + offs_m0
-        inside = rows < n_q
-        q = load_tile(q_src, q_off, q_row0, start_m, n_q, stride_qs, BLOCK_M1, BLOCK_D, HEAD_DIM, True)
-        do = load_tile(do_src, do_off, q_row0, start_m, n_q, stride_dos, BLOCK_M1, BLOCK_D, HEAD_DIM, True)
-        if isinstance(q_src, tl.tensor_descriptor):  # then dO is a descriptor too (backward_launch_args)
-            # Rows past n_q hold the next head's Q and dO: an infinite logsumexp makes their P exactly 0.
-            lse2 = tl.load(l_base + rows, mask=inside, other=float("inf")) * _LOG2E
-        else:
-            # Rows past n_q are zeros (masked loads), so their dO, dS and their share of dV, dK are 0 already.
-            # (An infinite fill here costs ~40 registers a thread at d=64: ptxas, sm_90a.)
-            lse2 = tl.load(l_base + rows, mask=inside, other=0.0) * _LOG2E
-        if DELTA_FROM_O:
-            o = load_tile(O, o_off, 0, start_m, n_q, stride_os, BLOCK_M1, BLOCK_D, HEAD_DIM, True)
-            delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-        else:
-            delta = tl.load(delta_base + rows, mask=inside, other=0.0)
-        s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION)  # (keys, queries)
-        # P^T = exp2(s * log2(e) / sqrt(d) - L * log2(e)): one fused multiply-add per score
-        if MASKED:  # causal tiles on the diagonal
-            s_t = s_t * qk_scale + tl.where(rows[None, :] >= offs_n[:, None], 0.0, MASK_VALUE)
-            p_t = tl.math.exp2(s_t - lse2[None, :])
-        else:
-            p_t = tl.math.exp2(s_t * qk_scale - lse2[None, :])
-        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-        ds_t = p_t * (dp_t - delta[None, :])
-        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PRECISION)
-        if ATOMIC_DQ:  # this key tile's share of dQ (unscaled; the host multiplies by 1/sqrt(d) once)
-            dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=PRECISION)
-            if isinstance(DQ, tl.tensor_descriptor):
-                # One bulk reduction by the copy engine (a (heads, n_q, d) descriptor: rows past n_q and
-                # columns past d are clipped) instead of BLOCK_M1 x BLOCK_D single atomics from the threads.
-                DQ.atomic_add([zh, start_m, 0], dq.reshape(1, BLOCK_M1, BLOCK_D))
-            else:
-                tl.atomic_add(DQ + dq_off + rows[:, None] * stride_dqs + cols[None, :], dq,
-                              mask=inside[:, None] & (cols[None, :] < HEAD_DIM), sem="relaxed")
-    return dk, dv
-
-
-@triton.jit
-def _dkdv_tile(K, V, O, DQ, DK, DV, q_src, do_src, L, Delta, k_off, v_off, o_off, dq_off, dk_off, dv_off, q_off, do_off,
-               zh, stride_ks, stride_vs, stride_qs, stride_dos, stride_os, stride_dqs, stride_dks, stride_dvs,
-               start_n, n_q, n_k, qk_scale, sm_scale,
-               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
-               ATOMIC_DQ: tl.constexpr, DELTA_FROM_O: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr):
-    offs_n = start_n + tl.arange(0, BLOCK_N1)
-    k = load_tile(K, k_off, 0, start_n, n_k, stride_ks, BLOCK_N1, BLOCK_D, HEAD_DIM, True)
-    v = load_tile(V, v_off, 0, start_n, n_k, stride_vs, BLOCK_N1, BLOCK_D, HEAD_DIM, True)
-    dk = tl.zeros([BLOCK_N1, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N1, BLOCK_D], dtype=tl.float32)
-    l_base = L + zh.to(tl.int64) * n_q
-    delta_base = Delta + zh.to(tl.int64) * n_q
-    q_row0 = zh * n_q
-    if IS_CAUSAL:
-        # Queries < start_n see none of these keys. Query tiles starting at or after the tile's last key
-        # see all of them; the ones in between cross the diagonal and are masked.
-        lo = (start_n // BLOCK_M1) * BLOCK_M1
-        full_lo = ((start_n + BLOCK_N1 - 1 + BLOCK_M1 - 1) // BLOCK_M1) * BLOCK_M1
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, O, DQ, q_off, do_off, o_off, dq_off, q_row0, l_base,
-                             delta_base, stride_qs, stride_dos, stride_os, stride_dqs, lo, tl.minimum(full_lo, n_q),
-                             offs_n, n_q, qk_scale, zh, BLOCK_M1, BLOCK_D, HEAD_DIM, True, PRECISION, ATOMIC_DQ,
-                             DELTA_FROM_O)
-    else:
-        full_lo = 0
-    dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, O, DQ, q_off, do_off, o_off, dq_off, q_row0, l_base,
-                         delta_base, stride_qs, stride_dos, stride_os, stride_dqs, full_lo, n_q,
-                         offs_n, n_q, qk_scale, zh, BLOCK_M1, BLOCK_D, HEAD_DIM, False, PRECISION, ATOMIC_DQ,
-                         DELTA_FROM_O)
-    store_tile(DK, dk_off, start_n, n_k, stride_dks, dk * sm_scale, BLOCK_N1, BLOCK_D, HEAD_DIM)
-    store_tile(DV, dv_off, start_n, n_k, stride_dvs, dv, BLOCK_N1, BLOCK_D, HEAD_DIM)
-
-
-@triton.jit
-def _dq_inner(dq, q, do, lse2, delta, k_src, v_src, k_off, v_off, k_row0, stride_ks, stride_vs, lo, hi,
-              rows, n_k, qk_scale,
-              BLOCK_N2: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
-              IS_CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
-    """Accumulate dQ of one query tile over key tiles [lo, hi)."""
-    offs_n0 = tl.arange(0, BLOCK_N2)
-    for start_n in range(lo, hi, BLOCK_N2):
-        k = load_tile(k_src, k_off, k_row0, start_n, n_k, stride_ks, BLOCK_N2, BLOCK_D, HEAD_DIM, MASKED)
-        v = load_tile(v_src, v_off, k_row0, start_n, n_k, stride_vs, BLOCK_N2, BLOCK_D, HEAD_DIM, MASKED)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        if MASKED:
-            cols = start_n + offs_n0
-            keep = cols[None, :] < n_k
-            if IS_CAUSAL:
-                keep = keep & (cols[None, :] <= rows[:, None])
-            s = s * qk_scale + tl.where(keep, 0.0, MASK_VALUE)
-            p = tl.math.exp2(s - lse2[:, None])
-        else:
-            p = tl.math.exp2(s * qk_scale - lse2[:, None])
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
-    return dq
-
-
-@triton.jit
-def _dq_tile(Q, DO, O, L, Delta, DQ, k_src, v_src, q_off, do_off, o_off, dq_off, k_off, v_off, zh,
-             stride_qs, stride_dos, stride_os, stride_dqs, stride_ks, stride_vs,
-             start_m, n_q, n_k, qk_scale, sm_scale,
-             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
-             DELTA_FROM_O: tl.constexpr, STORE_DELTA: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr):
-    rows = start_m + tl.arange(0, BLOCK_M2)
-    inside = rows < n_q
-    q = load_tile(Q, q_off, 0, start_m, n_q, stride_qs, BLOCK_M2, BLOCK_D, HEAD_DIM, True)
-    do = load_tile(DO, do_off, 0, start_m, n_q, stride_dos, BLOCK_M2, BLOCK_D, HEAD_DIM, True)
-    lse2 = tl.load(L + zh.to(tl.int64) * n_q + rows, mask=inside, other=0.0) * _LOG2E  # rows past n_q: never stored
-    if DELTA_FROM_O:
-        o = load_tile(O, o_off, 0, start_m, n_q, stride_os, BLOCK_M2, BLOCK_D, HEAD_DIM, True)
-        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-        if STORE_DELTA:  # for the dK/dV pass that runs after this one
-            tl.store(Delta + zh.to(tl.int64) * n_q + rows, delta, mask=inside)
-    else:
-        delta = tl.load(Delta + zh.to(tl.int64) * n_q + rows, mask=inside, other=0.0)
-    dq = tl.zeros([BLOCK_M2, BLOCK_D], dtype=tl.float32)
-    k_row0 = zh * n_k
-    whole_tiles_end = (n_k // BLOCK_N2) * BLOCK_N2
-    if IS_CAUSAL:
-        full_end = tl.minimum(((start_m + 1) // BLOCK_N2) * BLOCK_N2, whole_tiles_end)
-        end = tl.minimum(start_m + BLOCK_M2, n_k)
-    else:
-        full_end = whole_tiles_end
-        end = n_k
-    dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, k_off, v_off, k_row0, stride_ks, stride_vs, 0, full_end,
-                   rows, n_k, qk_scale, BLOCK_N2, BLOCK_D, HEAD_DIM, False, IS_CAUSAL, PRECISION)
-    dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, k_off, v_off, k_row0, stride_ks, stride_vs, full_end, end,
-                   rows, n_k, qk_scale, BLOCK_N2, BLOCK_D, HEAD_DIM, True, IS_CAUSAL, PRECISION)
-    store_tile(DQ, dq_off, start_m, n_q, stride_dqs, dq * sm_scale, BLOCK_M2, BLOCK_D, HEAD_DIM)
-
-
 @triton.jit(do_not_specialize=["tune_batch"])
 def _flash_bwd_kernel(Q, K, V, O, DO, L, Delta, DQ, DK, DV, Q_S, DO_S, K_S, V_S, DQ_ACC,
                       stride_qz, stride_qh, stride_qs, stride_kz, stride_kh, stride_ks,
@@ -239,7 +100,7 @@ def _flash_bwd_kernel(Q, K, V, O, DO, L, Delta, DQ, DK, DV, Q_S, DO_S, K_S, V_S,
                       stride_doz, stride_doh, stride_dos, stride_dqz, stride_dqh, stride_dqs,
                       stride_dkz, stride_dkh, stride_dks, stride_dvz, stride_dvh, stride_dvs,
                       n_q, n_k, qk_scale, sm_scale, tune_batch,
-                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D1: tl.constexpr, IS_CAUSAL: tl.constexpr,
                       PRECISION: tl.constexpr, PASS: tl.constexpr, ATOMIC_DQ: tl.constexpr,
                       DELTA_FROM_O: tl.constexpr, STORE_DELTA: tl.constexpr,
                       BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr):
@@ -280,16 +141,16 @@ def _flash_bwd_kernel(Q, K, V, O, DO, L, Delta, DQ, DK, DV, Q_S, DO_S, K_S, V_S,
         is_kv = PASS == 1
     if is_kv:
         # key tile 0 has the most causal work (every query sees it): it goes first
-        _dkdv_tile(K, V, O, DQ_ACC, DK, DV, Q_S, DO_S, L, Delta, k_off, v_off, o_off, dq_off, dk_off, dv_off, q_off,
+        dkdv_tile(K, V, O, DQ_ACC, DK, DV, Q_S, DO_S, L, Delta, k_off, v_off, o_off, dq_off, dk_off, dv_off, q_off,
                    do_off, zh, stride_ks, stride_vs, stride_qs, stride_dos, stride_os, stride_dqs, stride_dks,
                    stride_dvs, tile * BLOCK_N1, n_q, n_k, qk_scale, sm_scale,
-                   HEAD_DIM, BLOCK_D, IS_CAUSAL, PRECISION, ATOMIC_DQ, DELTA_FROM_O, BLOCK_M1, BLOCK_N1)
+                   HEAD_DIM, BLOCK_D, BLOCK_D1, IS_CAUSAL, PRECISION, ATOMIC_DQ, DELTA_FROM_O, BLOCK_M1, BLOCK_N1)
     else:
         # the last query tile has the most causal work (it sees every key): it goes first
-        _dq_tile(Q, DO, O, L, Delta, DQ, K_S, V_S, q_off, do_off, o_off, dq_off, k_off, v_off, zh,
+        dq_tile(Q, DO, O, L, Delta, DQ, K_S, V_S, q_off, do_off, o_off, dq_off, k_off, v_off, zh,
                  stride_qs, stride_dos, stride_os, stride_dqs, stride_ks, stride_vs,
                  (n_q_tiles - 1 - tile) * BLOCK_M2, n_q, n_k, qk_scale, sm_scale,
-                 HEAD_DIM, BLOCK_D, IS_CAUSAL, PRECISION, DELTA_FROM_O, STORE_DELTA, BLOCK_M2, BLOCK_N2)
+                 HEAD_DIM, BLOCK_D, BLOCK_D1, IS_CAUSAL, PRECISION, DELTA_FROM_O, STORE_DELTA, BLOCK_M2, BLOCK_N2)
 
 
 def _bwd_configs():
@@ -312,6 +173,7 @@ def _prune_bwd_configs(configs, named_args, **kwargs):
     bd = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
     if bd is None:
         return configs
+    bd += kwargs.get("BLOCK_D1", named_args.get("BLOCK_D1", 0))
     kept = [c for c in configs if 2 * c.kwargs["BLOCK_N1"] * bd / (32 * c.num_warps) <= 192]
     return kept or configs
 
@@ -319,15 +181,17 @@ def _prune_bwd_configs(configs, named_args, **kwargs):
 # DQ is reset before every trial: with atomic dQ updates the trials would otherwise add up.
 _flash_bwd_tuned = triton.autotune(
     configs=_bwd_configs(),
-    key=["n_q", "n_k", "tune_batch", "HEAD_DIM", "IS_CAUSAL", "PRECISION", "PASS", "ATOMIC_DQ", "DELTA_FROM_O"],
+    key=["n_q", "n_k", "tune_batch", "HEAD_DIM", "BLOCK_D1", "IS_CAUSAL", "PRECISION", "PASS", "ATOMIC_DQ",
+         "DELTA_FROM_O"],
     prune_configs_by={"early_config_prune": _prune_bwd_configs}, reset_to_zero=["DQ"])(_flash_bwd_kernel)
 
 
-def atomic_target(grad_q: torch.Tensor, block_rows: int, bd: int, config: FlashConfig):
+def atomic_target(grad_q: torch.Tensor, block_rows: int, bd: int, config: FlashConfig, split: bool = False):
     """Where atomic dQ updates go: a (batch * heads, n_q, d) TMA descriptor over the fp32 buffer ``grad_q``
     (batch, heads, n_q, d) with ``(1, block_rows, bd)`` blocks when ``config.atomic_tma`` and the GPU has TMA
-    (the copy engine clips each block to its own head, so ragged tiles need no mask), else ``grad_q``."""
-    if not (config.atomic_tma and TensorDescriptor is not None and grad_q.is_cuda and grad_q.is_contiguous()
+    (the copy engine clips each block to its own head, so ragged tiles need no mask), else ``grad_q`` (also
+    for a ``split`` head dimension, whose two column chunks a single block shape cannot serve)."""
+    if split or not (config.atomic_tma and TensorDescriptor is not None and grad_q.is_cuda and grad_q.is_contiguous()
             and has_tma(grad_q.device.index or 0)):
         return grad_q
     b, h, n_q, d = grad_q.shape
@@ -340,19 +204,20 @@ def backward_launch_args(q, k, v, out, grad_out, lse, delta, grad_q, grad_k, gra
     of the backward kernel on (batch, heads, seq, d) tensors; ``atomic``: the pass adds dQ atomically into
     the fp32 buffer ``grad_q`` (see :func:`atomic_target`)."""
     d = q.shape[-1]
-    bd = block_d(d)
-    dq_acc = atomic_target(grad_q, tiles["BLOCK_M1"], bd, config) if atomic else grad_q
-    q_s, do_s = (stream_source(t, tiles["BLOCK_M1"], bd, config.bwd_tma) for t in (q, grad_out))
+    bd, bd1 = head_chunks(d, q.dtype, "bwd", q.shape[2], k.shape[2], config)
+    dq_acc = atomic_target(grad_q, tiles["BLOCK_M1"], bd, config, split=bd1 > 0) if atomic else grad_q
+    tma = config.bwd_tma and not bd1
+    q_s, do_s = (stream_source(t, tiles["BLOCK_M1"], bd, tma) for t in (q, grad_out))
     if isinstance(q_s, torch.Tensor) != isinstance(do_s, torch.Tensor):
         # The dK/dV loop zeroes the next head's rows through the logsumexp fill it picks from Q's kind of
         # source, so Q and dO are streamed alike: both through TMA or both through pointers.
         q_s, do_s = q, grad_out
-    k_s, v_s = (stream_source(t, tiles["BLOCK_N2"], bd, config.bwd_tma) for t in (k, v))
+    k_s, v_s = (stream_source(t, tiles["BLOCK_N2"], bd, tma) for t in (k, v))
     tensors = (q, k, v, out, grad_out, grad_q, grad_k, grad_v)
     args = (q, k, v, out, grad_out, lse, delta, grad_q, grad_k, grad_v, q_s, do_s, k_s, v_s, dq_acc,
             *(s for t in tensors for s in t.stride()[:3]),
             q.shape[2], k.shape[2], base2_scale(d), 1.0 / math.sqrt(d), tune_batch(q.shape[0] * q.shape[1]))
-    meta = {"HEAD_DIM": d, "BLOCK_D": bd, "IS_CAUSAL": bool(is_causal),
+    meta = {"HEAD_DIM": d, "BLOCK_D": bd, "BLOCK_D1": bd1, "IS_CAUSAL": bool(is_causal),
             "PRECISION": dot_precision(q.dtype, config.fp32_precision)}
     return args, meta
 
@@ -389,7 +254,9 @@ def flash_backward(q, k, v, out, lse, grad_out, is_causal: bool, config: FlashCo
     n_k = k4.shape[2]
     delta = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     tuned = autotunes(config, q.dtype, n_q, n_k, config.bwd_tiles)
-    key = (n_q, n_k, tune_batch(batch * heads), d, bool(is_causal), q.dtype, config.bwd_tma, config.fused_delta)
+    key = (n_q, n_k, tune_batch(batch * heads), d, head_chunks(d, q.dtype, "bwd", n_q, n_k, config),
+           bool(is_causal), q.dtype,
+           config.bwd_tma, config.fused_delta)
     mode, table = backward_plan(batch * heads, n_q, n_k, d, q.dtype, q.device, config)
 
     def run(mode_):

@@ -10,7 +10,11 @@ of that head through them, so the ``n_queries x n_keys`` scores never exist in m
   and the loop is split so that only the tiles crossing the diagonal, or the ragged last tile, pay for the
   mask (``-1e6`` added to masked scores).
 * Any head dimension that is a multiple of 8 up to 256: tiles are ``BLOCK_D`` (a power of two) wide and the
-  loads/stores mask columns ``HEAD_DIM..BLOCK_D`` (see ``flash_launch.load_tile``); nothing is copied.
+  loads/stores mask columns ``HEAD_DIM..BLOCK_D`` (see ``flash_launch.load_tile``); nothing is copied. With
+  ``BLOCK_D1 > 0`` the head dimension is two column chunks, ``[0, BLOCK_D)`` and ``[BLOCK_D, BLOCK_D +
+  BLOCK_D1)`` (``flash_config.head_chunks``): ``S = Q0 K0^T + Q1 K1^T`` (the second product accumulates into
+  the first) and the output has one accumulator per chunk, so at d = 80 the products run 64 + 16 columns
+  wide instead of 128.
 * Grid (query tiles, heads, batch); within a head the heaviest causal query tiles start first so the long
   rows do not start last, and heads run one after the other so the programs running together share one
   head's K/V in L2 (interleaving heads measured slower).
@@ -30,10 +34,10 @@ from lab.kernels.flash_config import (
     INTERPRET,
     FlashConfig,
     autotunes,
-    block_d,
     check_triton_inputs,
     dot_precision,
     forward_tiles,
+    head_chunks,
     interpreter_needs_fp32,
     tune_batch,
 )
@@ -56,15 +60,21 @@ _LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def _fwd_inner(acc, row_sum, row_max, q, k_src, v_src, k_off, v_off, kv_row0, stride_ks, stride_vs, lo, hi,
+def _fwd_inner(acc, acc1, row_sum, row_max, q, q1, k_src, v_src, k_off, v_off, kv_row0, stride_ks, stride_vs, lo, hi,
                offs_m, n_k, qk_scale,
-               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
-               IS_CAUSAL: tl.constexpr, PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
-    """Stream key tiles [lo, hi) through the online softmax. MASKED tiles cross the diagonal or the end."""
+               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D1: tl.constexpr, HEAD_DIM: tl.constexpr,
+               MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+               WARP_SPECIALIZE: tl.constexpr):
+    """Stream key tiles [lo, hi) through the online softmax. MASKED tiles cross the diagonal or the end.
+    ``q1``/``acc1``: the second column chunk (``BLOCK_D1 > 0``; otherwise unused placeholders)."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         k = load_tile(k_src, k_off, kv_row0, start_n, n_k, stride_ks, BLOCK_N, BLOCK_D, HEAD_DIM, MASKED)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if BLOCK_D1 > 0:
+            k1 = load_tile(k_src, k_off, kv_row0, start_n, n_k, stride_ks, BLOCK_N, BLOCK_D1, HEAD_DIM, MASKED,
+                           BLOCK_D)
+            s = tl.dot(q1, tl.trans(k1), s, input_precision=PRECISION)
         # Base-2 exponent s * log2(e) / sqrt(d) - max: one fused multiply-add per score.
         if MASKED:
             cols = start_n + offs_n
@@ -82,8 +92,13 @@ def _fwd_inner(acc, row_sum, row_max, q, k_src, v_src, k_off, v_off, kv_row0, st
         acc = acc * rescale[:, None]
         v = load_tile(v_src, v_off, kv_row0, start_n, n_k, stride_vs, BLOCK_N, BLOCK_D, HEAD_DIM, MASKED)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+        if BLOCK_D1 > 0:
+            acc1 = acc1 * rescale[:, None]
+            v1 = load_tile(v_src, v_off, kv_row0, start_n, n_k, stride_vs, BLOCK_N, BLOCK_D1, HEAD_DIM, MASKED,
+                           BLOCK_D)
+            acc1 = tl.dot(p.to(v1.dtype), v1, acc1, input_precision=PRECISION)
         row_max = new_max
-    return acc, row_sum, row_max
+    return acc, acc1, row_sum, row_max
 
 
 @triton.jit(do_not_specialize=["tune_batch"])
@@ -91,8 +106,8 @@ def _flash_fwd_kernel(Q, K, V, O, L,
                       stride_qz, stride_qh, stride_qs, stride_kz, stride_kh, stride_ks,
                       stride_vz, stride_vh, stride_vs, stride_oz, stride_oh, stride_os,
                       n_q, n_k, qk_scale, tune_batch,
-                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                      PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D1: tl.constexpr,
+                      IS_CAUSAL: tl.constexpr, PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (query tiles, heads, batch). K and V are pointers or TMA descriptors (``flash_launch``);
     ``tune_batch`` is unused: it only keys the autotuner."""
@@ -114,6 +129,12 @@ def _flash_fwd_kernel(Q, K, V, O, L,
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if BLOCK_D1 > 0:
+        q1 = load_tile(Q, q_off, 0, start_m, n_q, stride_qs, BLOCK_M, BLOCK_D1, HEAD_DIM, True, BLOCK_D)
+        acc1 = tl.zeros([BLOCK_M, BLOCK_D1], dtype=tl.float32)
+    else:  # placeholders the inner loop never touches
+        q1 = q
+        acc1 = acc
 
     # Key tiles [0, full_end) need no mask at all; [full_end, end) cross the diagonal or the end of K.
     whole_tiles_end = (n_k // BLOCK_N) * BLOCK_N
@@ -126,15 +147,18 @@ def _flash_fwd_kernel(Q, K, V, O, L,
         full_end = whole_tiles_end
         end = n_k
     kv_row0 = zh * n_k  # this head's first row in a TMA descriptor over all heads' rows
-    acc, row_sum, row_max = _fwd_inner(acc, row_sum, row_max, q, K, V, k_off, v_off, kv_row0, stride_ks, stride_vs,
-                                       0, full_end, offs_m, n_k, qk_scale,
-                                       BLOCK_N, BLOCK_D, HEAD_DIM, False, IS_CAUSAL, PRECISION, WARP_SPECIALIZE)
-    acc, row_sum, row_max = _fwd_inner(acc, row_sum, row_max, q, K, V, k_off, v_off, kv_row0, stride_ks, stride_vs,
-                                       full_end, end, offs_m, n_k, qk_scale,
-                                       BLOCK_N, BLOCK_D, HEAD_DIM, True, IS_CAUSAL, PRECISION, False)
+    acc, acc1, row_sum, row_max = _fwd_inner(acc, acc1, row_sum, row_max, q, q1, K, V, k_off, v_off, kv_row0,
+                                             stride_ks, stride_vs, 0, full_end, offs_m, n_k, qk_scale,
+                                             BLOCK_N, BLOCK_D, BLOCK_D1, HEAD_DIM, False, IS_CAUSAL, PRECISION,
+                                             WARP_SPECIALIZE)
+    acc, acc1, row_sum, row_max = _fwd_inner(acc, acc1, row_sum, row_max, q, q1, K, V, k_off, v_off, kv_row0,
+                                             stride_ks, stride_vs, full_end, end, offs_m, n_k, qk_scale,
+                                             BLOCK_N, BLOCK_D, BLOCK_D1, HEAD_DIM, True, IS_CAUSAL, PRECISION, False)
 
     o_off = z.to(tl.int64) * stride_oz + h.to(tl.int64) * stride_oh
     store_tile(O, o_off, start_m, n_q, stride_os, acc / row_sum[:, None], BLOCK_M, BLOCK_D, HEAD_DIM)
+    if BLOCK_D1 > 0:
+        store_tile(O, o_off, start_m, n_q, stride_os, acc1 / row_sum[:, None], BLOCK_M, BLOCK_D1, HEAD_DIM, BLOCK_D)
     # natural-log logsumexp of the scaled scores: (max + log2(sum)) is in base 2
     tl.store(L + zh.to(tl.int64) * n_q + offs_m, (row_max + tl.math.log2(row_sum)) * _LN2, mask=offs_m < n_q)
 
@@ -153,19 +177,20 @@ def _fwd_configs():
 
 _flash_fwd_tuned = triton.autotune(
     configs=_fwd_configs(),
-    key=["n_q", "n_k", "tune_batch", "HEAD_DIM", "IS_CAUSAL", "PRECISION", "WARP_SPECIALIZE"])(_flash_fwd_kernel)
+    key=["n_q", "n_k", "tune_batch", "HEAD_DIM", "BLOCK_D1", "IS_CAUSAL", "PRECISION", "WARP_SPECIALIZE"],
+)(_flash_fwd_kernel)
 
 
 def forward_launch_args(q, k, v, out, lse, is_causal: bool, config: FlashConfig, block_n: int) -> tuple[tuple, dict]:
     """Positional arguments and constexpr keywords (all but the tiles) of the forward kernel on
     (batch, heads, seq, d) tensors; K and V become TMA descriptors with ``block_n``-row tiles when
-    ``config.fwd_tma`` and their layout allow it."""
+    ``config.fwd_tma`` and their layout allow it and the head dimension is one chunk (``head_chunks``)."""
     d = q.shape[-1]
-    bd = block_d(d)
-    k_src, v_src = (stream_source(t, block_n, bd, config.fwd_tma) for t in (k, v))
+    bd, bd1 = head_chunks(d, q.dtype, "fwd", q.shape[2], k.shape[2], config)
+    k_src, v_src = (stream_source(t, block_n, bd, config.fwd_tma and not bd1) for t in (k, v))
     args = (q, k_src, v_src, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
             q.shape[2], k.shape[2], base2_scale(d), tune_batch(q.shape[0] * q.shape[1]))
-    meta = {"HEAD_DIM": d, "BLOCK_D": bd, "IS_CAUSAL": bool(is_causal),
+    meta = {"HEAD_DIM": d, "BLOCK_D": bd, "BLOCK_D1": bd1, "IS_CAUSAL": bool(is_causal),
             "PRECISION": dot_precision(q.dtype, config.fp32_precision), "WARP_SPECIALIZE": config.warp_specialize}
     return args, meta
 
@@ -187,8 +212,9 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
     n_k = k4.shape[2]
     autotune = autotunes(config, q.dtype, n_q, n_k, config.fwd_tiles)
     if autotune:
-        key = ("fwd", n_q, n_k, tune_batch(batch * heads), d, bool(is_causal), q.dtype, config.fwd_tma,
-               config.warp_specialize)
+        key = ("fwd", n_q, n_k, tune_batch(batch * heads), d, head_chunks(d, q.dtype, "fwd", n_q, n_k, config),
+               bool(is_causal),
+               q.dtype, config.fwd_tma, config.warp_specialize)
         tiles = TUNED_CONFIGS.get(key)
         if tiles is None:
             args, meta = forward_launch_args(q4, k4, v4, out4, lse, is_causal, config, 64)

@@ -50,10 +50,11 @@ from lab.kernels.triton_env import empty_in_layout
 def flash_attention_forward_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, autotune: bool, fast_launch: bool,
                                fp32_precision: str, fwd_tiles: list[int], fwd_tma: bool, warp_specialize: bool,
                                backward_launch: str, fused_delta: bool, bwd_tiles: list[int],
-                               bwd_tma: bool, atomic_tma: bool, compile_inline: bool) -> tuple[Tensor, Tensor]:
+                               bwd_tma: bool, atomic_tma: bool, compile_inline: bool,
+                               split_d: str) -> tuple[Tensor, Tensor]:
     """FlashAttention forward: (output, fp32 logsumexp)."""
     config = FlashConfig(autotune, fast_launch, fp32_precision, fwd_tiles, fwd_tma, warp_specialize, backward_launch,
-                         fused_delta, bwd_tiles, bwd_tma, atomic_tma, compile_inline)
+                         fused_delta, bwd_tiles, bwd_tma, atomic_tma, compile_inline, split_d)
     return flash_forward(q, k, v, causal, config)
 
 
@@ -69,10 +70,11 @@ def flash_attention_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tenso
                                 causal: bool, autotune: bool, fast_launch: bool, fp32_precision: str,
                                 fwd_tiles: list[int], fwd_tma: bool, warp_specialize: bool, backward_launch: str,
                                 fused_delta: bool, bwd_tiles: list[int],
-                                bwd_tma: bool, atomic_tma: bool, compile_inline: bool) -> tuple[Tensor, Tensor, Tensor]:
+                                bwd_tma: bool, atomic_tma: bool, compile_inline: bool,
+                                split_d: str) -> tuple[Tensor, Tensor, Tensor]:
     """FlashAttention backward: (dq, dk, dv)."""
     config = FlashConfig(autotune, fast_launch, fp32_precision, fwd_tiles, fwd_tma, warp_specialize, backward_launch,
-                         fused_delta, bwd_tiles, bwd_tma, atomic_tma, compile_inline)
+                         fused_delta, bwd_tiles, bwd_tma, atomic_tma, compile_inline, split_d)
     return flash_backward(q, k, v, out, lse, grad_out, causal, config)
 
 
