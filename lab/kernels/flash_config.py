@@ -176,16 +176,17 @@ def block_d(d: int) -> int:
 
 
 def split_widths(d: int) -> tuple[int, int]:
-    """(first, second) column-chunk widths of head dimension ``d`` cut in two power-of-two tiles: the largest
-    power of two <= d, then the tile covering the rest (at least 16, the smallest ``tl.dot``). ``(block_d(d),
-    0)`` where that saves no columns against one padded tile (d a power of two, 24 = 16 + 16, 112 = 64 + 64)."""
+    """(first, second) column-chunk widths of head dimension ``d`` cut exactly into two power-of-two tiles: the
+    largest power of two below d, then the rest, itself a power of two of at least 16 (the smallest ``tl.dot``):
+    48 = 32 + 16, 80 = 64 + 16, 96 = 64 + 32, 160 = 128 + 32. ``(block_d(d), 0)``, one padded tile with its
+    columns past d masked, for every other d (a power of two, 40, 112): a second chunk wider than its columns
+    would need masked loads and stores of its own, and that path addressed memory out of bounds on an H100
+    (d = 40 as 32 + 16), so no split pads."""
     first = 1 << (d.bit_length() - 1)
-    if first == d or first < 16:
+    rest = d - first
+    if first == d or first < 16 or rest < 16 or rest & (rest - 1):
         return block_d(d), 0
-    second = block_d(d - first)
-    if first + second >= block_d(d):
-        return block_d(d), 0
-    return first, second
+    return first, rest
 
 
 #: Head dimensions whose split kernels were timed against the padded ones (bf16, H100): the model's 80 and 96.

@@ -18,17 +18,17 @@ SPLIT = ft.FlashConfig(split_d="on")
 
 
 def test_split_widths_cover_d_with_fewer_columns_than_one_padded_tile():
-    """Two powers of two (the second at least 16, the smallest ``tl.dot``) that cover d and are narrower
-    than the padded tile, or the padded tile alone where no split is narrower."""
-    assert fc.split_widths(80) == (64, 16) and fc.split_widths(96) == (64, 32) and fc.split_widths(40) == (32, 16)
-    assert fc.split_widths(160) == (128, 32) and fc.split_widths(48) == (32, 16)
-    for d in (8, 16, 24, 56, 64, 112, 128, 256):  # powers of two, or no narrower split (24 = 16 + 16 = 32)
+    """Two powers of two (the second at least 16, the smallest ``tl.dot``) that sum to d exactly, or the padded
+    tile alone where d has no such cut (a second chunk wider than its columns is never made)."""
+    assert fc.split_widths(80) == (64, 16) and fc.split_widths(96) == (64, 32) and fc.split_widths(48) == (32, 16)
+    assert fc.split_widths(160) == (128, 32) and fc.split_widths(144) == (128, 16)
+    for d in (8, 16, 24, 40, 56, 64, 112, 128, 256):  # powers of two, or no exact cut (40 = 32 + 8, 112 = 64 + 48)
         assert fc.split_widths(d) == (fc.block_d(d), 0), d
     for d in range(8, fc.MAX_HEAD_DIM + 1, 8):
         first, second = fc.split_widths(d)
         if second:
             assert first & (first - 1) == 0 and second & (second - 1) == 0 and second >= 16, d
-            assert first < d <= first + second < fc.block_d(d), d
+            assert first + second == d < fc.block_d(d), d
 
 
 def test_split_d_follows_the_config_and_is_validated():
@@ -57,10 +57,10 @@ SPLIT_CASES = [  # lead dims, n_q, n_k, d, causal, dtype, tol: ragged lengths, n
     (2, 37, 53, 80, True, torch.float32, 2e-5),
     ((1, 2), 45, 29, 96, True, torch.float32, 2e-5),
     (2, 29, 45, 96, False, torch.float32, 2e-5),
-    (2, 37, 21, 40, True, torch.float32, 2e-5),  # 32 + 16 columns, the last 8 masked
+    (2, 37, 21, 48, True, torch.float32, 2e-5),  # 32 + 16 columns
     (1, 21, 37, 160, False, torch.float32, 2e-5),
     (2, 37, 53, 80, False, torch.float16, 2e-2),
-    (2, 45, 29, 40, True, torch.bfloat16, 6e-2),
+    (2, 45, 29, 48, True, torch.bfloat16, 6e-2),
 ]
 
 
@@ -95,7 +95,7 @@ def test_split_and_padded_tiles_agree():
 
 # ----------------------------------------------------------------------------------------- GPU only
 @pytest.mark.gpu
-@pytest.mark.parametrize("d", [80, 96, 40])
+@pytest.mark.parametrize("d", [80, 96, 48])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("lead,n", [((2, 3), 300), ((1, 4), 1100)], ids=["short", "long"])
 def test_gpu_split_head_dims_match_float64_reference(d, causal, lead, n):

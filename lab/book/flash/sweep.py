@@ -38,7 +38,7 @@ import torch
 from lab.book.attention.bench import attention_impl, attention_inputs
 from lab.book.attention.costs import DTYPES, PASSES, attention_flops
 from lab.book.flash.bench import Shape, course_timing_table
-from lab.kernels.flash_config import FlashConfig, backward_plan, block_d, forward_tiles
+from lab.kernels.flash_config import FlashConfig, backward_plan, block_d, forward_tiles, head_chunks
 from lab.measure.device import empty_cache, error_summary, is_oom, resolve_device
 from lab.measure.timing import time_kernel
 from lab.model.attention import AttentionFn, get_attention
@@ -97,13 +97,16 @@ def _outputs(fn: AttentionFn, q, k, v, dout, causal, heads: int):
     return [t[:heads].detach() for t in (out, *grads)]
 
 
-def backward_breakdown(shape: Shape, ms: float, mode: str, ceiling_tflops: float) -> dict:
+def backward_breakdown(shape: Shape, ms: float, mode: str, ceiling_tflops: float, columns: int | None = None) -> dict:
     """Where a backward's time goes: ``products`` per tile pair (:data:`PRODUCTS`), ``useful_tflops`` (the
     5-product FLOPs of :func:`attention_flops` per second), ``executed_tflops`` (the products really issued,
-    on ``BLOCK_D``-wide tiles: useful x products / 5 x BLOCK_D / d; masked diagonal tiles not counted) and
-    ``of_ceiling``, executed against ``ceiling_tflops`` (a measured large matmul of the same dtype)."""
+    on tiles ``columns`` wide in the head dimension: useful x products / 5 x columns / d; masked diagonal tiles
+    not counted) and ``of_ceiling``, executed against ``ceiling_tflops`` (a measured large matmul of the same
+    dtype). ``columns``: the head-dimension columns the kernels compute, the two chunks' widths summed where
+    the head dimension is split (:func:`lab.kernels.flash_config.head_chunks`); default one padded
+    ``BLOCK_D`` tile."""
     useful = attention_flops(shape.batch, shape.seq, shape.d, shape.causal, "bwd", heads=shape.heads)
-    executed = useful * PRODUCTS[mode] / 5 * block_d(shape.d) / shape.d
+    executed = useful * PRODUCTS[mode] / 5 * (columns or block_d(shape.d)) / shape.d
     rate = executed / (ms * 1e-3) / 1e12
     return dict(products=PRODUCTS[mode], useful_tflops=useful / (ms * 1e-3) / 1e12, executed_tflops=rate,
                 of_ceiling=rate / ceiling_tflops if ceiling_tflops else math.nan)
@@ -177,7 +180,8 @@ def sweep_shape(shape: Shape, dtype: str = "bf16", variants: dict | None = None,
                     row[f"{p}_graph_tflops"] = flops / (row[f"{p}_graph_ms"] * 1e-3) / 1e12
             if cfg is not None and "bwd" in passes:
                 ms = row.get("bwd_graph_ms", row["bwd_ms"])
-                row.update(backward_breakdown(shape, ms, row["bwd_mode"], ceiling_tflops))
+                row["bwd_columns"] = sum(head_chunks(shape.d, DTYPES[dtype], "bwd", shape.seq, shape.seq, cfg))
+                row.update(backward_breakdown(shape, ms, row["bwd_mode"], ceiling_tflops, row["bwd_columns"]))
         except Exception as exc:  # noqa: BLE001 - a variant that cannot compile or run is a row, not the end
             if is_oom(exc):
                 empty_cache()

@@ -40,6 +40,9 @@ def test_relative_errors_and_backward_breakdown():
     assert row["of_ceiling"] == pytest.approx(row["executed_tflops"])
     assert fs.backward_breakdown(shape, 2.0, "atomic", 1.0)["executed_tflops"] == pytest.approx(
         row["useful_tflops"] * 128 / 80)
+    # split into 64 + 16 columns: the products run on 80 columns, none padded
+    assert fs.backward_breakdown(shape, 2.0, "atomic", 1.0, columns=80)["executed_tflops"] == pytest.approx(
+        row["useful_tflops"])
 
 
 def test_best_variants_prefers_graph_times_and_skips_wrong_results():
