@@ -88,7 +88,8 @@ report.show_table(fastest.config_table(configs), floatfmt=".4g")
 #
 # Each recipe of a configuration runs in the same processes one after the other, the model rebuilt for each.
 # The book's step and both stock steps are timed with `triton.testing.do_bench` (median of whole steps) and
-# profiled once; the ablations with two host-timed steps. `first_step_s` is the first step including
+# profiled once; the ablations with do_bench too on one GPU (a step of milliseconds) and with two host-timed
+# steps on several (a step of seconds; CUDA graphs always with do_bench). `first_step_s` is the first step including
 # compilation and autotuning, and `wall_s` the recipe's whole benchmark (build, first step, timing). On a
 # machine with a GPU for every rank of every configuration the configurations run side by side, each on GPUs of
 # its own (`gpus`), sharing only the host; there the book's step is the first recipe of its processes and
@@ -161,7 +162,8 @@ for name in configs:
 # ## Ablations: what each optimization is worth
 #
 # The book's step with one thing changed alone (`change` says what, in words), measured in the same run and
-# against the book's step timed the same way (two host-clock steps each, `base_ms`). The verdict is on the
+# against the book's step timed the same way (`base_ms`: do_bench on one GPU, two host-clock steps each on
+# several; the `timer` column says which). The verdict is on the
 # change: `slower` means the step with the change is slower beyond the noise (so the recipe keeps its
 # choice), `faster` that it is faster, `within noise` neither. Where the machine has GPUs for every
 # configuration's ranks and for twice a multi-GPU configuration's (four for the leaderboard and the 2.7B

@@ -245,8 +245,9 @@ def fastest_worker(config: StepConfig, recipes: list[Recipe], warmup_ms: float, 
                    trace_dir: str | None, headline: tuple[str, ...], fresh_cache: bool = False,
                    progress: runner.Progress | None = None) -> list[dict]:
     """Inside a launched process: every recipe in turn on this rank (the ``headline`` ones timed with
-    do_bench and profiled, the others with two host-timed steps; where both kinds run, each headline recipe
-    with two host-timed steps more, so that an ablation can be compared with any of them timed the same way);
+    do_bench and profiled; the others with do_bench on one GPU, whose steps take milliseconds, and with two
+    host-timed steps on several, whose steps take seconds; where both kinds run, each headline recipe with two
+    host-timed steps more, so that an ablation can be compared with any of them timed the same way);
     returns the rows, each also recorded in ``progress`` as it finishes (:func:`run_recipes`).
     ``fresh_cache``: compile into empty Inductor and Triton caches of this process's own
     (removed at the end), so the first recipe's ``first_step_s`` and ``wall_s`` include every compilation
@@ -254,7 +255,8 @@ def fastest_worker(config: StepConfig, recipes: list[Recipe], warmup_ms: float, 
     import contextlib
 
     device = launcher.device()
-    ablated = any(r.name not in headline for r in recipes) and any(r.name == "project" for r in recipes)
+    host_steps = {r.name: 0 if r.name in headline or config.world_size == 1 else 2 for r in recipes}
+    ablated = any(host_steps.values()) and any(r.name == "project" for r in recipes)
     fresh = (tempfile.TemporaryDirectory(prefix="lab_fastest_cache_", ignore_cleanup_errors=True) if fresh_cache
              else contextlib.nullcontext())
     with fresh as cache:
@@ -263,7 +265,7 @@ def fastest_worker(config: StepConfig, recipes: list[Recipe], warmup_ms: float, 
         with launcher.environment(caches):  # a torchrun rank is this very process: its environment is restored
             return run_recipes(recipes, lambda r: measure_recipe(
                 config, r, device, warmup_ms, rep_ms, profile and r.name in headline, trace_dir,
-                host_steps=0 if r.name in headline else 2, host_reference=ablated and r.name in headline),
+                host_steps=host_steps[r.name], host_reference=ablated and r.name in headline),
                 progress or runner.Progress(""))
 
 

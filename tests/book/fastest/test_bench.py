@@ -10,7 +10,7 @@ import torch
 
 from lab.book.fastest import bench
 from lab.parallel.gpu_pool import run_on_gpus
-from lab.recipes.fastest_step import ABLATION_BASE, CONFIGS, recipes_for
+from lab.recipes.fastest_step import ABLATION_BASE, CONFIGS, ablations, recipes_for
 from tests.kineto import write_trace
 
 
@@ -48,8 +48,6 @@ def test_the_leaderboards_ablations_get_gpus_of_their_own_where_there_are_enough
 
 
 def _ablations(name):
-    from lab.recipes.fastest_step import ablations
-
     return ablations(recipes_for(CONFIGS[name])["project"])
 
 
@@ -222,3 +220,20 @@ def test_rows_say_what_a_comparison_holds_fixed():
     assert rows["stock_compiled"]["precision"] == "bf16_autocast" and rows["stock_compiled_bf16"]["precision"] == "bf16"
     assert {(r["batch"], r["context"]) for r in rows.values()} == {(4, 512)}
     assert bench.empty_row(CONFIGS["leaderboard"], recipes_for(CONFIGS["leaderboard"])["project"])["batch"] == 2
+
+
+@pytest.mark.parametrize("name,ablation_steps", [("tiny_one_rank", 0), ("tiny", 2)])
+def test_ablations_time_like_the_headline_on_one_gpu_and_by_the_host_clock_on_several(monkeypatch, name,
+                                                                                   ablation_steps):
+    """A one-GPU step takes milliseconds: its ablations get do_bench like the headline steps (``host_steps`` 0)
+    and no host-timed reference is needed; a multi-GPU step takes seconds: two host-timed steps, and the
+    headline recipes add two more so that the ablations compare like for like."""
+    config = CONFIGS[name]
+    project = recipes_for(config)["project"]
+    recipes = [project, *ablations(project)[:2]]
+    seen = {}
+    monkeypatch.setattr(bench, "measure_recipe", lambda *a, host_steps, host_reference, **k: seen.update(
+        {a[1].name: (host_steps, host_reference)}) or {**bench.empty_row(config, a[1]), "timer": "host"})
+    bench.fastest_worker(config, recipes, 1, 1, False, None, ("project",))
+    assert seen["project"] == (0, ablation_steps > 0)
+    assert [seen[r.name] for r in recipes[1:]] == [(ablation_steps, False)] * 2
