@@ -64,6 +64,10 @@ def test_timing_sentence_compares_time_growth_with_flops():
     assert numbers(growth)[2:4] == [8, 1.2] and "far less" in growth
     proportional = pd.DataFrame([_grid_row(16, 64, fwd=1.0), _grid_row(32, 64, fwd=1.9)])
     assert "in step" in present.timing_sentence(proportional)
+    # 74x the time for 2x the FLOPs is not the matmuls' doing: the sentence must not say it is
+    runaway = present.timing_sentence(pd.DataFrame([_grid_row(16, 64, fwd=1.0), _grid_row(32, 64, fwd=74.0)]))
+    assert numbers(runaway.split(" Going from ")[1])[2:4] == [2, 74] and "in step" not in runaway
+    assert "far more" in runaway
 
 
 def test_timing_sentence_reads_d_growth_only_beyond_the_noise():
