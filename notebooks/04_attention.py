@@ -45,7 +45,7 @@ import matplotlib.pyplot as plt
 
 from lab.book import plots, report
 from lab.book.attention import bench as ab
-from lab.book.attention import present
+from lab.book.attention import present, whole_model
 from lab.measure.device import resolve_device
 
 dev = resolve_device(device)
@@ -149,11 +149,11 @@ lm = book.table("lm_step", lambda: ab.lm_eager_vs_compiled(
     cfg.lm_sizes, context=cfg.lm_context, batch=cfg.lm_batch, dtype=cfg.lm_dtype, warmup=cfg.lm_warmup,
     steps=cfg.lm_steps, device=dev))
 book.check_consistency("lm_step")
-report.show_table(present.lm_table(lm))
-speedups = present.lm_compile_speedups(lm)
+report.show_table(whole_model.lm_table(lm))
+speedups = whole_model.lm_compile_speedups(lm)
 report.show_table(speedups)
-report.say(present.lm_compile_sentence(speedups, lm))
-present.plot_lm_compile(speedups)
+report.say(whole_model.lm_compile_sentence(speedups, lm))
+whole_model.plot_lm_compile(speedups)
 plt.show()
 book.answer("How much does torch.compile speed up the whole model, size by size?",
-            present.lm_compile_sentence(speedups, lm), section="The whole model: eager vs compiled")
+            whole_model.lm_compile_sentence(speedups, lm), section="The whole model: eager vs compiled")

@@ -6,7 +6,7 @@ import matplotlib
 import pandas as pd
 import pytest
 
-from lab.book.attention import present
+from lab.book.attention import present, whole_model
 from tests.book.prose import amounts, amounts_in_order, counts, has_amount, numbers, sentence_of, sentence_with
 
 matplotlib.use("Agg")
@@ -156,13 +156,13 @@ def test_lm_compile_speedups_and_sentence():
                        _lm_row("xl", False, 100.0, std=0.3), _lm_row("xl", True, 98.0, std=0.3),
                        _lm_row("10B", False, math.nan, status="oom", fwdbwd_ms=math.nan, fwd_ms=40.0),
                        _lm_row("10B", True, math.nan, status="oom", fwdbwd_ms=math.nan, fwd_ms=30.0)])
-    sp = present.lm_compile_speedups(lm).set_index(["size", "mode"])
+    sp = whole_model.lm_compile_speedups(lm).set_index(["size", "mode"])
     assert sp.loc[("small", "train step"), "speedup"] == pytest.approx(2.5)
     assert sp.loc[("small", "train step"), "verdict"] == "faster"
     assert sp.loc[("xl", "train step"), "verdict"] == "within noise"
     assert sp.loc[("10B", "forward"), "speedup"] == pytest.approx(4 / 3)
     assert ("10B", "train step") not in sp.index  # neither side ran
-    text = present.lm_compile_sentence(present.lm_compile_speedups(lm), lm)
+    text = whole_model.lm_compile_sentence(whole_model.lm_compile_speedups(lm), lm)
     assert numbers(text)[:2] == [512, 4] and "bf16" in text.split(":")[0]
     small = text[text.index("small train step"):].split(";")[0]
     assert numbers(small)[:3] == [50, 20, 2.5] and "faster" in small
@@ -172,9 +172,9 @@ def test_lm_compile_speedups_and_sentence():
     assert numbers(ten)[1:4] == [40, 30, 1.33] and "within noise" in ten  # eager, compiled, speedup, verdict
     failed = sentence_with(text, "10B eager", "10B compiled")  # the configurations that did not fit, by name
     assert "small" not in failed and "xl" not in failed and not amounts(failed)
-    assert present.plot_lm_compile(present.lm_compile_speedups(lm)) is not None
-    assert list(present.lm_table(lm).columns)[:3] == ["size", "compile", "fwd_ms"]
-    assert list(present.lm_table(lm).columns)[-2:] == ["status", "error"]
+    assert whole_model.plot_lm_compile(whole_model.lm_compile_speedups(lm)) is not None
+    assert list(whole_model.lm_table(lm).columns)[:3] == ["size", "compile", "fwd_ms"]
+    assert list(whole_model.lm_table(lm).columns)[-2:] == ["status", "error"]
 
 
 def test_size_text():
