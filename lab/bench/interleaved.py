@@ -274,23 +274,30 @@ def time_interleaved(builders: dict[str, Build], plan: Interleaving, device: tor
 
 
 def combine_ranks(per_rank: Sequence[dict[str, dict]]) -> dict[str, dict]:
-    """The ranks' results of :func:`time_interleaved` as one sample per round: each step at its slowest
-    rank, then the mean of the round's steps. Ranks without samples (those that sat out a ``solo``
-    implementation) are skipped. Returns ``{name: {"status", "error", "round_ms": [ms per round]}}``."""
-    combined = {}
-    for name in per_rank[0]:
-        results = [pr[name] for pr in per_rank]
-        status = "oom" if any(r["status"] == "oom" for r in results) else "ok"
-        errors = [r["error"] for r in results if r["error"]]
-        error = next((e for e in errors if e != ANOTHER_RANK), errors[0] if errors else "")  # the cause first
-        round_ms = []
-        if status == "ok":
-            active = [r["steps_ms"] for r in results if any(r["steps_ms"])]
-            for rounds in zip(*active):
-                slowest = [max(step) for step in zip(*rounds)]
-                round_ms.append(statistics.fmean(slowest))
-        combined[name] = {"status": status, "error": error, "round_ms": round_ms}
-    return combined
+    """The ranks' results of :func:`time_interleaved` as one sample per round, implementation by
+    implementation (:func:`combine_entry`). Returns ``{name: {"status", "error", "round_ms": [ms per round]}}``."""
+    return {name: combine_entry([pr[name] for pr in per_rank]) for name in per_rank[0]}
+
+
+def combine_entry(results: Sequence[dict]) -> dict:
+    """One implementation's results on every rank as one sample per round: each step at its slowest rank,
+    then the mean of the round's steps; ranks without samples (those that sat out a ``solo``
+    implementation) are skipped. A rank's row of another status than ``ok`` or ``oom`` (the ``failed`` row
+    :func:`lab.parallel.runner.run` makes of an implementation whose launch failed) is the result, without
+    rounds. Returns ``{"status", "error", "round_ms": [ms per round]}``."""
+    failed = [r for r in results if r["status"] not in ("ok", "oom")]
+    if failed:
+        return {"status": failed[0]["status"], "error": failed[0]["error"], "round_ms": []}
+    status = "oom" if any(r["status"] == "oom" for r in results) else "ok"
+    errors = [r["error"] for r in results if r["error"]]
+    error = next((e for e in errors if e != ANOTHER_RANK), errors[0] if errors else "")  # the cause first
+    round_ms = []
+    if status == "ok":
+        active = [r["steps_ms"] for r in results if any(r["steps_ms"])]
+        for rounds in zip(*active):
+            slowest = [max(step) for step in zip(*rounds)]
+            round_ms.append(statistics.fmean(slowest))
+    return {"status": status, "error": error, "round_ms": round_ms}
 
 
 def summarize_rounds(round_ms: Sequence[float]) -> dict:

@@ -81,3 +81,13 @@ def time_kernel(fn: Callable[[], object], device: torch.device | str = "auto", w
         samples = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="all")
         return Timing([float(s) for s in samples])
     return time_callable(fn, cpu_warmup, cpu_steps, device)
+
+
+def matmul_tflops(dtype: torch.dtype = torch.bfloat16, n: int = 8192, device: torch.device | str = "auto",
+                  rep_ms: float = 100) -> float:
+    """TFLOP/s of one ``n x n x n`` matrix product in ``dtype`` (``torch.mm`` of random data, :func:`time_kernel`
+    median): the tensor-core rate a kernel's or a step's matrix products can hope for on this device."""
+    device = resolve_device(device) if isinstance(device, str) else device
+    a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+    ms = time_kernel(lambda: a @ b, device, warmup_ms=25, rep_ms=rep_ms).median_ms
+    return 2 * n**3 / (ms * 1e-3) / 1e12

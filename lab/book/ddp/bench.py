@@ -34,7 +34,7 @@ from lab.bench.interleaved import (
     Interleaving,
     choose_schedule,
     closer,
-    combine_ranks,
+    combine_entry,
     summarize_rounds,
     time_interleaved,
 )
@@ -163,7 +163,7 @@ def ddp_benchmark_worker(plan: list[tuple[str, float]], cfg: ModelConfig, batch:
             return step, closer(wrapped, model)  # rebuild: the one AdamW is shared, its state kept
         return build
 
-    def entered(index: int, build):
+    def entered(index: int, build):  # for the timed turns only: the profile below needs the TrainStep itself
         def timed_build():
             step, close = build()
             return runner.entering(progress, index, step), close
@@ -195,15 +195,6 @@ def ddp_benchmark_worker(plan: list[tuple[str, float]], cfg: ModelConfig, batch:
                                          n_buckets=n_buckets.get(key, math.nan), grad_mb=grad_bytes / 2**20),
                                     index))
     return rows
-
-
-def combined_rounds(ranks: Sequence[dict]) -> dict:
-    """One entry's ranks' timings (:func:`lab.bench.interleaved.combine_ranks`), or the one row of an entry
-    that failed (status neither ok nor oom): ``{"status", "error", "round_ms"}``."""
-    failed = [r for r in ranks if r["status"] not in ("ok", "oom")]
-    if failed:
-        return {"status": failed[0]["status"], "error": failed[0]["error"], "round_ms": []}
-    return combine_ranks([{"entry": r} for r in ranks])["entry"]
 
 
 def _profile(step, dev: torch.device, n_steps: int, name: str, trace_dir: str | None) -> dict:
@@ -249,7 +240,7 @@ def benchmark_ddp(size: str | ModelConfig = "xl", context: int = 512, batch: int
         skip_failed=True, device=device, timeout_s=timeout_s)
     rows = []
     for (impl, bucket_mb), ranks in zip(plan, per_entry):
-        timing, first = combined_rounds([r["timing"] for r in ranks]), ranks[0]
+        timing, first = combine_entry([r["timing"] for r in ranks]), ranks[0]
         profile = first.get("profile", {})
         ok = timing["status"] == "ok"
         rows.append(dict(impl=impl, bucket_mb=bucket_mb, world_size=1 if impl == "single_gpu" else world_size,

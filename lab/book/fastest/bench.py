@@ -9,6 +9,8 @@ Out-of-memory is a row (``status="oom"``), never a crash.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import gc
 import json
 import math
@@ -26,7 +28,7 @@ from lab import paths
 from lab.bench.progress import progress_line
 from lab.measure.device import empty_cache, error_summary, is_oom, synchronize
 from lab.measure.profiling import kernel_class, profile_step
-from lab.measure.timing import time_callable, time_kernel
+from lab.measure.timing import matmul_tflops, time_callable, time_kernel
 from lab.measure.traces import kernels_by_range, read_trace, step_overlap
 from lab.parallel import launcher, runner
 from lab.parallel.gpu_pool import run_on_gpus
@@ -235,12 +237,6 @@ def _announce(row: dict) -> dict:
     return row
 
 
-def _finished(row: dict, progress: runner.Progress) -> dict:
-    """A recipe's row as soon as this rank has it: recorded in the launch's ``progress`` (salvaged by
-    :func:`lab.parallel.runner.run` when the launch fails) and, on rank 0, a :func:`progress_line`."""
-    return _announce(progress.finish(row))
-
-
 def fastest_worker(config: StepConfig, recipes: list[Recipe], warmup_ms: float, rep_ms: float, profile: bool,
                    trace_dir: str | None, headline: tuple[str, ...], fresh_cache: bool = False,
                    progress: runner.Progress | None = None) -> list[dict]:
@@ -252,8 +248,6 @@ def fastest_worker(config: StepConfig, recipes: list[Recipe], warmup_ms: float, 
     ``fresh_cache``: compile into empty Inductor and Triton caches of this process's own
     (removed at the end), so the first recipe's ``first_step_s`` and ``wall_s`` include every compilation
     and autotuning from scratch, as the leaderboard's 10-minute rule counts them."""
-    import contextlib
-
     device = launcher.device()
     host_steps = {r.name: 0 if r.name in headline or config.world_size == 1 else 2 for r in recipes}
     ablated = any(host_steps.values()) and any(r.name == "project" for r in recipes)
@@ -271,7 +265,7 @@ def fastest_worker(config: StepConfig, recipes: list[Recipe], warmup_ms: float, 
 
 def run_recipes(recipes: Sequence[Recipe], measure, progress: runner.Progress) -> list[dict]:
     """``measure(recipe)`` of each recipe in turn on this rank (:func:`lab.parallel.runner.each`), each row
-    recorded in ``progress`` and announced (:func:`_finished`) as it comes; on a rank of several launched
+    recorded in ``progress`` and announced (:func:`_announce`) as it comes; on a rank of several launched
     processes, a recipe that ran out of memory ends the launch (:class:`lab.parallel.runner.StoppedAfterOOM`)."""
     return runner.each(recipes, measure, progress, announce=_announce)
 
@@ -280,11 +274,7 @@ def matmul_ceiling_tflops(device: torch.device | str = "cuda", n: int = 8192) ->
     """bf16 matmul rate of this GPU (TFLOP/s): ``triton.testing.do_bench`` median of an ``n^3`` product on
     random data; NaN on the CPU."""
     device = torch.device(device)
-    if device.type != "cuda":
-        return math.nan
-    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
-    ms = time_kernel(lambda: a @ b, device, warmup_ms=25, rep_ms=200).median_ms
-    return 2 * n**3 / (ms * 1e-3) / 1e12
+    return matmul_tflops(torch.bfloat16, n, device, rep_ms=200) if device.type == "cuda" else math.nan
 
 
 def benchmark(config: str | StepConfig, recipes: Sequence[Recipe], world_size: int | None = None, device: str = "auto",
@@ -297,8 +287,9 @@ def benchmark(config: str | StepConfig, recipes: Sequence[Recipe], world_size: i
     over the timed steps of rank 0), ``step_std_ms``, ``peak_gib`` (the largest over ranks), memory by
     category on rank 0, phase times, ``tokens_per_s``, ``mfu`` (against ``peak_tflops`` per GPU: by default
     the bf16 matmul rate measured here, :func:`matmul_ceiling_tflops`; datasheet MFU in ``mfu_datasheet``).
-    The ``headline`` recipes are timed with do_bench and profiled; the others (ablations) with two host-timed
-    steps. On GPUs, rank ``r`` drives GPU ``first_gpu + r`` (``gpus`` column).
+    The ``headline`` recipes are timed with do_bench and profiled; the others (ablations) as
+    :func:`fastest_worker` says (do_bench on one GPU, two host-timed steps on several). On GPUs, rank ``r``
+    drives GPU ``first_gpu + r`` (``gpus`` column).
 
     The ranks run with ``env`` (default :func:`allocator_env`; ``alloc_conf`` column).
 
@@ -311,8 +302,6 @@ def benchmark(config: str | StepConfig, recipes: Sequence[Recipe], world_size: i
     config = CONFIGS[config] if isinstance(config, str) else config
     world_size = world_size or config.world_size
     if world_size != config.world_size:
-        import dataclasses
-
         config = dataclasses.replace(config, world_size=world_size)
 
     env = allocator_env() if env is None else env

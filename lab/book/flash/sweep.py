@@ -40,7 +40,7 @@ from lab.book.attention.costs import DTYPES, PASSES, attention_flops
 from lab.book.flash.bench import Shape, course_timing_table
 from lab.kernels.flash_config import FlashConfig, backward_plan, block_d, forward_tiles, head_chunks
 from lab.measure.device import empty_cache, error_summary, is_oom, resolve_device
-from lab.measure.timing import time_kernel
+from lab.measure.timing import matmul_tflops, time_kernel
 from lab.model.attention import AttentionFn, get_attention
 
 #: Forward tiles ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` a sweep tries besides the table's.
@@ -114,12 +114,9 @@ def backward_breakdown(shape: Shape, ms: float, mode: str, ceiling_tflops: float
 
 def matmul_ceiling(dtype: str = "bf16", n: int = 8192, device: torch.device | str = "auto",
                    rep_ms: float = 100) -> float:
-    """TFLOP/s of one ``n x n x n`` matmul in ``dtype`` (``torch.mm``), the tensor-core rate a kernel's
-    matrix products can hope for on this device."""
-    device = resolve_device(device) if isinstance(device, str) else device
-    a, b = (torch.randn(n, n, device=device).to(DTYPES[dtype]) for _ in range(2))
-    timing = time_kernel(lambda: a @ b, device, warmup_ms=25, rep_ms=rep_ms)
-    return 2 * n**3 / (timing.median_ms * 1e-3) / 1e12
+    """TFLOP/s of one ``n x n x n`` matmul in ``dtype`` (a name of :data:`DTYPES`), the tensor-core rate a
+    kernel's matrix products can hope for on this device (:func:`lab.measure.timing.matmul_tflops`)."""
+    return matmul_tflops(DTYPES[dtype], n, device, rep_ms)
 
 
 def resolved_plan(shape: Shape, dtype: str, config, device: torch.device) -> dict:

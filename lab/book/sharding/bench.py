@@ -37,9 +37,9 @@ import torch
 
 from lab import paths
 from lab.accounting import parameter_count
-from lab.bench.interleaved import Interleaving, closer, summarize_rounds, time_interleaved
+from lab.bench.interleaved import Interleaving, closer, combine_entry, summarize_rounds, time_interleaved
 from lab.bench.progress import progress_bar
-from lab.book.ddp.bench import combined_rounds, model_config, resolve_schedule, where_to_run
+from lab.book.ddp.bench import model_config, resolve_schedule, where_to_run
 from lab.dtypes import autocast_dtype
 from lab.measure.device import error_summary, is_oom
 from lab.measure.profiling import profile_step
@@ -330,7 +330,7 @@ def step_times(impls: Sequence[str], size: str | ModelConfig, world_size: int = 
                           skip_failed=True, deadline_s=deadline_s, device=device, timeout_s=timeout_s)
     rows = []
     for impl, ranks in zip(impls, per_impl):
-        rounds = combined_rounds(ranks)
+        rounds = combine_entry(ranks)
         rows.append(dict(impl=impl, size=name, **summarize_rounds(rounds["round_ms"]), schedule=interleaving.schedule,
                          status=rounds["status"], error=rounds["error"]))
     return pd.DataFrame(rows)
