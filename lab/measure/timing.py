@@ -70,15 +70,22 @@ def time_callable(fn: Callable[[], object], warmup: int = 2, steps: int = 5,
 
 
 def time_kernel(fn: Callable[[], object], device: torch.device | str = "auto", warmup_ms: float = 5,
-                rep_ms: float = 20, cpu_warmup: int = 1, cpu_steps: int = 3) -> Timing:
+                rep_ms: float = 20, cpu_warmup: int = 1, cpu_steps: int = 3, min_samples: int = 1) -> Timing:
     """Milliseconds per call of ``fn``: ``triton.testing.do_bench(warmup=warmup_ms, rep=rep_ms)`` on CUDA
     (CUDA events around each call, the L2 cache flushed in between, every repetition returned), or
-    :func:`time_callable` with ``cpu_warmup`` / ``cpu_steps`` calls on the CPU."""
+    :func:`time_callable` with ``cpu_warmup`` / ``cpu_steps`` calls on the CPU. do_bench fits as many calls
+    as ``rep_ms`` holds, so a call longer than the budget gets one sample and no spread: where fewer than
+    ``min_samples`` came back, it runs again with a budget sized from their median to give that many."""
+    if min_samples < 1:
+        raise ValueError(f"min_samples must be at least 1, got {min_samples}")
     device = resolve_device(device) if isinstance(device, str) else device
     if device.type == "cuda":
         import triton.testing
 
         samples = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="all")
+        if len(samples) < min_samples:  # do_bench sizes its repeats from a first estimate: ask for more time
+            per_call = sorted(samples)[len(samples) // 2]
+            samples = triton.testing.do_bench(fn, warmup=0, rep=per_call * (min_samples + 1), return_mode="all")
         return Timing([float(s) for s in samples])
     return time_callable(fn, cpu_warmup, cpu_steps, device)
 

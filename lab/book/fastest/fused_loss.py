@@ -282,7 +282,8 @@ def benchmark_loss(impl: str, vocab: int, d_model: int, tokens: int, dtype: str 
         if device.type == "cuda":
             extra, with_grads = peak_extra_bytes(loss_fn, hidden, weight, targets)
             row["peak_extra_gib"], row["peak_with_grads_gib"] = extra / 2**30, with_grads / 2**30
-        timer = dict(warmup_ms=warmup_ms, rep_ms=rep_ms, cpu_warmup=1, cpu_steps=cpu_steps)
+        # at least 5 samples on a GPU: a loss of 200 ms in a 100 ms budget would give one, and no spread
+        timer = dict(warmup_ms=warmup_ms, rep_ms=rep_ms, cpu_warmup=1, cpu_steps=cpu_steps, min_samples=5)
         row["fwd_ms"] = time_kernel(lambda: loss_fn(hidden, weight, targets), device, **timer).median_ms
         # the median with its spread and sample count, so that a comparison can say "within noise"
         timing = time_kernel(fwdbwd, device, **timer)

@@ -4,8 +4,8 @@ Every verdict on step times comes from :mod:`lab.measure.verdicts` on their meas
 beyond the noise), like for like (:mod:`lab.book.fastest.compare`: equal precision, configuration, batch and
 timer); every number from the rows of this render's tables. A profiled step's phases are one step each, with
 no spread: they say where time goes, not which step is faster. The fused loss's goals are read from
-one ``do_bench`` median per implementation (its table keeps no spread), so they are stated only as ratios
-against the goal, not as verdicts within noise.
+``do_bench`` samples per implementation (median, spread and count): a verdict beyond the noise where both
+sides have two samples or more, "one timed sample: no verdict" where not.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from lab.book.fastest.compare import (  # noqa: F401 - the notebook reads the co
 )
 from lab.book.report import fmt
 from lab.measure.results import measured_on
-from lab.measure.verdicts import compare_summaries
+from lab.measure.verdicts import compare_summaries, label
 from lab.recipes.fastest_step import (
     CONFIGS,
     HEADLINE,
@@ -267,7 +267,7 @@ def loss_verdict(by: pd.DataFrame, impl: str, reference: str) -> tuple[float, st
             and b[["fwdbwd_std_ms", "fwdbwd_n"]].notna().all():
         c = compare_summaries(a["fwdbwd_ms"], a["fwdbwd_std_ms"], int(a["fwdbwd_n"]), b["fwdbwd_ms"],
                               b["fwdbwd_std_ms"], int(b["fwdbwd_n"]))
-        return c.ratio, c.verdict
+        return c.ratio, label(c.verdict, c.low, c.high)
     return a["fwdbwd_ms"] / b["fwdbwd_ms"], "unjudged"
 
 
@@ -291,7 +291,7 @@ def fused_loss_sentence(losses: pd.DataFrame, on_gpu: bool, memory_goal: float =
             ratio, verdict = loss_verdict(by, "fused", "torch_compiled")
             goal = "met" if ratio <= time_goal else "missed"
             noise = {"faster": ", faster beyond the noise", "slower": ", slower beyond the noise",
-                     "within noise": ", within noise"}.get(verdict, "")
+                     "within noise": ", within noise", "no spread": ", one timed sample: no verdict"}.get(verdict, "")
             text += f", {ratio:.3g}x the compiled materialized loss (time goal {goal}{noise}"
             c = by.loc["torch_compiled"]
             rates = (f.get("tflops", math.nan), c.get("tflops", math.nan))
@@ -314,10 +314,11 @@ def fused_loss_sentence(losses: pd.DataFrame, on_gpu: bool, memory_goal: float =
                 continue
             ratio, verdict = loss_verdict(by, "fused", peer)
             said = {"faster": "faster than", "slower": "slower than", "within noise": "within noise of"}.get(
-                verdict, "against")
+                verdict, "set against")
+            blind = "; one timed sample: no verdict" if verdict == "no spread" else ""
             memory = ("no more" if f["peak_extra_gib"] <= by.loc[peer, "peak_extra_gib"] else "more")
-            text += (f"; {said} {name} ({ratio:.3g}x its {by.loc[peer, 'fwdbwd_ms']:.4g} ms) with {memory} extra "
-                     f"memory ({f['peak_extra_gib']:.3g} against {by.loc[peer, 'peak_extra_gib']:.3g} GiB)")
+            text += (f"; {said} {name} ({ratio:.3g}x its {by.loc[peer, 'fwdbwd_ms']:.4g} ms{blind}) with {memory} "
+                     f"extra memory ({f['peak_extra_gib']:.3g} against {by.loc[peer, 'peak_extra_gib']:.3g} GiB)")
         parts.append(text)
     oom = losses[losses["status"] == "oom"]
     if len(oom):

@@ -382,3 +382,17 @@ def test_choices_table_keeps_the_rows_that_offload_capture_or_communicate():
     assert t.loc["offload_all", "offload_gib"] == 3.0 and t.loc["offload_all", "nodes"] == 2
     assert t.loc["offload_all", "across_node_gib"] > 0 and math.isnan(t.loc["cuda_graphs", "within_node_gib"])
     assert fastest.choices_table(pd.DataFrame([_row("project", 1.0)])).empty  # rows of an older render
+
+
+def test_fused_loss_with_one_sample_gives_no_verdict():
+    """One timed sample a side has no spread: a 0.54x gap is not called "within noise", nor faster."""
+    shape = dict(vocab=151936, d_model=4096, tokens=32768, status="ok", fwdbwd_std_ms=0.0, fwdbwd_n=1)
+    rows = pd.DataFrame([dict(impl="fused", fwdbwd_ms=193.6, peak_extra_gib=2.3, **shape),
+                         dict(impl="torch", fwdbwd_ms=247.2, peak_extra_gib=54.2, **shape),
+                         dict(impl="torch_compiled", fwdbwd_ms=199.6, peak_extra_gib=9.3, **shape),
+                         dict(impl="cce", fwdbwd_ms=360.3, peak_extra_gib=0.003, **shape)])
+    by = rows.set_index("impl")
+    assert fastest.loss_verdict(by, "fused", "cce") == (pytest.approx(193.6 / 360.3), "no spread")
+    s = fastest.fused_loss_sentence(rows, on_gpu=True)
+    assert "within noise" not in s and "faster" not in s and "slower" not in s
+    assert has_amount(s, 360.3, "ms") and s.count("no verdict") == 2  # the time goal's and the peer's
