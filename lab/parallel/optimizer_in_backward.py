@@ -3,9 +3,15 @@
 Why: a plain step runs the whole backward, holding every gradient at once (4 bytes a parameter in fp32),
 and then the whole optimizer step, which the GPU runs after the backward, not during it. Updating a
 parameter from a post-accumulate-grad hook the moment its gradient is complete, and freeing that gradient
-right after (``p.grad = None``), does the same arithmetic: the update overlaps the rest of the backward (it
-is memory-bound elementwise work beside compute-bound matmuls), and only the gradients still waiting for
-their update exist at any time, instead of all of them.
+right after (``p.grad = None``), does the same arithmetic, and only the gradients still waiting for their
+update exist at any time, instead of all of them. On one CUDA stream the updates only move: they are queued
+between the backward's kernels and the GPU runs them one after the other, so the step takes as long as
+before (notebook 10 measured it slower). On CUDA the updates therefore run on a side stream
+(``side_stream``), where the GPU can run them beside the rest of the backward: memory-bound elementwise
+work next to compute-bound matmuls. The side stream waits for the compute stream at each update (the
+gradients and the parameters' last uses in the backward come first), each gradient is marked as used on it
+(``record_stream``) before it is dropped, and :meth:`OptimizerInBackward.step` makes the compute stream
+wait for every update, so the next forward reads the new parameters.
 
 How: parameters are split into *buckets* (one per parameter by default; :func:`block_buckets`: one per
 transformer block); each bucket has its own inner optimizer (``torch.optim.AdamW``; ``fused=True`` when the
@@ -70,18 +76,28 @@ class OptimizerInBackward(torch.optim.Optimizer):
     tensors; keyword arguments go to each inner optimizer. ``buckets``: lists of parameters that are updated
     together (None: one per parameter; see :func:`block_buckets`), covering ``params`` exactly. ``fsdp``:
     the :class:`~lab.parallel.fsdp.FSDP` whose shards ``params`` are (``fsdp.parameters()``); updates then
-    follow its gradient collectives and ``buckets`` must be None.
+    follow its gradient collectives and ``buckets`` must be None. ``side_stream``: run the updates on a CUDA
+    side stream beside the backward (None: when the parameters are on CUDA; True elsewhere is an error).
 
     The gradient hooks hold the optimizer weakly (:mod:`lab.parallel.hooks`): keep a reference to it, as to
     any optimizer, or the updates stop (and gradients accumulate as without it).
     """
 
     def __init__(self, params: Iterable, optimizer_cls: type[torch.optim.Optimizer] = torch.optim.AdamW, *,
-                 buckets: Sequence[Sequence[nn.Parameter]] | None = None, fsdp: FSDP | None = None, **kwargs):
+                 buckets: Sequence[Sequence[nn.Parameter]] | None = None, fsdp: FSDP | None = None,
+                 side_stream: bool | None = None, **kwargs):
         check_optimizer_cls(optimizer_cls)
         params = list(params)
         if any(isinstance(p, dict) for p in params):
             raise ValueError("OptimizerInBackward takes one group of parameters (tensors), not parameter groups")
+        on_cuda = bool(params) and all(isinstance(p, torch.Tensor) and p.is_cuda for p in params)
+        if side_stream and not on_cuda:
+            raise ValueError("side_stream runs the updates on a CUDA stream: the parameters must all be on CUDA")
+        devices = {p.device for p in params} if on_cuda else set()
+        if side_stream and len(devices) > 1:
+            raise ValueError(f"side_stream needs the parameters on one GPU, got {sorted(map(str, devices))}")
+        use_stream = on_cuda and len(devices) == 1 if side_stream is None else side_stream
+        self._stream = torch.cuda.Stream(next(iter(devices))) if use_stream else None
         super().__init__(params, defaults=dict(kwargs))
         params = self.param_groups[0]["params"]
         if fsdp is not None:
@@ -162,12 +178,25 @@ class OptimizerInBackward(torch.optim.Optimizer):
         for k, v in hyperparameters(self.param_groups[0]).items():  # e.g. an LR scheduler's new lr
             if k not in _IMPLEMENTATION_KEYS:
                 group[k] = v
-        inner.step()
+        stream = self._stream
+        if stream is None:
+            inner.step()
+        else:  # beside the backward: after what the compute stream queued so far (these gradients included)
+            stream.wait_stream(torch.cuda.current_stream(stream.device))
+            with torch.cuda.stream(stream):
+                inner.step()
         for p in self.buckets[b]:
             if p.grad is not None:
                 self._updated.add(id(p))
+                if stream is not None:  # not reused by the allocator before the update has read it
+                    p.grad.record_stream(stream)
                 p.grad = None  # updated: the gradient is not needed any more
         self._ready[b] = 0
+
+    def _join(self) -> None:
+        """The compute stream waits for every update queued on the side stream."""
+        if self._stream is not None:
+            torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
 
     # ---- the optimizer interface -----------------------------------------------------------------------
 
@@ -178,6 +207,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
         if any(self._ready):
             raise RuntimeError("some buckets have gradients but were not updated: call step() after the "
                                "backward has finished")
+        self._join()  # the next forward reads the updated parameters
         self._updated.clear()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -185,6 +215,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         """The plain optimizer's ``state_dict``: ``state`` by index in ``params``, one ``param_groups`` entry."""
+        self._join()
         state = {}
         for inner, bucket in zip(self.inner, self.buckets):
             for p in bucket:
@@ -195,6 +226,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore from :meth:`state_dict` or from a plain optimizer's over the same parameters."""
+        self._join()
         groups = state_dict["param_groups"]
         if len(groups) != 1 or len(groups[0]["params"]) != len(self._index):
             raise ValueError(f"state_dict has {[len(g['params']) for g in groups]} parameters in its groups, "

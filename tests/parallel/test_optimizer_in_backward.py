@@ -29,16 +29,19 @@ def _same(a: nn.Module, b: nn.Module) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("device,side_stream", [("cpu", None), pytest.param("cuda", None, marks=pytest.mark.gpu),
+                                                pytest.param("cuda", False, marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("bucketing", ["per_parameter", "per_block"])
-def test_matches_the_plain_step_bit_for_bit(bucketing, device):
+def test_matches_the_plain_step_bit_for_bit(bucketing, device, side_stream):
     """fp32, several steps: on the CPU the for-loop AdamW, on a GPU the fused kernel (one per bucket against one
-    for all; its arithmetic per element does not depend on its neighbours)."""
+    for all; its arithmetic per element does not depend on its neighbours), on a side stream (the default on
+    CUDA) or on the compute stream."""
     ref, model = (m.to(device) for m in _pair())
     flags = dict(fused=True) if device == "cuda" else {}
     ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER, **flags)
     buckets = block_buckets(model) if bucketing == "per_block" else None
-    opt = OptimizerInBackward(model.parameters(), buckets=buckets, **HYPER, **flags)
+    opt = OptimizerInBackward(model.parameters(), buckets=buckets, side_stream=side_stream, **HYPER, **flags)
+    assert (opt._stream is not None) == (device == "cuda" and side_stream is None)
     for step in range(4):
         batch = random_batch(CFG, 2, device, seed=step)
         ref_opt.zero_grad()
@@ -47,6 +50,8 @@ def test_matches_the_plain_step_bit_for_bit(bucketing, device):
         opt.zero_grad()
         before = [p.detach().clone() for p in model.parameters()]
         lm_loss(model, *batch).backward()
+        if device == "cuda":  # the side stream's updates, queued in the backward, have run
+            torch.cuda.synchronize()
         # the updates ran inside the backward, and no gradient is left
         assert all(p.grad is None for p in model.parameters())
         assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
@@ -199,3 +204,10 @@ def test_the_full_gradient_set_never_exists():
     assert len(alive) == len(params)
     assert max(alive) == max(len(b) for b in buckets) - 1 < len(params)
     opt.step()
+
+
+def test_a_side_stream_needs_cuda_parameters():
+    model = TransformerLM(CFG)
+    with pytest.raises(ValueError, match="CUDA"):
+        OptimizerInBackward(model.parameters(), side_stream=True, **HYPER)
+    assert OptimizerInBackward(model.parameters(), **HYPER)._stream is None  # the CPU: the plain path
