@@ -193,7 +193,8 @@ def split_widths(d: int) -> tuple[int, int]:
 SPLIT_MEASURED = (80, 96)
 
 
-def splits_head_dim(d: int, dtype: torch.dtype, direction: str, n_q: int, n_k: int) -> bool:
+def splits_head_dim(d: int, dtype: torch.dtype, direction: str, n_q: int, n_k: int,
+                    interpreted: bool | None = None) -> bool:
     """The table behind ``split_d="auto"``: whether the ``direction`` (``"fwd"`` or ``"bwd"``) kernels of
     head dimension ``d`` run on split column chunks for ``n_q`` queries and ``n_k`` keys.
 
@@ -201,10 +202,11 @@ def splits_head_dim(d: int, dtype: torch.dtype, direction: str, n_q: int, n_k: i
     at every length (64 + 16 columns beat a masked 128-wide tile on the same 64 x 64 tiles, long and short),
     the backward on long sequences (on 64 x 64 tiles, two launches; on short sequences the split backward
     was not faster). fp32 and other head dimensions keep the padded tile (not timed).
-    Interpreted: never (the tests choose ``split_d`` explicitly)."""
-    if INTERPRET or dtype == torch.float32 or d not in SPLIT_MEASURED or split_widths(d)[1] == 0:
+    Interpreted (``interpreted``; None: this process's Triton): never (the tests choose ``split_d``
+    explicitly)."""
+    if (INTERPRET if interpreted is None else interpreted) or dtype == torch.float32 or d not in SPLIT_MEASURED or split_widths(d)[1] == 0:
         return False
-    return direction == "fwd" or long_sequence(n_q, n_k)
+    return direction == "fwd" or max(n_q, n_k) >= LONG_SEQ  # long_sequence(), whatever this process interprets
 
 
 def head_chunks(d: int, dtype: torch.dtype, direction: str, n_q: int, n_k: int,

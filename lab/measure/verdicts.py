@@ -67,13 +67,21 @@ class Comparison:
         if not math.isfinite(self.low) or not math.isfinite(self.high):
             return f"{subject} cannot be told apart from {reference}: no spread was measured (ratio {self.ratio:.3g})"
         if self.verdict == "within noise":
-            return f"{subject} is within noise of {reference} ({interval})"
+            return f"{subject} is within noise of {reference} ({interval}{scatter_note(self.low, self.high)})"
         if self.lower_is_better:
             if self.verdict == "faster":
                 return f"{subject} is {self.speedup:.3g}x faster than {reference} ({interval})"
             return f"{subject} is {self.ratio:.3g}x slower than {reference} ({interval})"
         word = "higher" if self.verdict == "higher" else "lower"
         return f"{subject} is {self.ratio:.3g}x the value of {reference}, {word} beyond noise ({interval})"
+
+
+def scatter_note(low: float, high: float) -> str:
+    """For a "within noise" verdict whose interval excludes 1: why it is not decided (the gap between the two
+    is no wider than either side's own scatter; see the module docstring), as a clause to append; else ""."""
+    if math.isfinite(low) and math.isfinite(high) and (low > 1.0 or high < 1.0):
+        return ": the gap is no wider than either side's own scatter"
+    return ""
 
 
 def label(verdict: str, low: float, high: float) -> str:

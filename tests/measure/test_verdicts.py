@@ -90,3 +90,13 @@ def test_a_value_smaller_than_its_spread_is_not_quotable():
     assert not verdicts.quotable(30.0, 45.0)
     assert verdicts.quotable(30.0, float("nan"))
     assert not verdicts.quotable(float("nan"), 1.0)
+
+
+def test_within_noise_says_why_when_the_interval_excludes_one():
+    """Each side scattering by more than the gap is "within noise" even with an interval off 1; the clause
+    says so instead of leaving an interval above 1 next to "within noise"."""
+    c = compare_summaries(117.0, 30.0, 40, 100.0, 30.0, 40)
+    assert c.verdict == "within noise" and c.low > 1.0
+    assert "scatter" in c.describe("zero1", "ddp")
+    plain = compare_summaries(101.0, 30.0, 40, 100.0, 30.0, 40)
+    assert plain.low < 1.0 < plain.high and "scatter" not in plain.describe("a", "b")

@@ -16,7 +16,7 @@ import math
 import pandas as pd
 
 from lab.book.report import fmt
-from lab.measure.verdicts import Comparison, GoalCheck, compare_summaries
+from lab.measure.verdicts import Comparison, GoalCheck, compare_summaries, scatter_note
 from lab.recipes.fastest_step import (
     ABLATION_BASE,
     CONFIGS,
@@ -195,7 +195,7 @@ def goal_sentence(df: pd.DataFrame, config: str, target: float, on_gpu: bool = T
             f"{fmt(r['book_ms'], 4)} ms against {fmt(r['stock_ms'], 4)} ms for {r['stock']}, the fastest stock "
             f"step at that precision, a ratio of {c.ratio:.3f} (95% interval {c.low:.3f}-{c.high:.3f}); the goal "
             f"(<= {target}x) is **{met}**.")
-    return text + " " + options_sentence(r)
+    return text + " " + options_sentence(r, config)
 
 
 def comparison_of(r: pd.Series):
@@ -204,20 +204,30 @@ def comparison_of(r: pd.Series):
                       "within noise")
 
 
-def options_sentence(r: pd.Series) -> str:
+def options_sentence(r: pd.Series, config: str | None = None) -> str:
     """Which of the book's differences from the stock step of a :func:`like_for_like_table` row are options of
-    stock PyTorch (any gain they bring is a PyTorch user's too) and which are the book's own parts."""
+    stock PyTorch (any gain they bring is a PyTorch user's too) and which are the book's own parts; with the
+    ``config``, each with the two values (``checkpoint save_outputs, not block``)."""
     options = [o for o in str(r.get("stock_options") or "").split(", ") if o]
     own = [o for o in str(r.get("own_parts") or "").split(", ") if o]
     if not options and not own:
         return f"The book's step and {r['stock']} are the same recipe."
+    values = {}
+    ours, theirs = (_recipe(config, r["book"]), _recipe(config, r["stock"])) if config in CONFIGS else (None, None)
+    if ours is not None and theirs is not None:
+        world = CONFIGS[config].world_size
+        values = {f: f"{f} {a}, not {b}" for f, a, b, _ in differences(ours.for_world(world), theirs.for_world(world))}
+
+    def named(fields):
+        return "; ".join(values.get(f, f) for f in fields) if values else ", ".join(fields)
+
     parts = []
     if options:
-        parts.append(f"{', '.join(options)} {'is an option' if len(options) == 1 else 'are options'} any PyTorch "
-                     "user can set (what that gains is stock PyTorch's)")
+        parts.append(f"{named(options)}: {'an option' if len(options) == 1 else 'options'} any PyTorch user can "
+                     "set (what that gains is stock PyTorch's)")
     if own:
-        parts.append(f"{', '.join(own)} {'is' if len(own) == 1 else 'are'} the book's own")
-    return f"Of the book's differences from {r['stock']}, " + "; ".join(parts) + "."
+        parts.append(f"{named(own)}: the book's own")
+    return f"The book's step differs from {r['stock']} in " + "; and in ".join(parts) + "."
 
 
 def ablation_table(df: pd.DataFrame, base: str = "project", on_gpu: bool = True) -> pd.DataFrame:
@@ -265,8 +275,9 @@ def ablation_sentence(df: pd.DataFrame, on_gpu: bool = True, fits_gib: float = F
     if not on_gpu:
         return ("On a CPU, with the Triton kernels interpreted, the ablations' times say nothing about GPUs: "
                 "the recipe's choices are not judged here.")
-    parts = [f"{r.change}: {r.added_ms:+.4g} ms ({r.verdict})" if r.ratio == r.ratio else f"{r.change}: {r.verdict}"
-             for r in table.itertuples()]
+    parts = [f"{r.change}: {r.added_ms:+.4g} ms ({r.verdict}"
+             f"{scatter_note(r.low, r.high) if r.verdict == 'within noise' else ''})"
+             if r.ratio == r.ratio else f"{r.change}: {r.verdict}" for r in table.itertuples()]
     text = "Each change alone, against the book's step timed the same way: " + "; ".join(parts) + "."
     for r in table[table["verdict"] == "faster"].itertuples():
         fits = r.peak_gib <= fits_gib if r.peak_gib == r.peak_gib else None

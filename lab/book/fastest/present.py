@@ -188,7 +188,8 @@ def phase_sentence(df: pd.DataFrame, impl: str = "project") -> str:
         return f"No GPU profile of {impl} (on the CPU there are no kernels to attribute)."
     parts = row[PHASES].dropna().sort_values(ascending=False)
     total = parts.sum()
-    text = ", ".join(f"{_label(name)} {fmt(ms, 3)} ms ({ms / total:.0%})"
+    text = ", ".join(f"{_label(name)} {ms:,.0f} ms ({ms / total:.0%})" if ms >= 100 else
+                     f"{_label(name)} {fmt(ms, 3)} ms ({ms / total:.0%})"
                      for name, ms in parts.items() if ms > 0.005 * total)
     return f"One profiled step of {impl}: {text}."
 
@@ -221,12 +222,13 @@ def gap_sentence(df: pd.DataFrame, impl: str = "project", reference: str = "stoc
     ahead = phases[phases["difference_ms"] < 0].sort_values("difference_ms")
     ref = reference.replace("_", " ")
 
-    def listed(part, sign):
-        return ", ".join(f"{r.phase} {sign}{abs(r.difference_ms):.4g} ms" for r in part.itertuples()
-                         if abs(r.difference_ms) >= 0.01 * gap[reference].iloc[-1]) or "nothing beyond 1% of the step"
+    def listed(part, sign, more):
+        named = ", ".join(f"{r.phase} {sign}{abs(r.difference_ms):.4g} ms" for r in part.itertuples()
+                          if abs(r.difference_ms) >= 0.01 * gap[reference].iloc[-1])
+        return f"{more} in {named}" if named else f"{more} in no phase by 1% of the step or more"
 
-    text = (f"Against {ref}, the book's step spends less in {listed(ahead, '-')}, and more in "
-            f"{listed(behind, '+')} (one profiled step each, {gap[impl].iloc[-1]:.4g} ms against "
+    text = (f"Against {ref}, the book's step spends {listed(ahead, '-', 'less')}, and "
+            f"{listed(behind, '+', 'more')} (one profiled step each, {gap[impl].iloc[-1]:.4g} ms against "
             f"{gap[reference].iloc[-1]:.4g} ms: where the time goes, not a verdict on which step is faster; that "
             "is the timed steps').")
     by = phases.set_index("phase")
@@ -289,9 +291,9 @@ def fused_loss_sentence(losses: pd.DataFrame, on_gpu: bool, memory_goal: float =
         text = f"vocabulary {vocab:,}, width {d:,}, {tokens:,} tokens: fused {f['fwdbwd_ms']:.4g} ms"
         if "torch_compiled" in by.index:
             ratio, verdict = loss_verdict(by, "fused", "torch_compiled")
-            goal = "met" if ratio <= time_goal else "missed"
+            goal = ("undecided" if verdict == "no spread" else "met" if ratio <= time_goal else "missed")
             noise = {"faster": ", faster beyond the noise", "slower": ", slower beyond the noise",
-                     "within noise": ", within noise", "no spread": ", one timed sample: no verdict"}.get(verdict, "")
+                     "within noise": ", within noise", "no spread": ": one timed sample, no spread"}.get(verdict, "")
             text += f", {ratio:.3g}x the compiled materialized loss (time goal {goal}{noise}"
             c = by.loc["torch_compiled"]
             rates = (f.get("tflops", math.nan), c.get("tflops", math.nan))
@@ -299,14 +301,17 @@ def fused_loss_sentence(losses: pd.DataFrame, on_gpu: bool, memory_goal: float =
                 # `tflops` credits everyone with 6 N D V; scale by the work the default design really does
                 work = FUSED_WORK["fused"]
                 done = f["tflops"] * work
-                text += (f": {work:.3g}x the compiled loss's matmul work at {done:.0f} TFLOP/s against "
-                         f"{c['tflops']:.0f}")
+                amount = "the same matmul work as" if work == 1 else f"{work:.3g}x the matmul work of"
+                text += f": {amount} the compiled loss, at {done:.0f} TFLOP/s against its {c['tflops']:.0f}"
             text += ")"
         if "torch" in by.index and by.loc["torch", "peak_extra_gib"] > 0:
             share = f["peak_extra_gib"] / by.loc["torch", "peak_extra_gib"]
-            text += (f"; {f['peak_extra_gib']:.3g} GiB beyond inputs and outputs, {share:.1%} of the materialized "
-                     f"loss's {by.loc['torch', 'peak_extra_gib']:.3g} GiB (memory goal "
+            text += (f"; {f['peak_extra_gib']:.3g} GiB beyond inputs and outputs, {share:.1%} of the eager "
+                     f"materialized loss's {by.loc['torch', 'peak_extra_gib']:.3g} GiB (memory goal "
                      f"{'met' if share <= memory_goal else 'missed'})")
+            if "torch_compiled" in by.index and by.loc["torch_compiled", "peak_extra_gib"] > 0:
+                compiled = by.loc["torch_compiled", "peak_extra_gib"]
+                text += f" and {f['peak_extra_gib'] / compiled:.0%} of the compiled one's {compiled:.3g} GiB"
         elif "torch" not in by.index:
             text += "; the materialized loss ran out of memory at this shape"
         for peer, name in LOSS_PEERS:
@@ -316,7 +321,9 @@ def fused_loss_sentence(losses: pd.DataFrame, on_gpu: bool, memory_goal: float =
             said = {"faster": "faster than", "slower": "slower than", "within noise": "within noise of"}.get(
                 verdict, "set against")
             blind = "; one timed sample: no verdict" if verdict == "no spread" else ""
-            memory = ("no more" if f["peak_extra_gib"] <= by.loc[peer, "peak_extra_gib"] else "more")
+            theirs = by.loc[peer, "peak_extra_gib"]
+            memory = ("about the same" if abs(f["peak_extra_gib"] - theirs) <= 0.01 * max(theirs, f["peak_extra_gib"])
+                      else "less" if f["peak_extra_gib"] < theirs else "more")
             text += (f"; {said} {name} ({ratio:.3g}x its {by.loc[peer, 'fwdbwd_ms']:.4g} ms{blind}) with {memory} "
                      f"extra memory ({f['peak_extra_gib']:.3g} against {by.loc[peer, 'peak_extra_gib']:.3g} GiB)")
         parts.append(text)

@@ -29,7 +29,7 @@ import torch
 from lab.bench.progress import progress_bar
 from lab.book.attention.bench import attention_impl, attention_inputs
 from lab.book.attention.costs import DTYPES, PASSES, attention_flops, naive_attention_totals
-from lab.kernels.flash_config import backward_plan
+from lab.kernels.flash_config import backward_plan, block_d, head_chunks, split_widths, splits_head_dim
 from lab.measure.device import empty_cache, error_summary, is_oom, resolve_device
 from lab.measure.results import gpu_label
 from lab.measure.timing import Timing, time_kernel
@@ -224,6 +224,8 @@ def run_flash_grid(impls: Sequence[str] | dict[str, AttentionFn] = ("triton", "p
                    causal=sh.causal, gpu=gpu, status="ok", note="")
         if name == "triton":
             row["bwd_mode"] = backward_plan(bh, sh.seq, sh.seq, sh.d, DTYPES[dt], device)[0]
+            for p in ("fwd", "bwd"):  # the head-dimension columns its tiles compute (split or masked)
+                row[f"{p}_columns"] = sum(head_chunks(sh.d, DTYPES[dt], p, sh.seq, sh.seq))
         for p in PASSES:
             row.update({f"{p}_ms": math.nan, f"{p}_mean_ms": math.nan, f"{p}_std_ms": math.nan, f"{p}_n": 0})
         need = naive_attention_totals(bh, sh.seq, sh.d, dt, sh.causal)["peak"] / 2**30
@@ -252,6 +254,24 @@ def run_flash_grid(impls: Sequence[str] | dict[str, AttentionFn] = ("triton", "p
             empty_cache()
         rows.append(row)
     return add_tflops(pd.DataFrame(rows))
+
+
+def kernel_columns(row, direction: str) -> int:
+    """The head-dimension columns the Triton kernels compute for ``row``'s shape in ``direction`` (``"fwd"``
+    or ``"bwd"``): the row's ``<direction>_columns`` where its table recorded them, else the default
+    config's choice for its dtype and length on the device that measured it (``gpu``; ``"cpu"``: the
+    interpreter, which never splits): two power-of-two chunks summing to d where d is split, one masked
+    power-of-two tile otherwise (:func:`lab.kernels.flash_config.splits_head_dim`); without a dtype or a
+    length, one masked tile."""
+    recorded = row.get(f"{direction}_columns")
+    if recorded is not None and recorded == recorded:
+        return int(recorded)
+    d, seq = int(row["d"]), row.get("seq_len")
+    if row.get("dtype") in DTYPES and seq is not None and seq == seq:
+        if splits_head_dim(d, DTYPES[row["dtype"]], direction, int(seq), int(seq),
+                           interpreted=row.get("gpu") == "cpu"):
+            return sum(split_widths(d))
+    return block_d(d)
 
 
 def run_flash_benchmark(sweeps: dict[str, dict], **common) -> pd.DataFrame:

@@ -214,11 +214,14 @@ def _worst_clause(summary: dict, goal_targets: dict) -> str:
 
 def why_missed_table(goals: pd.DataFrame) -> pd.DataFrame:
     """The goals' speed ratios (SDPA ms / Triton ms) by head dimension and pass: median and range over the
-    grid's shapes and dtypes, with the share of the tile's columns that are the head's (``d / BLOCK_D``: a
-    head dimension that is not a power of two runs in masked power-of-two tiles)."""
+    grid's shapes and dtypes, with the share of the forward tiles' columns that are the head's
+    (``useful_columns``, the median of d / :func:`lab.book.flash.bench.kernel_columns`: below 1 where a head
+    dimension that is not a power of two runs in one masked power-of-two tile, 1 where it is cut into two
+    power-of-two chunks)."""
     rows = []
     for d, part in goals.groupby("d"):
-        row = dict(d=int(d), shapes=len(part), useful_columns=d / 2 ** math.ceil(math.log2(d)))
+        useful = [d / fl.kernel_columns(r, "fwd") for _, r in part.iterrows()]
+        row = dict(d=int(d), shapes=len(part), useful_columns=float(np.median(useful)))
         for p in fl.GOALS:
             r = part[f"{p}_ratio"].dropna()
             row.update({f"{p}_median": r.median(), f"{p}_min": r.min(), f"{p}_max": r.max()})
@@ -239,15 +242,21 @@ def why_missed_sentence(goals: pd.DataFrame, interpreted_: bool = False) -> str:
              for d, r in t.iterrows()]
     text = (f"Median speed against SDPA by head dimension — {'; '.join(parts)}. Furthest from its goal: the "
             f"{ {'fwd': 'forward', 'bwd': 'backward', 'e2e': 'end to end'}[worst_pass] } at d {worst_d}.")
+    powers = [d for d in t.index if d & (d - 1) == 0]
     padded = t[t["useful_columns"] < 1]
     if len(padded):
         d = int(padded.index[0])
-        full = t[t["useful_columns"] == 1]
-        if len(full):
+        if powers:
             share, width = fmt(100 * padded.loc[d, "useful_columns"], 3), 2 ** math.ceil(math.log2(d))
             text += (f" At d {d} only {share}% of each tile's columns are the head's (masked {width}-wide tiles), "
                      f"and its forward is {fmt(padded.loc[d, 'fwd_median'])}x against "
-                     f"{fmt(full['fwd_median'].median())}x at the powers of two.")
+                     f"{fmt(t.loc[powers, 'fwd_median'].median())}x at the powers of two.")
+    split = [d for d in t.index if d not in powers and t.loc[d, "useful_columns"] == 1]
+    if split and powers:
+        d = int(split[0])
+        text += (f" At d {d} the kernels compute no masked column (two power-of-two chunks), and its forward is "
+                 f"{fmt(t.loc[d, 'fwd_median'])}x against {fmt(t.loc[powers, 'fwd_median'].median())}x at the "
+                 f"powers of two.")
     slower_bwd = (t["bwd_median"] < t["fwd_median"]).sum()
     text += (f" The backward trails the forward at {slower_bwd} of {len(t)} head dimensions: without atomics it "
              f"computes 7 matrix products per tile pair where a kernel that adds dQ atomically (FlashAttention-2's "

@@ -336,9 +336,7 @@ def backward_table(bench: pd.DataFrame, ceilings: pd.DataFrame, sweep: str = "lm
             continue
         shape = fl.Shape(int(r["batch"]), int(r["heads"]), int(r["seq_len"]), int(r["d"]), bool(r["causal"]))
         top = ceiling.get(r["dtype"], math.nan)
-        columns = r.get("bwd_columns")  # absent from tables measured before the head dimension could be split
-        parts = backward_breakdown(shape, float(r["bwd_ms"]), mode, top,
-                                   int(columns) if columns == columns and columns is not None else None)
+        parts = backward_breakdown(shape, float(r["bwd_ms"]), mode, top, fl.kernel_columns(r, "bwd"))
         rows.append(dict(shape=f"{shape.batch}x{shape.heads}x{shape.seq}x{shape.d}{'' if shape.causal else ' full'}",
                          dtype=r["dtype"], bwd_mode=mode, bwd_ms=r["bwd_ms"], ceiling_tflops=top, **parts))
     return pd.DataFrame(rows, columns=cols)

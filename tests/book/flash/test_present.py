@@ -159,3 +159,22 @@ def test_backward_table_and_sentence():
     assert f"{shares[0]:.2g}-{shares[1]:.2g}%" in text and "fused" in text and "two_pass" in text and "700" in text
     assert "700" not in present.backward_sentence(table, interpreted_=True)
     assert present.backward_table(bench, ceilings.iloc[:0])["of_ceiling"].isna().all()
+
+
+def test_kernel_columns_follow_the_split_the_measuring_device_made():
+    """d = 80 in bf16: a GPU's forward runs 64 + 16 columns at every length, its backward only on long
+    sequences; the interpreter (rows measured on the CPU) never splits; a recorded count wins."""
+    gpu = dict(dtype="bf16", d=80, gpu="NVIDIA H100 80GB HBM3")
+    assert fl.kernel_columns(dict(gpu, seq_len=512), "fwd") == 80
+    assert fl.kernel_columns(dict(gpu, seq_len=512), "bwd") == 128
+    assert fl.kernel_columns(dict(gpu, seq_len=4096), "bwd") == 80
+    assert fl.kernel_columns(dict(gpu, seq_len=4096, gpu_name="x", fwd_columns=128), "fwd") == 128
+    assert fl.kernel_columns(dict(gpu, seq_len=4096, gpu="cpu"), "fwd") == 128
+    assert fl.kernel_columns(dict(gpu, seq_len=4096, dtype="fp32"), "fwd") == 128
+    assert fl.kernel_columns(dict(d=80), "fwd") == 128  # nothing to tell: one masked tile
+    # the backward's executed rate counts the columns really computed: 80 on a split long sequence
+    base = dict(sweep="lm", impl="triton", batch=1, heads=32, causal=False, status="ok", bwd_mode="two_pass", **gpu)
+    table = present.backward_table(pd.DataFrame([dict(base, seq_len=4096, bwd_ms=1.2)]),
+                                   pd.DataFrame([dict(dtype="bf16", n=8192, tflops=700.0)]))
+    useful = fl.attention_flops(1, 4096, 80, False, "bwd", heads=32) / 1.2e-3 / 1e12
+    assert table.iloc[0]["executed_tflops"] == pytest.approx(useful * 7 / 5)
