@@ -142,6 +142,7 @@ book.answer("How much memory does each scheme save per rank?", sharding_book.mem
 times = sharding_book.time_comparisons(df)
 report.show_table(times, floatfmt=".3g")
 report.say(sharding_book.time_sentences(times))
+report.say(sharding_traffic.reduce_precision_note(df))
 report.say(sharding_book.difference_sentence(closed, world_size))
 book.answer("What does sharding cost in step time?", sharding_book.time_answer(times),
             section="Sharded optimizer vs ZeRO-1 vs the references: step time")

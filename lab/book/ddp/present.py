@@ -223,6 +223,11 @@ def overlap_sentences(overlap: pd.DataFrame, bench: pd.DataFrame, config: str | 
         c = _cmp(h, flat)
         meaning = {"faster": "the overlap saves time", "slower": "here the overlap does not pay for its extra calls",
                    "within noise": "whether the overlap saves time cannot be told from the noise"}[c.verdict]
+        saved, comm = flat["step_ms"] - h["step_ms"], flat.get("comm_ms", math.nan)
+        if c.verdict == "faster" and comm == comm and saved > comm:  # hiding communication saves at most all of it
+            meaning = (f"but it is {saved:.3g} ms faster where flat's whole communication took {comm:.3g} ms in its "
+                       "profiled step, so hiding communication cannot account for all of it (the rest is the "
+                       "rounds' noise or another difference between the two)")
         text.append(f"Over the timed rounds, {c.describe(h.label, 'flat')}: {meaning}.")
     return " ".join(text)
 
@@ -365,7 +370,8 @@ def overhead_answer(model: pd.DataFrame) -> str:
     for r in model.itertuples():
         fit = f"{r.fit_best_bucket_mb:.3g} MB" if math.isfinite(r.fit_best_bucket_mb) else "no optimum"
         nb06 = getattr(r, "nb06_best_bucket_mb", math.nan)
-        nb06 = f", from 06's all-reduce {nb06:.3g} MB" if math.isfinite(nb06) else ""
+        nb06 = (f", and 06's lone all-reduce latency and bandwidth would put it at {nb06:.3g} MB"
+                if math.isfinite(nb06) else "")
         parts.append(f"{r.config}: measured best {r.measured_best_bucket_mb:g} MB; the fitted model says {fit}{nb06}")
     return "; ".join(parts) + "." if parts else "not enough rows."
 

@@ -397,9 +397,10 @@ def forward_reading(forward: pd.Series) -> str:
         return "The compute lane has no gaps to speak of: the all-gathers arrived before the layers needed them."
     if exposed >= 0.5 * idle:
         return "Most of the idle time is exposed communication: the gathers are on the critical path at this size."
-    return (f"Exposed communication accounts for only {exposed / idle:.0%} of the idle time: the gathers arrived "
-            "in time, and the rest of the gap is the host launching work one piece after another slower than the "
-            "device runs it (a host-bound step at this batch size).")
+    return (f"Exposed communication accounts for only {exposed / idle:.0%} of the compute lane's idle time: most "
+            "of the gap is time with neither compute nor communication on the device, which is what a host that "
+            "launches work slower than the device runs it looks like (a host-bound step at this batch size); the "
+            "gathers that were exposed cost the rest.")
 
 
 def forward_answer(overlap: pd.DataFrame) -> str:
@@ -407,7 +408,10 @@ def forward_answer(overlap: pd.DataFrame) -> str:
     if overlap.empty:
         return "no profiled trace here to tell."
     fwd = overlap[overlap["phase"] == "forward"]
-    return " ".join(f"{r['size']} (one profiled step): {forward_reading(r)}" for _, r in fwd.iterrows())
+    def lower(text):
+        return text[0].lower() + text[1:]
+
+    return " ".join(f"{r['size']} (one profiled step): {lower(forward_reading(r))}" for _, r in fwd.iterrows())
 
 
 def fsdp_overlap(df: pd.DataFrame, impl: str, results_dir: str | None = None) -> tuple[pd.DataFrame, str]:

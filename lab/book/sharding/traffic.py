@@ -121,3 +121,23 @@ def closed_form_traffic(size: str | ModelConfig, world_size: int = 2) -> pd.Data
     for col in ("gradient", "parameter", "total"):
         df[f"{col}_gib"] = df[f"{col}_bytes"] / GiB
     return df.assign(size=name)
+
+
+def reduce_precision_note(df: pd.DataFrame, reference: str = "ddp") -> str:
+    """Which implementations reduce their gradients in another dtype than ``reference`` (``reduce_dtype``
+    column): their step times against it differ in the bytes each reduction sends too, not only in the
+    sharding; "" where all reduce alike (or the column is absent)."""
+    if "reduce_dtype" not in df:
+        return ""
+    ok = df[df["status"] == "ok"] if "status" in df else df
+    ref = ok.loc[ok["impl"] == reference, "reduce_dtype"].dropna()
+    if ref.empty:
+        return ""
+    theirs = ref.iloc[0]
+    others = ok[(ok["impl"] != reference) & ok["reduce_dtype"].notna() & (ok["reduce_dtype"] != theirs)]
+    if others.empty:
+        return ""
+    by = others.groupby("reduce_dtype", sort=False)["impl"].unique()
+    named = "; ".join(f"{', '.join(impls)} in {dtype}" for dtype, impls in by.items())
+    return (f"Not like for like in one respect: {reference} reduces its gradients in {theirs}, {named}, so their "
+            f"step times against {reference} also differ in the bytes each reduction sends.")

@@ -95,6 +95,14 @@ def test_overlap_table_and_sentences():
     assert numbers(shares) == [0, 80]  # naive 0%, the one hook-based wrapper 80% (one number, not "80%-80%")
     verdict = sentence_with(text, "faster than flat")
     assert "bucketed 8 MB" in verdict and "saves" in verdict
+    # a saving larger than all of flat's communication is not put down to overlap
+    b = bench()
+    b.loc[b["impl"] == "flat", "comm_ms"] = 1.0
+    flat_ms = float(b.loc[b["impl"] == "flat", "step_ms"].iloc[0])
+    saved = flat_ms - float(ddp_book.best(ddp_book._ok(b), ddp_book.HOOKED)["step_ms"])
+    assert saved > 1.0
+    odd = sentence_with(ddp_book.overlap_sentences(overlap.reset_index(), b, "tiny fp32"), "faster than flat")
+    assert "saves" not in odd and "cannot account" in odd and in_order(odd, [float(f"{saved:.3g}"), 1])
     for untraced in (ddp_book.overlap_answer(overlap, bench(), None),
                      ddp_book.overlap_sentences(overlap, bench(), None)):
         assert "trace" in untraced and numbers(untraced) == [] and "faster" not in untraced  # no share, no verdict

@@ -179,3 +179,14 @@ def test_plots():
     assert sharding_book.plot_step_times(table()).axes[0].get_title() == "xl"
     assert sharding_book.plot_peaks(table()) is not None and sharding_book.plot_peaks(table(gpu=False)) is None
     assert list(sharding_book.benchmark_table(table()).columns[:4]) == ["size", "impl", "status", "step_ms"]
+
+
+def test_reduce_precision_note_names_who_reduces_in_another_dtype():
+    from lab.book.sharding.traffic import reduce_precision_note
+
+    df = pd.DataFrame(dict(impl=["ddp", "zero1", "fsdp", "torch_fsdp2"], reduce_dtype=["fp32", "fp32", "bf16", "bf16"],
+                           status="ok"))
+    note = reduce_precision_note(df)
+    assert "fsdp, torch_fsdp2 in bf16" in note and "ddp reduces its gradients in fp32" in note and "zero1" not in note
+    assert reduce_precision_note(df.assign(reduce_dtype="fp32")) == ""
+    assert reduce_precision_note(df.drop(columns="reduce_dtype")) == ""
