@@ -29,9 +29,10 @@ def residual_sentence(residual: pd.DataFrame, setup, context: int | None = None)
     context = context or setup.checkpoint_context
     row = residual.set_index("context").loc[context]
     b = row["residual_bytes"]
+    exact = "" if format_bytes(b) == f"{b / MiB:,.4g} MiB" else f" ({b / MiB:,.4g} MiB)"
     return (f"For the {setup.size} model (d_model {int(row['d_model'])}) at batch {int(row['batch'])} and context "
             f"{context}, one residual-stream activation is {int(row['batch'])} × {context} × {int(row['d_model'])} × "
-            f"4 bytes = **{format_bytes(b)}** ({b / MiB:,.4g} MiB); the {int(row['num_layers'])} block inputs "
+            f"4 bytes = **{format_bytes(b)}**{exact}; the {int(row['num_layers'])} block inputs "
             f"alone are {format_bytes(b * row['num_layers'])}.")
 
 
@@ -109,10 +110,10 @@ def largest_allocations_sentence(largest: pd.DataFrame, origins: pd.DataFrame, s
     ffn = setup.batch * context * cfg.d_ff * 4
     top = largest.iloc[0]
     o = origins.iloc[0]
-    return (f"The largest forward allocation is {top['size_mib']:,.4g} MiB, from `{top['origin']}`. For comparison, "
-            f"the logits are batch × context × vocab × 4 bytes = {logits / MiB:,.4g} MiB and one FFN hidden activation "
-            f"batch × context × d_ff × 4 bytes = {ffn / MiB:,.4g} MiB ({cfg.d_ff / cfg.d_model:.3g}× the residual "
-            f"stream). By origin, `{o['origin']}` allocates the most in the forward pass: {int(o['count'])} "
+    return (f"The largest forward allocation (context {context}) is {top['size_mib']:,.4g} MiB, from "
+            f"`{top['origin']}`. For comparison, at this context the logits are batch × context × vocab × 4 bytes = "
+            f"{logits / MiB:,.4g} MiB and one FFN hidden activation batch × context × d_ff × 4 bytes = "
+            f"{ffn / MiB:,.4g} MiB ({cfg.d_ff / cfg.d_model:.3g}× the residual stream at the same context). By origin, `{o['origin']}` allocates the most in the forward pass: {int(o['count'])} "
             f"allocations, {o['total_mib']:,.4g} MiB in all ({o['share']:.0%} of the forward's allocations).")
 
 
@@ -159,7 +160,8 @@ def mixed_precision_sentence(peaks: pd.DataFrame) -> str:
                      for c in sorted({m.index.min(), m.index.max()})]
             lines.append(f"{label}: " + ", ".join(parts))
         changes = both["change"]
-        grows = all(g["change"].iloc[-1] <= g["change"].iloc[0] for _, g in both.groupby(level=0))
+        # steady: the saving never shrinks from one context to the next (the change never rises)
+        grows = all(g["change"].is_monotonic_decreasing for _, g in both.groupby(level=0))
         out.append(
             "bf16 autocast changes peak memory by "
             + (f"{changes.min():+.1%}" if f"{changes.min():+.1%}" == f"{changes.max():+.1%}"
@@ -183,9 +185,9 @@ def mixed_precision_answer(peaks: pd.DataFrame) -> str:
     if both.empty:
         return "not measured (no fp32/bf16 pair fits)."
     lo, hi = both["change"].idxmin(), both["change"].idxmax()
-    return (f"only a little: from {both.loc[lo, 'change']:+.1%} ({lo[0]}, context {lo[1]}) to "
-            f"{both.loc[hi, 'change']:+.1%} ({hi[0]}, context {hi[1]}); activations shrink but the fp32 state, "
-            "the bf16 weight copies and the fp32 norms/softmax/loss do not.")
+    return (f"by {both.loc[lo, 'change']:+.1%} ({lo[0]}, context {lo[1]}) to "
+            f"{both.loc[hi, 'change']:+.1%} ({hi[0]}, context {hi[1]}), far from halving it: activations shrink but "
+            "the fp32 state, the bf16 weight copies and the fp32 norms/softmax/loss do not.")
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -163,3 +163,15 @@ def test_shown_drops_provenance_columns():
     assert shown(df).columns.tolist() == ["a"]
     assert "status" in shown(df.assign(status=["ok", "oom"])).columns
     assert len(shown(df, head=1)) == 1
+
+
+def test_the_saving_grows_only_when_it_grows_at_every_context():
+    """-0.2%, 0%, +1.1%, -15.5% (03's H200 training step) is not a saving that grows with the context."""
+    rows = [("train_step", c, d, v, "ok") for c, f, b in ((128, 100.0, 99.8), (256, 100.0, 100.0),
+                                                           (512, 100.0, 101.1), (2048, 100.0, 84.5))
+            for d, v in (("fp32", f), ("bf16", b))]
+    uneven = mb.mixed_precision_sentence(pd.DataFrame(rows, columns=["mode", "context", "dtype", "peak_gib", "status"]))
+    assert "does not grow steadily" in uneven
+    steady = mb.mixed_precision_sentence(_peaks()[lambda t: t["mode"] == "forward"])
+    assert "grows with the context" in steady
+    assert not mb.mixed_precision_answer(_peaks()).startswith("only")
