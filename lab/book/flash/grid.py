@@ -128,6 +128,10 @@ def speed_sentence(speedups: pd.DataFrame, impl: str = "triton", pass_: str = "e
     for ref, g in df.groupby("reference", sort=False):
         labels = [verdict_label(v, lo, hi) for v, lo, hi in zip(g["verdict"], g["low"], g["high"])]
         faster, slower, blind = (labels.count(w) for w in ("faster", "slower", "no spread"))
+        if blind == len(g):  # nothing to count: every comparison rests on one sample
+            parts.append(f"against {ref} no verdict, one sample (no spread) on {blind} of {len(g)} (speedup "
+                         f"estimates {fmt(g['speedup'].min())}–{fmt(g['speedup'].max())}x)")
+            continue
         unmeasured = f", one sample (no spread) on {blind}" if blind else ""
         parts.append(f"against {ref} faster on {faster}, slower on {slower}, within noise on "
                      f"{len(g) - faster - slower - blind}{unmeasured} of {len(g)} (speedup "
@@ -156,8 +160,8 @@ def tflops_sentence(bench: pd.DataFrame, impl: str = "triton", sweep: str = "lm"
         others = df[(df["dtype"] == dt) & (df["impl"] != impl)]
         best_other = (others.loc[others["e2e_tflops"].idxmax()] if len(others) and others["e2e_tflops"].notna().any()
                       else None)
-        text = (f"{dt}: at best {fmt(g['fwd_tflops'].max())} TFLOP/s forward, {fmt(g['bwd_tflops'].max())} backward, "
-                f"{fmt(g['e2e_tflops'].max())} end to end")
+        text = (f"in {dt} at best {fmt(g['fwd_tflops'].max())} TFLOP/s forward, {fmt(g['bwd_tflops'].max())} "
+                f"backward and {fmt(g['e2e_tflops'].max())} end to end")
         if best_other is not None:
             text += f" (best other end to end: {best_other['impl']} {fmt(best_other['e2e_tflops'])})"
         parts.append(text)

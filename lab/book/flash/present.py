@@ -23,7 +23,7 @@ from lab.book.flash import bench as fl
 from lab.book.flash.sweep import PRODUCTS, backward_breakdown, matmul_ceiling
 from lab.book.report import fmt, warn, with_profile_defaults
 from lab.measure.results import measured_on
-from lab.measure.verdicts import GoalCheck, compare_summaries
+from lab.measure.verdicts import GoalCheck, compare_summaries, span
 
 # ----------------------------------------------------------------------------------------------------------
 # Settings
@@ -225,15 +225,20 @@ def course_sentence(course: pd.DataFrame, goal_ms: float = fl.COURSE_GOAL_MS) ->
     if gpu.lower() in ("cpu", "nan"):
         return (f"Forward + backward at {shape} on the CPU: {times}. " + INTERPRETED_SHORT +
                 f" The course's goal ({goal_ms:g} ms at 16 x 16384 x 64 on an H100) is not evaluated.")
-    verdicts = "; ".join(f"{'compiled' if bool(r['compiled']) else 'eager'}: "
-                         f"{course_goal(r, goal_ms).describe('time', f'{goal_ms:g} ms')}"
-                         for _, r in course.iterrows())
+    def verdict(r):
+        check = course_goal(r, goal_ms)
+        c = check.comparison
+        spread = (f"95% interval {span(c.low, c.high)}" if math.isfinite(c.low) else "no spread measured")
+        return (f"{'compiled' if bool(r['compiled']) else 'eager'} {c.ratio:.3g}x the goal ({spread}): "
+                f"{check.word}")
+
+    verdicts = "; ".join(verdict(r) for _, r in course.iterrows())
     if "H100" in gpu:
-        where = f"It ran on an {gpu}, the GPU the goal is set for: the goal applies."
+        where = f"It ran on an {gpu}, the GPU the goal is set for, so the goal applies"
     else:
-        where = (f"It ran on {gpu}, not an H100: the goal is set for an H100, so the verdict below is only a "
-                 "pointer, not a pass or fail.")
-    return f"Forward + backward at {shape}: {times}. {where} Against {goal_ms:g} ms: {verdicts}."
+        where = (f"It ran on {gpu}, not an H100, and the goal is set for an H100, so what follows is only a "
+                 "pointer, not a pass or fail")
+    return f"Forward + backward at {shape}: {times}. {where}. Against {goal_ms:g} ms: {verdicts}."
 
 
 # ----------------------------------------------------------------------------------------------------------
