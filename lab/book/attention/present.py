@@ -203,7 +203,7 @@ def accounting_sentence(row: pd.Series, kind: str, check: pd.DataFrame) -> str:
     measured = check.dropna(subset=["measured_mib"])
     if len(measured):
         text += " Measured against predicted: " + "; ".join(
-            f"{r.quantity}: {r.measured_mib:.4g} MiB measured vs {r.predicted_mib:.4g} MiB predicted "
+            f"{r.quantity}: {r.measured_mib:,.0f} MiB measured vs {r.predicted_mib:,.0f} MiB predicted "
             f"({r.measured_over_predicted:.3f}x)" for r in measured.itertuples()) + "."
     if len(measured) < len(check):
         text += " (This device has no allocator statistics, so only what autograd saved could be measured.)"
@@ -266,7 +266,7 @@ def scaling_sentence(scaling: pd.DataFrame, curves: pd.DataFrame) -> str:
         naive, flash = big["naive (measured)"], big["FlashAttention (closed form)"]
         ratio = naive / flash
         text += (f" At {int(curves['seq_len'].max())} tokens naive attention keeps {_range(naive, 4)} "
-                 f"MiB for the backward; FlashAttention would keep {_range(flash, 4)} MiB, "
+                 f"MiB for the backward (q, k and v included); FlashAttention would keep {_range(flash, 4)} MiB, "
                  f"{_range(ratio)}x less, because it never stores P and recomputes it from "
                  "one logsumexp per query row.")
     return text

@@ -134,7 +134,7 @@ def speed_sentence(speedups: pd.DataFrame, impl: str = "triton", pass_: str = "e
             continue
         unmeasured = f", one sample (no spread) on {blind}" if blind else ""
         parts.append(f"against {ref} faster on {faster}, slower on {slower}, within noise on "
-                     f"{len(g) - faster - slower - blind}{unmeasured} of {len(g)} (speedup "
+                     f"{len(g) - faster - slower - blind}{unmeasured} of {len(g)} (speedup of the mean times "
                      f"{fmt(g['speedup'].min())}–{fmt(g['speedup'].max())}x)")
     name = {"e2e": "end to end (forward + backward)", "fwd": "forward", "bwd": "backward"}[pass_]
     return f"{impl.capitalize()}, {name}: " + "; ".join(parts) + "."
@@ -287,7 +287,7 @@ def fp32_sentence(bench: pd.DataFrame, impl: str = "triton", sweep: str = "fp32"
         e2e = slower[slower["pass"] == "e2e"]
         counts = [f"{int((slower['pass'] == p).sum())} of {int((g['pass'] == p).sum())} {names[p]}" for p in PASSES]
         shapes = ", ".join(f"{r.shape} at {fmt(r.speedup, 2)}x its speed" for r in e2e.itertuples())
-        where = f" (end to end on {shapes})" if len(e2e) else ""
+        where = f" (end to end on {shapes}, from the mean times)" if len(e2e) else ""
         parts.append(f"{impl} is slower than {ref} beyond the noise in {', '.join(counts[:-1])} and {counts[-1]} "
                      f"configurations{where}" if len(slower) else f"{impl} is never slower than {ref} beyond the noise")
     ever = (vs["verdict"] == "slower").any()
