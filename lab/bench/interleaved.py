@@ -135,12 +135,14 @@ def closer(wrapped, model, optimizer=None) -> Callable[[], None]:
 LEAK_WARNING_BYTES = GiB
 
 
-def _warn_if_left(name: str, device: torch.device, baseline: int, wait_s: float = 2.0) -> None:
+def _warn_if_left(name: str, device: torch.device, baseline: int, wait_s: float = 2.0,
+                  previous: dict[str, int] | None = None) -> None:
     """Say so on stderr (rank 0) when more than 1 GiB above ``baseline`` is still allocated after the collection
     that follows ``name``'s turn (before the next build): the later builds of the rotation would run out of
-    memory, and this line names the implementation that leaked. Rank 0 then collects again for up to ``wait_s`` and says
-    what is left, telling memory held a moment past the release (by work still queued somewhere, NCCL's
-    for instance) from a leak."""
+    memory, and this line names the implementation that left it. Rank 0 then collects again for up to
+    ``wait_s`` and says what is left, telling memory held a moment past the release (by work still queued
+    somewhere, NCCL's for instance) from memory kept. Kept memory is a leak only if it grows from turn to
+    turn: ``previous`` (name -> bytes left after its last turn, updated here) tells the two apart."""
     if device.type != "cuda" or dist.get_rank() != 0:
         return
     left = torch.cuda.memory_allocated(device) - baseline
@@ -153,9 +155,20 @@ def _warn_if_left(name: str, device: torch.device, baseline: int, wait_s: float 
         _release(device)
         later = torch.cuda.memory_allocated(device) - baseline
     waited = time.perf_counter() - start
-    then = (f"released within {waited:.1f} s (held a moment past the release, not leaked)"
-            if later <= LEAK_WARNING_BYTES else
-            f"{later / GiB:.1f} GiB after {waited:.1f} s more (a leak: the next builds may run out of memory)")
+    before = None if previous is None else previous.get(name)
+    if later > LEAK_WARNING_BYTES and previous is not None:
+        previous[name] = later
+    if later <= LEAK_WARNING_BYTES:
+        then = f"released within {waited:.1f} s (held a moment past the release, not leaked)"
+    elif before is None:
+        then = (f"{later / GiB:.1f} GiB after {waited:.1f} s more (kept past its release; a leak if it grows by "
+                "its next turn)")
+    elif later <= before + LEAK_WARNING_BYTES:
+        then = (f"{later / GiB:.1f} GiB after {waited:.1f} s more, against {before / GiB:.1f} GiB after its last "
+                "turn (kept, not growing)")
+    else:
+        then = (f"{later / GiB:.1f} GiB after {waited:.1f} s more, up from {before / GiB:.1f} GiB after its last "
+                "turn (a leak: the next builds may run out of memory)")
     print(f"time_interleaved: {left / GiB:.1f} GiB still allocated after closing {name!r}; {then}",
           file=sys.stderr, flush=True)
 
@@ -214,7 +227,7 @@ def time_interleaved(builders: dict[str, Build], plan: Interleaving, device: tor
             if floor is None:  # what the first turn leaves is what every turn leaves (see below)
                 floor = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
             else:
-                _warn_if_left(name_closed, device, floor)
+                _warn_if_left(name_closed, device, floor, previous=left_after)
         if runs_here[name]:
             live[name] = builders[name]()
 
@@ -252,6 +265,7 @@ def time_interleaved(builders: dict[str, Build], plan: Interleaving, device: tor
     # before it: state the run keeps from its first step on (a shared model's gradients or AdamW moments, NCCL's
     # and cuBLAS's workspaces) is allocated then and stays, the same after every turn, without ever growing.
     floor: int | None = None
+    left_after: dict[str, int] = {}  # what each implementation kept past its last turn (rank 0)
     try:
         if plan.schedule == "resident":
             for name in list(alive):

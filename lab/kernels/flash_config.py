@@ -204,7 +204,8 @@ def splits_head_dim(d: int, dtype: torch.dtype, direction: str, n_q: int, n_k: i
     was not faster). fp32 and other head dimensions keep the padded tile (not timed).
     Interpreted (``interpreted``; None: this process's Triton): never (the tests choose ``split_d``
     explicitly)."""
-    if (INTERPRET if interpreted is None else interpreted) or dtype == torch.float32 or d not in SPLIT_MEASURED or split_widths(d)[1] == 0:
+    interpreted = INTERPRET if interpreted is None else interpreted
+    if interpreted or dtype == torch.float32 or d not in SPLIT_MEASURED or split_widths(d)[1] == 0:
         return False
     return direction == "fwd" or max(n_q, n_k) >= LONG_SEQ  # long_sequence(), whatever this process interprets
 

@@ -187,7 +187,25 @@ def test_memory_left_after_a_turn_is_watched_before_it_is_called_a_leak(monkeypa
     interleaved._warn_if_left("zero", torch.device("cuda", 0), baseline=0, wait_s=0.5)
     err = capsys.readouterr().err
     assert said in err and err.count("\n") == 1
-    assert ("a leak" in err) == (allocated[-1] == 3)
+    assert "a leak: the next builds" not in err  # nothing to compare with yet: kept, not (yet) a leak
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 2**29)  # half a GiB: nothing said
     interleaved._warn_if_left("zero", torch.device("cuda", 0), baseline=0)
     assert capsys.readouterr().err == ""
+
+
+def test_memory_kept_from_turn_to_turn_is_a_leak_only_when_it_grows(monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(interleaved.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(interleaved, "_release", lambda device: None)
+    previous = {}
+
+    def turn(gib):
+        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: gib * 2**30)
+        interleaved._warn_if_left("torch_ddp", torch.device("cuda", 0), baseline=0, wait_s=0.2, previous=previous)
+        return capsys.readouterr().err
+
+    first, same, grown = turn(2.0), turn(2.4), turn(4.0)
+    assert "a leak if it grows" in first
+    assert "not growing" in same and "a leak:" not in same
+    assert "up from 2.4 GiB" in grown and "a leak: the next builds" in grown

@@ -113,7 +113,8 @@ def largest_allocations_sentence(largest: pd.DataFrame, origins: pd.DataFrame, s
     return (f"The largest forward allocation (context {context}) is {top['size_mib']:,.4g} MiB, from "
             f"`{top['origin']}`. For comparison, at this context the logits are batch × context × vocab × 4 bytes = "
             f"{logits / MiB:,.4g} MiB and one FFN hidden activation batch × context × d_ff × 4 bytes = "
-            f"{ffn / MiB:,.4g} MiB ({cfg.d_ff / cfg.d_model:.3g}× the residual stream at the same context). By origin, `{o['origin']}` allocates the most in the forward pass: {int(o['count'])} "
+            f"{ffn / MiB:,.4g} MiB ({cfg.d_ff / cfg.d_model:.3g}× the residual stream at the same context). By "
+            f"origin, `{o['origin']}` allocates the most in the forward pass: {int(o['count'])} "
             f"allocations, {o['total_mib']:,.4g} MiB in all ({o['share']:.0%} of the forward's allocations).")
 
 

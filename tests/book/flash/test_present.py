@@ -9,7 +9,7 @@ import pytest
 
 from lab.book.flash import bench as fl
 from lab.book.flash import present
-from tests.book.prose import amounts, clause_of, has_amount, in_order, numbers, sentences
+from tests.book.prose import amounts, clause_of, numbers
 
 matplotlib.use("Agg")
 
