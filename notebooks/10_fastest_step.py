@@ -174,6 +174,8 @@ for name in configs:
 # its ablations the same way. The second table says what offloading moved (GiB per step and rank to the host,
 # and the milliseconds the computation waited for copies back), whether a step was captured in CUDA graphs
 # (only on a GPU), and what each rank of a sharded step sends within its node and across nodes (from the shapes).
+# The offload and optimizer-in-the-backward ablations are also profiled once, like the book's step, so that
+# the phases say where their time goes (waiting, or slower kernels).
 
 # %%
 for name in configs:
@@ -182,6 +184,7 @@ for name in configs:
     if not ablated.empty:
         report.show_table(ablated, floatfmt=".4g")
     report.say(fastest.ablation_sentence(runs[runs["config"] == name], on_gpu))
+    report.say(fastest.ablation_phase_sentence(runs[runs["config"] == name]))
     choices = fastest.choices_table(runs[runs["config"] == name])
     if not choices.empty:  # offloaded and sent bytes per step and rank, CUDA graphs captured or not
         report.show_table(choices, floatfmt=".4g")

@@ -52,6 +52,17 @@ from lab.units import GiB
 PHASE_COLUMNS = ["recompute_ms", "optimizer_ms", "attention_ms", "matmul_ms", "loss_ms", "other_kernels_ms",
                  "exposed_communication_ms", "idle_ms"]
 
+#: Ablations profiled once like the headline steps: those that change where the step waits rather than which
+#: kernels it runs (copies to and from the host, optimizer updates inside the backward), whose cost the phases
+#: locate (idle time, slower kernels, or more of them) where a timed step only sums it.
+PROFILED_ABLATIONS = ("optimizer_in_backward", "offload_quarter", "offload_half", "offload_all")
+
+
+def profiled(name: str, headline: Sequence[str]) -> bool:
+    """Whether the recipe ``name`` gets one profiled step: the headline recipes and :data:`PROFILED_ABLATIONS`."""
+    return name in headline or name in PROFILED_ABLATIONS
+
+
 #: How many of the ``other kernels`` (by time) a row names in ``other_kernels_top``.
 OTHER_TOP = 8
 
@@ -241,9 +252,10 @@ def fastest_worker(config: StepConfig, recipes: list[Recipe], warmup_ms: float, 
                    trace_dir: str | None, headline: tuple[str, ...], fresh_cache: bool = False,
                    progress: runner.Progress | None = None) -> list[dict]:
     """Inside a launched process: every recipe in turn on this rank (the ``headline`` ones timed with
-    do_bench and profiled; the others with do_bench on one GPU, whose steps take milliseconds, and with two
-    host-timed steps on several, whose steps take seconds; where both kinds run, each headline recipe with two
-    host-timed steps more, so that an ablation can be compared with any of them timed the same way);
+    do_bench and profiled, as are :data:`PROFILED_ABLATIONS`; the others with do_bench on one GPU, whose
+    steps take milliseconds, and with two host-timed steps on several, whose steps take seconds; where both
+    kinds run, each headline recipe with two host-timed steps more, so that an ablation can be compared with
+    any of them timed the same way);
     returns the rows, each also recorded in ``progress`` as it finishes (:func:`run_recipes`).
     ``fresh_cache``: compile into empty Inductor and Triton caches of this process's own
     (removed at the end), so the first recipe's ``first_step_s`` and ``wall_s`` include every compilation
@@ -258,7 +270,7 @@ def fastest_worker(config: StepConfig, recipes: list[Recipe], warmup_ms: float, 
                       TRITON_CACHE_DIR=os.path.join(cache, "triton")) if cache else {}
         with launcher.environment(caches):  # a torchrun rank is this very process: its environment is restored
             return run_recipes(recipes, lambda r: measure_recipe(
-                config, r, device, warmup_ms, rep_ms, profile and r.name in headline, trace_dir,
+                config, r, device, warmup_ms, rep_ms, profile and profiled(r.name, headline), trace_dir,
                 host_steps=host_steps[r.name], host_reference=ablated and r.name in headline),
                 progress or runner.Progress(""))
 

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 import pandas as pd
 
 from lab.accounting import parameter_count
-from lab.book.fastest.bench import PHASE_COLUMNS
+from lab.book.fastest.bench import PHASE_COLUMNS, PROFILED_ABLATIONS
 from lab.book.fastest.compare import (  # noqa: F401 - the notebook reads the comparisons through this module
     FITS_GIB,
     ablation_sentence,
@@ -239,6 +239,26 @@ def gap_sentence(df: pd.DataFrame, impl: str = "project", reference: str = "stoc
                  f"attention included: compare {', '.join(MERGED_WITH_RECOMPUTE)} together, {merged[impl]:.4g} ms "
                  f"against {merged[reference]:.4g} ms ({merged[impl] - merged[reference]:+.4g}).")
     return text
+
+
+def ablation_phase_sentence(df: pd.DataFrame, base: str = "project") -> str:
+    """For each profiled ablation (:data:`lab.book.fastest.bench.PROFILED_ABLATIONS`): where its profiled step
+    spends more or less than the book's, the phases that moved by 1% of the step or more (one profiled step
+    each: where the time goes, not a timing); "" where none was profiled."""
+    parts = []
+    for impl in [i for i in df["impl"] if i in PROFILED_ABLATIONS]:
+        gap = gap_table(df, impl, base)
+        if gap.empty:
+            continue
+        step = gap[base].iloc[-1]
+        moved = [f"{r.phase} {r.difference_ms:+.4g} ms" for r in gap.iloc[:-1].itertuples()
+                 if abs(r.difference_ms) >= 0.01 * step]
+        where = ", ".join(moved) or "no phase by 1% of the step or more"
+        parts.append(f"{impl} {gap['difference_ms'].iloc[-1]:+.4g} ms in all ({where})")
+    if not parts:
+        return ""
+    return ("Profiled once each against the book's step (one step each: where the time goes, not a timing): "
+            + "; ".join(parts) + ".")
 
 
 def mfu_sentence(df: pd.DataFrame, on_gpu: bool) -> str:

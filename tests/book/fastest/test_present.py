@@ -398,3 +398,21 @@ def test_fused_loss_with_one_sample_gives_no_verdict():
     s = fastest.fused_loss_sentence(rows, on_gpu=True)
     assert "within noise" not in s and "faster" not in s and "slower" not in s
     assert has_amount(s, 360.3, "ms") and "time goal undecided" in s and s.count("one timed sample") == 2
+
+
+def test_profiled_ablations_say_which_phases_moved():
+    """offload_quarter's profiled step against the book's: +500 ms idle, +30 ms matmul, -120 ms recompute
+    (a 5,000 ms step: 1% is 50 ms, so matmul's +30 ms is not named); an unprofiled ablation says nothing."""
+    from lab.book.fastest import bench
+
+    phases = dict(recompute_ms=500.0, optimizer_ms=20.0, attention_ms=2100.0, matmul_ms=2100.0, loss_ms=10.0,
+                  other_kernels_ms=250.0, exposed_communication_ms=10.0, idle_ms=10.0)
+    slower = dict(phases, recompute_ms=380.0, matmul_ms=2130.0, idle_ms=510.0)
+    df = pd.DataFrame([_row("project", 5000.0, **phases), _row("offload_quarter", 5410.0, **slower),
+                       _row("no_fused_loss", 5100.0)])
+    s = fastest.ablation_phase_sentence(df)
+    assert amounts_in_order(s, [(410, "ms"), (-120, "ms"), (500, "ms")]) and "offload_quarter" in s
+    assert "matmul" not in s and "no_fused_loss" not in s
+    assert fastest.ablation_phase_sentence(df[df.impl != "offload_quarter"]) == ""
+    assert bench.profiled("offload_half", ("project",)) and bench.profiled("project", ("project",))
+    assert not bench.profiled("no_compile", ("project",))
