@@ -207,16 +207,17 @@ def splits_head_dim(d: int, dtype: torch.dtype, direction: str, n_q: int, n_k: i
     interpreted = INTERPRET if interpreted is None else interpreted
     if interpreted or dtype == torch.float32 or d not in SPLIT_MEASURED or split_widths(d)[1] == 0:
         return False
-    return direction == "fwd" or max(n_q, n_k) >= LONG_SEQ  # long_sequence(), whatever this process interprets
+    return direction == "fwd" or long_sequence(n_q, n_k, interpreted)
 
 
 def head_chunks(d: int, dtype: torch.dtype, direction: str, n_q: int, n_k: int,
-                config: FlashConfig = DEFAULT_CONFIG) -> tuple[int, int]:
+                config: FlashConfig = DEFAULT_CONFIG, interpreted: bool | None = None) -> tuple[int, int]:
     """``(BLOCK_D, BLOCK_D1)`` of the ``direction`` (``"fwd"``/``"bwd"``) kernels for ``n_q`` queries and
     ``n_k`` keys: the widths of the first and the second column chunk of the head dimension (``BLOCK_D1`` 0:
     one chunk, :func:`block_d` wide, the columns past ``d`` masked). Follows ``config.split_d``
-    (:func:`split_widths`, :func:`splits_head_dim`)."""
-    split = config.split_d == "on" or (config.split_d == "auto" and splits_head_dim(d, dtype, direction, n_q, n_k))
+    (:func:`split_widths`, :func:`splits_head_dim`; ``interpreted``: as there)."""
+    split = config.split_d == "on" or (config.split_d == "auto"
+                                       and splits_head_dim(d, dtype, direction, n_q, n_k, interpreted))
     return split_widths(d) if split else (block_d(d), 0)
 
 
@@ -256,9 +257,10 @@ def tune_batch(batch_heads: int) -> int:
     return min(1 << (batch_heads - 1).bit_length(), 1024)
 
 
-def long_sequence(n_q: int, n_k: int) -> bool:
-    """Shapes worth large tiles: compiled (not interpreted) with at least LONG_SEQ tokens."""
-    return not INTERPRET and max(n_q, n_k) >= LONG_SEQ
+def long_sequence(n_q: int, n_k: int, interpreted: bool | None = None) -> bool:
+    """Shapes worth large tiles: compiled (not ``interpreted``; None: this process's Triton) with at least
+    LONG_SEQ tokens."""
+    return not (INTERPRET if interpreted is None else interpreted) and max(n_q, n_k) >= LONG_SEQ
 
 
 def autotunes(config: FlashConfig, dtype: torch.dtype, n_q: int, n_k: int, tiles: tuple) -> bool:

@@ -104,14 +104,20 @@ def _recipe(config: str, impl: str):
     return known.get(impl)
 
 
-def split_differences(config: str, impl: str, stock: str) -> tuple[list[str], list[str]]:
-    """``impl``'s differences from ``stock`` (recipe fields, :func:`lab.recipes.fastest_step.differences`) as
-    ``(stock PyTorch options, the book's own parts)``; both empty where a recipe is unknown."""
-    ours, theirs = _recipe(config, impl), _recipe(config, stock)
+def recipe_differences(config: str | None, impl: str, stock: str) -> list[tuple[str, object, object, bool]]:
+    """:func:`lab.recipes.fastest_step.differences` of ``impl``'s recipe from ``stock``'s as they run on the
+    configuration's ranks; empty where the configuration or a recipe is unknown."""
+    ours, theirs = (_recipe(config, impl), _recipe(config, stock)) if config in CONFIGS else (None, None)
     if ours is None or theirs is None:
-        return [], []
+        return []
     world = CONFIGS[config].world_size
-    diff = differences(ours.for_world(world), theirs.for_world(world))
+    return differences(ours.for_world(world), theirs.for_world(world))
+
+
+def split_differences(config: str, impl: str, stock: str) -> tuple[list[str], list[str]]:
+    """``impl``'s differences from ``stock`` (recipe fields, :func:`recipe_differences`) as ``(stock PyTorch
+    options, the book's own parts)``; both empty where a recipe is unknown."""
+    diff = recipe_differences(config, impl, stock)
     return [f for f, _, _, option in diff if option], [f for f, _, _, option in diff if not option]
 
 
@@ -212,11 +218,7 @@ def options_sentence(r: pd.Series, config: str | None = None) -> str:
     own = [o for o in str(r.get("own_parts") or "").split(", ") if o]
     if not options and not own:
         return f"The book's step and {r['stock']} are the same recipe."
-    values = {}
-    ours, theirs = (_recipe(config, r["book"]), _recipe(config, r["stock"])) if config in CONFIGS else (None, None)
-    if ours is not None and theirs is not None:
-        world = CONFIGS[config].world_size
-        values = {f: f"{f} {a}, not {b}" for f, a, b, _ in differences(ours.for_world(world), theirs.for_world(world))}
+    values = {f: f"{f} {a}, not {b}" for f, a, b, _ in recipe_differences(config, r["book"], r["stock"])}
 
     def named(fields):
         return "; ".join(values.get(f, f) for f in fields) if values else ", ".join(fields)

@@ -29,7 +29,7 @@ import torch
 from lab.bench.progress import progress_bar
 from lab.book.attention.bench import attention_impl, attention_inputs
 from lab.book.attention.costs import DTYPES, PASSES, attention_flops, naive_attention_totals
-from lab.kernels.flash_config import backward_plan, block_d, head_chunks, split_widths, splits_head_dim
+from lab.kernels.flash_config import backward_plan, block_d, head_chunks
 from lab.measure.device import empty_cache, error_summary, is_oom, resolve_device
 from lab.measure.results import gpu_label
 from lab.measure.timing import Timing, time_kernel
@@ -268,9 +268,8 @@ def kernel_columns(row, direction: str) -> int:
         return int(recorded)
     d, seq = int(row["d"]), row.get("seq_len")
     if row.get("dtype") in DTYPES and seq is not None and seq == seq:
-        if splits_head_dim(d, DTYPES[row["dtype"]], direction, int(seq), int(seq),
-                           interpreted=row.get("gpu") == "cpu"):
-            return sum(split_widths(d))
+        return sum(head_chunks(d, DTYPES[row["dtype"]], direction, int(seq), int(seq),
+                               interpreted=row.get("gpu") == "cpu"))
     return block_d(d)
 
 
