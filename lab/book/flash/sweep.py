@@ -45,6 +45,16 @@ from lab.model.attention import AttentionFn, get_attention
 
 #: Forward tiles ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` a sweep tries besides the table's.
 SWEEP_FWD_TILES = ((128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (64, 128, 4, 3), (64, 32, 4, 2))
+#: Forward variants that change more than the tiles: name -> (tiles, extra FlashConfig fields): K/V through
+#: tensor descriptors (TMA), Triton's warp specialization of the key loop, a deeper pipeline.
+SWEEP_FWD = {
+    "fwd 128x128 w8 s3 tma": ((128, 128, 8, 3), {"fwd_tma": True}),
+    "fwd 128x128 w8 s3 ws": ((128, 128, 8, 3), {"warp_specialize": True}),
+    "fwd 128x128 w8 s3 tma ws": ((128, 128, 8, 3), {"fwd_tma": True, "warp_specialize": True}),
+    "fwd 128x128 w8 s4": ((128, 128, 8, 4), {}),
+    "fwd 128x64 w8 s3 tma": ((128, 64, 8, 3), {"fwd_tma": True}),
+    "fwd 64x64 w4 s3 tma": ((64, 64, 4, 3), {"fwd_tma": True}),
+}
 #: Shapes up to this many tokens are also timed as CUDA-graph replays (``{pass}_graph_ms``): their kernels
 #: are short enough that the host's launch time, not the device, can set the eager time.
 GRAPH_MAX_SEQ = 2048
@@ -64,6 +74,11 @@ SWEEP_BWD = {
     "atomic 64x64 w4 s3": ("atomic", (64, 64, 64, 64, 4, 3), {}),
     "atomic 32x64 w4 s2": ("atomic", (32, 64, 64, 32, 4, 2), {}),
     "atomic 64x128 w8 s2 no-tma": ("atomic", (64, 128, 128, 64, 8, 2), {"atomic_tma": False}),
+    "two_pass 64x128 w8 s3 tma": ("two_pass", (64, 128, 128, 64, 8, 3), {"bwd_tma": True}),
+    "atomic 64x128 w8 s3 tma": ("atomic", (64, 128, 128, 64, 8, 3), {"bwd_tma": True}),
+    "atomic 128x128 w8 s2": ("atomic", (128, 128, 128, 128, 8, 2), {}),
+    "two_pass 128x128 w8 s2": ("two_pass", (128, 128, 128, 128, 8, 2), {}),
+    "two_pass 64x64 w4 s3 +delta": ("two_pass", (64, 64, 64, 64, 4, 3), {"fused_delta": True}),
 }
 #: Matrix products per (query tile, key tile) pair of each backward launch mode: the dK/dV programs compute
 #: S, dV, dP, dK and, in "atomic" mode, dQ (5); the separate dQ programs of "fused" and "two_pass" recompute
@@ -72,12 +87,17 @@ PRODUCTS = {"fused": 7, "two_pass": 7, "atomic": 5}
 TOLERANCE = {"bf16": 2e-2, "fp16": 5e-3, "fp32": 1e-4}
 
 
-def sweep_configs(fwd_tiles: Sequence[tuple] = SWEEP_FWD_TILES, bwd: dict | None = None) -> dict:
+def sweep_configs(fwd_tiles: Sequence[tuple] = SWEEP_FWD_TILES, bwd: dict | None = None,
+                  fwd: dict | None = None) -> dict:
     """The FlashConfig variants of a sweep: ``{name: (config, passes)}`` where ``passes`` are the passes the
-    variant changes ("default" runs all three, a forward variant times "fwd", a backward one "bwd")."""
+    variant changes ("default" runs all three, a forward variant times "fwd", a backward one "bwd").
+    ``fwd_tiles``: forward variants that only fix tiles; ``fwd`` (default :data:`SWEEP_FWD`) and ``bwd``
+    (default :data:`SWEEP_BWD`): named variants with extra fields."""
     bwd = SWEEP_BWD if bwd is None else bwd
+    fwd = SWEEP_FWD if fwd is None else fwd
     out = {"default": (FlashConfig(), PASSES)}
     out.update({"fwd {}x{} w{} s{}".format(*t): (FlashConfig(fwd_tiles=tuple(t)), ("fwd",)) for t in fwd_tiles})
+    out.update({name: (FlashConfig(fwd_tiles=tuple(tiles), **extra), ("fwd",)) for name, (tiles, extra) in fwd.items()})
     out.update({name: (FlashConfig(backward_launch=mode, bwd_tiles=tuple(tiles), **extra), ("bwd",))
                 for name, (mode, tiles, extra) in bwd.items()})
     return out

@@ -22,7 +22,8 @@ def test_sweep_configs_cover_every_launch_mode_and_pass():
     modes = {cfg.backward_launch for cfg, passes in variants.values() if passes == ("bwd",)}
     assert modes == {"fused", "two_pass", "atomic"}
     fwd = [cfg for cfg, passes in variants.values() if passes == ("fwd",)]
-    assert len(fwd) == len(fs.SWEEP_FWD_TILES) and all(len(cfg.fwd_tiles) == 4 for cfg in fwd)
+    assert len(fwd) == len(fs.SWEEP_FWD_TILES) + len(fs.SWEEP_FWD) and all(len(cfg.fwd_tiles) == 4 for cfg in fwd)
+    assert any(cfg.fwd_tma for cfg in fwd) and any(cfg.warp_specialize for cfg in fwd)
     assert any(not cfg.atomic_tma for cfg, _ in variants.values())  # pointer atomics against TMA reductions
 
 
