@@ -244,7 +244,14 @@ def pct(x: float) -> str:
 
 
 def fmt(value: float, digits: int = 3) -> str:
-    """A number for prose: ``3`` significant digits, ``"n/a"`` for NaN."""
+    """A number for prose: ``digits`` significant digits, never in scientific notation (``7624.4`` ->
+    ``"7,620"``, ``0.0000123`` -> ``"0.0000123"``), ``"n/a"`` for NaN."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "n/a"
-    return f"{value:.{digits}g}"
+    if value == 0 or not math.isfinite(value):
+        return f"{value:g}"
+    value = float(f"{value:.{digits}g}")  # rounded first: 999.6 has four digits before it has three
+    exponent = math.floor(math.log10(abs(value)))
+    if exponent >= digits:  # an integer: round to the significant digits, group the thousands
+        return f"{round(value, digits - 1 - exponent):,.0f}"
+    return f"{value:.{digits}g}" if exponent >= -4 else f"{value:.{digits - 1 - exponent}f}".rstrip("0")

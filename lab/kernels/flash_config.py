@@ -33,6 +33,9 @@ from lab.kernels.triton_env import INTERPRET, SUPPORTED_DTYPES, interpreter_need
 MAX_HEAD_DIM = 256
 #: Sequences at least this long (max of n_queries, n_keys) get the large tiles of the tables below.
 LONG_SEQ = 1024
+#: The longest causal sequence whose d = 128 forward was timed faster on 64 x 64 tiles than on 128 x 128
+#: (longer ones keep the large tiles, which the H100 sweep chose at 16k and 32k tokens).
+NARROW_CAUSAL_MAX_SEQ = 8192
 
 BACKWARD_LAUNCHES = ("auto", "fused", "two_pass", "atomic")
 FP32_PRECISIONS = ("auto", "ieee", "tf32", "tf32x3")
@@ -274,14 +277,19 @@ def _tiles(m, n, warps, stages) -> dict:
 
 
 def forward_tiles(batch_heads: int, n_q: int, n_k: int, d: int, dtype: torch.dtype, device: torch.device,
-                  config: FlashConfig = DEFAULT_CONFIG) -> dict:
+                  config: FlashConfig = DEFAULT_CONFIG, causal: bool = True) -> dict:
     """Launch parameters of the forward kernel (``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``).
 
-    bf16/fp16 at d <= 128: the fastest tiles of a sweep (``python -m lab.book.flash.sweep sweep``) on an H100.
-    Long sequences: 128-query tiles where the heads fill the GPU, 64-query tiles for thin grids; padded head
-    dimensions (80, 96: ``BLOCK_D`` 128 with masked columns) ran fastest on 64 x 64 tiles, whose smaller
-    register footprint pays for the wasted columns, and so did their split kernels (64 + 16, 64 + 32 columns,
-    :func:`head_chunks`) against 128-query tiles. Short sequences (< LONG_SEQ): 64 x 64 tiles, 4 warps,
+    bf16/fp16 at d <= 128: the fastest tiles of a sweep (``python -m lab.book.flash.sweep sweep``) on an H100,
+    revised by a sweep on an H200 where it found a faster tile. Long sequences: 128-query tiles where the heads
+    fill the GPU, 64-query tiles for thin grids. At d = 128, causal, up to :data:`NARROW_CAUSAL_MAX_SEQ` tokens,
+    64 x 64 tiles on 4 warps beat 128 x 128 on 8 (H200: 10% at 2k tokens, 5% at 8k; tied without the mask):
+    the tiles crossing the diagonal, which pay for the mask and do half-wasted work, are a quarter the size,
+    and they are a larger share of a short sequence's tiles. Padded head dimensions (80, 96: ``BLOCK_D`` 128
+    with masked columns) ran fastest on 64 x 64 tiles, whose smaller register footprint pays for the wasted
+    columns, and so did their split kernels (64 + 16, 64 + 32 columns, :func:`head_chunks`) when causal;
+    without the mask the split kernels ran 10% faster on 128 x 64 tiles with 8 warps (H200, 4k tokens),
+    which causal attention's diagonal tiles make 30% slower. Short sequences (< LONG_SEQ): 64 x 64 tiles, 4 warps,
     timed as CUDA-graph replays (the device's time; eagerly, launching dominates). d > 128 gets smaller
     tiles. fp32 tiles are sized for 3xTF32, the default fp32 precision, which splits every operand into two
     TF32 halves: the largest tiles that do not spill registers in an offline sm_90a compile (ptxas), which
@@ -305,7 +313,12 @@ def forward_tiles(batch_heads: int, n_q: int, n_k: int, d: int, dtype: torch.dty
         return _tiles(64, 128, 4, 3)
     if bd <= 64:
         return _tiles(128, 64, 8, 3)
-    return _tiles(64, 64, 4, 3) if d < bd else _tiles(128, 128, 8, 3)
+    if d < bd:
+        split = head_chunks(d, dtype, "fwd", n_q, n_k, config)[1] > 0
+        return _tiles(128, 64, 8, 3) if split and not causal else _tiles(64, 64, 4, 3)
+    if causal and max(n_q, n_k) <= NARROW_CAUSAL_MAX_SEQ:
+        return _tiles(64, 64, 4, 3)
+    return _tiles(128, 128, 8, 3)
 
 
 def _bwd_tiles(m1, n1, m2, n2, warps, stages) -> dict:

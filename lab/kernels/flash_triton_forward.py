@@ -222,7 +222,7 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
             remember_tuning(key, _flash_fwd_tuned)
             return out, lse
     else:
-        tiles = forward_tiles(batch * heads, n_q, n_k, d, q.dtype, q.device, config)
+        tiles = forward_tiles(batch * heads, n_q, n_k, d, q.dtype, q.device, config, bool(is_causal))
     args, meta = forward_launch_args(q4, k4, v4, out4, lse, is_causal, config, tiles["BLOCK_N"])
     launcher(_flash_fwd_kernel, (triton.cdiv(n_q, tiles["BLOCK_M"]), heads, batch), args, {**meta, **tiles},
              fast=config.fast_launch)

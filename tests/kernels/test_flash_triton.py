@@ -305,6 +305,16 @@ def test_tile_tables_follow_grid_size_dtype_and_head_dim(monkeypatch):
     one_head = fc.forward_tiles(1, 16384, 16384, 128, torch.bfloat16, cuda)
     many_heads = fc.forward_tiles(16, 16384, 16384, 128, torch.bfloat16, cuda)
     assert one_head["BLOCK_M"] == 64 and many_heads["BLOCK_M"] == 128
+    # causal d = 128 up to 8k tokens: the diagonal's masked tiles are cheaper a quarter the size; without the mask
+    # (or longer) the large tiles stay
+    assert fc.forward_tiles(128, 2048, 2048, 128, torch.bfloat16, cuda)["BLOCK_M"] == 64
+    assert fc.forward_tiles(128, 2048, 2048, 128, torch.bfloat16, cuda, causal=False)["BLOCK_M"] == 128
+    # d = 80 as 64 + 16 columns: 128 x 64 tiles on 8 warps without the mask, 64 x 64 with it or unsplit
+    full80 = fc.forward_tiles(32, 4096, 4096, 80, torch.bfloat16, cuda, causal=False)
+    assert (full80["BLOCK_M"], full80["BLOCK_N"], full80["num_warps"]) == (128, 64, 8)
+    assert fc.forward_tiles(32, 4096, 4096, 80, torch.bfloat16, cuda)["BLOCK_M"] == 64
+    unsplit = ft.FlashConfig(split_d="off")
+    assert fc.forward_tiles(32, 4096, 4096, 80, torch.bfloat16, cuda, unsplit, causal=False)["BLOCK_M"] == 64
     padded = fc.forward_tiles(16, 16384, 16384, 80, torch.bfloat16, cuda)  # BLOCK_D 128 with 48 masked columns
     assert padded["BLOCK_M"] * padded["BLOCK_N"] < many_heads["BLOCK_M"] * many_heads["BLOCK_N"]
     fp32 = fc.forward_tiles(16, 16384, 16384, 128, torch.float32, cuda)
@@ -334,7 +344,8 @@ def test_tile_tables_fit_shared_memory_and_registers(monkeypatch, dtype):
     for d in range(8, fc.MAX_HEAD_DIM + 1, 8):
         bd = fc.block_d(d)
         for bh, n in [(1, 512), (1, 16384), (64, 4096)]:
-            t = fc.forward_tiles(bh, n, n, d, dtype, cuda)
+            t = max((fc.forward_tiles(bh, n, n, d, dtype, cuda, causal=c) for c in (True, False)),
+                    key=lambda t: t["BLOCK_M"] * t["BLOCK_N"] * t["num_stages"])
             smem = t["num_stages"] * 2 * t["BLOCK_N"] * bd * size + t["BLOCK_M"] * bd * size
             assert smem <= 227 * 1024, (d, bh, n, t)
             assert t["BLOCK_M"] * bd / (32 * t["num_warps"]) <= 128, (d, bh, n, t)

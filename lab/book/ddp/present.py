@@ -345,19 +345,20 @@ def overhead_model_sentences(model: pd.DataFrame) -> str:
     06's lone all-reduce predicts."""
     lines = []
     for r in model.itertuples():
-        text = f"**{r.config}** ({r.grad_mb:.3g} MiB of gradients): "
+        text = f"**{r.config}** ({report.fmt(r.grad_mb)} MiB of gradients): "
         if math.isfinite(r.fit_o_ms) and math.isfinite(r.fit_w_gbps):
-            text += (f"the fit gives o = {duration(r.fit_o_ms)} per call and w = {r.fit_w_gbps:.3g} GB/s, so the "
-                     f"model's optimal bucket is {r.fit_best_bucket_mb:.3g} MB (overhead "
-                     f"{r.fit_best_overhead_ms:.3g} ms); ")
+            text += (f"the fit gives o = {duration(r.fit_o_ms)} per call and w = {report.fmt(r.fit_w_gbps)} GB/s, "
+                     f"so the "
+                     f"model's optimal bucket is {report.fmt(r.fit_best_bucket_mb)} MB (overhead "
+                     f"{report.fmt(r.fit_best_overhead_ms)} ms); ")
         else:
             text += ("the measured overheads do not support both terms of the model (a fitted coefficient is not "
                      "positive: overlap hides more, or the noise is larger, than the model assumes); ")
         tied = f" ({r.within_noise_of_best_mb} MB within noise of it)" if r.within_noise_of_best_mb else ""
         text += f"the best bucket size measured is {r.measured_best_bucket_mb:g} MB{tied}."
         if math.isfinite(getattr(r, "nb06_best_bucket_mb", math.nan)):
-            text += (f" Notebook 06 measured {duration(r.nb06_o_ms)} latency and {r.nb06_w_gbps:.3g} GB/s for a lone "
-                     f"all-reduce, which would put the optimum at {r.nb06_best_bucket_mb:.3g} MB.")
+            text += (f" Notebook 06 measured {duration(r.nb06_o_ms)} latency and {report.fmt(r.nb06_w_gbps)} GB/s "
+                     f"for a lone all-reduce, which would put the optimum at {report.fmt(r.nb06_best_bucket_mb)} MB.")
         elif hasattr(r, "nb06_o_ms"):
             text += " Notebook 06's fit has no usable latency and bandwidth for this backend (see its table)."
         lines.append(text)

@@ -143,7 +143,7 @@ def resolved_plan(shape: Shape, dtype: str, config, device: torch.device) -> dic
     """The tiles and backward launch mode the kernels would use for ``shape`` under ``config`` (from the
     tables, or the config's own): ``fwd_tiles``, ``bwd_mode``, ``bwd_tiles`` as text for a results table."""
     bh, dt = shape.batch * shape.heads, DTYPES[dtype]
-    f = forward_tiles(bh, shape.seq, shape.seq, shape.d, dt, device, config)
+    f = forward_tiles(bh, shape.seq, shape.seq, shape.d, dt, device, config, shape.causal)
     mode, plan = backward_plan(bh, shape.seq, shape.seq, shape.d, dt, device, config)
     return dict(fwd_tiles="{BLOCK_M}x{BLOCK_N} w{num_warps} s{num_stages}".format(**f), bwd_mode=mode,
                 bwd_tiles=" / ".join("{BLOCK_M1}x{BLOCK_N1},{BLOCK_M2}x{BLOCK_N2} w{num_warps} s{num_stages}".format(

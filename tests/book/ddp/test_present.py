@@ -121,6 +121,8 @@ def test_overhead_model_recovers_o_and_w_and_cites_06():
     assert in_order(sentence_with(text, "fit gives"), [500, 10])  # o in µs, w in GB/s
     assert in_order(sentence_with(text, "Notebook 06"), [6, 500, 10, float(f"{expected:.3g}")])
     assert in_order(ddp_book.overhead_answer(model), [8])
+    large = ddp_book.overhead_model_sentences(model.assign(grad_mb=7624.4, nb06_best_bucket_mb=1234.5))
+    assert "7,620 MiB of gradients" in large and "1,230 MB." in large and "e+" not in large
     without_06 = ddp_book.overhead_model(bench(), None)
     assert "nb06_o_ms" not in without_06 and "Notebook 06" not in ddp_book.overhead_model_sentences(without_06)
     fig = ddp_book.plot_overhead_model(bench(), model)
