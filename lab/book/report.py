@@ -244,8 +244,9 @@ def pct(x: float) -> str:
 
 
 def fmt(value: float, digits: int = 3) -> str:
-    """A number for prose: ``digits`` significant digits, never in scientific notation (``7624.4`` ->
-    ``"7,620"``, ``0.0000123`` -> ``"0.0000123"``), ``"n/a"`` for NaN."""
+    """A number for prose: ``digits`` significant digits, ``"n/a"`` for NaN. Large numbers are rounded integers
+    with grouped thousands (``7624.4`` -> ``"7,620"``), never ``7.62e+03``; numbers below 0.0001 (errors,
+    tolerances) keep the exponent (``4e-08``), which a reader takes in faster than seven zeros."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "n/a"
     if value == 0 or not math.isfinite(value):
@@ -254,4 +255,4 @@ def fmt(value: float, digits: int = 3) -> str:
     exponent = math.floor(math.log10(abs(value)))
     if exponent >= digits:  # an integer: round to the significant digits, group the thousands
         return f"{round(value, digits - 1 - exponent):,.0f}"
-    return f"{value:.{digits}g}" if exponent >= -4 else f"{value:.{digits - 1 - exponent}f}".rstrip("0")
+    return f"{value:.{digits}g}"

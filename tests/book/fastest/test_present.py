@@ -159,6 +159,7 @@ def test_phase_sentence_plots_and_mfu():
     assert fastest.plot_memory(df, "m").get_title() == "m"
     mfu = fastest.mfu_sentence(df, on_gpu=True)  # MFU against the measured ceiling, then the datasheet's
     assert amounts_in_order(mfu, [(50.0, "%"), (780, "TFLOP/s"), (40.0, "%"), (989, "TFLOP/s")])
+    assert "e+" not in mfu and "13,110 tokens/s" in mfu  # 65,536 tokens in 5 s
     cpu = fastest.mfu_sentence(df, on_gpu=False)
     assert "GPU" in cpu and not amounts(cpu)
 
@@ -262,7 +263,9 @@ def test_gap_by_phase_names_where_the_book_gains_and_loses():
     # the phases' differences, gains first, then the two profiled totals; no note on merged recomputation
     assert amounts(s) == [(-700, "ms"), (-559, "ms"), (-70, "ms"), (925, "ms"), (6158, "ms"), (6584, "ms")]
     assert s.index("recompute") < s.index("other kernels") < s.index("matmul") < s.index("attention")
-    assert "exposed communication" not in s
+    assert "exposed communication" not in s and "spends less on recompute (-700 ms)" in s
+    only_ahead = fastest.gap_sentence(df.assign(attention_ms=[2075.0, 2075.0, math.nan]))
+    assert "spends less on" in only_ahead and "no phase takes more" in only_ahead and "+" not in only_ahead
     # a compiled stock block's recomputation is counted in its other phases: compared together
     merged = pd.DataFrame([_row("project", 6172.0, **ours),
                            _row("stock_compiled", 5689.0, **{**stock, "recompute_ms": 0.0, "attention_ms": 2600.0})])
