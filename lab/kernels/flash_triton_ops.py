@@ -16,7 +16,7 @@ on its own (``register_autograd``: its backward is the backward op);
 ``lab.kernels.flash_triton.FlashAttentionTriton`` calls both from an ``autograd.Function``, which dynamo
 traces into a graph with these two ops.
 
-With ``FlashConfig.compile_inline`` (off by default, see there), under ``torch.compile`` on a GPU
+With ``FlashConfig.compile_inline`` (on by default, see there), under ``torch.compile`` on a GPU
 (:func:`~lab.kernels.flash_config.inlines`) both ops decompose while AOTAutograd functionalizes the graph:
 their host function runs once on the traced tensors with every launch wrapped in
 ``torch.library.wrap_triton`` (``flash_launch.inline_launch``), so the graph Inductor compiles holds the

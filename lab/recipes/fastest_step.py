@@ -10,9 +10,10 @@ The book's recipe (:data:`PROJECT`):
 * **attention**: SDPA's cuDNN kernel, chosen by measurement on both rungs. On the leaderboard's shape (32k
   tokens, head dim 128) our Triton FlashAttention-2 kernels (``lab.kernels.flash_triton``, a
   ``torch.library`` op) take ~1.5x cuDNN's time forward+backward (notebook 05's grid,
-  ``python -m lab.book.flash.sweep``), and the step with them is slower by several hundred milliseconds; on the
-  2.7B rung (512 tokens, head dim 80, which our kernels run in masked 128-wide tiles) SDPA is faster too.
-  The ablation ``flash_triton_attention`` measures the choice again in every render;
+  ``python -m lab.book.flash.sweep``), and the step with them is slower by several hundred milliseconds. On the
+  2.7B rung (512 tokens, head dim 80) the opaque op's host time per call starved the compiled step; with its
+  kernels inlined into the compiled code (``FlashConfig.compile_inline``) the step ran within noise of SDPA's,
+  not faster, so SDPA stays. The ablation ``flash_triton_attention`` measures the choice again in every render;
 * **loss**: the fused LM head + cross-entropy (``lab.kernels.fused_cross_entropy``): the ``(tokens, vocab)``
   logits never exist (at the leaderboard's 32k tokens x 152k vocabulary they would be 10 GB in bf16);
 * **sharding**: ``lab.FSDP``, one all-gather and one reduce-scatter per transformer block, prefetching two

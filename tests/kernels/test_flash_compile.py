@@ -180,7 +180,8 @@ def test_inlines_only_compiled_kernels_without_data_dependent_setup(monkeypatch)
     monkeypatch.setattr(fc, "INTERPRET", True)
     assert not fc.inlines(on, cuda)
     monkeypatch.setattr(fc, "INTERPRET", False)
-    assert fc.inlines(on, cuda) and not fc.inlines(on, cpu) and not fc.inlines(ft.FlashConfig(), cuda)
+    assert fc.inlines(on, cuda) and not fc.inlines(on, cpu) and not fc.inlines(on.replace(compile_inline=False), cuda)
+    assert fc.inlines(ft.FlashConfig(), cuda)  # the default
     assert fc.inlines(on.replace(backward_launch="atomic", atomic_tma=False), cuda)
     for off in (dict(autotune=True), dict(fwd_tma=True), dict(bwd_tma=True), dict(backward_launch="atomic")):
         assert not fc.inlines(on.replace(**off), cuda), off

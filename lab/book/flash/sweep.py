@@ -287,19 +287,19 @@ def _python_profile(step: Callable[[], object], device: torch.device, calls: int
 
 def host_attention(name: str) -> AttentionFn:
     """The registry's attention ``name`` (``fn(q, k, v, causal)`` on (batch, heads, seq, d)), or
-    ``"flash_triton_inline"``: the Triton kernels with ``FlashConfig(compile_inline=True)``, whose compiled
-    code launches the kernels itself instead of calling the opaque ``lab::flash_attention_*`` ops (the op's
-    host function on every call), the comparison that shows what inlining saves."""
-    if name == "flash_triton_inline":
+    ``"flash_triton_inline"`` / ``"flash_triton_opaque"``: the Triton kernels with ``compile_inline`` on (the
+    default: compiled code launches the kernels itself) or off (it calls the opaque ``lab::flash_attention_*``
+    ops, the op's host function on every call), the comparison that shows what inlining saves."""
+    if name in ("flash_triton_inline", "flash_triton_opaque"):
         from lab.kernels.flash_triton import flash_attention_bhsd  # needs Triton (an optional dependency)
 
-        inline = FlashConfig(compile_inline=True)
-        return lambda q, k, v, causal: flash_attention_bhsd(q, k, v, causal, config=inline)
+        config = FlashConfig(compile_inline=name == "flash_triton_inline")
+        return lambda q, k, v, causal: flash_attention_bhsd(q, k, v, causal, config=config)
     return get_attention(name)
 
 
 def host_costs(shape: Shape, dtype: str = "bf16",
-               impls: Sequence[str] = ("flash_triton", "sdpa"),
+               impls: Sequence[str] = ("flash_triton", "flash_triton_opaque", "sdpa"),
                device: torch.device | str = "auto", calls: int = 20, rep_ms: float = 50,
                profile: bool = True) -> tuple[pd.DataFrame, str]:
     """Where a short sequence's attention time goes, in the model's layout (q, k, v as ``transpose(1, 2)``

@@ -81,7 +81,8 @@ def test_sweep_shape_checks_every_variant_on_cpu():
 
 
 def test_host_attention_inline_variant_matches_the_registry():
-    """``flash_triton_inline`` (the ops decomposed under torch.compile on a GPU) computes what the registry's
+    """``flash_triton_inline`` (the ops decomposed under torch.compile on a GPU) and ``flash_triton_opaque``
+    compute what the registry's
     ``flash_triton`` computes, to the bit (the same kernels); other names are the registry's functions."""
     from lab.model.attention import get_attention
 
@@ -90,5 +91,6 @@ def test_host_attention_inline_variant_matches_the_registry():
     q, k, v = (torch.randn(1, 2, 24, 16, generator=gen) for _ in range(3))
     got = fs.host_attention("flash_triton_inline")(q, k, v, True)
     torch.testing.assert_close(got, get_attention("flash_triton")(q, k, v, True), atol=0, rtol=0)
+    torch.testing.assert_close(fs.host_attention("flash_triton_opaque")(q, k, v, True), got, atol=0, rtol=0)
     ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)
     torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=1e-5)
