@@ -259,7 +259,7 @@ def ablation_phase_sentence(df: pd.DataFrame, base: str = "project") -> str:
         step = gap[base].iloc[-1]
         moved = [f"{r.phase} {r.difference_ms:+.4g} ms" for r in gap.iloc[:-1].itertuples()
                  if abs(r.difference_ms) >= 0.01 * step]
-        where = ", ".join(moved) or "no phase by 1% of the step or more"
+        where = ", ".join(moved) or "no phase moved by 1% of the step or more"
         parts.append(f"{impl} {gap['difference_ms'].iloc[-1]:+.4g} ms in all ({where})")
     if not parts:
         return ""

@@ -417,5 +417,8 @@ def test_profiled_ablations_say_which_phases_moved():
     assert amounts_in_order(s, [(410, "ms"), (-120, "ms"), (500, "ms")]) and "offload_quarter" in s
     assert "matmul" not in s and "no_fused_loss" not in s
     assert fastest.ablation_phase_sentence(df[df.impl != "offload_quarter"]) == ""
+    still = pd.DataFrame([_row("project", 5000.0, **phases), _row("offload_quarter", 5010.0, **phases)])
+    unmoved = "offload_quarter +0 ms in all (no phase moved by 1% of the step or more)"
+    assert unmoved in fastest.ablation_phase_sentence(still)
     assert bench.profiled("offload_half", ("project",)) and bench.profiled("project", ("project",))
     assert not bench.profiled("no_compile", ("project",))
