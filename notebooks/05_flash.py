@@ -195,6 +195,16 @@ report.show_table(backward, floatfmt=".3g")
 report.say(present.backward_sentence(backward, interpreted_=on_cpu))
 
 # %% [markdown]
+# The forward the same way, beside SDPA's default backend on the same shapes: both do the same useful work
+# (two products per tile pair), so the share of the ceiling each reaches says how much of the gap is the
+# kernel's, not the card's.
+
+# %%
+forward = present.forward_table(bench, ceilings)
+report.show_table(forward, floatfmt=".3g")
+report.say(present.forward_sentence(forward, interpreted_=on_cpu))
+
+# %% [markdown]
 # ## fp32: is Triton ever slower than naive PyTorch or SDPA?
 #
 # Batch 1, one head, causal, a few lengths and d 64/128 (full profile), in fp32. An fp32 tile holds twice

@@ -363,6 +363,54 @@ def backward_sentence(table: pd.DataFrame, interpreted_: bool = False) -> str:
             f"{modes}. Useful work (5 products) ran at {_span(table['useful_tflops'], 3)} TFLOP/s.")
 
 
+def forward_table(bench: pd.DataFrame, ceilings: pd.DataFrame, sweep: str = "lm",
+                  reference: str = "sdpa") -> pd.DataFrame:
+    """Triton's forward and ``reference``'s on each shape of ``sweep`` against the dtype's measured matmul
+    ceiling: the useful rate (the forward's two products, S = QK^T and O = PV, on the d columns), Triton's
+    executed rate (the same products on the columns its kernel computes, :func:`lab.book.flash.bench.
+    kernel_columns`) and each one's share of the ceiling. A shape with either side missing is left out."""
+    cols = ["shape", "dtype", "d", "triton_ms", "reference_ms", "triton_tflops", "reference_tflops",
+            "triton_executed_tflops", "ceiling_tflops", "triton_of_ceiling", "reference_of_ceiling"]
+    ceiling = ceilings.set_index("dtype")["tflops"].to_dict() if len(ceilings) else {}
+    sel = bench[(bench["sweep"] == sweep) & (bench["status"] == "ok") & (bench["fwd_ms"] > 0)]
+    keys = ["batch", "heads", "seq_len", "d", "causal", "dtype"]
+    ours = sel[sel["impl"] == "triton"]
+    theirs = sel[sel["impl"] == reference].set_index(keys)["fwd_ms"]
+    rows = []
+    for _, r in ours.iterrows():
+        key = tuple(r[k] for k in keys)
+        if key not in theirs.index:
+            continue
+        b, h, n, d = (int(r[k]) for k in ("batch", "heads", "seq_len", "d"))
+        causal, dtype = bool(r["causal"]), r["dtype"]
+        work = attention_flops(b, n, d, causal, "fwd", heads=h)
+        ms, ref_ms = float(r["fwd_ms"]), float(theirs.loc[key])
+        top = ceiling.get(dtype, math.nan)
+        rate, ref_rate = work / (ms * 1e-3) / 1e12, work / (ref_ms * 1e-3) / 1e12
+        rows.append(dict(shape=f"{b}x{h}x{n}x{d}{'' if causal else ' full'}", dtype=dtype, d=d, triton_ms=ms,
+                         reference_ms=ref_ms, triton_tflops=rate, reference_tflops=ref_rate,
+                         triton_executed_tflops=rate * fl.kernel_columns(r, "fwd") / d, ceiling_tflops=top,
+                         triton_of_ceiling=rate / top, reference_of_ceiling=ref_rate / top))
+    return pd.DataFrame(rows, columns=cols)
+
+
+def forward_sentence(table: pd.DataFrame, reference: str = "sdpa", interpreted_: bool = False) -> str:
+    """Per head dimension, the range of Triton's and ``reference``'s useful forward rate as a share of the
+    matmul ceiling (from :func:`forward_table`): where both kernels do the same useful work, the gap between
+    the shares is the kernels' efficiency, not the tensor cores' rate. On the CPU: no claim."""
+    table = table.dropna(subset=["triton_of_ceiling", "reference_of_ceiling"])
+    if table.empty:
+        return "No forward was timed against a measured matmul ceiling."
+    if interpreted_:
+        return f"{len(table)} forward times measured. " + INTERPRETED_SHORT
+    parts = [f"d {d}: Triton {_span(100 * g['triton_of_ceiling'], 2)}%, {reference} "
+             f"{_span(100 * g['reference_of_ceiling'], 2)}%" for d, g in table.groupby("d")]
+    return (f"The forward's useful work (two products per tile pair) against the measured matmul ceiling "
+            f"({_span(table['ceiling_tflops'], 3)} TFLOP/s), over {len(table)} shapes: " + "; ".join(parts)
+            + f". Where {reference} reaches a larger share on the same work, the card is not the bound: the gap "
+            "is how the kernel keeps the tensor cores fed (the softmax between its two products, its loads).")
+
+
 def _span(values: pd.Series, digits: int) -> str:
     """``"low-high"`` of ``values``, one number when both ends print alike."""
     low, high = fmt(values.min(), digits), fmt(values.max(), digits)

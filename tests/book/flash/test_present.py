@@ -9,7 +9,7 @@ import pytest
 
 from lab.book.flash import bench as fl
 from lab.book.flash import present
-from tests.book.prose import amounts, clause_of, numbers
+from tests.book.prose import amounts, clause_of, in_order, numbers
 
 matplotlib.use("Agg")
 
@@ -160,6 +160,38 @@ def test_backward_table_and_sentence():
     assert f"{shares[0]:.2g}-{shares[1]:.2g}%" in text and "fused" in text and "two_pass" in text and "700" in text
     assert "700" not in present.backward_sentence(table, interpreted_=True)
     assert present.backward_table(bench, ceilings.iloc[:0])["of_ceiling"].isna().all()
+
+
+def test_forward_table_sets_both_kernels_against_the_ceiling():
+    """The useful forward rate (two products on d columns) of Triton and SDPA on each shape both ran, each as a
+    share of the dtype's ceiling; Triton's executed rate counts its padded columns; a shape SDPA lacks is left
+    out; the sentence quotes each head dimension's shares."""
+    base = dict(sweep="lm", dtype="bf16", batch=4, heads=32, causal=True, status="ok", gpu="NVIDIA H200")
+    bench = pd.DataFrame([
+        dict(base, impl="triton", seq_len=2048, d=128, fwd_ms=0.5),
+        dict(base, impl="sdpa", seq_len=2048, d=128, fwd_ms=0.4),
+        dict(base, impl="triton", seq_len=2048, d=96, fwd_ms=0.3, dtype="fp32"),  # no SDPA row: left out
+        dict(base, impl="triton", seq_len=512, d=80, fwd_ms=0.1),
+        dict(base, impl="sdpa", seq_len=512, d=80, fwd_ms=0.05),
+    ])
+    ceilings = pd.DataFrame([dict(dtype="bf16", n=8192, tflops=700.0)])
+    table = present.forward_table(bench, ceilings)
+    assert list(table["shape"]) == ["4x32x2048x128", "4x32x512x80"]
+    work = fl.attention_flops(4, 2048, 128, True, "fwd", heads=32)
+    first = table.iloc[0]
+    assert first["triton_tflops"] == pytest.approx(work / 0.5e-3 / 1e12)
+    assert first["triton_of_ceiling"] == pytest.approx(work / 0.5e-3 / 1e12 / 700)
+    assert first["reference_of_ceiling"] == pytest.approx(work / 0.4e-3 / 1e12 / 700)
+    assert first["triton_executed_tflops"] == pytest.approx(first["triton_tflops"])  # d 128: no padding
+    short = table.iloc[1]  # d 80 on a GPU: split 64 + 16 columns, nothing padded
+    assert short["triton_executed_tflops"] == pytest.approx(short["triton_tflops"])
+    text = present.forward_sentence(table)
+    for d, row in ((128, first), (80, short)):
+        clause = text[text.index(f"d {d}:"):]
+        assert in_order(clause, [d, float(f"{100 * row['triton_of_ceiling']:.2g}"),
+                                 float(f"{100 * row['reference_of_ceiling']:.2g}")])
+    assert "700" in text and "700" not in present.forward_sentence(table, interpreted_=True)
+    assert "No forward" in present.forward_sentence(present.forward_table(bench, ceilings.iloc[:0]))
 
 
 def test_kernel_columns_follow_the_split_the_measuring_device_made():
