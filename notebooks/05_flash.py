@@ -15,7 +15,8 @@
 #
 # 1. check every implementation against a float64 reference, head dims 80 and 96 included;
 # 2. time it against PyTorch's fused attention (SDPA: its default backend, and its FlashAttention-2 and cuDNN
-#    backends by name) and the tiled PyTorch FlashAttention-2 on LM-like shapes in bf16 and fp16;
+#    backends by name) and the tiled PyTorch FlashAttention-2 on LM-like shapes in the dtypes of `dtypes`
+#    (bf16 and fp16 by default);
 # 3. sweep a few lengths in fp32 against naive PyTorch and SDPA;
 # 4. decide the performance goals, run the course's timing test, and put the kernel inside the 2.7B model.
 #
@@ -116,7 +117,7 @@ report.show_table(present.flops_example(), floatfmt=".4g")
 # ## The grid: LM-like shapes
 #
 # Each implementation on shapes a language model meets (batch × heads ≥ 16, 2k–16k tokens, d 64/80/128,
-# causal and not) in bf16 and fp16: forward, backward (on one retained forward graph) and end-to-end
+# causal and not) in the dtypes of `dtypes`: forward, backward (on one retained forward graph) and end-to-end
 # forward+backward, each with `triton.testing.do_bench` (CUDA events, L2 flushed between calls; median,
 # mean, spread and sample count kept). Skipped, unsupported and out-of-memory configurations are rows that
 # say why. The same table holds the fp32 sweep further down. Cells read `fwd / bwd / e2e` in ms.
@@ -150,8 +151,8 @@ book.answer("How fast is the Triton kernel against SDPA's backends on LM-like sh
 # %% [markdown]
 # ## The performance goals
 #
-# On the LM-like shapes in bf16 and fp16, against SDPA's default backend (cuDNN on Hopper): Triton's forward
-# at least as fast (speed ratio SDPA ms / Triton ms ≥ 1.0), its backward at least 0.9× and end-to-end at
+# On the LM-like shapes in the dtypes measured, against SDPA's default backend (cuDNN on Hopper): Triton's
+# forward at least as fast (speed ratio SDPA ms / Triton ms ≥ 1.0), its backward at least 0.9× and end-to-end at
 # least 0.95×. A goal is met only when the whole 95% interval of the ratio clears it, missed when the whole
 # interval falls short, and undecided otherwise.
 
@@ -166,8 +167,10 @@ book.answer("Are the performance goals met?", grid.goals_sentence(goals, interpr
 # ### Why the goals are missed
 #
 # The same ratios by head dimension and pass. Two causes follow from how the kernels are built. A head
-# dimension that is not a power of two (80 for the 2.7B model) runs in masked power-of-two tiles, so part of
-# every tile's matrix work is on zero columns (`useful_columns`). The backward, to avoid atomics, has each
+# dimension that is not a power of two (80 for the 2.7B model) runs either in masked power-of-two tiles, so
+# part of every tile's matrix work is on zero columns (`useful_columns` below 1), or, where the tile tables
+# split it (80 and 96 in 16-bit on a GPU), as two power-of-two column chunks with no masked column
+# (`useful_columns` 1). The backward, to avoid atomics, has each
 # program own the rows it writes: the dK/dV programs and the dQ programs both recompute the scores, 7 matrix
 # products per tile pair where a kernel that adds dQ atomically (FlashAttention-2 and -3) needs 5. What is left at the powers
 # of two, in the forward especially, is scheduling: cuDNN's Hopper kernels overlap one tile's softmax with the

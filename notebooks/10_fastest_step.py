@@ -144,8 +144,8 @@ for name in configs:
         report.say("The largest kernels of `other kernels` (ms per profiled step):")
         report.show_table(others, floatfmt=".4g")
     report.say(fastest.mfu_sentence(table, on_gpu))
-book.answer("Where does the book's step spend its time?", fastest.phase_sentence(runs[runs["config"] == configs[0]]),
-            "Where the time goes")
+book.answer("Where does the book's step spend its time?",
+            " ".join(fastest.phase_sentence(runs[runs["config"] == name]) for name in configs), "Where the time goes")
 
 # %% [markdown]
 # ## Memory by category

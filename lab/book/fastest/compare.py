@@ -139,7 +139,8 @@ def like_for_like_table(df: pd.DataFrame, on_gpu: bool = True) -> pd.DataFrame:
         c = comparison(row, stock, prefix)
         options, own = split_differences(row["config"], row["impl"], stock["impl"])
         rows.append({**out, "stock": stock["impl"], "timer": "host" if prefix else row.get("timer", "do_bench"),
-                     "book_ms": row[f"{prefix}step_ms"], "stock_ms": stock[f"{prefix}step_ms"], "ratio": c.ratio,
+                     "book_ms": row[f"{prefix}step_ms"], "stock_ms": stock[f"{prefix}step_ms"],
+                     "book_n": int(row[f"{prefix}step_n"]), "stock_n": int(stock[f"{prefix}step_n"]), "ratio": c.ratio,
                      "low": c.low, "high": c.high, "verdict": c.label if on_gpu else NOT_JUDGED,
                      "stock_options": ", ".join(options), "own_parts": ", ".join(own)})
     return pd.DataFrame(rows)
@@ -199,9 +200,18 @@ def goal_sentence(df: pd.DataFrame, config: str, target: float, on_gpu: bool = T
         met = "undecided (fewer than two timed steps, no spread)"
     text = (f"**{config}** ({_held_fixed(r, config, r['timer'])}, all held fixed): the book's step takes "
             f"{fmt(r['book_ms'], 4)} ms against {fmt(r['stock_ms'], 4)} ms for {r['stock']}, the fastest stock "
-            f"step at that precision, a ratio of {c.ratio:.3f} (95% interval {c.low:.3f}-{c.high:.3f}); the goal "
-            f"(<= {target}x) is **{met}**.")
+            f"step measured at that precision, a ratio of {c.ratio:.3f} (95% interval {c.low:.3f}-{c.high:.3f}"
+            f"{_samples(r)}); the goal (<= {target}x) is **{met}**.")
     return text + " " + options_sentence(r, config)
+
+
+def _samples(r: pd.Series) -> str:
+    """``", from 2 and 3 timed steps"`` where a side has fewer than ten samples (an interval from so few is
+    rough), else ``""``."""
+    counts = [r.get("book_n"), r.get("stock_n")]
+    if any(pd.isna(n) for n in counts) or min(counts) >= 10:  # older rows carry no counts
+        return ""
+    return f", from {int(counts[0])} and {int(counts[1])} timed steps"
 
 
 def comparison_of(r: pd.Series):
@@ -226,7 +236,7 @@ def options_sentence(r: pd.Series, config: str | None = None) -> str:
     parts = []
     if options:
         parts.append(f"{named(options)}: {'an option' if len(options) == 1 else 'options'} any PyTorch user can "
-                     "set (what that gains is stock PyTorch's)")
+                     "set (any time they save, stock PyTorch saves too)")
     if own:
         parts.append(f"{named(own)}: the book's own")
     return f"The book's step differs from {r['stock']} in " + "; and in ".join(parts) + "."

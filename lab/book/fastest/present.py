@@ -191,7 +191,8 @@ def phase_sentence(df: pd.DataFrame, impl: str = "project") -> str:
     text = ", ".join(f"{_label(name)} {ms:,.0f} ms ({ms / total:.0%})" if ms >= 100 else
                      f"{_label(name)} {fmt(ms, 3)} ms ({ms / total:.0%})"
                      for name, ms in parts.items() if ms > 0.005 * total)
-    return f"One profiled step of {impl}: {text}."
+    config = f"**{row['config']}**: one" if isinstance(row.get("config"), str) else "One"
+    return f"{config} profiled step of {impl}: {text}."
 
 
 def gap_table(df: pd.DataFrame, impl: str = "project", reference: str = "stock_compiled") -> pd.DataFrame:
@@ -273,7 +274,11 @@ def mfu_sentence(df: pd.DataFrame, on_gpu: bool) -> str:
     if not on_gpu or ok.empty or not math.isfinite(ok["mfu"].iloc[0]):
         return "Model-FLOP utilisation is only meaningful on a GPU; this render has none."
     r = ok.iloc[0]
-    return (f"The book's step does {r['model_tflop_per_step']:.4g} TFLOP of model FLOPs per step: "
+    world = int(r.get("world_size", 1) or 1)  # the MFU is per GPU: a total over several GPUs says so
+    work = (f"{fmt(r['model_tflop_per_step'], 4)} TFLOP of model FLOPs per step over {world} GPUs, "
+            f"{fmt(r['mfu'] * r['matmul_ceiling_tflops'], 3)} TFLOP/s per GPU" if world > 1 else
+            f"{fmt(r['model_tflop_per_step'], 4)} TFLOP of model FLOPs per step")
+    return (f"The book's step does {work}: "
             f"{fmt(r['tokens_per_s'], 4)} tokens/s, {r['mfu']:.1%} of the {r['matmul_ceiling_tflops']:.0f} TFLOP/s "
             f"bf16 matmul ceiling measured on this card ({r['mfu_datasheet']:.1%} of the 989 TFLOP/s datasheet); "
             f"the gap to the ceiling is {1 - r['mfu']:.0%} of the step.")
@@ -314,7 +319,7 @@ def fused_loss_sentence(losses: pd.DataFrame, on_gpu: bool, memory_goal: float =
         if "fused" not in by.index:
             continue
         f = by.loc["fused"]
-        text = f"vocabulary {vocab:,}, width {d:,}, {tokens:,} tokens: fused {f['fwdbwd_ms']:.4g} ms"
+        text = f"At vocabulary {vocab:,}, width {d:,}, {tokens:,} tokens: fused {f['fwdbwd_ms']:.4g} ms"
         if "torch_compiled" in by.index:
             ratio, verdict = loss_verdict(by, "fused", "torch_compiled")
             goal = ("undecided" if verdict == "no spread" else "met" if ratio <= time_goal else "missed")
@@ -355,8 +360,8 @@ def fused_loss_sentence(losses: pd.DataFrame, on_gpu: bool, memory_goal: float =
         parts.append(text)
     oom = losses[losses["status"] == "oom"]
     if len(oom):
-        parts.append("out of memory: " + ", ".join(f"{r.impl} at vocabulary {r.vocab:,}" for r in oom.itertuples()))
-    return ("; ".join(parts) + ".") if parts else "No fused-loss row ran."
+        parts.append("Out of memory: " + ", ".join(f"{r.impl} at vocabulary {r.vocab:,}" for r in oom.itertuples()))
+    return (". ".join(parts) + ".") if parts else "No fused-loss row ran."  # a sentence per shape
 
 
 def compile_sentence(df: pd.DataFrame, config: str, on_gpu: bool, limit_s: float = 600) -> str:

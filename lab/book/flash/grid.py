@@ -160,12 +160,13 @@ def tflops_sentence(bench: pd.DataFrame, impl: str = "triton", sweep: str = "lm"
         others = df[(df["dtype"] == dt) & (df["impl"] != impl)]
         best_other = (others.loc[others["e2e_tflops"].idxmax()] if len(others) and others["e2e_tflops"].notna().any()
                       else None)
-        text = (f"in {dt} at best {fmt(g['fwd_tflops'].max())} TFLOP/s forward, {fmt(g['bwd_tflops'].max())} "
-                f"backward and {fmt(g['e2e_tflops'].max())} end to end")
+        text = (f"in {dt}, {impl.capitalize()} reaches at best {fmt(g['fwd_tflops'].max())} TFLOP/s forward, "
+                f"{fmt(g['bwd_tflops'].max())} backward and {fmt(g['e2e_tflops'].max())} end to end")
         if best_other is not None:
             text += f" (best other end to end: {best_other['impl']} {fmt(best_other['e2e_tflops'])})"
         parts.append(text)
-    out = f"{impl.capitalize()} reaches " + "; ".join(parts) + "."
+    out = "; ".join(parts)
+    out = out[0].upper() + out[1:] + ", each pass on its own best shape."
     return out + (" " + INTERPRETED_SHORT if interpreted_ else "")
 
 
@@ -247,20 +248,20 @@ def why_missed_sentence(goals: pd.DataFrame, interpreted_: bool = False) -> str:
     text = (f"Median speed against SDPA by head dimension — {'; '.join(parts)}. Furthest from its goal: the "
             f"{ {'fwd': 'forward', 'bwd': 'backward', 'e2e': 'end to end'}[worst_pass] } at d {worst_d}.")
     powers = [d for d in t.index if d & (d - 1) == 0]
+    power_fwd = fmt(goals[goals["d"].isin(powers)]["fwd_ratio"].median())  # over the shapes, not the dims' medians
     padded = t[t["useful_columns"] < 1]
     if len(padded):
         d = int(padded.index[0])
         if powers:
             share, width = fmt(100 * padded.loc[d, "useful_columns"], 3), 2 ** math.ceil(math.log2(d))
             text += (f" At d {d} only {share}% of each tile's columns are the head's (masked {width}-wide tiles), "
-                     f"and its forward is {fmt(padded.loc[d, 'fwd_median'])}x against "
-                     f"{fmt(t.loc[powers, 'fwd_median'].median())}x at the powers of two.")
+                     f"and its forward is {fmt(padded.loc[d, 'fwd_median'])}x against {power_fwd}x, the median "
+                     f"of the power-of-two shapes.")
     split = [d for d in t.index if d not in powers and t.loc[d, "useful_columns"] == 1]
     if split and powers:
         d = int(split[0])
         text += (f" At d {d} the kernels compute no masked column (two power-of-two chunks), and its forward is "
-                 f"{fmt(t.loc[d, 'fwd_median'])}x against {fmt(t.loc[powers, 'fwd_median'].median())}x at the "
-                 f"powers of two.")
+                 f"{fmt(t.loc[d, 'fwd_median'])}x against {power_fwd}x, the median of the power-of-two shapes.")
     slower_bwd = (t["bwd_median"] < t["fwd_median"]).sum()
     text += (f" The backward trails the forward at {slower_bwd} of {len(t)} head dimensions: without atomics it "
              f"computes 7 matrix products per tile pair where a kernel that adds dQ atomically (FlashAttention-2's "

@@ -31,6 +31,9 @@ def test_goal_is_met_missed_or_undecided_from_the_spread():
     undecided = fastest.goal_sentence(noisy, "leaderboard", 0.8)
     assert "undecided" in undecided and "**met**" not in undecided and "**missed**" not in undecided
     assert amounts_in_order(undecided, [(4700, "ms"), (6000, "ms"), (0.8, "x")]) and in_order(undecided, [0.783])
+    assert "from 3 and 3 timed steps" in undecided  # an interval from few samples says how few
+    many = pd.DataFrame([_row("project", 4500.0, 10.0, n=12), _row("stock_compiled", 6000.0, 10.0, n=12)])
+    assert "timed steps" not in fastest.goal_sentence(many, "leaderboard", 0.8)  # twelve each: not flagged
     one = pd.DataFrame([_row("project", 4500.0, 0.0, n=1), _row("stock_compiled", 6000.0, 0.0, n=1)])
     assert "no spread" in fastest.goal_sentence(one, "leaderboard", 0.8)
     alone = fastest.goal_sentence(df[df.impl == "project"], "leaderboard", 0.8)
@@ -152,6 +155,7 @@ def test_phase_sentence_plots_and_mfu():
     df = pd.DataFrame([_row("project", 5000.0, **phases), _row("stock_compiled", 6000.0)])
     s = fastest.phase_sentence(df)
     assert "project" in s and amounts(s)[:4] == [(2000, "ms"), (40, "%"), (1500, "ms"), (30, "%")]  # largest first
+    assert s.startswith("**leaderboard**: one profiled step of project")  # which configuration's step
     assert s.index("attention") < s.index("matmul") < s.index("recompute") < s.index("idle")
     unprofiled = fastest.phase_sentence(df, "stock_compiled")
     assert "no CPU" not in s and "stock_compiled" in unprofiled and "GPU" in unprofiled and not amounts(unprofiled)
@@ -160,6 +164,8 @@ def test_phase_sentence_plots_and_mfu():
     mfu = fastest.mfu_sentence(df, on_gpu=True)  # MFU against the measured ceiling, then the datasheet's
     assert amounts_in_order(mfu, [(50.0, "%"), (780, "TFLOP/s"), (40.0, "%"), (989, "TFLOP/s")])
     assert "e+" not in mfu and "13,110 tokens/s" in mfu  # 65,536 tokens in 5 s
+    two = fastest.mfu_sentence(df.assign(world_size=2), on_gpu=True)  # a total over two GPUs, the rate per GPU
+    assert has_amount(two, 390, "TFLOP/s") and "over 2 GPUs" in two and "per GPU" not in mfu
     cpu = fastest.mfu_sentence(df, on_gpu=False)
     assert "GPU" in cpu and not amounts(cpu)
 
@@ -171,6 +177,9 @@ def test_fused_loss_goals():
             dict(impl="torch_compiled", fwdbwd_ms=200.0, peak_extra_gib=18.5, **shape)]
     s = fastest.fused_loss_sentence(pd.DataFrame(rows), on_gpu=True)
     time_goal, memory_goal = s.split(";")
+    assert s.startswith("At vocabulary 151,936, width 4,096") and s.endswith(".")
+    two = fastest.fused_loss_sentence(pd.DataFrame(rows + [dict(r, vocab=10000) for r in rows]), on_gpu=True)
+    assert two.count("At vocabulary") == 2 and ". At vocabulary" in two  # a sentence per shape
     assert amounts(time_goal)[-2:] == [(300, "ms"), (1.5, "x")] and "missed" in time_goal  # 300 / 200, goal 1.0
     assert "met" not in time_goal
     # goal 5% of the eager loss's; the compiled loss's share beside it

@@ -97,7 +97,11 @@ def test_course_sentence_and_goal():
     assert "eager" in eager_goal and "undecided" in eager_goal and amounts(eager_goal)[0] == (0.998, "x")
     h200 = pd.DataFrame([_course(5.0, 0.05, "NVIDIA H200")])
     text = present.course_sentence(h200)
-    assert "NVIDIA H200" in text and "H100" in text and "missed" in text  # the card it ran on, the goal's card
+    assert "NVIDIA H200" in text and "H100" in text  # the card it ran on, the goal's card
+    assert "missed" not in text and "over the H100 goal (pointer only)" in text  # a pointer, not a verdict
+    assert present.course_table(h200)["goal"].tolist() == ["over the H100 goal (pointer only)"]
+    assert present.course_table(pd.DataFrame([_course(4.0, 0.05, "NVIDIA H200")]))["goal"].tolist() == [
+        "under the H100 goal (pointer only)"]
     cpu = pd.DataFrame([_course(400.0, 10.0, "cpu", compiled=False, n=2)])
     assert present.course_table(cpu)["goal"].tolist() == ["not evaluated (CPU)"]
     assert "not evaluated" in present.course_sentence(cpu) and present.INTERPRETED_SHORT in \
