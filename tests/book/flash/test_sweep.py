@@ -5,6 +5,7 @@ import pandas as pd
 import pytest
 import torch
 
+from lab.book.flash import host
 from lab.book.flash import sweep as fs
 
 
@@ -86,11 +87,11 @@ def test_host_attention_inline_variant_matches_the_registry():
     ``flash_triton`` computes, to the bit (the same kernels); other names are the registry's functions."""
     from lab.model.attention import get_attention
 
-    assert fs.host_attention("sdpa") is get_attention("sdpa")
+    assert host.host_attention("sdpa") is get_attention("sdpa")
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 24, 16, generator=gen) for _ in range(3))
-    got = fs.host_attention("flash_triton_inline")(q, k, v, True)
+    got = host.host_attention("flash_triton_inline")(q, k, v, True)
     torch.testing.assert_close(got, get_attention("flash_triton")(q, k, v, True), atol=0, rtol=0)
-    torch.testing.assert_close(fs.host_attention("flash_triton_opaque")(q, k, v, True), got, atol=0, rtol=0)
+    torch.testing.assert_close(host.host_attention("flash_triton_opaque")(q, k, v, True), got, atol=0, rtol=0)
     ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)
     torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=1e-5)
