@@ -253,6 +253,6 @@ def fmt(value: float, digits: int = 3) -> str:
         return f"{value:g}"
     value = float(f"{value:.{digits}g}")  # rounded first: 999.6 has four digits before it has three
     exponent = math.floor(math.log10(abs(value)))
-    if exponent >= digits:  # an integer: round to the significant digits, group the thousands
-        return f"{round(value, digits - 1 - exponent):,.0f}"
+    if exponent >= digits:  # already an integer at these digits: group the thousands
+        return f"{value:,.0f}"
     return f"{value:.{digits}g}"

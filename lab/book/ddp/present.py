@@ -348,8 +348,7 @@ def overhead_model_sentences(model: pd.DataFrame) -> str:
         text = f"**{r.config}** ({report.fmt(r.grad_mb)} MiB of gradients): "
         if math.isfinite(r.fit_o_ms) and math.isfinite(r.fit_w_gbps):
             text += (f"the fit gives o = {duration(r.fit_o_ms)} per call and w = {report.fmt(r.fit_w_gbps)} GB/s, "
-                     f"so the "
-                     f"model's optimal bucket is {report.fmt(r.fit_best_bucket_mb)} MB (overhead "
+                     f"so the model's optimal bucket is {report.fmt(r.fit_best_bucket_mb)} MB (overhead "
                      f"{report.fmt(r.fit_best_overhead_ms)} ms); ")
         else:
             text += ("the measured overheads do not support both terms of the model (a fitted coefficient is not "

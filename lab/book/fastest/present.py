@@ -212,30 +212,36 @@ def gap_table(df: pd.DataFrame, impl: str = "project", reference: str = "stock_c
     return pd.concat([out, total], ignore_index=True)
 
 
+def moved_phases(gap: pd.DataFrame, reference: str) -> pd.DataFrame:
+    """The phase rows of a :func:`gap_table` whose difference is at least 1% of ``reference``'s profiled step:
+    what a sentence names (smaller moves are within a profile's own variation)."""
+    phases = gap.iloc[:-1]
+    return phases[phases["difference_ms"].abs() >= 0.01 * gap[reference].iloc[-1]]
+
+
 def gap_sentence(df: pd.DataFrame, impl: str = "project", reference: str = "stock_compiled") -> str:
     """Where ``impl`` gains and loses against ``reference`` (from :func:`gap_table`); which ablation would be
     faster is :func:`ablation_sentence`'s (timed the same way as the book's step)."""
     gap = gap_table(df, impl, reference)
     if gap.empty:
         return f"No GPU profile of both {impl} and {reference}: the gap cannot be split by phase here."
-    phases = gap.iloc[:-1]
-    behind = phases[phases["difference_ms"] > 0].sort_values("difference_ms", ascending=False)
-    ahead = phases[phases["difference_ms"] < 0].sort_values("difference_ms")
+    phases, moved = gap.iloc[:-1], moved_phases(gap, reference)
+    behind = moved[moved["difference_ms"] > 0].sort_values("difference_ms", ascending=False)
+    ahead = moved[moved["difference_ms"] < 0].sort_values("difference_ms")
     ref = reference.replace("_", " ")
 
     def listed(part, sign):
-        return ", ".join(f"{r.phase} ({sign}{abs(r.difference_ms):.4g} ms)" for r in part.itertuples()
-                         if abs(r.difference_ms) >= 0.01 * gap[reference].iloc[-1])
+        return ", ".join(f"{r.phase} ({sign}{abs(r.difference_ms):.4g} ms)" for r in part.itertuples())
 
     less, more = listed(ahead, "-"), listed(behind, "+")
     if less and more:
-        moved = f"spends less on {less}, and more on {more}"
+        said = f"spends less on {less}, and more on {more}"
     elif less or more:
-        moved = (f"spends less on {less}; no phase takes more by 1% of the step or more" if less else
-                 f"spends more on {more}; no phase takes less by 1% of the step or more")
+        said = (f"spends less on {less}; no phase takes more by 1% of the step or more" if less else
+                f"spends more on {more}; no phase takes less by 1% of the step or more")
     else:
-        moved = "spends within 1% of the step on every phase"
-    text = (f"Against {ref}, the book's step {moved} (one profiled step each, {gap[impl].iloc[-1]:.4g} ms against "
+        said = "spends within 1% of the step on every phase"
+    text = (f"Against {ref}, the book's step {said} (one profiled step each, {gap[impl].iloc[-1]:.4g} ms against "
             f"{gap[reference].iloc[-1]:.4g} ms: where the time goes, not a verdict on which step is faster; that "
             "is the timed steps').")
     by = phases.set_index("phase")
@@ -257,10 +263,8 @@ def ablation_phase_sentence(df: pd.DataFrame, base: str = "project") -> str:
         gap = gap_table(df, impl, base)
         if gap.empty:
             continue
-        step = gap[base].iloc[-1]
-        moved = [f"{r.phase} {r.difference_ms:+.4g} ms" for r in gap.iloc[:-1].itertuples()
-                 if abs(r.difference_ms) >= 0.01 * step]
-        where = ", ".join(moved) or "no phase moved by 1% of the step or more"
+        where = (", ".join(f"{r.phase} {r.difference_ms:+.4g} ms" for r in moved_phases(gap, base).itertuples())
+                 or "no phase moved by 1% of the step or more")
         parts.append(f"{impl} {gap['difference_ms'].iloc[-1]:+.4g} ms in all ({where})")
     if not parts:
         return ""

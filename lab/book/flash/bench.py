@@ -281,9 +281,10 @@ def run_flash_benchmark(sweeps: dict[str, dict], **common) -> pd.DataFrame:
 
 
 def add_tflops(df: pd.DataFrame) -> pd.DataFrame:
-    """Add ``fwd_tflops``, ``bwd_tflops``, ``e2e_tflops``: :func:`attention_flops` / median time, in TFLOP/s."""
+    """Add ``fwd_tflops``, ``bwd_tflops``, ``e2e_tflops``: :func:`attention_flops` / median time, in TFLOP/s (for
+    the passes ``df`` has times of)."""
     df = df.copy()
-    for p in PASSES:
+    for p in [p for p in PASSES if f"{p}_ms" in df.columns]:
         flops = [attention_flops(r.batch, r.seq_len, r.d, bool(r.causal), p, heads=r.heads)
                  for r in df.itertuples()]
         df[f"{p}_tflops"] = np.asarray(flops, dtype=float) / (df[f"{p}_ms"].to_numpy(dtype=float) * 1e-3) / 1e12

@@ -208,7 +208,7 @@ def _goal_word(row: pd.Series, goal_ms: float) -> str:
     if _on_cpu(row):
         return "not evaluated (CPU)"
     word = course_goal(row, goal_ms).word
-    if "H100" in str(row.get("gpu", "")):
+    if _on_goal_card(row.get("gpu", "")):
         return word
     return {"met": "under the H100 goal (pointer only)", "missed": "over the H100 goal (pointer only)"}.get(
         word, f"{word} against the H100 goal (pointer only)")
@@ -220,6 +220,11 @@ def course_table(course: pd.DataFrame, goal_ms: float = fl.COURSE_GOAL_MS) -> pd
     words = [_goal_word(r, goal_ms) for _, r in course.iterrows()]
     cols = ["compiled", "batch", "seq_len", "d", "dtype", "ms", "std_ms", "n", "gpu"]
     return course[[c for c in cols if c in course.columns]].assign(goal_ms=goal_ms, goal=words)
+
+
+def _on_goal_card(gpu) -> bool:
+    """Whether ``gpu`` (a device name) is the card the course's goal is set for."""
+    return "H100" in str(gpu)
 
 
 def _on_cpu(row: pd.Series) -> bool:
@@ -247,7 +252,7 @@ def course_sentence(course: pd.DataFrame, goal_ms: float = fl.COURSE_GOAL_MS) ->
                 f"{_goal_word(r, goal_ms)}")
 
     verdicts = "; ".join(verdict(r) for _, r in course.iterrows())
-    if "H100" in gpu:
+    if _on_goal_card(gpu):
         where = f"It ran on an {gpu}, the GPU the goal is set for, so the goal applies"
     else:
         where = (f"It ran on {gpu}, not an H100, and the goal is set for an H100, so what follows is only a "
@@ -388,23 +393,18 @@ def forward_table(bench: pd.DataFrame, ceilings: pd.DataFrame, sweep: str = "lm"
     cols = ["shape", "dtype", "d", "triton_ms", "reference_ms", "triton_tflops", "reference_tflops",
             "triton_executed_tflops", "ceiling_tflops", "triton_of_ceiling", "reference_of_ceiling"]
     ceiling = ceilings.set_index("dtype")["tflops"].to_dict() if len(ceilings) else {}
-    sel = bench[(bench["sweep"] == sweep) & (bench["status"] == "ok") & (bench["fwd_ms"] > 0)]
-    keys = ["batch", "heads", "seq_len", "d", "causal", "dtype"]
-    ours = sel[sel["impl"] == "triton"]
-    theirs = sel[sel["impl"] == reference].set_index(keys)["fwd_ms"]
+    sel = fl.add_tflops(bench[(bench["sweep"] == sweep) & (bench["status"] == "ok") & (bench["fwd_ms"] > 0)])
+    theirs = sel[sel["impl"] == reference].set_index(fl.CONFIG_KEY)
     rows = []
-    for _, r in ours.iterrows():
-        key = tuple(r[k] for k in keys)
+    for _, r in sel[sel["impl"] == "triton"].iterrows():
+        key = tuple(r[k] for k in fl.CONFIG_KEY)
         if key not in theirs.index:
             continue
-        b, h, n, d = (int(r[k]) for k in ("batch", "heads", "seq_len", "d"))
-        causal, dtype = bool(r["causal"]), r["dtype"]
-        work = attention_flops(b, n, d, causal, "fwd", heads=h)
-        ms, ref_ms = float(r["fwd_ms"]), float(theirs.loc[key])
-        top = ceiling.get(dtype, math.nan)
-        rate, ref_rate = work / (ms * 1e-3) / 1e12, work / (ref_ms * 1e-3) / 1e12
-        rows.append(dict(shape=f"{b}x{h}x{n}x{d}{'' if causal else ' full'}", dtype=dtype, d=d, triton_ms=ms,
-                         reference_ms=ref_ms, triton_tflops=rate, reference_tflops=ref_rate,
+        ref, d, top = theirs.loc[key], int(r["d"]), ceiling.get(r["dtype"], math.nan)
+        rate, ref_rate = r["fwd_tflops"], ref["fwd_tflops"]
+        rows.append(dict(shape=f"{int(r['batch'])}x{int(r['heads'])}x{int(r['seq_len'])}x{d}"
+                               f"{'' if r['causal'] else ' full'}", dtype=r["dtype"], d=d, triton_ms=r["fwd_ms"],
+                         reference_ms=ref["fwd_ms"], triton_tflops=rate, reference_tflops=ref_rate,
                          triton_executed_tflops=rate * fl.kernel_columns(r, "fwd") / d, ceiling_tflops=top,
                          triton_of_ceiling=rate / top, reference_of_ceiling=ref_rate / top))
     return pd.DataFrame(rows, columns=cols)
