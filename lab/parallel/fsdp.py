@@ -213,7 +213,9 @@ class FSDP(nn.Module):
         layer.pending = None
         work.wait()
         if len(layer.weights) == 1:  # rank-major order is already the weight's flat layout
-            bufs = [out]
+            # A new tensor on the same memory: the finished collective may still hold ``out`` for a moment
+            # (its worker thread lets go of it after wait() returns), which the liveness probe must not count.
+            bufs = [out.detach()]
         else:  # out is (rank, concatenated slices): copy each weight's columns out, one kernel for all
             bufs = [torch.empty(w.padded, dtype=out.dtype, device=out.device) for w in layer.weights]
             torch.split_with_sizes_copy(out.view(self.world, layer.shard_numel), layer.sizes, dim=1,
