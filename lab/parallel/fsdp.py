@@ -216,10 +216,13 @@ class FSDP(nn.Module):
             # A new tensor on the same memory: the finished collective may still hold ``out`` for a moment
             # (its worker thread lets go of it after wait() returns), which the liveness probe must not count.
             bufs = [out.detach()]
-        else:  # out is (rank, concatenated slices): copy each weight's columns out, one kernel for all
+        else:  # out is (rank, concatenated slices): copy each weight's columns out, one kernel each. Not
+            # split_with_sizes_copy: on CUDA it sends its pointer table host-to-device on the compute stream,
+            # where it queues behind any large host-to-device copy in flight (an offloaded block's activations
+            # coming back) and stalls the computation for the whole transfer.
             bufs = [torch.empty(w.padded, dtype=out.dtype, device=out.device) for w in layer.weights]
-            torch.split_with_sizes_copy(out.view(self.world, layer.shard_numel), layer.sizes, dim=1,
-                                        out=[b.view(self.world, s) for b, s in zip(bufs, layer.sizes)])
+            for b, src in zip(bufs, out.view(self.world, layer.shard_numel).split(layer.sizes, dim=1)):
+                b.view(self.world, -1).copy_(src)
         for w, b in zip(layer.weights, bufs):
             if w.gathered is None:
                 w.gathered = b
