@@ -143,6 +143,8 @@ class FSDP(nn.Module):
         self._weights: dict[str, ShardedWeight] = {}
         self._replicated: list[tuple[str, nn.Parameter]] = []
         owners = self._shard_layout(module, unit_names(module, unit_modules))
+        # each parameter's name now: wrappers added around the blocks later do not rename them in gather_full_*
+        self._names = {id(p): name for name, p in module.named_parameters()}
         self._hook_handles: list = []
         for mod, weights in owners:
             self._hook_handles += [mod.register_forward_pre_hook(self._make_pre_hook(weights)),
@@ -216,10 +218,8 @@ class FSDP(nn.Module):
             # A new tensor on the same memory: the finished collective may still hold ``out`` for a moment
             # (its worker thread lets go of it after wait() returns), which the liveness probe must not count.
             bufs = [out.detach()]
-        else:  # out is (rank, concatenated slices): copy each weight's columns out, one kernel each. Not
-            # split_with_sizes_copy: on CUDA it sends its pointer table host-to-device on the compute stream,
-            # where it queues behind any large host-to-device copy in flight (an offloaded block's activations
-            # coming back) and stalls the computation for the whole transfer.
+        else:  # out is (rank, concatenated slices): one copy per weight. split_with_sizes_copy's pointer table goes
+            # host-to-device on the compute stream, behind any large copy back in flight (offloaded activations)
             bufs = [torch.empty(w.padded, dtype=out.dtype, device=out.device) for w in layer.weights]
             for b, src in zip(bufs, out.view(self.world, layer.shard_numel).split(layer.sizes, dim=1)):
                 b.view(self.world, -1).copy_(src)
@@ -436,12 +436,12 @@ class FSDP(nn.Module):
 
     def gather_full_params(self) -> dict[str, torch.Tensor]:
         """Every parameter of the wrapped module at full size and fp32: name -> tensor (a collective call)."""
-        return full_params(self.module, self._weights, self.shard_group)
+        return full_params(self.module, self._weights, self.shard_group, self._names)
 
     def gather_full_grads(self) -> dict[str, torch.Tensor]:
         """Every parameter's averaged gradient at full size: name -> tensor (None where there is none; a
         collective call). For checking against a single-process step."""
-        return full_grads(self.module, self._weights, self.shard_group)
+        return full_grads(self.module, self._weights, self.shard_group, self._names)
 
     def gradient_groups(self) -> list[list[nn.Parameter]]:
         """The trainable parameters whose gradients become final together: each layer's shards (one

@@ -132,23 +132,30 @@ def unshard(w: ShardedWeight, shard: torch.Tensor, group: dist.ProcessGroup | No
     return flat[:w.numel].view(w.shape).clone()
 
 
-@torch.no_grad()
-def full_params(module: nn.Module, weights: dict[str, ShardedWeight],
-                group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
-    """Every parameter of ``module`` at full size (sharded ones gathered over the shard ``group``): name ->
-    tensor (a collective call)."""
-    return {name: p.detach().clone() if name not in weights else
-            unshard(weights[name], weights[name].shard, group) for name, p in module.named_parameters()}
-
-
-@torch.no_grad()
-def full_grads(module: nn.Module, weights: dict[str, ShardedWeight],
-               group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor | None]:
-    """Every parameter's gradient at full size (sharded ones gathered over the shard ``group``; None where a
-    replicated one has none)."""
-    out: dict[str, torch.Tensor | None] = {}
+def _canonical(module: nn.Module, weights: dict[str, ShardedWeight], names: dict[int, str] | None):
+    """``module``'s parameters as (name at wrapping time, parameter, its ShardedWeight or None): a wrapper
+    added around its blocks later (activation offloading's) changes ``named_parameters()``'s names, not these."""
     for name, p in module.named_parameters():
-        w = weights.get(name)
+        name = names.get(id(p), name) if names else name
+        yield name, p, weights.get(name)
+
+
+@torch.no_grad()
+def full_params(module: nn.Module, weights: dict[str, ShardedWeight], group: dist.ProcessGroup | None = None,
+                names: dict[int, str] | None = None) -> dict[str, torch.Tensor]:
+    """Every parameter of ``module`` at full size (sharded ones gathered over the shard ``group``): name ->
+    tensor (a collective call). ``names``: parameter id -> its name when ``weights`` were made."""
+    return {name: p.detach().clone() if w is None else unshard(w, w.shard, group)
+            for name, p, w in _canonical(module, weights, names)}
+
+
+@torch.no_grad()
+def full_grads(module: nn.Module, weights: dict[str, ShardedWeight], group: dist.ProcessGroup | None = None,
+               names: dict[int, str] | None = None) -> dict[str, torch.Tensor | None]:
+    """Every parameter's gradient at full size (sharded ones gathered over the shard ``group``; None where a
+    replicated one has none). ``names`` as in :func:`full_params`."""
+    out: dict[str, torch.Tensor | None] = {}
+    for name, p, w in _canonical(module, weights, names):
         if w is None:
             out[name] = None if p.grad is None else p.grad.detach().clone()
         else:

@@ -97,9 +97,9 @@ def warm_up_cuda_graphs(step: Callable[[], object], device: torch.device,
 
 def offloaded_count(offload: float, num_layers: int) -> int:
     """How many blocks (the first ones) a recipe's ``offload`` share offloads: ``round(offload * num_layers)``,
-    at most every block but the last (whose backward starts as soon as the forward ends, so its copies could
-    not be hidden)."""
-    return min(num_layers - 1, round(offload * num_layers)) if offload > 0 else 0
+    at least one for any share above zero, at most every block but the last (whose backward starts as soon as
+    the forward ends, so its copies could not be hidden)."""
+    return min(num_layers - 1, max(1, round(offload * num_layers))) if offload > 0 else 0
 
 
 #: Share of the host's available memory the offloaded activations of every rank on it may plan to fill.

@@ -20,8 +20,8 @@ def test_recipes_validate_and_ablate_one_thing_at_a_time():
         fs.Recipe(checkpoint="sometimes")
     names = [r.name for r in fs.ablations(fs.PROJECT)]
     assert names == ["flash_triton_attention", "no_fused_loss", "full_recompute", "save_attention_only", "no_compile",
-                     "foreach_adamw", "fp32_master_weights", "optimizer_in_backward", "offload_quarter",
-                     "offload_half", "offload_all"]
+                     "foreach_adamw", "fp32_master_weights", "optimizer_in_backward", "offload_half",
+                     "offload_all", "no_offload"]
     assert [r.name for r in fs.ablations(fs.PROJECT_ONE_GPU)] == [
         "flash_triton_attention", "no_fused_loss", "no_compile", "foreach_adamw", "fp32_master_weights",
         "optimizer_in_backward", "cuda_graphs"]
@@ -41,7 +41,7 @@ def test_recipes_validate_and_ablate_one_thing_at_a_time():
                                                                 for r in fs.ablations(b))))
     assert fs.PROJECT.for_world(1).sharding == "none" and fs.PROJECT.for_world(2).sharding == "fsdp"
     with pytest.raises(ValueError, match="hooks"):
-        fs.build_model(TINY, dataclasses.replace(fs.PROJECT, compile="model"), torch.device("cpu"))
+        fs.build_model(TINY, dataclasses.replace(fs.PROJECT, compile="model", offload=0), torch.device("cpu"))
 
 
 def test_leaderboard_model_flops_by_hand():
@@ -234,7 +234,7 @@ def test_the_books_differences_from_stock_split_into_stock_options_and_its_own_p
     assert fs.stock_options(one["project"], one["stock_compiled_bf16"]) == []
     several = fs.recipes_for(fs.CONFIGS["leaderboard"])
     fields = {f: option for f, _, _, option in fs.differences(several["project"], several["stock_compiled"])}
-    assert fields == dict(fused_loss=False, sharding=False, checkpoint=True, compile=True)
+    assert fields == dict(fused_loss=False, sharding=False, checkpoint=True, compile=True, offload=False)
     triton = dataclasses.replace(several["project"], attention="flash_triton")
     assert ("attention", "flash_triton", "sdpa", False) in fs.differences(triton, several["stock_compiled"])
     assert fs.differences(one["project"], one["project"]) == []

@@ -19,7 +19,8 @@ from tests.recipes.test_fastest_step import reference_step
 
 CPU = torch.device("cpu")
 #: fp32 and eager, so that steps can be compared bit for bit on the CPU
-PLAIN = dataclasses.replace(fs.PROJECT, precision="fp32", compile="none", fused_loss=False, fused_adamw=False)
+PLAIN = dataclasses.replace(fs.PROJECT, precision="fp32", compile="none", fused_loss=False, fused_adamw=False,
+                            offload=0)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -28,12 +29,15 @@ PLAIN = dataclasses.replace(fs.PROJECT, precision="fp32", compile="none", fused_
 
 def test_new_choices_validate_and_ablate_one_thing_at_a_time():
     names = [r.name for r in fs.ablations(fs.PROJECT)]
-    assert names[-3:] == ["offload_quarter", "offload_half", "offload_all"] and "cuda_graphs" not in names
+    # the book's step offloads a quarter: the ablations offload more, or nothing
+    assert fs.PROJECT.offload == 0.25 and names[-3:] == ["offload_half", "offload_all", "no_offload"]
+    assert "offload_quarter" not in names and "cuda_graphs" not in names
+    assert next(r for r in fs.ablations(fs.PROJECT) if r.name == "no_offload").offload == 0
     one = [r.name for r in fs.ablations(fs.PROJECT_ONE_GPU)]
     assert "cuda_graphs" in one and "offload_half" not in one  # nothing is recomputed on one GPU
     graphs = next(r for r in fs.ablations(fs.PROJECT_ONE_GPU) if r.name == "cuda_graphs")
     assert graphs.compile == "model_cudagraphs"
-    for name in ("cuda_graphs", "offload_half", "offload_all"):
+    for name in ("cuda_graphs", "offload_half", "offload_all", "no_offload"):
         assert fs.change_label(name) != name
     with pytest.raises(ValueError, match="offload"):
         fs.Recipe(offload=1.5)
@@ -47,7 +51,7 @@ def test_new_choices_validate_and_ablate_one_thing_at_a_time():
         dataclasses.replace(fs.STOCK_EAGER, sharding="fsdp2_hsdp", optimizer_in_backward=True)
     with pytest.raises(ValueError, match="hooks"):
         fs.build_model(fs.CONFIGS["tiny"].model, dataclasses.replace(fs.PROJECT, sharding="hsdp",
-                                                                      compile="model_cudagraphs"), CPU)
+                                                                      compile="model_cudagraphs", offload=0), CPU)
     # the offload and our HSDP are the book's parts; CUDA graphs and FSDP2's HSDP are stock options
     hsdp = dataclasses.replace(fs.PROJECT, sharding="hsdp", offload=0.5)
     stock = dataclasses.replace(fs.STOCK_EAGER, sharding="fsdp2_hsdp")
@@ -56,6 +60,7 @@ def test_new_choices_validate_and_ablate_one_thing_at_a_time():
     assert fs.stock_options(next(r for r in fs.ablations(fs.PROJECT_ONE_GPU) if r.name == "cuda_graphs"),
                             fs.PROJECT_ONE_GPU) == ["compile"]
     assert [step_parts.offloaded_count(f, 34) for f in (0, 0.25, 0.5, 1.0)] == [0, 8, 17, 33]
+    assert [step_parts.offloaded_count(f, 2) for f in (0, 0.25, 1.0)] == [0, 1, 1]  # at least one, never the last
 
 
 def test_an_offload_the_host_cannot_hold_is_refused_as_out_of_memory():
@@ -315,7 +320,7 @@ def hsdp_worker(recipe):
 def test_hsdp_on_two_nodes_of_two_ranks_matches_the_plain_step(sharding):
     """tiny_hsdp (four gloo ranks as two nodes of two) trains like one process on the global batch (fp32);
     for lab.FSDP the bytes its collectives carry are those of the closed form."""
-    recipe = dataclasses.replace(PLAIN, sharding=sharding, checkpoint="block")
+    recipe = dataclasses.replace(PLAIN, sharding=sharding, checkpoint="block", offload=0)
     config = fs.CONFIGS["tiny_hsdp"]
     out = launcher.launch(hsdp_worker, 4, recipe, device="cpu")
     tokens, targets = torch.cat([o[1] for o in out]), torch.cat([o[2] for o in out])

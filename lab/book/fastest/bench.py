@@ -55,7 +55,7 @@ PHASE_COLUMNS = ["recompute_ms", "optimizer_ms", "attention_ms", "matmul_ms", "l
 #: Ablations profiled once like the headline steps: those that change where the step waits rather than which
 #: kernels it runs (copies to and from the host, optimizer updates inside the backward), whose cost the phases
 #: locate (idle time, slower kernels, or more of them) where a timed step only sums it.
-PROFILED_ABLATIONS = ("optimizer_in_backward", "offload_quarter", "offload_half", "offload_all")
+PROFILED_ABLATIONS = ("optimizer_in_backward", "offload_quarter", "offload_half", "offload_all", "no_offload")
 
 
 def profiled(name: str, headline: Sequence[str]) -> bool:

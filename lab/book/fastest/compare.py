@@ -345,3 +345,56 @@ def other_precision_sentence(df: pd.DataFrame, on_gpu: bool = True) -> str:
                      "comparison does not measure the book's parts (the goal holds precision fixed)")
         parts.append(text + ".")
     return " ".join(parts)
+
+
+def _single_node_base(name: str, configs) -> str | None:
+    """The configuration among ``configs`` that trains ``name``'s model at its context and batch per rank on one
+    node of its size (the leaderboard for the leaderboard on two nodes); None for a one-node ``name``."""
+    c = CONFIGS.get(name)
+    if c is None or not 0 < c.gpus_per_node < c.world_size:
+        return None
+    return next((b for b in configs if b in CONFIGS and CONFIGS[b].model == c.model and CONFIGS[b].context == c.context
+                 and CONFIGS[b].batch_per_rank == c.batch_per_rank and CONFIGS[b].world_size == c.gpus_per_node
+                 and not 0 < CONFIGS[b].gpus_per_node < CONFIGS[b].world_size), None)
+
+
+def scaling_sentence(df: pd.DataFrame, target: float = 0.95, on_gpu: bool = True) -> str:
+    """For each configuration on several nodes, each step's tokens per second per GPU against the same recipe's
+    on one node of that size (the same model, context and sequences per rank): the ratio with its interval
+    (both steps timed the same way) and, for the book's step, the goal ``>= target``. ``""`` where no
+    configuration spans nodes or its one-node base did not run."""
+    names = list(dict.fromkeys(df["config"]))
+    out = []
+    for name in names:
+        base = _single_node_base(name, names)
+        if base is None:
+            continue
+        many, one = CONFIGS[name], CONFIGS[base]
+        parts = []
+        for impl in ("project", "stock_compiled"):
+            a = df[(df["config"] == name) & (df["impl"] == impl) & (df["status"] == "ok")]
+            b = df[(df["config"] == base) & (df["impl"] == impl) & (df["status"] == "ok")]
+            if a.empty or b.empty:
+                continue
+            a, b = a.iloc[0], b.iloc[0]
+            prefix = "" if a.get("timer") == b.get("timer") else "host_" if _host_timed(a) and _host_timed(b) else None
+            if prefix is None:
+                continue
+            per_gpu = (many.tokens_per_step / many.world_size) / (one.tokens_per_step / one.world_size)
+            c = comparison(b, a, prefix)  # one node's time / several nodes': the throughput ratio at equal tokens
+            c = Comparison(c.ratio * per_gpu, c.low * per_gpu, c.high * per_gpu,
+                           {"faster": "lower", "slower": "higher"}.get(c.verdict, c.verdict), lower_is_better=False)
+            interval = (f"95% interval {c.low:.1%}-{c.high:.1%}" if c.spread_measured else "no spread measured")
+            who = "the book's step" if impl == "project" else "the stock compiled step"
+            clause = (f"{who} moves {fmt(a['tokens_per_s'] / many.world_size, 4)} tokens/s per GPU on "
+                      f"{many.world_size // many.gpus_per_node} nodes of {many.gpus_per_node} GPUs against "
+                      f"{fmt(b['tokens_per_s'] / one.world_size, 4)} on one node ({base}): {c.ratio:.1%} ({interval})")
+            if impl == "project" and on_gpu:
+                met = GoalCheck(c, target).met
+                clause += "; the goal (>= {:.0%}) is **{}**".format(
+                    target, {True: "met", False: "missed", None: "undecided within the noise"}[met])
+            parts.append(clause)
+        if parts:
+            tail = "" if on_gpu else " On a CPU these rates say nothing about GPUs: the goal is not evaluated."
+            out.append(f"**{name}**, per GPU: " + "; ".join(parts) + "." + tail)
+    return " ".join(out)

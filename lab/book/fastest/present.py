@@ -25,6 +25,7 @@ from lab.book.fastest.compare import (  # noqa: F401 - the notebook reads the co
     goal_sentence,
     like_for_like_table,
     other_precision_sentence,
+    scaling_sentence,
     stocks_like,
     versus_table,
 )

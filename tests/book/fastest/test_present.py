@@ -431,3 +431,24 @@ def test_profiled_ablations_say_which_phases_moved():
     assert unmoved in fastest.ablation_phase_sentence(still)
     assert bench.profiled("offload_half", ("project",)) and bench.profiled("project", ("project",))
     assert not bench.profiled("no_compile", ("project",))
+
+
+def test_scaling_over_nodes_is_per_gpu_throughput_against_the_one_node_step():
+    """Two nodes of two GPUs train four sequences where one node trains two: equal tokens per GPU, so the
+    per-GPU throughput ratio is the one-node step time over the two-node one (5,000 / 5,100 = 98.0%)."""
+    def hsdp(impl, ms, std=10.0):
+        return _row(impl, ms, std, config="leaderboard_hsdp", tokens_per_s=131072 / ms * 1e3)
+
+    one_node = [_row("project", 5000.0, 10.0), _row("stock_compiled", 5500.0, 10.0)]
+    df = pd.DataFrame(one_node + [hsdp("project", 5100.0), hsdp("stock_compiled", 5610.0)])
+    s = fastest.scaling_sentence(df, target=0.95)
+    assert "**met**" in s and "leaderboard_hsdp" in s
+    # tokens/s per GPU on two nodes, on one, the ratio: the book's step, then the stock one (5,500 / 5,610)
+    assert in_order(s, [6425, 6554, 98.0, 5841, 5958, 98.0], rel=1e-3)
+    slow = fastest.scaling_sentence(pd.DataFrame(one_node + [hsdp("project", 5600.0)]), target=0.95)
+    assert "**missed**" in slow and in_order(slow, [89.3], rel=1e-3) and "stock" not in slow
+    noisy = pd.DataFrame([_row("project", 5000.0, 300.0, n=3), hsdp("project", 5150.0, 300.0)])
+    assert "undecided" in fastest.scaling_sentence(noisy, target=0.95)
+    assert fastest.scaling_sentence(pd.DataFrame(one_node), target=0.95) == ""  # one node only: nothing to scale
+    cpu = fastest.scaling_sentence(df, target=0.95, on_gpu=False)
+    assert "**met**" not in cpu and "not evaluated" in cpu
