@@ -31,7 +31,8 @@ How it works (the model knows nothing of it): :func:`activation_offloading` repl
   this block's backward computes.
 * **unpack**: the compute stream waits for the block's copy event (once per block), and the handle becomes
   a view of the fetched storage. The fetched device buffer is dropped by the offloader once every handle
-  of it has been unpacked (autograd holds it while it needs it); the host copy lives as long as the graph.
+  of it has been unpacked (autograd holds it while it needs it); the host copy lives as long as the graph, then
+  waits in the offloader's pool for a later step's copy of its size.
 
 On the CPU (no CUDA) the same path runs with "host" being a separate CPU tensor and no streams, so the
 exactness of the round trip (gradients equal bit for bit) and the byte counters are testable anywhere.
@@ -76,7 +77,8 @@ class OffloadStats:
     buffers: all of them on CUDA, none on the CPU), ``bytes_fetched`` and ``fetches`` (copied back),
     ``bytes_kept`` (storages an offloaded block saved but left in place: under ``min_bytes`` or on another
     device than the block's; parameters and buffers are not counted), ``prefetched`` / ``on_demand`` (blocks
-    whose copies back started ahead of their backward / when it began), ``wait_s`` (seconds the computation
+    whose copies back started ahead of their backward / when it began), ``reused`` (copies to the host into a
+    buffer an earlier step's copy left, rather than a newly allocated one), ``wait_s`` (seconds the computation
     waited for copies back: on CUDA the compute stream's stall, timed by events around each wait; on the CPU
     the host time of the copies back)."""
 
@@ -88,8 +90,14 @@ class OffloadStats:
     bytes_pinned: int = 0
     prefetched: int = 0
     on_demand: int = 0
+    reused: int = 0
     wait_s: float = 0.0
     _wait_events: list = field(default_factory=list, repr=False)
+
+
+def _recycle(pool: dict[int, list[torch.Tensor]], host: torch.Tensor) -> None:
+    """A dead slot's host buffer, back to its offloader's pool (called by ``weakref.finalize``)."""
+    pool.setdefault(host.numel(), []).append(host)
 
 
 class _Slot:
@@ -168,6 +176,10 @@ class ActivationOffloader:
         self.exclude(exclude)
         self._stats = OffloadStats()
         self._slots: weakref.WeakSet[_Slot] = weakref.WeakSet()  # host copies alive (their graphs are)
+        # host buffers of dead slots, by size, for later steps: all their copies run on the one side stream in
+        # host order, so reuse needs no event. (The caching host allocator lends a freed pinned block only once
+        # its copies' events completed; with the host a step ahead of the GPU it pins new memory, slowly.)
+        self._pool: dict[int, list[torch.Tensor]] = {}
         self._stream = None  # the side stream, made on first CUDA use
         # the last block's record, weakly: the autograd graph holds records (through their handles and the
         # output hooks); holding them here would keep a finished step's host copies alive into the next
@@ -197,6 +209,14 @@ class ActivationOffloader:
     def host_bytes(self) -> int:
         """Bytes of host memory holding saved activations now (freed with the graph that saved them)."""
         return sum(s.nbytes for s in list(self._slots))
+
+    def pooled_bytes(self) -> int:
+        """Bytes of host buffers kept for reuse (their slots died), freed by :meth:`release_host_buffers`."""
+        return sum(b.numel() for bufs in self._pool.values() for b in bufs)
+
+    def release_host_buffers(self) -> None:
+        """Drop the host buffers kept for reuse (e.g. after the last step, or before a step of other shapes)."""
+        self._pool.clear()
 
     def reset_stats(self) -> None:
         """Zero the counters (e.g. at the start of each measured step)."""
@@ -258,20 +278,27 @@ class ActivationOffloader:
     @torch.no_grad()
     def _offload(self, t: torch.Tensor, nbytes: int) -> _Slot:
         src = _bytes_view(t.untyped_storage(), t.device)
+        free = self._pool.get(nbytes)
+        host = free.pop() if free else None
+        self._stats.reused += host is not None
         if t.device.type == "cuda":
             stream = self._side_stream(t.device)
             stream.wait_stream(torch.cuda.current_stream(t.device))  # the tensor's producer first
             with torch.cuda.stream(stream):
-                host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+                if host is None:
+                    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
                 host.copy_(src, non_blocking=True)
             t.record_stream(stream)
             self._stats.bytes_pinned += nbytes if host.is_pinned() else 0
-        else:
+        elif host is None:
             host = src.clone()
+        else:
+            host.copy_(src)
         self._stats.bytes_offloaded += nbytes
         self._stats.copies += 1
         slot = _Slot(host, nbytes)
         self._slots.add(slot)
+        weakref.finalize(slot, _recycle, self._pool, host)
         return slot
 
     # ---- backward ------------------------------------------------------------------------------------

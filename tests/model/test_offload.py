@@ -267,3 +267,22 @@ def test_copies_go_through_pinned_memory_on_a_side_stream_and_overlap_the_comput
     print(f"offload: {s.bytes_offloaded / 2**20:.1f} MiB out and back, copies {intervals_length(copying) / 1e3:.2f} "
           f"ms, {overlapped / 1e3:.2f} ms of them beside kernels, compute waited {s.wait_s * 1e3:.2f} ms")
     assert overlapped > 0
+
+
+def test_later_steps_copy_into_the_host_buffers_of_earlier_ones(setup):
+    """Once a step's graph is freed its host buffers wait in the offloader's pool; the next step copies into
+    them (none newly allocated) and its gradients are still those of the model without offloading."""
+    model, batch = setup
+    _, ref = _grads(model, batch)
+    with activation_offloading(model, offload_blocks=[0, 1], min_bytes=0) as off:
+        _grads(model, batch)
+        first = off.stats()
+        assert first.reused == 0 and off.host_bytes() == 0 and off.pooled_bytes() == first.bytes_offloaded
+        off.reset_stats()
+        _, got = _grads(model, batch)
+        second = off.stats()
+    assert second.reused == second.copies == first.copies > 0
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    assert off.pooled_bytes() == first.bytes_offloaded
+    off.release_host_buffers()
+    assert off.pooled_bytes() == 0
