@@ -68,11 +68,25 @@ def warn(text: str) -> None:
     _display_markdown(f"> ⚠️ **Warning.** {text}")
 
 
+def table_text(df: pd.DataFrame, floatfmt: str = ".3g") -> str:
+    """``df`` as a Markdown table. With a ``".Ng"`` format its float cells read as :func:`fmt` writes them in
+    prose (``12,510``, not ``1.251e+04``; ``n/a`` for NaN), right-aligned like numbers."""
+    digits = re.fullmatch(r"\.(\d+)g", floatfmt)
+    if digits is None:
+        return df.to_markdown(index=False, floatfmt=floatfmt)
+    floats = [c for c in df.columns if pd.api.types.is_float_dtype(df[c])]
+    shown = df.astype({c: object for c in floats})
+    for c in floats:
+        shown[c] = [fmt(v, int(digits.group(1))) for v in df[c]]
+    numeric = [pd.api.types.is_numeric_dtype(df[c]) for c in df.columns]
+    return shown.to_markdown(index=False, colalign=["right" if n else "left" for n in numeric])
+
+
 def show_table(df: pd.DataFrame, floatfmt: str = ".3g", max_rows: int = 60) -> None:
-    """Show a DataFrame as a Markdown table (readable in the HTML report and in plain text)."""
+    """Show a DataFrame as a Markdown table (readable in the HTML report and in plain text; :func:`table_text`)."""
     if len(df) > max_rows:
         df = df.head(max_rows)
-    _display_markdown(df.to_markdown(index=False, floatfmt=floatfmt))
+    _display_markdown(table_text(df, floatfmt))
 
 
 def shown(df: pd.DataFrame, head: int | None = None) -> pd.DataFrame:
