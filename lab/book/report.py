@@ -75,11 +75,11 @@ def table_text(df: pd.DataFrame, floatfmt: str = ".3g") -> str:
     if digits is None:
         return df.to_markdown(index=False, floatfmt=floatfmt)
     floats = [c for c in df.columns if pd.api.types.is_float_dtype(df[c])]
-    shown = df.astype({c: object for c in floats})
+    cells = df.astype({c: object for c in floats})
     for c in floats:
-        shown[c] = [fmt(v, int(digits.group(1))) for v in df[c]]
+        cells[c] = [fmt(v, int(digits.group(1))) for v in df[c]]
     numeric = [pd.api.types.is_numeric_dtype(df[c]) for c in df.columns]
-    return shown.to_markdown(index=False, colalign=["right" if n else "left" for n in numeric])
+    return cells.to_markdown(index=False, colalign=["right" if n else "left" for n in numeric])
 
 
 def show_table(df: pd.DataFrame, floatfmt: str = ".3g", max_rows: int = 60) -> None:

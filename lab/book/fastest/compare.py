@@ -37,6 +37,10 @@ FITS_GIB = 78.0
 NOT_JUDGED = "not judged (CPU)"
 
 
+#: A goal's verdict in the sentences (:attr:`lab.measure.verdicts.GoalCheck.met`).
+_GOAL_WORD = {True: "met", False: "missed", None: "undecided within the noise"}
+
+
 def with_fixed_columns(df: pd.DataFrame) -> pd.DataFrame:
     """``df`` with ``precision`` and ``batch`` filled where older rows lack them: the precision from the row's
     ``recipe`` (its repr; the :class:`Recipe` default where none is named), the batch from its configuration
@@ -60,13 +64,13 @@ def _host_timed(row: pd.Series) -> bool:
     return pd.notna(n) and n > 0
 
 
-def common_timer(a: pd.Series, b: pd.Series) -> str | None:
+def common_timer(a: pd.Series, b: pd.Series, same_cards: bool = True) -> str | None:
     """The column prefix under which two rows were timed the same way on the same cards: ``""``
     (``step_*``) where both used the same timer (or the rows do not say), ``"host_"`` where both have
-    host-clock steps; None where they ran on different GPUs (their ``gpus`` columns differ) or share no
-    timer."""
+    host-clock steps; None where they ran on different GPUs (their ``gpus`` columns differ; not asked with
+    ``same_cards=False``, for steps of different rank counts) or share no timer."""
     ga, gb = a.get("gpus"), b.get("gpus")
-    if isinstance(ga, str) and isinstance(gb, str) and ga and gb and ga != gb:
+    if same_cards and isinstance(ga, str) and isinstance(gb, str) and ga and gb and ga != gb:
         return None
     ta, tb = a.get("timer"), b.get("timer")
     same = not (isinstance(ta, str) and isinstance(tb, str)) or ta == tb
@@ -195,7 +199,7 @@ def goal_sentence(df: pd.DataFrame, config: str, target: float, on_gpu: bool = T
                 f"{fmt(r['stock_ms'], 4)} ms at equal precision ({r['precision']}), but on a CPU, with the Triton "
                 "kernels interpreted, these times say nothing about GPUs: the goal is not evaluated here.")
     c = comparison_of(r)
-    met = {True: "met", False: "missed", None: "undecided within the noise"}[GoalCheck(c, target).met]
+    met = _GOAL_WORD[GoalCheck(c, target).met]
     if not c.spread_measured:
         met = "undecided (fewer than two timed steps, no spread)"
     text = (f"**{config}** ({_held_fixed(r, config, r['timer'])}, all held fixed): the book's step takes "
@@ -377,7 +381,7 @@ def scaling_sentence(df: pd.DataFrame, target: float = 0.95, on_gpu: bool = True
             if a.empty or b.empty:
                 continue
             a, b = a.iloc[0], b.iloc[0]
-            prefix = "" if a.get("timer") == b.get("timer") else "host_" if _host_timed(a) and _host_timed(b) else None
+            prefix = common_timer(a, b, same_cards=False)
             if prefix is None:
                 continue
             per_gpu = (many.tokens_per_step / many.world_size) / (one.tokens_per_step / one.world_size)
@@ -390,9 +394,7 @@ def scaling_sentence(df: pd.DataFrame, target: float = 0.95, on_gpu: bool = True
                       f"{many.world_size // many.gpus_per_node} nodes of {many.gpus_per_node} GPUs against "
                       f"{fmt(b['tokens_per_s'] / one.world_size, 4)} on one node ({base}): {c.ratio:.1%} ({interval})")
             if impl == "project" and on_gpu:
-                met = GoalCheck(c, target).met
-                clause += "; the goal (>= {:.0%}) is **{}**".format(
-                    target, {True: "met", False: "missed", None: "undecided within the noise"}[met])
+                clause += f"; the goal (>= {target:.0%}) is **{_GOAL_WORD[GoalCheck(c, target).met]}**"
             parts.append(clause)
         if parts:
             tail = "" if on_gpu else " On a CPU these rates say nothing about GPUs: the goal is not evaluated."
