@@ -58,6 +58,8 @@ class FlashConfig:
     * ``fwd_tma``: stream the forward's K/V tiles through tensor descriptors (TMA, Hopper and later) where
       the layout allows it (a collapsible (batch, heads, seq) layout, 16-byte aligned rows).
     * ``warp_specialize``: ask Triton to warp-specialize the forward's key loop (producer/consumer warps).
+    * ``fwd_overlap``: in the forward's unmasked key loop, issue the next key tile's scores before this
+      tile's softmax, so the exponentials overlap a matrix product (one head-dimension chunk only).
     * ``backward_launch``: ``"fused"`` (dK/dV and dQ programs in one grid), ``"two_pass"`` (a dK/dV
       kernel, then a dQ kernel), ``"atomic"`` (one dK/dV kernel that also adds each tile's dQ share into
       an fp32 buffer with atomics: 5 matrix products per tile pair instead of 7, but the summation order,
@@ -103,6 +105,7 @@ class FlashConfig:
     atomic_tma: bool = True
     compile_inline: bool = True
     split_d: str = "auto"
+    fwd_overlap: bool = False
 
     def __post_init__(self):
         if self.backward_launch not in BACKWARD_LAUNCHES:
@@ -127,7 +130,7 @@ class FlashConfig:
         Spelled out rather than ``dataclasses.fields``, which dynamo would have to trace."""
         return (self.autotune, self.fast_launch, self.fp32_precision, self.fwd_tiles, self.fwd_tma,
                 self.warp_specialize, self.backward_launch, self.fused_delta, self.bwd_tiles, self.bwd_tma,
-                self.atomic_tma, self.compile_inline, self.split_d)
+                self.atomic_tma, self.compile_inline, self.split_d, self.fwd_overlap)
 
     def replace(self, **changes) -> FlashConfig:
         return dataclasses.replace(self, **changes)

@@ -101,6 +101,42 @@ def _fwd_inner(acc, acc1, row_sum, row_max, q, q1, k_src, v_src, k_off, v_off, k
     return acc, acc1, row_sum, row_max
 
 
+@triton.jit
+def _softmax_pv(acc, row_sum, row_max, s, v_src, v_off, kv_row0, stride_vs, start_n, n_k, qk_scale,
+                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr):
+    """One unmasked key tile's online-softmax update and ``P V`` product, its scores ``s`` given."""
+    new_max = tl.maximum(row_max, tl.max(s, 1) * qk_scale)
+    p = tl.math.exp2(s * qk_scale - new_max[:, None])
+    rescale = tl.math.exp2(row_max - new_max)
+    row_sum = row_sum * rescale + tl.sum(p, 1)
+    acc = acc * rescale[:, None]
+    v = load_tile(v_src, v_off, kv_row0, start_n, n_k, stride_vs, BLOCK_N, BLOCK_D, HEAD_DIM, False)
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+    return acc, row_sum, new_max
+
+
+@triton.jit
+def _fwd_inner_overlap(acc, row_sum, row_max, q, k_src, v_src, k_off, v_off, kv_row0, stride_ks, stride_vs, lo, hi,
+                       n_k, qk_scale, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+                       PRECISION: tl.constexpr):
+    """Unmasked key tiles [lo, hi) with the next tile's scores issued before this tile's softmax: the
+    tensor cores compute ``Q K_{j+1}^T`` while the exponentials of tile ``j`` run (FlashAttention-3's
+    overlap of softmax and matrix products within one warp group), at the price of a second score tile in
+    registers. One head-dimension chunk only."""
+    if lo < hi:
+        k = load_tile(k_src, k_off, kv_row0, lo, n_k, stride_ks, BLOCK_N, BLOCK_D, HEAD_DIM, False)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        for start_n in tl.range(lo, hi - BLOCK_N, BLOCK_N):
+            k = load_tile(k_src, k_off, kv_row0, start_n + BLOCK_N, n_k, stride_ks, BLOCK_N, BLOCK_D, HEAD_DIM, False)
+            s_next = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            acc, row_sum, row_max = _softmax_pv(acc, row_sum, row_max, s, v_src, v_off, kv_row0, stride_vs, start_n,
+                                                n_k, qk_scale, BLOCK_N, BLOCK_D, HEAD_DIM, PRECISION)
+            s = s_next
+        acc, row_sum, row_max = _softmax_pv(acc, row_sum, row_max, s, v_src, v_off, kv_row0, stride_vs, hi - BLOCK_N,
+                                            n_k, qk_scale, BLOCK_N, BLOCK_D, HEAD_DIM, PRECISION)
+    return acc, row_sum, row_max
+
+
 @triton.jit(do_not_specialize=["tune_batch"])
 def _flash_fwd_kernel(Q, K, V, O, L,
                       stride_qz, stride_qh, stride_qs, stride_kz, stride_kh, stride_ks,
@@ -108,7 +144,7 @@ def _flash_fwd_kernel(Q, K, V, O, L,
                       n_q, n_k, qk_scale, tune_batch,
                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D1: tl.constexpr,
                       IS_CAUSAL: tl.constexpr, PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                      OVERLAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (query tiles, heads, batch). K and V are pointers or TMA descriptors (``flash_launch``);
     ``tune_batch`` is unused: it only keys the autotuner."""
     # Inductor passes a Python float as fp64 (when it launches this kernel itself, FlashConfig.compile_inline):
@@ -147,10 +183,15 @@ def _flash_fwd_kernel(Q, K, V, O, L,
         full_end = whole_tiles_end
         end = n_k
     kv_row0 = zh * n_k  # this head's first row in a TMA descriptor over all heads' rows
-    acc, acc1, row_sum, row_max = _fwd_inner(acc, acc1, row_sum, row_max, q, q1, K, V, k_off, v_off, kv_row0,
-                                             stride_ks, stride_vs, 0, full_end, offs_m, n_k, qk_scale,
-                                             BLOCK_N, BLOCK_D, BLOCK_D1, HEAD_DIM, False, IS_CAUSAL, PRECISION,
-                                             WARP_SPECIALIZE)
+    if OVERLAP and BLOCK_D1 == 0:
+        acc, row_sum, row_max = _fwd_inner_overlap(acc, row_sum, row_max, q, K, V, k_off, v_off, kv_row0, stride_ks,
+                                                   stride_vs, 0, full_end, n_k, qk_scale, BLOCK_N, BLOCK_D, HEAD_DIM,
+                                                   PRECISION)
+    else:
+        acc, acc1, row_sum, row_max = _fwd_inner(acc, acc1, row_sum, row_max, q, q1, K, V, k_off, v_off, kv_row0,
+                                                 stride_ks, stride_vs, 0, full_end, offs_m, n_k, qk_scale,
+                                                 BLOCK_N, BLOCK_D, BLOCK_D1, HEAD_DIM, False, IS_CAUSAL, PRECISION,
+                                                 WARP_SPECIALIZE)
     acc, acc1, row_sum, row_max = _fwd_inner(acc, acc1, row_sum, row_max, q, q1, K, V, k_off, v_off, kv_row0,
                                              stride_ks, stride_vs, full_end, end, offs_m, n_k, qk_scale,
                                              BLOCK_N, BLOCK_D, BLOCK_D1, HEAD_DIM, True, IS_CAUSAL, PRECISION, False)
@@ -177,7 +218,7 @@ def _fwd_configs():
 
 _flash_fwd_tuned = triton.autotune(
     configs=_fwd_configs(),
-    key=["n_q", "n_k", "tune_batch", "HEAD_DIM", "BLOCK_D1", "IS_CAUSAL", "PRECISION", "WARP_SPECIALIZE"],
+    key=["n_q", "n_k", "tune_batch", "HEAD_DIM", "BLOCK_D1", "IS_CAUSAL", "PRECISION", "WARP_SPECIALIZE", "OVERLAP"],
 )(_flash_fwd_kernel)
 
 
@@ -191,7 +232,8 @@ def forward_launch_args(q, k, v, out, lse, is_causal: bool, config: FlashConfig,
     args = (q, k_src, v_src, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
             q.shape[2], k.shape[2], base2_scale(d), tune_batch(q.shape[0] * q.shape[1]))
     meta = {"HEAD_DIM": d, "BLOCK_D": bd, "BLOCK_D1": bd1, "IS_CAUSAL": bool(is_causal),
-            "PRECISION": dot_precision(q.dtype, config.fp32_precision), "WARP_SPECIALIZE": config.warp_specialize}
+            "PRECISION": dot_precision(q.dtype, config.fp32_precision), "WARP_SPECIALIZE": config.warp_specialize,
+            "OVERLAP": config.fwd_overlap}
     return args, meta
 
 
@@ -214,7 +256,7 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
     if autotune:
         key = ("fwd", n_q, n_k, tune_batch(batch * heads), d, head_chunks(d, q.dtype, "fwd", n_q, n_k, config),
                bool(is_causal),
-               q.dtype, config.fwd_tma, config.warp_specialize)
+               q.dtype, config.fwd_tma, config.warp_specialize, config.fwd_overlap)
         tiles = TUNED_CONFIGS.get(key)
         if tiles is None:
             args, meta = forward_launch_args(q4, k4, v4, out4, lse, is_causal, config, 64)

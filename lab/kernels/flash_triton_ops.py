@@ -51,10 +51,10 @@ def flash_attention_forward_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, au
                                fp32_precision: str, fwd_tiles: list[int], fwd_tma: bool, warp_specialize: bool,
                                backward_launch: str, fused_delta: bool, bwd_tiles: list[int],
                                bwd_tma: bool, atomic_tma: bool, compile_inline: bool,
-                               split_d: str) -> tuple[Tensor, Tensor]:
+                               split_d: str, fwd_overlap: bool) -> tuple[Tensor, Tensor]:
     """FlashAttention forward: (output, fp32 logsumexp)."""
     config = FlashConfig(autotune, fast_launch, fp32_precision, fwd_tiles, fwd_tma, warp_specialize, backward_launch,
-                         fused_delta, bwd_tiles, bwd_tma, atomic_tma, compile_inline, split_d)
+                         fused_delta, bwd_tiles, bwd_tma, atomic_tma, compile_inline, split_d, fwd_overlap)
     return flash_forward(q, k, v, causal, config)
 
 
@@ -71,10 +71,10 @@ def flash_attention_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tenso
                                 fwd_tiles: list[int], fwd_tma: bool, warp_specialize: bool, backward_launch: str,
                                 fused_delta: bool, bwd_tiles: list[int],
                                 bwd_tma: bool, atomic_tma: bool, compile_inline: bool,
-                                split_d: str) -> tuple[Tensor, Tensor, Tensor]:
+                                split_d: str, fwd_overlap: bool) -> tuple[Tensor, Tensor, Tensor]:
     """FlashAttention backward: (dq, dk, dv)."""
     config = FlashConfig(autotune, fast_launch, fp32_precision, fwd_tiles, fwd_tma, warp_specialize, backward_launch,
-                         fused_delta, bwd_tiles, bwd_tma, atomic_tma, compile_inline, split_d)
+                         fused_delta, bwd_tiles, bwd_tma, atomic_tma, compile_inline, split_d, fwd_overlap)
     return flash_backward(q, k, v, out, lse, grad_out, causal, config)
 
 

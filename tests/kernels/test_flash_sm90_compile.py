@@ -49,7 +49,7 @@ def compile_sm90(kernel, types: dict, constexprs: dict, num_warps: int, num_stag
     return {"shared": out["shared_bytes"], "registers": out["registers"], "spill": out["spill_bytes"]}
 
 
-def forward(d, causal, tiles, tma=False, dtype="bf16", scale="fp32", split=False):
+def forward(d, causal, tiles, tma=False, dtype="bf16", scale="fp32", split=False, overlap=False):
     m, n, warps, stages = tiles
     bd, bd1 = fc.split_widths(d) if split else (fc.block_d(d), 0)
     types = {name: f"*{dtype}" for name in ("Q", "K", "V", "O")} | {"L": "*fp32", "qk_scale": scale}
@@ -57,7 +57,7 @@ def forward(d, causal, tiles, tma=False, dtype="bf16", scale="fp32", split=False
         types["K"] = types["V"] = f"tensordesc<{dtype}[{n},{bd}]>"
     precision = "tf32x3" if dtype == "fp32" else "tf32"
     constexprs = dict(HEAD_DIM=d, BLOCK_D=bd, BLOCK_D1=bd1, IS_CAUSAL=causal, PRECISION=precision,
-                      WARP_SPECIALIZE=False, BLOCK_M=m, BLOCK_N=n)
+                      WARP_SPECIALIZE=False, OVERLAP=overlap, BLOCK_M=m, BLOCK_N=n)
     return compile_sm90(fwd._flash_fwd_kernel, types, constexprs, warps, stages)
 
 

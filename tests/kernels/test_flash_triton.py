@@ -120,6 +120,20 @@ def test_backward_variants_match_reference(config, causal):
     check_against_reference(ft.FlashAttentionTriton, q, k, v, causal, atol=2e-5, rtol=2e-5, config=config)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("tiles", [(16, 16, 4, 1), (32, 16, 4, 1)], ids=["16x16", "32x16"])
+def test_overlapped_forward_matches_reference(tiles, causal):
+    """The forward whose next key tile's scores are issued before this tile's softmax (``fwd_overlap``):
+    query tiles with no unmasked key tile (the loop is skipped), with one (prologue and epilogue only) and with
+    several, ragged ends, against float64; the head dimension 24 pads to 32 columns."""
+    q, k, v = random_qkv((2, 2), 75, 69, 24, seed=4)
+    config = ft.FlashConfig(fwd_overlap=True, fwd_tiles=tiles)
+    check_against_reference(ft.FlashAttentionTriton, q, k, v, causal, atol=2e-5, rtol=2e-5, config=config)
+    plain = ft.flash_forward(q, k, v, causal, ft.FlashConfig(fwd_tiles=tiles))[0]
+    overlapped = ft.flash_forward(q, k, v, causal, config)[0]
+    assert torch.allclose(overlapped, plain, atol=1e-6, rtol=1e-6)
+
+
 @pytest.mark.parametrize("mode", ["fused", "atomic"])
 def test_model_layout_comes_back_in_its_own_strides(mode):
     """q, k, v as the model makes them, (batch, seq, heads, d) projections seen as (batch, heads, seq, d):
@@ -385,8 +399,9 @@ def test_gpu_dtypes_match_float64_reference(lead, n_q, n_k, d, causal, dtype, to
 @pytest.mark.parametrize("config", [ft.FlashConfig(backward_launch="atomic"),
                                     ft.FlashConfig(fwd_tma=True, bwd_tma=True, fused_delta=True),
                                     ft.FlashConfig(backward_launch="fused", bwd_tma=True),
-                                    ft.FlashConfig(autotune=True)],
-                         ids=["atomic", "tma-fused_delta", "fused-tma", "autotune"])
+                                    ft.FlashConfig(autotune=True),
+                                    ft.FlashConfig(fwd_overlap=True, fwd_tiles=(128, 64, 8, 3))],
+                         ids=["atomic", "tma-fused_delta", "fused-tma", "autotune", "overlap"])
 def test_gpu_variants_match_float64_reference(config):
     q, k, v = random_qkv((1, 4), 1100, 1100, 64, dtype=torch.bfloat16, device="cuda")
     check_against_reference(ft.FlashAttentionTriton, q, k, v, True, atol=3e-2, rtol=3e-2, config=config)

@@ -44,7 +44,9 @@ from lab.model.attention import AttentionFn
 #: Forward tiles ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` a sweep tries besides the table's.
 SWEEP_FWD_TILES = ((128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (64, 128, 4, 3), (64, 32, 4, 2))
 #: Forward variants that change more than the tiles: name -> (tiles, extra FlashConfig fields): K/V through
-#: tensor descriptors (TMA), Triton's warp specialization of the key loop, a deeper pipeline.
+#: tensor descriptors (TMA), Triton's warp specialization of the key loop, a deeper or shallower pipeline, the
+#: next key tile's scores issued before this tile's softmax (``fwd_overlap``; at 128 x 128 only with two
+#: stages, which leave it the shared memory for its second K tile).
 SWEEP_FWD = {
     "fwd 128x128 w8 s3 tma": ((128, 128, 8, 3), {"fwd_tma": True}),
     "fwd 128x128 w8 s3 ws": ((128, 128, 8, 3), {"warp_specialize": True}),
@@ -52,6 +54,11 @@ SWEEP_FWD = {
     "fwd 128x128 w8 s4": ((128, 128, 8, 4), {}),
     "fwd 128x64 w8 s3 tma": ((128, 64, 8, 3), {"fwd_tma": True}),
     "fwd 64x64 w4 s3 tma": ((64, 64, 4, 3), {"fwd_tma": True}),
+    "fwd 128x128 w8 s2": ((128, 128, 8, 2), {}),
+    "fwd 128x128 w8 s2 overlap": ((128, 128, 8, 2), {"fwd_overlap": True}),
+    "fwd 128x64 w8 s3 overlap": ((128, 64, 8, 3), {"fwd_overlap": True}),
+    "fwd 128x64 w8 s2 overlap": ((128, 64, 8, 2), {"fwd_overlap": True}),
+    "fwd 64x64 w4 s3 overlap": ((64, 64, 4, 3), {"fwd_overlap": True}),
 }
 #: Shapes up to this many tokens are also timed as CUDA-graph replays (``{pass}_graph_ms``): their kernels
 #: are short enough that the host's launch time, not the device, can set the eager time.
