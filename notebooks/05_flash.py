@@ -63,7 +63,7 @@ import matplotlib.pyplot as plt
 from lab.bench.lm import compare_variants
 from lab.book import plots, report
 from lab.book.flash import bench as fl
-from lab.book.flash import grid, present
+from lab.book.flash import grid, present, schedule
 from lab.measure.device import resolve_device
 
 dev = resolve_device(device)
@@ -206,6 +206,22 @@ report.say(present.backward_sentence(backward, interpreted_=on_cpu))
 forward = present.forward_table(bench, ceilings)
 report.show_table(forward, floatfmt=".3g")
 report.say(present.forward_sentence(forward, interpreted_=on_cpu))
+
+# %% [markdown]
+# ### How the compiled kernels wait for their products
+#
+# A warp group's matrix product on Hopper (`wgmma`) runs asynchronously until the code waits for it. The
+# kernels the tile tables launch for a long causal bf16 sequence, and the forward that issues the next key
+# tile's scores before this tile's softmax (`fwd_overlap`), compiled for sm_90a (on any machine, GPU or
+# not): how many of each kernel's products (its `tl.dot` sites, a loop body counted once) are waited for
+# before any other product or exponential is issued. A warp group waiting so computes nothing meanwhile.
+
+# %%
+waits = book.table("flash_product_waits", lambda: schedule.product_wait_table())
+report.show_table(report.shown(waits), floatfmt=".3g")
+report.say(schedule.product_wait_sentence(waits))
+book.answer("Do the compiled kernels overlap the softmax with their matrix products?",
+            schedule.product_wait_sentence(waits), section="How the compiled kernels wait for their products")
 
 # %% [markdown]
 # ## fp32: is Triton ever slower than naive PyTorch or SDPA?

@@ -59,7 +59,13 @@ class FlashConfig:
       the layout allows it (a collapsible (batch, heads, seq) layout, 16-byte aligned rows).
     * ``warp_specialize``: ask Triton to warp-specialize the forward's key loop (producer/consumer warps).
     * ``fwd_overlap``: in the forward's unmasked key loop, issue the next key tile's scores before this
-      tile's softmax, so the exponentials overlap a matrix product (one head-dimension chunk only).
+      tile's softmax, meant to overlap the exponentials with a matrix product (one head-dimension chunk
+      only). Off: Triton's compiled code waits for that product before the softmax all the same
+      (``lab.book.flash.schedule``), and the second score tile costs registers and shared memory. On an H100
+      it never beat the fastest tiles without it: with the same tiles it ran 0.75-0.94x at 128 x 64 and
+      64 x 64 and 0.94-1.06x at 128 x 128 with two stages (the three the table uses leave no shared memory
+      for its second K tile), d 64 and 128. Kept as a sweep variant for a compiler that keeps products in
+      flight.
     * ``backward_launch``: ``"fused"`` (dK/dV and dQ programs in one grid), ``"two_pass"`` (a dK/dV
       kernel, then a dQ kernel), ``"atomic"`` (one dK/dV kernel that also adds each tile's dQ share into
       an fp32 buffer with atomics: 5 matrix products per tile pair instead of 7, but the summation order,

@@ -1,5 +1,6 @@
 """Compile a Triton kernel for Hopper (``sm_90a``) on any machine, GPU or not, and read what ``ptxas`` says
-about it: registers and spilled bytes a thread, shared memory a block, whether it uses wgmma.
+about it: registers and spilled bytes a thread, shared memory a block, whether it uses wgmma, and how its code
+waits for its warp-group matrix products (:func:`product_waits`).
 
 The interpreter checks what the kernels compute, not whether Triton's GPU compiler accepts them or how they
 fit an SM. ``triton.compile`` takes a ``GPUTarget`` without a device, and Triton's wheel ships ``ptxas``.
@@ -27,8 +28,8 @@ def compile_sm90(kernel, signature: dict, constexprs: dict, divisible: Iterable[
     """Compile ``kernel`` (a ``@triton.jit`` function) for ``sm_<arch>a``. ``signature``: argument -> Triton
     type (``"*bf16"``, ``"i32"``, ``"constexpr"``, ...); ``constexprs``: their values; ``divisible``: indices
     of the arguments the JIT would mark 16-byte aligned / divisible by 16. Returns ``registers``,
-    ``spill_bytes`` (-1 where ptxas does not say), ``shared_bytes`` and ``wgmma``. Raises FileNotFoundError
-    when this Triton build ships no ptxas."""
+    ``spill_bytes`` (-1 where ptxas does not say), ``shared_bytes``, ``wgmma`` and :func:`product_waits`'
+    ``products`` and ``waited_at_once``. Raises FileNotFoundError when this Triton build ships no ptxas."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -49,4 +50,33 @@ def compile_sm90(kernel, signature: dict, constexprs: dict, divisible: Iterable[
     regs = re.search(r"Used (\d+) registers", text)
     spills = re.search(r"(\d+) bytes spill stores", text)
     return {"registers": int(regs[1]) if regs else -1, "spill_bytes": int(spills[1]) if spills else -1,
-            "shared_bytes": compiled.metadata.shared, "wgmma": "wgmma" in compiled.asm["ptx"]}
+            "shared_bytes": compiled.metadata.shared, "wgmma": "wgmma" in compiled.asm["ptx"],
+            **product_waits(compiled.asm["ptx"])}
+
+
+_PTX_EVENT = re.compile(r"wgmma\.(mma_async|commit_group|wait_group)[.\w]*\s*(\d*)|(ex2)\.approx")
+
+
+def product_waits(ptx: str) -> dict:
+    """How compiled code waits for its warp-group matrix products (Hopper's asynchronous ``wgmma``), read from
+    the PTX in text order: ``products``, the commit groups (one per ``tl.dot`` in the code, loops counted
+    once), and ``waited_at_once``, the groups whose retiring ``wgmma.wait_group`` comes before any other
+    product or exponential (``ex2``) is issued. Such a product keeps its warp group waiting until it is
+    done: nothing of that warp group overlaps it (FlashAttention-3 overlaps a tile's softmax with the next
+    tile's products). A wait at the top of a loop body counts for the groups committed before it in the
+    text."""
+    open_groups: list[bool] = []  # per committed, unretired group: did something overlap it yet?
+    products = waited = 0
+    for match in _PTX_EVENT.finditer(ptx):
+        kind, pending = match.group(1), match.group(2)
+        if kind == "commit_group":
+            open_groups.append(False)
+            products += 1
+        elif kind == "wait_group":
+            keep = int(pending or 0)
+            retired, open_groups = (open_groups[:len(open_groups) - keep], open_groups[len(open_groups) - keep:]) \
+                if keep else (open_groups, [])
+            waited += sum(not busy for busy in retired)
+        else:  # a product's instruction or an exponential issued while the open groups run
+            open_groups = [True] * len(open_groups)
+    return {"products": products, "waited_at_once": waited}

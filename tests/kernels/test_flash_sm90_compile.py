@@ -8,11 +8,6 @@ compiles run in a subprocess without TRITON_INTERPRET (under it, ``@triton.jit``
 functions, which do not compile); shapes stay few, each compile takes a few seconds.
 """
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +16,8 @@ triton = pytest.importorskip("triton")
 fc = pytest.importorskip("lab.kernels.flash_config")
 fwd = pytest.importorskip("lab.kernels.flash_triton_forward")
 bwd = pytest.importorskip("lab.kernels.flash_triton_backward")
-from lab.kernels.sm90_compile import compile_sm90 as compile_for_hopper  # noqa: E402
+from lab.kernels import flash_sm90  # noqa: E402
+from lab.kernels.sm90_compile import product_waits  # noqa: E402
 
 try:
     from triton.backends.compiler import GPUTarget
@@ -32,50 +28,6 @@ except Exception as exc:  # a Triton without the NVIDIA backend
     pytest.skip(f"no Triton CUDA backend here ({exc})", allow_module_level=True)
 
 MAX_SHARED = 232448  # bytes of shared memory a block may use on an H100/H200 (227 KB)
-
-
-def compile_sm90(kernel, types: dict, constexprs: dict, num_warps: int, num_stages: int) -> dict:
-    """Compile ``kernel`` for sm_90a: ``types`` gives the non-constexpr arguments that are not i32 (pointers,
-    floats, descriptors). Returns shared memory bytes, registers and spill bytes a thread."""
-    signature, divisible = {}, []
-    for i, name in enumerate(kernel.arg_names):
-        signature[name] = "constexpr" if name in constexprs else types.get(name, "i32")
-        if signature[name].startswith("*") or (signature[name] == "i32" and name != "tune_batch"):
-            divisible.append(i)  # pointers and strides 16-aligned, as for contiguous tensors
-    try:
-        out = compile_for_hopper(kernel, signature, constexprs, divisible, num_warps, num_stages)
-    except FileNotFoundError:
-        pytest.skip("Triton's bundled ptxas is missing")
-    return {"shared": out["shared_bytes"], "registers": out["registers"], "spill": out["spill_bytes"]}
-
-
-def forward(d, causal, tiles, tma=False, dtype="bf16", scale="fp32", split=False, overlap=False):
-    m, n, warps, stages = tiles
-    bd, bd1 = fc.split_widths(d) if split else (fc.block_d(d), 0)
-    types = {name: f"*{dtype}" for name in ("Q", "K", "V", "O")} | {"L": "*fp32", "qk_scale": scale}
-    if tma:
-        types["K"] = types["V"] = f"tensordesc<{dtype}[{n},{bd}]>"
-    precision = "tf32x3" if dtype == "fp32" else "tf32"
-    constexprs = dict(HEAD_DIM=d, BLOCK_D=bd, BLOCK_D1=bd1, IS_CAUSAL=causal, PRECISION=precision,
-                      WARP_SPECIALIZE=False, OVERLAP=overlap, BLOCK_M=m, BLOCK_N=n)
-    return compile_sm90(fwd._flash_fwd_kernel, types, constexprs, warps, stages)
-
-
-def backward(d, causal, tiles, pass_, atomic=False, delta_from_o=False, store_delta=False, tma=False,
-             atomic_tma=False, scale="fp32", split=False):
-    m1, n1, m2, n2, warps, stages = tiles
-    bd, bd1 = fc.split_widths(d) if split else (fc.block_d(d), 0)
-    types = {name: "*bf16" for name in ("Q", "K", "V", "O", "DO", "DK", "DV", "Q_S", "DO_S", "K_S", "V_S")}
-    types |= {"L": "*fp32", "Delta": "*fp32", "DQ": "*fp32" if atomic else "*bf16", "qk_scale": scale,
-              "sm_scale": scale}
-    types["DQ_ACC"] = f"tensordesc<fp32[1,{m1},{bd}]>" if atomic_tma else types["DQ"]
-    if tma:
-        types["Q_S"] = types["DO_S"] = f"tensordesc<bf16[{m1},{bd}]>"
-        types["K_S"] = types["V_S"] = f"tensordesc<bf16[{n2},{bd}]>"
-    constexprs = dict(HEAD_DIM=d, BLOCK_D=bd, BLOCK_D1=bd1, IS_CAUSAL=causal, PRECISION="tf32", PASS=pass_,
-                      ATOMIC_DQ=atomic, DELTA_FROM_O=delta_from_o, STORE_DELTA=store_delta,
-                      BLOCK_M1=m1, BLOCK_N1=n1, BLOCK_M2=m2, BLOCK_N2=n2)
-    return compile_sm90(bwd._flash_bwd_kernel, types, constexprs, warps, stages)
 
 
 def table(monkeypatch, d, dtype, batch_heads=64, n=4096):
@@ -91,15 +43,11 @@ def table(monkeypatch, d, dtype, batch_heads=64, n=4096):
 
 
 def compile_in_subprocess(jobs: list) -> list:
-    """Run ``jobs`` ([kind, kwargs] for :func:`forward` / :func:`backward`) in a fresh interpreter without
-    TRITON_INTERPRET; returns their reports in order."""
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "TRITON_INTERPRET": "0"}  # compiled, not interpreted (import lab would set 1)
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-m", "tests.kernels.test_flash_sm90_compile", json.dumps(jobs)],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    """:func:`lab.kernels.flash_sm90.compile_in_subprocess`, skipped where Triton ships no ptxas."""
+    try:
+        return flash_sm90.compile_in_subprocess(jobs)
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
 
 
 @pytest.mark.slow
@@ -150,7 +98,47 @@ def test_kernels_compile_with_fp64_scales_as_inductor_passes_them():
     assert [r["shared"] for r in fp64] == [r["shared"] for r in fp32], (fp64, fp32)
 
 
-if __name__ == "__main__":  # the subprocess of compile_in_subprocess
-    kinds = {"fwd": forward, "bwd": backward}
-    print(json.dumps([kinds[kind](**{k: tuple(v) if isinstance(v, list) else v for k, v in kwargs.items()})
-                      for kind, kwargs in json.loads(sys.argv[1])]))
+PTX = """
+    wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%f1}, %rd1, %rd2, 1, 1, 1, 0, 1;
+    wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%f1}, %rd3, %rd4, 1, 1, 1, 0, 1;
+    wgmma.commit_group.sync.aligned;
+    wgmma.wait_group.sync.aligned 0;
+    ex2.approx.ftz.f32 %f9, %f8;
+    wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%f2}, %rd1, %rd2, 1, 1, 1, 0, 1;
+    wgmma.commit_group.sync.aligned;
+    ex2.approx.ftz.f32 %f10, %f8;
+    wgmma.wait_group.sync.aligned 0;
+    wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%f3}, %rd1, %rd2, 1, 1, 1, 0, 1;
+    wgmma.commit_group.sync.aligned;
+    wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%f4}, %rd1, %rd2, 1, 1, 1, 0, 1;
+    wgmma.commit_group.sync.aligned;
+    wgmma.wait_group.sync.aligned 1;
+    wgmma.wait_group.sync.aligned 0;
+"""
+
+
+def test_product_waits_follows_commit_groups_and_pending_counts():
+    """Four products: the first waited for at once, the second under an exponential, the third under the
+    fourth (retired by ``wait_group 1``, which leaves the newest group running), the fourth at once."""
+    assert product_waits(PTX) == {"products": 4, "waited_at_once": 2}
+    assert product_waits("") == {"products": 0, "waited_at_once": 0}
+
+
+@pytest.mark.slow
+def test_forward_waits_for_every_product_and_dkdv_keeps_its_accumulations_in_flight():
+    """What Triton makes of the kernels, read from the PTX: the default forward waits for each of its
+    products (2 per key loop, two loops) before anything else is issued, and so does the forward that issues
+    the next tile's scores first (``fwd_overlap``: why it measured slower); the dK/dV kernel keeps some in
+    flight (its dK and dV accumulations). A Triton that overlaps the forward's products fails this test: then
+    ``fwd_overlap`` is worth a sweep again."""
+    from lab.book.flash.schedule import product_wait_table
+
+    table = product_wait_table(head_dims=(64,))
+    if "note" in table:
+        pytest.skip(table["note"].iloc[0])
+    by = table.set_index("kernel")
+    assert by.loc["forward", "products"] == 4 and by.loc["forward", "in_flight"] == 0
+    assert by.loc["forward, next scores first", "products"] == 6
+    assert by.loc["forward, next scores first", "in_flight"] == 0
+    assert 0 < by.loc["backward dK/dV", "in_flight"] < by.loc["backward dK/dV", "products"]
+    assert set(by.index) == {"forward", "backward dK/dV", "backward dQ", "forward, next scores first"}
