@@ -5,6 +5,10 @@ tables launch for a long causal bf16 sequence, compiled for Hopper (``sm_90a``) 
 A warp group's matrix product (``wgmma``) runs asynchronously until the code waits for it. A product waited
 for before anything else is issued leaves its warp group idle meanwhile: the tile's exponentials never run
 under a product. FlashAttention-3 overlaps them on purpose; this table says whether our compiled code does.
+Triton's Hopper pipeliner leaves a product in flight only where that is safe by its rules: a register
+operand not computed inside the loop, and a result read inside the loop only by later products (as their
+accumulator) or under an ``if``. The forward's scores feed the softmax and its probabilities are computed
+in the loop, so both of its products are waited for at once, whatever order the source issues them in.
 """
 
 from __future__ import annotations
