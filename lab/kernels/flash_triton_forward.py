@@ -119,10 +119,11 @@ def _softmax_pv(acc, row_sum, row_max, s, v_src, v_off, kv_row0, stride_vs, star
 def _fwd_inner_overlap(acc, row_sum, row_max, q, k_src, v_src, k_off, v_off, kv_row0, stride_ks, stride_vs, lo, hi,
                        n_k, qk_scale, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
                        PRECISION: tl.constexpr):
-    """Unmasked key tiles [lo, hi) with the next tile's scores issued before this tile's softmax: the
-    tensor cores compute ``Q K_{j+1}^T`` while the exponentials of tile ``j`` run (FlashAttention-3's
-    overlap of softmax and matrix products within one warp group), at the price of a second score tile in
-    registers. One head-dimension chunk only."""
+    """Unmasked key tiles [lo, hi) with the next tile's scores issued before this tile's softmax, so that
+    ``Q K_{j+1}^T`` could run on the tensor cores under the exponentials of tile ``j`` (FlashAttention-3's
+    overlap within one warp group), at the price of a second score tile in registers. Triton's compiled code
+    waits for that product before the softmax all the same (``lab.book.flash.schedule``), so this stays a
+    sweep variant (``FlashConfig.fwd_overlap``). One head-dimension chunk only."""
     if lo < hi:
         k = load_tile(k_src, k_off, kv_row0, lo, n_k, stride_ks, BLOCK_N, BLOCK_D, HEAD_DIM, False)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
