@@ -18,6 +18,11 @@ from pathlib import Path
 
 import torch
 
+from lab.kernels import flash_config as fc
+from lab.kernels.flash_triton_backward import BACKWARD_KERNEL
+from lab.kernels.flash_triton_forward import FORWARD_KERNEL
+from lab.kernels.sm90_compile import compile_sm90
+
 #: SMs of an H100 SXM (and an H200): the GPU the tile tables are written for.
 HOPPER_SMS = 132
 
@@ -25,8 +30,6 @@ HOPPER_SMS = 132
 def _report(kernel, types: dict, constexprs: dict, num_warps: int, num_stages: int) -> dict:
     """Compile ``kernel``; ``types``: the non-constexpr arguments that are not i32 (pointers, floats,
     descriptors); pointers and strides are taken 16-aligned, as for contiguous tensors."""
-    from lab.kernels.sm90_compile import compile_sm90
-
     signature, divisible = {}, []
     for i, name in enumerate(kernel.arg_names):
         signature[name] = "constexpr" if name in constexprs else types.get(name, "i32")
@@ -41,9 +44,6 @@ def forward_report(d, causal, tiles, tma=False, dtype="bf16", scale="fp32", spli
     """The forward kernel at head dimension ``d`` on ``tiles`` ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``;
     ``split``: two column chunks (``flash_config.split_widths``); ``scale``: the scale's type (Inductor
     passes fp64)."""
-    from lab.kernels import flash_config as fc
-    from lab.kernels.flash_triton_forward import _flash_fwd_kernel
-
     m, n, warps, stages = tiles
     bd, bd1 = fc.split_widths(d) if split else (fc.block_d(d), 0)
     types = {name: f"*{dtype}" for name in ("Q", "K", "V", "O")} | {"L": "*fp32", "qk_scale": scale}
@@ -52,16 +52,13 @@ def forward_report(d, causal, tiles, tma=False, dtype="bf16", scale="fp32", spli
     precision = "tf32x3" if dtype == "fp32" else "tf32"
     constexprs = dict(HEAD_DIM=d, BLOCK_D=bd, BLOCK_D1=bd1, IS_CAUSAL=causal, PRECISION=precision,
                       WARP_SPECIALIZE=False, OVERLAP=overlap, BLOCK_M=m, BLOCK_N=n)
-    return _report(_flash_fwd_kernel, types, constexprs, warps, stages)
+    return _report(FORWARD_KERNEL, types, constexprs, warps, stages)
 
 
 def backward_report(d, causal, tiles, pass_, atomic=False, delta_from_o=False, store_delta=False, tma=False,
                     atomic_tma=False, scale="fp32", split=False) -> dict:
     """One pass of the backward kernel (0 fused, 1 dK/dV, 2 dQ) on ``tiles`` ``(BLOCK_M1, BLOCK_N1, BLOCK_M2,
     BLOCK_N2, num_warps, num_stages)``; the switches as in ``flash_triton_backward``."""
-    from lab.kernels import flash_config as fc
-    from lab.kernels.flash_triton_backward import _flash_bwd_kernel
-
     m1, n1, m2, n2, warps, stages = tiles
     bd, bd1 = fc.split_widths(d) if split else (fc.block_d(d), 0)
     types = {name: "*bf16" for name in ("Q", "K", "V", "O", "DO", "DK", "DV", "Q_S", "DO_S", "K_S", "V_S")}
@@ -74,7 +71,7 @@ def backward_report(d, causal, tiles, pass_, atomic=False, delta_from_o=False, s
     constexprs = dict(HEAD_DIM=d, BLOCK_D=bd, BLOCK_D1=bd1, IS_CAUSAL=causal, PRECISION="tf32", PASS=pass_,
                       ATOMIC_DQ=atomic, DELTA_FROM_O=delta_from_o, STORE_DELTA=store_delta,
                       BLOCK_M1=m1, BLOCK_N1=n1, BLOCK_M2=m2, BLOCK_N2=n2)
-    return _report(_flash_bwd_kernel, types, constexprs, warps, stages)
+    return _report(BACKWARD_KERNEL, types, constexprs, warps, stages)
 
 
 def default_plan(d: int, dtype: torch.dtype = torch.bfloat16, batch_heads: int = 64, n: int = 4096,
@@ -82,8 +79,6 @@ def default_plan(d: int, dtype: torch.dtype = torch.bfloat16, batch_heads: int =
     """The tables' launch of a (``batch_heads``, ``n``, ``n``, ``d``) attention on a GPU of ``sms`` SMs:
     (forward tiles, backward mode, {pass: backward tiles}). Pins ``flash_config.multiprocessor_count`` to
     ``sms``: call it in a process of its own (:func:`compile_in_subprocess` does)."""
-    from lab.kernels import flash_config as fc
-
     fc.multiprocessor_count = lambda index: sms
     cuda = torch.device("cuda", 0)
     t = fc.forward_tiles(batch_heads, n, n, d, dtype, cuda, causal=causal)

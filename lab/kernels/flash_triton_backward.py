@@ -153,6 +153,10 @@ def _flash_bwd_kernel(Q, K, V, O, DO, L, Delta, DQ, DK, DV, Q_S, DO_S, K_S, V_S,
                  HEAD_DIM, BLOCK_D, BLOCK_D1, IS_CAUSAL, PRECISION, DELTA_FROM_O, STORE_DELTA, BLOCK_M2, BLOCK_N2)
 
 
+#: The backward kernel itself, for tools that compile it without launching it (:mod:`lab.kernels.flash_sm90`).
+BACKWARD_KERNEL = _flash_bwd_kernel
+
+
 def _bwd_configs():
     if INTERPRET:
         return [triton.Config({"BLOCK_M1": 16, "BLOCK_N1": 16, "BLOCK_M2": 16, "BLOCK_N2": 16},

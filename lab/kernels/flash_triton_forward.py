@@ -205,6 +205,10 @@ def _flash_fwd_kernel(Q, K, V, O, L,
     tl.store(L + zh.to(tl.int64) * n_q + offs_m, (row_max + tl.math.log2(row_sum)) * _LN2, mask=offs_m < n_q)
 
 
+#: The forward kernel itself, for tools that compile it without launching it (:mod:`lab.kernels.flash_sm90`).
+FORWARD_KERNEL = _flash_fwd_kernel
+
+
 def _fwd_configs():
     if INTERPRET:
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]

@@ -27,7 +27,7 @@ def product_wait_table(head_dims=(64, 128), causal: bool = True, n: int = 4096, 
     and :data:`OVERLAP_ROW`: tiles, ``products`` (the ``tl.dot`` sites of the compiled code, each loop body
     counted once), ``waited_at_once``, ``in_flight`` (the others), registers and spilled bytes a thread,
     shared memory (KiB). Empty, with a ``note``, where this Triton cannot compile for sm_90a."""
-    from lab.kernels.flash_sm90 import compile_in_subprocess
+    from lab.kernels.flash_sm90 import compile_in_subprocess  # optional dependency (Triton)
 
     name, d, tiles = OVERLAP_ROW
     jobs = [["default", dict(d=d, causal=causal, n=n, batch_heads=batch_heads)] for d in head_dims]
