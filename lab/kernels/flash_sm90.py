@@ -2,26 +2,20 @@
 them (registers, spills, shared memory, and how the code waits for its matrix products), from
 :func:`lab.kernels.sm90_compile.compile_sm90`.
 
-The compiles run in a child process without ``TRITON_INTERPRET`` (:func:`compile_in_subprocess`): importing
-``lab`` on a machine without a GPU turns the interpreter on, and under it ``@triton.jit`` makes interpreted
+The compiles run in a child process without ``TRITON_INTERPRET`` (:func:`compile_in_subprocess`, through
+:func:`lab.kernels.sm90_compile.call_without_interpreter`): under it ``@triton.jit`` makes interpreted
 functions, which do not compile. The tile choices are the tables' (:func:`default_plan`) as they are on a
 GPU with a given number of SMs, so a CPU-only machine reports the kernels a GPU would launch.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import torch
 
 from lab.kernels import flash_config as fc
 from lab.kernels.flash_triton_backward import BACKWARD_KERNEL
 from lab.kernels.flash_triton_forward import FORWARD_KERNEL
-from lab.kernels.sm90_compile import compile_sm90
+from lab.kernels.sm90_compile import call_without_interpreter, compile_sm90
 
 #: SMs of an H100 SXM (and an H200): the GPU the tile tables are written for.
 HOPPER_SMS = 132
@@ -77,12 +71,17 @@ def backward_report(d, causal, tiles, pass_, atomic=False, delta_from_o=False, s
 def default_plan(d: int, dtype: torch.dtype = torch.bfloat16, batch_heads: int = 64, n: int = 4096,
                  causal: bool = True, sms: int = HOPPER_SMS) -> tuple[tuple, str, dict]:
     """The tables' launch of a (``batch_heads``, ``n``, ``n``, ``d``) attention on a GPU of ``sms`` SMs:
-    (forward tiles, backward mode, {pass: backward tiles}). Pins ``flash_config.multiprocessor_count`` to
-    ``sms``: call it in a process of its own (:func:`compile_in_subprocess` does)."""
+    (forward tiles, backward mode, {pass: backward tiles}). ``flash_config.multiprocessor_count`` answers
+    ``sms`` meanwhile (the tables ask whether a grid fills the GPU). Compiled launches: a process under the
+    interpreter gets the interpreter's tiles."""
+    counted = fc.multiprocessor_count
     fc.multiprocessor_count = lambda index: sms
-    cuda = torch.device("cuda", 0)
-    t = fc.forward_tiles(batch_heads, n, n, d, dtype, cuda, causal=causal)
-    mode, plan = fc.backward_plan(batch_heads, n, n, d, dtype, cuda)
+    try:
+        cuda = torch.device("cuda", 0)
+        t = fc.forward_tiles(batch_heads, n, n, d, dtype, cuda, causal=causal)
+        mode, plan = fc.backward_plan(batch_heads, n, n, d, dtype, cuda)
+    finally:
+        fc.multiprocessor_count = counted
     keys = ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "num_warps", "num_stages")
     return ((t["BLOCK_M"], t["BLOCK_N"], t["num_warps"], t["num_stages"]), mode,
             {p: tuple(plan[p][k] for k in keys) for p in plan})
@@ -106,21 +105,14 @@ def default_kernels(d: int, causal: bool = True, n: int = 4096, batch_heads: int
 KINDS = {"fwd": forward_report, "bwd": backward_report, "default": default_kernels}
 
 
+def run_jobs(jobs: list) -> list:
+    """Each ``[kind, kwargs]`` of ``jobs`` (kind a key of :data:`KINDS`; lists in kwargs become tuples, as JSON
+    carries them), in this process."""
+    return [KINDS[kind](**{k: tuple(v) if isinstance(v, list) else v for k, v in kwargs.items()})
+            for kind, kwargs in jobs]
+
+
 def compile_in_subprocess(jobs: list, timeout_s: float = 600) -> list:
-    """Run ``jobs`` (``[kind, kwargs]``, kind a key of :data:`KINDS`) in a fresh interpreter without
-    TRITON_INTERPRET; returns their results in order. Raises FileNotFoundError where Triton ships no ptxas."""
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "TRITON_INTERPRET": "0"}  # compiled, not interpreted (import lab would set 1)
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-m", "lab.kernels.flash_sm90", json.dumps(jobs)],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=timeout_s)
-    if done.returncode != 0:
-        if "ships no ptxas" in done.stderr:
-            raise FileNotFoundError(done.stderr.strip().splitlines()[-1])
-        raise RuntimeError(f"sm_90a compile failed: {done.stderr.strip()[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-if __name__ == "__main__":  # the child process of compile_in_subprocess
-    print(json.dumps([KINDS[kind](**{k: tuple(v) if isinstance(v, list) else v for k, v in kwargs.items()})
-                      for kind, kwargs in json.loads(sys.argv[1])]))
+    """:func:`run_jobs` in a fresh interpreter without TRITON_INTERPRET; returns their results in order.
+    Raises FileNotFoundError where Triton ships no ptxas."""
+    return call_without_interpreter("lab.kernels.flash_sm90:run_jobs", [jobs], timeout_s)

@@ -9,9 +9,11 @@ Run it in a process without ``TRITON_INTERPRET`` (under it, ``@triton.jit`` make
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -21,6 +23,27 @@ def ptxas_path() -> Path:
     import triton
 
     return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+
+
+_CHILD = ("import importlib, json, sys; module, name = sys.argv[1].split(':'); "
+          "print(json.dumps(getattr(importlib.import_module(module), name)(*json.loads(sys.argv[2]))))")
+
+
+def call_without_interpreter(target: str, args: list = (), timeout_s: float = 600):
+    """``module:function`` called with ``args`` (JSON in, JSON out) in a fresh interpreter without
+    ``TRITON_INTERPRET``, where ``@triton.jit`` functions compile (importing ``lab`` on a machine without a
+    GPU turns the interpreter on). Raises FileNotFoundError where Triton ships no ptxas, RuntimeError with the
+    child's error otherwise."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", _CHILD, target, json.dumps(list(args))], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=timeout_s)
+    if done.returncode != 0:
+        if "ships no ptxas" in done.stderr:
+            raise FileNotFoundError(done.stderr.strip().splitlines()[-1])
+        raise RuntimeError(f"{target} failed without the interpreter: {done.stderr.strip()[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def compile_sm90(kernel, signature: dict, constexprs: dict, divisible: Iterable[int], num_warps: int,

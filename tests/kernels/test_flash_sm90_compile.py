@@ -14,9 +14,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 fc = pytest.importorskip("lab.kernels.flash_config")
-fwd = pytest.importorskip("lab.kernels.flash_triton_forward")
-bwd = pytest.importorskip("lab.kernels.flash_triton_backward")
-from lab.kernels import flash_sm90  # noqa: E402
+flash_sm90 = pytest.importorskip("lab.kernels.flash_sm90")
 from lab.kernels.sm90_compile import product_waits  # noqa: E402
 
 try:
@@ -31,15 +29,10 @@ MAX_SHARED = 232448  # bytes of shared memory a block may use on an H100/H200 (2
 
 
 def table(monkeypatch, d, dtype, batch_heads=64, n=4096):
-    """The tile tables as they are on an H100 (132 SMs), for a long sequence whose heads fill the GPU."""
+    """The tile tables as they are on an H100 (132 SMs), for a long sequence whose heads fill the GPU
+    (:func:`lab.kernels.flash_sm90.default_plan`, as the compiled kernels see them)."""
     monkeypatch.setattr(fc, "INTERPRET", False)
-    monkeypatch.setattr(fc, "multiprocessor_count", lambda index: 132)
-    cuda = torch.device("cuda", 0)
-    t = fc.forward_tiles(batch_heads, n, n, d, dtype, cuda)
-    mode, plan = fc.backward_plan(batch_heads, n, n, d, dtype, cuda)
-    tiles = {p: tuple(plan[p][k] for k in ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "num_warps", "num_stages"))
-             for p in plan}
-    return (t["BLOCK_M"], t["BLOCK_N"], t["num_warps"], t["num_stages"]), mode, tiles
+    return flash_sm90.default_plan(d, dtype, batch_heads, n)
 
 
 def compile_in_subprocess(jobs: list) -> list:

@@ -6,11 +6,6 @@ that are not multiples of the tile). GPU-marked tests run realistic sizes agains
 """
 
 import copy
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +14,7 @@ import torch.nn.functional as F
 fce = pytest.importorskip("lab.kernels.fused_cross_entropy")
 kernels = pytest.importorskip("lab.kernels.fused_cross_entropy_kernels")
 
+from lab.kernels.sm90_compile import call_without_interpreter  # noqa: E402
 from lab.model.transformer import ModelConfig, TransformerLM  # noqa: E402
 from lab.parallel import launcher as distributed  # noqa: E402
 
@@ -425,16 +421,10 @@ def test_fused_loss_inside_fsdp_matches_single_process():
 def test_kernels_compile_for_hopper_without_spills():
     """Compile every kernel variant with the default configs for sm_90a (Triton's bundled ptxas; no GPU
     needed): catches what the interpreter cannot (compile errors, register spills, shared memory)."""
-    env = {**os.environ, "TRITON_INTERPRET": "0"}  # compiled, not interpreted (import lab would set 1)
-    code = ("import json; from lab.kernels import fused_cross_entropy_kernels as K; "
-            "print(json.dumps(K.compile_report()))")
-    root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
-                          timeout=600)
-    if "ptxas" in proc.stderr and "No such file" in proc.stderr:
+    try:
+        rows = call_without_interpreter("lab.kernels.fused_cross_entropy_kernels:compile_report")
+    except FileNotFoundError:
         pytest.skip("this Triton build ships no ptxas")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(rows) == 16 and not [r for r in rows if "error" in r], rows
     assert [r["kernel"] for r in rows if r["spill_bytes"] != 0] == []
     assert all(r["wgmma"] for r in rows if not r["kernel"].startswith("rows"))
