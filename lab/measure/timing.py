@@ -3,7 +3,9 @@
 * :func:`time_callable` times whole steps with a host clock, synchronizing after each one (a training step
   is what a user waits for, launch overhead included);
 * :func:`time_kernel` times a GPU operation with ``triton.testing.do_bench`` (CUDA events, L2 flushed
-  between calls; every repetition kept), and falls back to :func:`time_callable` on the CPU.
+  between calls; every repetition kept), and falls back to :func:`time_callable` on the CPU;
+* :func:`graph_replay` captures a step in a CUDA graph, so that :func:`time_kernel` of its replay is the
+  device's time without the host's (short kernels, whose launches would otherwise set the pace).
 
 Both return a :class:`Timing` whose samples feed :mod:`lab.measure.verdicts`.
 """
@@ -88,6 +90,20 @@ def time_kernel(fn: Callable[[], object], device: torch.device | str = "auto", w
             samples = triton.testing.do_bench(fn, warmup=0, rep=per_call * (min_samples + 1), return_mode="all")
         return Timing([float(s) for s in samples])
     return time_callable(fn, cpu_warmup, cpu_steps, device)
+
+
+def graph_replay(step: Callable[[], object]) -> Callable[[], None]:
+    """``step`` captured in a CUDA graph (after warm-up calls on a side stream); returns its replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
 
 
 def matmul_tflops(dtype: torch.dtype = torch.bfloat16, n: int = 8192, device: torch.device | str = "auto",

@@ -32,8 +32,7 @@ from lab.book.attention.costs import DTYPES, PASSES, attention_flops, naive_atte
 from lab.kernels.flash_config import backward_plan, block_d, head_chunks
 from lab.measure.device import empty_cache, error_summary, is_oom, resolve_device
 from lab.measure.results import gpu_label
-from lab.measure.timing import Timing, time_kernel
-from lab.measure.verdicts import GoalCheck, compare_summaries
+from lab.measure.timing import Timing, graph_replay, time_kernel
 from lab.model.attention import AttentionFn, naive_attention
 
 
@@ -48,11 +47,15 @@ class Shape:
     causal: bool = True
 
 
-#: LM-like shapes (batch x heads >= 16, 1k-16k tokens, d 64/80/128, causal and not): the goals' grid.
+#: LM-like shapes (batch x heads >= 16, 1k-16k tokens, d 64/80/128, causal and not), the leaderboard model's
+#: attention (32 heads of 128 over 32k tokens) and the 2.7B model's (4 x 32 heads of 80 over 512 tokens): the
+#: goals' grid.
 LM_SHAPES = (Shape(1, 16, 16384, 64), Shape(4, 32, 2048, 80), Shape(1, 32, 4096, 80, False), Shape(8, 16, 2048, 128),
-             Shape(8, 16, 2048, 128, False), Shape(1, 16, 8192, 128), Shape(2, 16, 4096, 64, False))
-#: The goals on those shapes, as speed ratios reference ms / triton ms (the default SDPA backend, cuDNN on Hopper).
-GOALS = {"fwd": 1.0, "bwd": 0.9, "e2e": 0.95}
+             Shape(8, 16, 2048, 128, False), Shape(1, 16, 8192, 128), Shape(2, 16, 4096, 64, False),
+             Shape(1, 32, 32768, 128), Shape(4, 32, 512, 80))
+#: Shapes up to this many tokens are timed as CUDA-graph replays on a GPU (``timing="graph"``): their kernels take
+#: tens of microseconds, so timed eagerly every implementation would be timed by its host's launches instead.
+GRAPH_MAX_SEQ = 1024
 #: The course's timing test (16 x 16384 x 64, bf16, causal, forward + backward) should take at most this on an H100.
 COURSE_GOAL_MS = 4.6
 
@@ -142,7 +145,7 @@ def _record(row: dict, pass_: str, timing: Timing) -> None:
                 f"{pass_}_std_ms": timing.std_ms, f"{pass_}_n": len(timing.samples_ms)})
 
 
-def _measure_flash(fn: AttentionFn, bh, seq, d, dtype, causal, device, timer_kwargs, row) -> None:
+def _measure_flash(fn: AttentionFn, bh, seq, d, dtype, causal, device, timer_kwargs, row, graph=False) -> None:
     q, k, v, dout = attention_inputs(bh, seq, d, DTYPES[dtype], device)
     row["phase"] = "forward"
     _record(row, "fwd", time_kernel(lambda: fn(q, k, v, causal), device, **timer_kwargs))
@@ -152,8 +155,34 @@ def _measure_flash(fn: AttentionFn, bh, seq, d, dtype, causal, device, timer_kwa
                                     **timer_kwargs))
     out = None  # free the retained graph (held through the lambda's closure) before end-to-end builds its own
     row["phase"] = "end-to-end"
-    _record(row, "e2e", time_kernel(lambda: torch.autograd.grad(fn(q, k, v, causal), (q, k, v), dout), device,
-                                    **timer_kwargs))
+    e2e = lambda: torch.autograd.grad(fn(q, k, v, causal), (q, k, v), dout)  # noqa: E731
+    _record(row, "e2e", time_kernel(e2e, device, **timer_kwargs))
+    row["timing"] = "eager"
+    if graph:
+        row["phase"] = "CUDA-graph replay"
+        try:
+            replays = {p: time_kernel(graph_replay(step), device, **timer_kwargs)
+                       for p, step in (("fwd", lambda: fn(q, k, v, causal)), ("e2e", e2e))}
+        except Exception as exc:  # noqa: BLE001 - a step that cannot be captured keeps its eager times
+            if is_oom(exc):
+                raise
+            row["note"] = f"timed eagerly: the CUDA-graph capture failed ({error_summary(exc)})"
+            return
+        row.update({f"{p}_eager_ms": row[f"{p}_ms"] for p in PASSES}, timing="graph")
+        row.update(graph_times(replays["fwd"], replays["e2e"]))
+
+
+def graph_times(fwd: Timing, e2e: Timing) -> dict:
+    """The row fields of CUDA-graph replays of the forward and of forward+backward: ``{pass}_ms`` (median),
+    ``_mean_ms``, ``_std_ms``, ``_n`` for fwd and e2e, and for the backward their differences (a backward alone
+    is not captured: autograd would run it behind a forward outside the graph), its spread that of a difference
+    of independent means (standard deviations added in quadrature) and its samples the fewer of the two."""
+    row = {}
+    _record(row, "fwd", fwd)
+    _record(row, "e2e", e2e)
+    row.update(bwd_ms=e2e.median_ms - fwd.median_ms, bwd_mean_ms=e2e.mean_ms - fwd.mean_ms,
+               bwd_std_ms=math.hypot(e2e.std_ms, fwd.std_ms), bwd_n=min(len(fwd.samples_ms), len(e2e.samples_ms)))
+    return row
 
 
 def grid_shapes(seqs: Sequence[int], ds: Sequence[int], batch: int = 1, heads: int = 1,
@@ -189,7 +218,7 @@ def run_flash_grid(impls: Sequence[str] | dict[str, AttentionFn] = ("triton", "p
                    warmup_ms: float = 5, rep_ms: float = 20, cpu_steps: int = 3,
                    device: torch.device | str = "auto", memory_limit_gib: float | None = None,
                    skip: Callable[[str, Shape, str], str | None] | None = None, sweep: str = "",
-                   progress: bool = True) -> pd.DataFrame:
+                   progress: bool = True, graph_max_seq: int = 0) -> pd.DataFrame:
     """Forward, backward and end-to-end (forward+backward) latency of each attention implementation on each
     shape and dtype.
 
@@ -197,6 +226,10 @@ def run_flash_grid(impls: Sequence[str] | dict[str, AttentionFn] = ("triton", "p
     ``(batch*heads, seq, d)``. Each pass is timed with :func:`lab.measure.timing.time_kernel` (do_bench on
     CUDA); ``{pass}_ms`` is the median, ``{pass}_mean_ms``, ``{pass}_std_ms`` and ``{pass}_n`` the mean,
     standard deviation and number of samples (what a verdict needs). Backward reuses one forward's graph.
+    On a GPU, shapes of at most ``graph_max_seq`` tokens (e.g. :data:`GRAPH_MAX_SEQ`; 0: none) are then timed
+    again as CUDA-graph replays, which replace those times (:func:`graph_times`; the eager medians stay as
+    ``{pass}_eager_ms``); ``timing`` says which (``"graph"`` or ``"eager"``), and only rows timed alike are
+    compared.
     ``pytorch_naive`` configurations whose predicted peak exceeds ``memory_limit_gib`` (default: 1.25x the
     GPU's memory) are not attempted and recorded as ``status="oom"``; ``skip(impl, shape, dtype)`` may
     return a reason not to run a configuration (``status="skipped"``, see :func:`skip_pytorch_flash`); an
@@ -238,7 +271,8 @@ def run_flash_grid(impls: Sequence[str] | dict[str, AttentionFn] = ("triton", "p
         else:
             empty_cache()
             try:
-                _measure_flash(fns[name], bh, sh.seq, sh.d, dt, sh.causal, device, timer_kwargs, row)
+                _measure_flash(fns[name], bh, sh.seq, sh.d, dt, sh.causal, device, timer_kwargs, row,
+                               graph=device.type == "cuda" and sh.seq <= graph_max_seq)
             except Exception as exc:
                 if is_oom(exc):
                     row.update(status="oom", note=f"out of memory in {row.get('phase')}: {error_summary(exc)}")
@@ -289,104 +323,6 @@ def add_tflops(df: pd.DataFrame) -> pd.DataFrame:
                  for r in df.itertuples()]
         df[f"{p}_tflops"] = np.asarray(flops, dtype=float) / (df[f"{p}_ms"].to_numpy(dtype=float) * 1e-3) / 1e12
     return df
-
-
-CONFIG_KEY = ["dtype", "batch", "heads", "seq_len", "d", "causal"]
-
-
-def add_speedups(df: pd.DataFrame, baselines: Sequence[str] = ("pytorch_naive", "sdpa")) -> pd.DataFrame:
-    """Add ``{pass}_speedup_vs_{baseline}`` = baseline ms / this row's ms (medians) for the same configuration
-    (> 1: this implementation is faster). NaN where either side has no time (e.g. out of memory)."""
-    df = df.copy()
-    for base in baselines:
-        ref = df[df["impl"] == base].set_index(CONFIG_KEY)[[f"{p}_ms" for p in PASSES]].add_suffix("_ref")
-        joined = df.join(ref, on=CONFIG_KEY)
-        for p in PASSES:
-            df[f"{p}_speedup_vs_{base}"] = (joined[f"{p}_ms_ref"] / joined[f"{p}_ms"]).to_numpy()
-    return df
-
-
-def _by_config(rows: pd.DataFrame) -> pd.DataFrame:
-    """Rows indexed by configuration; a configuration measured twice (in two sweeps) keeps its last row."""
-    return rows.drop_duplicates(CONFIG_KEY, keep="last").set_index(CONFIG_KEY)
-
-
-def _comparison(mine: pd.Series, ref: pd.Series, p: str):
-    """Time of ``mine`` against ``ref`` for pass ``p`` (compare_summaries of means; a row without a spread,
-    e.g. one sample, gives an interval of infinities and the verdict "within noise")."""
-    mean = mine.get(f"{p}_mean_ms", mine[f"{p}_ms"])
-    ref_mean = ref.get(f"{p}_mean_ms", ref[f"{p}_ms"])
-    return compare_summaries(mean, mine.get(f"{p}_std_ms", math.nan), int(mine.get(f"{p}_n", 0) or 0), ref_mean,
-                             ref.get(f"{p}_std_ms", math.nan), int(ref.get(f"{p}_n", 0) or 0))
-
-
-def versus(df: pd.DataFrame, impl: str = "triton", references: Sequence[str] = ("sdpa",),
-           passes: Sequence[str] = PASSES) -> pd.DataFrame:
-    """``impl`` against each reference on every configuration both measured: one row per (configuration,
-    reference, pass) with both mean times, ``speedup`` = reference / impl (of the means, > 1: ``impl`` is
-    faster), its 95% interval ``[low, high]`` and the verdict on ``impl``'s time (``"faster"``, ``"slower"``
-    or ``"within noise"``, :func:`lab.measure.verdicts.compare_summaries`)."""
-    ok = df[df["status"] == "ok"]
-    mine = _by_config(ok[ok["impl"] == impl])
-    rows = []
-    for reference in references:
-        ref = _by_config(ok[ok["impl"] == reference])
-        for key in mine.index.intersection(ref.index):
-            for p in passes:
-                c = _comparison(mine.loc[key], ref.loc[key], p)
-                rows.append({**dict(zip(CONFIG_KEY, key)), "reference": reference, "pass": p,
-                             "ms": mine.loc[key].get(f"{p}_mean_ms", mine.loc[key][f"{p}_ms"]),
-                             "reference_ms": ref.loc[key].get(f"{p}_mean_ms", ref.loc[key][f"{p}_ms"]),
-                             "speedup": c.speedup, "low": 1 / c.high if c.high else math.inf,
-                             "high": 1 / c.low if c.low > 0 else math.inf, "verdict": c.verdict})
-    columns = CONFIG_KEY + ["reference", "pass", "ms", "reference_ms", "speedup", "low", "high", "verdict"]
-    return pd.DataFrame(rows, columns=columns)
-
-
-def flash_goals(df: pd.DataFrame, impl: str = "triton", reference: str = "sdpa",
-                dtypes: Sequence[str] = ("bf16", "fp16"),
-                min_heads: int = 16, goals: dict[str, float] = GOALS) -> pd.DataFrame:
-    """Per qualifying configuration (``dtype`` in ``dtypes``, batch x heads >= ``min_heads``; both ``impl``
-    and ``reference`` measured): for fwd, bwd, e2e the speed ratio ``{p}_ratio`` = reference / impl (of the
-    means), its 95% interval ``{p}_low``-``{p}_high``, ``{p}_goal`` (``"met"`` when the whole interval is at
-    or above the goal, ``"missed"`` when it is wholly below, ``"undecided"`` when the goal lies inside the
-    noise or no spread was measured) and ``{p}_ok`` (True only when met). Empty when no configuration
-    qualifies (e.g. the CPU quick book)."""
-    sel = df[(df["dtype"].isin(dtypes)) & (df["batch"] * df["heads"] >= min_heads)]
-    mine = _by_config(sel[(sel["impl"] == impl) & (sel["status"] == "ok")])
-    ref = _by_config(sel[(sel["impl"] == reference) & (sel["status"] == "ok")])
-    both = mine.index.intersection(ref.index)
-    rows = []
-    for key in both:
-        row = dict(zip(CONFIG_KEY, key))
-        for p, target in goals.items():
-            check = GoalCheck(_comparison(mine.loc[key], ref.loc[key], p), 1 / target)  # time ratio <= 1/goal
-            c = check.comparison
-            row.update({f"{p}_ratio": c.speedup, f"{p}_low": 1 / c.high if c.high else math.inf,
-                        f"{p}_high": 1 / c.low if c.low > 0 else math.inf,
-                        f"{p}_goal": {True: "met", False: "missed", None: "undecided"}[check.met],
-                        f"{p}_ok": check.met is True})
-        rows.append(row)
-    columns = CONFIG_KEY + [f"{p}_{c}" for p in goals for c in ("ratio", "low", "high", "goal", "ok")]
-    return pd.DataFrame(rows, columns=columns)
-
-
-def summarize_goals(goals_table: pd.DataFrame, goals: dict[str, float] = GOALS) -> dict:
-    """For each pass: the target, configurations checked, how many meet the goal, miss it or are undecided
-    within the noise, and the worst (lowest) speed ratio with its configuration (a dict of
-    :data:`CONFIG_KEY`, or None). ``all_met``: every goal met on every configuration (False when none was
-    checked)."""
-    summary = {"configs": len(goals_table)}
-    for p, target in goals.items():
-        col = goals_table.get(f"{p}_ratio", pd.Series(dtype=float))
-        word = goals_table.get(f"{p}_goal", pd.Series(dtype=str))
-        worst = goals_table.loc[col.idxmin()] if len(col) and col.notna().any() else None
-        summary[p] = dict(target=target, met=int((word == "met").sum()), missed=int((word == "missed").sum()),
-                          undecided=int((word == "undecided").sum()),
-                          worst=float(col.min()) if len(col) else math.nan,
-                          worst_config=None if worst is None else {k: worst[k] for k in CONFIG_KEY})
-    summary["all_met"] = bool(len(goals_table)) and all(summary[p]["met"] == len(goals_table) for p in goals)
-    return summary
 
 
 def course_timing_test(compile: bool = True, batch: int = 16, seq: int = 16384, d: int = 64,

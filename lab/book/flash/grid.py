@@ -16,6 +16,7 @@ import pandas as pd
 
 from lab.book.attention.costs import PASSES
 from lab.book.flash import bench as fl
+from lab.book.flash import goals as gl
 from lab.book.flash.present import INTERPRETED_SHORT
 from lab.book.report import fmt
 from lab.measure.verdicts import label as verdict_label
@@ -36,12 +37,13 @@ def _labelled(df: pd.DataFrame) -> pd.DataFrame:
 
 def latency_table(bench: pd.DataFrame, sweep: str = "lm") -> pd.DataFrame:
     """One row per (shape, dtype), one column per implementation: ``"fwd / bwd / e2e"`` median ms, or the
-    row's status (``skipped``, ``unsupported``, ``oom``)."""
+    row's status (``skipped``, ``unsupported``, ``oom``); times from CUDA-graph replays end in ``(graph)``."""
     df = _labelled(bench[bench["sweep"] == sweep])
     if df.empty:
         return pd.DataFrame()
-    cell = [f"{r.fwd_ms:.3g} / {r.bwd_ms:.3g} / {r.e2e_ms:.3g}" if r.status == "ok" else r.status
-            for r in df.itertuples()]
+    graph = df["timing"].eq("graph") if "timing" in df.columns else pd.Series(False, index=df.index)
+    cell = [f"{r.fwd_ms:.3g} / {r.bwd_ms:.3g} / {r.e2e_ms:.3g}{' (graph)' if g else ''}" if r.status == "ok"
+            else r.status for r, g in zip(df.itertuples(), graph)]
     table = df.assign(cell=cell).pivot_table(index=["shape", "dtype"], columns="impl", values="cell",
                                              aggfunc="first", sort=False)
     return table[[i for i in dict.fromkeys(df["impl"]) if i in table.columns]].reset_index()
@@ -66,11 +68,11 @@ def status_sentence(bench: pd.DataFrame) -> str:
 
 
 def speedup_table(bench: pd.DataFrame, sweep: str = "lm", impl: str = "triton", references=None) -> pd.DataFrame:
-    """:func:`lab.book.flash.bench.versus` of ``impl`` against each reference on one sweep (default: every other
+    """:func:`lab.book.flash.goals.versus` of ``impl`` against each reference on one sweep (default: every other
     implementation measured), with a ``shape`` label: speedup = reference / impl (> 1: ``impl`` faster)."""
     df = bench[bench["sweep"] == sweep]
     references = references or [i for i in dict.fromkeys(df["impl"]) if i != impl]
-    return _labelled(fl.versus(df, impl, references))
+    return _labelled(gl.versus(df, impl, references))
 
 
 def speedup_display(speedups: pd.DataFrame, pass_: str = "e2e", interpreted_: bool = False) -> pd.DataFrame:
@@ -174,22 +176,27 @@ def tflops_sentence(bench: pd.DataFrame, impl: str = "triton", sweep: str = "lm"
 # The goals
 
 
-GOAL_COLUMNS = ["shape", "dtype", "fwd_ratio", "fwd_goal", "bwd_ratio", "bwd_goal", "e2e_ratio", "e2e_goal"]
+GOAL_COLUMNS = ["shape", "dtype", "targets", "fwd_ratio", "fwd_goal", "bwd_ratio", "bwd_goal", "e2e_ratio", "e2e_goal"]
 
 
 def goals_display(goals: pd.DataFrame) -> pd.DataFrame:
-    """The goals table with a shape label: speed ratio (SDPA ms / Triton ms) and met/missed/undecided per pass."""
+    """The goals table with a shape label and each shape's targets: speed ratio (SDPA ms / Triton ms) and
+    met/missed/undecided (or n/a, a pass its shape has no goal for) per pass."""
     if goals.empty:
         return pd.DataFrame(columns=GOAL_COLUMNS)
-    return _labelled(goals)[GOAL_COLUMNS]
+    out = _labelled(goals)
+    out["targets"] = [", ".join(f"{p} ≥ {r[f'{p}_target']:g}" for p in gl.GOALS
+                                if f"{p}_target" in r and r[f"{p}_target"] == r[f"{p}_target"])
+                      for _, r in out.iterrows()]
+    return out[GOAL_COLUMNS]
 
 
-def goals_sentence(goals: pd.DataFrame, goal_targets: dict = fl.GOALS, interpreted_: bool = False) -> str:
-    """The verdict on the goals (:func:`lab.book.flash.bench.flash_goals`' table): all met, or for each pass how
+def goals_sentence(goals: pd.DataFrame, goal_targets: dict = gl.GOALS, interpreted_: bool = False) -> str:
+    """The verdict on the goals (:func:`lab.book.flash.goals.flash_goals`' table): all met, or for each pass how
     many configurations meet, miss or cannot be decided, and the shape furthest from its goal."""
     if interpreted_:
         return "The goals are about GPU speed; they are not evaluated on interpreted Triton. " + INTERPRETED_SHORT
-    summary = fl.summarize_goals(goals, goal_targets)
+    summary = gl.summarize_goals(goals, goal_targets)
     if summary["configs"] == 0:
         return ("No configuration qualifies for the performance goals here (they need bf16 or fp16 with batch × heads "
                 "≥ 16, measured for both Triton and the default SDPA backend), so they are not evaluated in this run.")
@@ -201,19 +208,20 @@ def goals_sentence(goals: pd.DataFrame, goal_targets: dict = fl.GOALS, interpret
     parts = []
     for p, t in goal_targets.items():
         s = summary[p]
-        parts.append(f"{p}: {s['met']} met, {s['missed']} missed, {s['undecided']} undecided of {n}")
-    return (f"The goals ({goals_text} SDPA's speed) do not all hold: " + "; ".join(parts) + ". Furthest from its "
-            f"goal: {_worst_clause(summary, goal_targets)}.")
+        parts.append(f"{p}: {s['met']} met, {s['missed']} missed, {s['undecided']} undecided of {s['checked']}")
+    return (f"The goals ({goals_text} SDPA's speed, where a shape has no goals of its own) do not all hold: "
+            + "; ".join(parts) + f". Furthest from its goal: {_worst_clause(summary, goal_targets)}.")
 
 
 def _worst_clause(summary: dict, goal_targets: dict) -> str:
-    gaps = {p: summary[p]["worst"] / t for p, t in goal_targets.items() if math.isfinite(summary[p]["worst"])}
+    gaps = {p: summary[p]["worst"] / summary[p]["worst_target"] for p in goal_targets
+            if math.isfinite(summary[p]["worst"])}
     if not gaps:
         return "n/a"
     p = min(gaps, key=gaps.get)
     c = summary[p]["worst_config"]
     label = shape_label(c["batch"], c["heads"], c["seq_len"], c["d"], c["causal"]) + f" {c['dtype']}"
-    return (f"{p} on {label} at {fmt(summary[p]['worst'])}x against a goal of {goal_targets[p]:g}x "
+    return (f"{p} on {label} at {fmt(summary[p]['worst'])}x against a goal of {summary[p]['worst_target']:g}x "
             f"({fmt(100 * abs(gaps[p] - 1), 2)}% {'above' if gaps[p] >= 1 else 'below'} it)")
 
 
@@ -227,7 +235,7 @@ def why_missed_table(goals: pd.DataFrame) -> pd.DataFrame:
     for d, part in goals.groupby("d"):
         useful = [d / fl.kernel_columns(r, "fwd") for _, r in part.iterrows()]
         row = dict(d=int(d), shapes=len(part), useful_columns=float(np.median(useful)))
-        for p in fl.GOALS:
+        for p in gl.GOALS:
             r = part[f"{p}_ratio"].dropna()
             row.update({f"{p}_median": r.median(), f"{p}_min": r.min(), f"{p}_max": r.max()})
         rows.append(row)
@@ -241,7 +249,7 @@ def why_missed_sentence(goals: pd.DataFrame, interpreted_: bool = False) -> str:
     if interpreted_ or goals.empty:
         return "The goals are about GPU speed; they are not examined on interpreted Triton or without rows."
     t = why_missed_table(goals).set_index("d")
-    worst_pass = min(fl.GOALS, key=lambda p: t[f"{p}_median"].min() / fl.GOALS[p])
+    worst_pass = min(gl.GOALS, key=lambda p: t[f"{p}_median"].min() / gl.GOALS[p])
     worst_d = int(t[f"{worst_pass}_median"].idxmin())
     parts = [f"d {d}: forward {fmt(r.fwd_median)}x, backward {fmt(r.bwd_median)}x, end to end {fmt(r.e2e_median)}x"
              for d, r in t.iterrows()]

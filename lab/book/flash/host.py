@@ -19,22 +19,8 @@ from lab.book.attention.costs import DTYPES
 from lab.book.flash.bench import Shape
 from lab.kernels.flash_config import FlashConfig
 from lab.measure.device import error_summary, resolve_device
-from lab.measure.timing import time_kernel
+from lab.measure.timing import graph_replay, time_kernel
 from lab.model.attention import AttentionFn, get_attention
-
-
-def graph_replay(step: Callable[[], object]) -> Callable[[], None]:
-    """``step`` captured in a CUDA graph (after warm-up calls on a side stream); returns its replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph.replay
 
 
 def _python_profile(step: Callable[[], object], device: torch.device, calls: int = 50) -> str:

@@ -20,6 +20,7 @@ import torch
 
 from lab.book.attention.costs import DTYPES, PASSES, attention_flops
 from lab.book.flash import bench as fl
+from lab.book.flash import goals as gl
 from lab.book.flash.sweep import PRODUCTS, backward_breakdown, matmul_ceiling
 from lab.book.report import fmt, warn, with_profile_defaults
 from lab.measure.results import measured_on
@@ -89,7 +90,8 @@ class Settings:
         """The two sweeps of ``flash_benchmark``: LM-like shapes in bf16/fp16 against every SDPA backend and the
         tiled PyTorch version, and the batch-1 fp32 length sweep against naive PyTorch and SDPA."""
         return {"lm": dict(impls=self.impls, shapes=self.shapes, dtypes=self.dtypes,
-                           skip=fl.skip_pytorch_flash(self.pytorch_flash_max_seq, self.pytorch_flash_dtypes)),
+                           skip=fl.skip_pytorch_flash(self.pytorch_flash_max_seq, self.pytorch_flash_dtypes),
+                           graph_max_seq=fl.GRAPH_MAX_SEQ),
                 "fp32": dict(impls=self.fp32_impls, shapes=fl.grid_shapes(self.fp32_seqs, self.fp32_ds),
                              dtypes=("fp32",))}
 
@@ -394,10 +396,10 @@ def forward_table(bench: pd.DataFrame, ceilings: pd.DataFrame, sweep: str = "lm"
             "triton_executed_tflops", "ceiling_tflops", "triton_of_ceiling", "reference_of_ceiling"]
     ceiling = ceilings.set_index("dtype")["tflops"].to_dict() if len(ceilings) else {}
     sel = fl.add_tflops(bench[(bench["sweep"] == sweep) & (bench["status"] == "ok") & (bench["fwd_ms"] > 0)])
-    theirs = sel[sel["impl"] == reference].set_index(fl.CONFIG_KEY)
+    theirs = sel[sel["impl"] == reference].set_index(gl.CONFIG_KEY)
     rows = []
     for _, r in sel[sel["impl"] == "triton"].iterrows():
-        key = tuple(r[k] for k in fl.CONFIG_KEY)
+        key = tuple(r[k] for k in gl.CONFIG_KEY)
         if key not in theirs.index:
             continue
         ref, d, top = theirs.loc[key], int(r["d"]), ceiling.get(r["dtype"], math.nan)

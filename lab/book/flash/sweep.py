@@ -35,10 +35,10 @@ import torch
 from lab.book.attention.bench import attention_impl, attention_inputs
 from lab.book.attention.costs import DTYPES, PASSES, attention_flops
 from lab.book.flash.bench import Shape, course_timing_table
-from lab.book.flash.host import graph_replay, host_costs
+from lab.book.flash.host import host_costs
 from lab.kernels.flash_config import FlashConfig, backward_plan, block_d, forward_tiles, head_chunks
 from lab.measure.device import empty_cache, error_summary, is_oom, resolve_device
-from lab.measure.timing import matmul_tflops, time_kernel
+from lab.measure.timing import graph_replay, matmul_tflops, time_kernel
 from lab.model.attention import AttentionFn
 
 #: Forward tiles ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` a sweep tries besides the table's.

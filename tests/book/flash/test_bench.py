@@ -2,12 +2,13 @@
 
 import math
 
-import pandas as pd
 import pytest
 import torch
 
 from lab.book.attention import bench as ab
 from lab.book.flash import bench as fl
+from lab.book.flash import goals as gl
+from lab.measure.timing import Timing
 from lab.model.attention import naive_attention as model_naive_attention
 
 
@@ -93,11 +94,12 @@ def test_flash_grid_rows_tflops_and_speedups():
     r = df.iloc[0]
     assert r["fwd_tflops"] == pytest.approx(4 * 2 * (32 * 33 / 2) * 16 / (r["fwd_ms"] * 1e-3) / 1e12)
     assert r["e2e_tflops"] == pytest.approx(14 * 2 * (32 * 33 / 2) * 16 / (r["e2e_ms"] * 1e-3) / 1e12)
-    sp = fl.add_speedups(df)
+    sp = gl.add_speedups(df)
     sdpa = sp[sp["impl"] == "sdpa"]
     assert sdpa["e2e_speedup_vs_sdpa"].tolist() == [1.0, 1.0]
     naive = sp[sp["impl"] == "pytorch_naive"].iloc[0]
     assert naive["fwd_speedup_vs_sdpa"] == pytest.approx(sdpa.iloc[0]["fwd_ms"] / naive["fwd_ms"])
+    assert (df["timing"] == "eager").all()  # no CUDA graphs on the CPU
     # every pass keeps what a verdict needs: mean, spread and the number of samples
     assert (df["fwd_n"] == 2).all() and (df["e2e_std_ms"] >= 0).all() and (df["bwd_mean_ms"] > 0).all()
     assert (df["gpu"] == "cpu").all() and (df["sweep"] == "").all()
@@ -145,63 +147,6 @@ def test_flash_grid_oom_rows():
     assert math.isnan(df.loc[0, "fwd_ms"]) and df.loc[0, "fwd_n"] == 0
 
 
-def _timed(impl, heads, d, fwd, bwd, e2e, dtype="bf16", std=0.01, n=50):
-    """A grid row whose passes have a mean, a relative spread ``std`` and ``n`` samples."""
-    row = dict(impl=impl, dtype=dtype, batch=1, heads=heads, seq_len=4096, d=d, causal=True, status="ok")
-    for p, ms in (("fwd", fwd), ("bwd", bwd), ("e2e", e2e)):
-        row.update({f"{p}_ms": ms, f"{p}_mean_ms": ms, f"{p}_std_ms": std * ms, f"{p}_n": n})
-    return row
-
-
-def test_flash_goals_from_known_times():
-    df = pd.DataFrame([
-        _timed("sdpa", 16, 64, 1.0, 2.0, 3.0), _timed("triton", 16, 64, 0.9, 2.2, 3.1),  # all goals met
-        _timed("sdpa", 32, 128, 4.0, 8.0, 12.0), _timed("triton", 32, 128, 5.0, 8.0, 12.0),  # fwd too slow
-        _timed("sdpa", 1, 64, 1.0, 1.0, 1.0), _timed("triton", 1, 64, 9.0, 9.0, 9.0),  # one head: not LM-like, ignored
-        _timed("sdpa", 16, 64, 1.0, 1.0, 1.0, "fp32"), _timed("triton", 16, 64, 9.0, 9.0, 9.0, "fp32"),  # fp32 ignored
-    ])
-    g = fl.flash_goals(df).sort_values("heads")
-    assert g["heads"].tolist() == [16, 32]
-    assert g["fwd_ratio"].tolist() == pytest.approx([1 / 0.9, 0.8])
-    assert g["fwd_goal"].tolist() == ["met", "missed"] and g["fwd_ok"].tolist() == [True, False]
-    assert g["bwd_goal"].tolist() == ["met", "met"] and g["e2e_goal"].tolist() == ["met", "met"]
-    assert (g["fwd_low"] < g["fwd_ratio"]).all() and (g["fwd_ratio"] < g["fwd_high"]).all()
-    s = fl.summarize_goals(g)
-    assert s["configs"] == 2 and s["fwd"]["met"] == 1 and s["fwd"]["missed"] == 1
-    assert s["fwd"]["worst"] == pytest.approx(0.8) and s["fwd"]["worst_config"]["heads"] == 32
-    assert not s["all_met"]
-    empty = fl.summarize_goals(fl.flash_goals(df[df["heads"] < 16]))
-    assert empty["configs"] == 0 and not empty["all_met"] and math.isnan(empty["e2e"]["worst"])
-
-
-def test_flash_goals_undecided_within_the_noise():
-    """A speed ratio of 0.98 against a goal of 1.0 is "missed" with a tight spread, "undecided" with a wide one,
-    and "undecided" when a pass was timed once (no spread)."""
-    tight = pd.DataFrame([_timed("sdpa", 16, 64, 1.0, 1.0, 1.0), _timed("triton", 16, 64, 1 / 0.98, 0.5, 0.5)])
-    assert fl.flash_goals(tight)["fwd_goal"].tolist() == ["missed"]
-    wide = pd.DataFrame([_timed("sdpa", 16, 64, 1.0, 1.0, 1.0, std=0.3, n=5),
-                         _timed("triton", 16, 64, 1 / 0.98, 0.5, 0.5, std=0.3, n=5)])
-    assert fl.flash_goals(wide)["fwd_goal"].tolist() == ["undecided"]
-    once = pd.DataFrame([_timed("sdpa", 16, 64, 1.0, 1.0, 1.0, n=1), _timed("triton", 16, 64, 0.5, 0.5, 0.5, n=1)])
-    g = fl.flash_goals(once)
-    assert g["fwd_goal"].tolist() == ["undecided"] and g["fwd_ratio"].tolist() == pytest.approx([2.0])
-    assert not fl.summarize_goals(g)["all_met"]
-
-
-def test_versus_gives_speedups_and_verdicts():
-    df = pd.DataFrame([_timed("triton", 16, 64, 1.0, 2.0, 3.0), _timed("sdpa", 16, 64, 2.0, 2.0, 2.0),
-                       _timed("pytorch_naive", 16, 64, 1.0, 1.0, 1.0),
-                       {**_timed("sdpa_cudnn", 16, 64, 1.0, 1.0, 1.0), "status": "unsupported"}])
-    vs = fl.versus(df, "triton", ["sdpa", "pytorch_naive", "sdpa_cudnn"]).set_index(["reference", "pass"])
-    assert vs.loc[("sdpa", "fwd"), "speedup"] == pytest.approx(2.0) and vs.loc[("sdpa", "fwd"), "verdict"] == "faster"
-    assert vs.loc[("sdpa", "bwd"), "verdict"] == "within noise"
-    assert vs.loc[("sdpa", "e2e"), "verdict"] == "slower" and vs.loc[("sdpa", "e2e"), "speedup"] == pytest.approx(2 / 3)
-    low, high = vs.loc[("sdpa", "e2e"), ["low", "high"]]
-    assert low < 2 / 3 < high
-    assert "sdpa_cudnn" not in vs.index.get_level_values("reference")  # did not run: nothing to compare
-    assert len(vs) == 6
-
-
 def test_course_timing_test_on_the_cpu():
     """The course's test runs interpreted on a tiny shape and says where it ran (its goal is an H100's)."""
     t = fl.course_timing_table((False,), batch=1, seq=32, d=16, device="cpu", cpu_steps=2)
@@ -216,3 +161,20 @@ def test_flash_grid_runs_interpreted_triton():
                            cpu_steps=1,
                            device="cpu", progress=False)
     assert (df["status"] == "ok").all() and (df["e2e_ms"] > 0).all()
+
+
+def test_graph_times_derive_the_backward_from_two_replays():
+    """The backward of a CUDA-graph-timed row is forward+backward minus forward: medians and means subtract,
+    standard deviations add in quadrature, the samples are the fewer of the two."""
+    fwd, e2e = Timing([1.0, 1.2, 1.1]), Timing([3.0, 3.4, 3.2, 3.3])
+    row = fl.graph_times(fwd, e2e)
+    assert row["fwd_ms"] == pytest.approx(1.1) and row["e2e_ms"] == pytest.approx(3.25) and row["e2e_n"] == 4
+    assert row["bwd_ms"] == pytest.approx(3.25 - 1.1) and row["bwd_mean_ms"] == pytest.approx(3.225 - 1.1)
+    assert row["bwd_std_ms"] == pytest.approx(math.hypot(e2e.std_ms, fwd.std_ms)) and row["bwd_n"] == 3
+
+
+def test_the_goal_grid_holds_the_leaderboard_and_2_7b_shapes():
+    assert fl.Shape(1, 32, 32768, 128) in fl.LM_SHAPES and fl.Shape(4, 32, 512, 80) in fl.LM_SHAPES
+    assert set(gl.SHAPE_GOALS) <= set(fl.LM_SHAPES)
+    # only the 2.7B shape is short enough to be timed as CUDA-graph replays
+    assert [s for s in fl.LM_SHAPES if s.seq <= fl.GRAPH_MAX_SEQ] == [fl.Shape(4, 32, 512, 80)]

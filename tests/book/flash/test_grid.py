@@ -8,6 +8,7 @@ import pandas as pd
 import pytest
 
 from lab.book.flash import bench as fl
+from lab.book.flash import goals as gl
 from lab.book.flash import grid, present
 from tests.book.prose import amounts, clause_of, counts, in_order, numbers, sentence_of
 
@@ -47,6 +48,8 @@ def test_latency_and_status_tables():
     assert lat.columns.tolist() == ["shape", "dtype", "triton", "sdpa", "sdpa_cudnn", "pytorch_flash"]
     assert lat.iloc[0]["shape"] == "1x16x4096 d64 causal" and lat.iloc[0]["triton"] == "1 / 2 / 3"
     assert lat.iloc[0]["pytorch_flash"] == "skipped" and lat.iloc[1]["sdpa_cudnn"] == "unsupported"
+    graph = grid.latency_table(bench.assign(timing=["graph"] * 4 + ["eager"] * 7), "lm")
+    assert graph.iloc[0]["triton"] == "1 / 2 / 3 (graph)" and graph.iloc[1]["triton"] == "2 / 4 / 6"
     st = grid.status_table(bench)
     assert st["status"].tolist() == ["skipped", "unsupported"] and "2048" in st["note"].iloc[0]
     assert grid.status_sentence(bench) == ("9 of 11 configurations ran. The rest: pytorch_flash skipped ×1; "
@@ -84,9 +87,10 @@ def test_speedups_sentences_and_heatmap():
 
 def test_goals_sentence():
     bench = _bench()
-    goals = fl.flash_goals(bench)
+    goals = gl.flash_goals(bench)
     shown = grid.goals_display(goals)
     assert shown["shape"].tolist() == ["1x16x4096 d64 causal", "8x16x2048 d128 full"]
+    assert shown["targets"].tolist() == ["fwd ≥ 1, bwd ≥ 0.9, e2e ≥ 0.95"] * 2
     text = grid.goals_sentence(goals)
     tally, furthest = text.split(". ")[:2]
     assert amounts(tally) == [(1, "x"), (0.9, "x"), (0.95, "x")]  # the goals of each pass
@@ -95,10 +99,10 @@ def test_goals_sentence():
             tally, p).index("missed") < clause_of(tally, p).index("undecided")
     assert "fwd" in furthest and "8x16x2048 d128 full" in furthest and "bwd" not in furthest
     assert amounts(furthest) == [(0.5, "x"), (1, "x"), (50, "%")] and "below" in furthest
-    met = grid.goals_sentence(fl.flash_goals(bench[bench["seq_len"] == 4096]))
+    met = grid.goals_sentence(gl.flash_goals(bench[bench["seq_len"] == 4096]))
     assert "met" in met and "missed" not in met and "1x16x4096 d64 causal" in met and "above" in met
     assert amounts(met) == [(1, "x"), (0.9, "x"), (0.95, "x"), (1.2, "x"), (1, "x"), (20, "%")]  # goals; the closest
-    none = grid.goals_sentence(fl.flash_goals(bench[bench["heads"] < 16]))
+    none = grid.goals_sentence(gl.flash_goals(bench[bench["heads"] < 16]))
     assert not amounts(none) and "met" not in none and "missed" not in none and numbers(none) == [16]
     interpreted_text = grid.goals_sentence(goals, interpreted_=True)
     assert present.INTERPRETED_SHORT in interpreted_text and not amounts(interpreted_text)
