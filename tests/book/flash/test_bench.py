@@ -178,3 +178,25 @@ def test_the_goal_grid_holds_the_leaderboard_and_2_7b_shapes():
     assert set(gl.SHAPE_GOALS) <= set(fl.LM_SHAPES)
     # only the 2.7B shape is short enough to be timed as CUDA-graph replays
     assert [s for s in fl.LM_SHAPES if s.seq <= fl.GRAPH_MAX_SEQ] == [fl.Shape(4, 32, 512, 80)]
+
+
+def test_graph_timing_replaces_the_eager_times(monkeypatch):
+    """Where a shape is CUDA-graph timed, the replays' times replace the eager ones (kept as ``*_eager_ms``); a
+    step that cannot be captured keeps its eager times and says why. (No CUDA here: the capture is stubbed, the
+    bookkeeping is what is checked.)"""
+    impl = ab.attention_impl("sdpa", "cpu")
+    calls = []
+    monkeypatch.setattr(fl, "graph_replay", lambda step: calls.append(step) or step)
+    row = {}
+    fl._measure_flash(impl, 2, 16, 8, "fp32", True, torch.device("cpu"), dict(cpu_steps=2), row, graph=True)
+    assert len(calls) == 2 and row["timing"] == "graph" and row["fwd_n"] == 2
+    assert {"fwd_eager_ms", "bwd_eager_ms", "e2e_eager_ms"} <= set(row)
+    assert row["bwd_ms"] == pytest.approx(row["e2e_ms"] - row["fwd_ms"])
+
+    def uncapturable(step):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(fl, "graph_replay", uncapturable)
+    row = {}
+    fl._measure_flash(impl, 2, 16, 8, "fp32", True, torch.device("cpu"), dict(cpu_steps=2), row, graph=True)
+    assert row["timing"] == "eager" and "capture failed" in row["note"] and "fwd_eager_ms" not in row
