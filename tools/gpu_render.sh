@@ -21,7 +21,8 @@ kill_tree() { local c; for c in $(pgrep -P "$1"); do [[ $c == "$BASHPID" ]] || {
 ( sleep "$limit"; echo "render passed its ${limit} s limit: stopped" >&2; kill_tree $$ ) & watchdog=$!
 timeout "$((limit + 15))" python3 -m lab.render --profile full --no-html --only "$@" 2>&1 | tee "$OUT/render.log"
 rc=${PIPESTATUS[0]}
-kill "$watchdog" 2>/dev/null
+# the watchdog, then its sleep (which holds the output open: the call would otherwise last the whole limit)
+sleeper=$(pgrep -P "$watchdog"); kill -9 "$watchdog" 2>/dev/null; [[ -n $sleeper ]] && kill $sleeper 2>/dev/null
 tar czf "$OUT/bundle.tgz" reports results 2>/dev/null
 ls -la reports results | head -50
 exit "$rc"

@@ -56,6 +56,9 @@ LM_SHAPES = (Shape(1, 16, 16384, 64), Shape(4, 32, 2048, 80), Shape(1, 32, 4096,
 #: Shapes up to this many tokens are timed as CUDA-graph replays on a GPU (``timing="graph"``): their kernels take
 #: tens of microseconds, so timed eagerly every implementation would be timed by its host's launches instead.
 GRAPH_MAX_SEQ = 1024
+#: Samples each pass of the goal grid gets at least: do_bench fits as many calls as its budget holds, so at 32k
+#: tokens (70 ms a forward + backward) a pass would get one or two, too few for a spread and so for a verdict.
+MIN_SAMPLES = 5
 #: The course's timing test (16 x 16384 x 64, bf16, causal, forward + backward) should take at most this on an H100.
 COURSE_GOAL_MS = 4.6
 
@@ -218,14 +221,15 @@ def run_flash_grid(impls: Sequence[str] | dict[str, AttentionFn] = ("triton", "p
                    warmup_ms: float = 5, rep_ms: float = 20, cpu_steps: int = 3,
                    device: torch.device | str = "auto", memory_limit_gib: float | None = None,
                    skip: Callable[[str, Shape, str], str | None] | None = None, sweep: str = "",
-                   progress: bool = True, graph_max_seq: int = 0) -> pd.DataFrame:
+                   progress: bool = True, graph_max_seq: int = 0, min_samples: int = 1) -> pd.DataFrame:
     """Forward, backward and end-to-end (forward+backward) latency of each attention implementation on each
     shape and dtype.
 
     ``impls`` are names for :func:`attention_impl` or a dict ``name -> fn(q, k, v, causal)``. Inputs are
     ``(batch*heads, seq, d)``. Each pass is timed with :func:`lab.measure.timing.time_kernel` (do_bench on
     CUDA); ``{pass}_ms`` is the median, ``{pass}_mean_ms``, ``{pass}_std_ms`` and ``{pass}_n`` the mean,
-    standard deviation and number of samples (what a verdict needs). Backward reuses one forward's graph.
+    standard deviation and number of samples (what a verdict needs; at least ``min_samples`` on a GPU, however
+    long a call). Backward reuses one forward's graph.
     On a GPU, shapes of at most ``graph_max_seq`` tokens (e.g. :data:`GRAPH_MAX_SEQ`; 0: none) are then timed
     again as CUDA-graph replays, which replace those times (:func:`graph_times`; the eager medians stay as
     ``{pass}_eager_ms``); ``timing`` says which (``"graph"`` or ``"eager"``), and only rows timed alike are
@@ -248,7 +252,7 @@ def run_flash_grid(impls: Sequence[str] | dict[str, AttentionFn] = ("triton", "p
     if memory_limit_gib is None and device.type == "cuda":
         memory_limit_gib = 1.25 * torch.cuda.get_device_properties(device).total_memory / 2**30
     gpu = gpu_label() if device.type == "cuda" else "cpu"
-    timer_kwargs = dict(warmup_ms=warmup_ms, rep_ms=rep_ms, cpu_steps=cpu_steps)
+    timer_kwargs = dict(warmup_ms=warmup_ms, rep_ms=rep_ms, cpu_steps=cpu_steps, min_samples=min_samples)
     grid = [(dt, shape, name) for dt in dtypes for shape in shapes for name in fns]
     rows = []
     for dt, sh, name in progress_bar(grid, f"attention {sweep}".strip(), progress):

@@ -66,8 +66,9 @@ def _products(row, pass_: str) -> int:
 
 def _waits(waits: pd.DataFrame, d: int, pass_: str) -> str:
     """``"waited of products"`` of the compiled kernels of ``pass_`` at head dimension ``d`` (the forward, or the
-    backward's two programs summed), or ``"n/a"`` where the table has no kernel of that d."""
-    if waits is None or waits.empty:
+    backward's two programs summed), or ``"n/a"`` where the table has no kernel of that d (or holds only a note:
+    this Triton could not compile for sm_90a here)."""
+    if waits is None or waits.empty or "d" not in waits.columns:
         return "n/a"
     at_d = waits[waits["d"] == d]
     kernels = {"fwd": ["forward"], "bwd": ["backward dK/dV", "backward dQ"],

@@ -91,7 +91,7 @@ class Settings:
         tiled PyTorch version, and the batch-1 fp32 length sweep against naive PyTorch and SDPA."""
         return {"lm": dict(impls=self.impls, shapes=self.shapes, dtypes=self.dtypes,
                            skip=fl.skip_pytorch_flash(self.pytorch_flash_max_seq, self.pytorch_flash_dtypes),
-                           graph_max_seq=fl.GRAPH_MAX_SEQ),
+                           graph_max_seq=fl.GRAPH_MAX_SEQ, min_samples=fl.MIN_SAMPLES),
                 "fp32": dict(impls=self.fp32_impls, shapes=fl.grid_shapes(self.fp32_seqs, self.fp32_ds),
                              dtypes=("fp32",))}
 

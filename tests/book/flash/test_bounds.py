@@ -54,6 +54,9 @@ def test_each_missed_goal_gets_the_share_of_the_ceiling_it_needs():
     assert e2e["needs_of_ceiling"] == pytest.approx(both / (3.0e-3 / 0.95) / 1000)
     assert e2e["needs_with_5"] == pytest.approx(e2e["needs_of_ceiling"] * (both - executed * 2 / 7) / both)
     assert e2e["products"] == 9 and e2e["waited_at_once"] == "16 of 18"
+    # a render whose Triton could not compile for sm_90a has a waits table holding only a note
+    noted = bounds.missed_goal_bounds(bench, goals, CEILING, pd.DataFrame({"note": ["ptxas failed"]}))
+    assert set(noted["waited_at_once"]) == {"n/a"} and len(noted) == 3
 
 
 def test_the_bound_is_read_from_the_shares():
