@@ -66,11 +66,14 @@ def flex_attention_fn() -> AttentionFn:
 
     Turns off AOTAutograd's donated buffers for the rest of the process: the benchmarks run one forward's
     backward repeatedly (``retain_graph=True``), which a compiled backward that frees ("donates") its saved
-    tensors refuses, and the check reads the setting when the backward runs, so a scoped patch cannot do."""
+    tensors refuses, and the check reads the setting when the backward runs, so a scoped patch cannot do. Raises
+    dynamo's recompile limit too (to 64): every new shape is one more compilation of ``flex_attention``, and
+    past the default 8 dynamo would run it uncompiled (materializing the whole score matrix) without failing."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # optional: torch >= 2.5
 
     if "fn" not in _FLEX:
         torch._functorch.config.donated_buffer = False
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
 
     def causal_mod(b, h, q_idx, kv_idx):

@@ -4,13 +4,15 @@ A goal asks Triton's pass to take at most the reference's time divided by the ta
 kernel really issues (the forward's two per tile pair, the backward's 7 or 5, on the head-dimension columns its
 tiles compute), that time is a rate, and the rate a share of the dtype's measured matmul ceiling
 (``needs_of_ceiling``). Set beside what the kernel reaches on this shape (``of_ceiling``) and the most any
-Triton kernel of that pass reaches on any shape of the same render (``best_of_ceiling``), the share says which
-bound holds the goal back:
+Triton kernel of that pass reaches on a shape of the same head dimension in the same render
+(``best_of_ceiling``; a smaller head dimension does less matrix work per exponential, so it is compared only
+with its own), the share says which bound holds the goal back:
 
 * ``"ceiling"``: more than the card's matmul rate: no schedule meets it with these products;
 * ``"in-flight products"``: more than any of these kernels reaches anywhere: their compiled code waits for its
   matrix products before the softmax (:mod:`lab.book.flash.schedule`), so the share they reach is capped;
-* ``"this shape"``: other shapes already reach the share it needs: its tiles, occupancy or causal balance.
+* ``"this shape"``: other shapes of its head dimension already reach the share it needs: its tiles, occupancy
+  or causal balance.
 
 For the backward (and forward + backward) ``needs_with_5`` is the same share if the backward issued 5 products
 per tile pair instead of 7 (atomic dQ, FlashAttention-2's and -3's count) at the same time per product.
@@ -38,9 +40,8 @@ NEXT_STEPS = {
                                    "than the two products it saves, and keep products in flight",
     ("e2e", "in-flight products"): "both passes' steps: products in flight in the forward, 5 products in the "
                                    "backward",
-    ("fwd", "this shape"): "tiles and scheduling for this shape (other shapes reach the share it needs)",
-    ("bwd", "this shape"): "tiles and scheduling for this shape (other shapes reach the share it needs)",
-    ("e2e", "this shape"): "tiles and scheduling for this shape (other shapes reach the share it needs)",
+    **{(p, "this shape"): "tiles and scheduling for this shape (shapes of its head dimension reach the share it "
+                          "needs)" for p in ("fwd", "bwd", "e2e")},
 }
 FIVE_PRODUCTS = "5 products per tile pair (atomic dQ) at today's time per product would meet it"
 COLUMNS = ["shape", "dtype", "pass", "ratio", "target", "products", "of_ceiling", "needs_of_ceiling", "needs_with_5",
@@ -83,8 +84,9 @@ def missed_goal_bounds(bench: pd.DataFrame, goals: pd.DataFrame, ceilings: pd.Da
                        waits: pd.DataFrame | None = None, sweep: str = "lm") -> pd.DataFrame:
     """One row per missed goal (:func:`lab.book.flash.goals.flash_goals`' ``"missed"``) with the share of the
     matmul ceiling (``ceilings``: ``dtype``, ``tflops``) meeting it would need, the share reached, the best share
-    of that pass over the render's shapes, the compiled kernels' product waits (``waits``, the table of
-    :func:`lab.book.flash.schedule.product_wait_table`), the bound and the next step (see the module's doc)."""
+    of that pass over the render's shapes of the same head dimension, the compiled kernels' product waits
+    (``waits``, the table of :func:`lab.book.flash.schedule.product_wait_table`), the bound and the next step
+    (see the module's doc)."""
     ceiling = ceilings.set_index("dtype")["tflops"].to_dict() if len(ceilings) else {}
     mine = bench[(bench["sweep"] == sweep) & (bench["impl"] == "triton") & (bench["status"] == "ok")]
     mine = mine.drop_duplicates(gl.CONFIG_KEY, keep="last").set_index(gl.CONFIG_KEY, drop=False)
@@ -104,7 +106,7 @@ def missed_goal_bounds(bench: pd.DataFrame, goals: pd.DataFrame, ceilings: pd.Da
                 continue
             reach, target, ratio = shares[p][key], float(g[f"{p}_target"]), float(g[f"{p}_ratio"])
             needs = reach * target / ratio
-            best = max((s for s in shares[p].values() if s == s), default=math.nan)
+            best = max((s for k, s in shares[p].items() if s == s and k[4] == key[4]), default=math.nan)
             bwd_products = PRODUCTS.get(r.get("bwd_mode"), 7)
             with_5 = math.nan
             if p != "fwd":  # the same time per product, 5 of them in the backward
@@ -137,12 +139,13 @@ def bounds_sentence(table: pd.DataFrame, interpreted_: bool = False) -> str:
     text = (f"{len(table)} missed goals, held {', '.join(parts)}. Furthest: the {PASS_NAMES[worst['pass']]} on "
             f"{worst['shape']} would need {fmt(100 * worst['needs_of_ceiling'], 2)}% of the matmul ceiling with "
             f"{worst['products']} products per tile pair, where it reaches {fmt(100 * worst['of_ceiling'], 2)}% and "
-            f"the best {PASS_NAMES[worst['pass']]} of this render {fmt(100 * worst['best_of_ceiling'], 2)}%.")
+            f"the best {PASS_NAMES[worst['pass']]} at its head dimension in this render "
+            f"{fmt(100 * worst['best_of_ceiling'], 2)}%.")
     five = table[table["pass"] == "bwd"].dropna(subset=["needs_with_5"])
     if len(five):
         within = int((five["needs_with_5"] <= five["best_of_ceiling"]).sum())
         text += (f" With 5 products per tile pair at the same time per product, {within} of the {len(five)} "
-                 f"missed backward goals would need no more than the best backward's share.")
+                 f"missed backward goals would need no more than the best backward's share at their head dimension.")
     return text
 
 

@@ -7,10 +7,10 @@ from lab.book.flash import bounds
 from lab.book.flash import goals as gl
 
 
-def _row(impl, seq, fwd, bwd, e2e, mode="two_pass"):
-    row = dict(sweep="lm", impl=impl, dtype="bf16", batch=1, heads=16, seq_len=seq, d=64, causal=True, status="ok",
-               gpu="NVIDIA H100 80GB HBM3", bwd_mode=mode if impl == "triton" else None, fwd_columns=64,
-               bwd_columns=64)
+def _row(impl, seq, fwd, bwd, e2e, mode="two_pass", d=64):
+    row = dict(sweep="lm", impl=impl, dtype="bf16", batch=1, heads=16, seq_len=seq, d=d, causal=True, status="ok",
+               gpu="NVIDIA H100 80GB HBM3", bwd_mode=mode if impl == "triton" else None, fwd_columns=d,
+               bwd_columns=d)
     for p, ms in (("fwd", fwd), ("bwd", bwd), ("e2e", e2e)):
         row.update({f"{p}_ms": ms, f"{p}_mean_ms": ms, f"{p}_std_ms": 0.001 * ms, f"{p}_n": 100})
     return row
@@ -67,6 +67,11 @@ def test_the_bound_is_read_from_the_shares():
     bench = pd.DataFrame(slow + fast)
     t = bounds.missed_goal_bounds(bench, gl.flash_goals(bench), pd.DataFrame([{"dtype": "bf16", "tflops": 1e4}]))
     assert set(t["bound"]) == {"this shape"} and set(t["waited_at_once"]) == {"n/a"}
+    # a fast shape of another head dimension says nothing about this one's (less matrix work per exponential)
+    other_d = [_row("sdpa", 4096, 1.0, 1.0, 1.0, d=128), _row("triton", 4096, 0.05, 0.1, 0.15, d=128)]
+    mixed = pd.DataFrame(slow + other_d)
+    t = bounds.missed_goal_bounds(mixed, gl.flash_goals(mixed), pd.DataFrame([{"dtype": "bf16", "tflops": 1e4}]))
+    assert set(t["bound"]) == {"in-flight products"} and set(t["shape"]) == {"1x16x8192x64"}
     # alone, the slow shape needs more than it reaches anywhere: its products' waits bound it
     alone = pd.DataFrame(slow)
     t = bounds.missed_goal_bounds(alone, gl.flash_goals(alone), pd.DataFrame([{"dtype": "bf16", "tflops": 1e4}]))

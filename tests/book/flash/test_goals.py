@@ -46,6 +46,10 @@ def test_flash_goals_undecided_within_the_noise():
     wide = pd.DataFrame([_timed("sdpa", 16, 64, 1.0, 1.0, 1.0, std=0.3, n=5),
                          _timed("triton", 16, 64, 1 / 0.98, 0.5, 0.5, std=0.3, n=5)])
     assert gl.flash_goals(wide)["fwd_goal"].tolist() == ["undecided"]
+    # a narrow interval, but one side scatters by more than the gap to the goal: "undecided", as in the verdicts
+    scattered = pd.DataFrame([_timed("sdpa", 16, 64, 1.0, 1.0, 1.0, std=0.001, n=400),
+                              _timed("triton", 16, 64, 1 / 0.9, 0.5, 0.5, std=0.12, n=400)])
+    assert gl.flash_goals(scattered)["fwd_goal"].tolist() == ["undecided"]
     once = pd.DataFrame([_timed("sdpa", 16, 64, 1.0, 1.0, 1.0, n=1), _timed("triton", 16, 64, 0.5, 0.5, 0.5, n=1)])
     g = gl.flash_goals(once)
     assert g["fwd_goal"].tolist() == ["undecided"] and g["fwd_ratio"].tolist() == pytest.approx([2.0])
