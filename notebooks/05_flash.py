@@ -134,6 +134,10 @@ on_cpu = present.warn_if_interpreted(bench)
 report.show_table(grid.latency_table(bench, "lm"))
 report.show_table(grid.status_table(bench))
 report.say(grid.status_sentence(bench))
+host = grid.host_table(bench)
+if len(host):
+    report.show_table(host, floatfmt=".3g")
+    report.say(grid.host_sentence(host))
 
 # %% [markdown]
 # ## Speedups and TFLOP/s

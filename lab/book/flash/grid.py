@@ -67,6 +67,38 @@ def status_sentence(bench: pd.DataFrame) -> str:
     return text
 
 
+def host_table(bench: pd.DataFrame, sweep: str = "lm") -> pd.DataFrame:
+    """The CUDA-graph-timed shapes (``timing == "graph"``) of ``sweep``: per implementation the forward and
+    forward+backward medians replayed from a graph (the device's time) and called eagerly (the host's launches
+    included), and the host's share of the eager call (``1 - graph / eager``)."""
+    cols = ["shape", "impl", "fwd_graph_ms", "fwd_eager_ms", "e2e_graph_ms", "e2e_eager_ms", "e2e_host_share"]
+    if "timing" not in bench.columns:
+        return pd.DataFrame(columns=cols)
+    df = _labelled(bench[(bench["sweep"] == sweep) & (bench["timing"] == "graph") & (bench["status"] == "ok")])
+    out = df.assign(fwd_graph_ms=df["fwd_ms"], e2e_graph_ms=df["e2e_ms"], e2e_host_share=1 - df["e2e_ms"] / df[
+        "e2e_eager_ms"]) if len(df) else pd.DataFrame(columns=cols)
+    return out[cols].reset_index(drop=True)
+
+
+def host_sentence(table: pd.DataFrame, impl: str = "triton", reference: str = "sdpa") -> str:
+    """How much longer ``impl``'s and ``reference``'s eager calls take than their graph replays on the
+    graph-timed shapes (empty when none was graph-timed)."""
+    parts = []
+    for shape, g in table.groupby("shape", sort=False):
+        r = g.set_index("impl")
+        if not {impl, reference} <= set(r.index):
+            continue
+        mine, ref = r.loc[impl], r.loc[reference]
+        parts.append(f"on {shape}, forward + backward took {impl} {fmt(mine['e2e_eager_ms'] * 1e3)} µs eagerly against "
+                     f"{fmt(mine['e2e_graph_ms'] * 1e3)} µs replayed from a CUDA graph, {reference} "
+                     f"{fmt(ref['e2e_eager_ms'] * 1e3)} against {fmt(ref['e2e_graph_ms'] * 1e3)} µs")
+    if not parts:
+        return ""
+    return ("Timed eagerly, short shapes measure the host: " + "; ".join(parts) + ". The goals compare the replays "
+            "(the kernels); under torch.compile the Triton kernels are launched by the compiled code itself "
+            "(`FlashConfig.compile_inline`), which the 2.7B step below measures.")
+
+
 def speedup_table(bench: pd.DataFrame, sweep: str = "lm", impl: str = "triton", references=None) -> pd.DataFrame:
     """:func:`lab.book.flash.goals.versus` of ``impl`` against each reference on one sweep (default: every other
     implementation measured), with a ``shape`` label: speedup = reference / impl (> 1: ``impl`` faster)."""

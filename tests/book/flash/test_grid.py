@@ -158,3 +158,17 @@ def test_why_missed_reads_the_gap_by_head_dimension():
     assert "masked" not in split.replace("no masked", "")
     chunks = next(part for part in split.split(". ") if "no masked" in part)
     assert numbers(chunks) == [80, 0.69, 0.845]
+
+
+def test_host_table_sets_eager_calls_beside_graph_replays():
+    bench = _bench()
+    assert grid.host_table(bench).empty and grid.host_sentence(grid.host_table(bench)) == ""  # no graph timing
+    graph = ["graph", "graph"] + ["eager"] * 9
+    bench = bench.assign(timing=graph, e2e_eager_ms=[6.0, 4.8] + [math.nan] * 9, fwd_eager_ms=[2.0, 1.6] + [
+        math.nan] * 9)
+    t = grid.host_table(bench)
+    assert t["impl"].tolist() == ["triton", "sdpa"] and t["e2e_graph_ms"].tolist() == pytest.approx([3.0, 3.6])
+    assert t["e2e_host_share"].tolist() == pytest.approx([0.5, 0.25])
+    text = grid.host_sentence(t)
+    assert numbers(text)[1:5] == [6000, 3000, 4800, 3600]  # triton eager, replayed; sdpa eager, replayed
+    assert text.index("triton") < text.index("sdpa") and "1x16x4096 d64 causal" in text
