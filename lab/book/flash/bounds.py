@@ -44,8 +44,8 @@ NEXT_STEPS = {
                           "needs)" for p in ("fwd", "bwd", "e2e")},
 }
 FIVE_PRODUCTS = "5 products per tile pair (atomic dQ) at today's time per product would meet it"
-COLUMNS = ["shape", "dtype", "pass", "ratio", "target", "products", "of_ceiling", "needs_of_ceiling", "needs_with_5",
-           "best_of_ceiling", "waited_at_once", "bound", "next_step"]
+COLUMNS = ["shape", "dtype", "against", "pass", "ratio", "target", "products", "of_ceiling", "needs_of_ceiling",
+           "needs_with_5", "best_of_ceiling", "waited_at_once", "bound", "next_step"]
 
 
 def executed_tflop(row, pass_: str) -> float:
@@ -82,7 +82,8 @@ def _waits(waits: pd.DataFrame, d: int, pass_: str) -> str:
 
 def missed_goal_bounds(bench: pd.DataFrame, goals: pd.DataFrame, ceilings: pd.DataFrame,
                        waits: pd.DataFrame | None = None, sweep: str = "lm") -> pd.DataFrame:
-    """One row per missed goal (:func:`lab.book.flash.goals.flash_goals`' ``"missed"``) with the share of the
+    """One row per missed goal (:func:`lab.book.flash.goals.flash_goals`' ``"missed"``; ``goals`` may hold the
+    tables of several references, named in ``against``) with the share of the
     matmul ceiling (``ceilings``: ``dtype``, ``tflops``) meeting it would need, the share reached, the best share
     of that pass over the render's shapes of the same head dimension, the compiled kernels' product waits
     (``waits``, the table of :func:`lab.book.flash.schedule.product_wait_table`), the bound and the next step
@@ -117,7 +118,8 @@ def missed_goal_bounds(bench: pd.DataFrame, goals: pd.DataFrame, ceilings: pd.Da
             if bound == "in-flight products" and p == "bwd" and with_5 <= best:
                 step = FIVE_PRODUCTS
             rows.append(dict(shape=fl.Shape(*(int(r[c]) for c in ("batch", "heads", "seq_len", "d")),
-                                            bool(r["causal"])), dtype=r["dtype"], **{"pass": p}, ratio=ratio,
+                                            bool(r["causal"])), dtype=r["dtype"], against=g.get("reference", "sdpa"),
+                             **{"pass": p}, ratio=ratio,
                              target=target, products=_products(r, p), of_ceiling=reach, needs_of_ceiling=needs,
                              needs_with_5=with_5, best_of_ceiling=best, waited_at_once=_waits(waits, int(r["d"]), p),
                              bound=bound, next_step=step))
@@ -135,17 +137,22 @@ def bounds_sentence(table: pd.DataFrame, interpreted_: bool = False) -> str:
         return "No goal was missed, so no bound is needed."
     counts = table["bound"].value_counts()
     parts = [f"{n} by {bound}" for bound, n in counts.items()]
+    against = table["against"].value_counts()
+    whom = f" ({', '.join(f'{n} against {ref}' for ref, n in against.items())})" if len(against) > 1 else ""
     worst = table.loc[(table["needs_of_ceiling"] - table["best_of_ceiling"]).idxmax()]
-    text = (f"{len(table)} missed goals, held {', '.join(parts)}. Furthest: the {PASS_NAMES[worst['pass']]} on "
-            f"{worst['shape']} would need {fmt(100 * worst['needs_of_ceiling'], 2)}% of the matmul ceiling with "
-            f"{worst['products']} products per tile pair, where it reaches {fmt(100 * worst['of_ceiling'], 2)}% and "
-            f"the best {PASS_NAMES[worst['pass']]} at its head dimension in this render "
-            f"{fmt(100 * worst['best_of_ceiling'], 2)}%.")
-    five = table[table["pass"] == "bwd"].dropna(subset=["needs_with_5"])
+    text = (f"{len(table)} missed goals{whom}, held {', '.join(parts)}. Furthest: the {PASS_NAMES[worst['pass']]} "
+            f"against {worst['against']} on {worst['shape']} would need {fmt(100 * worst['needs_of_ceiling'], 2)}% "
+            f"of the matmul ceiling with {worst['products']} products per tile pair, where it reaches "
+            f"{fmt(100 * worst['of_ceiling'], 2)}% and the best {PASS_NAMES[worst['pass']]} at its head dimension in "
+            f"this render {fmt(100 * worst['best_of_ceiling'], 2)}%.")
+    # per shape, the most demanding of its missed backward goals (one per reference)
+    five = (table[table["pass"] == "bwd"].dropna(subset=["needs_with_5"])
+            .sort_values("needs_with_5", ascending=False).drop_duplicates(["shape", "dtype"]))
     if len(five):
         within = int((five["needs_with_5"] <= five["best_of_ceiling"]).sum())
-        text += (f" With 5 products per tile pair at the same time per product, {within} of the {len(five)} "
-                 f"missed backward goals would need no more than the best backward's share at their head dimension.")
+        text += (f" With 5 products per tile pair at the same time per product, the backward would need no more than "
+                 f"the best backward's share at its head dimension on {within} of the {len(five)} shapes whose "
+                 f"backward misses a goal.")
     return text
 
 

@@ -220,28 +220,30 @@ def goals_display(goals: pd.DataFrame) -> pd.DataFrame:
     out["targets"] = [", ".join(f"{p} ≥ {r[f'{p}_target']:g}" for p in gl.GOALS
                                 if f"{p}_target" in r and r[f"{p}_target"] == r[f"{p}_target"])
                       for _, r in out.iterrows()]
-    return out[GOAL_COLUMNS]
+    return out[[c for c in GOAL_COLUMNS if c in out.columns]]
 
 
-def goals_sentence(goals: pd.DataFrame, goal_targets: dict = gl.GOALS, interpreted_: bool = False) -> str:
-    """The verdict on the goals (:func:`lab.book.flash.goals.flash_goals`' table): all met, or for each pass how
-    many configurations meet, miss or cannot be decided, and the shape furthest from its goal."""
+def goals_sentence(goals: pd.DataFrame, goal_targets: dict = gl.GOALS, interpreted_: bool = False,
+                   reference: str = "the default SDPA backend") -> str:
+    """The verdict on the goals (:func:`lab.book.flash.goals.flash_goals`' table) against ``reference``: all met,
+    or for each pass how many configurations meet, miss or cannot be decided, and the shape furthest from its
+    goal."""
     if interpreted_:
         return "The goals are about GPU speed; they are not evaluated on interpreted Triton. " + INTERPRETED_SHORT
     summary = gl.summarize_goals(goals, goal_targets)
     if summary["configs"] == 0:
         return ("No configuration qualifies for the performance goals here (they need bf16 or fp16 with batch × heads "
-                "≥ 16, measured for both Triton and the default SDPA backend), so they are not evaluated in this run.")
+                f"≥ 16, measured for both Triton and {reference}), so they are not evaluated in this run.")
     n = summary["configs"]
     goals_text = ", ".join(f"{p} ≥ {t:g}x" for p, t in goal_targets.items())
     if summary["all_met"]:
-        return (f"All goals met on all {n} configurations ({goals_text} the default SDPA backend's speed, each "
+        return (f"All goals met on all {n} configurations ({goals_text} {reference}'s speed, each "
                 f"beyond the noise); the closest is {_worst_clause(summary, goal_targets)}.")
     parts = []
     for p, t in goal_targets.items():
         s = summary[p]
         parts.append(f"{p}: {s['met']} met, {s['missed']} missed, {s['undecided']} undecided of {s['checked']}")
-    return (f"The goals ({goals_text} SDPA's speed, where a shape has no goals of its own) do not all hold: "
+    return (f"The goals ({goals_text} {reference}'s speed, where a shape has no goals of its own) do not all hold: "
             + "; ".join(parts) + f". Furthest from its goal: {_worst_clause(summary, goal_targets)}.")
 
 

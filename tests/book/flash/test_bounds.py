@@ -87,6 +87,22 @@ def test_the_sentence_counts_bounds_and_names_the_furthest():
     t = bounds.missed_goal_bounds(bench, gl.flash_goals(bench), CEILING, WAITS)
     text = bounds.bounds_sentence(t)
     assert text.startswith("3 missed goals") and "1x16x8192x64" in text
-    assert "1 of the 1 missed backward goals" in text
+    assert "on 1 of the 1 shapes whose backward misses a goal" in text and "against sdpa" in text
     assert bounds.bounds_sentence(t.iloc[:0]).startswith("No goal was missed")
     assert "interpreted" in bounds.bounds_sentence(t, interpreted_=True)
+
+
+def test_goals_against_several_references_in_one_table():
+    """FlexAttention's goals (fwd and bwd >= 1x) beside SDPA's: each missed goal names its reference, and a shape
+    whose backward misses both counts once in the 5-product sentence."""
+    bench = pd.DataFrame([_row("sdpa", 8192, 1.0, 2.0, 3.0), _row("triton", 8192, 1.25, 2.5, 3.75),
+                          _row("flex", 8192, 1.2, 2.4, 3.6)])
+    both = pd.concat([gl.flash_goals(bench), gl.flash_goals(bench, reference="flex", goals=gl.FLEX_GOALS,
+                                                            shape_goals={})])
+    t = bounds.missed_goal_bounds(bench, both, CEILING, WAITS)
+    assert sorted(zip(t["against"], t["pass"])) == [("flex", "bwd"), ("flex", "fwd"), ("sdpa", "bwd"), ("sdpa", "e2e"),
+                                                    ("sdpa", "fwd")]
+    flex_bwd = t[(t["against"] == "flex") & (t["pass"] == "bwd")].iloc[0]
+    assert flex_bwd["target"] == 1.0 and flex_bwd["ratio"] == pytest.approx(2.4 / 2.5)
+    text = bounds.bounds_sentence(t)
+    assert text.startswith("5 missed goals (3 against sdpa, 2 against flex)") and "of the 1 shapes" in text

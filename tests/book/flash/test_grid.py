@@ -172,3 +172,15 @@ def test_host_table_sets_eager_calls_beside_graph_replays():
     text = grid.host_sentence(t)
     assert numbers(text)[1:5] == [6000, 3000, 4800, 3600]  # triton eager, replayed; sdpa eager, replayed
     assert text.index("triton") < text.index("sdpa") and "1x16x4096 d64 causal" in text
+
+
+def test_goals_against_flex_attention():
+    """The FlexAttention goals (fwd, bwd >= 1x) through the same table and sentence, naming their reference."""
+    bench = _bench()
+    bench = pd.concat([bench, bench[bench["impl"] == "sdpa"].assign(impl="flex")], ignore_index=True)
+    goals = gl.flash_goals(bench, reference="flex", goals=gl.FLEX_GOALS, shape_goals={})
+    assert (goals["reference"] == "flex").all() and "e2e_ratio" not in goals.columns
+    shown = grid.goals_display(goals)
+    assert "e2e_goal" not in shown.columns and shown["targets"].tolist() == ["fwd ≥ 1, bwd ≥ 1"] * 2
+    text = grid.goals_sentence(goals, gl.FLEX_GOALS, reference="FlexAttention")
+    assert "FlexAttention's speed" in text and "e2e" not in text and "SDPA" not in text
