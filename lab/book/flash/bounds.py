@@ -43,7 +43,8 @@ NEXT_STEPS = {
     **{(p, "this shape"): "tiles and scheduling for this shape (shapes of its head dimension reach the share it "
                           "needs)" for p in ("fwd", "bwd", "e2e")},
 }
-FIVE_PRODUCTS = "5 products per tile pair (atomic dQ) at today's time per product would meet it"
+FIVE_PRODUCTS = ("5 products per tile pair at today's time per product would meet it: a dQ accumulation that costs "
+                 "less than the two products it saves")
 COLUMNS = ["shape", "dtype", "against", "pass", "ratio", "target", "products", "of_ceiling", "needs_of_ceiling",
            "needs_with_5", "best_of_ceiling", "waited_at_once", "bound", "next_step"]
 
