@@ -1,7 +1,7 @@
 """FlashAttention against the baselines (notebook 05): correctness against float64, forward / backward /
 end-to-end latency of every implementation on a grid of shapes (``triton.testing.do_bench``; median, mean,
-standard deviation and sample count of each pass kept), TFLOP/s, speedups with noise-aware verdicts, the
-performance goals, and the course's timing test.
+standard deviation and sample count of each pass kept; short shapes also as CUDA-graph replays), TFLOP/s, and
+the course's timing test. Speedups, verdicts and goals on these rows are :mod:`lab.book.flash.goals`'.
 
 Implementations are named as in ``results/flash_benchmark.csv`` (:data:`lab.book.attention.bench.IMPLS`):
 ``triton``, ``pytorch_flash`` (the tiled PyTorch FlashAttention-2), ``pytorch_naive``, ``sdpa`` (the default

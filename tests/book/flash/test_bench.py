@@ -1,4 +1,4 @@
-"""lab.book.flash.bench: the FlashAttention grid's rows, TFLOP/s, speedups and goals; errors against float64."""
+"""lab.book.flash.bench: the FlashAttention grid's rows, TFLOP/s and graph timing; errors against float64."""
 
 import math
 
