@@ -233,8 +233,9 @@ report.say(present.forward_sentence(forward, interpreted_=on_cpu))
 # ### How the compiled kernels wait for their products
 #
 # A warp group's matrix product on Hopper (`wgmma`) runs asynchronously until the code waits for it. The
-# kernels the tile tables launch for a long causal bf16 sequence, and the forward that issues the next key
-# tile's scores before this tile's softmax (`fwd_overlap`), compiled for sm_90a (on any machine, GPU or
+# kernels the tile tables launch for a long causal bf16 sequence, the forward that issues the next key
+# tile's scores before this tile's softmax (`fwd_overlap`) and the dK/dV pass with atomic dQ (5 products per
+# tile pair, `backward_launch="atomic"`), compiled for sm_90a (on any machine, GPU or
 # not): how many of each kernel's products (its `tl.dot` sites, a loop body counted once) are waited for
 # before any other product or exponential is issued. A warp group waiting so computes nothing meanwhile.
 

@@ -134,4 +134,7 @@ def test_forward_waits_for_every_product_and_dkdv_keeps_its_accumulations_in_fli
     assert by.loc["forward, next scores first", "products"] == 6
     assert by.loc["forward, next scores first", "in_flight"] == 0
     assert 0 < by.loc["backward dK/dV", "in_flight"] < by.loc["backward dK/dV", "products"]
-    assert set(by.index) == {"forward", "backward dK/dV", "backward dQ", "forward, next scores first"}
+    assert set(by.index) == {"forward", "backward dK/dV", "backward dQ", "forward, next scores first",
+                             "backward dK/dV, atomic dQ"}
+    atomic = by.loc["backward dK/dV, atomic dQ"]  # 5 products a loop body, two loop bodies (masked, unmasked)
+    assert atomic["products"] == 10 and atomic["spill"] >= 0 and atomic["shared_kib"] > 0

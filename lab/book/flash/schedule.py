@@ -20,24 +20,30 @@ from lab.book.report import fmt
 #: Kernels besides the tables' own: the forward with the next key tile's scores issued before this tile's
 #: softmax (``FlashConfig.fwd_overlap``), on the largest tiles that leave it the shared memory it needs.
 OVERLAP_ROW = ("forward, next scores first", 128, (128, 64, 8, 3))
+#: The backward's dK/dV pass with atomic dQ (``backward_launch="atomic"``: 5 products per tile pair, each query
+#: tile's dQ share added by a TMA bulk reduction), on the tiles the table gives d 128's dK/dV pass.
+ATOMIC_ROW = ("backward dK/dV, atomic dQ", 128, (64, 128, 128, 64, 8, 3))
 
 
 def product_wait_table(head_dims=(64, 128), causal: bool = True, n: int = 4096, batch_heads: int = 64) -> pd.DataFrame:
-    """One row per kernel the tables launch at each head dimension in ``head_dims`` (forward, backward passes)
-    and :data:`OVERLAP_ROW`: tiles, ``products`` (the ``tl.dot`` sites of the compiled code, each loop body
-    counted once), ``waited_at_once``, ``in_flight`` (the others), registers and spilled bytes a thread,
-    shared memory (KiB). Empty, with a ``note``, where this Triton cannot compile for sm_90a."""
+    """One row per kernel the tables launch at each head dimension in ``head_dims`` (forward, backward passes),
+    :data:`OVERLAP_ROW` and :data:`ATOMIC_ROW`: tiles, ``products`` (the ``tl.dot`` sites of the compiled code,
+    each loop body counted once), ``waited_at_once``, ``in_flight`` (the others), registers and spilled bytes a
+    thread, shared memory (KiB). Empty, with a ``note``, where this Triton cannot compile for sm_90a."""
     from lab.kernels.flash_sm90 import compile_in_subprocess  # optional dependency (Triton)
 
     name, d, tiles = OVERLAP_ROW
     jobs = [["default", dict(d=d, causal=causal, n=n, batch_heads=batch_heads)] for d in head_dims]
     jobs.append(["fwd", dict(d=d, causal=causal, tiles=tiles, overlap=True)])
+    atomic_name, atomic_d, atomic_tiles = ATOMIC_ROW
+    jobs.append(["bwd", dict(d=atomic_d, causal=causal, tiles=atomic_tiles, pass_=1, atomic=True, atomic_tma=True)])
     try:
-        *defaults, overlap = compile_in_subprocess(jobs)
+        *defaults, overlap, atomic = compile_in_subprocess(jobs)
     except (FileNotFoundError, RuntimeError) as exc:
         return pd.DataFrame({"note": [str(exc).splitlines()[-1]]})
     rows = [row for rows in defaults for row in rows]
     rows.append(dict(kernel=name, d=d, tiles="x".join(map(str, tiles)), **overlap))
+    rows.append(dict(kernel=atomic_name, d=atomic_d, tiles="x".join(map(str, atomic_tiles)), **atomic))
     df = pd.DataFrame(rows)
     df["in_flight"] = df["products"] - df["waited_at_once"]
     df["shared_kib"] = df["shared"] / 1024
@@ -55,7 +61,7 @@ def product_wait_sentence(table: pd.DataFrame) -> str:
     if "products" not in table or table.empty:
         note = table["note"].iloc[0] if "note" in table and len(table) else "no kernel compiled"
         return f"The kernels could not be compiled for sm_90a here ({note})."
-    plain = table[table["kernel"] != OVERLAP_ROW[0]]
+    plain = table[~table["kernel"].isin([OVERLAP_ROW[0], ATOMIC_ROW[0]])]
     parts = [f"{kernel} {_counts(rows)}" for kernel, rows in plain.groupby("kernel", sort=False)]
     text = ("Compiled for sm_90a, the kernels the tables launch for a long causal bf16 sequence wait at once "
             "(before any other product or exponential is issued) for these of their matrix products: "
@@ -76,4 +82,22 @@ def product_wait_sentence(table: pd.DataFrame) -> str:
                  "of shared memory")
         text += (": the overlap needs control of when a product is waited for, which `tl.dot` does not give."
                  if r["in_flight"] == 0 else ".")
-    return text
+    return text + _atomic_clause(table)
+
+
+def _atomic_clause(table: pd.DataFrame) -> str:
+    """The atomic-dQ dK/dV pass beside the table's own dK/dV pass at the same head dimension and tiles: its
+    products, spilled bytes and shared memory (what the 2 products it saves cost elsewhere)."""
+    atomic = table[table["kernel"] == ATOMIC_ROW[0]]
+    if atomic.empty:
+        return ""
+    a = atomic.iloc[0]
+    own = table[(table["kernel"] == "backward dK/dV") & (table["d"] == a["d"]) & (table["tiles"] == a["tiles"])]
+    text = (f" With atomic dQ (5 products per tile pair) the dK/dV pass at d {int(a['d'])} ({a['tiles']} tiles) "
+            f"issues {int(a['products'])} products, waits for {int(a['waited_at_once'])} of them at once, spills "
+            f"{int(a['spill'])} bytes a thread and needs {fmt(a['shared_kib'], 3)} KiB of shared memory")
+    if len(own):
+        o = own.iloc[0]
+        text += (f", against {int(o['products'])} products, {int(o['spill'])} bytes and {fmt(o['shared_kib'], 3)} "
+                 "KiB without it (where the dQ pass computes the other two products)")
+    return text + "."
