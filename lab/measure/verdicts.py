@@ -101,7 +101,7 @@ def _verdict(low: float, high: float, lower_is_better: bool) -> str:
     return "within noise"
 
 
-def _spread_covers_effect(typical: float, ref_typical: float, spread: float, ref_spread: float) -> bool:
+def spread_covers_effect(typical: float, ref_typical: float, spread: float, ref_spread: float) -> bool:
     """True when the gap between the two typical values is no wider than either side's own scatter (standard
     deviation): such a gap decides nothing, however narrow the interval of the ratio (a bootstrap over a
     handful of samples can exclude 1 while each side scatters by more than the gap)."""
@@ -131,7 +131,7 @@ def compare(subject: Sequence[float], reference: Sequence[float], lower_is_bette
     tail = (1 - confidence) / 2
     low, high = (float(v) for v in np.quantile(ra / rb, [tail, 1 - tail]))
     verdict = _verdict(low, high, lower_is_better)
-    if _spread_covers_effect(np.median(a), np.median(b), _robust_spread(a), _robust_spread(b)):
+    if spread_covers_effect(np.median(a), np.median(b), _robust_spread(a), _robust_spread(b)):
         verdict = "within noise"
     return Comparison(ratio, low, high, verdict, lower_is_better)
 
@@ -150,7 +150,7 @@ def compare_summaries(mean: float, std: float, n: int, ref_mean: float, ref_std:
     z = NormalDist().inv_cdf(0.5 + confidence / 2)
     se = math.sqrt((std / mean) ** 2 / n + (ref_std / ref_mean) ** 2 / ref_n)
     low, high = ratio * math.exp(-z * se), ratio * math.exp(z * se)
-    verdict = "within noise" if _spread_covers_effect(mean, ref_mean, std, ref_std) else _verdict(low, high,
+    verdict = "within noise" if spread_covers_effect(mean, ref_mean, std, ref_std) else _verdict(low, high,
                                                                                                    lower_is_better)
     return Comparison(ratio, low, high, verdict, lower_is_better)
 

@@ -46,6 +46,16 @@ class Shape:
     d: int
     causal: bool = True
 
+    @classmethod
+    def of(cls, row) -> Shape:
+        """The shape of a table row (``batch``, ``heads``, ``seq_len``, ``d``, ``causal``)."""
+        return cls(int(row["batch"]), int(row["heads"]), int(row["seq_len"]), int(row["d"]), bool(row["causal"]))
+
+    @property
+    def label(self) -> str:
+        """``"8x16x2048x128 full"``: batch x heads x tokens x head dim, `` full`` without the causal mask."""
+        return f"{self.batch}x{self.heads}x{self.seq}x{self.d}{'' if self.causal else ' full'}"
+
 
 #: LM-like shapes (batch x heads >= 16, 1k-16k tokens, d 64/80/128, causal and not), the leaderboard model's
 #: attention (32 heads of 128 over 32k tokens) and the 2.7B model's (4 x 32 heads of 80 over 512 tokens): the

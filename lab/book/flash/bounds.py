@@ -24,10 +24,9 @@ import math
 
 import pandas as pd
 
-from lab.book.attention.costs import attention_flops
 from lab.book.flash import bench as fl
 from lab.book.flash import goals as gl
-from lab.book.flash.sweep import PRODUCTS
+from lab.book.flash.sweep import PRODUCTS, executed_flops
 from lab.book.report import fmt
 
 PASS_NAMES = {"fwd": "forward", "bwd": "backward", "e2e": "forward + backward"}
@@ -50,14 +49,12 @@ COLUMNS = ["shape", "dtype", "against", "pass", "ratio", "target", "products", "
 
 
 def executed_tflop(row, pass_: str) -> float:
-    """TFLOP a Triton row's ``pass_`` really issues: the useful FLOPs of :func:`attention_flops` on the
-    head-dimension columns its tiles compute (:func:`lab.book.flash.bench.kernel_columns`), the backward's at
-    its launch mode's products per tile pair (:data:`lab.book.flash.sweep.PRODUCTS`) over the 5 counted."""
-    d = int(row["d"])
-    shape = (int(row["batch"]), int(row["seq_len"]), d, bool(row["causal"]))
-    fwd = attention_flops(*shape, "fwd", heads=int(row["heads"])) * fl.kernel_columns(row, "fwd") / d
-    bwd = (attention_flops(*shape, "bwd", heads=int(row["heads"])) * PRODUCTS.get(row.get("bwd_mode"), 7) / 5
-           * fl.kernel_columns(row, "bwd") / d)
+    """TFLOP a Triton row's ``pass_`` really issues (:func:`lab.book.flash.sweep.executed_flops` on the
+    head-dimension columns its tiles compute, :func:`lab.book.flash.bench.kernel_columns`, and its launch
+    mode; a row without a known mode counts the default 7 backward products)."""
+    shape, mode = fl.Shape.of(row), row.get("bwd_mode")
+    fwd = executed_flops(shape, "fwd", columns=fl.kernel_columns(row, "fwd"))
+    bwd = executed_flops(shape, "bwd", mode if mode in PRODUCTS else "two_pass", fl.kernel_columns(row, "bwd"))
     return {"fwd": fwd, "bwd": bwd, "e2e": fwd + bwd}[pass_] / 1e12
 
 
@@ -118,15 +115,11 @@ def missed_goal_bounds(bench: pd.DataFrame, goals: pd.DataFrame, ceilings: pd.Da
             step = NEXT_STEPS.get((p, bound), "fewer products: no schedule reaches this share")
             if bound == "in-flight products" and p == "bwd" and with_5 <= best:
                 step = FIVE_PRODUCTS
-            rows.append(dict(shape=fl.Shape(*(int(r[c]) for c in ("batch", "heads", "seq_len", "d")),
-                                            bool(r["causal"])), dtype=r["dtype"], against=g.get("reference", "sdpa"),
-                             **{"pass": p}, ratio=ratio,
-                             target=target, products=_products(r, p), of_ceiling=reach, needs_of_ceiling=needs,
-                             needs_with_5=with_5, best_of_ceiling=best, waited_at_once=_waits(waits, int(r["d"]), p),
-                             bound=bound, next_step=step))
-    out = pd.DataFrame(rows, columns=COLUMNS)
-    out["shape"] = [f"{s.batch}x{s.heads}x{s.seq}x{s.d}{'' if s.causal else ' full'}" for s in out["shape"]]
-    return out
+            rows.append(dict(shape=fl.Shape.of(r).label, dtype=r["dtype"], against=g.get("reference", "sdpa"),
+                             **{"pass": p}, ratio=ratio, target=target, products=_products(r, p), of_ceiling=reach,
+                             needs_of_ceiling=needs, needs_with_5=with_5, best_of_ceiling=best,
+                             waited_at_once=_waits(waits, int(r["d"]), p), bound=bound, next_step=step))
+    return pd.DataFrame(rows, columns=COLUMNS)
 
 
 def bounds_sentence(table: pd.DataFrame, interpreted_: bool = False) -> str:

@@ -15,7 +15,7 @@ import pandas as pd
 
 from lab.book.attention.costs import PASSES
 from lab.book.flash.bench import Shape
-from lab.measure.verdicts import GoalCheck, compare_summaries
+from lab.measure.verdicts import GoalCheck, compare_summaries, spread_covers_effect
 
 #: The goals on the grid's shapes (:data:`lab.book.flash.bench.LM_SHAPES`), as speed ratios reference ms / triton ms
 #: (the default SDPA backend, cuDNN on Hopper).
@@ -111,8 +111,7 @@ def flash_goals(df: pd.DataFrame, impl: str = "triton", reference: str = "sdpa",
         if not _alike(mine.loc[key].get("timing"), ref.loc[key].get("timing")):
             continue
         row = {**dict(zip(CONFIG_KEY, key)), "reference": reference}
-        targets = shape_goals.get(Shape(*(int(row[c]) for c in ("batch", "heads", "seq_len", "d")),
-                                        bool(row["causal"])), goals)
+        targets = shape_goals.get(Shape.of(row), goals)
         for p in goals:
             c = _comparison(mine.loc[key], ref.loc[key], p)
             row.update({f"{p}_ratio": c.speedup, f"{p}_low": 1 / c.high if c.high else math.inf,
@@ -129,12 +128,11 @@ def flash_goals(df: pd.DataFrame, impl: str = "triton", reference: str = "sdpa",
 
 
 def _scatter_covers(mine: pd.Series, ref: pd.Series, p: str, target: float) -> bool:
-    """The verdicts' rule (:func:`lab.measure.verdicts.compare_summaries`) for a target: a gap between Triton's
-    mean time and the time the goal allows it (the reference's / target) no wider than either side's standard
-    deviation decides nothing, however narrow the interval of the ratio."""
+    """:func:`lab.measure.verdicts.spread_covers_effect` for a target: Triton's mean time against the time the
+    goal allows it (the reference's / target)."""
     mean, ref_mean = mine.get(f"{p}_mean_ms", mine[f"{p}_ms"]), ref.get(f"{p}_mean_ms", ref[f"{p}_ms"])
-    spread = max(mine.get(f"{p}_std_ms", math.nan), ref.get(f"{p}_std_ms", math.nan))
-    return abs(mean - ref_mean / target) <= spread
+    return spread_covers_effect(mean, ref_mean / target, mine.get(f"{p}_std_ms", math.nan),
+                                ref.get(f"{p}_std_ms", math.nan))
 
 
 def summarize_goals(goals_table: pd.DataFrame, goals: dict[str, float] = GOALS) -> dict:

@@ -362,11 +362,11 @@ def backward_table(bench: pd.DataFrame, ceilings: pd.DataFrame, sweep: str = "lm
         mode = r.get("bwd_mode")
         if not isinstance(mode, str) or mode not in PRODUCTS or not r["bwd_ms"] > 0:
             continue
-        shape = fl.Shape(int(r["batch"]), int(r["heads"]), int(r["seq_len"]), int(r["d"]), bool(r["causal"]))
+        shape = fl.Shape.of(r)
         top = ceiling.get(r["dtype"], math.nan)
         parts = backward_breakdown(shape, float(r["bwd_ms"]), mode, top, fl.kernel_columns(r, "bwd"))
-        rows.append(dict(shape=f"{shape.batch}x{shape.heads}x{shape.seq}x{shape.d}{'' if shape.causal else ' full'}",
-                         dtype=r["dtype"], bwd_mode=mode, bwd_ms=r["bwd_ms"], ceiling_tflops=top, **parts))
+        rows.append(dict(shape=shape.label, dtype=r["dtype"], bwd_mode=mode, bwd_ms=r["bwd_ms"], ceiling_tflops=top,
+                         **parts))
     return pd.DataFrame(rows, columns=cols)
 
 
@@ -404,8 +404,7 @@ def forward_table(bench: pd.DataFrame, ceilings: pd.DataFrame, sweep: str = "lm"
             continue
         ref, d, top = theirs.loc[key], int(r["d"]), ceiling.get(r["dtype"], math.nan)
         rate, ref_rate = r["fwd_tflops"], ref["fwd_tflops"]
-        rows.append(dict(shape=f"{int(r['batch'])}x{int(r['heads'])}x{int(r['seq_len'])}x{d}"
-                               f"{'' if r['causal'] else ' full'}", dtype=r["dtype"], d=d, triton_ms=r["fwd_ms"],
+        rows.append(dict(shape=fl.Shape.of(r).label, dtype=r["dtype"], d=d, triton_ms=r["fwd_ms"],
                          reference_ms=ref["fwd_ms"], triton_tflops=rate, reference_tflops=ref_rate,
                          triton_executed_tflops=rate * fl.kernel_columns(r, "fwd") / d, ceiling_tflops=top,
                          triton_of_ceiling=rate / top, reference_of_ceiling=ref_rate / top))

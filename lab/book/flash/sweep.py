@@ -34,7 +34,7 @@ import torch
 
 from lab.book.attention.bench import attention_impl, attention_inputs
 from lab.book.attention.costs import DTYPES, PASSES, attention_flops
-from lab.book.flash.bench import Shape, course_timing_table
+from lab.book.flash.bench import Shape, course_timing_table, graph_times
 from lab.book.flash.host import host_costs
 from lab.kernels.flash_config import FlashConfig, backward_plan, block_d, forward_tiles, head_chunks
 from lab.measure.device import empty_cache, error_summary, is_oom, resolve_device
@@ -122,6 +122,16 @@ def _outputs(fn: AttentionFn, q, k, v, dout, causal, heads: int):
     return [t[:heads].detach() for t in (out, *grads)]
 
 
+def executed_flops(shape: Shape, pass_: str, mode: str = "two_pass", columns: int | None = None) -> float:
+    """FLOPs the Triton kernels really issue for ``pass_`` (``"fwd"`` or ``"bwd"``): the useful FLOPs of
+    :func:`attention_flops` on tiles ``columns`` wide in the head dimension (default one padded ``BLOCK_D``
+    tile), the backward's at ``mode``'s products per tile pair (:data:`PRODUCTS`) over the 5 counted; masked
+    diagonal tiles not counted."""
+    useful = attention_flops(shape.batch, shape.seq, shape.d, shape.causal, pass_, heads=shape.heads)
+    products = PRODUCTS[mode] / 5 if pass_ == "bwd" else 1
+    return useful * products * (columns or block_d(shape.d)) / shape.d
+
+
 def backward_breakdown(shape: Shape, ms: float, mode: str, ceiling_tflops: float, columns: int | None = None) -> dict:
     """Where a backward's time goes: ``products`` per tile pair (:data:`PRODUCTS`), ``useful_tflops`` (the
     5-product FLOPs of :func:`attention_flops` per second), ``executed_tflops`` (the products really issued,
@@ -131,8 +141,7 @@ def backward_breakdown(shape: Shape, ms: float, mode: str, ceiling_tflops: float
     the head dimension is split (:func:`lab.kernels.flash_config.head_chunks`); default one padded
     ``BLOCK_D`` tile."""
     useful = attention_flops(shape.batch, shape.seq, shape.d, shape.causal, "bwd", heads=shape.heads)
-    executed = useful * PRODUCTS[mode] / 5 * (columns or block_d(shape.d)) / shape.d
-    rate = executed / (ms * 1e-3) / 1e12
+    rate = executed_flops(shape, "bwd", mode, columns) / (ms * 1e-3) / 1e12
     return dict(products=PRODUCTS[mode], useful_tflops=useful / (ms * 1e-3) / 1e12, executed_tflops=rate,
                 of_ceiling=rate / ceiling_tflops if ceiling_tflops else math.nan)
 
@@ -217,8 +226,7 @@ def sweep_shape(shape: Shape, dtype: str = "bf16", variants: dict | None = None,
 def _time_passes(fn, q, k, v, dout, causal, passes, device, timer, graph: bool = False) -> dict:
     """``{pass}_ms`` of each pass in ``passes`` (do_bench medians); with ``graph`` also ``{pass}_graph_ms`` of
     every pass, the device's time without the host's: the forward and forward+backward replayed from CUDA
-    graphs, the backward their difference (a backward alone cannot be captured: autograd runs it on the
-    stream of its forward, which ran before the capture)."""
+    graphs, the backward their difference (:func:`lab.book.flash.bench.graph_times`)."""
     row = {}
     out = fn(q, k, v, causal) if "bwd" in passes else None
     steps = {"fwd": lambda: fn(q, k, v, causal),
@@ -228,9 +236,9 @@ def _time_passes(fn, q, k, v, dout, causal, passes, device, timer, graph: bool =
         row[f"{p}_ms"] = time_kernel(steps[p], device, **timer).median_ms
     if graph:
         try:
-            for p in ("fwd", "e2e"):
-                row[f"{p}_graph_ms"] = time_kernel(graph_replay(steps[p]), device, **timer).median_ms
-            row["bwd_graph_ms"] = row["e2e_graph_ms"] - row["fwd_graph_ms"]
+            replays = {p: time_kernel(graph_replay(steps[p]), device, **timer) for p in ("fwd", "e2e")}
+            times = graph_times(replays["fwd"], replays["e2e"])
+            row.update({f"{p}_graph_ms": times[f"{p}_ms"] for p in PASSES})
         except Exception as exc:  # noqa: BLE001 - a step that cannot be captured keeps its eager times
             row["note"] = f"graph: {error_summary(exc)}"
     return row
