@@ -3,7 +3,8 @@ about it: registers and spilled bytes a thread, shared memory a block, whether i
 waits for its warp-group matrix products (:func:`product_waits`).
 
 The interpreter checks what the kernels compute, not whether Triton's GPU compiler accepts them or how they
-fit an SM. ``triton.compile`` takes a ``GPUTarget`` without a device, and Triton's wheel ships ``ptxas``.
+fit an SM. ``triton.compile`` takes a ``GPUTarget`` without a device, and Triton's wheel ships ``ptxas``
+(:func:`ptxas_path`: the report's ptxas is the one Triton compiled with).
 Run it in a process without ``TRITON_INTERPRET`` (under it, ``@triton.jit`` makes interpreted functions).
 """
 
@@ -20,9 +21,16 @@ from pathlib import Path
 
 
 def ptxas_path() -> Path:
+    """The ptxas Triton compiles with, which is the one that can read the PTX it writes: ``$TRITON_PTXAS_PATH``
+    where that names one (Inductor points it at torch's own ptxas once it compiles anything; Triton then writes
+    PTX of that ptxas's version, which an older ptxas rejects), else the one Triton's wheel ships."""
     import triton
+    from triton import knobs
 
-    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    try:
+        return Path(knobs.nvidia.ptxas.path)
+    except RuntimeError:  # no ptxas that runs, at either place
+        return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 
 
 _CHILD = ("import importlib, json, sys; module, name = sys.argv[1].split(':'); "
@@ -68,7 +76,10 @@ def compile_sm90(kernel, signature: dict, constexprs: dict, divisible: Iterable[
         path = os.path.join(tmp, "kernel.ptx")
         Path(path).write_text(compiled.asm["ptx"])
         report = subprocess.run([str(ptxas), "-v", f"-arch=sm_{arch}a", path, "-o", os.devnull],
-                                capture_output=True, text=True, check=True)
+                                capture_output=True, text=True)
+    if report.returncode != 0:
+        said = (report.stderr or report.stdout).strip().splitlines()
+        raise RuntimeError(f"{ptxas} -arch=sm_{arch}a exited {report.returncode}: {said[-1] if said else 'no message'}")
     text = report.stdout + report.stderr
     regs = re.search(r"Used (\d+) registers", text)
     spills = re.search(r"(\d+) bytes spill stores", text)

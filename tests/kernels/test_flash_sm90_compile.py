@@ -138,3 +138,44 @@ def test_forward_waits_for_every_product_and_dkdv_keeps_its_accumulations_in_fli
                              "backward dK/dV, atomic dQ"}
     atomic = by.loc["backward dK/dV, atomic dQ"]  # 5 products a loop body, two loop bodies (masked, unmasked)
     assert atomic["products"] == 10 and atomic["spill"] >= 0 and atomic["shared_kib"] > 0
+
+
+def _ptxas_wrapper(tmp_path, body: str):
+    """A ptxas at ``tmp_path/ptxas`` that logs its arguments, runs ``body`` (shell) and then the real one."""
+    from lab.kernels.sm90_compile import ptxas_path
+
+    real = ptxas_path()
+    if not real.exists():
+        pytest.skip(f"no ptxas here ({real})")
+    log, wrapper = tmp_path / "calls", tmp_path / "ptxas"
+    wrapper.write_text(f'#!/bin/sh\necho "$@" >> {log}\n{body}\nexec {real} "$@"\n')
+    wrapper.chmod(0o755)
+    return wrapper, log
+
+
+FORWARD_JOB = [["fwd", dict(d=64, causal=True, tiles=[64, 64, 4, 2])]]
+
+
+@pytest.mark.slow
+def test_the_report_reads_ptx_with_the_ptxas_triton_compiled_with(tmp_path, monkeypatch):
+    """Inductor points ``TRITON_PTXAS_PATH`` at torch's own ptxas once it compiles anything, and Triton then
+    writes PTX of that ptxas's version; the ``-v`` report must run the same ptxas, not the wheel's (which may
+    be older and reject the PTX: the product-wait table failed so on a GPU machine, after Inductor had run)."""
+    wrapper, log = _ptxas_wrapper(tmp_path, "")
+    monkeypatch.setenv("TRITON_PTXAS_PATH", str(wrapper))
+    (report,) = compile_in_subprocess(FORWARD_JOB)
+    assert report["products"] == 4 and report["registers"] > 0
+    ours = [line for line in log.read_text().splitlines() if "-arch=sm_90a" in line and "kernel.ptx" in line]
+    assert len(ours) == 1 and ours[0].startswith("-v ")
+
+
+@pytest.mark.slow
+def test_a_ptxas_failure_says_what_ptxas_said(tmp_path, monkeypatch):
+    """Triton's own compile passes; the report's run fails, and the error carries ptxas's last line."""
+    fail = 'case "$*" in *kernel.ptx*) echo "ptxas fatal : Unsupported .version 9.0" >&2; exit 255;; esac'
+    wrapper, _ = _ptxas_wrapper(tmp_path, fail)
+    monkeypatch.setenv("TRITON_PTXAS_PATH", str(wrapper))
+    with pytest.raises(RuntimeError) as err:
+        compile_in_subprocess(FORWARD_JOB)
+    last = str(err.value).strip().splitlines()[-1]
+    assert "exited 255: ptxas fatal : Unsupported .version 9.0" in last

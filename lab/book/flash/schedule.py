@@ -58,7 +58,7 @@ def _counts(rows: pd.DataFrame) -> str:
 def product_wait_sentence(table: pd.DataFrame) -> str:
     """What the table says: which kernels wait for every product at once, which keep some in flight, and what
     that means for the softmax."""
-    if "products" not in table or table.empty:
+    if "products" not in table or table["products"].isna().all():  # only a note (read back: NaN columns too)
         note = table["note"].iloc[0] if "note" in table and len(table) else "no kernel compiled"
         return f"The kernels could not be compiled for sm_90a here ({note})."
     plain = table[~table["kernel"].isin([OVERLAP_ROW[0], ATOMIC_ROW[0]])]

@@ -39,6 +39,14 @@ def test_no_compiler_is_said_not_guessed():
     assert text == "The kernels could not be compiled for sm_90a here (no ptxas)."
 
 
+def test_a_note_read_back_is_still_a_note():
+    """Saved and read back, a note-only table has every column of a compiled one, empty: still no counts."""
+    columns = ["kernel", "d", "tiles", "products", "waited_at_once", "in_flight", "registers", "spill", "shared_kib"]
+    back = pd.DataFrame({**{c: [float("nan")] for c in columns}, "note": ["ptxas exited 255"]})
+    text = schedule.product_wait_sentence(back)
+    assert text == "The kernels could not be compiled for sm_90a here (ptxas exited 255)."
+
+
 def test_sentence_sets_the_atomic_dq_pass_beside_the_tables_own():
     text = schedule.product_wait_sentence(table())
     clause = text[text.index("With atomic dQ"):]
