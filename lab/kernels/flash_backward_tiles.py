@@ -5,7 +5,7 @@ as Triton device functions: each one owns the rows it writes.
   holding query ``start_n`` on, since earlier queries never see these keys; only the first few query tiles,
   which cross the diagonal, are masked). Per tile pair it computes ``S``, ``dV += P^T dO``, ``dP = dO V^T``
   and ``dK += dS^T Q`` (transposed, so no ``P^T`` is formed), and with ``ATOMIC_DQ`` also adds ``dS K`` into
-  an fp32 dQ buffer;
+  an fp32 dQ buffer (with ``ORDERED_DQ`` in key-tile order: the same sums on every run);
 * :func:`dq_tile`: one query tile kept in registers, looping over key tiles up to the diagonal (an unmasked
   part, then the masked diagonal tiles, as in the forward), recomputing ``S`` and ``dP`` for ``dQ += dS K``.
 
@@ -26,12 +26,40 @@ _LOG2E = tl.constexpr(LOG2E)
 
 
 @triton.jit
+def _add_dq_in_turn(DQ, dq_off, stride_dqs, rows, inside, dq, dq1, turn, key_tile, last,
+                    BLOCK_D: tl.constexpr, BLOCK_D1: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Add one key tile's dQ share into the fp32 rows ``rows`` of DQ in key-tile order, so that every run sums
+    in the same order (``backward_launch="ordered"``). ``turn`` counts the key tiles already added into this
+    query tile: key tile ``j`` waits until it reads ``j`` (every earlier key tile of a head also sees every
+    query tile that ``j`` sees, and was launched before it), reads, adds and writes the rows (no other program
+    holds them meanwhile), then hands the turn on, or, as the ``last`` key tile of the query tile, sets the
+    counter back to 0 for the next launch (and the autotuner's next trial)."""
+    while tl.atomic_add(turn, 0, sem="acquire") != key_tile:
+        pass
+    cols = tl.arange(0, BLOCK_D)
+    ptrs = DQ + dq_off + rows[:, None] * stride_dqs + cols[None, :]
+    keep = inside[:, None] & (cols[None, :] < HEAD_DIM)
+    # .cg: read from L2, where the previous key tile's program (another SM) wrote; this SM's L1 may be stale
+    tl.store(ptrs, tl.load(ptrs, mask=keep, other=0.0, cache_modifier=".cg") + dq, mask=keep)
+    if BLOCK_D1 > 0:
+        cols1 = BLOCK_D + tl.arange(0, BLOCK_D1)
+        ptrs1 = DQ + dq_off + rows[:, None] * stride_dqs + cols1[None, :]
+        keep1 = inside[:, None] & (cols1[None, :] < HEAD_DIM)
+        tl.store(ptrs1, tl.load(ptrs1, mask=keep1, other=0.0, cache_modifier=".cg") + dq1, mask=keep1)
+    tl.debug_barrier()  # every thread's rows are written before the turn is handed on
+    tl.atomic_xchg(turn, tl.where(key_tile == last, 0, key_tile + 1), sem="release")
+
+
+@triton.jit
 def _dkdv_inner(dk, dv, dk1, dv1, k, v, k1, v1, q_src, do_src, O, DQ, q_off, do_off, o_off, dq_off, q_row0, l_base,
                 delta_base, stride_qs, stride_dos, stride_os, stride_dqs, lo, hi, offs_n, n_q, qk_scale, zh,
+                turns, key_tile, last_key_tile,
                 BLOCK_M1: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D1: tl.constexpr, HEAD_DIM: tl.constexpr,
-                MASKED: tl.constexpr, PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, DELTA_FROM_O: tl.constexpr):
+                MASKED: tl.constexpr, PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, DELTA_FROM_O: tl.constexpr,
+                ORDERED_DQ: tl.constexpr, IS_CAUSAL: tl.constexpr, BLOCK_N1: tl.constexpr):
     """Accumulate dK, dV of one key tile over query tiles [lo, hi); transposed so no P^T is formed.
-    ``dk1, dv1, k1, v1``: the second column chunk (``BLOCK_D1 > 0``; otherwise unused placeholders)."""
+    ``dk1, dv1, k1, v1``: the second column chunk (``BLOCK_D1 > 0``; otherwise unused placeholders).
+    ``ORDERED_DQ``: ``turns`` holds this head's counter per query tile (see :func:`_add_dq_in_turn`)."""
     offs_m0 = tl.arange(0, BLOCK_M1)
     cols = tl.arange(0, BLOCK_D)
     for start_m in range(lo, hi, BLOCK_M1):
@@ -76,7 +104,16 @@ def _dkdv_inner(dk, dv, dk1, dv1, k, v, k1, v1, q_src, do_src, O, DQ, q_off, do_
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PRECISION)
         if BLOCK_D1 > 0:
             dk1 = tl.dot(ds_t.to(q1.dtype), q1, dk1, input_precision=PRECISION)
-        if ATOMIC_DQ:  # this key tile's share of dQ (unscaled; the host multiplies by 1/sqrt(d) once)
+        if ATOMIC_DQ and ORDERED_DQ:  # this key tile's share of dQ, added after the key tiles before it
+            dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=PRECISION)
+            dq1 = dq
+            if BLOCK_D1 > 0:
+                dq1 = tl.dot(tl.trans(ds_t.to(k1.dtype)), k1, input_precision=PRECISION)
+            # causal: the last key tile this query tile sees (the one that resets its counter)
+            last = tl.minimum((start_m + BLOCK_M1 - 1) // BLOCK_N1, last_key_tile) if IS_CAUSAL else last_key_tile
+            _add_dq_in_turn(DQ, dq_off, stride_dqs, rows, inside, dq, dq1, turns + start_m // BLOCK_M1, key_tile,
+                            last, BLOCK_D, BLOCK_D1, HEAD_DIM)
+        elif ATOMIC_DQ:  # this key tile's share of dQ (unscaled; the host multiplies by 1/sqrt(d) once)
             dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=PRECISION)
             if isinstance(DQ, tl.tensor_descriptor):
                 # One bulk reduction by the copy engine (a (heads, n_q, d) descriptor: rows past n_q and
@@ -94,14 +131,16 @@ def _dkdv_inner(dk, dv, dk1, dv1, k, v, k1, v1, q_src, do_src, O, DQ, q_off, do_
 
 
 @triton.jit
-def dkdv_tile(K, V, O, DQ, DK, DV, q_src, do_src, L, Delta, k_off, v_off, o_off, dq_off, dk_off, dv_off, q_off, do_off,
-               zh, stride_ks, stride_vs, stride_qs, stride_dos, stride_os, stride_dqs, stride_dks, stride_dvs,
-               start_n, n_q, n_k, qk_scale, sm_scale,
+def dkdv_tile(K, V, O, DQ, DK, DV, q_src, do_src, L, Delta, DQ_TURN, k_off, v_off, o_off, dq_off, dk_off, dv_off,
+               q_off, do_off, zh, stride_ks, stride_vs, stride_qs, stride_dos, stride_os, stride_dqs, stride_dks,
+               stride_dvs, start_n, n_q, n_k, qk_scale, sm_scale,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D1: tl.constexpr, IS_CAUSAL: tl.constexpr,
                PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, DELTA_FROM_O: tl.constexpr,
-               BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr):
+               BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, ORDERED_DQ: tl.constexpr = False):
     """dK and dV of keys ``[start_n, start_n + BLOCK_N1)`` of one head, stored into DK and DV (dK scaled by
-    ``sm_scale``); with ``ATOMIC_DQ`` each query tile's dQ share is added into DQ (unscaled, fp32)."""
+    ``sm_scale``); with ``ATOMIC_DQ`` each query tile's dQ share is added into DQ (unscaled, fp32), with
+    ``ORDERED_DQ`` in key-tile order, turn by turn through the int32 counters ``DQ_TURN`` (one per head and
+    query tile of ``BLOCK_M1`` rows, 0 before the launch and after it)."""
     offs_n = start_n + tl.arange(0, BLOCK_N1)
     k = load_tile(K, k_off, 0, start_n, n_k, stride_ks, BLOCK_N1, BLOCK_D, HEAD_DIM, True)
     v = load_tile(V, v_off, 0, start_n, n_k, stride_vs, BLOCK_N1, BLOCK_D, HEAD_DIM, True)
@@ -117,6 +156,9 @@ def dkdv_tile(K, V, O, DQ, DK, DV, q_src, do_src, L, Delta, k_off, v_off, o_off,
     l_base = L + zh.to(tl.int64) * n_q
     delta_base = Delta + zh.to(tl.int64) * n_q
     q_row0 = zh * n_q
+    turns = DQ_TURN + zh.to(tl.int64) * tl.cdiv(n_q, BLOCK_M1)
+    key_tile = start_n // BLOCK_N1
+    last_key_tile = tl.cdiv(n_k, BLOCK_N1) - 1
     if IS_CAUSAL:
         # Queries < start_n see none of these keys. Query tiles starting at or after the tile's last key
         # see all of them; the ones in between cross the diagonal and are masked.
@@ -125,13 +167,15 @@ def dkdv_tile(K, V, O, DQ, DK, DV, q_src, do_src, L, Delta, k_off, v_off, o_off,
         dk, dv, dk1, dv1 = _dkdv_inner(dk, dv, dk1, dv1, k, v, k1, v1, q_src, do_src, O, DQ, q_off, do_off, o_off,
                                        dq_off, q_row0, l_base, delta_base, stride_qs, stride_dos, stride_os,
                                        stride_dqs, lo, tl.minimum(full_lo, n_q), offs_n, n_q, qk_scale, zh,
-                                       BLOCK_M1, BLOCK_D, BLOCK_D1, HEAD_DIM, True, PRECISION, ATOMIC_DQ, DELTA_FROM_O)
+                                       turns, key_tile, last_key_tile, BLOCK_M1, BLOCK_D, BLOCK_D1, HEAD_DIM, True,
+                                       PRECISION, ATOMIC_DQ, DELTA_FROM_O, ORDERED_DQ, IS_CAUSAL, BLOCK_N1)
     else:
         full_lo = 0
     dk, dv, dk1, dv1 = _dkdv_inner(dk, dv, dk1, dv1, k, v, k1, v1, q_src, do_src, O, DQ, q_off, do_off, o_off, dq_off,
                                    q_row0, l_base, delta_base, stride_qs, stride_dos, stride_os, stride_dqs, full_lo,
-                                   n_q, offs_n, n_q, qk_scale, zh, BLOCK_M1, BLOCK_D, BLOCK_D1, HEAD_DIM, False,
-                                   PRECISION, ATOMIC_DQ, DELTA_FROM_O)
+                                   n_q, offs_n, n_q, qk_scale, zh, turns, key_tile, last_key_tile, BLOCK_M1, BLOCK_D,
+                                   BLOCK_D1, HEAD_DIM, False, PRECISION, ATOMIC_DQ, DELTA_FROM_O, ORDERED_DQ,
+                                   IS_CAUSAL, BLOCK_N1)
     store_tile(DK, dk_off, start_n, n_k, stride_dks, dk * sm_scale, BLOCK_N1, BLOCK_D, HEAD_DIM)
     store_tile(DV, dv_off, start_n, n_k, stride_dvs, dv, BLOCK_N1, BLOCK_D, HEAD_DIM)
     if BLOCK_D1 > 0:

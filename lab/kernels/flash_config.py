@@ -37,7 +37,7 @@ LONG_SEQ = 1024
 #: (longer ones keep the large tiles, which the H100 sweep chose at 16k and 32k tokens).
 NARROW_CAUSAL_MAX_SEQ = 8192
 
-BACKWARD_LAUNCHES = ("auto", "fused", "two_pass", "atomic")
+BACKWARD_LAUNCHES = ("auto", "fused", "two_pass", "atomic", "ordered")
 FP32_PRECISIONS = ("auto", "ieee", "tf32", "tf32x3")
 SPLIT_MODES = ("auto", "on", "off")
 
@@ -69,8 +69,10 @@ class FlashConfig:
     * ``backward_launch``: ``"fused"`` (dK/dV and dQ programs in one grid), ``"two_pass"`` (a dK/dV
       kernel, then a dQ kernel), ``"atomic"`` (one dK/dV kernel that also adds each tile's dQ share into
       an fp32 buffer with atomics: 5 matrix products per tile pair instead of 7, but the summation order,
-      hence the last bits of dQ, varies from run to run), or ``"auto"`` (the table's choice, never
-      "atomic": the other three give the same bits on every run; timed once per shape when autotuning).
+      hence the last bits of dQ, varies from run to run), ``"ordered"`` (the same 5 products, each query
+      tile's dQ shares added in key-tile order: the same bits on every run, at the price of each dK/dV program
+      waiting for the one before it at every query tile), or ``"auto"`` (the table's choice, never "atomic"
+      or "ordered": the other two give the same bits on every run; timed once per shape when autotuning).
     * ``fused_delta``: compute ``D = rowsum(dO * O)`` inside the backward kernels instead of a separate
       preprocess kernel (one launch and one pass over O and dO fewer; the dK/dV loop then reads O too).
     * ``bwd_tiles``: ``(BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages)`` overriding the

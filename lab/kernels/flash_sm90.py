@@ -50,7 +50,7 @@ def forward_report(d, causal, tiles, tma=False, dtype="bf16", scale="fp32", spli
 
 
 def backward_report(d, causal, tiles, pass_, atomic=False, delta_from_o=False, store_delta=False, tma=False,
-                    atomic_tma=False, scale="fp32", split=False) -> dict:
+                    atomic_tma=False, scale="fp32", split=False, ordered=False) -> dict:
     """One pass of the backward kernel (0 fused, 1 dK/dV, 2 dQ) on ``tiles`` ``(BLOCK_M1, BLOCK_N1, BLOCK_M2,
     BLOCK_N2, num_warps, num_stages)``; the switches as in ``flash_triton_backward``."""
     m1, n1, m2, n2, warps, stages = tiles
@@ -59,11 +59,13 @@ def backward_report(d, causal, tiles, pass_, atomic=False, delta_from_o=False, s
     types |= {"L": "*fp32", "Delta": "*fp32", "DQ": "*fp32" if atomic else "*bf16", "qk_scale": scale,
               "sm_scale": scale}
     types["DQ_ACC"] = f"tensordesc<fp32[1,{m1},{bd}]>" if atomic_tma else types["DQ"]
+    types["DQ_TURN"] = "*i32" if ordered else "*fp32"
     if tma:
         types["Q_S"] = types["DO_S"] = f"tensordesc<bf16[{m1},{bd}]>"
         types["K_S"] = types["V_S"] = f"tensordesc<bf16[{n2},{bd}]>"
     constexprs = dict(HEAD_DIM=d, BLOCK_D=bd, BLOCK_D1=bd1, IS_CAUSAL=causal, PRECISION="tf32", PASS=pass_,
-                      ATOMIC_DQ=atomic, DELTA_FROM_O=delta_from_o, STORE_DELTA=store_delta,
+                      ATOMIC_DQ=atomic or ordered, ORDERED_DQ=ordered, DELTA_FROM_O=delta_from_o,
+                      STORE_DELTA=store_delta,
                       BLOCK_M1=m1, BLOCK_N1=n1, BLOCK_M2=m2, BLOCK_N2=n2)
     return _report(BACKWARD_KERNEL, types, constexprs, warps, stages)
 
@@ -95,10 +97,11 @@ def default_kernels(d: int, causal: bool = True, n: int = 4096, batch_heads: int
     names = {0: "backward (fused)", 1: "backward dK/dV", 2: "backward dQ"}
     rows = [dict(kernel="forward", d=d, tiles="x".join(map(str, fwd_tiles)),
                  **forward_report(d, causal, fwd_tiles))]
-    launched = {"fused": (0,), "two_pass": (1, 2), "atomic": (1,)}[mode]  # the plan lists every pass
+    launched = {"fused": (0,), "two_pass": (1, 2), "atomic": (1,), "ordered": (1,)}[mode]  # the plan: every pass
     for p in launched:
         rows.append(dict(kernel=names[p], d=d, tiles="x".join(map(str, bwd_tiles[p])),
-                         **backward_report(d, causal, bwd_tiles[p], p, atomic=mode == "atomic")))
+                         **backward_report(d, causal, bwd_tiles[p], p, atomic=mode == "atomic",
+                                           ordered=mode == "ordered")))
     return rows
 
 

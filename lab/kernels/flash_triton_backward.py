@@ -22,6 +22,10 @@ last bits of dQ, varies between runs). Launch modes (``FlashConfig.backward_laun
   Two independent passes in one grid keep all SMs busy when one head gives fewer tiles than there are SMs;
 * ``"two_pass"``: the dK/dV kernel, then the dQ kernel. With many heads the GPU is full either way, and each
   kernel alone needs fewer registers and a smaller L2 working set;
+* ``"ordered"``: as ``"atomic"``, deterministic: the key tiles of a head add their dQ shares into each query
+  tile one after another, in key-tile order (an int32 counter per query tile says whose turn it is; the
+  program whose turn it is reads, adds and writes the rows), so dQ has the same bits on every run. Each
+  dK/dV program waits at every query tile for the one before it, which was launched before it;
 * ``"atomic"``: the dK/dV kernel with atomic dQ, then one cast of the fp32 buffer. On Hopper each tile's dQ
   share is one TMA bulk reduction (``FlashConfig.atomic_tma``), which the copy engine applies in L2 (on an
   H100 as fast as per-element atomics from the threads, within 3%). Measured on an H100 the launch ties the
@@ -75,6 +79,9 @@ from lab.kernels.flash_launch import (
 )
 from lab.kernels.triton_env import empty_in_layout
 
+#: Launch modes whose dK/dV programs add dQ into an fp32 buffer (5 matrix products per tile pair).
+ADDS_DQ = ("atomic", "ordered")
+
 
 @triton.jit
 def _bwd_preprocess_kernel(O, DO, Delta, stride_oz, stride_oh, stride_os, stride_doz, stride_doh, stride_dos, n_q,
@@ -94,20 +101,21 @@ def _bwd_preprocess_kernel(O, DO, Delta, stride_oz, stride_oh, stride_os, stride
 
 
 @triton.jit(do_not_specialize=["tune_batch"])
-def _flash_bwd_kernel(Q, K, V, O, DO, L, Delta, DQ, DK, DV, Q_S, DO_S, K_S, V_S, DQ_ACC,
+def _flash_bwd_kernel(Q, K, V, O, DO, L, Delta, DQ, DK, DV, Q_S, DO_S, K_S, V_S, DQ_ACC, DQ_TURN,
                       stride_qz, stride_qh, stride_qs, stride_kz, stride_kh, stride_ks,
                       stride_vz, stride_vh, stride_vs, stride_oz, stride_oh, stride_os,
                       stride_doz, stride_doh, stride_dos, stride_dqz, stride_dqh, stride_dqs,
                       stride_dkz, stride_dkh, stride_dks, stride_dvz, stride_dvh, stride_dvs,
                       n_q, n_k, qk_scale, sm_scale, tune_batch,
                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D1: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                      PRECISION: tl.constexpr, PASS: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+                      PRECISION: tl.constexpr, PASS: tl.constexpr, ATOMIC_DQ: tl.constexpr, ORDERED_DQ: tl.constexpr,
                       DELTA_FROM_O: tl.constexpr, STORE_DELTA: tl.constexpr,
                       BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr):
     """PASS 1: dK/dV programs only; PASS 2: dQ programs only; PASS 0: both, interleaved in one grid.
     Grid (programs, heads, batch). Q_S/DO_S (streamed by dK/dV programs) and K_S/V_S (streamed by dQ
     programs) are TMA descriptors or the same pointers as Q, DO, K, V; DQ_ACC, where ATOMIC_DQ adds dQ, is
-    DQ itself or a (heads, n_q, d) descriptor over it. ``tune_batch`` only keys the autotuner."""
+    DQ itself or a (heads, n_q, d) descriptor over it; DQ_TURN, with ORDERED_DQ, the int32 turn counters of
+    the ordered additions (zeros; unused otherwise). ``tune_batch`` only keys the autotuner."""
     # Inductor passes Python floats as fp64 (when it launches this kernel itself, FlashConfig.compile_inline):
     # fp32 scales keep the recomputed softmax and the gradients' scaling in fp32.
     qk_scale = tl.cast(qk_scale, tl.float32)
@@ -141,10 +149,12 @@ def _flash_bwd_kernel(Q, K, V, O, DO, L, Delta, DQ, DK, DV, Q_S, DO_S, K_S, V_S,
         is_kv = PASS == 1
     if is_kv:
         # key tile 0 has the most causal work (every query sees it): it goes first
-        dkdv_tile(K, V, O, DQ_ACC, DK, DV, Q_S, DO_S, L, Delta, k_off, v_off, o_off, dq_off, dk_off, dv_off, q_off,
-                   do_off, zh, stride_ks, stride_vs, stride_qs, stride_dos, stride_os, stride_dqs, stride_dks,
+        # (in "ordered" mode key tile j waits for j - 1 of its head: launched before it, in this order)
+        dkdv_tile(K, V, O, DQ_ACC, DK, DV, Q_S, DO_S, L, Delta, DQ_TURN, k_off, v_off, o_off, dq_off, dk_off, dv_off,
+                   q_off, do_off, zh, stride_ks, stride_vs, stride_qs, stride_dos, stride_os, stride_dqs, stride_dks,
                    stride_dvs, tile * BLOCK_N1, n_q, n_k, qk_scale, sm_scale,
-                   HEAD_DIM, BLOCK_D, BLOCK_D1, IS_CAUSAL, PRECISION, ATOMIC_DQ, DELTA_FROM_O, BLOCK_M1, BLOCK_N1)
+                   HEAD_DIM, BLOCK_D, BLOCK_D1, IS_CAUSAL, PRECISION, ATOMIC_DQ, DELTA_FROM_O, BLOCK_M1, BLOCK_N1,
+                   ORDERED_DQ)
     else:
         # the last query tile has the most causal work (it sees every key): it goes first
         dq_tile(Q, DO, O, L, Delta, DQ, K_S, V_S, q_off, do_off, o_off, dq_off, k_off, v_off, zh,
@@ -186,30 +196,35 @@ def _prune_bwd_configs(configs, named_args, **kwargs):
 _flash_bwd_tuned = triton.autotune(
     configs=_bwd_configs(),
     key=["n_q", "n_k", "tune_batch", "HEAD_DIM", "BLOCK_D1", "IS_CAUSAL", "PRECISION", "PASS", "ATOMIC_DQ",
-         "DELTA_FROM_O"],
+         "ORDERED_DQ", "DELTA_FROM_O"],
     prune_configs_by={"early_config_prune": _prune_bwd_configs}, reset_to_zero=["DQ"])(_flash_bwd_kernel)
 
 
-def atomic_target(grad_q: torch.Tensor, block_rows: int, bd: int, config: FlashConfig, split: bool = False):
+def atomic_target(grad_q: torch.Tensor, block_rows: int, bd: int, config: FlashConfig, split: bool = False,
+                  ordered: bool = False):
     """Where atomic dQ updates go: a (batch * heads, n_q, d) TMA descriptor over the fp32 buffer ``grad_q``
     (batch, heads, n_q, d) with ``(1, block_rows, bd)`` blocks when ``config.atomic_tma`` and the GPU has TMA
     (the copy engine clips each block to its own head, so ragged tiles need no mask), else ``grad_q`` (also
-    for a ``split`` head dimension, whose two column chunks a single block shape cannot serve)."""
-    if split or not (config.atomic_tma and TensorDescriptor is not None and grad_q.is_cuda and grad_q.is_contiguous()
-            and has_tma(grad_q.device.index or 0)):
+    for a ``split`` head dimension, whose two column chunks a single block shape cannot serve, and for the
+    ``ordered`` additions, which read and write rows themselves)."""
+    if split or ordered or not (config.atomic_tma and TensorDescriptor is not None and grad_q.is_cuda
+                                and grad_q.is_contiguous() and has_tma(grad_q.device.index or 0)):
         return grad_q
     b, h, n_q, d = grad_q.shape
     return TensorDescriptor(grad_q, [b * h, n_q, d], [n_q * d, d, 1], [1, block_rows, bd])
 
 
 def backward_launch_args(q, k, v, out, grad_out, lse, delta, grad_q, grad_k, grad_v, is_causal: bool,
-                         config: FlashConfig, tiles: dict, atomic: bool = False) -> tuple[tuple, dict]:
+                         config: FlashConfig, tiles: dict, atomic: bool = False,
+                         turns: torch.Tensor | None = None) -> tuple[tuple, dict]:
     """Positional arguments and constexpr keywords (all but PASS, the delta/atomic switches and the tiles)
     of the backward kernel on (batch, heads, seq, d) tensors; ``atomic``: the pass adds dQ atomically into
-    the fp32 buffer ``grad_q`` (see :func:`atomic_target`)."""
+    the fp32 buffer ``grad_q`` (see :func:`atomic_target`); ``turns``: the ordered additions' counters
+    (:func:`turn_counters`), where the pass adds dQ in key-tile order."""
     d = q.shape[-1]
     bd, bd1 = head_chunks(d, q.dtype, "bwd", q.shape[2], k.shape[2], config)
-    dq_acc = atomic_target(grad_q, tiles["BLOCK_M1"], bd, config, split=bd1 > 0) if atomic else grad_q
+    ordered = turns is not None
+    dq_acc = atomic_target(grad_q, tiles["BLOCK_M1"], bd, config, bd1 > 0, ordered) if atomic else grad_q
     tma = config.bwd_tma and not bd1
     q_s, do_s = (stream_source(t, tiles["BLOCK_M1"], bd, tma) for t in (q, grad_out))
     if isinstance(q_s, torch.Tensor) != isinstance(do_s, torch.Tensor):
@@ -218,7 +233,9 @@ def backward_launch_args(q, k, v, out, grad_out, lse, delta, grad_q, grad_k, gra
         q_s, do_s = q, grad_out
     k_s, v_s = (stream_source(t, tiles["BLOCK_N2"], bd, tma) for t in (k, v))
     tensors = (q, k, v, out, grad_out, grad_q, grad_k, grad_v)
+    # without ordered additions the counters are never touched: lse stands in for them (no allocation)
     args = (q, k, v, out, grad_out, lse, delta, grad_q, grad_k, grad_v, q_s, do_s, k_s, v_s, dq_acc,
+            turns if ordered else lse,
             *(s for t in tensors for s in t.stride()[:3]),
             q.shape[2], k.shape[2], base2_scale(d), 1.0 / math.sqrt(d), tune_batch(q.shape[0] * q.shape[1]))
     meta = {"HEAD_DIM": d, "BLOCK_D": bd, "BLOCK_D1": bd1, "IS_CAUSAL": bool(is_causal),
@@ -229,15 +246,20 @@ def backward_launch_args(q, k, v, out, grad_out, lse, delta, grad_q, grad_k, gra
 def _passes(mode: str, fused_delta: bool) -> list[tuple[int, dict]]:
     """The kernel launches of a launch mode, in order: (PASS, switches). Without ``fused_delta`` the
     preprocess kernel has filled Delta before."""
+    plain = {"ATOMIC_DQ": False, "ORDERED_DQ": False, "DELTA_FROM_O": False, "STORE_DELTA": False}
     if mode == "fused":
-        return [(0, {"ATOMIC_DQ": False, "DELTA_FROM_O": fused_delta, "STORE_DELTA": False})]
-    if mode == "atomic":
-        return [(1, {"ATOMIC_DQ": True, "DELTA_FROM_O": fused_delta, "STORE_DELTA": False})]
+        return [(0, {**plain, "DELTA_FROM_O": fused_delta})]
+    if mode in ADDS_DQ:
+        return [(1, {**plain, "ATOMIC_DQ": True, "ORDERED_DQ": mode == "ordered", "DELTA_FROM_O": fused_delta})]
     if fused_delta:  # the dQ pass computes D for its rows and stores it for the dK/dV pass
-        return [(2, {"ATOMIC_DQ": False, "DELTA_FROM_O": True, "STORE_DELTA": True}),
-                (1, {"ATOMIC_DQ": False, "DELTA_FROM_O": False, "STORE_DELTA": False})]
-    return [(1, {"ATOMIC_DQ": False, "DELTA_FROM_O": False, "STORE_DELTA": False}),
-            (2, {"ATOMIC_DQ": False, "DELTA_FROM_O": False, "STORE_DELTA": False})]
+        return [(2, {**plain, "DELTA_FROM_O": True, "STORE_DELTA": True}), (1, plain)]
+    return [(1, plain), (2, plain)]
+
+
+def turn_counters(batch_heads: int, n_q: int, block_m1: int, device) -> torch.Tensor:
+    """The int32 counters of the ordered dQ additions: one per head and query tile of ``block_m1`` rows, zeros
+    (the kernel leaves them at zero too)."""
+    return torch.zeros(batch_heads * triton.cdiv(n_q, block_m1), dtype=torch.int32, device=device)
 
 
 def flash_backward(q, k, v, out, lse, grad_out, is_causal: bool, config: FlashConfig = DEFAULT_CONFIG,
@@ -265,7 +287,7 @@ def flash_backward(q, k, v, out, lse, grad_out, is_causal: bool, config: FlashCo
 
     def run(mode_):
         dq_target = dq4
-        if mode_ == "atomic":  # an fp32 accumulator (the gradient itself for fp32 inputs), scaled once at the end
+        if mode_ in ADDS_DQ:  # an fp32 accumulator (the gradient itself for fp32 inputs), scaled once at the end
             dq_target = dq4.zero_() if q.dtype == torch.float32 else torch.zeros(
                 batch, heads, n_q, d, dtype=torch.float32, device=q.device)
         fused_delta = config.fused_delta
@@ -276,8 +298,12 @@ def flash_backward(q, k, v, out, lse, grad_out, is_causal: bool, config: FlashCo
                      {"HEAD_DIM": d, "BLOCK_D": block_d(d), "BLOCK_M": pre_block}, fast=config.fast_launch)
         for pass_, switches in _passes(mode_, fused_delta):
             tiles = TUNED_CONFIGS.get(("bwd", *key, pass_, mode_)) if tuned else table[pass_]
+            # while the autotuner picks the tiles, counters for 16-row query tiles, the smallest (larger ones use
+            # a prefix); every trial leaves them at zero for the next
+            rows = 16 if tiles is None else tiles["BLOCK_M1"]
+            turns = turn_counters(batch * heads, n_q, rows, q.device) if switches["ORDERED_DQ"] else None
             args, meta = backward_launch_args(q4, k4, v4, o4, do4, lse, delta, dq_target, dk4, dv4, is_causal, config,
-                                              tiles or table[pass_], atomic=switches["ATOMIC_DQ"])
+                                              tiles or table[pass_], atomic=switches["ATOMIC_DQ"], turns=turns)
             meta = {**meta, "PASS": pass_, **switches}
 
             def grid(m, p=pass_):
@@ -289,7 +315,7 @@ def flash_backward(q, k, v, out, lse, grad_out, is_causal: bool, config: FlashCo
                 remember_tuning(("bwd", *key, pass_, mode_), _flash_bwd_tuned)
             else:
                 launcher(_flash_bwd_kernel, grid(tiles), args, {**meta, **tiles}, fast=config.fast_launch)
-        if mode_ == "atomic":  # one elementwise kernel: scale (and cast to q's dtype)
+        if mode_ in ADDS_DQ:  # one elementwise kernel: scale (and cast to q's dtype)
             torch.mul(dq_target.view(grad_q.shape), 1.0 / math.sqrt(d), out=grad_q)
 
     if config.backward_launch == "auto" and tuned:

@@ -183,6 +183,7 @@ def test_inlines_only_compiled_kernels_without_data_dependent_setup(monkeypatch)
     assert fc.inlines(on, cuda) and not fc.inlines(on, cpu) and not fc.inlines(on.replace(compile_inline=False), cuda)
     assert fc.inlines(ft.FlashConfig(), cuda)  # the default
     assert fc.inlines(on.replace(backward_launch="atomic", atomic_tma=False), cuda)
+    assert fc.inlines(on.replace(backward_launch="ordered"), cuda)  # rows through pointers: no descriptor
     for off in (dict(autotune=True), dict(fwd_tma=True), dict(bwd_tma=True), dict(backward_launch="atomic")):
         assert not fc.inlines(on.replace(**off), cuda), off
 

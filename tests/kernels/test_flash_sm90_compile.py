@@ -72,8 +72,10 @@ def test_variants_and_fp32_compile_for_hopper(monkeypatch):
         ["bwd", dict(d=64, causal=True, tiles=(64, 128, 128, 64, 8, 3), pass_=1, atomic=True, atomic_tma=True)],
         ["bwd", dict(d=64, causal=True, tiles=(64, 128, 128, 64, 8, 3), pass_=2, delta_from_o=True, store_delta=True,
                      tma=True)],
-        ["fwd", dict(d=128, causal=True, tiles=fp32_tiles, dtype="fp32")]])
+        ["fwd", dict(d=128, causal=True, tiles=fp32_tiles, dtype="fp32")],
+        ["bwd", dict(d=64, causal=False, tiles=(64, 64, 64, 64, 4, 3), pass_=1, ordered=True)]])
     assert all(r["shared"] <= MAX_SHARED and r["spill"] == 0 for r in reports), reports
+    assert reports[-1]["products"] == 5  # the ordered launch: 5 products, dQ's among them
 
 
 @pytest.mark.slow

@@ -71,7 +71,7 @@ def test_split_head_dims_match_float64_reference(lead, n_q, n_k, d, causal, dtyp
 
 
 VARIANTS = [SPLIT.replace(backward_launch=mode, fused_delta=fused, bwd_tma=fused)
-            for mode in ("fused", "two_pass", "atomic") for fused in (False, True)]
+            for mode in ("fused", "two_pass", "atomic", "ordered") for fused in (False, True)]
 
 
 @pytest.mark.parametrize("config", VARIANTS, ids=lambda c: f"{c.backward_launch}-delta{int(c.fused_delta)}")

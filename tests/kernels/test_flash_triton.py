@@ -107,7 +107,7 @@ def test_half_precision_matches_float64_reference(dtype, tol, causal):
 
 
 VARIANTS = [ft.FlashConfig(backward_launch=mode, fused_delta=fused, fwd_tma=tma, bwd_tma=tma)
-            for mode in ("fused", "two_pass", "atomic") for fused in (False, True) for tma in (False, True)]
+            for mode in ("fused", "two_pass", "atomic", "ordered") for fused in (False, True) for tma in (False, True)]
 
 
 @pytest.mark.parametrize("config", VARIANTS,
@@ -174,6 +174,39 @@ def test_launch_modes_agree():
     for a, b, c in zip(fused, two, atomic):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
         torch.testing.assert_close(a, c, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.timeout(600)  # a wrong turn count would spin forever
+@pytest.mark.parametrize("tiles", [(16, 32, 32, 16, 4, 1), (32, 16, 16, 32, 4, 1), (16, 16, 16, 16, 4, 1)],
+                         ids=["keys-wider", "queries-wider", "square"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_ordered_dq_matches_reference_and_leaves_its_counters_at_zero(monkeypatch, tiles, causal):
+    """The ordered five-product launch on rectangular tiles and ragged lengths (more queries than keys and
+    fewer): the gradients match float64, the dK/dV of the two-pass launch (the same sums) bit for bit, and
+    every query tile's turn counter is back at 0 after the launch (the last key tile that sees a query tile
+    resets it: the next launch, or the autotuner's next trial, starts from zeros)."""
+    import lab.kernels.flash_triton_backward as fb
+
+    made = []
+
+    def counters(*args, **kwargs):
+        made.append(fb.turn_counters.__wrapped__(*args, **kwargs))
+        return made[-1]
+
+    counters.__wrapped__ = fb.turn_counters
+    monkeypatch.setattr(fb, "turn_counters", counters)
+    config = ft.FlashConfig(backward_launch="ordered", bwd_tiles=tiles)
+    for n_q, n_k in ((45, 61), (70, 29)):
+        q, k, v = random_qkv((2, 2), n_q, n_k, 24, seed=n_q)
+        check_against_reference(ft.FlashAttentionTriton, q, k, v, causal, atol=2e-5, rtol=2e-5, config=config)
+        out, lse = ft.flash_forward(q.detach(), k.detach(), v.detach(), causal)
+        grad = torch.randn_like(out)
+        ordered = ft.flash_backward(q, k, v, out, lse, grad, causal, config)
+        two_pass = ft.flash_backward(q, k, v, out, lse, grad, causal, config.replace(backward_launch="two_pass"))
+        for a, b in zip(ordered[1:], two_pass[1:]):
+            torch.testing.assert_close(a, b, atol=0, rtol=0)
+    assert made and all(c.numel() == 4 * -(-n // tiles[0]) for c, n in zip(made[::2], (45, 70)))
+    assert all(int(c.abs().sum()) == 0 for c in made)
 
 
 def test_tma_descriptors_are_used_where_the_layout_allows():
@@ -397,14 +430,33 @@ def test_gpu_dtypes_match_float64_reference(lead, n_q, n_k, d, causal, dtype, to
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [ft.FlashConfig(backward_launch="atomic"),
+                                    ft.FlashConfig(backward_launch="ordered"),
                                     ft.FlashConfig(fwd_tma=True, bwd_tma=True, fused_delta=True),
                                     ft.FlashConfig(backward_launch="fused", bwd_tma=True),
                                     ft.FlashConfig(autotune=True),
+                                    ft.FlashConfig(autotune=True, backward_launch="ordered"),
                                     ft.FlashConfig(fwd_overlap=True, fwd_tiles=(128, 64, 8, 3))],
-                         ids=["atomic", "tma-fused_delta", "fused-tma", "autotune", "overlap"])
+                         ids=["atomic", "ordered", "tma-fused_delta", "fused-tma", "autotune", "autotune-ordered",
+                              "overlap"])
 def test_gpu_variants_match_float64_reference(config):
     q, k, v = random_qkv((1, 4), 1100, 1100, 64, dtype=torch.bfloat16, device="cuda")
     check_against_reference(ft.FlashAttentionTriton, q, k, v, True, atol=3e-2, rtol=3e-2, config=config)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_ordered_dq_is_the_same_on_every_run(causal):
+    """On a GPU the programs of a head run at once: the ordered launch's dQ has the same bits on every run,
+    and stays within bf16 rounding of the atomic launch's (the same products, summed in another order)."""
+    q, k, v = (t.detach() for t in random_qkv((2, 8), 2048, 2048, 128, dtype=torch.bfloat16, device="cuda"))
+    out, lse = ft.flash_forward(q, k, v, causal)
+    grad = torch.randn_like(out)
+    config = ft.FlashConfig(backward_launch="ordered")
+    runs = [ft.flash_backward(q, k, v, out, lse, grad, causal, config)[0] for _ in range(4)]
+    assert all(torch.equal(runs[0], r) for r in runs[1:])
+    atomic = ft.flash_backward(q, k, v, out, lse, grad, causal, config.replace(backward_launch="atomic"))[0]
+    torch.testing.assert_close(runs[0].float(), atomic.float(), atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.gpu

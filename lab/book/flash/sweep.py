@@ -76,6 +76,8 @@ SWEEP_BWD = {
     "atomic 64x128 w8 s2": ("atomic", (64, 128, 128, 64, 8, 2), {}),
     "atomic 64x128 w8 s3": ("atomic", (64, 128, 128, 64, 8, 3), {}),
     "atomic 64x128 w8 s3 +delta": ("atomic", (64, 128, 128, 64, 8, 3), {"fused_delta": True}),
+    "ordered 64x128 w8 s3": ("ordered", (64, 128, 128, 64, 8, 3), {}),
+    "ordered 64x64 w4 s3": ("ordered", (64, 64, 64, 64, 4, 3), {}),
     "atomic 64x64 w4 s3": ("atomic", (64, 64, 64, 64, 4, 3), {}),
     "atomic 32x64 w4 s2": ("atomic", (32, 64, 64, 32, 4, 2), {}),
     "atomic 64x128 w8 s2 no-tma": ("atomic", (64, 128, 128, 64, 8, 2), {"atomic_tma": False}),
@@ -86,9 +88,9 @@ SWEEP_BWD = {
     "two_pass 64x64 w4 s3 +delta": ("two_pass", (64, 64, 64, 64, 4, 3), {"fused_delta": True}),
 }
 #: Matrix products per (query tile, key tile) pair of each backward launch mode: the dK/dV programs compute
-#: S, dV, dP, dK and, in "atomic" mode, dQ (5); the separate dQ programs of "fused" and "two_pass" recompute
-#: S and dP before dQ (7).
-PRODUCTS = {"fused": 7, "two_pass": 7, "atomic": 5}
+#: S, dV, dP, dK and, in "atomic" and "ordered" mode, dQ (5); the separate dQ programs of "fused" and
+#: "two_pass" recompute S and dP before dQ (7).
+PRODUCTS = {"fused": 7, "two_pass": 7, "atomic": 5, "ordered": 5}
 TOLERANCE = {"bf16": 2e-2, "fp16": 5e-3, "fp32": 1e-4}
 
 
@@ -106,6 +108,17 @@ def sweep_configs(fwd_tiles: Sequence[tuple] = SWEEP_FWD_TILES, bwd: dict | None
     out.update({name: (FlashConfig(backward_launch=mode, bwd_tiles=tuple(tiles), **extra), ("bwd",))
                 for name, (mode, tiles, extra) in bwd.items()})
     return out
+
+
+def select_variants(variants: dict, names: Sequence[str] | None) -> dict:
+    """The variants named in ``names`` (all of them for ``None`` or none given), in the sweep's order; a
+    name the sweep does not have is a ValueError that lists the ones it has."""
+    if not names:
+        return variants
+    unknown = [n for n in names if n not in variants]
+    if unknown:
+        raise ValueError(f"unknown variant(s) {unknown}; the sweep has: {', '.join(variants)}")
+    return {n: v for n, v in variants.items() if n in names}
 
 
 def relative_errors(got: Sequence[torch.Tensor], ref: Sequence[torch.Tensor]) -> float:
@@ -161,7 +174,7 @@ def resolved_plan(shape: Shape, dtype: str, config, device: torch.device) -> dic
     mode, plan = backward_plan(bh, shape.seq, shape.seq, shape.d, dt, device, config)
     return dict(fwd_tiles="{BLOCK_M}x{BLOCK_N} w{num_warps} s{num_stages}".format(**f), bwd_mode=mode,
                 bwd_tiles=" / ".join("{BLOCK_M1}x{BLOCK_N1},{BLOCK_M2}x{BLOCK_N2} w{num_warps} s{num_stages}".format(
-                    **plan[p]) for p in ({"fused": (0,), "atomic": (1,)}.get(mode, (1, 2)))))
+                    **plan[p]) for p in ({"fused": (0,), "atomic": (1,), "ordered": (1,)}.get(mode, (1, 2)))))
 
 
 def sweep_shape(shape: Shape, dtype: str = "bf16", variants: dict | None = None,
@@ -329,6 +342,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("mode", choices=("sweep", "check", "course"))
     parser.add_argument("--shapes", nargs="+", default=["1x32x32768x128", "4x32x512x80"], help=_SHAPE_HELP)
     parser.add_argument("--peers", nargs="*", default=["sdpa", "flex"])
+    parser.add_argument("--variants", nargs="*", help="only these variants (names as in sweep.csv; default: all)")
     parser.add_argument("--host-shape", default="4x32x512x80", help="shape of the host-cost table ('' skips it)")
     parser.add_argument("--workers", type=int, default=0, help="processes compiling the variants first (0: none)")
     parser.add_argument("--rep-ms", type=float, default=50)
@@ -343,7 +357,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(pd.read_csv(out / "course.csv").to_string())
         return
     jobs = [parse_shape(s) for s in args.shapes]
-    variants = sweep_configs()
+    variants = select_variants(sweep_configs(), args.variants)
     if args.mode == "check":
         variants = {n: (c, ()) for n, (c, _) in variants.items()}
     if args.workers and device.type == "cuda":

@@ -17,11 +17,21 @@ def test_parse_shape_and_its_errors():
             fs.parse_shape(bad)
 
 
+def test_a_sweep_can_time_only_the_named_variants():
+    variants = fs.sweep_configs()
+    picked = fs.select_variants(variants, ["ordered 64x128 w8 s3", "default"])
+    assert list(picked) == ["default", "ordered 64x128 w8 s3"]  # the sweep's order
+    assert picked["ordered 64x128 w8 s3"][0].backward_launch == "ordered"
+    assert fs.select_variants(variants, None) is variants and fs.select_variants(variants, []) is variants
+    with pytest.raises(ValueError, match="unknown variant.*'ordered 1x1'.*the sweep has: default"):
+        fs.select_variants(variants, ["ordered 1x1"])
+
+
 def test_sweep_configs_cover_every_launch_mode_and_pass():
     variants = fs.sweep_configs()
     assert variants["default"][1] == fs.PASSES
     modes = {cfg.backward_launch for cfg, passes in variants.values() if passes == ("bwd",)}
-    assert modes == {"fused", "two_pass", "atomic"}
+    assert modes == {"fused", "two_pass", "atomic", "ordered"}
     fwd = [cfg for cfg, passes in variants.values() if passes == ("fwd",)]
     assert len(fwd) == len(fs.SWEEP_FWD_TILES) + len(fs.SWEEP_FWD) and all(len(cfg.fwd_tiles) == 4 for cfg in fwd)
     assert any(cfg.fwd_tma for cfg in fwd) and any(cfg.warp_specialize for cfg in fwd)
