@@ -5,7 +5,7 @@ as Triton device functions: each one owns the rows it writes.
   holding query ``start_n`` on, since earlier queries never see these keys; only the first few query tiles,
   which cross the diagonal, are masked). Per tile pair it computes ``S``, ``dV += P^T dO``, ``dP = dO V^T``
   and ``dK += dS^T Q`` (transposed, so no ``P^T`` is formed), and with ``ATOMIC_DQ`` also adds ``dS K`` into
-  an fp32 dQ buffer (with ``ORDERED_DQ`` in key-tile order: the same sums on every run);
+  an fp32 dQ buffer (with ``ORDERED_DQ`` in descending key-tile order: the same sums on every run);
 * :func:`dq_tile`: one query tile kept in registers, looping over key tiles up to the diagonal (an unmasked
   part, then the masked diagonal tiles, as in the forward), recomputing ``S`` and ``dP`` for ``dQ += dS K``.
 
@@ -26,15 +26,18 @@ _LOG2E = tl.constexpr(LOG2E)
 
 
 @triton.jit
-def _add_dq_in_turn(DQ, dq_off, stride_dqs, rows, inside, dq, dq1, turn, key_tile, last,
+def _add_dq_in_turn(DQ, dq_off, stride_dqs, rows, inside, dq, dq1, turn, key_tile, first,
                     BLOCK_D: tl.constexpr, BLOCK_D1: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Add one key tile's dQ share into the fp32 rows ``rows`` of DQ in key-tile order, so that every run sums
-    in the same order (``backward_launch="ordered"``). ``turn`` counts the key tiles already added into this
-    query tile: key tile ``j`` waits until it reads ``j`` (every earlier key tile of a head also sees every
-    query tile that ``j`` sees, and was launched before it), reads, adds and writes the rows (no other program
-    holds them meanwhile), then hands the turn on, or, as the ``last`` key tile of the query tile, sets the
-    counter back to 0 for the next launch (and the autotuner's next trial)."""
-    while tl.atomic_add(turn, 0, sem="acquire") != key_tile:
+    """Add one key tile's dQ share into the fp32 rows ``rows`` of DQ in descending key-tile order, so that every
+    run sums in the same order (``backward_launch="ordered"``). The key tiles that see a query tile are
+    ``0 .. first`` (causal: every key tile before one that sees it sees it too); ``turn`` counts those already
+    added: key tile ``j`` waits until it reads ``first - j``, reads, adds and writes the rows (no other program
+    holds them meanwhile), then hands the turn on, or, as key tile 0, the last, sets the counter back to 0 for
+    the next launch (and the autotuner's next trial). Descending, because key tile ``j + 1`` (launched before
+    ``j``) starts its causal loop at a later query tile: it reaches each query tile first, so in the steady
+    state nobody waits (ascending, each key tile would wait for the one before it to reach its first query
+    tile, a wavefront through the whole head)."""
+    while tl.atomic_add(turn, 0, sem="acquire") != first - key_tile:
         pass
     cols = tl.arange(0, BLOCK_D)
     ptrs = DQ + dq_off + rows[:, None] * stride_dqs + cols[None, :]
@@ -47,7 +50,7 @@ def _add_dq_in_turn(DQ, dq_off, stride_dqs, rows, inside, dq, dq1, turn, key_til
         keep1 = inside[:, None] & (cols1[None, :] < HEAD_DIM)
         tl.store(ptrs1, tl.load(ptrs1, mask=keep1, other=0.0, cache_modifier=".cg") + dq1, mask=keep1)
     tl.debug_barrier()  # every thread's rows are written before the turn is handed on
-    tl.atomic_xchg(turn, tl.where(key_tile == last, 0, key_tile + 1), sem="release")
+    tl.atomic_xchg(turn, tl.where(key_tile == 0, 0, first - key_tile + 1), sem="release")
 
 
 @triton.jit
@@ -109,10 +112,10 @@ def _dkdv_inner(dk, dv, dk1, dv1, k, v, k1, v1, q_src, do_src, O, DQ, q_off, do_
             dq1 = dq
             if BLOCK_D1 > 0:
                 dq1 = tl.dot(tl.trans(ds_t.to(k1.dtype)), k1, input_precision=PRECISION)
-            # causal: the last key tile this query tile sees (the one that resets its counter)
-            last = tl.minimum((start_m + BLOCK_M1 - 1) // BLOCK_N1, last_key_tile) if IS_CAUSAL else last_key_tile
+            # causal: the last key tile this query tile sees, the first to add into it
+            first = tl.minimum((start_m + BLOCK_M1 - 1) // BLOCK_N1, last_key_tile) if IS_CAUSAL else last_key_tile
             _add_dq_in_turn(DQ, dq_off, stride_dqs, rows, inside, dq, dq1, turns + start_m // BLOCK_M1, key_tile,
-                            last, BLOCK_D, BLOCK_D1, HEAD_DIM)
+                            first, BLOCK_D, BLOCK_D1, HEAD_DIM)
         elif ATOMIC_DQ:  # this key tile's share of dQ (unscaled; the host multiplies by 1/sqrt(d) once)
             dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=PRECISION)
             if isinstance(DQ, tl.tensor_descriptor):

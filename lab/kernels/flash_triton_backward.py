@@ -23,9 +23,10 @@ last bits of dQ, varies between runs). Launch modes (``FlashConfig.backward_laun
 * ``"two_pass"``: the dK/dV kernel, then the dQ kernel. With many heads the GPU is full either way, and each
   kernel alone needs fewer registers and a smaller L2 working set;
 * ``"ordered"``: as ``"atomic"``, deterministic: the key tiles of a head add their dQ shares into each query
-  tile one after another, in key-tile order (an int32 counter per query tile says whose turn it is; the
-  program whose turn it is reads, adds and writes the rows), so dQ has the same bits on every run. Each
-  dK/dV program waits at every query tile for the one before it, which was launched before it;
+  tile one after another, in descending key-tile order (an int32 counter per query tile says whose turn it
+  is; the program whose turn it is reads, adds and writes the rows), so dQ has the same bits on every run.
+  The dK/dV programs start lightest first (the last key tile), so each one waits only for programs launched
+  before it;
 * ``"atomic"``: the dK/dV kernel with atomic dQ, then one cast of the fp32 buffer. On Hopper each tile's dQ
   share is one TMA bulk reduction (``FlashConfig.atomic_tma``), which the copy engine applies in L2 (on an
   H100 as fast as per-element atomics from the threads, within 3%). Measured on an H100 the launch ties the
@@ -146,10 +147,12 @@ def _flash_bwd_kernel(Q, K, V, O, DO, L, Delta, DQ, DK, DV, Q_S, DO_S, K_S, V_S,
         is_kv = tl.where(paired, pid % 2 == 0, n_kv_tiles > n_q_tiles)
     else:
         tile = pid
+        if ORDERED_DQ:  # the lightest key tile first: each waits for the one after it (flash_backward_tiles)
+            tile = n_kv_tiles - 1 - pid
         is_kv = PASS == 1
     if is_kv:
         # key tile 0 has the most causal work (every query sees it): it goes first
-        # (in "ordered" mode key tile j waits for j - 1 of its head: launched before it, in this order)
+        # (in "ordered" mode key tile j waits for j + 1 of its head: launched before it, in this order)
         dkdv_tile(K, V, O, DQ_ACC, DK, DV, Q_S, DO_S, L, Delta, DQ_TURN, k_off, v_off, o_off, dq_off, dk_off, dv_off,
                    q_off, do_off, zh, stride_ks, stride_vs, stride_qs, stride_dos, stride_os, stride_dqs, stride_dks,
                    stride_dvs, tile * BLOCK_N1, n_q, n_k, qk_scale, sm_scale,
