@@ -26,7 +26,9 @@ last bits of dQ, varies between runs). Launch modes (``FlashConfig.backward_laun
   tile one after another, in descending key-tile order (an int32 counter per query tile says whose turn it
   is; the program whose turn it is reads, adds and writes the rows), so dQ has the same bits on every run.
   The dK/dV programs start lightest first (the last key tile), so each one waits only for programs launched
-  before it;
+  before it. On an H100 it took 1.6-1.7x the atomic launch's time on long causal shapes and 2x on a
+  non-causal one (all key tiles visit the query tiles in the same order, so they wait in a wavefront): the
+  loop that waits for its turn is not software-pipelined (``results/flash_ordered_check``);
 * ``"atomic"``: the dK/dV kernel with atomic dQ, then one cast of the fp32 buffer. On Hopper each tile's dQ
   share is one TMA bulk reduction (``FlashConfig.atomic_tma``), which the copy engine applies in L2 (on an
   H100 as fast as per-element atomics from the threads, within 3%). Measured on an H100 the launch ties the
