@@ -107,7 +107,7 @@ def _dkdv_inner(dk, dv, dk1, dv1, k, v, k1, v1, q_src, do_src, O, DQ, q_off, do_
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PRECISION)
         if BLOCK_D1 > 0:
             dk1 = tl.dot(ds_t.to(q1.dtype), q1, dk1, input_precision=PRECISION)
-        if ATOMIC_DQ and ORDERED_DQ:  # this key tile's share of dQ, added after the key tiles before it
+        if ATOMIC_DQ and ORDERED_DQ:  # this key tile's share of dQ, added after the higher key tiles'
             dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=PRECISION)
             dq1 = dq
             if BLOCK_D1 > 0:
@@ -142,7 +142,7 @@ def dkdv_tile(K, V, O, DQ, DK, DV, q_src, do_src, L, Delta, DQ_TURN, k_off, v_of
                BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, ORDERED_DQ: tl.constexpr = False):
     """dK and dV of keys ``[start_n, start_n + BLOCK_N1)`` of one head, stored into DK and DV (dK scaled by
     ``sm_scale``); with ``ATOMIC_DQ`` each query tile's dQ share is added into DQ (unscaled, fp32), with
-    ``ORDERED_DQ`` in key-tile order, turn by turn through the int32 counters ``DQ_TURN`` (one per head and
+    ``ORDERED_DQ`` in descending key-tile order, turn by turn through the int32 counters ``DQ_TURN`` (one per head and
     query tile of ``BLOCK_M1`` rows, 0 before the launch and after it)."""
     offs_n = start_n + tl.arange(0, BLOCK_N1)
     k = load_tile(K, k_off, 0, start_n, n_k, stride_ks, BLOCK_N1, BLOCK_D, HEAD_DIM, True)

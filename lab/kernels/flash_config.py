@@ -70,8 +70,8 @@ class FlashConfig:
       kernel, then a dQ kernel), ``"atomic"`` (one dK/dV kernel that also adds each tile's dQ share into
       an fp32 buffer with atomics: 5 matrix products per tile pair instead of 7, but the summation order,
       hence the last bits of dQ, varies from run to run), ``"ordered"`` (the same 5 products, each query
-      tile's dQ shares added in key-tile order: the same bits on every run, at the price of each dK/dV program
-      waiting for the one before it at every query tile), or ``"auto"`` (the table's choice, never "atomic"
+      tile's dQ shares added in a fixed key-tile order: the same bits on every run, at the price of a dK/dV
+      loop that waits for its turn at every query tile), or ``"auto"`` (the table's choice, never "atomic"
       or "ordered": the other two give the same bits on every run; timed once per shape when autotuning).
     * ``fused_delta``: compute ``D = rowsum(dO * O)`` inside the backward kernels instead of a separate
       preprocess kernel (one launch and one pass over O and dO fewer; the dK/dV loop then reads O too).
