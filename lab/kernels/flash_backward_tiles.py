@@ -107,17 +107,17 @@ def _dkdv_inner(dk, dv, dk1, dv1, k, v, k1, v1, q_src, do_src, O, DQ, q_off, do_
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PRECISION)
         if BLOCK_D1 > 0:
             dk1 = tl.dot(ds_t.to(q1.dtype), q1, dk1, input_precision=PRECISION)
-        if ATOMIC_DQ and ORDERED_DQ:  # this key tile's share of dQ, added after the higher key tiles'
+        if ATOMIC_DQ:  # this key tile's share of dQ (unscaled; the host multiplies by 1/sqrt(d) once)
             dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=PRECISION)
-            dq1 = dq
+            dq1 = dq  # the second column chunk's share (a placeholder without one)
             if BLOCK_D1 > 0:
                 dq1 = tl.dot(tl.trans(ds_t.to(k1.dtype)), k1, input_precision=PRECISION)
+        if ATOMIC_DQ and ORDERED_DQ:  # added after the higher key tiles' shares, in turn
             # causal: the last key tile this query tile sees, the first to add into it
             first = tl.minimum((start_m + BLOCK_M1 - 1) // BLOCK_N1, last_key_tile) if IS_CAUSAL else last_key_tile
             _add_dq_in_turn(DQ, dq_off, stride_dqs, rows, inside, dq, dq1, turns + start_m // BLOCK_M1, key_tile,
                             first, BLOCK_D, BLOCK_D1, HEAD_DIM)
-        elif ATOMIC_DQ:  # this key tile's share of dQ (unscaled; the host multiplies by 1/sqrt(d) once)
-            dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=PRECISION)
+        elif ATOMIC_DQ:
             if isinstance(DQ, tl.tensor_descriptor):
                 # One bulk reduction by the copy engine (a (heads, n_q, d) descriptor: rows past n_q and
                 # columns past d are clipped) instead of BLOCK_M1 x BLOCK_D single atomics from the threads.
@@ -126,7 +126,6 @@ def _dkdv_inner(dk, dv, dk1, dv1, k, v, k1, v1, q_src, do_src, O, DQ, q_off, do_
                 tl.atomic_add(DQ + dq_off + rows[:, None] * stride_dqs + cols[None, :], dq,
                               mask=inside[:, None] & (cols[None, :] < HEAD_DIM), sem="relaxed")
             if BLOCK_D1 > 0:  # DQ is a pointer here (atomic_target)
-                dq1 = tl.dot(tl.trans(ds_t.to(k1.dtype)), k1, input_precision=PRECISION)
                 cols1 = BLOCK_D + tl.arange(0, BLOCK_D1)
                 tl.atomic_add(DQ + dq_off + rows[:, None] * stride_dqs + cols1[None, :], dq1,
                               mask=inside[:, None] & (cols1[None, :] < HEAD_DIM), sem="relaxed")

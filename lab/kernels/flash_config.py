@@ -38,6 +38,10 @@ LONG_SEQ = 1024
 NARROW_CAUSAL_MAX_SEQ = 8192
 
 BACKWARD_LAUNCHES = ("auto", "fused", "two_pass", "atomic", "ordered")
+#: The backward kernel's passes each launch mode runs (0: dK/dV and dQ programs in one grid, 1: dK/dV, 2: dQ).
+LAUNCHED_PASSES = {"fused": (0,), "two_pass": (1, 2), "atomic": (1,), "ordered": (1,)}
+#: Launch modes whose dK/dV programs add dQ into an fp32 buffer (5 matrix products per tile pair).
+ADDS_DQ = ("atomic", "ordered")
 FP32_PRECISIONS = ("auto", "ieee", "tf32", "tf32x3")
 SPLIT_MODES = ("auto", "on", "off")
 

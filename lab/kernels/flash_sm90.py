@@ -97,8 +97,7 @@ def default_kernels(d: int, causal: bool = True, n: int = 4096, batch_heads: int
     names = {0: "backward (fused)", 1: "backward dK/dV", 2: "backward dQ"}
     rows = [dict(kernel="forward", d=d, tiles="x".join(map(str, fwd_tiles)),
                  **forward_report(d, causal, fwd_tiles))]
-    launched = {"fused": (0,), "two_pass": (1, 2), "atomic": (1,), "ordered": (1,)}[mode]  # the plan: every pass
-    for p in launched:
+    for p in fc.LAUNCHED_PASSES[mode]:  # the plan lists every pass
         rows.append(dict(kernel=names[p], d=d, tiles="x".join(map(str, bwd_tiles[p])),
                          **backward_report(d, causal, bwd_tiles[p], p, atomic=mode == "atomic",
                                            ordered=mode == "ordered")))

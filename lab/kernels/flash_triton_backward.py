@@ -56,6 +56,7 @@ import triton.language as tl
 
 from lab.kernels.flash_backward_tiles import dkdv_tile, dq_tile
 from lab.kernels.flash_config import (
+    ADDS_DQ,
     DEFAULT_CONFIG,
     INTERPRET,
     FlashConfig,
@@ -81,9 +82,6 @@ from lab.kernels.flash_launch import (
     unit_last_stride,
 )
 from lab.kernels.triton_env import empty_in_layout
-
-#: Launch modes whose dK/dV programs add dQ into an fp32 buffer (5 matrix products per tile pair).
-ADDS_DQ = ("atomic", "ordered")
 
 
 @triton.jit

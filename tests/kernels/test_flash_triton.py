@@ -187,14 +187,8 @@ def test_ordered_dq_matches_reference_and_leaves_its_counters_at_zero(monkeypatc
     resets it: the next launch, or the autotuner's next trial, starts from zeros)."""
     import lab.kernels.flash_triton_backward as fb
 
-    made = []
-
-    def counters(*args, **kwargs):
-        made.append(fb.turn_counters.__wrapped__(*args, **kwargs))
-        return made[-1]
-
-    counters.__wrapped__ = fb.turn_counters
-    monkeypatch.setattr(fb, "turn_counters", counters)
+    made, real = [], fb.turn_counters
+    monkeypatch.setattr(fb, "turn_counters", lambda *args, **kwargs: made.append(real(*args, **kwargs)) or made[-1])
     config = ft.FlashConfig(backward_launch="ordered", bwd_tiles=tiles)
     for n_q, n_k in ((45, 61), (70, 29)):
         q, k, v = random_qkv((2, 2), n_q, n_k, 24, seed=n_q)

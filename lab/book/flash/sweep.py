@@ -36,7 +36,14 @@ from lab.book.attention.bench import attention_impl, attention_inputs
 from lab.book.attention.costs import DTYPES, PASSES, attention_flops
 from lab.book.flash.bench import Shape, course_timing_table, graph_times
 from lab.book.flash.host import host_costs
-from lab.kernels.flash_config import FlashConfig, backward_plan, block_d, forward_tiles, head_chunks
+from lab.kernels.flash_config import (
+    LAUNCHED_PASSES,
+    FlashConfig,
+    backward_plan,
+    block_d,
+    forward_tiles,
+    head_chunks,
+)
 from lab.measure.device import empty_cache, error_summary, is_oom, resolve_device
 from lab.measure.timing import graph_replay, matmul_tflops, time_kernel
 from lab.model.attention import AttentionFn
@@ -174,7 +181,7 @@ def resolved_plan(shape: Shape, dtype: str, config, device: torch.device) -> dic
     mode, plan = backward_plan(bh, shape.seq, shape.seq, shape.d, dt, device, config)
     return dict(fwd_tiles="{BLOCK_M}x{BLOCK_N} w{num_warps} s{num_stages}".format(**f), bwd_mode=mode,
                 bwd_tiles=" / ".join("{BLOCK_M1}x{BLOCK_N1},{BLOCK_M2}x{BLOCK_N2} w{num_warps} s{num_stages}".format(
-                    **plan[p]) for p in ({"fused": (0,), "atomic": (1,), "ordered": (1,)}.get(mode, (1, 2)))))
+                    **plan[p]) for p in LAUNCHED_PASSES[mode]))
 
 
 def sweep_shape(shape: Shape, dtype: str = "bf16", variants: dict | None = None,
