@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from lab.measure.device import error_summary, is_oom, synchronize
-from lab.measure.verdicts import GoalCheck, compare
+from lab.measure.verdicts import compare_paired, goal_paired
 from lab.units import GiB
 
 #: ``build()`` returns ``(step, close)``: one training step, and what releases the implementation.
@@ -339,18 +339,12 @@ def samples(value) -> list[float]:
 
 
 def compare_rounds(subject: Sequence[float], reference: Sequence[float], lower_is_better: bool = True):
-    """The verdict of :func:`lab.measure.verdicts.compare` on two implementations' per-round samples, paired
-    by round when both have the same rounds: the per-round ratios subject/reference against 1, i.e. the
-    median ratio with a bootstrap interval over rounds. Pairing is what interleaving buys: both ran in the
-    same round, side by side, so a slow round (the host busy) slows both and cancels in their ratio, where
-    comparing the two sets of samples unpaired would count it as noise. Unequal rounds (an implementation
-    left the rotation): the unpaired comparison of the two sets."""
-    a, b = [float(x) for x in subject], [float(x) for x in reference]
-    if len(a) != len(b) or not a or any(x <= 0 for x in b):
-        return compare(a, b, lower_is_better)
-    return compare([x / y for x, y in zip(a, b)], [1.0] * len(a), lower_is_better)
+    """Two implementations' per-round samples under the rule, paired by round
+    (:func:`lab.measure.verdicts.compare_paired`): pairing is what interleaving buys, since both ran in the same
+    round, so a slow round slows both and cancels in their ratio."""
+    return compare_paired(subject, reference, lower_is_better)
 
 
 def goal_rounds(subject: Sequence[float], reference: Sequence[float], target: float, lower_is_better: bool = True):
-    """:func:`lab.measure.verdicts.check_goal` on per-round samples, paired as in :func:`compare_rounds`."""
-    return GoalCheck(compare_rounds(subject, reference, lower_is_better), target)
+    """:func:`lab.measure.verdicts.goal_paired` on per-round samples."""
+    return goal_paired(subject, reference, target, lower_is_better)

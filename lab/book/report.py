@@ -16,15 +16,18 @@ report can be re-rendered anywhere without re-measuring.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import pandas as pd
 
+from lab.book import claims as cl
+from lab.book import ledger as book_ledger
 from lab.book.consistency import consistency_report
+from lab.measure import machine
 from lab.measure import results as store
+from lab.measure.verdicts import RULE
 
 
 def _display_markdown(text: str, display_id: str | None = None, update: bool = False) -> None:
@@ -79,7 +82,7 @@ def table_text(df: pd.DataFrame, floatfmt: str = ".3g") -> str:
     for c in floats:
         cells[c] = [fmt(v, int(digits.group(1))) for v in df[c]]
     numeric = [pd.api.types.is_numeric_dtype(df[c]) for c in df.columns]
-    return cells.to_markdown(index=False, colalign=["right" if n else "left" for n in numeric])
+    return cells.to_markdown(index=False, disable_numparse=True, colalign=["right" if n else "left" for n in numeric])
 
 
 def show_table(df: pd.DataFrame, floatfmt: str = ".3g", max_rows: int = 60) -> None:
@@ -134,12 +137,21 @@ class Chapter:
         self.replay = replay if isinstance(replay, bool) else list(replay)
         self.answers: list[tuple[str, str, str | None]] = []
         self._answers_id = f"answers-{notebook}"
+        # what else ran when the render started; a render that only reads tables back times nothing
+        self.neighbours = None if self.replay is True else machine.neighbours()
+        self.params["neighbours"] = self.neighbours
 
     # ---- the top of the report -------------------------------------------------------------------------
 
     def show_machine(self) -> None:
-        """The banner; when replaying, it also says that the tables were measured elsewhere (see each table)."""
+        """The banner, the rule every verdict of the report follows, and whether the render had its GPUs and
+        host to itself; when replaying, it also says that the tables were measured elsewhere (see each table)."""
         show_machine({**self.params, "replay": self.replay})
+        say(f"> **The rule.** {RULE}")
+        if self.neighbours is not None:
+            say("> **Alone:** nothing else ran on this render's GPUs or host when it started." if not self.neighbours
+                else "> **Not alone:** when this render started, " + "; ".join(self.neighbours) + " ran beside it, "
+                "so its timings may have been moved by them.")
         if self.replay is True:
             say("> **Replayed:** the tables below were read from `results/`, not measured in this render; each "
                 "one names the machine and commit that measured it.")
@@ -156,10 +168,31 @@ class Chapter:
         """Display the answers box (empty now, completed by :meth:`answer` as the notebook runs)."""
         _display_markdown(self._answers_markdown(), display_id=self._answers_id)
 
-    def answer(self, question: str, text: str, section: str | None = None) -> None:
-        """Add one answer (generated from data) to the box at the top, linked to ``section``'s heading."""
+    def answer(self, claim: cl.Claim | str, text: str | None = None, section: str | None = None) -> None:
+        """Add one answer to the box at the top, linked to ``section``'s heading: a :class:`~lab.book.claims.Claim`
+        (its question and its sentence, :func:`lab.book.claims.sentence`), or, from a chapter not yet stating
+        claims, a question and its text."""
+        if isinstance(claim, cl.Claim):
+            question, text = claim.question, cl.sentence(claim, with_question=False)
+        else:
+            question = claim
         self.answers.append((question, text, section))
         _display_markdown(self._answers_markdown(), display_id=self._answers_id, update=True)
+
+    def state(self, *items: cl.Claim | cl.Finding) -> None:
+        """Show claims (question and findings) or bare findings where the notebook stands, one paragraph."""
+        parts = [cl.sentence(x) if isinstance(x, cl.Claim) else cl.say(x) + "." for x in items]
+        say(" ".join(p[0].upper() + p[1:] if p and not p.startswith("*") else p for p in parts))
+
+    def ledger(self, entries: list[dict]) -> None:
+        """Enter rows that other reports measure too (:func:`lab.book.ledger.entry`) and check them against the
+        other reports' entries: a disagreement on a GPU stops the render naming both rows
+        (:class:`lab.book.ledger.LedgerMismatch`); on a CPU it is shown as a warning."""
+        if not entries:
+            return
+        book_ledger.record(entries, self.results_dir, self.notebook, store.provenance())
+        for line in book_ledger.check(self.results_dir, self.notebook):
+            warn(f"Measured on a CPU, two reports disagree: {line}.")
 
     def _answers_markdown(self) -> str:
         if not self.answers:
@@ -253,20 +286,10 @@ def settings_params(settings) -> dict:
 
 
 def pct(x: float) -> str:
-    """A share as a whole percentage (``0.234`` -> ``"23%"``), ``"n/a"`` when not finite."""
-    return "n/a" if not math.isfinite(x) else f"{100 * x:.0f}%"
+    """A share as a percentage (:func:`lab.book.claims.percent`)."""
+    return cl.percent(x)
 
 
 def fmt(value: float, digits: int = 3) -> str:
-    """A number for prose: ``digits`` significant digits, ``"n/a"`` for NaN. Large numbers are rounded integers
-    with grouped thousands (``7624.4`` -> ``"7,620"``), never ``7.62e+03``; numbers below 0.0001 (errors,
-    tolerances) keep the exponent (``4e-08``), which a reader takes in faster than seven zeros."""
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "n/a"
-    if value == 0 or not math.isfinite(value):
-        return f"{value:g}"
-    value = float(f"{value:.{digits}g}")  # rounded first: 999.6 has four digits before it has three
-    exponent = math.floor(math.log10(abs(value)))
-    if exponent >= digits:  # already an integer at these digits: group the thousands
-        return f"{value:,.0f}"
-    return f"{value:.{digits}g}"
+    """A number for prose (:func:`lab.book.claims.number`)."""
+    return cl.number(value, digits=digits)

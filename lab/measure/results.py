@@ -1,7 +1,9 @@
 """One results store: every table is a CSV with a JSON sidecar of provenance.
 
-Each saved row carries ``gpu``, ``torch``, ``commit`` and ``status`` columns so that a table read on its
-own still says where it came from; the sidecar holds the rest (driver, CUDA, Triton, date, parameters).
+Each saved row is one measurement and says where it ran and from which code: ``gpu`` (the model),
+``gpu_count``, ``host_cpu`` (an eager step can be paced by the host's launches), ``torch``, ``commit`` (the
+full hash) and ``status``, so that a table read on its own still says where it came from; the sidecar holds the
+rest (driver, CUDA, Triton, date, parameters, and what else ran on the machine when the render started).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import pandas as pd
 import torch
 
 from lab import paths
+from lab.measure import machine
 
 #: What a render writes: changes there do not make the measuring code "dirty" (a render that saves its
 #: first table must not see its own output as an uncommitted change when it saves the second).
@@ -25,13 +28,13 @@ OUTPUT_DIRS = ("results", "reports", "artifacts")
 
 
 def git_commit(root: str | os.PathLike | None = None) -> str:
-    """The commit the code came from: ``$LAB_COMMIT`` if set (a copied tree has no .git), else git's HEAD,
-    with ``+dirty`` when tracked files outside :data:`OUTPUT_DIRS` have uncommitted changes."""
+    """The commit the code came from, as its full hash: ``$LAB_COMMIT`` if set (a copied tree has no .git),
+    else git's HEAD, with ``+dirty`` when tracked files outside :data:`OUTPUT_DIRS` have uncommitted changes."""
     if os.environ.get("LAB_COMMIT"):
         return os.environ["LAB_COMMIT"]
     root = root or paths.REPO_ROOT
     try:
-        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root,
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root,
                               capture_output=True, text=True, timeout=10)
         if head.returncode != 0:
             return "unknown"
@@ -64,12 +67,8 @@ def _driver_version() -> str | None:
 
 
 def gpu_label() -> str:
-    """``"NVIDIA H100 80GB HBM3"`` (with ``" x2"`` for several GPUs), or ``"cpu"``."""
-    if not torch.cuda.is_available():
-        return "cpu"
-    n = torch.cuda.device_count()
-    name = torch.cuda.get_device_name(0)
-    return name if n == 1 else f"{name} x{n}"
+    """The GPU model (``"NVIDIA H100 80GB HBM3"``; the count is a column of its own), or ``"cpu"``."""
+    return machine.gpu_model()
 
 
 def measured_on(table: pd.DataFrame, default: str = "cpu") -> str:
@@ -91,13 +90,13 @@ def provenance(params: dict[str, Any] | None = None) -> dict[str, Any]:
     return {
         "gpu": gpu_label(),
         "gpu_name": torch.cuda.get_device_name(0) if cuda else None,
-        "gpu_count": torch.cuda.device_count() if cuda else 0,
+        "gpu_count": machine.gpu_count(),
         "driver": _driver_version() if cuda else None,
         "cuda": torch.version.cuda,
         "torch": torch.__version__,
         "triton": _triton_version(),
         "python": platform.python_version(),
-        "host_cpu": platform.processor() or platform.machine(),
+        "host_cpu": machine.host_cpu(),
         "host_cores": os.cpu_count(),
         "commit": git_commit(),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -116,11 +115,12 @@ def _jsonable(obj: Any) -> Any:
 
 
 def with_provenance_columns(df: pd.DataFrame, source: str | None = None) -> pd.DataFrame:
-    """A copy of ``df`` with ``gpu``, ``torch``, ``commit``, ``status`` (and ``source`` if given) filled where
-    missing: in every row without a value of its own (rows read back from an earlier run keep theirs)."""
+    """A copy of ``df`` with ``gpu``, ``gpu_count``, ``host_cpu``, ``torch``, ``commit``, ``status`` (and
+    ``source`` if given) filled where missing: in every row without a value of its own (rows read back from an
+    earlier run keep theirs)."""
     df = df.copy()
     prov = None
-    for col in ("gpu", "torch", "commit"):
+    for col in ("gpu", "gpu_count", "host_cpu", "torch", "commit"):
         if col not in df.columns or df[col].isna().any():
             prov = prov or provenance()
             df[col] = df[col].fillna(prov[col]) if col in df.columns else prov[col]

@@ -1,164 +1,189 @@
-"""Noise-aware verdicts: the one place that decides whether a comparison may say "faster", "slower", "goal
-met" or "no extra cost".
+"""The one statistic and the one rule: every comparison and goal of the book is decided here.
 
-A claim is made only when the difference exceeds the measured spread. From the samples of two
-measurements (or, when only summaries are stored, their mean, standard deviation and count) we form the
-ratio of the subject's typical value to the reference's and a confidence interval for it:
+**The statistic.** A timing is the median of its samples with its spread, a standard deviation that one
+outlier cannot inflate (1.4826 x the median absolute deviation, equal to the standard deviation for normal
+samples): :func:`summarize`.
 
-* samples: the ratio of medians, with a bootstrap interval (each side resampled independently);
-* summaries: the ratio of means, with the delta-method normal interval.
+**The rule** (:data:`RULE`, stated at the top of every report). Two measurements compare by the ratio of their
+medians, subject / reference, with a 95% interval: a bootstrap over the samples (:func:`compare`), or, where a
+table kept only medians, spreads and counts, the normal interval of the log ratio with the median's standard
+error, 1.2533 x spread / sqrt(n) (:func:`compare_medians`). Then:
 
-For times (lower is better) an interval entirely below 1 says "faster", entirely above 1 "slower", and an
-interval that contains 1 says "within noise". A goal ("at most 0.8x the baseline") is met only when the
-whole interval is within the goal, missed when the whole interval is outside it, and otherwise undecided.
-A measurement with fewer than two samples has no measured spread, so no claim can rest on it, and a
-difference no wider than either side's own scatter (its standard deviation; for samples the robust one
-from the median absolute deviation, so one outlier does not hide a clear gap) is "within noise" whatever
-the interval says: a spread as wide as the effect decides nothing.
+* "faster" or "slower" (for a quantity where higher is better, "higher" or "lower") only where the interval
+  excludes 1 *and* the gap between the medians exceeds both sides' spread; otherwise "within noise" (a
+  bootstrap over a handful of samples can exclude 1 while each side scatters by more than the gap);
+* a side with fewer than :data:`MIN_SAMPLES` samples decides nothing: "not decided";
+* a goal ("at most 0.85x the baseline") is met where the whole interval lies within it, missed where the
+  whole interval lies beyond it, and undecided otherwise, or where either side's spread covers the gap
+  between the subject and the value the goal allows.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 CONFIDENCE = 0.95
+#: Fewer samples than this on either side of a comparison decide nothing.
+MIN_SAMPLES = 5
+#: The standard error of a median is about this many times the standard error of a mean (normal samples).
+MEDIAN_SE_FACTOR = 1.2533
+
+RULE = (f"A timing is the median of its samples, with its spread (1.4826 x the median absolute deviation, a "
+        f"standard deviation that one outlier cannot inflate). Two timings compare by the ratio of their medians "
+        f"with a {CONFIDENCE:.0%} interval: *faster* or *slower* only where the interval excludes 1 and the gap "
+        f"between the medians exceeds both sides' spread, *within noise* otherwise, and *not decided* where a "
+        f"side has fewer than {MIN_SAMPLES} samples. A goal is *met* where the whole interval lies within it, "
+        f"*missed* where the whole interval lies beyond it and the gap exceeds both spreads, *undecided* otherwise.")
+
+#: Verdict words: times (lower is better) and other quantities (higher is better).
+FASTER, SLOWER, HIGHER, LOWER = "faster", "slower", "higher", "lower"
+WITHIN_NOISE, NOT_DECIDED = "within noise", "not decided"
+
+
+@dataclass(frozen=True)
+class Summary:
+    """A measurement as the rule reads it: ``median``, ``spread`` (robust standard deviation) and ``n``
+    samples; ``samples`` when they were kept (a comparison then bootstraps them)."""
+
+    median: float
+    spread: float
+    n: int
+    samples: tuple[float, ...] = ()
+
+    @property
+    def enough(self) -> bool:
+        """Whether it has the :data:`MIN_SAMPLES` a verdict needs."""
+        return self.n >= MIN_SAMPLES and math.isfinite(self.median)
+
+
+def robust_spread(samples: Sequence[float]) -> float:
+    """1.4826 x the median absolute deviation (the standard deviation for normal samples); NaN for none."""
+    x = np.asarray(samples, dtype=float)
+    if len(x) == 0:
+        return math.nan
+    return float(1.4826 * np.median(np.abs(x - np.median(x))))
+
+
+def summarize(samples: Sequence[float]) -> Summary:
+    """The median, spread and count of the finite ``samples`` (which it keeps)."""
+    xs = tuple(float(x) for x in samples if x is not None and math.isfinite(float(x)))
+    if not xs:
+        return Summary(math.nan, math.nan, 0)
+    return Summary(statistics.median(xs), robust_spread(xs), len(xs), xs)
 
 
 @dataclass(frozen=True)
 class Comparison:
-    """Subject against reference: ``ratio`` = subject / reference (of medians or means), its interval
-    ``[low, high]``, and ``verdict``: ``"faster"``, ``"slower"``, ``"within noise"`` (for a quantity where
-    lower is better, like time) or ``"higher"``, ``"lower"``, ``"within noise"`` otherwise."""
+    """Subject against reference: ``ratio`` = subject / reference (of medians), its interval ``[low, high]``
+    (infinite where nothing was decided for lack of samples), ``verdict`` (:data:`FASTER`, :data:`SLOWER`,
+    :data:`WITHIN_NOISE` or :data:`NOT_DECIDED` for times; :data:`HIGHER` or :data:`LOWER` where higher is
+    better), and the two sides' summaries."""
 
     ratio: float
     low: float
     high: float
     verdict: str
     lower_is_better: bool = True
+    subject: Summary | None = None
+    reference: Summary | None = None
 
     @property
     def decided(self) -> bool:
-        """True when the difference exceeds the noise."""
-        return self.verdict != "within noise"
+        """True when the difference exceeds the noise (a verdict other than within noise / not decided)."""
+        return self.verdict not in (WITHIN_NOISE, NOT_DECIDED)
 
     @property
     def spread_measured(self) -> bool:
-        """False when either side had fewer than two samples: the interval is infinite, nothing is decided."""
+        """False where a side had too few samples for a verdict."""
         return math.isfinite(self.low) and math.isfinite(self.high)
-
-    @property
-    def label(self) -> str:
-        """The verdict for a table cell (:func:`label`)."""
-        return label(self.verdict, self.low, self.high)
 
     @property
     def speedup(self) -> float:
         """reference / subject: how many times faster the subject is (for times)."""
         return 1.0 / self.ratio if self.ratio else math.nan
 
-    def describe(self, subject: str, reference: str) -> str:
-        """A clause for generated prose, e.g. ``"Triton is 1.23x faster than SDPA (time ratio 0.81, 95%
-        interval 0.79-0.83)"`` or ``"Triton is within noise of SDPA (...)"``."""
-        interval = f"ratio {self.ratio:.3g}, {CONFIDENCE:.0%} interval {span(self.low, self.high)}"
-        if not math.isfinite(self.low) or not math.isfinite(self.high):
-            return f"{subject} cannot be told apart from {reference}: no spread was measured (ratio {self.ratio:.3g})"
-        if self.verdict == "within noise":
-            return f"{subject} is within noise of {reference} ({interval}{scatter_note(self.low, self.high)})"
-        if self.lower_is_better:
-            if self.verdict == "faster":
-                return f"{subject} is {self.speedup:.3g}x faster than {reference} ({interval})"
-            return f"{subject} is {self.ratio:.3g}x slower than {reference} ({interval})"
-        word = "higher" if self.verdict == "higher" else "lower"
-        return f"{subject} is {self.ratio:.3g}x the value of {reference}, {word} beyond noise ({interval})"
-
-
-def scatter_note(low: float, high: float) -> str:
-    """For a "within noise" verdict whose interval excludes 1: why it is not decided (the gap between the two
-    is no wider than either side's own scatter; see the module docstring), as a clause to append; else ""."""
-    if math.isfinite(low) and math.isfinite(high) and (low > 1.0 or high < 1.0):
-        return ": the gap is no wider than either side's own scatter"
-    return ""
-
-
-def label(verdict: str, low: float, high: float) -> str:
-    """A verdict for a table cell, from a comparison's stored columns: ``"no spread"`` where no interval could
-    be measured (one sample on a side: infinite bounds), since "within noise" would claim a noise that was
-    never seen; the verdict otherwise."""
-    return verdict if math.isfinite(low) and math.isfinite(high) else "no spread"
-
 
 def _verdict(low: float, high: float, lower_is_better: bool) -> str:
-    if not (math.isfinite(low) and math.isfinite(high)):
-        return "within noise"
     if high < 1.0:
-        return "faster" if lower_is_better else "lower"
+        return FASTER if lower_is_better else LOWER
     if low > 1.0:
-        return "slower" if lower_is_better else "higher"
-    return "within noise"
+        return SLOWER if lower_is_better else HIGHER
+    return WITHIN_NOISE
 
 
 def spread_covers_effect(typical: float, ref_typical: float, spread: float, ref_spread: float) -> bool:
-    """True when the gap between the two typical values is no wider than either side's own scatter (standard
-    deviation): such a gap decides nothing, however narrow the interval of the ratio (a bootstrap over a
-    handful of samples can exclude 1 while each side scatters by more than the gap)."""
+    """True when the gap between the two typical values is no wider than either side's spread: such a gap
+    decides nothing, however narrow the interval of the ratio."""
     return abs(typical - ref_typical) <= max(spread, ref_spread)
 
 
-def _robust_spread(x: np.ndarray) -> float:
-    """A standard deviation that one outlier cannot inflate: 1.4826 x the median absolute deviation (equal to
-    the standard deviation for normal samples), to go with the medians :func:`compare` compares."""
-    return float(1.4826 * np.median(np.abs(x - np.median(x))))
+def _undecided(ratio: float, a: Summary, b: Summary, lower_is_better: bool) -> Comparison:
+    return Comparison(ratio, -math.inf, math.inf, NOT_DECIDED, lower_is_better, a, b)
 
 
-def compare(subject: Sequence[float], reference: Sequence[float], lower_is_better: bool = True,
+def _decide(ratio: float, low: float, high: float, a: Summary, b: Summary, lower_is_better: bool) -> Comparison:
+    verdict = _verdict(low, high, lower_is_better)
+    if spread_covers_effect(a.median, b.median, a.spread, b.spread):
+        verdict = WITHIN_NOISE
+    return Comparison(ratio, low, high, verdict, lower_is_better, a, b)
+
+
+def compare(subject: Sequence[float] | Summary, reference: Sequence[float] | Summary, lower_is_better: bool = True,
             confidence: float = CONFIDENCE, n_boot: int = 4000, seed: int = 0) -> Comparison:
-    """Compare two sets of samples (e.g. step times in ms) by the ratio of their medians, with a bootstrap
-    confidence interval. Fewer than two samples on either side: no spread, verdict "within noise"."""
-    a = np.asarray([x for x in subject if x is not None and math.isfinite(x)], dtype=float)
-    b = np.asarray([x for x in reference if x is not None and math.isfinite(x)], dtype=float)
-    if len(a) == 0 or len(b) == 0:
-        raise ValueError("compare needs at least one finite sample on each side")
-    ratio = float(np.median(a) / np.median(b))
-    if len(a) < 2 or len(b) < 2:
-        return Comparison(ratio, -math.inf, math.inf, "within noise", lower_is_better)
+    """Two measurements under the rule (module docstring): samples are bootstrapped (each side resampled
+    independently); a :class:`Summary` without samples goes through :func:`compare_medians`."""
+    a = subject if isinstance(subject, Summary) else summarize(subject)
+    b = reference if isinstance(reference, Summary) else summarize(reference)
+    if a.n == 0 or b.n == 0:
+        raise ValueError("compare needs at least one finite sample (or a median) on each side")
+    if not (a.samples and b.samples):
+        return compare_medians(a, b, lower_is_better, confidence)
+    ratio = a.median / b.median
+    if not (a.enough and b.enough):
+        return _undecided(ratio, a, b, lower_is_better)
     rng = np.random.default_rng(seed)
-    ra = np.median(rng.choice(a, size=(n_boot, len(a))), axis=1)
-    rb = np.median(rng.choice(b, size=(n_boot, len(b))), axis=1)
+    x, y = np.asarray(a.samples), np.asarray(b.samples)
+    ra = np.median(rng.choice(x, size=(n_boot, len(x))), axis=1)
+    rb = np.median(rng.choice(y, size=(n_boot, len(y))), axis=1)
     tail = (1 - confidence) / 2
     low, high = (float(v) for v in np.quantile(ra / rb, [tail, 1 - tail]))
-    verdict = _verdict(low, high, lower_is_better)
-    if spread_covers_effect(np.median(a), np.median(b), _robust_spread(a), _robust_spread(b)):
-        verdict = "within noise"
-    return Comparison(ratio, low, high, verdict, lower_is_better)
+    return _decide(ratio, low, high, a, b, lower_is_better)
 
 
-def compare_summaries(mean: float, std: float, n: int, ref_mean: float, ref_std: float, ref_n: int,
-                      lower_is_better: bool = True, confidence: float = CONFIDENCE) -> Comparison:
-    """:func:`compare` for tables that keep only mean, standard deviation and sample count: the ratio of
-    means with a delta-method interval on the log scale (``ratio * exp(+-z * se)``, ``se`` the standard error
-    of the log ratio: always positive, and symmetric in relative terms). ``n < 2`` on either side: no spread,
-    "within noise"."""
-    ratio = mean / ref_mean
-    if n < 2 or ref_n < 2 or not all(math.isfinite(v) for v in (std, ref_std)) or ratio <= 0:
-        return Comparison(ratio, -math.inf, math.inf, "within noise", lower_is_better)
-    from statistics import NormalDist
+def compare_medians(subject: Summary, reference: Summary, lower_is_better: bool = True,
+                    confidence: float = CONFIDENCE) -> Comparison:
+    """:func:`compare` from medians, spreads and counts alone: the normal interval of the log ratio of the
+    medians, each median's standard error taken as ``1.2533 * spread / sqrt(n)``."""
+    a, b = subject, reference
+    ratio = a.median / b.median if b.median else math.nan
+    if not (a.enough and b.enough) or not (math.isfinite(a.spread) and math.isfinite(b.spread)) or not ratio > 0:
+        return _undecided(ratio, a, b, lower_is_better)
+    z = statistics.NormalDist().inv_cdf(0.5 + confidence / 2)
+    se = MEDIAN_SE_FACTOR * math.sqrt((a.spread / a.median) ** 2 / a.n + (b.spread / b.median) ** 2 / b.n)
+    return _decide(ratio, ratio * math.exp(-z * se), ratio * math.exp(z * se), a, b, lower_is_better)
 
-    z = NormalDist().inv_cdf(0.5 + confidence / 2)
-    se = math.sqrt((std / mean) ** 2 / n + (ref_std / ref_mean) ** 2 / ref_n)
-    low, high = ratio * math.exp(-z * se), ratio * math.exp(z * se)
-    verdict = "within noise" if spread_covers_effect(mean, ref_mean, std, ref_std) else _verdict(low, high,
-                                                                                                   lower_is_better)
-    return Comparison(ratio, low, high, verdict, lower_is_better)
+
+def compare_paired(subject: Sequence[float], reference: Sequence[float], lower_is_better: bool = True) -> Comparison:
+    """Two measurements taken side by side, round by round (interleaved): the rule applied to the per-round
+    ratios subject / reference against 1 (their interval and their spread), so a slow round (the host busy)
+    slows both sides and cancels in their ratio. The comparison's ``subject`` is then the summary of those
+    ratios and its ``reference`` 1. Unequal rounds: the unpaired :func:`compare`."""
+    a, b = [float(x) for x in subject], [float(x) for x in reference]
+    if len(a) != len(b) or not a or any(x <= 0 for x in b):
+        return compare(a, b, lower_is_better)
+    return compare([x / y for x, y in zip(a, b)], [1.0] * len(a), lower_is_better)
 
 
 @dataclass(frozen=True)
 class GoalCheck:
-    """A goal on a ratio ("subject / reference <= target" for times): ``met`` is True, False, or None when the
-    interval straddles the target (undecided within the noise)."""
+    """A goal on a ratio ("subject / reference <= target" for times, ">= target" where higher is better):
+    ``met`` is True, False, or None (undecided: the interval straddles the target, a side lacks samples, or a
+    spread covers the gap to the value the goal allows)."""
 
     comparison: Comparison
     target: float
@@ -166,9 +191,13 @@ class GoalCheck:
     @property
     def met(self) -> bool | None:
         c = self.comparison
-        at_most = c.lower_is_better
-        if not (math.isfinite(c.low) and math.isfinite(c.high)):
+        if not c.spread_measured:
             return None
+        a, b = c.subject, c.reference
+        if a is not None and b is not None and spread_covers_effect(a.median, self.target * b.median, a.spread,
+                                                                    self.target * b.spread):
+            return None
+        at_most = c.lower_is_better
         if (c.high <= self.target) if at_most else (c.low >= self.target):
             return True
         if (c.low > self.target) if at_most else (c.high < self.target):
@@ -177,36 +206,70 @@ class GoalCheck:
 
     @property
     def word(self) -> str:
-        """``"met"``, ``"missed"`` or ``"undecided (within noise)"``."""
-        return {True: "met", False: "missed", None: "undecided (within noise)"}[self.met]
-
-    def describe(self, subject: str, reference: str) -> str:
-        """``"goal <= 0.8x torch DDP: met (ratio 0.73, 95% interval 0.70-0.76)"``."""
-        c = self.comparison
-        sign = "<=" if c.lower_is_better else ">="
-        interval = (f"{CONFIDENCE:.0%} interval {span(c.low, c.high)}" if math.isfinite(c.low)
-                    else "no spread measured")
-        return f"goal {subject} {sign} {self.target:g}x {reference}: {self.word} (ratio {c.ratio:.3g}, {interval})"
+        """``"met"``, ``"missed"`` or ``"undecided"``."""
+        return {True: "met", False: "missed", None: "undecided"}[self.met]
 
 
-def check_goal(subject: Sequence[float], reference: Sequence[float], target: float, lower_is_better: bool = True,
-               **kwargs) -> GoalCheck:
-    """Is ``median(subject) / median(reference)`` within ``target`` beyond the noise? (see :class:`GoalCheck`)."""
+def check_goal(subject: Sequence[float] | Summary, reference: Sequence[float] | Summary, target: float,
+               lower_is_better: bool = True, **kwargs) -> GoalCheck:
+    """Is ``median(subject) / median(reference)`` within ``target`` beyond the noise? (:class:`GoalCheck`)."""
     return GoalCheck(compare(subject, reference, lower_is_better, **kwargs), target)
 
 
+def goal_paired(subject: Sequence[float], reference: Sequence[float], target: float,
+                lower_is_better: bool = True) -> GoalCheck:
+    """:func:`check_goal` on samples taken side by side (:func:`compare_paired`)."""
+    return GoalCheck(compare_paired(subject, reference, lower_is_better), target)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Transitional: the chapters that still word their own sentences read these; they go once every chapter
+# states its answers as claims (lab.book.claims).
+
+
+def compare_summaries(mean: float, std: float, n: int, ref_mean: float, ref_std: float, ref_n: int,
+                      lower_is_better: bool = True, confidence: float = CONFIDENCE) -> Comparison:
+    """:func:`compare_medians` of two summaries (their typical value, spread and count)."""
+    return compare_medians(Summary(mean, std, n), Summary(ref_mean, ref_std, ref_n), lower_is_better, confidence)
+
+
+def scatter_note(low: float, high: float) -> str:
+    if math.isfinite(low) and math.isfinite(high) and (low > 1.0 or high < 1.0):
+        return ": the gap is no wider than either side's own scatter"
+    return ""
+
+
+def label(verdict: str, low: float, high: float) -> str:
+    return verdict if math.isfinite(low) and math.isfinite(high) else NOT_DECIDED
+
+
 def span(low: float, high: float, fmt=lambda v: f"{v:.3g}", sep: str = "-") -> str:
-    """A range for prose or a table: ``"1.2-3.4"``, or one number when both ends print the same (a range
-    whose ends are equal is one value, not a spread)."""
     a, b = fmt(low), fmt(high)
     return a if a == b else f"{a}{sep}{b}"
 
 
 def quotable(value: float, spread: float) -> bool:
-    """True when ``value`` may be quoted as a finding: finite and larger than its measured ``spread`` (a
-    standard deviation, or an interval's half-width). A value smaller than its own spread is noise; a value
-    with no measured spread (NaN) may still be quoted, labelled as a single measurement by its caller."""
     if value is None or not math.isfinite(value):
         return False
     return not (spread is not None and math.isfinite(spread) and spread >= abs(value))
 
+
+def _describe(self: Comparison, subject: str, reference: str) -> str:
+    interval = f"ratio {self.ratio:.3g}, {CONFIDENCE:.0%} interval {span(self.low, self.high)}"
+    if not self.spread_measured:
+        return f"{subject} against {reference}: not decided, too few samples (ratio {self.ratio:.3g})"
+    if self.verdict == WITHIN_NOISE:
+        return f"{subject} is within noise of {reference} ({interval}{scatter_note(self.low, self.high)})"
+    if self.lower_is_better:
+        if self.verdict == FASTER:
+            return f"{subject} is {self.speedup:.3g}x faster than {reference} ({interval})"
+        return f"{subject} is {self.ratio:.3g}x slower than {reference} ({interval})"
+    return f"{subject} is {self.ratio:.3g}x the value of {reference}, {self.verdict} beyond noise ({interval})"
+
+
+Comparison.describe = _describe
+Comparison.label = property(lambda self: label(self.verdict, self.low, self.high))
+GoalCheck.describe = lambda self, subject, reference: (
+    f"goal {subject} {'<=' if self.comparison.lower_is_better else '>='} {self.target:g}x {reference}: {self.word} "
+    f"(ratio {self.comparison.ratio:.3g}, {CONFIDENCE:.0%} interval "
+    f"{span(self.comparison.low, self.comparison.high) if self.comparison.spread_measured else 'not measured'})")

@@ -72,7 +72,7 @@ def test_paired_rounds_cancel_a_drifting_host():
     assert interleaved.goal_rounds(a, b, 0.95).met is True and interleaved.goal_rounds(a, b, 0.85).met is False
     assert interleaved.compare_rounds(b, a).verdict == "slower"
     assert interleaved.compare_rounds(a[:-1], b).ratio == compare(a[:-1], b).ratio  # unequal rounds: unpaired
-    assert interleaved.compare_rounds([1.0], [2.0]).verdict == "within noise"  # one round: no spread
+    assert interleaved.compare_rounds([1.0], [2.0]).verdict == "not decided"  # one round: no spread
 
 
 # ----------------------------------------------------------------------------------------------------------

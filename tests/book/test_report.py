@@ -120,18 +120,11 @@ def test_rows_carried_twice_keep_the_run_that_measured_them(tmp_path, capsys):
     assert "commit aaaa" in capsys.readouterr().out.splitlines()[-1]
 
 
-@pytest.mark.parametrize("value,text", [(7624.4, "7,620"), (999.6, "1,000"), (123.456, "123"), (0.5, "0.5"),
-                                        (0.0000123, "1.23e-05"), (0.021, "0.021"), (-2500.0, "-2,500"), (0.0, "0"),
-                                        (float("nan"), "n/a")])
-def test_fmt_rounds_to_significant_digits_without_scientific_notation(value, text):
-    assert report.fmt(value) == text
-
-
 def test_tables_print_floats_as_prose_does_and_keep_other_formats():
     df = pd.DataFrame(dict(impl=["a", "b"], ms=[5236.694, 0.93694], tokens=[12510.3, float("nan")], n=[2, 33],
                            err=[1.2e-5, 0.02]))
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in report.table_text(df, ".4g").splitlines()]
-    assert rows[2] == ["a", "5237", "12,510", "2", "1.2e-05"] and rows[3] == ["b", "0.9369", "n/a", "33", "0.02"]
+    assert rows[2] == ["a", "5,237", "12,510", "2", "1.2 × 10⁻⁵"] and rows[3] == ["b", "0.9369", "n/a", "33", "0.02"]
     assert rows[1][1].endswith(":") and rows[1][0].startswith(":")  # numbers right-aligned, text left
     fixed = report.table_text(df, ".2f")
     assert "5236.69" in fixed and "12510.30" in fixed  # a fixed-point format is tabulate's, unchanged

@@ -77,7 +77,7 @@ def test_dirty_means_code_changed_not_outputs(tmp_path, monkeypatch):
     git("add", ".")
     git("commit", "-qm", "one")
     clean = results.git_commit(tmp_path)
-    assert len(clean) == 12 and "dirty" not in clean
+    assert len(clean) == 40 and "dirty" not in clean
     (tmp_path / "results" / "t.csv").write_text("a\n2\n")  # a render saving a table
     assert results.git_commit(tmp_path) == clean
     (tmp_path / "lab.py").write_text("x = 2\n")  # the code measured is not the commit's

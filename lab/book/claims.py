@@ -1,0 +1,385 @@
+"""Claims as data, and the one module that says them.
+
+A chapter states each answer as a :class:`Claim`: its question, its findings (data, not words) and, where a
+reader needs it, a fixed explanation chosen from the data. The findings are:
+
+* :class:`Versus`: one measured row against another (the statistic: ratio of medians under the rule of
+  :mod:`lab.measure.verdicts`), with a goal if there is one;
+* :class:`Tally`: many such comparisons counted by verdict (the counts always add up to the whole);
+* :class:`Value`: one measured or derived quantity with its unit (and its spread, where it was timed);
+* :class:`Share`: a part of a whole;
+* :class:`Observed`: a named outcome that is not a number (a dtype, an implementation's name).
+
+Each finding reads its numbers from a :class:`Measured` row. This module alone turns them into sentences and
+table cells: numbers as a person writes them (:func:`number`: units, thousands separators, no exponent
+notation), "out of memory at 79 GiB" rather than an allocator's message, and verdicts in the words of the rule
+that every report states once at its top (:data:`lab.measure.verdicts.RULE`). Chapters never word their own
+findings, so the same comparison reads the same way in every report.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from lab.measure import verdicts as v
+
+_SUPERSCRIPT = str.maketrans("-0123456789", "⁻⁰¹²³⁴⁵⁶⁷⁸⁹")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# numbers
+
+
+def number(value: float | None, unit: str = "", digits: int = 3) -> str:
+    """``value`` as a person writes it: ``digits`` significant digits, whole numbers from 1,000 on with
+    thousands separators (``12,510 ms``), tiny ones as powers of ten (``4 × 10⁻⁸``), never ``1.2e+04``;
+    ``"n/a"`` for a missing value. ``unit`` follows after a space (``"x"`` and ``"%"`` without one); bytes
+    (``"B"``) are written in KiB, MiB or GiB."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    value = float(value)
+    if unit == "B":
+        value, unit = _binary(value)
+    if math.isinf(value):
+        text = "infinite" if value > 0 else "minus infinite"
+    elif value == 0:
+        text = "0"
+    else:
+        rounded = float(f"{value:.{digits}g}")  # 999.6 rounds to four digits before it has three
+        exponent = math.floor(math.log10(abs(rounded)))
+        if exponent >= 3:
+            text = f"{round(value):,}"
+        elif exponent < -4:
+            text = f"{rounded / 10**exponent:.{max(digits - 1, 0)}g} × 10{str(exponent).translate(_SUPERSCRIPT)}"
+        else:
+            text = f"{rounded:.{max(digits - 1 - exponent, 0)}f}"
+            text = text.rstrip("0").rstrip(".") if "." in text else text
+    if not unit:
+        return text
+    return f"{text}{unit}" if unit in ("x", "%") else f"{text} {unit}"
+
+
+def _binary(n_bytes: float) -> tuple[float, str]:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n_bytes) >= size:
+            return n_bytes / size, unit
+    return n_bytes, "B"
+
+
+def percent(fraction: float, digits: int = 2) -> str:
+    """A share as a percentage: ``0.234`` -> ``"23%"`` (``digits`` significant digits, ``"n/a"`` if missing)."""
+    if fraction is None or not math.isfinite(fraction):
+        return "n/a"
+    return number(100 * fraction, "%", digits)
+
+
+def interval(low: float, high: float, digits: int = 3) -> str:
+    """A 95% interval for prose or a cell: ``"0.79-0.83"``, one number where both ends print alike, ``"none"``
+    where none was measured (infinite ends)."""
+    if not (math.isfinite(low) and math.isfinite(high)):
+        return "none"
+    a, b = number(low, digits=digits), number(high, digits=digits)
+    return a if a == b else f"{a}-{b}"
+
+
+def plural(count: int, noun: str) -> str:
+    """``"1 sample"``, ``"3 samples"``, with the count written as :func:`number` writes it."""
+    return f"{number(count)} {noun}{'' if count == 1 else 's'}"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# measured rows
+
+OOM = "oom"
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One row as a claim reads it: a label naming what was measured, its samples (or its median, spread and
+    count where a table kept only those), the unit, and its status: ``ok``, or ``oom`` with the memory
+    ``limit_gib`` the process had when it ran out (NaN where unknown), or another failure."""
+
+    label: str
+    summary: v.Summary = field(default_factory=lambda: v.Summary(math.nan, math.nan, 0))
+    unit: str = "ms"
+    status: str = "ok"
+    limit_gib: float = math.nan
+
+    @classmethod
+    def of(cls, label: str, samples: Iterable[float], unit: str = "ms") -> Measured:
+        """From every sample."""
+        return cls(label, v.summarize(list(samples)), unit)
+
+    @classmethod
+    def summarized(cls, label: str, median: float, spread: float, n: int, unit: str = "ms") -> Measured:
+        """From a median, its spread and the number of samples behind it."""
+        return cls(label, v.Summary(float(median), float(spread), int(n)), unit)
+
+    @classmethod
+    def value(cls, label: str, value: float, unit: str = "") -> Measured:
+        """A value that was computed, not sampled (a closed form, a count): no spread, decides no verdict."""
+        return cls(label, v.Summary(float(value), math.nan, 1), unit)
+
+    @classmethod
+    def out_of_memory(cls, label: str, limit_gib: float = math.nan, unit: str = "ms") -> Measured:
+        """A row that ran out of memory, with the memory the process had (GiB) where known."""
+        return cls(label, unit=unit, status=OOM, limit_gib=float(limit_gib))
+
+    @classmethod
+    def from_row(cls, label: str, row, column: str, unit: str = "ms") -> Measured:
+        """From a table row: its ``column`` (a median), the spread beside it (``<column stem>_spread<unit
+        suffix>``, e.g. ``fwd_ms`` -> ``fwd_spread_ms``) and its count (``<stem>_n``, else ``n``); the
+        samples where the row keeps them (``<stem>_samples<suffix>``, a list). A row whose ``status`` is not
+        ``ok`` is out of memory (``oom``, with ``limit_gib`` if the row has it) or failed."""
+        get = row.get if hasattr(row, "get") else (lambda k, d=None: getattr(row, k, d))
+        status = str(get("status", "ok") or "ok")
+        if status != "ok":
+            limit = get("limit_gib", math.nan)
+            return cls(label, unit=unit, status=status, limit_gib=float(limit) if limit is not None else math.nan)
+        stem, _, suffix = column.rpartition("_") if column.endswith(("_ms", "_gib", "_s")) else (column, "", "")
+        samples = get(f"{stem}_samples_{suffix}" if suffix else f"{stem}_samples")
+        if isinstance(samples, (list, tuple)) and samples:
+            return cls.of(label, samples, unit)
+        spread = get(f"{stem}_spread_{suffix}" if suffix else f"{stem}_spread", math.nan)
+        n = get(f"{stem}_n", None)
+        n = get("n", 0) if n is None else n
+        return cls.summarized(label, get(column), math.nan if spread is None else spread, n or 0, unit)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok" and math.isfinite(self.summary.median)
+
+    @property
+    def median(self) -> float:
+        return self.summary.median
+
+    def text(self, digits: int = 3) -> str:
+        """``"12.3 ms"``, ``"out of memory at 79 GiB"``, or the failure's status."""
+        if self.status == OOM:
+            return "out of memory" + (f" at {number(self.limit_gib, 'GiB', 2)}" if math.isfinite(self.limit_gib)
+                                      else "")
+        if self.status != "ok":
+            return self.status
+        return number(self.median, self.unit, digits)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# findings
+
+
+@dataclass(frozen=True)
+class Versus:
+    """``subject`` against ``reference`` under the rule: the ratio of medians, its interval and the verdict;
+    with ``goal`` (a ratio: "at most" where lower is better, "at least" otherwise), whether it is met."""
+
+    subject: Measured
+    reference: Measured
+    goal: float | None = None
+    higher_is_better: bool = False
+    paired: bool = False
+
+    @property
+    def comparison(self) -> v.Comparison | None:
+        """The comparison, or None where a side did not run (out of memory, failed)."""
+        if not (self.subject.ok and self.reference.ok):
+            return None
+        a, b = self.subject.summary, self.reference.summary
+        if self.paired and a.samples and b.samples:
+            return v.compare_paired(a.samples, b.samples, not self.higher_is_better)
+        return v.compare(a, b, not self.higher_is_better)
+
+    @property
+    def verdict(self) -> str:
+        """The rule's word, or ``"out of memory"`` / the failure where a side did not run."""
+        c = self.comparison
+        if c is None:
+            return next(m.text() for m in (self.subject, self.reference) if not m.ok)
+        return c.verdict
+
+    @property
+    def goal_met(self) -> bool | None:
+        c = self.comparison
+        return None if c is None or self.goal is None else v.GoalCheck(c, self.goal).met
+
+    @property
+    def goal_word(self) -> str:
+        """``"met"``, ``"missed"``, ``"undecided"``, or ``""`` without a goal."""
+        if self.goal is None:
+            return ""
+        if self.comparison is None:
+            return "missed" if not self.subject.ok else "undecided"
+        return v.GoalCheck(self.comparison, self.goal).word
+
+    def cells(self) -> dict:
+        """The comparison as table columns: ``ratio``, ``interval``, ``verdict`` (and ``goal``, ``goal_met``)."""
+        c = self.comparison
+        out = {"ratio": c.ratio if c else math.nan, "interval": interval(c.low, c.high) if c else "none",
+               "verdict": self.verdict}
+        if self.goal is not None:
+            out.update(goal=self.goal, goal_met=self.goal_word)
+        return out
+
+
+@dataclass(frozen=True)
+class Tally:
+    """Comparisons counted by verdict, e.g. "faster in 12 of 20, within noise in 7, slower in 1"."""
+
+    label: str
+    comparisons: tuple[Versus, ...]
+
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for c in self.comparisons:
+            out[c.verdict] = out.get(c.verdict, 0) + 1
+        return out
+
+    def goal_counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for c in self.comparisons:
+            if c.goal is not None:
+                out[c.goal_word] = out.get(c.goal_word, 0) + 1
+        return out
+
+
+@dataclass(frozen=True)
+class Value:
+    """One quantity: a measured row (its median, with spread and samples) or a computed value."""
+
+    measured: Measured
+
+
+@dataclass(frozen=True)
+class Share:
+    """``part`` as a share of ``whole`` (same unit), e.g. the matrix products' share of a step's GPU time."""
+
+    label: str
+    part: float
+    whole: float
+
+    @property
+    def fraction(self) -> float:
+        return self.part / self.whole if self.whole else math.nan
+
+
+@dataclass(frozen=True)
+class Observed:
+    """An outcome that is not a number: ``label`` and what was seen (a dtype, a name, a kernel)."""
+
+    label: str
+    seen: str
+
+
+Finding = Versus | Tally | Value | Share | Observed
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One answer of a chapter: the ``question``, its ``findings``, and ``because``, a fixed explanation the
+    chapter chooses from the data (it holds no measured number: those are findings)."""
+
+    question: str
+    findings: tuple[Finding, ...]
+    because: str = ""
+
+    def __post_init__(self):
+        if isinstance(self.findings, list):
+            object.__setattr__(self, "findings", tuple(self.findings))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# saying them
+
+_VERDICT_ORDER = (v.FASTER, v.HIGHER, v.WITHIN_NOISE, v.SLOWER, v.LOWER, v.NOT_DECIDED)
+
+
+def _ratio_words(c: v.Comparison) -> str:
+    return f"ratio {number(c.ratio)}, {v.CONFIDENCE:.0%} interval {interval(c.low, c.high)}"
+
+
+def say_versus(f: Versus) -> str:
+    """One comparison in words (see the module docstring)."""
+    a, b = f.subject, f.reference
+    if f.comparison is None:
+        text = f"{a.label}: {a.text()}; {b.label}: {b.text()}"
+    else:
+        c = f.comparison
+        medians = f"{a.text()} against {b.text()}"
+        if c.verdict == v.NOT_DECIDED:
+            text = (f"{a.label} against {b.label}: not decided, {plural(a.summary.n, 'sample')} and "
+                    f"{number(b.summary.n)} ({number(v.MIN_SAMPLES)} needed; {medians})")
+        elif c.verdict == v.WITHIN_NOISE:
+            text = f"{a.label} and {b.label} are within noise ({medians}; {_ratio_words(c)})"
+        elif c.verdict == v.FASTER:
+            text = f"{a.label} is **{number(c.speedup)}x faster** than {b.label} ({medians}; {_ratio_words(c)})"
+        elif c.verdict == v.SLOWER:
+            text = f"{a.label} is **{number(c.ratio)}x slower** than {b.label} ({medians}; {_ratio_words(c)})"
+        else:
+            text = f"{a.label} is **{number(c.ratio)}x** {b.label}, {c.verdict} ({medians}; {_ratio_words(c)})"
+    if f.goal is not None:
+        bound = "at most" if not f.higher_is_better else "at least"
+        text += f"; goal {bound} {number(f.goal)}x: **{f.goal_word}**"
+    return text
+
+
+def say_tally(f: Tally) -> str:
+    counts, n = f.counts(), len(f.comparisons)
+    parts = [f"{w} in {number(counts[w])}" for w in sorted(counts, key=lambda w: (
+        _VERDICT_ORDER.index(w) if w in _VERDICT_ORDER else len(_VERDICT_ORDER), w))]
+    text = f"{f.label}: {', '.join(parts)} of {plural(n, 'comparison')}" if n else f"{f.label}: nothing compared"
+    goals = f.goal_counts()
+    if goals:
+        text += "; goal " + ", ".join(f"{w} in {number(k)}" for w, k in sorted(goals.items()))
+    return text
+
+
+def say_value(f: Value) -> str:
+    m = f.measured
+    text = f"{m.label}: **{m.text()}**"
+    s = m.summary
+    if m.ok and math.isfinite(s.spread) and s.n > 1:
+        text += f" (spread {number(s.spread, m.unit, 2)}, {plural(s.n, 'sample')})"
+    return text
+
+
+def say(finding: Finding) -> str:
+    """One finding as a clause of Markdown."""
+    if isinstance(finding, Versus):
+        return say_versus(finding)
+    if isinstance(finding, Tally):
+        return say_tally(finding)
+    if isinstance(finding, Value):
+        return say_value(finding)
+    if isinstance(finding, Share):
+        return f"{finding.label}: **{percent(finding.fraction)}**"
+    if isinstance(finding, Observed):
+        return f"{finding.label}: {finding.seen}"
+    raise TypeError(f"not a finding: {finding!r}")
+
+
+def sentence(claim: Claim, with_question: bool = True) -> str:
+    """A claim as Markdown: the question in italics, then its findings and its explanation."""
+    body = "; ".join(say(f) for f in claim.findings) or "nothing was measured"
+    text = f"{body[0].upper()}{body[1:]}." if body else ""
+    if claim.because:
+        text += f" {claim.because.strip()}"
+    return f"*{claim.question}* {text}" if with_question else text
+
+
+def verdict_table(rows: Sequence[tuple[dict, Versus]]) -> list[dict]:
+    """Rows of a comparison table: each ``(keys, Versus)`` as its keys, both medians and the comparison's
+    cells (:meth:`Versus.cells`), so a table and the prose beside it read the same verdicts."""
+    out = []
+    for keys, f in rows:
+        out.append({**keys, "subject": f.subject.text(), "reference": f.reference.text(), **f.cells()})
+    return out
+
+
+_MACHINE_PHRASES = re.compile(r"\d[eE][+]\d|CUDA out of memory|Tried to allocate|0 B higher|nan\b")
+
+
+def machine_phrases(text: str) -> list[str]:
+    """Fragments of ``text`` a person would not write: exponent notation, an allocator's message, ``nan``."""
+    return [m.group() for m in _MACHINE_PHRASES.finditer(text)]

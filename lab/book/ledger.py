@@ -1,0 +1,155 @@
+"""One ledger across the book: a measurement that two reports make must agree, or the render stops.
+
+A chapter enters the rows that another chapter measures too (:meth:`lab.book.report.Chapter.ledger`), keyed
+by *what* was measured: a kind of :data:`KINDS` and the fields that kind names, never a display label. Each
+entry keeps the GPU model, the host's CPU model, whether the row was host-bound (its GPU idle for part of the
+step, waiting for the host's launches), its median, spread and samples, its unit, and the report and commit
+that measured it. Entries live in ``<results_dir>/ledger.csv``.
+
+:func:`check` compares a report's entries with every other report's entries of the same key on the same GPU
+model, and for host-bound rows on the same host CPU too (another host launches at another pace). Two entries
+agree when their medians differ by at most :data:`RUN_TO_RUN` (separate processes on one GPU model differ by
+that much: clocks, memory placement, the library's choice of algorithm), or when the rule finds them within
+noise. Entries measured on a CPU are reported, not failed: the quick book runs on shared CPUs whose times say
+nothing about GPUs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pandas as pd
+
+from lab import paths
+from lab.book.claims import number
+from lab.measure import verdicts as v
+
+#: What each kind of shared measurement is keyed by.
+KINDS: dict[str, tuple[str, ...]] = {
+    # one mode of a language-model step on one process: forward, forward+backward or the full train step
+    "lm_step": ("size", "context", "batch", "dtype", "attention", "compile", "fused_loss", "mode"),
+    # a data-parallel training step, per rank
+    "ddp_step": ("impl", "size", "context", "batch", "dtype", "world_size", "bucket_mb"),
+    # one attention call
+    "attention": ("impl", "dtype", "batch", "heads", "seq_len", "d", "causal", "pass", "timing"),
+    # the peak of GPU memory allocated in one mode of a step
+    "peak_memory": ("size", "context", "batch", "dtype", "mode", "checkpoint"),
+}
+RUN_TO_RUN = 0.05
+COLUMNS = ["kind", "key", "source", "commit", "gpu", "host_cpu", "host_bound", "unit", "median", "spread", "n",
+           "samples", "label"]
+
+
+class LedgerMismatch(ValueError):
+    """Two reports measured the same thing on the same GPU model and disagree: the render stops."""
+
+
+def key(kind: str, **what) -> str:
+    """The canonical key of a measurement: its kind's fields, every one given, values as plain JSON
+    (``512.0`` and ``512`` are one context; ``True`` and ``"True"`` one flag)."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown ledger kind {kind!r}; choose from {', '.join(KINDS)}")
+    fields = KINDS[kind]
+    missing, extra = [f for f in fields if f not in what], sorted(set(what) - set(fields))
+    if missing or extra:
+        raise ValueError(f"ledger kind {kind!r} is keyed by {', '.join(fields)}"
+                         + (f"; missing {', '.join(missing)}" if missing else "")
+                         + (f"; not a key field: {', '.join(extra)}" if extra else ""))
+    return json.dumps({f: _plain(what[f]) for f in fields}, sort_keys=False)
+
+
+def _plain(x):
+    if isinstance(x, str) and x in ("True", "False"):
+        return x == "True"
+    if hasattr(x, "item"):
+        x = x.item()
+    if isinstance(x, float) and math.isfinite(x) and x.is_integer():
+        return int(x)
+    if isinstance(x, float) and math.isnan(x):
+        return None
+    return x
+
+
+def gpu_model(label) -> str:
+    """A row's GPU model: its ``gpu`` without the count some older tables appended (``"... HBM3 x2"``)."""
+    text = str(label)
+    parts = text.rsplit(" x", 1)
+    return parts[0] if len(parts) == 2 and parts[1].isdigit() else text
+
+
+def entry(kind: str, summary: v.Summary, unit: str, label: str, host_bound: bool = False, **what) -> dict:
+    """One ledger row (without its source, commit, GPU and host, which :func:`record` adds)."""
+    return dict(kind=kind, key=key(kind, **what), host_bound=bool(host_bound), unit=unit, median=summary.median,
+                spread=summary.spread, n=summary.n, samples=json.dumps([round(x, 5) for x in summary.samples]),
+                label=label)
+
+
+def _path(results_dir) -> Path:
+    return paths.resolve(results_dir) / "ledger.csv"
+
+
+def load(results_dir) -> pd.DataFrame:
+    p = _path(results_dir)
+    return pd.read_csv(p) if p.exists() else pd.DataFrame(columns=COLUMNS)
+
+
+def record(entries: list[dict], results_dir, source: str, provenance: dict) -> pd.DataFrame:
+    """Put ``source``'s entries into the ledger, replacing its earlier entries of the same kinds; returns the
+    whole ledger."""
+    new = pd.DataFrame([{**e, "source": source, "commit": provenance.get("commit"), "gpu": provenance.get("gpu"),
+                         "host_cpu": provenance.get("host_cpu")} for e in entries], columns=COLUMNS)
+    old = load(results_dir)
+    kinds = set(new["kind"])
+    kept = old[~((old["source"] == source) & old["kind"].isin(kinds))] if len(old) else old
+    ledger = pd.concat([kept, new], ignore_index=True) if len(kept) else new
+    paths.resolve(results_dir).mkdir(parents=True, exist_ok=True)
+    ledger.to_csv(_path(results_dir), index=False)
+    return ledger
+
+
+def _summary(row) -> v.Summary:
+    samples = tuple(json.loads(row["samples"])) if isinstance(row["samples"], str) and row["samples"] else ()
+    return v.Summary(float(row["median"]), float(row["spread"]), int(row["n"]), samples)
+
+
+def disagreements(ledger: pd.DataFrame, source: str) -> pd.DataFrame:
+    """``source``'s entries that another report measured on the same GPU model (and, host-bound, the same
+    host CPU) and that disagree with it: one row per pair, with both sides' labels, sources, commits and
+    medians, and their ratio."""
+    if ledger.empty:
+        return pd.DataFrame()
+    ledger = ledger.assign(model=ledger["gpu"].map(gpu_model))
+    own, others = ledger[ledger["source"] == source], ledger[ledger["source"] != source]
+    rows = []
+    for _, a in own.iterrows():
+        same = others[(others["key"] == a["key"]) & (others["model"] == a["model"])]
+        for _, b in same.iterrows():
+            if (bool(a["host_bound"]) or bool(b["host_bound"])) and a["host_cpu"] != b["host_cpu"]:
+                continue
+            sa, sb = _summary(a), _summary(b)
+            ratio = sa.median / sb.median if sb.median else math.nan
+            if not math.isfinite(ratio) or abs(ratio - 1) <= RUN_TO_RUN:
+                continue
+            if v.compare(sa, sb).verdict == v.WITHIN_NOISE:
+                continue
+            rows.append(dict(kind=a["kind"], key=a["key"], gpu=a["model"], label_a=a["label"], source_a=a["source"],
+                             commit_a=a["commit"], median_a=sa.median, label_b=b["label"], source_b=b["source"],
+                             commit_b=b["commit"], median_b=sb.median, unit=a["unit"], ratio=ratio))
+    return pd.DataFrame(rows)
+
+
+def check(results_dir, source: str) -> list[str]:
+    """Stop the render (:class:`LedgerMismatch`, naming both rows of each pair) where ``source`` disagrees with
+    another report on a GPU; return the disagreements measured on a CPU, one line each."""
+    d = disagreements(load(results_dir), source)
+    if d.empty:
+        return []
+    lines = [f"{r['label_a']} in {r['source_a']} ({number(r['median_a'], r['unit'])}) against {r['label_b']} in "
+             f"{r['source_b']} ({number(r['median_b'], r['unit'])}, commit {str(r['commit_b'])[:12]}): ratio "
+             f"{number(r['ratio'])} on {r['gpu']}" for _, r in d.iterrows()]
+    on_gpu = [line for line, (_, r) in zip(lines, d.iterrows()) if r["gpu"] != "cpu"]
+    if on_gpu:
+        raise LedgerMismatch("the same measurement disagrees between reports: " + "; ".join(on_gpu))
+    return lines

@@ -1,0 +1,161 @@
+"""Claims as data: numbers as a person writes them, verdicts under the one rule, counts that add up, and the
+ledger that makes two reports agree. Values and verdicts are asserted, not the wording."""
+
+import json
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from lab.book import claims as cl
+from lab.book import ledger
+from lab.measure import verdicts as v
+from tests.book import prose
+
+
+@pytest.mark.parametrize("value,unit,text", [
+    (7624.4, "", "7,624"), (999.6, "", "1,000"), (123.456, "", "123"), (0.5, "", "0.5"), (0.021, "", "0.021"),
+    (-2500.0, "", "-2,500"), (0.0, "", "0"), (float("nan"), "ms", "n/a"), (None, "", "n/a"),
+    (0.0000123, "", "1.2 × 10⁻⁵"), (12510.4, "ms", "12,510 ms"), (1.5, "x", "1.5x"), (3.0, "GiB", "3 GiB"),
+    (2.5 * 2**30, "B", "2.5 GiB"), (512, "B", "512 B"), (100.0, "ms", "100 ms"), (1.05, "", "1.05"),
+])
+def test_numbers_read_as_a_person_writes_them(value, unit, text):
+    assert cl.number(value, unit) == text
+    assert not cl.machine_phrases(cl.number(value, unit))
+
+
+def test_percent_interval_plural():
+    assert cl.percent(0.234) == "23%" and cl.percent(0.045) == "4.5%" and cl.percent(math.nan) == "n/a"
+    assert cl.interval(0.791, 0.834) == "0.791-0.834" and cl.interval(1.0, 1.0001) == "1"
+    assert cl.interval(-math.inf, math.inf) == "none"
+    assert cl.plural(1, "sample") == "1 sample" and cl.plural(1200, "row") == "1,200 rows"
+
+
+def _samples(center, spread, n=8, seed=0):
+    return list(center + spread * np.random.default_rng(seed).standard_normal(n))
+
+
+def test_versus_follows_the_rule_and_says_the_ratio():
+    ours, stock = cl.Measured.of("ours", _samples(70.0, 0.5)), cl.Measured.of("stock", _samples(100.0, 0.5, seed=1))
+    f = cl.Versus(ours, stock, goal=0.8)
+    assert f.verdict == "faster" and f.goal_met is True and f.goal_word == "met"
+    text = cl.say(f)
+    assert prose.has_amount(text, round(1 / f.comparison.ratio, 2), "x", rel=0.01)
+    assert ours.text() in text and stock.text() in text
+    few = cl.Versus(cl.Measured.of("a", [1.0, 1.1]), stock)
+    assert few.verdict == "not decided" and few.comparison.ratio == pytest.approx(1.05 / stock.median)
+    assert (2, "") not in prose.counts(cl.say(few))  # the counts are samples, said as such
+    noisy = cl.Versus(cl.Measured.of("a", _samples(100.0, 20.0, seed=2)), cl.Measured.of("b", _samples(101.0, 20.0)))
+    assert noisy.verdict == "within noise" and noisy.cells()["verdict"] == "within noise"
+
+
+def test_out_of_memory_is_a_result_not_a_message():
+    oom = cl.Measured.out_of_memory("naive at 16k", limit_gib=79.16)
+    f = cl.Versus(oom, cl.Measured.of("flash", _samples(5.0, 0.1)), goal=1.0)
+    assert f.comparison is None and f.verdict == "out of memory at 79 GiB" and f.goal_word == "missed"
+    text = cl.say(f)
+    assert prose.has_amount(text, 79, "GiB") and not cl.machine_phrases(text)
+    row = pd.Series(dict(status="oom", limit_gib=40.0, fwd_ms=float("nan")))
+    assert cl.Measured.from_row("x", row, "fwd_ms").text() == "out of memory at 40 GiB"
+
+
+def test_rows_are_read_with_their_spread_and_count():
+    row = pd.Series(dict(fwd_ms=12.0, fwd_spread_ms=0.3, fwd_n=9, status="ok"))
+    m = cl.Measured.from_row("fwd", row, "fwd_ms")
+    assert (m.median, m.summary.spread, m.summary.n) == (12.0, 0.3, 9)
+    with_samples = pd.Series(dict(step_ms=3.0, step_samples_ms=[1.0, 2.0, 3.0, 4.0, 5.0]))
+    assert cl.Measured.from_row("s", with_samples, "step_ms").summary.samples == (1.0, 2.0, 3.0, 4.0, 5.0)
+    shared_n = pd.Series(dict(peak_gib=3.5, n=1))
+    assert cl.Measured.from_row("p", shared_n, "peak_gib", unit="GiB").summary.n == 1
+
+
+def test_tally_counts_add_up_to_the_whole():
+    ref = cl.Measured.of("ref", _samples(10.0, 0.1))
+    subjects = [_samples(5.0, 0.1), _samples(10.0, 3.0, seed=3), [9.0, 9.5], _samples(20.0, 0.1)]
+    t = cl.Tally("ours against the reference",
+                 tuple(cl.Versus(cl.Measured.of(f"s{i}", s), ref, goal=0.9) for i, s in enumerate(subjects)))
+    counts = t.counts()
+    assert counts == {"faster": 1, "within noise": 1, "not decided": 1, "slower": 1}
+    text = cl.say(t)
+    found = prose.counts(text)
+    assert sum(k for k, _ in found[:-1]) == 4 or sum(counts.values()) == 4
+    assert f"of {len(subjects)} comparisons" in text
+    assert sum(t.goal_counts().values()) == 4 and t.goal_counts()["met"] == 1
+
+
+def test_a_claim_is_one_sentence_of_findings_with_its_explanation():
+    c = cl.Claim("How long does a step take?", [cl.Value(cl.Measured.of("small at 512", _samples(31.0, 0.4))),
+                                                 cl.Share("matrix products", 57.1, 91.6),
+                                                 cl.Observed("fc1 output", "bfloat16")],
+                 because="The backward computes two products for each of the forward's.")
+    text = cl.sentence(c)
+    assert text.startswith("*How long does a step take?*")
+    assert prose.has_amount(text, 62, "%") and "bfloat16" in text
+    assert prose.has_amount(text, round(c.findings[0].measured.median, 1), "ms", rel=0.01)
+    assert not cl.machine_phrases(text)
+
+
+def test_machine_phrases_are_found():
+    assert cl.machine_phrases("took 1.283e+04 ms") == ["3e+0"]
+    assert cl.machine_phrases("CUDA out of memory. Tried to allocate 2 GiB")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the ledger
+
+
+def test_ledger_keys_are_what_was_measured():
+    k = ledger.key("lm_step", size="small", context=512.0, batch=4, dtype="bf16", attention="sdpa", compile="False",
+                   fused_loss=False, mode="fwdbwd")
+    assert json.loads(k)["context"] == 512 and json.loads(k)["compile"] is False
+    assert k == ledger.key("lm_step", size="small", context=512, batch=4, dtype="bf16", attention="sdpa",
+                           compile=False, fused_loss=False, mode="fwdbwd")
+    with pytest.raises(ValueError, match="missing mode"):
+        ledger.key("lm_step", size="small", context=512, batch=4, dtype="bf16", attention="sdpa", compile=False,
+                   fused_loss=False)
+    with pytest.raises(ValueError, match="unknown ledger kind"):
+        ledger.key("nonsense")
+    assert ledger.gpu_model("NVIDIA H100 80GB HBM3 x2") == "NVIDIA H100 80GB HBM3"
+
+
+def _entry(ms, spread=0.5, n=8, host_bound=False, **over):
+    what = dict(size="small", context=512, batch=4, dtype="bf16", attention="sdpa", compile=False, fused_loss=False,
+                mode="fwdbwd") | over
+    samples = _samples(ms, spread, n)
+    return ledger.entry("lm_step", v.summarize(samples), "ms", f"small fwd+bwd {ms}", host_bound, **what)
+
+
+def _prov(gpu="NVIDIA H100 80GB HBM3", cpu="Xeon A", commit="c1"):
+    return dict(gpu=gpu, host_cpu=cpu, commit=commit)
+
+
+def test_two_reports_that_disagree_stop_the_render_naming_both(tmp_path):
+    ledger.record([_entry(59.0)], tmp_path, "01_profiling", _prov())
+    ledger.record([_entry(31.0)], tmp_path, "02_mixed_precision", _prov(commit="c2"))
+    with pytest.raises(ledger.LedgerMismatch) as err:
+        ledger.check(tmp_path, "02_mixed_precision")
+    assert "01_profiling" in str(err.value) and "02_mixed_precision" in str(err.value)
+    d = ledger.disagreements(ledger.load(tmp_path), "02_mixed_precision")
+    assert len(d) == 1 and d.iloc[0]["ratio"] == pytest.approx(31.0 / 59.0, rel=0.02)
+
+
+def test_agreement_within_run_to_run_or_noise_and_only_like_for_like(tmp_path):
+    ledger.record([_entry(100.0), _entry(50.0, context=256)], tmp_path, "01_profiling", _prov())
+    ledger.record([_entry(103.0), _entry(80.0, context=1024)], tmp_path, "04_attention", _prov())
+    assert ledger.check(tmp_path, "04_attention") == []  # 3%: within run to run; 1024 has no partner
+    ledger.record([_entry(200.0)], tmp_path, "05_flash", _prov(gpu="NVIDIA H200"))
+    assert ledger.check(tmp_path, "05_flash") == []  # another GPU model
+    ledger.record([_entry(130.0, host_bound=True)], tmp_path, "10_fastest_step", _prov(cpu="Xeon B"))
+    assert ledger.check(tmp_path, "10_fastest_step") == []  # host-bound on another host CPU
+    ledger.record([_entry(110.0, spread=100.0)], tmp_path, "02_mixed_precision", _prov())
+    assert ledger.check(tmp_path, "02_mixed_precision") == []  # within noise: the spread covers the gap
+
+
+def test_a_source_replaces_its_own_entries_and_cpu_rows_only_warn(tmp_path):
+    ledger.record([_entry(100.0)], tmp_path, "01_profiling", _prov(gpu="cpu"))
+    ledger.record([_entry(100.0)], tmp_path, "01_profiling", _prov(gpu="cpu"))
+    assert len(ledger.load(tmp_path)) == 1
+    ledger.record([_entry(150.0)], tmp_path, "02_mixed_precision", _prov(gpu="cpu"))
+    lines = ledger.check(tmp_path, "02_mixed_precision")
+    assert len(lines) == 1 and "01_profiling" in lines[0]
