@@ -1,0 +1,146 @@
+"""The Gluon FlashAttention kernels for Hopper: against float64 on an sm_90 GPU; on any machine, which inputs they
+take and that the forward compiles for sm_90a into warp-group MMAs without spills."""
+
+import math
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+flash_gluon = pytest.importorskip("lab.kernels.flash_gluon")
+
+MAX_SHARED = 232448  # bytes of shared memory a block may use on an H100/H200 (227 KB)
+
+
+def on_hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def reference(q, k, v, causal):
+    """float64 attention and natural-log logsumexp on (batch, heads, seq, d), top-left causal."""
+    qf, kf, vf = q.double(), k.double(), v.double()
+    scores = qf @ kf.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if causal:
+        rows = torch.arange(q.shape[2], device=q.device)[:, None]
+        cols = torch.arange(k.shape[2], device=q.device)[None, :]
+        scores = scores.masked_fill(cols > rows, float("-inf"))
+    return torch.softmax(scores, -1) @ vf, torch.logsumexp(scores, -1)
+
+
+# --- any machine -------------------------------------------------------------------------------------------
+
+def test_input_reason_accepts_the_supported_inputs_and_names_what_is_wrong():
+    q = torch.empty(2, 3, 100, 128, dtype=torch.bfloat16)
+    assert flash_gluon.input_reason(q, q, q, True) is None
+    half64 = torch.empty(1, 2, 64, 64, dtype=torch.float16)
+    assert flash_gluon.input_reason(half64, half64, half64, False) is None
+    fp32 = q.float()
+    assert "bf16 or fp16" in flash_gluon.input_reason(fp32, fp32, fp32, True)
+    d80 = torch.empty(2, 3, 100, 80, dtype=torch.bfloat16)
+    assert "head dimension" in flash_gluon.input_reason(d80, d80, d80, True)
+    assert "80" in flash_gluon.input_reason(d80, d80, d80, True)
+    other_heads = torch.empty(2, 4, 100, 128, dtype=torch.bfloat16)
+    assert "heads" in flash_gluon.input_reason(q, other_heads, other_heads, True)
+    three_d = torch.empty(2, 100, 128, dtype=torch.bfloat16)
+    assert "(batch, heads, seq, d)" in flash_gluon.input_reason(three_d, three_d, three_d, True)
+    mixed = q.half()
+    assert "one dtype" in flash_gluon.input_reason(q, mixed, mixed, True)
+
+
+def test_gluon_supported_refuses_tensors_off_a_hopper_gpu():
+    q = torch.empty(1, 2, 128, 64, dtype=torch.bfloat16)
+    reason = flash_gluon.gluon_supported(q, q, q, True)
+    assert reason is not None and "CUDA" in reason
+    # the input's own reason comes first
+    assert "bf16 or fp16" in flash_gluon.gluon_supported(q.float(), q.float(), q.float(), True)
+
+
+def test_forward_flops_halve_when_causal():
+    assert flash_gluon.forward_flops(2, 3, 1024, 64, False) == 4 * 2 * 3 * 1024 ** 2 * 64
+    assert flash_gluon.forward_flops(2, 3, 1024, 64, True) == 2 * 2 * 3 * 1024 ** 2 * 64
+
+
+def test_reference_rows_match_the_full_reference():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 40, 16) for _ in range(3))
+    rows = torch.tensor([0, 7, 39])
+    for causal in (False, True):
+        out, lse = reference(q, k, v, causal)
+        got_out, got_lse = flash_gluon.reference_rows(q, k, v, causal, rows)
+        torch.testing.assert_close(got_out, out[:, :, rows], rtol=0, atol=1e-12)
+        torch.testing.assert_close(got_lse, lse[:, :, rows], rtol=0, atol=1e-12)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("d", [64, 128])
+def test_forward_compiles_for_sm90a_into_warp_group_mmas_without_spills(d):
+    try:
+        report = flash_gluon.compile_in_subprocess(d, True, "bf16")
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    # two consumer warp groups: the prologue's score product, two loops of (score, P V) and the last P V,
+    # each product d / 16 (scores) or 128 / 16 (P V) wgmma instructions of 16-deep K steps
+    assert report["wgmma"] == 2 * (d // 16 + 2 * (d // 16 + 8) + 8)
+    assert report["spill_bytes"] == 0
+    assert report["shared_bytes"] <= MAX_SHARED
+    # the producer warp gives registers up and the consumers take them (setmaxnreg)
+    assert min(report["setmaxnreg"]) == 24 and max(report["setmaxnreg"]) >= 240
+
+
+# --- an sm_90 GPU ------------------------------------------------------------------------------------------
+
+needs_hopper = pytest.mark.skipif(not on_hopper(), reason="needs an sm_90 GPU")
+
+SHAPES = [  # batch, heads, n_q, n_k, d, dtype, causal
+    (2, 3, 512, 512, 128, torch.bfloat16, True),
+    (2, 3, 512, 512, 128, torch.bfloat16, False),
+    (1, 4, 1000, 1000, 128, torch.bfloat16, True),
+    (1, 2, 333, 333, 64, torch.float16, True),
+    (2, 2, 777, 777, 64, torch.bfloat16, False),
+    (1, 2, 64, 64, 128, torch.float16, True),
+    (1, 2, 300, 700, 64, torch.bfloat16, False),
+    (1, 2, 700, 300, 128, torch.bfloat16, True),
+    (3, 2, 1024, 1024, 64, torch.float16, False),
+]
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}x{s[2]}x{s[3]}x{s[4]}-{s[5]}-causal{s[6]}")
+def test_forward_matches_float64(shape):
+    batch, heads, n_q, n_k, d, dtype, causal = shape
+    q = torch.randn(batch, heads, n_q, d, device="cuda", dtype=dtype)
+    k, v = (torch.randn(batch, heads, n_k, d, device="cuda", dtype=dtype) for _ in range(2))
+    assert flash_gluon.gluon_supported(q, k, v, causal) is None
+    poison = torch.full((2 * q.numel(),), float("nan"), device="cuda", dtype=dtype)  # the block out may reuse
+    del poison
+    out, lse = flash_gluon.gluon_forward(q, k, v, causal)
+    ref_out, ref_lse = reference(q, k, v, causal)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert lse.dtype == torch.float32 and lse.shape == (batch, heads, n_q)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    # bf16/fp16 operands and a 16-bit P: errors of a few units in the last place of the output's dtype
+    assert (out.double() - ref_out).abs().max().item() < (2e-2 if dtype == torch.bfloat16 else 4e-3)
+    assert (lse.double() - ref_lse).abs().max().item() < 1e-3
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_forward_matches_the_portable_kernel_and_takes_strided_inputs():
+    from lab.kernels.flash_triton_forward import flash_forward
+
+    q, k, v = (torch.randn(2, 1024, 4, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(3))
+    out, lse = flash_gluon.gluon_forward(q, k, v, True)
+    ref_out, ref_lse = flash_forward(q, k, v, True)
+    assert (out.float() - ref_out.float()).abs().max().item() < 2e-2
+    assert (lse - ref_lse).abs().max().item() < 1e-3
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_forward_is_deterministic_and_writes_every_element():
+    q, k, v = (torch.randn(1, 2, 640, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    first, first_lse = flash_gluon.gluon_forward(q, k, v, True)
+    for _ in range(3):
+        out, lse = flash_gluon.gluon_forward(q, k, v, True)
+        assert torch.equal(out, first) and torch.equal(lse, first_lse)
