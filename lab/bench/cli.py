@@ -107,9 +107,10 @@ def lm_main(argv: Sequence[str] | None = None) -> int:
         for row in rows:
             print(json.dumps(row))
     else:
-        cols = ["size", "context", "batch", "dtype", "attention", "compile", "status", "fwd_ms", "fwd_std_ms",
-                "bwd_ms", "fwdbwd_ms", "fwdbwd_std_ms", "step_ms", "step_std_ms", "fwd_peak_gib", "fwdbwd_peak_gib",
-                "step_peak_gib"]
+        # medians with their spread (lab.measure.verdicts), and whether the GPU waited for the host
+        cols = ["size", "context", "batch", "dtype", "attention", "compile", "status", "fwd_ms", "fwd_spread_ms",
+                "bwd_ms", "fwdbwd_ms", "fwdbwd_spread_ms", "step_ms", "step_spread_ms", "fwd_n", "fwd_peak_gib",
+                "fwdbwd_peak_gib", "step_peak_gib", "gpu_busy", "host_bound"]
         shown = df[[c for c in cols if c in df.columns]].dropna(axis=1, how="all")
         print(shown.to_markdown(index=False, floatfmt=".2f"))
     if args.results_dir:

@@ -21,9 +21,13 @@ from lab.bench.progress import progress_bar
 from lab.dtypes import autocast_dtype
 from lab.measure.device import available_memory_bytes, empty_cache, error_summary, is_oom, resolve_device
 from lab.measure.process import run_python_module
-from lab.measure.profiling import profile_step
+from lab.measure.profiling import gpu_busy_ms, profile_step, step_wall_ms
 from lab.measure.step import MODES, TrainStep, make_optimizer, measure_modes, mode_columns, random_batch
+from lab.measure.verdicts import summarize
 from lab.model import ModelConfig, TransformerLM, config_for
+
+#: A step whose GPU ran kernels for less than this share of its wall time was paced by the host's launches.
+HOST_BOUND_BELOW = 0.8
 
 #: The columns of ``results/lm_step.csv`` (before the provenance columns the results store adds).
 LM_STEP_COLUMNS = ["size", "context", "batch", "dtype", "attention", "compile", "fused_loss", "world_size",
@@ -63,12 +67,16 @@ def benchmark_lm(size: str | ModelConfig, context: int = 512, batch: int = 4,
     ``size`` is a name from ``MODEL_SIZES`` (or ``tiny``/``mini``) or a :class:`ModelConfig`. The modes are
     measured together, ``warmup`` untimed then ``steps`` timed rounds of one run of each, interleaved and
     timed by the same clock (:func:`lab.measure.step.measure_modes`), so a train step and its own
-    forward+backward see the same machine. Returns one row (a dict): per mode
-    ``<m>_ms`` (mean), ``<m>_median_ms``, ``<m>_std_ms``, ``<m>_samples_ms`` (every sample) and
-    ``<m>_peak_gib`` (peak allocated GPU memory during that mode's steps; NaN on the CPU), with ``m`` in
-    ``fwd``, ``fwdbwd``, ``step`` (and ``bwd_*`` times: the backward alone, timed inside the
-    forward+backward steps); ``params``; ``status`` (``ok``, or ``oom`` if any mode ran out of memory:
-    the modes that fit keep their numbers and ``error`` says which failed).
+    forward+backward see the same machine. Returns one row (a dict), the measurement record: per mode
+    ``<m>_ms`` (the median), ``<m>_spread_ms`` (its robust spread, :func:`lab.measure.verdicts.summarize`),
+    ``<m>_n`` (samples), ``<m>_samples_ms`` (every sample) and ``<m>_peak_gib`` (peak allocated GPU memory
+    during that mode's steps; NaN on the CPU), with ``m`` in ``fwd``, ``fwdbwd``, ``step`` (and ``bwd_*``: the
+    backward alone, timed inside the forward+backward steps); ``timer`` and ``warmup``; ``gpu_busy``, the
+    share of the largest mode's wall time during which the GPU ran kernels (one profiled run; NaN on the CPU)
+    and ``host_bound`` (busy below :data:`HOST_BOUND_BELOW`: the GPU waited for the host's launches, so the
+    time depends on the host's CPU as much as on the GPU); ``params``; ``status`` (``ok``, or ``oom`` if any
+    mode ran out of memory: the modes that fit keep their numbers, ``error`` says which failed and
+    ``limit_gib`` how much memory the device had).
     """
     modes = (modes,) if isinstance(modes, str) else tuple(modes)
     for m in modes:
@@ -82,11 +90,12 @@ def benchmark_lm(size: str | ModelConfig, context: int = 512, batch: int = 4,
     row = dict(size=name, context=context, batch=batch, dtype=dtype, attention=attention, compile=bool(compile),
                fused_loss=bool(fused_loss), world_size=1, d_model=cfg.d_model, d_ff=cfg.d_ff,
                num_layers=cfg.num_layers, num_heads=cfg.num_heads, device=str(device), warmup=warmup, steps=steps,
-               params=math.nan, status="ok", error="")
-    for col in mode_columns(MODES):
-        row.update({f"{col}_ms": math.nan, f"{col}_median_ms": math.nan, f"{col}_std_ms": math.nan,
-                    f"{col}_peak_gib": math.nan})
-    row.update(bwd_ms=math.nan, bwd_median_ms=math.nan, bwd_std_ms=math.nan)
+               params=math.nan, status="ok", error="", gpu_busy=math.nan, host_bound=False,
+               limit_gib=available_memory_bytes(device) / 2**30)
+    for col in [*mode_columns(MODES), "bwd"]:
+        row.update({f"{col}_ms": math.nan, f"{col}_spread_ms": math.nan, f"{col}_n": 0})
+        if col != "bwd":
+            row[f"{col}_peak_gib"] = math.nan
     empty_cache()
     failures = []
     model = step = None
@@ -118,8 +127,9 @@ def benchmark_lm(size: str | ModelConfig, context: int = 512, batch: int = 4,
                 step.optimizer = make_optimizer(model, device)
             timings, peaks = measure_modes(step, group, warmup, steps)
             for key, timing in timings.items():
-                row.update({f"{key}_ms": timing.mean_ms, f"{key}_median_ms": timing.median_ms,
-                            f"{key}_std_ms": timing.std_ms, f"{key}_samples_ms": timing.samples_ms})
+                s = summarize(timing.samples_ms)
+                row.update({f"{key}_ms": s.median, f"{key}_spread_ms": s.spread, f"{key}_n": s.n,
+                            f"{key}_samples_ms": timing.samples_ms})
             row.update({f"{col}_peak_gib": peaks[m] for m, col in zip(group, mode_columns(group))})
             # which way the times were taken: rows timed another way are not compared with these (consistency)
             row["timer"] = "interleaved" if len(group) > 1 else "alone"
@@ -138,11 +148,23 @@ def benchmark_lm(size: str | ModelConfig, context: int = 512, batch: int = 4,
             empty_cache()
     if failures:
         row.update(status="oom", error="; ".join(failures))
+    elif device.type == "cuda":
+        largest = max(modes, key=MODES.index)
+        row["gpu_busy"] = gpu_busy(step, largest)
+        row["host_bound"] = bool(row["gpu_busy"] < HOST_BOUND_BELOW)
     # drop every reference to the model before the next configuration is built
     model = step = runnable = None  # noqa: F841
     gc.collect()
     empty_cache()
     return row
+
+
+def gpu_busy(step: TrainStep, mode: str) -> float:
+    """The share of one run of ``mode``'s wall time during which the GPU ran kernels (profiled once, after
+    the timed runs): near 1 the step is bound by the GPU, well below it the GPU waited for the host."""
+    prof = profile_step(step, mode, warmup=0, steps=1)
+    wall = step_wall_ms(prof)
+    return min(gpu_busy_ms(prof) / wall, 1.0) if wall > 0 else math.nan
 
 
 def sweep_lm(sizes: Iterable[str | ModelConfig], contexts: Iterable[int] = (512,), dtypes: Iterable[str] = ("fp32",),

@@ -153,3 +153,29 @@ def check(results_dir, source: str) -> list[str]:
     if on_gpu:
         raise LedgerMismatch("the same measurement disagrees between reports: " + "; ".join(on_gpu))
     return lines
+
+
+LM_MODES = {"fwd": "forward", "fwdbwd": "forward+backward", "step": "train step"}
+
+
+def lm_step_entries(table: pd.DataFrame) -> list[dict]:
+    """The ledger entries of ``lm_step`` rows (:func:`lab.bench.lm.benchmark_lm`): one per row and timed mode,
+    from its samples where the row keeps them, else from its median, spread and count."""
+    out = []
+    for _, r in table.iterrows():
+        if r.get("status", "ok") != "ok":
+            continue
+        for col, mode in LM_MODES.items():
+            median = r.get(f"{col}_ms")
+            if median is None or not math.isfinite(float(median)):
+                continue
+            samples = r.get(f"{col}_samples_ms")
+            summary = (v.summarize(samples) if isinstance(samples, (list, tuple)) and samples else
+                       v.Summary(float(median), float(r.get(f"{col}_spread_ms", math.nan)), int(r.get(f"{col}_n", 0))))
+            label = (f"{r['size']} at context {int(r['context'])}, {r['dtype']}, {r['attention']}"
+                     f"{', compiled' if _plain(r['compile']) else ''}, {mode}")
+            out.append(entry("lm_step", summary, "ms", label, bool(_plain(r.get("host_bound", False))),
+                             size=r["size"], context=r["context"], batch=r["batch"], dtype=r["dtype"],
+                             attention=r["attention"], compile=r["compile"],
+                             fused_loss=r.get("fused_loss", False), mode=col))
+    return out

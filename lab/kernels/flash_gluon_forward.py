@@ -214,16 +214,24 @@ def _consumer_default(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready
 
 
 @gluon.jit
-def _attention_forward_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, stride_oz, stride_oh, stride_os, n_heads, n_q,
-                              n_k, qk_scale,
+def _attention_forward_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, stride_oz, stride_oh, stride_os, n_heads,
+                              batch_heads, heads_per_group, n_q, n_k, qk_scale,
                               HEAD_DIM: gl.constexpr, NUM_WG: gl.constexpr, STAGES: gl.constexpr,
                               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr,
                               PINGPONG: gl.constexpr):
-    """Grid (query tiles of ``NUM_WG * BLOCK_M`` rows, batch * heads); the heaviest causal tile of a head
-    starts first, and the heads run one after the other so that running CTAs share a head's K/V in L2."""
+    """One CTA per query tile of ``NUM_WG * BLOCK_M`` rows of one (batch, head). The heads run in groups of
+    ``heads_per_group``, whose K/V fit in L2 together, one group after the other; within a group the
+    heaviest causal query tiles of all its heads start first, so that the short tiles fill the end of the
+    group instead of one long tile running alone."""
     gl.static_assert(NUM_WG == 2, "one default and one worker consumer warp group")
-    pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
-    zh = gl.program_id(1)
+    n_m = gl.cdiv(n_q, NUM_WG * BLOCK_M)
+    pid = gl.program_id(0)
+    group = pid // (heads_per_group * n_m)
+    first_head = group * heads_per_group
+    group_heads = gl.minimum(heads_per_group, batch_heads - first_head)
+    index = pid - group * heads_per_group * n_m
+    pid_m = n_m - 1 - index // group_heads
+    zh = first_head + index % group_heads
     m0 = pid_m * (NUM_WG * BLOCK_M)
     if IS_CAUSAL:
         kv_end = gl.minimum(m0 + NUM_WG * BLOCK_M, n_k)
@@ -281,6 +289,13 @@ def forward_tiles(d: int, causal: bool) -> dict:
     return dict(NUM_WG=2, BLOCK_M=64, BLOCK_N=128, STAGES=2 if d > 64 else 4, PINGPONG=True)
 
 
+def heads_sharing_l2(n_k: int, d: int, element_bytes: int, device: torch.device) -> int:
+    """How many heads' K and V fit in half the GPU's L2 cache together (at least one): the CTAs that run at
+    the same time then read each K/V tile from device memory once."""
+    l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else 50 * 2 ** 20
+    return max(1, (l2_bytes // 2) // (2 * n_k * d * element_bytes))
+
+
 def _gl_dtype(dtype: torch.dtype):
     return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
 
@@ -301,9 +316,10 @@ def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     v_desc = TensorDescriptor.from_tensor(v.view(-1, d), [n, d], kv_layout)
     out = torch.empty_like(q)
     lse = torch.empty((batch, heads, n_q), dtype=torch.float32, device=q.device)
-    grid = (triton.cdiv(n_q, tiles["NUM_WG"] * m), batch * heads)
-    args = (q_desc, k_desc, v_desc, out, lse, out.stride(0), out.stride(1), out.stride(2), heads, n_q, n_k,
-            _LOG2E / math.sqrt(d))
+    heads_per_group = tiles.pop("heads_per_group", None) or heads_sharing_l2(n_k, d, q.element_size(), q.device)
+    grid = (triton.cdiv(n_q, tiles["NUM_WG"] * m) * batch * heads, )
+    args = (q_desc, k_desc, v_desc, out, lse, out.stride(0), out.stride(1), out.stride(2), heads, batch * heads,
+            min(heads_per_group, batch * heads), n_q, n_k, _LOG2E / math.sqrt(d))
     constexprs = dict(HEAD_DIM=d, IS_CAUSAL=bool(causal), **tiles)
     # Every thread's register cap at entry, so the warp groups can trade registers (setmaxnreg): the kernel has
     # 4 default warps, 4 consumer warps and one producer warp group.

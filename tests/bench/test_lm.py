@@ -1,6 +1,7 @@
 """The language-model benchmark: one row per configuration, each mode with its own time and peak, OOM as a row."""
 
 import math
+import statistics
 
 import pandas as pd
 import pytest
@@ -13,12 +14,15 @@ TINY = ModelConfig(d_model=32, d_ff=64, num_layers=2, num_heads=4, context_lengt
 
 
 def test_benchmark_lm_all_modes_on_cpu():
-    row = bench.benchmark_lm(TINY, context=16, batch=2, warmup=1, steps=2, device="cpu")
+    row = bench.benchmark_lm(TINY, context=16, batch=2, warmup=1, steps=3, device="cpu")
     assert row["status"] == "ok"
-    for key in ("fwd", "bwd", "fwdbwd", "step"):
-        assert row[f"{key}_ms"] > 0 and len(row[f"{key}_samples_ms"]) == 2
-        assert row[f"{key}_median_ms"] > 0
+    for key in ("fwd", "bwd", "fwdbwd", "step"):  # the record: median, robust spread, count, every sample
+        samples = row[f"{key}_samples_ms"]
+        assert len(samples) == 3 == row[f"{key}_n"] and row[f"{key}_ms"] == statistics.median(samples)
+        deviations = [abs(x - row[f"{key}_ms"]) for x in samples]
+        assert row[f"{key}_spread_ms"] == pytest.approx(1.4826 * statistics.median(deviations))
     assert row["fwdbwd_ms"] >= row["bwd_ms"]
+    assert math.isnan(row["gpu_busy"]) and row["host_bound"] is False  # no GPU to be busy
     with torch.device("meta"):
         assert row["params"] == TransformerLM(TINY).num_parameters()
     for key in ("fwd", "fwdbwd", "step"):

@@ -159,3 +159,17 @@ def test_a_source_replaces_its_own_entries_and_cpu_rows_only_warn(tmp_path):
     ledger.record([_entry(150.0)], tmp_path, "02_mixed_precision", _prov(gpu="cpu"))
     lines = ledger.check(tmp_path, "02_mixed_precision")
     assert len(lines) == 1 and "01_profiling" in lines[0]
+
+
+def test_lm_step_rows_enter_the_ledger_mode_by_mode(tmp_path):
+    from lab.bench.lm import benchmark_lm
+    from lab.model import ModelConfig
+
+    tiny = ModelConfig(d_model=32, d_ff=64, num_layers=1, num_heads=4, context_length=16, vocab_size=64)
+    row = benchmark_lm(tiny, context=16, batch=2, warmup=1, steps=5, device="cpu")
+    table = pd.DataFrame([row, {**row, "status": "oom"}])
+    entries = ledger.lm_step_entries(table)
+    assert [json.loads(e["key"])["mode"] for e in entries] == ["fwd", "fwdbwd", "step"]
+    assert entries[1]["median"] == row["fwdbwd_ms"] and entries[1]["n"] == 5
+    saved = table.drop(columns=[c for c in table if c.endswith("_samples_ms")])  # as read back from a CSV
+    assert [e["median"] for e in ledger.lm_step_entries(saved)] == [e["median"] for e in entries]

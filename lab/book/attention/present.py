@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 import pandas as pd
 
 from lab.book.attention import bench as ab
-from lab.book.attention import costs
+from lab.accounting import attention as costs
 from lab.book.report import fmt, with_profile_defaults
 from lab.measure.verdicts import compare_summaries, span
 
@@ -181,7 +181,7 @@ def timing_sentence(grid: pd.DataFrame) -> str:
 
 
 def memory_terms(row: pd.Series) -> pd.DataFrame:
-    """:func:`lab.book.attention.costs.naive_attention_memory` of one grid row, with a ``MiB`` column."""
+    """:func:`lab.accounting.attention.naive_attention_memory` of one grid row, with a ``MiB`` column."""
     terms = costs.naive_attention_memory(int(row["batch"]), int(row["seq_len"]), int(row["d"]), row["dtype"],
                                       bool(row["causal"]))
     terms["MiB"] = terms["bytes"] / 2**20

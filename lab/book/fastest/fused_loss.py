@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from lab import cli
-from lab.book.attention.costs import DTYPES  # fp32, bf16, fp16 of the one dtype table
+from lab.accounting.attention import DTYPES  # fp32, bf16, fp16 of the one dtype table
 from lab.dtypes import element_size
 from lab.measure.device import empty_cache, error_summary, is_oom, resolve_device, synchronize
 from lab.measure.results import save_results

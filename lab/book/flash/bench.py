@@ -3,7 +3,7 @@ end-to-end latency of every implementation on a grid of shapes (``triton.testing
 standard deviation and sample count of each pass kept; short shapes also as CUDA-graph replays), TFLOP/s, and
 the course's timing test. Speedups, verdicts and goals on these rows are :mod:`lab.book.flash.goals`'.
 
-Implementations are named as in ``results/flash_benchmark.csv`` (:data:`lab.book.attention.bench.IMPLS`):
+Implementations are named as in ``results/flash_benchmark.csv`` (:data:`lab.bench.attention.IMPLS`):
 ``triton``, ``pytorch_flash`` (the tiled PyTorch FlashAttention-2), ``pytorch_naive``, ``sdpa`` (the default
 backend), ``sdpa_flash``, ``sdpa_cudnn``, ``sdpa_efficient``, ``flex`` (compiled FlexAttention). Inputs are
 ``(batch * heads, seq, d)``. The Triton kernels' own variants (tiles, backward launch modes) are swept by
@@ -27,8 +27,8 @@ import pandas as pd
 import torch
 
 from lab.bench.progress import progress_bar
-from lab.book.attention.bench import attention_impl, attention_inputs
-from lab.book.attention.costs import DTYPES, PASSES, attention_flops, naive_attention_totals
+from lab.bench.attention import attention_impl, attention_inputs
+from lab.accounting.attention import DTYPES, PASSES, attention_flops, naive_attention_totals
 from lab.kernels.flash_config import backward_plan, block_d, head_chunks
 from lab.measure.device import empty_cache, error_summary, is_oom, resolve_device
 from lab.measure.results import gpu_label

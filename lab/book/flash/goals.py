@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 import pandas as pd
 
-from lab.book.attention.costs import PASSES
+from lab.accounting.attention import PASSES
 from lab.book.flash.bench import Shape
 from lab.measure.verdicts import GoalCheck, compare_summaries, spread_covers_effect
 

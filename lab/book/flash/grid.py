@@ -14,7 +14,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from lab.book.attention.costs import PASSES
+from lab.accounting.attention import PASSES
 from lab.book.flash import bench as fl
 from lab.book.flash import goals as gl
 from lab.book.flash.present import INTERPRETED_SHORT

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 import pandas as pd
 import torch
 
-from lab.book.attention.costs import DTYPES
+from lab.accounting.attention import DTYPES
 from lab.book.flash.bench import Shape
 from lab.kernels.flash_config import FlashConfig
 from lab.measure.device import error_summary, resolve_device

@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from lab.book.attention.costs import DTYPES, PASSES, attention_flops
+from lab.accounting.attention import DTYPES, PASSES, attention_flops
 from lab.book.flash import bench as fl
 from lab.book.flash import goals as gl
 from lab.book.flash.sweep import PRODUCTS, backward_breakdown, matmul_ceiling

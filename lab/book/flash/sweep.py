@@ -32,8 +32,8 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from lab.book.attention.bench import attention_impl, attention_inputs
-from lab.book.attention.costs import DTYPES, PASSES, attention_flops
+from lab.bench.attention import attention_impl, attention_inputs
+from lab.accounting.attention import DTYPES, PASSES, attention_flops
 from lab.book.flash.bench import Shape, course_timing_table, graph_times
 from lab.book.flash.host import host_costs
 from lab.kernels.flash_config import (

@@ -1,5 +1,5 @@
 """Tests for lab.book.attention.bench: the implementations by name, the naive grid's rows and the tables built from
-them (the closed forms are tested in test_attention_costs.py)."""
+them (the closed forms are tested in tests/accounting/test_attention.py)."""
 
 import math
 

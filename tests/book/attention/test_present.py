@@ -105,7 +105,7 @@ def test_memory_terms_and_accounting_sentence():
 
 def test_saved_memory_curves_and_scaling_sentence():
     from lab.book.attention import bench as ab
-    from lab.book.attention import costs
+    from lab.accounting import attention as costs
 
     grid = pd.DataFrame([_grid_row(16, s) for s in (256, 1024)] + [_grid_row(64, s) for s in (256, 1024)])
     curves = present.saved_memory_curves(grid)

@@ -1,11 +1,11 @@
-"""Tests for lab.book.attention.costs: the FLOP and memory closed forms against counts, the power-law fit."""
+"""Tests for lab.accounting.attention: the FLOP and memory closed forms against counts, the power-law fit."""
 
 
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from lab.book.attention import costs
+from lab.accounting import attention as costs
 from lab.measure.saved_tensors import saved_tensor_bytes
 from lab.model.attention import naive_attention as model_naive_attention
 

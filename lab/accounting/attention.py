@@ -1,8 +1,7 @@
-"""Closed forms of attention's costs, for notebooks 04 and 05: matmul FLOPs (causal attention counted pair
-by pair), the memory naive attention keeps for backward (the ``batch x seq x seq`` probability matrix) term by
-term, what FlashAttention saves instead, and the power-law fit of memory against length. They are checked
-against what autograd really saves (:func:`lab.measure.saved_tensors.saved_tensor_bytes`); the measurements
-that use them live in :mod:`lab.book.attention.bench` and :mod:`lab.book.flash.bench`.
+"""Closed forms of attention's costs: matmul FLOPs (causal attention counted pair by pair), the memory naive
+attention keeps for backward (the ``batch x seq x seq`` probability matrix) term by term, what FlashAttention
+saves instead, and the power-law fit of memory against length. The tests check them against what autograd
+really saves (:func:`lab.measure.saved_tensors.saved_tensor_bytes`) and against PyTorch's FLOP counter.
 """
 
 from __future__ import annotations
