@@ -19,6 +19,7 @@ findings, so the same comparison reads the same way in every report.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Iterable, Sequence
@@ -132,7 +133,7 @@ class Measured:
     def from_row(cls, label: str, row, column: str, unit: str = "ms") -> Measured:
         """From a table row: its ``column`` (a median), the spread beside it (``<column stem>_spread<unit
         suffix>``, e.g. ``fwd_ms`` -> ``fwd_spread_ms``) and its count (``<stem>_n``, else ``n``); the
-        samples where the row keeps them (``<stem>_samples<suffix>``, a list). A row whose ``status`` is not
+        samples where the row keeps them (``<stem>_samples<suffix>``, a list or its JSON text). A row whose ``status`` is not
         ``ok`` is out of memory (``oom``, with ``limit_gib`` if the row has it) or failed."""
         get = row.get if hasattr(row, "get") else (lambda k, d=None: getattr(row, k, d))
         status = str(get("status", "ok") or "ok")
@@ -141,6 +142,8 @@ class Measured:
             return cls(label, unit=unit, status=status, limit_gib=float(limit) if limit is not None else math.nan)
         stem, _, suffix = column.rpartition("_") if column.endswith(("_ms", "_gib", "_s")) else (column, "", "")
         samples = get(f"{stem}_samples_{suffix}" if suffix else f"{stem}_samples")
+        if isinstance(samples, str) and samples.startswith("["):  # a list kept through a CSV file as JSON
+            samples = json.loads(samples)
         if isinstance(samples, (list, tuple)) and samples:
             return cls.of(label, samples, unit)
         spread = get(f"{stem}_spread_{suffix}" if suffix else f"{stem}_spread", math.nan)

@@ -66,6 +66,8 @@ def test_rows_are_read_with_their_spread_and_count():
     assert (m.median, m.summary.spread, m.summary.n) == (12.0, 0.3, 9)
     with_samples = pd.Series(dict(step_ms=3.0, step_samples_ms=[1.0, 2.0, 3.0, 4.0, 5.0]))
     assert cl.Measured.from_row("s", with_samples, "step_ms").summary.samples == (1.0, 2.0, 3.0, 4.0, 5.0)
+    from_csv = pd.Series(dict(host_step_ms=3.0, host_step_samples_ms="[1.0, 2.0, 3.0, 4.0, 5.0]"))
+    assert cl.Measured.from_row("s", from_csv, "host_step_ms").summary.n == 5
     shared_n = pd.Series(dict(peak_gib=3.5, n=1))
     assert cl.Measured.from_row("p", shared_n, "peak_gib", unit="GiB").summary.n == 1
 
