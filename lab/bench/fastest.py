@@ -26,10 +26,11 @@ from torch._dynamo.utils import counters
 
 from lab import paths
 from lab.bench.progress import progress_line
-from lab.measure.device import empty_cache, error_summary, is_oom, synchronize
+from lab.measure.device import available_memory_bytes, empty_cache, error_summary, is_oom, synchronize
 from lab.measure.profiling import kernel_class, profile_step
 from lab.measure.timing import matmul_tflops, time_callable, time_kernel
 from lab.measure.traces import kernels_by_range, read_trace, step_overlap
+from lab.measure.verdicts import MIN_SAMPLES, summarize
 from lab.parallel import launcher, runner
 from lab.parallel.gpu_pool import run_on_gpus
 from lab.recipes.fastest_step import (
@@ -143,9 +144,10 @@ def empty_row(config: StepConfig, recipe: Recipe, status: str = "ok", error: str
     back; NaN without offloading); ``cuda_graphs`` (captured or not) and ``note`` (why a choice did not apply)."""
     return dict(impl=recipe.name, config=config.name, world_size=config.world_size, status=status, error=error,
                 precision=recipe.precision, batch=config.batch_per_rank * config.world_size, context=config.context,
-                step_ms=math.nan, step_std_ms=math.nan, step_n=0, step_samples_ms=[], first_step_s=math.nan,
-                wall_s=math.nan, host_step_ms=math.nan, host_step_std_ms=math.nan, host_step_n=0,
-                peak_gib=math.nan, params_gib=math.nan, grads_gib=math.nan, optimizer_gib=math.nan,
+                step_ms=math.nan, step_spread_ms=math.nan, step_n=0, step_samples_ms=[], first_step_s=math.nan,
+                wall_s=math.nan, host_step_ms=math.nan, host_step_spread_ms=math.nan, host_step_n=0,
+                host_step_samples_ms=[],
+                peak_gib=math.nan, limit_gib=math.nan, params_gib=math.nan, grads_gib=math.nan, optimizer_gib=math.nan,
                 activations_and_other_gib=math.nan, **dict.fromkeys(PHASE_COLUMNS, math.nan),
                 other_kernels_top="", offload_bytes=math.nan, offload_wait_ms=math.nan, cuda_graphs=False, note="",
                 **step_traffic(config, recipe), recipe=repr(recipe.for_world(config.world_size)))
@@ -192,19 +194,21 @@ def measure_recipe(config: StepConfig, recipe: Recipe, device: torch.device, war
         else:
             if offloader is not None:
                 offloader.reset_stats()
-            timing, row["timer"] = time_callable(step, warmup=0, steps=max(host_steps, 2), device=device), "host"
+            timing, row["timer"] = time_callable(step, warmup=0, steps=max(host_steps, MIN_SAMPLES),
+                                                 device=device), "host"
         if device.type == "cuda":
             row["peak_gib"] = torch.cuda.max_memory_allocated(device) / GiB
-        row.update(step_ms=timing.median_ms, step_std_ms=timing.std_ms, step_n=len(timing.samples_ms),
-                   step_samples_ms=timing.samples_ms)
+        s = summarize(timing.samples_ms)
+        row.update(step_ms=s.median, step_spread_ms=s.spread, step_n=s.n, step_samples_ms=timing.samples_ms)
         row["wall_s"] = time.perf_counter() - begun
         if offloader is not None:
             row.update(_offload_per_step(step, offloader, len(timing.samples_ms) if row["timer"] == "host" else 0))
         if row["timer"] == "do_bench" and host_reference:
-            timing = time_callable(step, warmup=0, steps=2, device=device)
+            timing = time_callable(step, warmup=0, steps=MIN_SAMPLES, device=device)
         if row["timer"] == "host" or host_reference:
-            row.update(host_step_ms=timing.median_ms, host_step_std_ms=timing.std_ms,
-                       host_step_n=len(timing.samples_ms))
+            s = summarize(timing.samples_ms)
+            row.update(host_step_ms=s.median, host_step_spread_ms=s.spread, host_step_n=s.n,
+                       host_step_samples_ms=timing.samples_ms)
         state = _state_bytes(step)
         row.update({f"{k}_gib": v / GiB for k, v in state.items()})
         if row["peak_gib"] == row["peak_gib"]:
@@ -214,7 +218,7 @@ def measure_recipe(config: StepConfig, recipe: Recipe, device: torch.device, war
     except Exception as exc:  # noqa: BLE001 - out of memory is a result
         if not is_oom(exc):
             raise
-        row.update(status="oom", error=error_summary(exc))
+        row.update(status="oom", error=error_summary(exc), limit_gib=available_memory_bytes(device) / GiB)
     step = None  # noqa: F841
     gc.collect()
     empty_cache()
@@ -253,15 +257,15 @@ def fastest_worker(config: StepConfig, recipes: list[Recipe], warmup_ms: float, 
                    progress: runner.Progress | None = None) -> list[dict]:
     """Inside a launched process: every recipe in turn on this rank (the ``headline`` ones timed with
     do_bench and profiled, as are :data:`PROFILED_ABLATIONS`; the others with do_bench on one GPU, whose
-    steps take milliseconds, and with two host-timed steps on several, whose steps take seconds; where both
-    kinds run, each headline recipe with two host-timed steps more, so that an ablation can be compared with
-    any of them timed the same way);
+    steps take milliseconds, and with :data:`~lab.measure.verdicts.MIN_SAMPLES` host-timed steps on several, whose
+    steps take seconds; where both kinds run, each headline recipe with as many host-timed steps more, so that
+    an ablation can be compared with any of them timed the same way);
     returns the rows, each also recorded in ``progress`` as it finishes (:func:`run_recipes`).
     ``fresh_cache``: compile into empty Inductor and Triton caches of this process's own
     (removed at the end), so the first recipe's ``first_step_s`` and ``wall_s`` include every compilation
     and autotuning from scratch, as the leaderboard's 10-minute rule counts them."""
     device = launcher.device()
-    host_steps = {r.name: 0 if r.name in headline or config.world_size == 1 else 2 for r in recipes}
+    host_steps = {r.name: 0 if r.name in headline or config.world_size == 1 else MIN_SAMPLES for r in recipes}
     ablated = any(host_steps.values()) and any(r.name == "project" for r in recipes)
     fresh = (tempfile.TemporaryDirectory(prefix="lab_fastest_cache_", ignore_cleanup_errors=True) if fresh_cache
              else contextlib.nullcontext())
@@ -296,11 +300,11 @@ def benchmark(config: str | StepConfig, recipes: Sequence[Recipe], world_size: i
               fresh_cache: bool = False, env: dict[str, str] | None = None) -> pd.DataFrame:
     """Every recipe of the configuration on ``world_size`` ranks (default: the configuration's), side by side
     in the same processes. One row per recipe with ``impl``, ``config``, ``world_size``, ``step_ms`` (median
-    over the timed steps of rank 0), ``step_std_ms``, ``peak_gib`` (the largest over ranks), memory by
+    over the timed steps of rank 0), ``step_spread_ms``, ``step_n``, ``peak_gib`` (the largest over ranks), memory by
     category on rank 0, phase times, ``tokens_per_s``, ``mfu`` (against ``peak_tflops`` per GPU: by default
     the bf16 matmul rate measured here, :func:`matmul_ceiling_tflops`; datasheet MFU in ``mfu_datasheet``).
     The ``headline`` recipes are timed with do_bench and profiled; the others (ablations) as
-    :func:`fastest_worker` says (do_bench on one GPU, two host-timed steps on several). On GPUs, rank ``r``
+    :func:`fastest_worker` says (do_bench on one GPU, host-timed steps on several). On GPUs, rank ``r``
     drives GPU ``first_gpu + r`` (``gpus`` column).
 
     The ranks run with ``env`` (default :func:`allocator_env`; ``alloc_conf`` column).
@@ -408,7 +412,9 @@ def benchmark_configs(jobs: Mapping[str, Sequence[Recipe]], device: str = "auto"
 
 
 def results_table(df: pd.DataFrame) -> pd.DataFrame:
-    """The spec's ``fastest_step.csv`` columns first, the samples dropped."""
+    """The spec's ``fastest_step.csv`` columns first; the samples kept as JSON lists (a comparison bootstraps
+    them when the table is read back)."""
     first = ["impl", "config", "world_size", "step_ms", "peak_gib", "tokens_per_s", "mfu", "status"]
-    df = df.drop(columns=[c for c in df.columns if c.endswith("_samples_ms")])
+    df = df.assign(**{c: df[c].map(lambda x: json.dumps([round(float(v), 4) for v in x]) if isinstance(x, list)
+                                   else x) for c in df.columns if c.endswith("_samples_ms")})
     return df[first + [c for c in df.columns if c not in first]]
