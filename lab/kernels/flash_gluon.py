@@ -30,7 +30,7 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import mangle_type
 
-from lab.kernels.flash_gluon_backward import BACKWARD_KERNEL, backward_launch, gluon_backward
+from lab.kernels.flash_gluon_backward import BACKWARD_KERNEL, backward_launch, dq_writer_default, gluon_backward
 from lab.kernels.flash_gluon_forward import FORWARD_KERNEL, forward_launch, gluon_forward
 from lab.kernels.flash_triton_backward import flash_backward
 from lab.kernels.flash_triton_forward import flash_forward
@@ -250,14 +250,18 @@ def benchmark_shape(batch, heads, n, d, dtype, causal, rep_ms: int = 200, varian
                  "triton": lambda: flash_backward(q, k, v, triton_out, triton_lse, grad_out, causal)}
         if reason is None:
             out, lse = gluon_forward(q, k, v, causal)
-            grads = gluon_backward(q, k, v, out, lse, grad_out, causal)
-            bwd |= {f"gluon_{key}": value for key, value in backward_errors(q, k, v, grad_out, causal, grads).items()}
-            timed["gluon"] = lambda: gluon_backward(q, k, v, out, lse, grad_out, causal)
+            # with forward variants, the backward's other way of adding dQ too
+            writers = {"gluon": None} | ({"other_dq": not dq_writer_default(d)} if len(variants) > 1 else {})
+            for name, writer in writers.items():
+                grads = gluon_backward(q, k, v, out, lse, grad_out, causal, writer)
+                bwd |= {f"{name}_{key}": value
+                        for key, value in backward_errors(q, k, v, grad_out, causal, grads).items()}
+                timed[name] = lambda writer=writer: gluon_backward(q, k, v, out, lse, grad_out, causal, writer)
         else:
             bwd["gluon"] = reason
         rows.append(bwd | _time(timed, 2.5 * flops, rep_ms))
     for row in rows:
-        for name in variants:
+        for name in [*variants, "other_dq"]:
             if f"{name}_ms" in row:
                 row[f"{name}_vs_sdpa"] = row["sdpa_ms"] / row[f"{name}_ms"]
     return rows
@@ -275,7 +279,8 @@ def compile_shape(batch, heads, n, d, dtype, causal, variants: dict | None = Non
         for tiles in (variants or {"gluon": None}).values():
             out, lse = gluon_forward(q, k, v, causal, tiles)
         if backward:
-            gluon_backward(q, k, v, out, lse, grad_out, causal)
+            for writer in (True, False) if variants else (None, ):
+                gluon_backward(q, k, v, out, lse, grad_out, causal, writer)
     torch.cuda.synchronize()
 
 
@@ -284,7 +289,7 @@ def main(argv=None) -> None:
     parser.add_argument("--rep-ms", type=int, default=200, help="do_bench's repetition time per kernel (ms)")
     parser.add_argument("--shapes", type=int, nargs="*", help="indices into BENCH_SHAPES (default: all)")
     parser.add_argument("--variants", action="store_true",
-                        help="also time the forward without ping-pong, and with one head at a time")
+                        help="also time the forward without ping-pong and the backward's other way of adding dQ")
     parser.add_argument("--forward-only", action="store_true", help="skip the backward")
     parser.add_argument("--compile-only", action="store_true", help="run each kernel once, untimed, and stop")
     parser.add_argument("--csv", help="also write the table to this CSV file")
@@ -292,15 +297,19 @@ def main(argv=None) -> None:
     import pandas as pd  # optional dependency: the table
 
     shapes = [BENCH_SHAPES[i] for i in args.shapes] if args.shapes else BENCH_SHAPES
-    variants = {"gluon": None, "no_pingpong": {"PINGPONG": False}, "one_head": {"heads_per_group": 1}} \
-        if args.variants else None
+    variants = {"gluon": None, "no_pingpong": {"PINGPONG": False}} if args.variants else None
     if args.compile_only:
         for shape in shapes:
             compile_shape(*shape, variants=variants, backward=not args.forward_only)
         return
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
-    table = pd.DataFrame([row for shape in shapes for row in benchmark_shape(
-        *shape, rep_ms=args.rep_ms, variants=variants, backward=not args.forward_only)])
+    rows = []
+    for shape in shapes:
+        for row in benchmark_shape(*shape, rep_ms=args.rep_ms, variants=variants, backward=not args.forward_only):
+            rows.append(row)
+            print(" ".join(f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}"
+                           for key, value in row.items()), flush=True)  # kept if a later shape fails
+    table = pd.DataFrame(rows)
     if args.csv:
         table.to_csv(args.csv, index=False)
     with pd.option_context("display.width", 250, "display.max_columns", 40, "display.precision", 4):

@@ -4,17 +4,20 @@ One CTA owns a tile of 128 keys of one (batch, head) and streams the query tiles
 
 * **Row statistics first.** A small Triton kernel computes ``D = rowsum(dO * O)`` (fp32) before the main
   kernel, so that ``dS = P * (dP - D)`` needs nothing the key tile's CTA does not have.
-* **Producer warp.** It loads the CTA's K and V once (each consumer's 64 rows, and K again split by columns for
-  the dQ product), then every query tile's Q and dO into a ring of ``STAGES`` shared-memory slots with
-  ready/empty mbarriers, as in the forward.
+* **Producer warp.** It loads the CTA's K and V once (each consumer's 64 rows), then every query tile's Q, dO
+  and row statistics into a ring of ``STAGES`` shared-memory slots with ready/empty mbarriers, as in the
+  forward.
 * **Two consumer warp groups, 64 keys each.** They compute the transposed products ``S^T = K Q^T`` and
   ``dP^T = V dO^T`` (asynchronous ``wgmma``), so that ``P^T`` and ``dS^T`` come out in the accumulator layout
   and feed the next products straight from registers: ``dV += P^T dO`` and ``dK += dS^T Q`` accumulate in
   registers across all query tiles, five products a tile pair in all.
 * **dQ in fp32 across key tiles.** Both groups write their ``dS^T`` rows to one shared tile (an mbarrier says
-  when both have), and each computes ``dQ = dS K`` for half of the head dimension over all 128 keys, then adds
-  it to an fp32 accumulator in device memory with atomics; a last Triton kernel scales it and casts it to the
-  input dtype. The order of the additions varies from run to run, so dQ is not bitwise reproducible.
+  when both have), and each computes ``dQ = dS K`` for half of the head dimension over all 128 keys. At d 128
+  the groups hand it to two writer warps through shared memory, which add it to an fp32 accumulator in device
+  memory with 16-byte atomics while the groups go on (the groups have no registers to spare for the atomics'
+  addresses); at d 64 the groups add it themselves (:func:`dq_writer_default`). A last Triton kernel scales
+  the accumulator and casts it to the input dtype. The order of the additions varies from run to run, so dQ
+  is not bitwise reproducible.
 * **Causal:** a key tile skips the query tiles entirely before it (they see none of its keys), and only the
   query tiles crossing the diagonal, a ragged last query tile, or a ragged key tile pay for the mask.
 """
@@ -37,12 +40,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from lab.kernels.flash_gluon_forward import PRODUCER_REGISTERS
+from lab.kernels.flash_gluon_forward import CONSUMER_REGISTERS, PRODUCER_REGISTERS
 
-#: Registers a thread of the worker consumer warp group and of the dQ writer warps ask for: the writer warps
-#: share a warp group's registers with the producer warp, and the four warp groups' must fit the SM's 64K.
-DQ_CONSUMER_REGISTERS = gl.constexpr(232)
-DQ_WRITER_REGISTERS = gl.constexpr(40)
+#: With dQ writer warps: registers a thread of the worker consumer warp group and of the writer warps ask for.
+#: The writer warps share a warp group with the producer warp (and its register count), and the three warp
+#: groups' registers must fit the SM's 64K.
+WRITER_CONSUMER_REGISTERS = gl.constexpr(232)
+WRITER_REGISTERS = gl.constexpr(40)
 
 
 @triton.jit
@@ -97,11 +101,11 @@ def _producer(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_s
 
 @gluon.jit
 def _query_tile(i, t, dk, dv, k_smem, v_w, q_smem, do_smem, ds_smem, dq_smem, q_ready, q_empty, ds_ready, ds_free,
-                dq_full, dq_empty, lse_smem, delta_smem, keys, n_q, n_k, qk_scale,
+                dq_full, dq_empty, lse_smem, delta_smem, dq_ptr, dq_base, keys, n_q, n_k, qk_scale,
                 WG: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-                MASK: gl.constexpr, IS_CAUSAL: gl.constexpr):
+                MASK: gl.constexpr, IS_CAUSAL: gl.constexpr, DQ_WRITER: gl.constexpr):
     """Query tile ``i`` (the ``t``-th this CTA visits) against warp group ``WG``'s 64 keys: the five products;
-    dQ's share goes to shared memory for the dQ writer."""
+    dQ's share goes to the dQ writer warps through shared memory (``DQ_WRITER``), or to device memory."""
     HALF: gl.constexpr = 64
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_M, 16])
@@ -154,10 +158,27 @@ def _query_tile(i, t, dk, dv, k_smem, v_w, q_smem, do_smem, ds_smem, dq_smem, q_
     dq, dv, dk, _, _ = warpgroup_mma_wait(0, deps=(dq, dv_tok, dk_tok, pt_op, dst_op))
     mbarrier.arrive(ds_free)
     mbarrier.arrive(q_empty.index(slot))
-    mbarrier.wait(dq_empty.index(WG), (t & 1) ^ 1)
-    dq_smem.index(WG).store(dq)
-    mbarrier.arrive(dq_full.index(WG))
+    if DQ_WRITER:
+        mbarrier.wait(dq_empty.index(WG), (t & 1) ^ 1)
+        dq_smem.index(WG).store(dq)
+        mbarrier.arrive(dq_full.index(WG))
+    else:
+        _add_dq(dq, dq_ptr, dq_base, i, n_q, WG, BLOCK_M, HEAD_DIM, 4)
     return dk, dv
+
+
+@gluon.jit
+def _add_dq(dq, dq_ptr, dq_base, i, n_q, WG: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
+            WARPS: gl.constexpr):
+    """Add ``dq`` (rows of query tile ``i``, columns of half ``WG`` of the head dimension) to the fp32
+    accumulator in device memory, four consecutive values a thread (16-byte atomics)."""
+    COLS: gl.constexpr = HEAD_DIM // 2
+    layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (COLS // 4), COLS // 4], [WARPS, 1], [1, 0])
+    dq = gl.convert_layout(dq, layout)
+    rows = i * BLOCK_M + gl.arange(0, dq.shape[0], layout=gl.SliceLayout(1, layout))
+    cols = WG * COLS + gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+    offsets = dq_base + gl.expand_dims(rows.to(gl.int64) * HEAD_DIM, 1) + gl.expand_dims(cols, 0)
+    gl.atomic_add(dq_ptr + offsets, dq, mask=gl.expand_dims(rows < n_q, 1), sem="relaxed")
 
 
 @gluon.jit
@@ -165,26 +186,25 @@ def _dq_writer(dq_smem, dq_full, dq_empty, dq_ptr, dq_base, i_start, n_q_tiles, 
                BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr):
     """The dQ writer warps: each query tile's two dQ halves from shared memory into the fp32 accumulator in
     device memory, with vector atomics, while the consumers go on to the next tile."""
-    ROWS: gl.constexpr = 16  # rows a pass: 16 values a thread of two warps, in 16-byte atomics
-    layout: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [gl.num_warps(), 1], [1, 0])
+    ROWS: gl.constexpr = 16  # rows a pass, so that a pass's values fit the writer's few registers
+    layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [gl.num_warps(), 1],
+                                            [1, 0])
     for i in range(i_start, n_q_tiles):
         t = i - i_start
         for w in gl.static_range(2):
             mbarrier.wait(dq_full.index(w), t & 1)
             for r in gl.static_range(0, BLOCK_M, ROWS):
-                rows = i * BLOCK_M + r + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-                cols = w * (HEAD_DIM // 2) + gl.arange(0, HEAD_DIM // 2, layout=gl.SliceLayout(0, layout))
-                values = dq_smem.index(w).slice(r, ROWS, dim=0).load(layout)
-                offsets = dq_base + gl.expand_dims(rows.to(gl.int64) * HEAD_DIM, 1) + gl.expand_dims(cols, 0)
-                gl.atomic_add(dq_ptr + offsets, values, mask=gl.expand_dims(rows < n_q, 1), sem="relaxed")
+                _add_dq(dq_smem.index(w).slice(r, ROWS, dim=0).load(layout),
+                        dq_ptr, dq_base + r * HEAD_DIM, i, n_q - r, w, BLOCK_M, HEAD_DIM, gl.num_warps())
             mbarrier.arrive(dq_empty.index(w))
 
 
 @gluon.jit
 def _consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty,
-              ds_ready, ds_free, dq_full, dq_empty, lse_smem, delta_smem, dk_ptr, dv_ptr, kv_base, k0,
-              i_start, i_full_start, i_full_end, n_q_tiles, n_q, n_k, qk_scale, sm_scale,
-              STAGES: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, IS_CAUSAL: gl.constexpr):
+              ds_ready, ds_free, dq_full, dq_empty, lse_smem, delta_smem, dq_ptr, dq_base, dk_ptr, dv_ptr, kv_base,
+              k0, i_start, i_full_start, i_full_end, n_q_tiles, n_q, n_k, qk_scale, sm_scale,
+              STAGES: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, IS_CAUSAL: gl.constexpr,
+              DQ_WRITER: gl.constexpr):
     """Consumer warp group ``WG``: keys ``k0 + 64 WG ..`` of the tile; accumulates their dK and dV over the
     query tiles and stores them."""
     HALF: gl.constexpr = 64
@@ -200,16 +220,16 @@ def _consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_sme
     # [i_start, i_full_start) cross the diagonal, [i_full_end, n_q_tiles) hold a ragged end: those need the mask.
     for i in range(i_start, i_full_start):
         dk, dv = _query_tile(i, i - i_start, dk, dv, k_smem, v_w, q_smem, do_smem, ds_smem, dq_smem, q_ready, q_empty,
-                             ds_ready, ds_free, dq_full, dq_empty, lse_smem, delta_smem, keys, n_q, n_k, qk_scale, WG,
-                             STAGES, BLOCK_M, HEAD_DIM, True, IS_CAUSAL)
+                             ds_ready, ds_free, dq_full, dq_empty, lse_smem, delta_smem, dq_ptr, dq_base, keys, n_q,
+                             n_k, qk_scale, WG, STAGES, BLOCK_M, HEAD_DIM, True, IS_CAUSAL, DQ_WRITER)
     for i in range(i_full_start, i_full_end):
         dk, dv = _query_tile(i, i - i_start, dk, dv, k_smem, v_w, q_smem, do_smem, ds_smem, dq_smem, q_ready, q_empty,
-                             ds_ready, ds_free, dq_full, dq_empty, lse_smem, delta_smem, keys, n_q, n_k, qk_scale, WG,
-                             STAGES, BLOCK_M, HEAD_DIM, False, IS_CAUSAL)
+                             ds_ready, ds_free, dq_full, dq_empty, lse_smem, delta_smem, dq_ptr, dq_base, keys, n_q,
+                             n_k, qk_scale, WG, STAGES, BLOCK_M, HEAD_DIM, False, IS_CAUSAL, DQ_WRITER)
     for i in range(gl.maximum(i_full_end, i_full_start), n_q_tiles):
         dk, dv = _query_tile(i, i - i_start, dk, dv, k_smem, v_w, q_smem, do_smem, ds_smem, dq_smem, q_ready, q_empty,
-                             ds_ready, ds_free, dq_full, dq_empty, lse_smem, delta_smem, keys, n_q, n_k, qk_scale, WG,
-                             STAGES, BLOCK_M, HEAD_DIM, True, IS_CAUSAL)
+                             ds_ready, ds_free, dq_full, dq_empty, lse_smem, delta_smem, dq_ptr, dq_base, keys, n_q,
+                             n_k, qk_scale, WG, STAGES, BLOCK_M, HEAD_DIM, True, IS_CAUSAL, DQ_WRITER)
 
     store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [4, 1], [1, 0])
     rows = k0 + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, store_layout))
@@ -222,31 +242,35 @@ def _consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_sme
 
 @gluon.jit
 def _consumer_default(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, ds_free,
-                      dq_full, dq_empty, lse_smem, delta_smem, dk_ptr, dv_ptr, kv_base, k0, i_start, i_full_start,
-                      i_full_end, n_q_tiles, n_q, n_k, qk_scale, sm_scale,
-                      STAGES: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, IS_CAUSAL: gl.constexpr):
+                      dq_full, dq_empty, lse_smem, delta_smem, dq_ptr, dq_base, dk_ptr, dv_ptr, kv_base, k0, i_start,
+                      i_full_start, i_full_end, n_q_tiles, n_q, n_k, qk_scale, sm_scale,
+                      STAGES: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                      DQ_WRITER: gl.constexpr):
     _consumer(0, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, ds_free,
-              dq_full, dq_empty, lse_smem, delta_smem, dk_ptr, dv_ptr, kv_base, k0, i_start, i_full_start, i_full_end,
-              n_q_tiles, n_q, n_k, qk_scale, sm_scale, STAGES, BLOCK_M, HEAD_DIM, IS_CAUSAL)
+              dq_full, dq_empty, lse_smem, delta_smem, dq_ptr, dq_base, dk_ptr, dv_ptr, kv_base, k0, i_start,
+              i_full_start, i_full_end, n_q_tiles, n_q, n_k, qk_scale, sm_scale, STAGES, BLOCK_M, HEAD_DIM, IS_CAUSAL,
+              DQ_WRITER)
 
 
 @gluon.jit
 def _consumer_worker(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, ds_free,
-                     dq_full, dq_empty, lse_smem, delta_smem, dk_ptr, dv_ptr, kv_base, k0, i_start, i_full_start,
-                     i_full_end, n_q_tiles, n_q, n_k, qk_scale, sm_scale,
-                     STAGES: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, IS_CAUSAL: gl.constexpr):
+                     dq_full, dq_empty, lse_smem, delta_smem, dq_ptr, dq_base, dk_ptr, dv_ptr, kv_base, k0, i_start,
+                     i_full_start, i_full_end, n_q_tiles, n_q, n_k, qk_scale, sm_scale,
+                     STAGES: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                     DQ_WRITER: gl.constexpr):
     _consumer(1, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, ds_free,
-              dq_full, dq_empty, lse_smem, delta_smem, dk_ptr, dv_ptr, kv_base, k0, i_start, i_full_start, i_full_end,
-              n_q_tiles, n_q, n_k, qk_scale, sm_scale, STAGES, BLOCK_M, HEAD_DIM, IS_CAUSAL)
+              dq_full, dq_empty, lse_smem, delta_smem, dq_ptr, dq_base, dk_ptr, dv_ptr, kv_base, k0, i_start,
+              i_full_start, i_full_end, n_q_tiles, n_q, n_k, qk_scale, sm_scale, STAGES, BLOCK_M, HEAD_DIM, IS_CAUSAL,
+              DQ_WRITER)
 
 
 @gluon.jit
 def _attention_backward_kernel(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, dq_ptr, dk_ptr,
                                dv_ptr, n_q, n_k, qk_scale, sm_scale,
                                HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
-                               BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
+                               BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, DQ_WRITER: gl.constexpr):
     """Grid (key tiles of ``BLOCK_N`` rows, batch * heads); causal key tile 0, which sees every query tile,
-    starts first."""
+    starts first. ``DQ_WRITER``: two warps add dQ to device memory (else the consumers do, between tiles)."""
     gl.static_assert(BLOCK_N == 128, "two consumer warp groups of 64 keys")
     kt = gl.program_id(0)
     zh = gl.program_id(1)
@@ -295,27 +319,50 @@ def _attention_backward_kernel(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_
     dq_base = zh.to(gl.int64) * n_q * HEAD_DIM
     kv_base = zh.to(gl.int64) * n_k * HEAD_DIM
     # Argument tuples are written in the call: a tuple assigned to a name would turn its constexprs into tensors.
-    gl.warp_specialize([
-        (_consumer_default, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready,
-                             ds_free, dq_full, dq_empty, lse_smem, delta_smem, dk_ptr, dv_ptr, kv_base, k0, i_start,
-                             i_full_start, i_full_end, n_q_tiles, n_q, n_k, qk_scale, sm_scale, STAGES, BLOCK_M,
-                             HEAD_DIM, IS_CAUSAL)),
-        (_consumer_worker, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready,
-                            ds_free, dq_full, dq_empty, lse_smem, delta_smem, dk_ptr, dv_ptr, kv_base, k0, i_start,
-                            i_full_start, i_full_end, n_q_tiles, n_q, n_k, qk_scale, sm_scale, STAGES, BLOCK_M,
-                            HEAD_DIM, IS_CAUSAL)),
-        (_producer, (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem, lse_smem,
-                     delta_smem, kv_ready, q_ready, q_empty, zh * n_k + k0, zh * n_q, zh * n_q_tiles * BLOCK_M,
-                     i_start, n_q_tiles, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM)),
-        (_dq_writer, (dq_smem, dq_full, dq_empty, dq_ptr, dq_base, i_start, n_q_tiles, n_q, BLOCK_M, HEAD_DIM)),
-    ], [4, 1, 2], [DQ_CONSUMER_REGISTERS, PRODUCER_REGISTERS, DQ_WRITER_REGISTERS])
+    if DQ_WRITER:
+        gl.warp_specialize([
+            (_consumer_default, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty,
+                                 ds_ready, ds_free, dq_full, dq_empty, lse_smem, delta_smem, dq_ptr, dq_base, dk_ptr,
+                                 dv_ptr, kv_base, k0, i_start, i_full_start, i_full_end, n_q_tiles, n_q, n_k, qk_scale,
+                                 sm_scale, STAGES, BLOCK_M, HEAD_DIM, IS_CAUSAL, DQ_WRITER)),
+            (_consumer_worker, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty,
+                                ds_ready, ds_free, dq_full, dq_empty, lse_smem, delta_smem, dq_ptr, dq_base, dk_ptr,
+                                dv_ptr, kv_base, k0, i_start, i_full_start, i_full_end, n_q_tiles, n_q, n_k, qk_scale,
+                                sm_scale, STAGES, BLOCK_M, HEAD_DIM, IS_CAUSAL, DQ_WRITER)),
+            (_producer, (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem,
+                         lse_smem, delta_smem, kv_ready, q_ready, q_empty, zh * n_k + k0, zh * n_q,
+                         zh * n_q_tiles * BLOCK_M, i_start, n_q_tiles, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM)),
+            (_dq_writer, (dq_smem, dq_full, dq_empty, dq_ptr, dq_base, i_start, n_q_tiles, n_q, BLOCK_M, HEAD_DIM)),
+        ], [4, 1, 2], [WRITER_CONSUMER_REGISTERS, PRODUCER_REGISTERS, WRITER_REGISTERS])
+    else:
+        gl.warp_specialize([
+            (_consumer_default, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty,
+                                 ds_ready, ds_free, dq_full, dq_empty, lse_smem, delta_smem, dq_ptr, dq_base, dk_ptr,
+                                 dv_ptr, kv_base, k0, i_start, i_full_start, i_full_end, n_q_tiles, n_q, n_k, qk_scale,
+                                 sm_scale, STAGES, BLOCK_M, HEAD_DIM, IS_CAUSAL, DQ_WRITER)),
+            (_consumer_worker, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty,
+                                ds_ready, ds_free, dq_full, dq_empty, lse_smem, delta_smem, dq_ptr, dq_base, dk_ptr,
+                                dv_ptr, kv_base, k0, i_start, i_full_start, i_full_end, n_q_tiles, n_q, n_k, qk_scale,
+                                sm_scale, STAGES, BLOCK_M, HEAD_DIM, IS_CAUSAL, DQ_WRITER)),
+            (_producer, (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem,
+                         lse_smem, delta_smem, kv_ready, q_ready, q_empty, zh * n_k + k0, zh * n_q,
+                         zh * n_q_tiles * BLOCK_M, i_start, n_q_tiles, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM)),
+        ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
 
 
 #: The kernel itself, for tools that compile it without launching it.
 BACKWARD_KERNEL = _attention_backward_kernel
 
 
-def backward_launch(q, k, v, grad_out, lse2, delta, dq_accum, dk, dv, causal: bool, stages: int = 2):
+def dq_writer_default(d: int) -> bool:
+    """Whether dQ goes through writer warps at head dimension ``d``: at d 128 the consumers need the registers
+    that adding dQ themselves takes (measured faster with the writer); at d 64 they have them to spare and
+    adding it themselves was faster (the writer's shared-memory round trip then costs more than it frees)."""
+    return d > 64
+
+
+def backward_launch(q, k, v, grad_out, lse2, delta, dq_accum, dk, dv, causal: bool, dq_writer: bool | None = None,
+                    stages: int = 2):
     """Grid, arguments, constexprs, ``num_warps`` and ``maxnreg`` of the main backward kernel on contiguous
     (batch, heads, seq, d) tensors; ``lse2`` (base-2 logsumexp) and ``delta`` fp32 (batch, heads, n_queries
     rounded up to the query tile), ``dq_accum`` fp32 like q. Runs nothing."""
@@ -334,14 +381,17 @@ def backward_launch(q, k, v, grad_out, lse2, delta, dq_accum, dk, dv, causal: bo
     descs = (descriptor(k, [block_n // 2, d]), descriptor(v, [block_n // 2, d]), descriptor(q, [block_m, d]),
              descriptor(grad_out, [block_m, d]), row_descriptor(lse2), row_descriptor(delta))
     args = (*descs, dq_accum, dk, dv, n_q, n_k, 1.4426950408889634 / math.sqrt(d), 1 / math.sqrt(d))
-    constexprs = dict(HEAD_DIM=d, STAGES=stages, BLOCK_M=block_m, BLOCK_N=block_n, IS_CAUSAL=bool(causal))
+    constexprs = dict(HEAD_DIM=d, STAGES=stages, BLOCK_M=block_m, BLOCK_N=block_n, IS_CAUSAL=bool(causal),
+                      DQ_WRITER=dq_writer_default(d) if dq_writer is None else bool(dq_writer))
     return (triton.cdiv(n_k, block_n), batch * heads), args, constexprs, 4, 168
 
 
 def gluon_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                   grad_out: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   grad_out: torch.Tensor, causal: bool,
+                   dq_writer: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dQ, dK, dV) of FlashAttention on (batch, heads, seq, d) CUDA tensors (bf16 or fp16, d 64 or
-    128) on Hopper, in q's dtype, contiguous. ``lse``: the forward's natural-log logsumexp, (batch, heads,
+    128) on Hopper, in q's dtype, contiguous. ``dq_writer``: add dQ through writer warps (None:
+    :func:`dq_writer_default`). ``lse``: the forward's natural-log logsumexp, (batch, heads,
     n_queries) fp32."""
     q, k, v, out, grad_out = (t.contiguous() for t in (q, k, v, out, grad_out))
     lse = lse.contiguous()
@@ -354,7 +404,7 @@ def gluon_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     dq_accum = torch.zeros((batch, heads, n_q, d), dtype=torch.float32, device=q.device)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     grid, args, constexprs, num_warps, maxnreg = backward_launch(q, k, v, grad_out, lse2, delta, dq_accum, dk, dv,
-                                                                 causal)
+                                                                 causal, dq_writer)
     _attention_backward_kernel[grid](*args, **constexprs, num_warps=num_warps, maxnreg=maxnreg)
     dq = torch.empty_like(q)
     _scale_cast_kernel[(triton.cdiv(dq.numel(), 1024), )](dq_accum, dq, dq.numel(), 1 / math.sqrt(d), BLOCK=1024)
