@@ -371,7 +371,8 @@ def say(finding: Finding) -> str:
 def sentence(claim: Claim, with_question: bool = True) -> str:
     """A claim as Markdown: the question in italics, then its findings and its explanation."""
     body = "; ".join(say(f) for f in claim.findings) or "nothing was measured"
-    text = f"{body[0].upper()}{body[1:]}." if body else ""
+    first = re.match(r"[a-z]+\b", body)  # a plain word starts the sentence; a name (stock_eager, fp32) stays as is
+    text = (f"{body[0].upper()}{body[1:]}." if first and not re.match(r"[a-z]+[_\d]", body) else f"{body}.")
     if claim.because:
         text += f" {claim.because.strip()}"
     return f"*{claim.question}* {text}" if with_question else text
