@@ -125,6 +125,12 @@ class Measured:
         return cls(label, v.Summary(float(value), math.nan, 1), unit)
 
     @classmethod
+    def fixed(cls, label: str, value: float, unit: str = "ms") -> Measured:
+        """A target known exactly (a goal's time, a limit): no spread, and as many samples as a verdict needs,
+        so that a measurement can be set against it under the rule."""
+        return cls(label, v.Summary(float(value), 0.0, v.MIN_SAMPLES, (float(value),) * v.MIN_SAMPLES), unit)
+
+    @classmethod
     def out_of_memory(cls, label: str, limit_gib: float = math.nan, unit: str = "ms") -> Measured:
         """A row that ran out of memory, with the memory the process had (GiB) where known."""
         return cls(label, unit=unit, status=OOM, limit_gib=float(limit_gib))
@@ -365,7 +371,8 @@ def say(finding: Finding) -> str:
 def sentence(claim: Claim, with_question: bool = True) -> str:
     """A claim as Markdown: the question in italics, then its findings and its explanation."""
     body = "; ".join(say(f) for f in claim.findings) or "nothing was measured"
-    text = f"{body[0].upper()}{body[1:]}." if body else ""
+    first = re.match(r"[a-z]+\b", body)  # a plain word starts the sentence; a name (stock_eager, fp32) stays as is
+    text = (f"{body[0].upper()}{body[1:]}." if first and not re.match(r"[a-z]+[_\d]", body) else f"{body}.")
     if claim.because:
         text += f" {claim.because.strip()}"
     return f"*{claim.question}* {text}" if with_question else text

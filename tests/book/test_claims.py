@@ -50,6 +50,13 @@ def test_versus_follows_the_rule_and_says_the_ratio():
     assert noisy.verdict == "within noise" and noisy.cells()["verdict"] == "within noise"
 
 
+def test_a_fixed_target_is_met_or_missed_under_the_rule():
+    target = cl.Measured.fixed("the course's goal", 4.6)
+    assert cl.Versus(cl.Measured.of("ours", _samples(4.0, 0.05)), target, goal=1.0).goal_word == "met"
+    assert cl.Versus(cl.Measured.of("ours", _samples(5.1, 0.05)), target, goal=1.0).goal_word == "missed"
+    assert cl.Versus(cl.Measured.of("ours", _samples(4.62, 0.3)), target, goal=1.0).goal_word == "undecided"
+
+
 def test_out_of_memory_is_a_result_not_a_message():
     oom = cl.Measured.out_of_memory("naive at 16k", limit_gib=79.16)
     f = cl.Versus(oom, cl.Measured.of("flash", _samples(5.0, 0.1)), goal=1.0)
