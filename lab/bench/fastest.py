@@ -155,7 +155,7 @@ def empty_row(config: StepConfig, recipe: Recipe, status: str = "ok", error: str
 
 def measure_recipe(config: StepConfig, recipe: Recipe, device: torch.device, warmup_ms: float = 1,
                    rep_ms: float = 3000, profile: bool = True, trace_dir: str | None = None, seed: int = 0,
-                   host_steps: int = 0, host_reference: bool = False) -> dict:
+                   host_steps: int = 0, host_reference: bool = False, samples: int = MIN_SAMPLES) -> dict:
     """One recipe on this rank: build, the first step (compilation and autotuning included), then
     ``triton.testing.do_bench`` of whole steps (``rep_ms`` of them; do_bench also runs five steps to estimate
     their time), or with ``host_steps`` that many steps timed by the host clock (cheaper, for ablations),
@@ -194,8 +194,8 @@ def measure_recipe(config: StepConfig, recipe: Recipe, device: torch.device, war
         else:
             if offloader is not None:
                 offloader.reset_stats()
-            timing, row["timer"] = time_callable(step, warmup=0, steps=max(host_steps, MIN_SAMPLES),
-                                                 device=device), "host"
+            timing, row["timer"] = time_callable(step, warmup=0, steps=max(host_steps, samples), device=device), \
+                "host"
         if device.type == "cuda":
             row["peak_gib"] = torch.cuda.max_memory_allocated(device) / GiB
         s = summarize(timing.samples_ms)
@@ -204,7 +204,7 @@ def measure_recipe(config: StepConfig, recipe: Recipe, device: torch.device, war
         if offloader is not None:
             row.update(_offload_per_step(step, offloader, len(timing.samples_ms) if row["timer"] == "host" else 0))
         if row["timer"] == "do_bench" and host_reference:
-            timing = time_callable(step, warmup=0, steps=MIN_SAMPLES, device=device)
+            timing = time_callable(step, warmup=0, steps=samples, device=device)
         if row["timer"] == "host" or host_reference:
             s = summarize(timing.samples_ms)
             row.update(host_step_ms=s.median, host_step_spread_ms=s.spread, host_step_n=s.n,
@@ -254,7 +254,7 @@ def _announce(row: dict) -> dict:
 
 def fastest_worker(config: StepConfig, recipes: list[Recipe], warmup_ms: float, rep_ms: float, profile: bool,
                    trace_dir: str | None, headline: tuple[str, ...], fresh_cache: bool = False,
-                   progress: runner.Progress | None = None) -> list[dict]:
+                   progress: runner.Progress | None = None, samples: int = MIN_SAMPLES) -> list[dict]:
     """Inside a launched process: every recipe in turn on this rank (the ``headline`` ones timed with
     do_bench and profiled, as are :data:`PROFILED_ABLATIONS`; the others with do_bench on one GPU, whose
     steps take milliseconds, and with :data:`~lab.measure.verdicts.MIN_SAMPLES` host-timed steps on several, whose
@@ -265,7 +265,7 @@ def fastest_worker(config: StepConfig, recipes: list[Recipe], warmup_ms: float, 
     (removed at the end), so the first recipe's ``first_step_s`` and ``wall_s`` include every compilation
     and autotuning from scratch, as the leaderboard's 10-minute rule counts them."""
     device = launcher.device()
-    host_steps = {r.name: 0 if r.name in headline or config.world_size == 1 else MIN_SAMPLES for r in recipes}
+    host_steps = {r.name: 0 if r.name in headline or config.world_size == 1 else samples for r in recipes}
     ablated = any(host_steps.values()) and any(r.name == "project" for r in recipes)
     fresh = (tempfile.TemporaryDirectory(prefix="lab_fastest_cache_", ignore_cleanup_errors=True) if fresh_cache
              else contextlib.nullcontext())
@@ -275,7 +275,7 @@ def fastest_worker(config: StepConfig, recipes: list[Recipe], warmup_ms: float, 
         with launcher.environment(caches):  # a torchrun rank is this very process: its environment is restored
             return run_recipes(recipes, lambda r: measure_recipe(
                 config, r, device, warmup_ms, rep_ms, profile and profiled(r.name, headline), trace_dir,
-                host_steps=host_steps[r.name], host_reference=ablated and r.name in headline),
+                host_steps=host_steps[r.name], host_reference=ablated and r.name in headline, samples=samples),
                 progress or runner.Progress(""))
 
 
@@ -297,7 +297,7 @@ def benchmark(config: str | StepConfig, recipes: Sequence[Recipe], world_size: i
               warmup_ms: float = 1, rep_ms: float = 3000, profile: bool = True, trace_dir: str | None = None,
               peak_tflops: float | None = None, timeout_s: float = 1800,
               headline: Sequence[str] = HEADLINE, first_gpu: int = 0, deadline_s: float | None = None,
-              fresh_cache: bool = False, env: dict[str, str] | None = None) -> pd.DataFrame:
+              fresh_cache: bool = False, env: dict[str, str] | None = None, samples: int = MIN_SAMPLES) -> pd.DataFrame:
     """Every recipe of the configuration on ``world_size`` ranks (default: the configuration's), side by side
     in the same processes. One row per recipe with ``impl``, ``config``, ``world_size``, ``step_ms`` (median
     over the timed steps of rank 0), ``step_spread_ms``, ``step_n``, ``peak_gib`` (the largest over ranks), memory by
@@ -314,7 +314,9 @@ def benchmark(config: str | StepConfig, recipes: Sequence[Recipe], world_size: i
     ``deadline_s``: ranks that hang or die past it (or fail otherwise) make every recipe they had not
     finished a row of ``status`` ``failed`` (the reason in ``error``) rather than an exception; the rows
     they finished are kept. ``fresh_cache``: the first recipe compiles
-    from empty caches (:func:`fastest_worker`)."""
+    from empty caches (:func:`fastest_worker`). ``samples``: the host-timed steps of a recipe (on the CPU every
+    recipe's; do_bench gives at least as many on a GPU): fewer than the rule's minimum decide nothing, which a
+    quick render whose interpreted kernels say nothing about GPUs can accept to stay quick."""
     config = CONFIGS[config] if isinstance(config, str) else config
     world_size = world_size or config.world_size
     if world_size != config.world_size:
@@ -324,7 +326,7 @@ def benchmark(config: str | StepConfig, recipes: Sequence[Recipe], world_size: i
     per_recipe = runner.run(
         fastest_worker, recipes, world_size,
         lambda todo, progress: (config, todo, warmup_ms, rep_ms, profile, trace_dir, tuple(headline),
-                                fresh_cache and progress.launch == 0, progress),
+                                fresh_cache and progress.launch == 0, progress, samples),
         blank=lambda recipe, status, error: empty_row(config, recipe, status=status, error=error),
         deadline_s=deadline_s, device=device, timeout_s=timeout_s, first_gpu=first_gpu,
         env=None if launcher.is_torchrun() else env)

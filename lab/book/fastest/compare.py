@@ -66,9 +66,11 @@ def common_timer(a: pd.Series, b: pd.Series, same_cards: bool = True) -> str | N
     return "host_" if _host_timed(a) and _host_timed(b) else None
 
 
-def measured(row: pd.Series, prefix: str = "", label: str | None = None) -> Measured:
-    """A row's step time under the timer ``prefix`` as a claim reads it."""
-    return Measured.from_row(label or f"{row['impl']} ({row['precision']})", row, f"{prefix}step_ms")
+def measured(row: pd.Series, prefix: str = "") -> Measured:
+    """A row's step time under the timer ``prefix`` as a claim reads it, named as the book calls the recipe."""
+    name = {"project": "the book's step", ABLATION_BASE: "the book's step beside its ablations"}.get(row["impl"],
+                                                                                                     row["impl"])
+    return Measured.from_row(f"{name} ({row['precision']})", row, f"{prefix}step_ms")
 
 
 def best_stock(df: pd.DataFrame, row: pd.Series, same_precision: bool = True) -> tuple[pd.Series | None, str | None]:
@@ -103,15 +105,16 @@ def split_differences(config: str, impl: str, stock: str) -> tuple[list[str], li
     return [s for s, option in said if option], [s for s, option in said if not option]
 
 
-def versus_stock(df: pd.DataFrame, impls=BOOK_STEPS, same_precision: bool = True) -> list[tuple[pd.Series, Versus]]:
-    """Each ok row of ``impls`` against the fastest stock step of equal (or, ``same_precision=False``, each
-    other) precision timed the same way."""
+def versus_stock(df: pd.DataFrame, impls=BOOK_STEPS,
+                 same_precision: bool = True) -> list[tuple[pd.Series, pd.Series, Versus]]:
+    """Each ok row of ``impls`` against the fastest stock step of equal (or, ``same_precision=False``, other)
+    precision timed the same way: ``(row, stock row, Versus)``."""
     full = with_fixed_columns(df)
     out = []
     for _, row in full[(full["status"] == "ok") & full["impl"].isin(impls)].iterrows():
         stock, prefix = best_stock(full, row, same_precision)
         if stock is not None:
-            out.append((row, Versus(measured(row, prefix), measured(stock, prefix))))
+            out.append((row, stock, Versus(measured(row, prefix), measured(stock, prefix))))
     return out
 
 
@@ -120,8 +123,8 @@ def like_for_like_table(df: pd.DataFrame) -> pd.DataFrame:
     timer and cards: both times, the comparison's cells, and the differences split into stock PyTorch options
     and the book's own parts."""
     rows = []
-    for row, f in versus_stock(df):
-        stock = f.reference.label.split(" (")[0]
+    for row, stock_row, f in versus_stock(df):
+        stock = stock_row["impl"]
         options, own = split_differences(row["config"], row["impl"], stock)
         rows.append(dict(book=row["impl"], precision=row["precision"], stock=stock, book_ms=f.subject.median,
                          stock_ms=f.reference.median, **f.cells(), stock_options="; ".join(options),
@@ -132,15 +135,15 @@ def like_for_like_table(df: pd.DataFrame) -> pd.DataFrame:
 def goal_claim(df: pd.DataFrame, config: str, target: float, on_gpu: bool = True) -> Claim:
     """Is the book's step at most ``target`` x the fastest stock step of equal precision (all else fixed)?"""
     question = f"Is the book's {config} step at most {target}x the fastest stock step of equal precision?"
-    pairs = [(r, f) for r, f in versus_stock(df, ("project",))]
+    pairs = versus_stock(df, ("project",))
     if not pairs:
         failed = df[(df["impl"] == "project") & (df["status"] != "ok")]
         book = (Measured.out_of_memory("the book's step", failed["limit_gib"].iloc[0] if "limit_gib" in failed else
                                        math.nan) if len(failed) and failed["status"].iloc[0] == "oom" else None)
         return Claim(question, [Observed("the book's step", book.text() if book else "no stock step of equal "
                                          "precision, configuration and timer ran beside it")])
-    row, f = pairs[0]
-    options, own = split_differences(config, "project", f.reference.label.split(" (")[0])
+    row, stock, f = pairs[0]
+    options, own = split_differences(config, "project", stock["impl"])
     findings = [Versus(f.subject, f.reference, goal=target),
                 Observed("held fixed", f"precision {row['precision']}, batch {int(row['batch'])}, the {config} model, "
                                        f"timer {row.get('timer', 'do_bench')}")]
@@ -156,9 +159,9 @@ def other_precision_claims(df: pd.DataFrame) -> list[Versus | Observed]:
     """The book's step against the fastest stock step at each other precision, with the differences that make
     it so (the precision among them is a stock option: that comparison does not measure the book's parts)."""
     out = []
-    for row, f in versus_stock(df, ("project",), same_precision=False):
+    for row, stock, f in versus_stock(df, ("project",), same_precision=False):
         out.append(f)
-        options, _ = split_differences(row["config"], "project", f.reference.label.split(" (")[0])
+        options, _ = split_differences(row["config"], "project", stock["impl"])
         if options:
             out.append(Observed("stock options among the differences", "; ".join(options)))
     return out
