@@ -14,6 +14,7 @@ CORES = os.cpu_count() or 1
 NO_GPU = not torch.cuda.is_available()
 
 COLLECTIVES = "lab.book.communication.collectives"
+FLASH_SWEEP = "lab.book.flash.sweep"
 CASES = [  # module, argv, whether this machine can tell it is wrong
     ("lab.bench", ["--context", "0"], True),
     ("lab.bench", ["--size", "gigantic"], True),
@@ -37,6 +38,15 @@ CASES = [  # module, argv, whether this machine can tell it is wrong
     ("lab.render", ["--only", "99"], True),
     ("lab.render", ["-p", "no_such_parameter", "1", "--only", "01"], True),
     ("lab.render", ["--html-only", "--no-html"], True),
+    (FLASH_SWEEP, ["sweep", "--shapes", "4x32x512"], True),
+    (FLASH_SWEEP, ["sweep", "--variants", "no such variant"], True),
+    (FLASH_SWEEP, ["sweep", "--peers", "cudnn"], True),
+    (FLASH_SWEEP, ["sweep", "--rep-ms", "0"], True),
+    (FLASH_SWEEP, ["sweep", "--workers", "-1"], True),
+    (FLASH_SWEEP, ["sweep", "--device", "cpu"], True),  # the defaults are sized for a GPU
+    (FLASH_SWEEP, ["course", "--device", "cpu"], True),
+    (FLASH_SWEEP, ["check", "--device", "cpu", "--shapes", "1x1x16x16", "--out", "/proc/no/such"], True),
+    (FLASH_SWEEP, ["sweep", "--device", "cuda"], NO_GPU),
 ]
 
 
@@ -57,6 +67,13 @@ def test_memory_refusal_names_the_estimate_and_the_change():
                           "cpu"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert "GiB" in out.stderr and "--context" in out.stderr
+
+
+def test_flash_sweep_refuses_gpu_sized_work_on_a_cpu_with_the_estimate():
+    out = subprocess.run([sys.executable, "-m", FLASH_SWEEP, "sweep", "--device", "cpu"], cwd=REPO_ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "tile pairs" in out.stderr and "--shapes" in out.stderr and "--host-shape" in out.stderr
 
 
 def test_debug_shows_the_traceback():

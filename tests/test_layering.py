@@ -240,3 +240,17 @@ def test_only_the_book_and_its_command_lines_import_the_book():
     importers = {name for name, path in MODULES.items() if not name.startswith("lab.book")
                  for _, found, _ in _imports(path) if any(m.startswith("lab.book") for m in found)}
     assert importers <= {"lab.render", "lab.fastest"}, importers
+
+
+#: Chapters stated as claims, each importing no other chapter (what two chapters share lives in the engine or the
+#: book's core): a chapter joins once its conversion removes its sibling imports.
+SIBLINGS = ("flash",)
+
+
+@pytest.mark.parametrize("chapter", SIBLINGS)
+def test_a_chapter_imports_no_other_chapter(chapter):
+    others = set(CHAPTERS.values()) - {chapter}
+    bad = sorted({(str(path.relative_to(LAB)), name) for path in (LAB / "book" / chapter).rglob("*.py")
+                  for name in _lab_imports(path) if name.startswith("lab.book.") and name.split(".")[2] in others})
+    assert not bad, f"lab.book.{chapter} imports another chapter (move what they share into the engine): {bad}"
+
