@@ -235,7 +235,8 @@ def attention_entries(bench: pd.DataFrame, shape: Shape = fl.SHAPE_2_7B) -> list
         for p in [p for p in PASSES if sampled(r, p)]:
             summary = Summary(float(r[f"{p}_ms"]), float(r.get(f"{p}_spread_ms", math.nan)), int(r[f"{p}_n"]))
             out.append(ledger.entry("attention", summary, "ms", f"{r['impl']} on {shape.label} {r['dtype']}, {p}",
-                                    host_bound=r.get("timing") == "eager", impl=r["impl"], dtype=r["dtype"],
+                                    host_bound=r.get("timing") == "eager", impl=r["impl"],
+                                    kernel=r["kernel"] if isinstance(r.get("kernel"), str) else "", dtype=r["dtype"],
                                     batch=r["batch"], heads=r["heads"], seq_len=r["seq_len"], d=r["d"],
                                     causal=r["causal"], timing=r.get("timing", "eager"), **{"pass": p}))
     return out
