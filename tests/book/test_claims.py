@@ -182,3 +182,21 @@ def test_lm_step_rows_enter_the_ledger_mode_by_mode(tmp_path):
     assert entries[1]["median"] == row["fwdbwd_ms"] and entries[1]["n"] == 5
     saved = table.drop(columns=[c for c in table if c.endswith("_samples_ms")])  # as read back from a CSV
     assert [e["median"] for e in ledger.lm_step_entries(saved)] == [e["median"] for e in entries]
+
+
+def test_a_quantity_other_than_time_is_lower_or_higher_and_paired_ratios_say_so():
+    small = cl.Measured.of("sharded", _samples(20.0, 0.1), "GiB")
+    big = cl.Measured.of("ddp", _samples(40.0, 0.1), "GiB")
+    assert cl.Versus(small, big).verdict == "lower" and cl.Versus(big, small).verdict == "higher"
+    assert "faster" not in cl.say(cl.Versus(small, big))
+    a, b = [9.0, 9.0, 27.0, 9.0, 9.0, 9.0], [10.0, 10.0, 30.0, 10.0, 10.0, 10.0]
+    paired = cl.Versus(cl.Measured.of("a", a), cl.Measured.of("b", b), paired=True)
+    assert paired.verdict == "faster" and "per-round ratio" in cl.say(paired)
+
+
+def test_verdict_table_refuses_keys_that_hide_its_columns():
+    f = cl.Versus(cl.Measured.of("a", _samples(1.0, 0.01)), cl.Measured.of("b", _samples(2.0, 0.01)))
+    row = cl.verdict_table([({"shape": "x"}, f)])[0]
+    assert row["verdict"] == "faster" and row["against"] == f.reference.text()
+    with pytest.raises(ValueError, match="verdict"):
+        cl.verdict_table([({"verdict": "mine"}, f)])
