@@ -21,7 +21,7 @@ from lab.book import claims as cl
 from lab.book import ledger, report
 from lab.book.plots import save_figure
 from lab.measure.traces import existing_trace, plot_timeline, read_trace, step_overlap
-from lab.measure.verdicts import FASTER, SLOWER, WITHIN_NOISE, summarize
+from lab.measure.verdicts import FASTER, SLOWER, WITHIN_NOISE
 
 HOOKED = ("individual", "bucketed")
 NAMES = {"torch_ddp": "torch DDP", "single_gpu": "one device"}
@@ -68,7 +68,7 @@ def step_table(bench: pd.DataFrame) -> pd.DataFrame:
 
 def measured(row) -> cl.Measured:
     """A row's step time with every round, labelled by wrapper and config."""
-    return cl.Measured.of(f"{row['label']} ({row['config']})", samples(row["step_samples_ms"]))
+    return cl.Measured.from_row(f"{row['label']} ({row['config']})", row, "step_ms")
 
 
 def versus(a, b, goal: float | None = None) -> cl.Versus:
@@ -129,7 +129,7 @@ def plot_step_times(bench: pd.DataFrame):
 
 def ledger_entries(bench: pd.DataFrame) -> list[dict]:
     """The torch DDP rows as ``ddp_step`` entries of the ledger (notebook 08 times torch DDP too)."""
-    return [ledger.entry("ddp_step", summarize(samples(r["step_samples_ms"])), "ms", f"torch DDP, {r['config']}",
+    return [ledger.entry("ddp_step", measured(r).summary, "ms", f"torch DDP, {r['config']}",
                          impl="torch_ddp", size=r["size"], context=r["context"], batch=r["batch"], dtype=r["dtype"],
                          world_size=r["world_size"], bucket_mb=TORCH_DDP_BUCKET_MB)
             for _, r in _ok(bench).iterrows() if r["impl"] == "torch_ddp"]

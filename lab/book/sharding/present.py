@@ -20,7 +20,7 @@ from lab.book import claims as cl
 from lab.book import ledger
 from lab.book.plots import save_figure
 from lab.measure.traces import existing_trace, overlap_summary, plot_timeline, read_trace
-from lab.measure.verdicts import FASTER, HIGHER, LOWER, SLOWER, summarize
+from lab.measure.verdicts import FASTER, HIGHER, LOWER, SLOWER
 
 NAMES = {"ddp": "DDP", "sharded_optimizer": "sharded optimizer", "zero1": "ZeRO-1", "fsdp": "FSDP",
          "torch_zero": "torch ZeroRedundancyOptimizer", "torch_fsdp2": "FSDP2"}
@@ -62,16 +62,11 @@ def has_peaks(df: pd.DataFrame) -> bool:
 
 
 def measured(row: pd.Series, column: str = "step_ms") -> cl.Measured:
-    """A row's step time (every round) or, for a ``*_gib`` column, its peak (every step; a table that kept one
-    step's peak decides nothing), labelled; a row that did not run is out of memory (at the memory its ranks had)
-    or failed."""
-    name = f"{NAMES[row['impl']]}'s {MEASURES[column]} ({row['size']})"
-    unit = "ms" if column == "step_ms" else "GiB"
-    if row["status"] != "ok":
-        return cl.Measured(name, unit=unit, status=row["status"], limit_gib=row.get("limit_gib", math.nan))
-    kept = samples(row.get(column.replace("_ms", "_samples_ms") if column == "step_ms" else
-                           column.replace("_gib", "_samples_gib")))
-    return cl.Measured.of(name, kept, unit) if kept else cl.Measured.value(name, row[column], unit)  # one step
+    """A row's step time (every round) or, for a ``*_gib`` column, its peak (every step; a table that kept no
+    steps decides nothing), labelled; a row that did not run is out of memory (at the memory its ranks had) or
+    failed (:meth:`lab.book.claims.Measured.from_row`)."""
+    return cl.Measured.from_row(f"{NAMES[row['impl']]}'s {MEASURES[column]} ({row['size']})", row, column,
+                                "ms" if column == "step_ms" else "GiB")
 
 
 def failures(df: pd.DataFrame) -> list[cl.Observed]:
@@ -85,7 +80,7 @@ def failures(df: pd.DataFrame) -> list[cl.Observed]:
 
 def ledger_entries(df: pd.DataFrame) -> list[dict]:
     """The DDP rows (torch DDP, default buckets) as ``ddp_step`` entries of the ledger (notebook 07 times it too)."""
-    return [ledger.entry("ddp_step", summarize(samples(r["step_samples_ms"])), "ms", f"torch DDP, {r['size']} "
+    return [ledger.entry("ddp_step", measured(r).summary, "ms", f"torch DDP, {r['size']} "
                          f"{r['dtype']}", impl="torch_ddp", size=r["size"], context=r["context"], batch=r["batch"],
                          dtype=r["dtype"], world_size=r["world_size"], bucket_mb=TORCH_DDP_BUCKET_MB)
             for _, r in _ok(df).iterrows() if r["impl"] == "ddp"]
