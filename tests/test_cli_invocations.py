@@ -26,11 +26,22 @@ CASES = [  # module, argv, whether this machine can tell it is wrong
     (COLLECTIVES, ["--device", "cpu", "--world-sizes", "2", "--sizes-mb", "100000000"], CORES >= 2),
     (COLLECTIVES, ["--device", "cpu", "--world-sizes", "2", "--results-dir", "/proc/no/such"], CORES >= 2),
     (COLLECTIVES, ["--device", "cuda"], NO_GPU),
-    ("lab.book.ddp.bench", ["--world-size", "0"], True),
-    ("lab.book.ddp.bench", ["--size", "gigantic"], True),
-    ("lab.book.ddp.bench", ["--device", "cpu", "--world-size", str(CORES + 1)], True),
-    ("lab.book.ddp.bench", ["--device", "cpu", "--world-size", "1", "--size", "10B"], True),
-    ("lab.book.ddp.bench", ["--bucket-sizes-mb", "0"], True),
+    ("lab.bench.ddp", ["--world-size", "0"], True),
+    ("lab.bench.ddp", ["--size", "gigantic"], True),
+    ("lab.bench.ddp", ["--device", "cpu", "--world-size", str(CORES + 1)], True),
+    ("lab.bench.ddp", ["--device", "cpu", "--world-size", "1", "--size", "10B"], True),
+    ("lab.bench.ddp", ["--bucket-sizes-mb", "0"], True),
+    ("lab.bench.ddp", ["--device", "cpu", "--world-size", "1", "--size", "tiny", "--results-dir", "/proc/no/such"],
+     True),
+    ("lab.bench.sharding", ["--world-size", "0"], True),
+    ("lab.bench.sharding", ["--sizes", "tiny", "gigantic"], True),
+    ("lab.bench.sharding", ["--impls", "zero3"], True),
+    ("lab.bench.sharding", ["--rounds", "0"], True),
+    ("lab.bench.sharding", ["--device", "cpu", "--world-size", str(CORES + 1), "--sizes", "tiny"], True),
+    ("lab.bench.sharding", ["--device", "cpu", "--world-size", "1", "--sizes", "10B"], True),
+    ("lab.bench.sharding", ["--device", "cpu", "--world-size", "1", "--sizes", "tiny", "--results-dir",
+                            "/proc/no/such"], True),
+    ("lab.bench.sharding", ["--device", "cuda", "--sizes", "tiny"], NO_GPU),
     ("lab.fastest", ["--config", "leaderboard", "--device", "cpu"], True),
     ("lab.fastest", ["--config", "tiny", "--device", "cpu", "--world-size", str(CORES + 1)], True),
     ("lab.fastest", ["--config", "tiny", "--device", "cpu", "--results-dir", "/proc/no/such"], CORES >= 2),
@@ -77,6 +88,6 @@ def test_flash_sweep_refuses_gpu_sized_work_on_a_cpu_with_the_estimate():
 
 
 def test_debug_shows_the_traceback():
-    out = subprocess.run([sys.executable, "-m", "lab.book.ddp.bench", "--size", "gigantic", "--debug"], cwd=REPO_ROOT,
+    out = subprocess.run([sys.executable, "-m", "lab.bench.ddp", "--size", "gigantic", "--debug"], cwd=REPO_ROOT,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "Traceback" in out.stderr and "gigantic" in out.stderr
