@@ -145,7 +145,9 @@ class Measured:
         ``status`` is not ``ok`` is out of memory (``oom``, with ``limit_gib`` if the row has it) or failed."""
         get = row.get if hasattr(row, "get") else (lambda k, d=None: getattr(row, k, d))
         status = str(get("status", "ok") or "ok")
-        if status != "ok":
+        value = get(column)
+        measured = isinstance(value, (int, float)) and math.isfinite(value)
+        if status != "ok" and not measured:  # an OOM row keeps the modes that fit: only the others ran out
             limit = get("limit_gib", math.nan)
             return cls(label, unit=unit, status=status, limit_gib=float(limit) if limit is not None else math.nan)
         stem, _, suffix = column.rpartition("_") if column.endswith(("_ms", "_gib", "_s")) else (column, "", "")
@@ -319,7 +321,9 @@ def say_versus(f: Versus) -> str:
         medians = f"{a.text()} against {b.text()}"
         ratio = (f"median per-round ratio {number(c.ratio)}" if f.paired else f"ratio {number(c.ratio)}") + \
             f", {v.CONFIDENCE:.0%} interval {interval(c.low, c.high)}"
-        if c.verdict == v.NOT_DECIDED:
+        if c.verdict == v.NOT_DECIDED and min(a.summary.n, b.summary.n) >= v.MIN_SAMPLES:
+            text = f"{a.label} against {b.label}: not decided, no spread was kept ({medians})"
+        elif c.verdict == v.NOT_DECIDED:
             text = (f"{a.label} against {b.label}: not decided, {plural(a.summary.n, 'sample')} and "
                     f"{number(b.summary.n)} ({number(v.MIN_SAMPLES)} needed; {medians})")
         elif c.verdict == v.WITHIN_NOISE:

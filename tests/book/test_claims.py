@@ -46,6 +46,8 @@ def test_versus_follows_the_rule_and_says_the_ratio():
     few = cl.Versus(cl.Measured.of("a", [1.0, 1.1]), stock)
     assert few.verdict == "not decided" and few.comparison.ratio == pytest.approx(1.05 / stock.median)
     assert (2, "") not in prose.counts(cl.say(few))  # the counts are samples, said as such
+    spreadless = cl.Versus(cl.Measured.summarized("a", 10.0, float("nan"), 30), stock)
+    assert spreadless.verdict == "not decided" and "spread" in cl.say(spreadless)
     noisy = cl.Versus(cl.Measured.of("a", _samples(100.0, 20.0, seed=2)), cl.Measured.of("b", _samples(101.0, 20.0)))
     assert noisy.verdict == "within noise" and noisy.cells()["verdict"] == "within noise"
 
@@ -63,8 +65,9 @@ def test_out_of_memory_is_a_result_not_a_message():
     assert f.comparison is None and f.verdict == "out of memory at 79 GiB" and f.goal_word == "missed"
     text = cl.say(f)
     assert prose.has_amount(text, 79, "GiB") and not cl.machine_phrases(text)
-    row = pd.Series(dict(status="oom", limit_gib=40.0, fwd_ms=float("nan")))
+    row = pd.Series(dict(status="oom", limit_gib=40.0, fwd_ms=float("nan"), step_ms=float("nan"), fwdbwd_ms=9.0))
     assert cl.Measured.from_row("x", row, "fwd_ms").text() == "out of memory at 40 GiB"
+    assert cl.Measured.from_row("x", row, "fwdbwd_ms").median == 9.0  # the modes that fit keep their numbers
 
 
 def test_rows_are_read_with_their_spread_and_count():

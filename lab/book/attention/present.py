@@ -12,8 +12,8 @@ from dataclasses import asdict, dataclass
 
 import pandas as pd
 
-from lab.book.attention import bench as ab
 from lab.accounting import attention as costs
+from lab.book.attention import bench as ab
 from lab.book.report import fmt, with_profile_defaults
 from lab.measure.verdicts import compare_summaries, span
 
