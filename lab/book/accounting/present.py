@@ -14,7 +14,7 @@ import seaborn as sns
 import sympy as sp
 
 from lab import accounting as acc
-from lab.book.claims import Claim, Measured, Observed, Share, Value
+from lab.book.claims import Claim, Measured, Observed, Share, Value, number
 from lab.book.report import Chapter, say, show_table
 from lab.measure import results as store
 from lab.units import GiB
@@ -135,8 +135,8 @@ def collectives_figure(coll: pd.DataFrame):
     sns.lineplot(data=coll.assign(time_ms=coll["time_s"] * 1e3), x="devices", y="time_ms", hue="collective",
                  style="collective", ax=ax)
     s, w = coll["size_bytes"].iloc[0], coll["bandwidth"].iloc[0]
-    ax.set(yscale="log", xlabel="devices N", ylabel="time (ms)", title=f"Ring collectives, S = {s / 1e9:g} GB, "
-           f"W = {w / 1e9:g} GB/s")
+    ax.set(yscale="log", xlabel="devices N", ylabel="time (ms)",
+           title=f"Ring collectives, S = {number(s / 1e9, 'GB')}, W = {number(w / 1e9, 'GB/s')}")
     return fig
 
 
@@ -168,7 +168,7 @@ def ffn_sweep_figure(sweep: pd.DataFrame, tokens: int):
     g = sns.relplot(data=long, x="devices", y="seconds", hue="time", col="strategy", kind="line", marker="o",
                     height=3.5, aspect=1.1)
     g.set(xscale="log", yscale="log")
-    g.figure.suptitle(f"One FFN training step, B = {tokens:,} tokens", y=1.04)
+    g.figure.suptitle(f"One FFN training step, B = {number(tokens)} tokens", y=1.04)
     return g.figure
 
 

@@ -9,7 +9,7 @@ import sympy as sp
 
 from lab import accounting as acc
 from lab.book.accounting.present import show_equation, value
-from lab.book.claims import Claim, Observed, plural
+from lab.book.claims import Claim, Observed, number, plural
 
 QUESTION = 2  # the XXL question's FFN: two matrices, up and down
 
@@ -61,7 +61,7 @@ def xxl_claim(xxl) -> Claim:
                                                                 q["state_gb"] / 1e3, "TB"),
         value("H100s (80 GB) for the state alone", q["devices_for_state"]),
         value("bf16 saved activations per token", q["activation_mb_per_token"], "MB"),
-        value(f"for {int(q['tokens']):,} tokens", q["activations_gb"], "GB"),
+        value(f"for {plural(int(q['tokens']), 'token')}", q["activations_gb"], "GB"),
         value("H100s in all", q["devices_for_all"]), value("with SwiGLU, the state", s["state_gb"] / 1e3, "TB"),
         value("its activations per token", s["activation_mb_per_token"], "MB")],
         "The question's blocks save the inputs of both matrices; SwiGLU also saves its gate's output, SiLU of it "
@@ -71,7 +71,7 @@ def xxl_claim(xxl) -> Claim:
 def fsdp_display(fsdp):
     """The FSDP table with "none fits" where no N is enough."""
     return fsdp.drop(columns=["matrices"]).assign(devices_needed=fsdp["devices_needed"].map(
-        lambda n: "none fits" if n != n or n is None else f"{int(n):,}"))
+        lambda n: "none fits" if n != n or n is None else number(n)))
 
 
 def fsdp_claim(fsdp) -> Claim:
