@@ -247,7 +247,7 @@ book.state(memory_book.checkpoint_model_claim(ck_model))
 
 # %%
 sweep = book.table("memory_checkpoint_sweep", lambda: exp.checkpoint_sweep(ck_model))
-book.ledger(memory_book.ledger_entries(peaks, sweep))
+book.ledger(memory_book.ledger_entries(peaks, sweep), table="memory_peaks")
 report.show_table(shown(sweep.drop(columns=["step_samples_ms", "error", "limit_gib"])), floatfmt=".4g")
 claim = memory_book.checkpoint_claim(sweep, setup.parameter_bytes)
 book.answer(claim, section="Measured: peak memory of a training step for each group size")

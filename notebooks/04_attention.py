@@ -149,7 +149,7 @@ book.state(claim)
 lm = book.table("lm_step", lambda: whole_model.lm_eager_vs_compiled(
     cfg["lm_sizes"], context=cfg["lm_context"], batch=lm_batch, dtype=cfg["lm_dtype"], warmup=cfg["lm_warmup"],
     steps=cfg["lm_steps"], device=dev))
-book.ledger(ledger.lm_step_entries(lm))
+book.ledger(ledger.lm_step_entries(lm), table="lm_step")
 report.show_table(whole_model.lm_table(lm))
 whole_model.plot_lm_compile(lm)
 plt.show()
