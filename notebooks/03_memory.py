@@ -21,8 +21,9 @@
 # are exact tensor sizes without the CUDA allocator's rounding.
 #
 # Snapshot pickles and their HTML pages go to `artifacts_dir` (git-ignored, regenerable by re-running this
-# notebook); the report shows plots and tables derived from them. Every number in the prose is computed from
-# the tables, and the answers at the top link to the section that measured them. With `replay=True` the
+# notebook); the report shows plots and tables derived from them. Every answer is stated from the tables
+# (`lab.book.claims`), and the answers at the top link to the section that measured them. Peak memory enters
+# the book's ledger, which checks it against the other reports that measure it. With `replay=True` the
 # tables are read back from `results_dir` instead of measured.
 
 # %% tags=["parameters"]
@@ -42,16 +43,16 @@ checkpoint_context = None         # None: 2048 (full) or 64 (quick)
 checkpoint_group_sizes = None     # None: no checkpointing and every divisor of the number of blocks
 compile_rmsnorm = True            # RMSNorm saved tensors eager vs torch.compile'd
 max_entries = 1_000_000           # allocator events kept by the snapshot recorder
-timing_steps = 2                  # timed steps per checkpointing configuration
+timing_steps = 5                  # timed steps per checkpointing configuration (at least 5 for a verdict)
 top_allocations = 10
 
 # %%
 from lab.book import plots, report
 from lab.book.memory import bench as bench_memory
 from lab.book.memory import present as memory_book
-from lab.book.memory import snapshot_pages
 from lab.book.memory import workload as memory_setup
 from lab.book.report import shown
+from lab.measure.memory_pages import export_snapshot_pages
 
 setup = memory_setup.MemorySetup.resolve(
     quick, size=size, batch=batch, dtype=dtype, timeline_context=timeline_context, peak_contexts=peak_contexts,
@@ -59,8 +60,8 @@ setup = memory_setup.MemorySetup.resolve(
     checkpoint_group_sizes=checkpoint_group_sizes, compile_rmsnorm=compile_rmsnorm, max_entries=max_entries,
     timing_steps=timing_steps)
 exp = bench_memory.MemoryExperiment(setup, device, artifacts_dir)
-book = report.Chapter("03_memory", dict(quick=quick, device=str(exp.device), **setup.params()), results_dir,
-                      replay=replay)
+book = report.Chapter("03_memory", dict(quick=quick, device=str(exp.device), **report.settings_params(setup)),
+                      results_dir, replay=replay)
 plots.set_style()
 book.show_machine()
 book.show_answers()
@@ -75,9 +76,9 @@ book.show_answers()
 # %%
 residual = book.table("memory_residual_stream", lambda: memory_setup.residual_stream_table(setup))
 report.show_table(shown(residual), floatfmt=".4g")
-report.say(memory_book.residual_sentence(residual, setup))
-book.answer("How large is the residual stream?", memory_book.residual_sentence(residual, setup),
-            section="The residual stream")
+claim = memory_book.residual_claim(residual, setup)
+book.answer(claim, section="The residual stream")
+book.state(claim)
 
 # %% [markdown]
 # ## Timelines: a forward pass, and two training steps
@@ -90,32 +91,31 @@ book.answer("How large is the residual stream?", memory_book.residual_sentence(r
 # %%
 phases = book.table("memory_timeline_phases", exp.record_timelines)
 report.show_table(memory_book.phase_peaks_display(phases, "forward"), floatfmt=".4g")
-snapshot_pages.show_timeline(exp.snapshot_path("forward"),
-                             f"{setup.size}: one forward pass (context {setup.timeline_context}, {setup.dtype})")
+memory_book.show_timeline(exp.snapshot_path("forward"),
+                          f"{setup.size}: one forward pass (context {setup.timeline_context}, {setup.dtype})")
 
 # %%
 report.show_table(memory_book.phase_peaks_display(phases, "train_step"), floatfmt=".4g")
-report.say(memory_book.timeline_sentences(phases, setup.parameter_bytes))
-book.answer("Which phase is each timeline's peak?", memory_book.timeline_answer(phases),
-            section="Timelines: a forward pass, and two training steps")
-snapshot_pages.show_timeline(exp.snapshot_path("train_step"),
-                             f"{setup.size}: two AdamW steps (context {setup.timeline_context}, {setup.dtype})")
+book.answer(memory_book.timeline_claim(phases), section="Timelines: a forward pass, and two training steps")
+book.state(memory_book.timeline_claim(phases), memory_book.phases_claim(phases, setup.parameter_bytes))
+memory_book.show_timeline(exp.snapshot_path("train_step"),
+                          f"{setup.size}: two AdamW steps (context {setup.timeline_context}, {setup.dtype})")
 
 # %% [markdown]
 # ### Opening a snapshot in a browser, online or not
 #
 # torch's memory_viz page (`torch.cuda._memory_viz.trace_plot`) embeds the snapshot but imports its viewer
 # script, `MemoryViz.js`, from a CDN: without a network it is a blank page. So each snapshot also gets a
-# self-contained page, `lab.book.memory.snapshot_pages.offline_snapshot_html`: the timeline above as an embedded PNG, the
-# peak of each phase and the largest allocations, no script at all. The table says what each page loads
+# self-contained page, `lab.measure.memory_pages.offline_snapshot_html`: the timeline above as an embedded PNG,
+# the peak of each phase and the largest allocations, no script at all. The table says what each page loads
 # from the web, read off the pages themselves.
 
 # %%
-pages = snapshot_pages.export_snapshot_pages(exp.artifacts, ["forward", "train_step"])
+pages = export_snapshot_pages(exp.artifacts, ["forward", "train_step"])
 report.show_table(pages)
-report.say(snapshot_pages.pages_sentence(pages))
-book.answer("Which snapshot page works offline?", snapshot_pages.pages_sentence(pages),
-            section="Opening a snapshot in a browser, online or not")
+claim = memory_book.pages_claim(pages)
+book.answer(claim, section="Opening a snapshot in a browser, online or not")
+book.state(claim)
 
 # %% [markdown]
 # ### The largest allocations of the forward pass, and where they come from
@@ -128,10 +128,9 @@ largest = book.table("memory_largest_forward_allocations", lambda: exp.largest_a
 origins = book.table("memory_allocations_by_origin", exp.allocations_by_origin)
 report.show_table(shown(largest), floatfmt=".4g")
 report.show_table(shown(origins), floatfmt=".4g")
-report.say(memory_book.largest_allocations_sentence(largest, origins, setup))
-book.answer("What are the largest allocations of a forward pass, and where do they come from?",
-            memory_book.largest_allocations_answer(largest, origins),
-            section="The largest allocations of the forward pass, and where they come from")
+claim = memory_book.allocations_claim(largest, origins, setup)
+book.answer(claim, section="The largest allocations of the forward pass, and where they come from")
+book.state(claim)
 
 # %% [markdown]
 # ### Peak memory by phase
@@ -154,24 +153,25 @@ report.show_table(shown(by_phase), floatfmt=".4g")
 # %%
 grads = book.table("memory_gradients_per_block", exp.gradients_per_block)
 report.show_table(shown(grads, head=4), floatfmt=".4g")
-report.say(memory_book.gradients_sentence(grads, setup.embedding_bytes))
-book.answer("How much gradient memory does each block leave?", memory_book.gradients_answer(grads),
-            section="Gradient memory per block, read off the backward timeline")
+claim = memory_book.gradients_claim(grads, setup)
+book.answer(claim, section="Gradient memory per block, read off the backward timeline")
+book.state(claim)
 memory_book.gradients_figure(grads)
 
 # %% [markdown]
 # ## Peak memory across context lengths, fp32 vs bf16 autocast
 #
 # Forward pass (with autograd recording, as in training) and a full training step (AdamW's state created
-# first, so every measured step carries it). Configurations that do not fit are rows with `status = oom`.
+# first, so every measured step carries it). Configurations that do not fit are rows with `status = oom`,
+# shown with the memory the device had. Each peak enters the book's ledger (with the checkpointing sweep's
+# below), so another report that measures the same step must agree.
 
 # %%
 peaks = book.table("memory_peaks", exp.peak_memory)
-report.say(f"**Peak memory (GiB)** of {setup.size}, batch {setup.batch}")
 report.show_table(memory_book.peak_pivot(peaks))
-report.say(memory_book.mixed_precision_sentence(peaks))
-book.answer("Does mixed precision change peak memory, and why?", memory_book.mixed_precision_answer(peaks),
-            section="Peak memory across context lengths, fp32 vs bf16 autocast")
+claim = memory_book.mixed_precision_claim(peaks)
+book.answer(claim, section="Peak memory across context lengths, fp32 vs bf16 autocast")
+book.state(claim)
 
 # %% [markdown]
 # ## What a block saves for the backward pass
@@ -187,7 +187,6 @@ ops = book.table("memory_block_saved_by_op", exp.block_saved_by_op)
 modules = book.table("memory_block_saved_by_module", exp.block_saved_by_module)
 report.show_table(shown(ops, head=8), floatfmt=".3g")
 report.show_table(shown(modules, head=8), floatfmt=".3g")
-report.say(memory_book.block_saved_sentence(ops))
 
 # %% [markdown]
 # ### RMSNorm, eager vs `torch.compile`
@@ -198,9 +197,9 @@ report.say(memory_book.block_saved_sentence(ops))
 # %%
 norm = book.table("memory_rmsnorm_saved", exp.rmsnorm_saved)
 report.show_table(shown(norm), floatfmt=".4g")
-report.say(memory_book.rmsnorm_sentence(norm))
-book.answer("What does a block save for the backward, and what does fusing RMSNorm change?",
-            memory_book.saved_tensors_answer(ops, norm), section="What a block saves for the backward pass")
+claim = memory_book.saved_claim(ops, norm)
+book.answer(claim, section="What a block saves for the backward pass")
+book.state(claim)
 
 # %% [markdown]
 # ## Activation checkpointing
@@ -236,21 +235,22 @@ book.answer("What does a block save for the backward, and what does fusing RMSNo
 ck_model = book.table("memory_checkpoint_model",
                       lambda: memory_setup.checkpoint_model(setup, ops["bytes"].sum(), ops["context"].iloc[0]))
 report.show_table(shown(ck_model), floatfmt=".4g")
-report.say(memory_book.checkpoint_model_sentence(ck_model, setup.model.num_layers, setup.checkpoint_context))
+book.state(memory_book.checkpoint_model_claim(ck_model))
 
 # %% [markdown]
 # ### Measured: peak memory of a training step for each group size
 #
 # The AdamW state is created first, so every measured step carries parameters, gradients and optimizer
 # state as in steady-state training. The model's prediction adds 4 × the fp32 parameters (weights, gradients,
-# two AdamW moments) to the modelled activations; it leaves out the logits and other temporaries.
+# two AdamW moments) to the modelled activations; it leaves out the logits and other temporaries. Each
+# configuration's step time is the median of `timing_steps` steps, with its spread.
 
 # %%
 sweep = book.table("memory_checkpoint_sweep", lambda: exp.checkpoint_sweep(ck_model))
-report.show_table(shown(sweep), floatfmt=".4g")
-report.say(memory_book.checkpoint_sentence(sweep, setup.parameter_bytes))
-book.answer("Which checkpointing is memory-optimal, and which block size is best measured?",
-            memory_book.checkpoint_answer(sweep),
-            section="Measured: peak memory of a training step for each group size")
+book.ledger(memory_book.ledger_entries(peaks, sweep), table="memory_peaks")
+report.show_table(shown(sweep.drop(columns=["step_samples_ms", "error", "limit_gib"])), floatfmt=".4g")
+claim = memory_book.checkpoint_claim(sweep, setup.parameter_bytes)
+book.answer(claim, section="Measured: peak memory of a training step for each group size")
+book.state(claim)
 memory_book.checkpoint_figure(sweep, f"{setup.size}, batch {setup.batch}, context {setup.checkpoint_context}, "
                               f"{setup.dtype}")

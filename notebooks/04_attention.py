@@ -15,9 +15,9 @@
 # for that memory term by term, and see what `torch.compile` does to it: first to the attention function
 # alone, then to the whole language model at every size.
 #
-# Every number and every "faster"/"slower" in the prose is generated from this render's tables; a
-# comparison says "faster" only when the difference exceeds the measured spread (`lab.measure.verdicts`).
-# Eager and compiled are always measured side by side in this notebook, never taken from another one.
+# Every answer is stated from this render's tables (`lab.book.claims`): times are medians with their spread,
+# and every "faster"/"slower" follows the rule stated at the top. Eager and compiled are always measured one
+# right after the other in this notebook, never taken from another one.
 
 # %% tags=["parameters"]
 quick = True                      # tiny grid and model on the CPU; the full render sets False
@@ -30,7 +30,7 @@ seqs = None                       # sequence lengths; None: 256, 1024, 4096, 819
 batch = 8
 dtype = "fp32"
 causal = False                    # the grid measures plain (unmasked) attention
-passes = None                     # forward and backward passes per configuration; None: 100 (full) or 3
+passes = None                     # forward and backward passes per configuration; None: 100 (full) or 5
 warmup = None                     # untimed passes first; None: 5 (full) or 1
 compile_grid = True               # also run every configuration through torch.compile, right after eager
 lm_sizes = None                   # whole model eager vs compiled; None: every size (full) or ["tiny"] (quick)
@@ -38,21 +38,23 @@ lm_context = None                 # None: 512 (full) or 64 (quick)
 lm_batch = 4
 lm_dtype = None                   # None: "bf16" autocast (full) or "fp32" (quick: the CPU)
 lm_warmup = None                  # None: 2 (full; the first step of a compiled model compiles) or 1
-lm_steps = None                   # timed steps per mode; None: 5 (full) or 3
+lm_steps = None                   # timed steps per mode (at least 5 for a verdict); None: 5
 
 # %%
 import matplotlib.pyplot as plt
 
-from lab.book import plots, report
-from lab.book.attention import bench as ab
+from lab.bench.attention import naive_attention, run_naive_grid
+from lab.book import ledger, plots, report
 from lab.book.attention import present, whole_model
 from lab.measure.device import resolve_device
 
 dev = resolve_device(device)
-cfg = present.settings(quick, dev, ds=ds, seqs=seqs, batch=batch, dtype=dtype, causal=causal, passes=passes,
-                       warmup=warmup, compile_grid=compile_grid, lm_sizes=lm_sizes, lm_context=lm_context,
-                       lm_batch=lm_batch, lm_dtype=lm_dtype, lm_warmup=lm_warmup, lm_steps=lm_steps)
-book = report.Chapter("04_attention", cfg.params(), results_dir, replay=replay)
+cfg = report.with_profile_defaults(dict(ds=ds, seqs=seqs, passes=passes, warmup=warmup, lm_sizes=lm_sizes,
+                                        lm_context=lm_context, lm_dtype=lm_dtype, lm_warmup=lm_warmup,
+                                        lm_steps=lm_steps), present.QUICK if quick else present.FULL)
+book = report.Chapter("04_attention", dict(quick=quick, device=str(dev), batch=batch, dtype=dtype, causal=causal,
+                                           compile_grid=compile_grid, lm_batch=lm_batch, **cfg), results_dir,
+                      replay=replay)
 plots.set_style()
 book.show_machine()
 book.show_answers()
@@ -61,24 +63,24 @@ book.show_answers()
 # ## Naive attention over d × seq
 #
 # `lab.model.attention.naive_attention` (the model's `"naive"` attention: scores, softmax, weighted sum) on
-# `(batch, seq, d)` inputs. For every configuration `run_naive_grid` times `passes` forward passes
-# (gradients enabled, as in training), then runs one forward, reads the memory in use
+# `(batch, seq, d)` inputs. For every configuration `lab.bench.attention.run_naive_grid` times `passes` forward
+# passes (gradients enabled, as in training), then runs one forward, reads the memory in use
 # (`torch.cuda.memory_allocated`) before the backward starts, and times `passes` backward passes on that
-# graph. Out-of-memory is a row with `status="oom"`. It also counts, with autograd's saved-tensor hooks,
-# how many bytes the forward keeps for the backward (`saved_mib`, on any device). With `compile_grid` each
-# configuration is measured again through `torch.compile` right after its eager run (the section below the
-# memory study); this table shows the eager rows.
+# graph: each time is the median of its passes with its spread. Out-of-memory is a row with `status="oom"` and
+# the pass it happened in. It also counts, with autograd's saved-tensor hooks, how many bytes the forward keeps
+# for the backward (`saved_mib`, on any device). With `compile_grid` each configuration is measured again
+# through `torch.compile` right after its eager run (the section below the memory study); this table shows the
+# eager rows.
 
 # %%
-grid = book.table("attention_naive_grid", lambda: ab.run_naive_grid(
-    ab.naive_attention, ds=cfg.ds, seqs=cfg.seqs, batch=cfg.batch, dtype=cfg.dtype, causal=cfg.causal,
-    passes=cfg.passes, warmup=cfg.warmup, compile=cfg.compile_modes, impl="naive", device=dev))
-eager = present.eager_rows(grid)
+grid = book.table("attention_naive_grid", lambda: run_naive_grid(
+    naive_attention, ds=cfg["ds"], seqs=cfg["seqs"], batch=batch, dtype=dtype, causal=causal, passes=cfg["passes"],
+    warmup=cfg["warmup"], compile=(False, True) if compile_grid else (False,), impl="naive", device=dev))
+eager = present.rows(grid)
 report.show_table(present.grid_table(eager))
-report.say(present.fit_sentence(eager))
-report.say(present.timing_sentence(eager))
-book.answer("Which configurations fit, and how long do they take?",
-            f"{present.fit_sentence(eager)} {present.timing_sentence(eager)}", section="Naive attention over d × seq")
+claim = present.fit_and_time_claim(eager)
+book.answer(claim, section="Naive attention over d × seq")
+book.state(claim)
 
 # %% [markdown]
 # ## Memory accounting
@@ -91,13 +93,12 @@ book.answer("Which configurations fit, and how long do they take?",
 # configuration's baseline, so cuBLAS's workspace is not charged to it).
 
 # %%
-row, kind = ab.accounting_config(eager)
-report.show_table(present.memory_terms(row), floatfmt=".1f")
-check = ab.naive_memory_check(row)
-report.show_table(check, floatfmt=".4g")
-report.say(present.accounting_sentence(row, kind, check))
-book.answer("Where does the memory go in the configuration that does not fit (or the largest that does)?",
-            present.accounting_sentence(row, kind, check), section="Memory accounting")
+row, kind = present.accounting_config(eager)
+report.show_table(present.memory_terms(row))
+report.show_table(present.naive_memory_check(row))
+claim = present.accounting_claim(eager)
+book.answer(claim, section="Memory accounting")
+book.state(claim)
 
 # %% [markdown]
 # ## How the saved memory scales with length, and what removes it
@@ -108,15 +109,13 @@ book.answer("Where does the memory go in the configuration that does not fit (or
 # one extra `Q Kᵀ` matmul (notebook 05).
 
 # %%
-scaling = ab.saved_memory_scaling(eager)
-report.show_table(scaling, floatfmt=".3f")
-curves = present.saved_memory_curves(eager)
-present.plot_saved_memory(curves, f"Memory kept for the backward pass, batch {cfg.batch}, {cfg.dtype}")
+report.show_table(present.saved_memory_scaling(eager))
+present.plot_saved_memory(present.saved_memory_curves(eager),
+                          f"Memory kept for the backward pass, batch {batch}, {dtype}")
 plt.show()
-report.say(present.scaling_sentence(scaling, curves))
-book.answer("How does the saved memory scale with length, and what removes it?",
-            present.scaling_sentence(scaling, curves), section="How the saved memory scales with length, and what "
-            "removes it")
+claim = present.scaling_claim(eager)
+book.answer(claim, section="How the saved memory scales with length, and what removes it")
+book.state(claim)
 
 # %% [markdown]
 # ## The same grid through `torch.compile`
@@ -124,16 +123,17 @@ book.answer("How does the saved memory scale with length, and what removes it?",
 # Each shape is compiled on its own (`dynamic=False`, after `torch._dynamo.reset()`), right after its eager
 # run, so `compile_s` is the one-off cost of the first forward+backward of that shape. Compiled backward
 # graphs normally donate saved buffers, which forbids re-running the backward on one graph; the runner
-# switches donation off. A verdict compares the two means with their spread over the `passes` samples.
+# switches donation off. Each pass compares the compiled median with the eager one (ratio compiled / eager:
+# below 1 compiling helps) under the rule at the top.
 
 # %%
 versus = present.compile_table(grid)
-report.show_table(present.compile_display(versus))
-report.say(present.compile_sentence(versus, grid))
-present.plot_compile_speedups(versus)
+report.show_table(versus)
+present.plot_compile_ratios(versus)
 plt.show()
-book.answer("Does torch.compile speed up naive attention, and does it remove the seq² memory?",
-            present.compile_sentence(versus, grid), section="The same grid through torch.compile")
+claim = present.compile_claim(grid)
+book.answer(claim, section="The same grid through torch.compile")
+book.state(claim)
 
 # %% [markdown]
 # ## The whole model: eager vs compiled
@@ -141,19 +141,18 @@ book.answer("Does torch.compile speed up naive attention, and does it remove the
 # `lab.bench.lm.compare_variants` times the language model's forward, forward+backward and full AdamW train
 # step eagerly and then with `torch.compile(model)` (PyTorch SDPA attention inside), one after the other
 # in this process, for every size; a size that does not fit is a row with `status="oom"` whose modes that
-# fit keep their numbers. (The 2.7B model is the one some courses call "xl".) The rows join the book's
-# headline table `lm_step.csv` with this notebook as their source.
+# fit keep their numbers. Every time is the median of the timed steps with its spread. (The 2.7B model is the
+# one some courses call "xl".) The rows join the book's headline table `lm_step.csv` with this notebook as
+# their source, and enter the book's ledger: another report's measurement of the same step must agree.
 
 # %%
-lm = book.table("lm_step", lambda: ab.lm_eager_vs_compiled(
-    cfg.lm_sizes, context=cfg.lm_context, batch=cfg.lm_batch, dtype=cfg.lm_dtype, warmup=cfg.lm_warmup,
-    steps=cfg.lm_steps, device=dev))
-book.check_consistency("lm_step")
+lm = book.table("lm_step", lambda: whole_model.lm_eager_vs_compiled(
+    cfg["lm_sizes"], context=cfg["lm_context"], batch=lm_batch, dtype=cfg["lm_dtype"], warmup=cfg["lm_warmup"],
+    steps=cfg["lm_steps"], device=dev))
+book.ledger(ledger.lm_step_entries(lm), table="lm_step")
 report.show_table(whole_model.lm_table(lm))
-speedups = whole_model.lm_compile_speedups(lm)
-report.show_table(speedups)
-report.say(whole_model.lm_compile_sentence(speedups, lm))
-whole_model.plot_lm_compile(speedups)
+whole_model.plot_lm_compile(lm)
 plt.show()
-book.answer("How much does torch.compile speed up the whole model, size by size?",
-            whole_model.lm_compile_sentence(speedups, lm), section="The whole model: eager vs compiled")
+claim = whole_model.lm_claim(lm)
+book.answer(claim, section="The whole model: eager vs compiled")
+book.state(claim)

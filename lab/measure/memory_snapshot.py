@@ -207,7 +207,7 @@ def snapshot_from_profile(prof) -> dict:
 def export_memory_viz_html(snapshot: dict | str | os.PathLike, html_path: str | os.PathLike,
                            kind: str = "active") -> Path:
     """Write memory_viz's HTML page for a snapshot. It is NOT fully offline: the page embeds the snapshot but
-    loads the viewer's script from the web (see below); :mod:`lab.book.memory.snapshot_pages` has a self-contained page.
+    loads the viewer's script from the web (see below); :mod:`lab.measure.memory_pages` has a self-contained page.
 
     ``kind="active"`` is the "Active Memory Timeline" (``torch.cuda._memory_viz.trace_plot``),
     ``"segments"`` the "Allocator State History" (``segment_plot``). The snapshot is embedded in the page;

@@ -21,7 +21,7 @@ activations (A >> r, about 30 x r in this model):
   levels plus N for the leaves: (L + 1) * N / 2 extra block forwards (instead of L * N without early stop).
 
 The memory models here are closed forms; the measured sweep (peak memory and time of a training step for
-each strategy) is :func:`lab.book.memory.bench.checkpoint_sweep`, since ``lab.model`` does not import the
+each strategy) is :func:`lab.bench.memory.checkpoint_sweep`, since ``lab.model`` does not import the
 measuring code.
 """
 

@@ -10,7 +10,6 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lab import accounting as acc
 from lab.accounting.ring_sim import simulate
-from lab.book.accounting.bench import predicted_vs_measured, saved_activations_check
 from lab.measure.step import lm_loss
 from lab.model.transformer import MODEL_SIZES, ModelConfig, TransformerLM, config_for
 
@@ -427,49 +426,6 @@ def test_tpu_tricks_lower_the_batch():
     assert tricks.iloc[3] == pytest.approx(base / 2)
 
 
-def test_predicted_vs_measured_rows():
-    import pandas as pd
-
-    nan = float("nan")
-    lm_step = pd.DataFrame([
-        dict(size="small", context=128, batch=4, dtype="fp32", attention="sdpa", compile=False, world_size=1,
-             fwd_ms=nan, fwdbwd_ms=nan, step_ms=3.0, fwd_peak_gib=nan, fwdbwd_peak_gib=nan, step_peak_gib=3.0,
-             status="ok"),
-        dict(size="small", context=128, batch=4, dtype="bf16", attention="sdpa", compile=False, world_size=1,
-             fwd_ms=1.0, fwdbwd_ms=nan, step_ms=nan, fwd_peak_gib=1.0, fwdbwd_peak_gib=nan, step_peak_gib=nan,
-             status="ok"),
-        # a mode that ran out of memory has no time and no peak: no comparison for it, the others stay
-        dict(size="10B", context=2048, batch=4, dtype="fp32", attention="sdpa", compile=False, world_size=1,
-             fwd_ms=2.0, fwdbwd_ms=nan, step_ms=nan, fwd_peak_gib=nan, fwdbwd_peak_gib=nan, step_peak_gib=nan,
-             status="oom"),
-        dict(size="tiny", context=32, batch=4, dtype="fp32", attention="sdpa", compile=False, world_size=1,
-             fwd_ms=1.0, fwdbwd_ms=nan, step_ms=nan, fwd_peak_gib=nan, fwdbwd_peak_gib=nan, step_peak_gib=nan,
-             status="ok"),
-    ])
-    sharding = pd.DataFrame([
-        dict(impl="ddp", world_size=2, size="small", context=128, batch=4, dtype="fp32", peak_init_gib=0.5,
-             peak_before_step_gib=2.0, peak_after_step_gib=2.5, status="ok"),
-        dict(impl="fsdp", world_size=2, size="small", context=128, batch=4, dtype="fp32", peak_init_gib=0.3,
-             peak_before_step_gib=1.5, peak_after_step_gib=1.2, status="ok"),
-    ])
-    out = predicted_vs_measured(lm_step, sharding)
-    assert list(out["table"]) == ["lm_step", "lm_step", "sharding_benchmark", "sharding_benchmark"]
-    cfg = config_for("small", context_length=128)
-    step = acc.training_memory(cfg, 4, 128, "fp32", "train_step")
-    assert out.iloc[0].impl == "train_step"
-    assert out.iloc[0].predicted_gib == pytest.approx(step["peak"] / 2**30)  # gradients dropped before forward
-    assert out.iloc[0].ratio == pytest.approx(3.0 / (step["peak"] / 2**30))
-    fwd = acc.training_memory(cfg, 4, 128, "bf16_autocast", "forward")
-    assert out.iloc[1].impl == "forward" and out.iloc[1].predicted_gib == pytest.approx(fwd["peak"] / 2**30)
-    # DDP: only the measured maximum matters; FSDP divides params, grads, optimizer (and copies) by 2
-    assert out.iloc[2].measured_gib == 2.5 and out.iloc[2].predicted_gib == pytest.approx(step["total"] / 2**30)
-    # plus the gathered fp32 weights of two blocks in flight: 2 x (4 x 768^2 + 3 x 768 x 3072) x 4 B
-    in_flight = 2 * (4 * 768**2 + 3 * 768 * 3072) * 4
-    fsdp = (step["params"] + step["grads"] + step["optimizer"]) / 2 + step["activations"] + in_flight
-    assert out.iloc[3].predicted_gib == pytest.approx(fsdp / 2**30)
-    assert predicted_vs_measured(None, None).empty
-
-
 def test_collective_table_matches_the_formulas():
     table = acc.collective_table(1e9, [2, 4], 1e11, latency=1e-6).set_index(["collective", "devices"])
     # all-reduce on 4 devices: 6 steps x (1 us + 0.25 GB / 100 GB/s) = 15.006 ms; 1.5 GB sent
@@ -479,23 +435,11 @@ def test_collective_table_matches_the_formulas():
     assert table.loc[("alternate_all_reduce", 2), "time_s"] == pytest.approx(10.001e-3)
 
 
-def test_saved_activations_check_agrees_with_lab_saved_tensors():
-    table = saved_activations_check({"tiny": ModelConfig(**TINY)}, batch=3, context=12)
-    assert len(table) == 6
-    assert table.match.all(), table
-    # the fp32 SDPA row by hand: blocks 2 x 36 tokens x 1,972 B = 141,984; head 36 x 508 + 4 = 18,292;
-    # RoPE tables 2 blocks x 12 positions x 8 (head_dim) x 4 B = 768
-    row = table[(table.attention == "sdpa") & (table.precision == "fp32")].iloc[0]
-    assert row.measured_bytes == 141_984 + 18_292 + 768
-
-
-# ---------------------------------------------------------------------------------------------- 09's tables
+# ---------------------------------------------------------------------------------------------- the XXL tables
 
 
 def test_xxl_table_by_hand():
-    from lab.book.accounting.bench import xxl_table
-
-    t = xxl_table(2048).set_index("matrices")
+    t = acc.xxl_table(2048).set_index("matrices")
     # two matrices: 2 x 16,384 x 53,248 x 126 = 219,848,638,464 parameters; 16 B each = 3,517.58 GB -> 44 H100s
     assert t.loc[2, "params"] == 219_848_638_464
     assert t.loc[2, "state_gb"] == pytest.approx(3517.578215424)
@@ -512,13 +456,11 @@ def test_xxl_table_by_hand():
 
 
 def test_xxl_fsdp_and_tpu_tables():
-    from lab.book.accounting.bench import TPU_MESH, tpu_batch_table, tpu_tricks_table, xxl_fsdp_table
-
-    fsdp = xxl_fsdp_table([0, 2048]).set_index(["matrices", "tokens"])
+    fsdp = acc.xxl_fsdp_table([0, 2048]).set_index(["matrices", "tokens"])
     assert fsdp.loc[(2, 0), "devices_needed"] == 38  # 3,517.6 / 95 = 37.03
     # (3,517.58 + 35.94 / 2) / (95 - 35.94 / 2) = 45.9 -> 46
     assert fsdp.loc[(2, 2048), "devices_needed"] == 46
-    tpu = tpu_batch_table(**TPU_MESH).set_index(["matrices", "case"])
+    tpu = acc.tpu_batch_table(**acc.TPU_MESH).set_index(["matrices", "case"])
     base = tpu.loc[(2, "large X: (X-1)/X = 1")]
     assert base["per_fsdp_shard"] == pytest.approx(4.6e14 / (1.8e11 * 2))
     assert base["total"] == pytest.approx(16 * 4.6e14 / 3.6e11)
@@ -529,17 +471,13 @@ def test_xxl_fsdp_and_tpu_tables():
     assert base["tp_math_over_comm"] == pytest.approx(53248 * 1.8e11 / (4 * 4.6e14))
     assert base["tp_max_y"] == pytest.approx(53248 * 1.8e11 / 4.6e14)
     assert tpu.loc[(3, "large X: (X-1)/X = 1"), "total"] == pytest.approx(base["total"])  # independent of the FFN
-    tricks = tpu_tricks_table().set_index("trick")["batch_tokens"]
+    tricks = acc.tpu_tricks_table().set_index("trick")["batch_tokens"]
     assert tricks.iloc[0] == pytest.approx(base["total"])
     assert tricks.iloc[1] == pytest.approx(4 * 4.6e14 / 3.6e11)  # Y = 16 (the largest power of 2 <= 20.8): X = 4
 
 
-def test_size_configs_and_ffn_limits():
-    from lab.book.accounting.bench import ffn_limits_table, size_configs
-
-    configs = size_configs(["small", "2.7B"], 256)
-    assert list(configs) == ["small", "2.7B"] and configs["2.7B"].context_length == 256
-    limits = ffn_limits_table(10**6, 10**15, 10**11, matrices=3, d_model=8, d_ff=8192)
+def test_ffn_limits_table():
+    limits = acc.ffn_limits_table(10**6, 10**15, 10**11, matrices=3, d_model=8, d_ff=8192)
     lim = limits.set_index(["strategy", "phase", "network"])["max_devices"]
     # the hand-checked limits of test_max_devices_by_hand (B = 1e6, W = 1e11, C = 1e15, p = 2)
     assert lim["dp", "train", "either"] == 151 and lim["fsdp", "train", "either"] == 101

@@ -1,3 +1,3 @@
-"""Notebook 09, accounting in closed form: the tables it computes and checks (`bench`), the XXL and TPU questions
-(`xxl`), equations and sentences (`present`).
+"""Notebook 09, accounting in closed form: equations, figures and claims (`present`) and the XXL questions (`xxl`),
+from the tables of :mod:`lab.accounting` and the measured-against-predicted rows of :mod:`lab.bench.predicted_memory`.
 """

@@ -1,3 +1,3 @@
-"""Notebook 04, attention: the naive attention grid and compile study (`bench`), its closed-form costs (`costs`),
-the grid's tables and sentences (`present`) and the whole model eager against compiled (`whole_model`).
+"""Notebook 04, attention: the naive attention grid's answers, tables and plots (`present`; the grid itself is
+:func:`lab.bench.attention.run_naive_grid`) and the whole model eager against compiled (`whole_model`).
 """

@@ -1,4 +1,2 @@
-"""Notebook 03, where memory goes: the model and batch being studied (`workload`), snapshots, timelines, saved
-tensors and checkpointing measured (`bench`), the snapshot pages (`snapshot_pages`), tables and sentences
-(`present`).
-"""
+"""Notebook 03, where memory goes: the setup (`workload`), its experiments (`bench`; the measuring is
+:mod:`lab.bench.memory` and :mod:`lab.measure`), and its tables, figures and claims (`present`)."""

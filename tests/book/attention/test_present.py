@@ -1,4 +1,5 @@
-"""lab.book.attention.present: notebook 04's settings, tables and sentences, from small synthetic tables."""
+"""lab.book.attention: notebook 04's claims, tables and plots, from small synthetic grids and lm_step rows. The
+claims are checked by their numbers and verdicts, never by their wording."""
 
 import math
 
@@ -6,177 +7,200 @@ import matplotlib
 import pandas as pd
 import pytest
 
+from lab.book import claims as cl
+from lab.book import report
 from lab.book.attention import present, whole_model
-from tests.book.prose import amounts, amounts_in_order, counts, has_amount, numbers, sentence_of, sentence_with
 
 matplotlib.use("Agg")
 
+MiB = 2**20
 
-def _grid_row(d, seq, compile=False, fwd=1.0, bwd=2.0, status="ok", note="", std=0.01, passes=100, batch=8,
-              dtype="fp32", gpu="NVIDIA H100 80GB HBM3", **extra):
+
+def _grid_row(d, seq, compile=False, fwd=1.0, bwd=2.0, status="ok", oom_phase="", spread=0.01, n=100, batch=8,
+              dtype="fp32", **extra):
     e = 4 if dtype == "fp32" else 2
-    saved = batch * seq * seq * e / 2**20
+    saved = batch * seq * seq * e / MiB
     row = dict(impl="naive", compile=compile, batch=batch, seq_len=seq, d=d, dtype=dtype, causal=False,
-               passes=passes, fwd_ms=fwd, fwd_std_ms=std * fwd, bwd_ms=bwd, bwd_std_ms=std * bwd,
-               mem_baseline_mib=64.0, mem_before_bwd_mib=64.0 + saved + 5 * batch * seq * d * e / 2**20,
+               fwd_ms=fwd, fwd_spread_ms=spread * fwd, fwd_n=n, bwd_ms=bwd, bwd_spread_ms=spread * bwd, bwd_n=n,
+               mem_baseline_mib=64.0, mem_before_bwd_mib=64.0 + saved + 5 * batch * seq * d * e / MiB,
                peak_mib=math.nan, saved_mib=saved, predicted_saved_mib=saved,
-               predicted_before_bwd_mib=saved + 5 * batch * seq * d * e / 2**20,
-               predicted_peak_mib=3 * saved + 5 * batch * seq * d * e / 2**20, compile_s=1.0 if compile else math.nan,
-               gpu=gpu, gpu_memory_gib=80.0, status=status, note=note)
+               predicted_before_bwd_mib=saved + 5 * batch * seq * d * e / MiB,
+               predicted_peak_mib=3 * saved + 5 * batch * seq * d * e / MiB, compile_s=1.0 if compile else math.nan,
+               gpu="NVIDIA H100 80GB HBM3", limit_gib=80.0, status=status, oom_phase=oom_phase, error="")
     if status != "ok":
         row.update(fwd_ms=math.nan, bwd_ms=math.nan, saved_mib=math.nan, mem_before_bwd_mib=math.nan)
-    row.update(extra)
-    return row
+    return {**row, **extra}
 
 
-def test_settings_fill_profile_defaults_and_keep_given_values():
-    cfg = present.settings(True, "cpu", ds=None, seqs=[32], batch=8, dtype="fp32", causal=False, passes=None,
-                           warmup=None, compile_grid=True, lm_sizes=None, lm_context=None, lm_batch=4, lm_dtype=None,
-                           lm_warmup=None, lm_steps=None)
-    assert cfg.ds == (16, 32) and cfg.seqs == (32,) and cfg.passes == 3 and cfg.lm_sizes == ("tiny",)
-    assert cfg.compile_modes == (False, True) and cfg.params()["device"] == "cpu"
-    full = present.settings(False, "cuda", ds=None, seqs=None, batch=8, dtype="fp32", causal=False, passes=None,
-                            warmup=None, compile_grid=False, lm_sizes=None, lm_context=None, lm_batch=4,
-                            lm_dtype=None, lm_warmup=None, lm_steps=None)
-    assert full.seqs == (256, 1024, 4096, 8192, 16384) and full.passes == 100 and full.compile_modes == (False,)
-    assert full.lm_sizes == ("small", "medium", "large", "xl", "2.7B", "10B") and full.lm_dtype == "bf16"
+def _values(claim) -> dict:
+    return {f.measured.label: f.measured for f in claim.findings if isinstance(f, cl.Value)}
 
 
-def test_fit_sentence_names_the_shortest_oom_and_each_d():
-    grid = pd.DataFrame([_grid_row(16, 4096), _grid_row(16, 8192, status="oom", note="out of memory in backward: x"),
-                         _grid_row(64, 2048), _grid_row(64, 4096, status="oom", note="out of memory in forward: y")])
-    text = present.fit_sentence(grid)
-    first, per_d = text.split(". ")
-    assert counts(first) == [(2, 4)] and "NVIDIA H100 80GB HBM3" in first
-    assert numbers(first)[-2:] == [4096, 64] and "forward" in first  # the shortest OOM and its pass
-    assert numbers(per_d) == [16, 8192, 64, 4096]  # per head dimension, the first length that did not fit
-    fits = present.fit_sentence(pd.DataFrame([_grid_row(16, 256, gpu="cpu")]))
-    assert numbers(fits) == [1, 256, 8] and "CPU" in fits and "fp32" in fits
+def _versus(claim) -> list:
+    return [f for f in claim.findings if isinstance(f, cl.Versus)]
 
 
-def test_timing_sentence_compares_time_growth_with_flops():
+def test_profile_defaults_fill_the_knobs_a_notebook_leaves_none():
+    quick = report.with_profile_defaults(dict(ds=None, seqs=[32], passes=None, lm_steps=None), present.QUICK)
+    assert quick == dict(ds=(16, 32), seqs=(32,), passes=5, lm_steps=5)  # five samples: the fewest a verdict takes
+    full = report.with_profile_defaults(dict(seqs=None, lm_sizes=None, lm_dtype=None), present.FULL)
+    assert full["seqs"] == (256, 1024, 4096, 8192, 16384) and full["lm_dtype"] == "bf16" and len(full["lm_sizes"]) == 6
+
+
+def test_fit_claim_counts_the_oom_rows_and_names_the_first():
+    grid = pd.DataFrame([_grid_row(16, 4096), _grid_row(16, 8192, status="oom", oom_phase="backward"),
+                         _grid_row(64, 2048), _grid_row(64, 4096, status="oom", oom_phase="forward")])
+    claim = present.fit_and_time_claim(grid)
+    values = _values(claim)
+    assert values["configurations measured"].median == 4 and values["out of memory"].median == 2
+    first = next(m for m in values.values() if m.status == "oom")
+    assert "d=64, 4096 tokens" in first.label and first.limit_gib == 80.0  # the shortest length that did not fit
+    assert first.text() == "out of memory at 80 GiB"
+    assert [f.seen for f in claim.findings if isinstance(f, cl.Observed)] == ["forward"]
+    assert values["shortest length out of memory at d=16"].median == 8192
+    assert values["shortest length out of memory at d=64"].median == 4096
+    assert not cl.machine_phrases(cl.sentence(claim))
+
+
+def test_time_claim_compares_backward_with_forward_and_d_with_flops():
     grid = pd.DataFrame([_grid_row(16, 1024, fwd=1.0, bwd=2.0), _grid_row(16, 4096, fwd=10.0, bwd=20.0),
                          _grid_row(128, 4096, fwd=12.0, bwd=30.0)])
-    text = present.timing_sentence(grid)
-    times, growth = text.split(" Going from ")
-    assert numbers(times) == [4096, 10, 12, 20, 30, 16, 128, 2.2]  # length, fwd range, bwd range, d's, bwd/fwd
-    assert present.d_growth(grid) == dict(d_low=16, d_high=128, time_ratio=1.2, flop_ratio=8.0, verdict="slower")
-    assert numbers(growth)[2:4] == [8, 1.2] and "far less" in growth
-    proportional = pd.DataFrame([_grid_row(16, 64, fwd=1.0), _grid_row(32, 64, fwd=1.9)])
-    assert "in step" in present.timing_sentence(proportional)
-    # 74x the time for 2x the FLOPs is not the matmuls' doing: the sentence must not say it is
-    runaway = present.timing_sentence(pd.DataFrame([_grid_row(16, 64, fwd=1.0), _grid_row(32, 64, fwd=74.0)]))
-    assert numbers(runaway.split(" Going from ")[1])[2:4] == [2, 74] and "in step" not in runaway
-    assert "far more" in runaway
+    claim = present.fit_and_time_claim(grid)
+    backward, growth = _versus(claim)
+    assert (backward.subject.median, backward.reference.median, backward.verdict) == (30.0, 12.0, "slower")
+    assert (growth.subject.median, growth.reference.median, growth.verdict) == (12.0, 10.0, "slower")
+    assert _values(claim)["the FLOP ratio of the two"].median == 8
+    assert "far less" in claim.because  # 1.2x the time for 8x the FLOPs
+    in_step = present.fit_and_time_claim(pd.DataFrame([_grid_row(16, 64, fwd=1.0), _grid_row(32, 64, fwd=1.9)]))
+    assert "in step" in in_step.because
+    runaway = present.fit_and_time_claim(pd.DataFrame([_grid_row(16, 64, fwd=1.0), _grid_row(32, 64, fwd=74.0)]))
+    assert "far more" in runaway.because  # 74x the time for 2x the FLOPs: not the matmuls' doing
 
 
-def test_timing_sentence_reads_d_growth_only_beyond_the_noise():
-    quieter = pd.DataFrame([_grid_row(16, 4096, fwd=10.0), _grid_row(32, 4096, fwd=9.0)])  # faster with 2x FLOPs
-    g = present.d_growth(quieter)
-    assert g["verdict"] == "faster" and g["flop_ratio"] == 2.0
-    assert "load" in present.timing_sentence(quieter) and "memory traffic" not in present.timing_sentence(quieter)
-    noisy = pd.DataFrame([_grid_row(16, 4096, fwd=10.0, std=0.5), _grid_row(32, 4096, fwd=9.0, std=0.5)])
-    assert present.d_growth(noisy)["verdict"] == "within noise"
-    assert "within noise" in present.timing_sentence(noisy)
-    same = pd.DataFrame([_grid_row(16, 4096, fwd=10.0, bwd=20.0), _grid_row(32, 4096, fwd=10.0, bwd=20.0)])
-    times = present.timing_sentence(same).split(" Going from ")[0]
-    assert "10–10" not in times and numbers(times)[:3] == [4096, 10, 20]  # equal ends print once
+def test_d_growth_is_read_only_beyond_the_noise():
+    quieter = present.fit_and_time_claim(pd.DataFrame([_grid_row(16, 4096, fwd=10.0), _grid_row(32, 4096, fwd=9.0)]))
+    assert _versus(quieter)[1].verdict == "faster" and "load" in quieter.because
+    noisy = pd.DataFrame([_grid_row(16, 4096, fwd=10.0, spread=0.5), _grid_row(32, 4096, fwd=9.0, spread=0.5)])
+    claim = present.fit_and_time_claim(noisy)
+    assert _versus(claim)[1].verdict == "within noise" and "within noise" in claim.because
+    few = pd.DataFrame([_grid_row(16, 4096, fwd=10.0, n=3), _grid_row(32, 4096, fwd=20.0, n=3)])
+    claim = present.fit_and_time_claim(few)
+    assert _versus(claim)[1].verdict == "not decided" and claim.because == ""
 
 
-def test_memory_terms_and_accounting_sentence():
-    row = pd.Series(_grid_row(64, 16384))
-    terms = present.memory_terms(row)
-    assert terms.set_index("term").loc["probabilities P (saved)", "MiB"] == 8192.0
-    check = pd.DataFrame([dict(quantity="saved for backward beyond q, k, v", predicted_mib=8192.0,
-                               measured_mib=8192.0, measured_over_predicted=1.0)])
-    text = present.accounting_sentence(row, "largest_fit", check)
-    assert numbers(text)[:3] == [8, 16384, 64] and "out of memory" not in text  # batch, seq, d of a fit
-    assert "8 × 16384² × 4 B = 8 GiB" in text  # the formula with its numbers
-    assert amounts_in_order(text, [(8, "GiB"), (8.16, "GiB"), (24.2, "GiB")])  # P, before the backward, its peak
-    assert numbers(sentence_with(text, "measured"))[-3:] == [8192, 8192, 1.0]  # measured, predicted, ratio
-    oom = pd.Series(_grid_row(64, 65536, status="oom"))
-    text = present.accounting_sentence(oom, "oom", check.assign(measured_mib=math.nan))
-    assert "out of memory" in text and numbers(text)[:3] == [8, 65536, 64]
-    assert amounts_in_order(text, [(128, "GiB"), (129, "GiB"), (385, "GiB")])  # P, before the backward, its peak
-    assert "allocator" in text and not [a for a in amounts(text) if a[1] == "MiB"]  # nothing measured, said so
-    assert amounts(sentence_of(text, 80, "GiB")) == [(80, "GiB"), (385, "GiB")] and "cannot" in sentence_of(
-        text, 80, "GiB")  # the GPU's memory against the predicted peak: the verdict
+def test_accounting_claim_for_the_smallest_oom_and_the_largest_fit():
+    row = _grid_row(16, 16384, status="oom", oom_phase="backward", limit_gib=20.0)
+    grid = pd.DataFrame([_grid_row(16, 4096), row])
+    claim = present.accounting_claim(grid)
+    values = _values(claim)
+    assert values["the probability matrix alone, batch × seq² × element size"].median == 8 * 16384**2 * 4
+    assert values["predicted backward peak, at least"].median == row["predicted_peak_mib"] * MiB
+    assert values["the GPU's memory"].median == 20 * 2**30
+    assert "exceeds" in claim.because  # three 8 GiB score-sized tensors: past 20 GiB
+    fits = present.accounting_claim(pd.DataFrame([_grid_row(16, 1024), _grid_row(16, 4096)]))
+    assert "4096 tokens" in fits.findings[0].seen
+    ratios = [m.median for label, m in _values(fits).items() if "measured over predicted" in label]
+    assert ratios == [1.0, 1.0]  # saved and allocated before the backward; the peak was not measured (NaN)
+    check = present.naive_memory_check(pd.Series(_grid_row(16, 64, peak_mib=100.0)))
+    assert check["measured_mib"].iloc[2] == 36.0  # the peak above the configuration's 64 MiB baseline
 
 
-def test_saved_memory_curves_and_scaling_sentence():
-    from lab.book.attention import bench as ab
-    from lab.accounting import attention as costs
+def test_accounting_claim_says_when_the_prediction_fits_the_gpu():
+    row = _grid_row(16, 4096, status="oom", oom_phase="forward", limit_gib=80.0)
+    assert row["predicted_peak_mib"] / 1024 < 80
+    assert "below" in present.accounting_claim(pd.DataFrame([row])).because
 
-    grid = pd.DataFrame([_grid_row(16, s) for s in (256, 1024)] + [_grid_row(64, s) for s in (256, 1024)])
+
+def test_scaling_claim_fits_the_exponent_and_sets_naive_against_flash():
+    grid = pd.DataFrame([_grid_row(d, s) for d in (16, 64) for s in (1024, 4096)])
+    scaling = present.saved_memory_scaling(grid)
+    assert scaling["p_longest"].tolist() == pytest.approx([2.0, 2.0])
+    claim = present.scaling_claim(grid)
+    values = _values(claim)
+    assert values["exponent p of saved memory ∝ seqᵖ between the two longest lengths"].median == pytest.approx(2.0)
+    # d=16 at 4096 tokens: P 8 x 4096² x 4 B = 512 MiB, plus q, k, v 3 x 8 x 4096 x 16 x 4 B = 6 MiB
+    assert values["kept by naive attention at the longest length, q, k, v included, lowest"].median == 518 * MiB
+    assert "Quadratic" in claim.because
     curves = present.saved_memory_curves(grid)
-    assert len(curves) == 8 and set(curves["method"]) == {"naive (measured)", "FlashAttention (closed form)"}
-    flash = curves[(curves["method"] == "FlashAttention (closed form)") & (curves["d"] == 64)
-                   & (curves["seq_len"] == 1024)]["MiB"].item()
-    assert flash == costs.flash_attention_saved_bytes(8, 1024, 64, "fp32") / 2**20
-    text = present.scaling_sentence(ab.saved_memory_scaling(grid), curves)
-    assert "seq^2.00" in text and "–seq^" not in text  # every d grows as seq^2: one exponent, not a range
-    assert "quadratic" in text and 1024 in numbers(text)
-    assert present.plot_saved_memory(curves, "t") is not None
-    assert "could be fitted" in present.scaling_sentence(pd.DataFrame(), curves)
+    assert set(curves["method"]) == {"naive (measured)", "FlashAttention (closed form)"}
+    assert present.scaling_claim(grid.iloc[:1]).findings == ()
 
 
-def test_compile_table_and_sentence_use_verdicts():
-    grid = pd.DataFrame([
-        _grid_row(16, 256, fwd=1.0), _grid_row(16, 256, compile=True, fwd=0.5),           # 2x, tight: faster
-        _grid_row(16, 1024, fwd=1.0, std=0.2), _grid_row(16, 1024, compile=True, fwd=0.99, std=0.2),  # noise
-        _grid_row(16, 4096, fwd=1.0, bwd=2.0), _grid_row(16, 4096, compile=True, fwd=1.0, bwd=3.0)])  # bwd slower
-    versus = present.compile_table(grid)
-    assert versus["fwd_verdict"].tolist() == ["faster", "within noise", "within noise"]
-    assert versus["bwd_verdict"].tolist() == ["within noise", "within noise", "slower"]
-    text = present.compile_sentence(versus, grid)
-    forward, backward = text.split(". ")[0].split(";")  # one clause per pass
-    assert counts(forward) == [(1, 3)] and "slower in 0" in forward  # faster in 1 of 3, slower in 0
-    assert counts(backward) == [(0, 3)] and "slower in 1" in backward
-    assert numbers(sentence_with(text, "gains most")) == [256, 16, 2]
-    assert numbers(sentence_with(text, "Compiling cost")) == [3, 3]
-    saved = sentence_with(text, "seq^2.00")
-    assert "seq × seq" in saved and has_amount(saved, 1.0, "x")  # compiled saves as much as eager, still seq²
-    assert present.plot_compile_speedups(versus) is not None
-    eager_only = pd.DataFrame([_grid_row(16, 256)])
-    assert present.compile_table(eager_only).empty
-    assert "eagerly only" in present.compile_sentence(present.compile_table(eager_only), eager_only)
+def _compiled_grid():
+    rows = [_grid_row(16, 64, fwd=2.0, bwd=4.0), _grid_row(16, 64, compile=True, fwd=1.0, bwd=8.0),
+            _grid_row(16, 128, fwd=1.0, bwd=4.0, spread=0.2), _grid_row(16, 128, compile=True, fwd=0.99, bwd=4.0,
+                                                                         spread=0.2)]
+    return pd.DataFrame(rows)
 
 
-def _lm_row(size, compile, step, std=0.01, steps=5, status="ok", **extra):
-    row = dict(size=size, context=512, batch=4, dtype="bf16", attention="sdpa", compile=compile, steps=steps,
-               fwd_ms=step / 3, fwd_std_ms=std * step / 3, fwdbwd_ms=step * 0.9, fwdbwd_std_ms=std * step,
-               step_ms=step, step_std_ms=std * step, fwd_peak_gib=1.0, fwdbwd_peak_gib=2.0, step_peak_gib=3.0,
-               status=status, error="")
-    row.update(extra)
-    return row
+def test_compile_table_and_claim_follow_the_rule():
+    grid = _compiled_grid()
+    table = present.compile_table(grid)
+    assert table["fwd_verdict"].tolist() == ["faster", "within noise"]
+    assert table["bwd_verdict"].tolist() == ["slower", "within noise"]
+    assert table["fwd_ratio"].tolist() == [0.5, 0.99]  # compiled / eager
+    claim = present.compile_claim(grid)
+    forward, backward = (f for f in claim.findings if isinstance(f, cl.Tally))
+    assert forward.counts() == {"faster": 1, "within noise": 1} and backward.counts() == {"slower": 1,
+                                                                                            "within noise": 1}
+    best = _versus(claim)[0]
+    assert best.comparison.speedup == 2.0 and "d=16, 64 tokens" in best.subject.label
+    assert _values(claim)["compile time, every shape together"].median == 2.0
+    assert "Fusing" in claim.because  # the compiled graph still saves a quadratic tensor
+    eager_only = present.compile_claim(present.rows(grid).assign(compile=False))
+    assert eager_only.findings == () and "eagerly only" in eager_only.because
+    assert present.plot_compile_ratios(table) is not None
 
 
-def test_lm_compile_speedups_and_sentence():
-    lm = pd.DataFrame([_lm_row("small", False, 50.0), _lm_row("small", True, 20.0),
-                       _lm_row("xl", False, 100.0, std=0.3), _lm_row("xl", True, 98.0, std=0.3),
-                       _lm_row("10B", False, math.nan, status="oom", fwdbwd_ms=math.nan, fwd_ms=40.0),
-                       _lm_row("10B", True, math.nan, status="oom", fwdbwd_ms=math.nan, fwd_ms=30.0)])
-    sp = whole_model.lm_compile_speedups(lm).set_index(["size", "mode"])
-    assert sp.loc[("small", "train step"), "speedup"] == pytest.approx(2.5)
-    assert sp.loc[("small", "train step"), "verdict"] == "faster"
-    assert sp.loc[("xl", "train step"), "verdict"] == "within noise"
-    assert sp.loc[("10B", "forward"), "speedup"] == pytest.approx(4 / 3)
-    assert ("10B", "train step") not in sp.index  # neither side ran
-    text = whole_model.lm_compile_sentence(whole_model.lm_compile_speedups(lm), lm)
-    assert numbers(text)[:2] == [512, 4] and "bf16" in text.split(":")[0]
-    small = text[text.index("small train step"):].split(";")[0]
-    assert numbers(small)[:3] == [50, 20, 2.5] and "faster" in small
-    xl = text[text.index("xl train step"):].split(";")[0]
-    assert numbers(xl)[:2] == [100, 98] and "within noise" in xl
-    ten = text[text.index("10B forward"):].split(";")[0]
-    assert numbers(ten)[1:4] == [40, 30, 1.33] and "within noise" in ten  # eager, compiled, speedup, verdict
-    failed = sentence_with(text, "10B eager", "10B compiled")  # the configurations that did not fit, by name
-    assert "small" not in failed and "xl" not in failed and not amounts(failed)
-    assert whole_model.plot_lm_compile(whole_model.lm_compile_speedups(lm)) is not None
-    assert list(whole_model.lm_table(lm).columns)[:3] == ["size", "compile", "fwd_ms"]
-    assert list(whole_model.lm_table(lm).columns)[-2:] == ["status", "error"]
+def test_compile_claim_counts_configurations_that_fit_only_compiled():
+    grid = pd.DataFrame([_grid_row(16, 64), _grid_row(16, 64, compile=True),
+                         _grid_row(16, 128, status="oom", oom_phase="forward"), _grid_row(16, 128, compile=True)])
+    claim = present.compile_claim(grid)
+    assert _values(claim)["configurations out of memory eagerly that fit compiled"].median == 1
+    forward = next(f for f in claim.findings if isinstance(f, cl.Tally))
+    assert forward.counts()["out of memory at 80 GiB"] == 1
 
 
-def test_size_text():
-    assert present.size_text(512) == "512 MiB" and present.size_text(8192) == "8 GiB"
-    assert present.size_text(math.nan) == "n/a"
+# ---------------------------------------------------------------------------------------------------------
+# the whole model
+
+
+def _lm_row(size, compile, fwd, step, status="ok", spread=0.01, n=5, **extra):
+    return dict(size=size, compile=compile, context=512, batch=4, dtype="bf16", attention="sdpa", fused_loss=False,
+                fwd_ms=fwd, fwd_spread_ms=spread * fwd, fwd_n=n, fwdbwd_ms=math.nan, fwdbwd_spread_ms=math.nan,
+                fwdbwd_n=0, step_ms=step, step_spread_ms=spread * step if step == step else math.nan,
+                step_n=n if step == step else 0, fwd_peak_gib=1.0, step_peak_gib=2.0, status=status,
+                limit_gib=80.0, **extra)
+
+
+def test_lm_claim_compares_compiled_with_eager_size_by_size():
+    lm = pd.DataFrame([_lm_row("small", False, 10.0, 40.0), _lm_row("small", True, 5.0, 30.0),
+                       _lm_row("10B", False, 100.0, math.nan, status="oom"),
+                       _lm_row("10B", True, 100.5, math.nan, status="oom", spread=0.2)])
+    table = whole_model.lm_table(lm)
+    assert table[["size", "mode"]].values.tolist() == [["small", "forward"], ["small", "train step"],
+                                                        ["10B", "forward"], ["10B", "forward+backward"],
+                                                        ["10B", "train step"]]  # a mode out of memory is a row
+    assert table["verdict"].tolist() == ["faster", "faster", "within noise"] + ["out of memory at 80 GiB"] * 2
+    assert table["ratio"].iloc[0] == 0.5 and table["compiled_peak_gib"].iloc[1] == 2.0
+    claim = whole_model.lm_claim(lm)
+    small, big, tally = claim.findings
+    assert (small.subject.median, small.reference.median) == (30.0, 40.0)  # the train step, where it ran
+    assert big.verdict == "out of memory at 80 GiB"
+    assert tally.counts() == {"faster": 2, "within noise": 1, "out of memory at 80 GiB": 2}
+    assert whole_model.plot_lm_compile(lm) is not None
+    few = pd.DataFrame([_lm_row("tiny", False, 10.0, 40.0, n=3), _lm_row("tiny", True, 5.0, 20.0, n=3)])
+    assert {v.verdict for _, _, v in whole_model.lm_versus(few)} == {"not decided"}
+
+
+def test_lm_eager_vs_compiled_runs_each_size_eager_then_compiled(monkeypatch):
+    calls = []
+
+    def fake_compare(size, variants, **kwargs):
+        calls.append((size, [dict(v) for v in variants]))
+        return pd.DataFrame([dict(size=size, compile=bool(v.get("compile", False))) for v in variants])
+
+    monkeypatch.setattr(whole_model, "compare_variants", fake_compare)
+    df = whole_model.lm_eager_vs_compiled(["tiny", "mini"], context=32, device="cpu", progress=False)
+    assert calls == [(s, [dict(attention="sdpa"), dict(attention="sdpa", compile=True)]) for s in ("tiny", "mini")]
+    assert df["compile"].tolist() == [False, True] * 2

@@ -16,8 +16,7 @@ def test_setup_defaults_follow_the_profile():
     quick = ms.MemorySetup.resolve(quick=True, block_context=32)
     assert quick.size == "mini" and quick.block_context == 32 and quick.checkpoint_context == 64
     assert quick.checkpoint_group_sizes == (None, 1, 2, 4)
-    params = quick.params()
-    assert params["peak_contexts"] == [32, 64] and params["d_model"] == 128 and "model" not in params
+    assert quick.peak_contexts == (32, 64) and quick.model.d_model == 128 and quick.timing_steps == 5
     with pytest.raises(ValueError, match="training dtype"):
         ms.MemorySetup.resolve(quick=True, dtype="fp8")
 
@@ -27,7 +26,6 @@ def test_sizes_derived_from_the_setup():
     # 4 x 2048 x 2560 x 4 bytes = 80 MiB; parameters from the closed form, 4 bytes each
     assert s.residual_bytes(2048) == 80 * 2**20
     assert s.parameter_bytes == 4 * 3_406_809_600
-    assert s.embedding_bytes == 4 * 10_000 * 2560
     table = ms.residual_stream_table(s)
     assert table["context"].tolist() == [128, 256, 512, 2048]
     assert table["residual_mib"].tolist() == [5, 10, 20, 80]

@@ -1,7 +1,7 @@
-"""The 03 memory notebook's views of a snapshot pickle: its active-memory timeline drawn inline, and the HTML
-pages written beside it (memory_viz's, whose viewer script comes from a CDN, and a self-contained offline
-one), with what each page loads from the web. The sentences and tables of the notebook's result tables are
-:mod:`lab.book.memory.present`.
+"""A memory snapshot's pages and phases, for any snapshot pickle of :mod:`lab.measure.memory_snapshot`: the peak
+of each marked phase, a self-contained HTML page (the active-memory timeline as an embedded PNG, the peak of each
+phase and the largest allocations with the code that made them: it opens offline, unlike memory_viz's page,
+whose viewer script comes from a CDN), and what a page loads from the web.
 """
 
 from __future__ import annotations
@@ -13,11 +13,9 @@ import os
 import re
 from pathlib import Path
 
-import matplotlib.pyplot as plt
 import pandas as pd
 
 from lab import paths
-from lab.book.report import say
 from lab.measure.memory_snapshot import export_memory_viz_html, load_marks, load_snapshot
 from lab.measure.memory_timeline import (
     active_memory_timeline,
@@ -32,34 +30,9 @@ def phase_label(phase: str) -> str:
     return str(phase).replace("optimizer_step", "optimizer step")
 
 
-def timeline_figure(snapshot_path: str | os.PathLike, title: str | None = None, top: int = 8):
-    """The active-memory timeline of a snapshot pickle (and its phase marks) as a matplotlib figure, each
-    phase's peak marked; None if the pickle does not exist (e.g. a replayed render on another machine)."""
-    path = Path(snapshot_path)
-    if not path.exists():
-        return None
-    fig, ax = plt.subplots(figsize=(11, 4.5))
-    plot_active_memory_timeline(load_snapshot(path), load_marks(path), top=top, ax=ax, title=title)
-    return fig
-
-
-def show_timeline(snapshot_path: str | os.PathLike, title: str | None = None, top: int = 8):
-    """Draw :func:`timeline_figure` inline, or say why it cannot be drawn. Returns the figure or None."""
-    fig = timeline_figure(snapshot_path, title, top)
-    if fig is None:
-        say(missing_snapshot_sentence(snapshot_path))
-    return fig
-
-
-def missing_snapshot_sentence(snapshot_path: str | os.PathLike) -> str:
-    """What to say when a timeline cannot be drawn because its snapshot is not on this machine."""
-    return (f"No snapshot at `{snapshot_path}` on this machine (snapshots are regenerable artifacts, not "
-            "committed), so no timeline is drawn: render with `replay=False` to record it. The phase table comes "
-            "from the results.")
-
-
-def phase_peaks_from_snapshot(snapshot: dict, marks) -> pd.DataFrame:
-    """Peak, start and end active memory (GiB) of each marked phase of a snapshot."""
+def marked_phase_peaks(snapshot: dict, marks) -> pd.DataFrame:
+    """Peak, start and end active memory (GiB) of each marked phase of a snapshot, without the unmarked stretch
+    before the first mark and the ``end`` mark's tail (:func:`lab.measure.memory_timeline.peaks_by_phase`)."""
     peaks = peaks_by_phase(active_memory_timeline(snapshot, marks=marks))
     return peaks[~peaks["phase"].isin(["", "end"])].reset_index(drop=True)
 
@@ -77,6 +50,8 @@ def offline_snapshot_html(snapshot_path: str | os.PathLike, title: str | None = 
     """A self-contained HTML page for a snapshot pickle: the active-memory timeline as an embedded PNG, the
     peak of each phase and the ``top`` largest allocations with the code that made them. No script and no
     external resource: it opens offline (unlike memory_viz's page, whose viewer script comes from a CDN)."""
+    import matplotlib.pyplot as plt  # drawn only when a page is written
+
     path = Path(snapshot_path)
     snapshot, marks = load_snapshot(path), load_marks(path)
     title = title or path.stem
@@ -86,7 +61,7 @@ def offline_snapshot_html(snapshot_path: str | os.PathLike, title: str | None = 
     fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
     plt.close(fig)
     png = base64.b64encode(buf.getvalue()).decode("ascii")
-    peaks = phase_peaks_from_snapshot(snapshot, marks)
+    peaks = marked_phase_peaks(snapshot, marks)
     peaks = peaks.assign(phase=peaks["phase"].map(phase_label))[["phase", "peak_gib", "start_gib", "end_gib"]]
     largest = largest_allocations(snapshot, n=top, marks=marks)
     style = ("body{font-family:sans-serif;margin:2em;max-width:75em} table{border-collapse:collapse;font-size:0.9em}"
@@ -120,22 +95,3 @@ def export_snapshot_pages(folder: str | os.PathLike, names, titles: dict | None 
             rows.append(dict(snapshot=name, page=kind, path=paths.repo_relative(page),
                              external=", ".join(ext) or "none", works_offline=not ext))
     return pd.DataFrame(rows, columns=["snapshot", "page", "path", "external", "works_offline"])
-
-
-def pages_sentence(pages: pd.DataFrame) -> str:
-    """Which snapshot pages open offline and which need the web, from :func:`export_snapshot_pages`."""
-    if pages.empty:
-        return ("No snapshot pickle is on this machine, so no snapshot page was written in this render (render with "
-                "`replay=False` to record them).")
-    offline = pages[pages["works_offline"]]
-    online = pages[~pages["works_offline"]]
-    parts = []
-    if len(offline):
-        parts.append("Self-contained, they open without a network: " + ", ".join(f"`{p}`" for p in offline["path"]))
-    if len(online):
-        hosts = sorted({re.sub(r"^(?:https?:)?//([^/]+).*$", r"\1", u.strip())
-                        for e in online["external"] for u in e.split(",")})
-        parts.append("these load their viewer from " + ", ".join(f"`{h}`" for h in hosts)
-                     + " and show nothing offline: " + ", ".join(f"`{p}`" for p in online["path"])
-                     + " (the pickles beside them also open in https://pytorch.org/memory_viz)")
-    return "; ".join(parts) + "."

@@ -1,5 +1,4 @@
-"""lab.book.memory.snapshot_pages: the 03 notebook's timelines and snapshot pages, from the synthetic snapshot of
-tests/fixtures."""
+"""lab.measure.memory_pages: a snapshot's phase peaks and pages, from the synthetic snapshot of tests/fixtures."""
 
 import importlib.util
 import json
@@ -11,9 +10,9 @@ import pytest
 
 matplotlib.use("Agg")
 
-from lab.book.memory import snapshot_pages as sn  # noqa: E402
+from lab.measure import memory_pages as sn  # noqa: E402
 
-FIXTURES = Path(__file__).parents[2] / "fixtures"
+FIXTURES = Path(__file__).parents[1] / "fixtures"
 
 
 @pytest.fixture
@@ -39,10 +38,10 @@ def test_offline_page_is_self_contained_and_memory_viz_is_not(snapshot_dir):
     assert sn.external_resources(viz) == [
         "https://cdn.jsdelivr.net/gh/pytorch/pytorch@main/torch/utils/viz/MemoryViz.js"]
     assert pages["works_offline"].tolist() == [True, False]
-    sentence = sn.pages_sentence(pages)
-    assert "forward.offline.html" in sentence and "`cdn.jsdelivr.net`" in sentence
-    nothing = sn.pages_sentence(pages.iloc[:0])
-    assert ".html" not in nothing and "`replay=False`" in nothing  # no page named; how to record one
+    peaks = sn.marked_phase_peaks(sn.load_snapshot(snapshot_dir / "forward.pickle"),
+                                  sn.load_marks(snapshot_dir / "forward.pickle"))
+    assert "" not in set(peaks["phase"]) and "end" not in set(peaks["phase"])  # marked phases only
+    assert sn.phase_label("optimizer_step 1") == "optimizer step 1"
 
 
 def test_external_resources_finds_every_kind_of_link():
@@ -52,11 +51,3 @@ def test_external_resources_finds_every_kind_of_link():
             '<a>https://not-loaded.example is only text</a><img src="data:image/png;base64,AAAA">')
     assert sn.external_resources(page) == ["//b.example/i.png", "https://a.example/s.css", "https://c.example/m.js",
                                            "https://d.example/f.css", "https://e.example/p.png"]
-
-
-def test_timeline_figure_and_missing_snapshot(snapshot_dir, capsys):
-    fig = sn.timeline_figure(snapshot_dir / "forward.pickle", "toy")
-    assert fig.axes[0].get_title() == "toy"
-    assert sn.show_timeline(snapshot_dir / "nothing.pickle") is None
-    out = capsys.readouterr().out
-    assert f"`{snapshot_dir / 'nothing.pickle'}`" in out and "`replay=False`" in out  # the path it lacks; the fix
