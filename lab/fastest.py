@@ -23,8 +23,8 @@ import torch
 
 from lab import cli
 from lab.accounting import state_memory
-from lab.bench.memory_estimate import HEADROOM
 from lab.bench.fastest import allocator_env, benchmark, results_table
+from lab.bench.memory_estimate import HEADROOM
 from lab.measure.device import available_memory_bytes
 from lab.measure.results import save_results
 from lab.parallel import launcher
