@@ -197,8 +197,9 @@ book.answer("Are the performance goals met?", " ".join(
 # products per tile pair where a kernel that adds dQ atomically (FlashAttention-2 and -3) needs 5. What is left at the powers
 # of two, in the forward especially, is scheduling: cuDNN's Hopper kernels overlap one tile's softmax with the
 # next tile's matrix products across warp groups and load tiles with TMA; these Triton kernels use Hopper's
-# matrix instructions through Triton's software pipelining (the TMA, warp-specialisation and atomic-dQ
-# variants are options of `FlashConfig`, timed by `python -m lab.book.flash.sweep sweep`).
+# matrix instructions through Triton's software pipelining (TMA loads, Triton's warp specialisation and an
+# atomic-dQ backward were timed as variants and never chosen by the tile tables; `results/` keeps what the
+# atomic-dQ and the overlapped-forward variants measured).
 
 # %%
 report.show_table(grid.why_missed_table(goals), floatfmt=".3g")
@@ -233,11 +234,12 @@ report.say(present.forward_sentence(forward, interpreted_=on_cpu))
 # ### How the compiled kernels wait for their products
 #
 # A warp group's matrix product on Hopper (`wgmma`) runs asynchronously until the code waits for it. The
-# kernels the tile tables launch for a long causal bf16 sequence, the forward that issues the next key
-# tile's scores before this tile's softmax (`fwd_overlap`) and the dK/dV pass with atomic dQ (5 products per
-# tile pair, `backward_launch="atomic"`), compiled for sm_90a (on any machine, GPU or
+# kernels the tile tables launch for a long causal bf16 sequence, compiled for sm_90a (on any machine, GPU or
 # not): how many of each kernel's products (its `tl.dot` sites, a loop body counted once) are waited for
-# before any other product or exponential is issued. A warp group waiting so computes nothing meanwhile.
+# before any other product or exponential is issued. A warp group waiting so computes nothing meanwhile. A
+# table read back from `results/` may also hold two variants the kernels no longer carry: the forward that
+# issued the next key tile's scores before this tile's softmax, and the dK/dV pass with atomic dQ (5 products
+# per tile pair).
 
 # %%
 waits = book.table("flash_product_waits", lambda: schedule.product_wait_table())

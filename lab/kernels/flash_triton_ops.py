@@ -23,7 +23,7 @@ their host function runs once on the traced tensors with every launch wrapped in
 Triton kernels themselves, launched by Inductor's generated code without the op's Python (the custom-op
 dispatch, the config, the checks, the tile tables, the launch arguments) on every call. That is what
 ``torch.library.triton_op`` does; it is done here by hand so that the same ops stay opaque where
-decomposing is not possible (the interpreter, autotuning, TMA descriptors) and a dispatch mode (selective
+decomposing is not possible (the interpreter, autotuning) and a dispatch mode (selective
 activation checkpointing) still sees them by name.
 
 :func:`attention_forward` / :func:`attention_backward` are what the autograd functions call: the ops when
@@ -48,13 +48,11 @@ from lab.kernels.triton_env import empty_in_layout
 
 @torch.library.custom_op("lab::flash_attention_forward", mutates_args=())
 def flash_attention_forward_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, autotune: bool, fast_launch: bool,
-                               fp32_precision: str, fwd_tiles: list[int], fwd_tma: bool, warp_specialize: bool,
-                               backward_launch: str, fused_delta: bool, bwd_tiles: list[int],
-                               bwd_tma: bool, atomic_tma: bool, compile_inline: bool,
-                               split_d: str, fwd_overlap: bool) -> tuple[Tensor, Tensor]:
+                               fp32_precision: str, fwd_tiles: list[int], backward_launch: str,
+                               bwd_tiles: list[int], compile_inline: bool, split_d: str) -> tuple[Tensor, Tensor]:
     """FlashAttention forward: (output, fp32 logsumexp)."""
-    config = FlashConfig(autotune, fast_launch, fp32_precision, fwd_tiles, fwd_tma, warp_specialize, backward_launch,
-                         fused_delta, bwd_tiles, bwd_tma, atomic_tma, compile_inline, split_d, fwd_overlap)
+    config = FlashConfig(autotune, fast_launch, fp32_precision, fwd_tiles, backward_launch, bwd_tiles, compile_inline,
+                         split_d)
     return flash_forward(q, k, v, causal, config)
 
 
@@ -68,13 +66,11 @@ def _forward_fake(q, k, v, causal, *config):
 @torch.library.custom_op("lab::flash_attention_backward", mutates_args=())
 def flash_attention_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                                 causal: bool, autotune: bool, fast_launch: bool, fp32_precision: str,
-                                fwd_tiles: list[int], fwd_tma: bool, warp_specialize: bool, backward_launch: str,
-                                fused_delta: bool, bwd_tiles: list[int],
-                                bwd_tma: bool, atomic_tma: bool, compile_inline: bool,
-                                split_d: str, fwd_overlap: bool) -> tuple[Tensor, Tensor, Tensor]:
+                                fwd_tiles: list[int], backward_launch: str, bwd_tiles: list[int],
+                                compile_inline: bool, split_d: str) -> tuple[Tensor, Tensor, Tensor]:
     """FlashAttention backward: (dq, dk, dv)."""
-    config = FlashConfig(autotune, fast_launch, fp32_precision, fwd_tiles, fwd_tma, warp_specialize, backward_launch,
-                         fused_delta, bwd_tiles, bwd_tma, atomic_tma, compile_inline, split_d, fwd_overlap)
+    config = FlashConfig(autotune, fast_launch, fp32_precision, fwd_tiles, backward_launch, bwd_tiles, compile_inline,
+                         split_d)
     return flash_backward(q, k, v, out, lse, grad_out, causal, config)
 
 

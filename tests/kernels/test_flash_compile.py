@@ -86,8 +86,7 @@ def test_forward_op_is_differentiable_like_the_function():
 
 # ------------------------------------------------------------------------------------------- compile
 @pytest.mark.filterwarnings("ignore:Your compiler for AOTAutograd:UserWarning")  # the recording backend's
-@pytest.mark.parametrize("config", [None, ft.FlashConfig(backward_launch="two_pass", fused_delta=True)],
-                         ids=["default", "two_pass-fused_delta"])
+@pytest.mark.parametrize("config", [None, ft.FlashConfig(backward_launch="two_pass")], ids=["default", "two_pass"])
 def test_compiled_apply_fullgraph_matches_eager(config):
     """torch.compile(FlashAttentionTriton.apply, fullgraph=True): a forward graph holding the forward op and
     a backward graph holding the backward op, with the config's fields as their arguments; the same values
@@ -104,7 +103,7 @@ def test_compiled_apply_fullgraph_matches_eager(config):
     if not ON_GPU:
         (fw,), (bw,) = backend.fw_graphs, backend.bw_graphs
         assert "lab.flash_attention_forward" in fw.code and "lab.flash_attention_backward" in bw.code
-        expected = "'two_pass', True" if config else "'auto', False"
+        expected = "[], 'two_pass', []" if config else "[], 'auto', []"  # backward_launch between the tiles
         assert expected in bw.code
 
 
@@ -172,7 +171,7 @@ def test_gpu_course_compile_test():
 # ---------------------------------------------------------------------------- inlined kernels (GPU)
 def test_inlines_only_compiled_kernels_without_data_dependent_setup(monkeypatch):
     """compile_inline decomposes the ops only where tracing can: compiled (not interpreted) kernels on a
-    CUDA device, no autotuning, no TMA descriptor; the interpreter always keeps the opaque op."""
+    CUDA device, no autotuning; the interpreter always keeps the opaque op."""
     import lab.kernels.flash_config as fc
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
@@ -182,10 +181,8 @@ def test_inlines_only_compiled_kernels_without_data_dependent_setup(monkeypatch)
     monkeypatch.setattr(fc, "INTERPRET", False)
     assert fc.inlines(on, cuda) and not fc.inlines(on, cpu) and not fc.inlines(on.replace(compile_inline=False), cuda)
     assert fc.inlines(ft.FlashConfig(), cuda)  # the default
-    assert fc.inlines(on.replace(backward_launch="atomic", atomic_tma=False), cuda)
-    assert fc.inlines(on.replace(backward_launch="ordered"), cuda)  # rows through pointers: no descriptor
-    for off in (dict(autotune=True), dict(fwd_tma=True), dict(bwd_tma=True), dict(backward_launch="atomic")):
-        assert not fc.inlines(on.replace(**off), cuda), off
+    assert fc.inlines(on.replace(backward_launch="two_pass"), cuda)
+    assert not fc.inlines(on.replace(autotune=True), cuda)
 
 
 @pytest.mark.gpu

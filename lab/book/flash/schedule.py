@@ -17,34 +17,27 @@ import pandas as pd
 
 from lab.book.report import fmt
 
-#: Kernels besides the tables' own: the forward with the next key tile's scores issued before this tile's
-#: softmax (``FlashConfig.fwd_overlap``), on the largest tiles that leave it the shared memory it needs.
-OVERLAP_ROW = ("forward, next scores first", 128, (128, 64, 8, 3))
-#: The backward's dK/dV pass with atomic dQ (``backward_launch="atomic"``: 5 products per tile pair, each query
-#: tile's dQ share added by a TMA bulk reduction), on the tiles the table gives d 128's dK/dV pass.
-ATOMIC_ROW = ("backward dK/dV, atomic dQ", 128, (64, 128, 128, 64, 8, 3))
+#: Kernels of variants the Triton kernels no longer carry, which a table read back from ``results/`` may hold
+#: besides the tables' own (never compiled here): the forward with the next key tile's scores issued before
+#: this tile's softmax, and the backward's dK/dV pass with atomic dQ (5 products per tile pair, each query
+#: tile's dQ share added by a TMA bulk reduction). The sentence says what they measured.
+OVERLAP_KERNEL = "forward, next scores first"
+ATOMIC_KERNEL = "backward dK/dV, atomic dQ"
 
 
 def product_wait_table(head_dims=(64, 128), causal: bool = True, n: int = 4096, batch_heads: int = 64) -> pd.DataFrame:
-    """One row per kernel the tables launch at each head dimension in ``head_dims`` (forward, backward passes),
-    :data:`OVERLAP_ROW` and :data:`ATOMIC_ROW`: tiles, ``products`` (the ``tl.dot`` sites of the compiled code,
-    each loop body counted once), ``waited_at_once``, ``in_flight`` (the others), registers and spilled bytes a
-    thread, shared memory (KiB). Empty, with a ``note``, where this Triton cannot compile for sm_90a."""
+    """One row per kernel the tables launch at each head dimension in ``head_dims`` (forward, backward passes):
+    tiles, ``products`` (the ``tl.dot`` sites of the compiled code, each loop body counted once),
+    ``waited_at_once``, ``in_flight`` (the others), registers and spilled bytes a thread, shared memory (KiB).
+    Empty, with a ``note``, where this Triton cannot compile for sm_90a."""
     from lab.kernels.flash_sm90 import compile_in_subprocess  # optional dependency (Triton)
 
-    name, d, tiles = OVERLAP_ROW
     jobs = [["default", dict(d=d, causal=causal, n=n, batch_heads=batch_heads)] for d in head_dims]
-    jobs.append(["fwd", dict(d=d, causal=causal, tiles=tiles, overlap=True)])
-    atomic_name, atomic_d, atomic_tiles = ATOMIC_ROW
-    jobs.append(["bwd", dict(d=atomic_d, causal=causal, tiles=atomic_tiles, pass_=1, atomic=True, atomic_tma=True)])
     try:
-        *defaults, overlap, atomic = compile_in_subprocess(jobs)
+        defaults = compile_in_subprocess(jobs)
     except (FileNotFoundError, RuntimeError) as exc:
         return pd.DataFrame({"note": [str(exc).splitlines()[-1]]})
-    rows = [row for rows in defaults for row in rows]
-    rows.append(dict(kernel=name, d=d, tiles="x".join(map(str, tiles)), **overlap))
-    rows.append(dict(kernel=atomic_name, d=atomic_d, tiles="x".join(map(str, atomic_tiles)), **atomic))
-    df = pd.DataFrame(rows)
+    df = pd.DataFrame([row for rows in defaults for row in rows])
     df["in_flight"] = df["products"] - df["waited_at_once"]
     df["shared_kib"] = df["shared"] / 1024
     return df[["kernel", "d", "tiles", "products", "waited_at_once", "in_flight", "registers", "spill",
@@ -61,7 +54,7 @@ def product_wait_sentence(table: pd.DataFrame) -> str:
     if "products" not in table or table["products"].isna().all():  # only a note (read back: NaN columns too)
         note = table["note"].iloc[0] if "note" in table and len(table) else "no kernel compiled"
         return f"The kernels could not be compiled for sm_90a here ({note})."
-    plain = table[~table["kernel"].isin([OVERLAP_ROW[0], ATOMIC_ROW[0]])]
+    plain = table[~table["kernel"].isin([OVERLAP_KERNEL, ATOMIC_KERNEL])]
     parts = [f"{kernel} {_counts(rows)}" for kernel, rows in plain.groupby("kernel", sort=False)]
     text = ("Compiled for sm_90a, the kernels the tables launch for a long causal bf16 sequence wait at once "
             "(before any other product or exponential is issued) for these of their matrix products: "
@@ -71,12 +64,12 @@ def product_wait_sentence(table: pd.DataFrame) -> str:
         text += (" So a warp group of the forward issues no matrix product while it computes a tile's "
                  "exponentials; only the SM's other warp groups can use the tensor cores meanwhile. "
                  "FlashAttention-3 overlaps a tile's softmax with the next tile's products within a warp group.")
-    overlap = table[table["kernel"] == OVERLAP_ROW[0]]
+    overlap = table[table["kernel"] == OVERLAP_KERNEL]
     if len(overlap):
         r = overlap.iloc[0]
         verdict = ("waits for all of them at once all the same" if r["in_flight"] == 0
                    else f"keeps {int(r['in_flight'])} in flight")
-        text += (f" Issuing the next key tile's scores before this tile's softmax (`fwd_overlap`, {r['tiles']} "
+        text += (f" Issuing the next key tile's scores before this tile's softmax ({r['tiles']} "
                  f"tiles at d {int(r['d'])}) gives {int(r['products'])} products, and the compiled code "
                  f"{verdict}, with {int(r['registers'])} registers a thread and {fmt(r['shared_kib'], 3)} KiB "
                  "of shared memory")
@@ -88,7 +81,7 @@ def product_wait_sentence(table: pd.DataFrame) -> str:
 def _atomic_clause(table: pd.DataFrame) -> str:
     """The atomic-dQ dK/dV pass beside the table's own dK/dV pass at the same head dimension and tiles: its
     products, spilled bytes and shared memory (what the 2 products it saves cost elsewhere)."""
-    atomic = table[table["kernel"] == ATOMIC_ROW[0]]
+    atomic = table[table["kernel"] == ATOMIC_KERNEL]
     if atomic.empty:
         return ""
     a = atomic.iloc[0]

@@ -6,7 +6,7 @@
     python -m lab.book.flash.sweep course                            # the course's timing test
 
 * :func:`sweep_shape`: every FlashConfig variant of :func:`sweep_configs` (forward tiles; backward launch
-  modes, fused / two-pass / atomic, on several tiles) next to the peers, SDPA's default backend (cuDNN on
+  modes, fused / two-pass, on several tiles) next to the peers, SDPA's default backend (cuDNN on
   Hopper) and compiled FlexAttention, in one process; each checked against fp32 SDPA before it is timed;
   short sequences also timed as CUDA-graph replays (the device's time: eagerly, launches dominate);
 * :func:`backward_breakdown`: where a backward's time goes, matrix products per tile pair and the rate
@@ -50,22 +50,11 @@ from lab.model.attention import AttentionFn
 
 #: Forward tiles ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` a sweep tries besides the table's.
 SWEEP_FWD_TILES = ((128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (64, 128, 4, 3), (64, 32, 4, 2))
-#: Forward variants that change more than the tiles: name -> (tiles, extra FlashConfig fields): K/V through
-#: tensor descriptors (TMA), Triton's warp specialization of the key loop, a deeper or shallower pipeline, the
-#: next key tile's scores issued before this tile's softmax (``fwd_overlap``; at 128 x 128 only with two
-#: stages, which leave it the shared memory for its second K tile).
+#: Forward variants that change more than the tiles: name -> (tiles, extra FlashConfig fields): a deeper or
+#: shallower pipeline.
 SWEEP_FWD = {
-    "fwd 128x128 w8 s3 tma": ((128, 128, 8, 3), {"fwd_tma": True}),
-    "fwd 128x128 w8 s3 ws": ((128, 128, 8, 3), {"warp_specialize": True}),
-    "fwd 128x128 w8 s3 tma ws": ((128, 128, 8, 3), {"fwd_tma": True, "warp_specialize": True}),
     "fwd 128x128 w8 s4": ((128, 128, 8, 4), {}),
-    "fwd 128x64 w8 s3 tma": ((128, 64, 8, 3), {"fwd_tma": True}),
-    "fwd 64x64 w4 s3 tma": ((64, 64, 4, 3), {"fwd_tma": True}),
     "fwd 128x128 w8 s2": ((128, 128, 8, 2), {}),
-    "fwd 128x128 w8 s2 overlap": ((128, 128, 8, 2), {"fwd_overlap": True}),
-    "fwd 128x64 w8 s3 overlap": ((128, 64, 8, 3), {"fwd_overlap": True}),
-    "fwd 128x64 w8 s2 overlap": ((128, 64, 8, 2), {"fwd_overlap": True}),
-    "fwd 64x64 w4 s3 overlap": ((64, 64, 4, 3), {"fwd_overlap": True}),
 }
 #: Shapes up to this many tokens are also timed as CUDA-graph replays (``{pass}_graph_ms``): their kernels
 #: are short enough that the host's launch time, not the device, can set the eager time.
@@ -76,28 +65,15 @@ GRAPH_MAX_SEQ = 2048
 SWEEP_BWD = {
     "fused 32x64 w8 s2": ("fused", (32, 64, 64, 32, 8, 2), {}),
     "fused 32x64 w4 s2": ("fused", (32, 64, 64, 32, 4, 2), {}),
-    "fused 32x64 w8 s2 +delta": ("fused", (32, 64, 64, 32, 8, 2), {"fused_delta": True}),
     "fused 64x64 w4 s3": ("fused", (64, 64, 64, 64, 4, 3), {}),
     "two_pass 64x128 w8 s3": ("two_pass", (64, 128, 128, 64, 8, 3), {}),
     "two_pass 64x64 w4 s3": ("two_pass", (64, 64, 64, 64, 4, 3), {}),
-    "atomic 64x128 w8 s2": ("atomic", (64, 128, 128, 64, 8, 2), {}),
-    "atomic 64x128 w8 s3": ("atomic", (64, 128, 128, 64, 8, 3), {}),
-    "atomic 64x128 w8 s3 +delta": ("atomic", (64, 128, 128, 64, 8, 3), {"fused_delta": True}),
-    "ordered 64x128 w8 s3": ("ordered", (64, 128, 128, 64, 8, 3), {}),
-    "ordered 64x64 w4 s3": ("ordered", (64, 64, 64, 64, 4, 3), {}),
-    "atomic 64x64 w4 s3": ("atomic", (64, 64, 64, 64, 4, 3), {}),
-    "atomic 32x64 w4 s2": ("atomic", (32, 64, 64, 32, 4, 2), {}),
-    "atomic 64x128 w8 s2 no-tma": ("atomic", (64, 128, 128, 64, 8, 2), {"atomic_tma": False}),
-    "two_pass 64x128 w8 s3 tma": ("two_pass", (64, 128, 128, 64, 8, 3), {"bwd_tma": True}),
-    "atomic 64x128 w8 s3 tma": ("atomic", (64, 128, 128, 64, 8, 3), {"bwd_tma": True}),
-    "atomic 128x128 w8 s2": ("atomic", (128, 128, 128, 128, 8, 2), {}),
     "two_pass 128x128 w8 s2": ("two_pass", (128, 128, 128, 128, 8, 2), {}),
-    "two_pass 64x64 w4 s3 +delta": ("two_pass", (64, 64, 64, 64, 4, 3), {"fused_delta": True}),
 }
 #: Matrix products per (query tile, key tile) pair of each backward launch mode: the dK/dV programs compute
-#: S, dV, dP, dK and, in "atomic" and "ordered" mode, dQ (5); the separate dQ programs of "fused" and
-#: "two_pass" recompute S and dP before dQ (7).
-PRODUCTS = {"fused": 7, "two_pass": 7, "atomic": 5, "ordered": 5}
+#: S, dV, dP and dK, the separate dQ programs recompute S and dP before dQ (7; a kernel that adds dQ from the
+#: dK/dV programs needs 5).
+PRODUCTS = {"fused": 7, "two_pass": 7}
 TOLERANCE = {"bf16": 2e-2, "fp16": 5e-3, "fp32": 1e-4}
 
 

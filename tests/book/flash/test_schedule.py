@@ -1,5 +1,6 @@
 """The product-wait table's sentence, read from synthetic tables (the table itself: tests/kernels/
-test_flash_sm90_compile.py, which compiles the kernels)."""
+test_flash_sm90_compile.py, which compiles the kernels). The tables hold the rows of two variants the kernels no
+longer carry, as a table read back from ``results/`` does."""
 
 import pandas as pd
 
@@ -10,11 +11,11 @@ def table(forward_in_flight=0, overlap_in_flight=0):
     rows = [("forward", 64, "128x64x8x3", 4, 4 - forward_in_flight), ("backward dK/dV", 64, "64x64x64x64x4x3", 8, 6),
             ("backward dQ", 64, "64x64x64x64x4x3", 6, 6), ("forward", 128, "64x64x4x3", 4, 4),
             ("backward dK/dV", 128, "64x128x128x64x8x3", 8, 6), ("backward dQ", 128, "64x128x128x64x8x3", 6, 6),
-            (schedule.OVERLAP_ROW[0], 128, "128x64x8x3", 6, 6 - overlap_in_flight),
-            (schedule.ATOMIC_ROW[0], 128, "64x128x128x64x8x3", 10, 6)]
+            (schedule.OVERLAP_KERNEL, 128, "128x64x8x3", 6, 6 - overlap_in_flight),
+            (schedule.ATOMIC_KERNEL, 128, "64x128x128x64x8x3", 10, 6)]
     df = pd.DataFrame(rows, columns=["kernel", "d", "tiles", "products", "waited_at_once"])
     df = df.assign(in_flight=df["products"] - df["waited_at_once"], registers=200, spill=0, shared_kib=144.0)
-    df.loc[df["kernel"] == schedule.ATOMIC_ROW[0], ["spill", "shared_kib"]] = [48, 209.0]
+    df.loc[df["kernel"] == schedule.ATOMIC_KERNEL, ["spill", "shared_kib"]] = [48, 209.0]
     return df
 
 
@@ -53,11 +54,3 @@ def test_sentence_sets_the_atomic_dq_pass_beside_the_tables_own():
     assert "issues 10 products, waits for 6 of them at once, spills 48 bytes" in clause and "209 KiB" in clause
     assert "against 8 products, 0 bytes and 144 KiB without it" in clause
     assert "backward dK/dV, atomic dQ" not in text[:text.index("With atomic dQ")]  # not counted with the plain ones
-
-
-def test_the_atomic_row_uses_the_tables_dkdv_tiles():
-    """ATOMIC_ROW compiles the tiles the table gives d 128's dK/dV pass, so the two rows compare like for like."""
-    from lab.kernels.sm90_compile import call_without_interpreter  # the compiled tables, not the interpreter's
-
-    _, _, bwd_tiles = call_without_interpreter("lab.kernels.flash_sm90:default_plan", [schedule.ATOMIC_ROW[1]])
-    assert tuple(bwd_tiles["1"]) == schedule.ATOMIC_ROW[2]  # JSON: pass numbers as strings, tuples as lists

@@ -19,23 +19,21 @@ def test_parse_shape_and_its_errors():
 
 def test_a_sweep_can_time_only_the_named_variants():
     variants = fs.sweep_configs()
-    picked = fs.select_variants(variants, ["ordered 64x128 w8 s3", "default"])
-    assert list(picked) == ["default", "ordered 64x128 w8 s3"]  # the sweep's order
-    assert picked["ordered 64x128 w8 s3"][0].backward_launch == "ordered"
+    picked = fs.select_variants(variants, ["two_pass 64x128 w8 s3", "default"])
+    assert list(picked) == ["default", "two_pass 64x128 w8 s3"]  # the sweep's order
+    assert picked["two_pass 64x128 w8 s3"][0].backward_launch == "two_pass"
     assert fs.select_variants(variants, None) is variants and fs.select_variants(variants, []) is variants
-    with pytest.raises(ValueError, match="unknown variant.*'ordered 1x1'.*the sweep has: default"):
-        fs.select_variants(variants, ["ordered 1x1"])
+    with pytest.raises(ValueError, match="unknown variant.*'two_pass 1x1'.*the sweep has: default"):
+        fs.select_variants(variants, ["two_pass 1x1"])
 
 
 def test_sweep_configs_cover_every_launch_mode_and_pass():
     variants = fs.sweep_configs()
     assert variants["default"][1] == fs.PASSES
     modes = {cfg.backward_launch for cfg, passes in variants.values() if passes == ("bwd",)}
-    assert modes == {"fused", "two_pass", "atomic", "ordered"}
+    assert modes == {"fused", "two_pass"} == set(fs.PRODUCTS)
     fwd = [cfg for cfg, passes in variants.values() if passes == ("fwd",)]
     assert len(fwd) == len(fs.SWEEP_FWD_TILES) + len(fs.SWEEP_FWD) and all(len(cfg.fwd_tiles) == 4 for cfg in fwd)
-    assert any(cfg.fwd_tma for cfg in fwd) and any(cfg.warp_specialize for cfg in fwd)
-    assert any(not cfg.atomic_tma for cfg, _ in variants.values())  # pointer atomics against TMA reductions
 
 
 def test_relative_errors_and_backward_breakdown():
@@ -50,11 +48,9 @@ def test_relative_errors_and_backward_breakdown():
     # 7 products instead of 5, on 128-wide tiles for d = 80
     assert row["executed_tflops"] == pytest.approx(row["useful_tflops"] * 7 / 5 * 128 / 80)
     assert row["of_ceiling"] == pytest.approx(row["executed_tflops"])
-    assert fs.backward_breakdown(shape, 2.0, "atomic", 1.0)["executed_tflops"] == pytest.approx(
-        row["useful_tflops"] * 128 / 80)
     # split into 64 + 16 columns: the products run on 80 columns, none padded
-    assert fs.backward_breakdown(shape, 2.0, "atomic", 1.0, columns=80)["executed_tflops"] == pytest.approx(
-        row["useful_tflops"])
+    assert fs.backward_breakdown(shape, 2.0, "fused", 1.0, columns=80)["executed_tflops"] == pytest.approx(
+        row["useful_tflops"] * 7 / 5)
 
 
 def test_best_variants_prefers_graph_times_and_skips_wrong_results():
@@ -78,7 +74,7 @@ def test_sweep_shape_checks_every_variant_on_cpu():
     bf16 tolerance (the interpreter runs bf16 in fp32, so the error is the output's rounding), rows carry
     the resolved plan, and an implementation that cannot run (SDPA's cuDNN backend on a CPU) is a row with
     its reason."""
-    variants = {n: (c, ()) for n, (c, _) in fs.sweep_configs().items() if n == "default" or "atomic" in n}
+    variants = {n: (c, ()) for n, (c, _) in fs.sweep_configs().items() if n == "default" or "two_pass" in n}
     seen = []
     df = fs.sweep_shape(fs.Shape(1, 2, 40, 24), "bf16", variants, peers=("sdpa", "sdpa_cudnn"), device="cpu",
                         sink=seen.append)
@@ -86,7 +82,7 @@ def test_sweep_shape_checks_every_variant_on_cpu():
     ok = df[df["status"] == "ok"]
     assert len(ok) == len(variants) + 1
     assert ok["ok"].all() and (ok["rel_err"] < fs.TOLERANCE["bf16"]).all() and (ok["rel_err"] > 0).all()
-    assert set(df.loc[df["impl"] == "triton", "bwd_mode"]) == {"fused", "atomic"}
+    assert set(df.loc[df["impl"] == "triton", "bwd_mode"]) == {"fused", "two_pass"}
     failed = df.set_index("variant").loc["sdpa_cudnn"]
     assert failed["status"] == "error" and failed["note"]
 
