@@ -9,11 +9,13 @@ copies; a column offset reads the second chunk of a split head dimension.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime import driver
 
 from lab.kernels.flash_config import INTERPRET
 from lab.kernels.triton_env import unit_last_stride  # noqa: F401 - the kernels' wrappers import it from here
@@ -77,13 +79,24 @@ def as_bhsd(t: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------- fast relaunch
-try:  # the stream getter JITFunction.run uses (through Triton's driver), without the driver indirection
-    from torch._C import _cuda_getCurrentRawStream as _current_raw_stream
-except ImportError:  # a torch build without CUDA: no GPU launches happen anyway
-    def _current_raw_stream(index):
-        return torch.cuda.current_stream(index).cuda_stream
+#: The Triton release (major, minor) whose compiled-kernel internals the direct relaunch of :func:`launch` calls
+#: (``CompiledKernel.run``, ``launch_metadata``, ``function`` and ``packed_metadata``, the launch hooks of
+#: ``triton.knobs.runtime``, the driver's stream getter): none of them is public API and their signatures
+#: change between releases, so under any other version every launch takes the public ``kernel[grid](...)``.
+RELAUNCH_TRITON = (3, 6)
 
 _COMPILED: dict[tuple, object] = {}
+
+
+@functools.cache
+def relaunches_directly(version: str) -> bool:
+    """Whether :func:`launch` may relaunch compiled kernels through Triton's internal launcher under Triton
+    ``version`` (``triton.__version__``): only the release it was written for, :data:`RELAUNCH_TRITON`,
+    any patch level."""
+    try:
+        return tuple(int(part) for part in version.split(".")[:2]) == RELAUNCH_TRITON
+    except ValueError:  # a version string this check cannot read: not the release it knows
+        return False
 
 
 def _arg_signature(a):
@@ -95,16 +108,17 @@ def _arg_signature(a):
 
 
 def launch(kernel, grid: tuple, args: tuple, constexprs: dict, fast: bool = True) -> None:
-    """``kernel[grid](*args, **constexprs)``, with the per-launch host cost cut down.
+    """``kernel[grid](*args, **constexprs)``, with the per-launch host cost cut down where it is safe.
 
     ``JITFunction.run`` binds and specialises every argument on every launch (tens of microseconds for
-    these ~30-argument kernels, on the critical path when one head's attention takes ~0.1 ms). The first
-    launch of an argument signature goes through it and keeps the compiled kernel; later launches with the
-    same signature (:func:`_arg_signature` of every argument, the constexprs, the device) call the
-    compiled kernel's launcher directly, the way ``JITFunction.run`` itself does. ``fast=False`` (or the
-    interpreter) always goes through ``JITFunction.run``.
+    these ~30-argument kernels, on the critical path when one head's attention takes a fraction of a
+    millisecond). Under the Triton release :func:`relaunches_directly` knows, the first launch of an argument
+    signature goes through it and keeps the compiled kernel; later launches with the same signature
+    (:func:`_arg_signature` of every argument, the constexprs, the device) call the compiled kernel's
+    launcher directly, the way ``JITFunction.run`` itself does. ``fast=False``, the interpreter and every
+    other Triton version always go through the public ``kernel[grid](...)``.
     """
-    if not fast or INTERPRET:
+    if not fast or INTERPRET or not relaunches_directly(triton.__version__):
         kernel[grid](*args, **constexprs)
         return
     device_index = args[0].device.index
@@ -118,7 +132,7 @@ def launch(kernel, grid: tuple, args: tuple, constexprs: dict, fast: bool = True
     values = dict(zip(kernel.arg_names, args))
     values.update(constexprs)
     params = [values[name] for name in kernel.arg_names]
-    stream = _current_raw_stream(device_index)
+    stream = driver.active.get_current_stream(device_index)
     grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
     metadata = compiled.launch_metadata(grid3, stream, *params)
     compiled.run(*grid3, stream, compiled.function, compiled.packed_metadata, metadata,
