@@ -65,15 +65,16 @@ class FlashConfig:
       were tried and why they lost).
     * ``bwd_tiles``: ``(BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages)`` overriding the
       backward's table, ``()`` for the table.
-    * ``compile_inline``: under ``torch.compile`` on a GPU, hand Inductor the Triton kernels themselves: during
-      AOTAutograd's functionalization the ``lab::flash_attention_*`` ops decompose into their kernel launches
-      (``torch.library.wrap_triton``), so the compiled code launches the kernels through Inductor's own
-      launcher and the op's host function (config, checks, tile tables, launch arguments, the custom-op
-      dispatch around it) runs once, at compile time, instead of on every call. Autotuning configs keep an
-      opaque op (the tuner times candidates on real data), and so does the interpreter (:func:`inlines`). On
-      by default: a short sequence's opaque op costs more host time than its kernels take on the device, so
-      the device waited for the host; inlined, the compiled 2.7B step kept up with the same step on SDPA's
-      kernels (``lab.book.flash.host`` measures both). Bit-identical to the opaque op
+    * ``compile_inline``: under ``torch.compile`` on a GPU, hand Inductor the Triton kernels themselves: the
+      ``lab::flash_attention_*`` ops are ``torch.library.triton_op`` operators, which AOTAutograd's
+      functionalization decomposes into their kernel launches (``torch.library.wrap_triton``), so the compiled
+      code launches the kernels through Inductor's own launcher and the op's host function (config, checks,
+      tile tables, launch arguments, the custom-op dispatch around it) runs once, at compile time, instead of
+      on every call. Autotuning configs decompose into an opaque op instead (the tuner times candidates on
+      real data), and so does the interpreter (:func:`inlines`); off, the opaque op always. On by default: a
+      short sequence's opaque op costs more host time than its kernels take on the device, so the device
+      waited for the host; inlined, the compiled 2.7B step kept up with the same step on SDPA's kernels
+      (``lab.book.flash.host`` measures both). Bit-identical to the opaque op
       (``tests/kernels/test_flash_compile.py -k inlined``, on a GPU).
     * ``split_d``: ``"on"``: a head dimension that is not a power of two runs as two power-of-two column
       chunks where that covers fewer columns than one padded tile (:func:`head_chunks`); ``"off"``: one

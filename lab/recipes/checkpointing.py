@@ -32,6 +32,8 @@ def saved_ops() -> frozenset:
         import lab.kernels.flash_triton  # noqa: F401
 
         ops.add(torch.ops.lab.flash_attention_forward.default)
+        # what the op decomposes into where its launches cannot be traced (compiled, in the interpreter)
+        ops.add(torch.ops.lab.flash_attention_forward_opaque.default)
     except (ImportError, AttributeError):
         pass
     return frozenset(ops)
