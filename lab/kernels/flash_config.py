@@ -37,87 +37,65 @@ LONG_SEQ = 1024
 #: (longer ones keep the large tiles, which the H100 sweep chose at 16k and 32k tokens).
 NARROW_CAUSAL_MAX_SEQ = 8192
 
-BACKWARD_LAUNCHES = ("auto", "fused", "two_pass", "atomic", "ordered")
+BACKWARD_LAUNCHES = ("auto", "fused", "two_pass")
 #: The backward kernel's passes each launch mode runs (0: dK/dV and dQ programs in one grid, 1: dK/dV, 2: dQ).
-LAUNCHED_PASSES = {"fused": (0,), "two_pass": (1, 2), "atomic": (1,), "ordered": (1,)}
-#: Launch modes whose dK/dV programs add dQ into an fp32 buffer (5 matrix products per tile pair).
-ADDS_DQ = ("atomic", "ordered")
+LAUNCHED_PASSES = {"fused": (0,), "two_pass": (1, 2)}
 FP32_PRECISIONS = ("auto", "ieee", "tf32", "tf32x3")
 SPLIT_MODES = ("auto", "on", "off")
 
 
 @dataclasses.dataclass(frozen=True)
 class FlashConfig:
-    """How the Triton FlashAttention kernels are launched. The defaults are the safest known-good choices.
+    """How the Triton FlashAttention kernels are launched. The defaults are the tables' choices.
 
     * ``autotune``: time a short list of tile configs the first time a long bf16/fp16 shape is seen
-      (compiling them costs about a minute per head dimension; the choice is cached per shape). False:
-      the tables of :func:`forward_tiles` / :func:`backward_plan`.
+      (compiling them costs about a minute per head dimension; the choice is cached per shape), and the fused
+      against the two-pass backward. False: the tables of :func:`forward_tiles` / :func:`backward_plan`, which
+      were measured on Hopper GPUs; autotuning is how another GPU gets tiles of its own.
     * ``fast_launch``: relaunch an already compiled kernel through its launcher directly, skipping
-      ``JITFunction.run``'s argument binding (tens of microseconds a launch; see ``flash_launch.launch``).
+      ``JITFunction.run``'s argument binding (see ``flash_launch.launch``, which does so only under the Triton
+      version it was written for). False: every launch through Triton's public ``kernel[grid](...)``.
     * ``fp32_precision``: ``"auto"`` (TF32 when PyTorch allows it, else 3xTF32), ``"ieee"``, ``"tf32"``
       or ``"tf32x3"``; fp32 inputs only.
     * ``fwd_tiles``: ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` overriding the forward's table (sweeps),
       ``()`` for the table.
-    * ``fwd_tma``: stream the forward's K/V tiles through tensor descriptors (TMA, Hopper and later) where
-      the layout allows it (a collapsible (batch, heads, seq) layout, 16-byte aligned rows).
-    * ``warp_specialize``: ask Triton to warp-specialize the forward's key loop (producer/consumer warps).
-    * ``fwd_overlap``: in the forward's unmasked key loop, issue the next key tile's scores before this
-      tile's softmax, meant to overlap the exponentials with a matrix product (one head-dimension chunk
-      only). Off: Triton's compiled code waits for that product before the softmax all the same
-      (``lab.book.flash.schedule``), and the second score tile costs registers and shared memory. On an H100
-      it never beat the fastest tiles without it: with the same tiles it ran 0.75-0.94x at 128 x 64 and
-      64 x 64 and 0.94-1.06x at 128 x 128 with two stages (the three the table uses leave no shared memory
-      for its second K tile), d 64 and 128. Kept as a sweep variant for a compiler that keeps products in
-      flight.
-    * ``backward_launch``: ``"fused"`` (dK/dV and dQ programs in one grid), ``"two_pass"`` (a dK/dV
-      kernel, then a dQ kernel), ``"atomic"`` (one dK/dV kernel that also adds each tile's dQ share into
-      an fp32 buffer with atomics: 5 matrix products per tile pair instead of 7, but the summation order,
-      hence the last bits of dQ, varies from run to run), ``"ordered"`` (the same 5 products, each query
-      tile's dQ shares added in a fixed key-tile order: the same bits on every run, at the price of a dK/dV
-      loop that waits for its turn at every query tile), or ``"auto"`` (the table's choice, never "atomic"
-      or "ordered": the other two give the same bits on every run; timed once per shape when autotuning).
-    * ``fused_delta``: compute ``D = rowsum(dO * O)`` inside the backward kernels instead of a separate
-      preprocess kernel (one launch and one pass over O and dO fewer; the dK/dV loop then reads O too).
+    * ``backward_launch``: ``"fused"`` (dK/dV and dQ programs in one grid), ``"two_pass"`` (a dK/dV kernel,
+      then a dQ kernel), or ``"auto"`` (the table's choice; timed once per shape when autotuning). Both give
+      the same bits on every run (no atomics; ``flash_triton_backward`` says which five-product launches
+      were tried and why they lost).
     * ``bwd_tiles``: ``(BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages)`` overriding the
       backward's table, ``()`` for the table.
-    * ``bwd_tma``: stream the backward's Q/dO (dK/dV loop) and K/V (dQ loop) tiles through descriptors.
-    * ``atomic_tma``: in ``"atomic"`` mode, add each tile's dQ share with one bulk TMA reduction (Hopper and
-      later; the copy engine does the read-modify-write in L2) instead of one atomic per element (measured
-      equally fast on an H100).
-    * ``compile_inline``: under ``torch.compile`` on a GPU, hand Inductor the Triton kernels themselves: during
-      AOTAutograd's functionalization the ``lab::flash_attention_*`` ops decompose into their kernel launches
-      (``torch.library.wrap_triton``, as ``torch.library.triton_op`` does), so the compiled code launches
-      the kernels through Inductor's own launcher and the op's host function (config, checks, tile tables,
-      launch arguments, the custom-op dispatch around it) runs once, at compile time, instead of on every
-      call. Configs that autotune or use TMA descriptors (built from data pointers) keep the opaque op,
-      and so does the interpreter (:func:`inlines`). On by default: in the whole-model compiled 2.7B step
-      (bf16 parameters, 4 x 512 tokens, d = 80) the opaque ops cost about 0.2 ms (forward) and 0.4 ms
-      (backward) of host time a call against about 0.03 and 0.11 ms of kernel time, so the device waited
-      for the host through the forward; with the kernels inlined the step measured within noise of the
-      same step on SDPA's cuDNN kernels (H200, one process, do_bench). Bit-identical to the opaque op
+    * ``compile_inline``: under ``torch.compile`` on a GPU, hand Inductor the Triton kernels themselves: the
+      ``lab::flash_attention_*`` ops are ``torch.library.triton_op`` operators, which AOTAutograd's
+      functionalization decomposes into their kernel launches (``torch.library.wrap_triton``), so the compiled
+      code launches the kernels through Inductor's own launcher and the op's host function (config, checks,
+      tile tables, launch arguments, the custom-op dispatch around it) runs once, at compile time, instead of
+      on every call. Autotuning configs decompose into an opaque op instead (the tuner times candidates on
+      real data), and so does the interpreter (:func:`inlines`); off, the opaque op always. On by default: a
+      short sequence's opaque op costs more host time than its kernels take on the device, so the device
+      waited for the host; inlined, the compiled 2.7B step kept up with the same step on SDPA's kernels
+      (``lab.book.flash.host`` measures both). Bit-identical to the opaque op
       (``tests/kernels/test_flash_compile.py -k inlined``, on a GPU).
     * ``split_d``: ``"on"``: a head dimension that is not a power of two runs as two power-of-two column
       chunks where that covers fewer columns than one padded tile (:func:`head_chunks`); ``"off"``: one
       power-of-two tile with masked columns; ``"auto"``: the table's choice per head dimension, dtype,
-      pass and sequence length (:func:`splits_head_dim`). Split chunks are loaded through pointers (a TMA
-      descriptor has one block shape), so ``fwd_tma``/``bwd_tma``/``atomic_tma`` apply only to unsplit tiles.
+      pass and sequence length (:func:`splits_head_dim`; never under the interpreter, whose tests choose
+      ``"on"`` to check the split kernels).
+
+    Variants that never won were removed, what they measured kept in ``results/``: the forward's overlapped
+    key loop (``flash_triton_forward``), the five-product backward launches with atomic or ordered dQ, ``D``
+    computed inside the backward kernels, TMA descriptor loads and Triton's warp specialization
+    (``flash_triton_backward``).
     """
 
     autotune: bool = False
     fast_launch: bool = True
     fp32_precision: str = "auto"
     fwd_tiles: tuple[int, ...] = ()
-    fwd_tma: bool = False
-    warp_specialize: bool = False
     backward_launch: str = "auto"
-    fused_delta: bool = False
     bwd_tiles: tuple[int, ...] = ()
-    bwd_tma: bool = False
-    atomic_tma: bool = True
     compile_inline: bool = True
     split_d: str = "auto"
-    fwd_overlap: bool = False
 
     def __post_init__(self):
         if self.backward_launch not in BACKWARD_LAUNCHES:
@@ -140,9 +118,8 @@ class FlashConfig:
     def op_args(self) -> tuple:
         """The fields in declaration order: the trailing arguments of the ``lab::flash_attention_*`` ops.
         Spelled out rather than ``dataclasses.fields``, which dynamo would have to trace."""
-        return (self.autotune, self.fast_launch, self.fp32_precision, self.fwd_tiles, self.fwd_tma,
-                self.warp_specialize, self.backward_launch, self.fused_delta, self.bwd_tiles, self.bwd_tma,
-                self.atomic_tma, self.compile_inline, self.split_d, self.fwd_overlap)
+        return (self.autotune, self.fast_launch, self.fp32_precision, self.fwd_tiles, self.backward_launch,
+                self.bwd_tiles, self.compile_inline, self.split_d)
 
     def replace(self, **changes) -> FlashConfig:
         return dataclasses.replace(self, **changes)
@@ -153,11 +130,9 @@ DEFAULT_CONFIG = FlashConfig()
 
 def inlines(config: FlashConfig, device: torch.device) -> bool:
     """Whether a traced (``torch.compile``) call decomposes into its kernel launches (``config.compile_inline``):
-    compiled kernels on a CUDA device (not the interpreter), no autotuning (the tuner times candidates on
-    real data) and no TMA descriptor (built from a tensor's data pointer, which a traced tensor lacks)."""
-    atomic_descriptor = config.backward_launch == "atomic" and config.atomic_tma
-    return (config.compile_inline and not INTERPRET and device.type == "cuda" and not config.autotune
-            and not config.fwd_tma and not config.bwd_tma and not atomic_descriptor)
+    compiled kernels on a CUDA device (not the interpreter, whose kernels run on the host's data) and no
+    autotuning (the tuner times candidates on real data)."""
+    return config.compile_inline and not INTERPRET and device.type == "cuda" and not config.autotune
 
 
 # ----------------------------------------------------------------------------------------------- checks
@@ -258,12 +233,6 @@ def multiprocessor_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-@functools.cache
-def has_tma(device_index: int) -> bool:
-    """True when CUDA device ``device_index`` has the tensor memory accelerator (compute capability >= 9)."""
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
-
-
 def fills_gpu(programs: int, device: torch.device) -> bool:
     """True when a grid of ``programs`` gives every SM at least two programs."""
     return programs >= 2 * multiprocessor_count(device.index if device.index is not None else 0)
@@ -344,17 +313,15 @@ def backward_plan(batch_heads: int, n_q: int, n_k: int, d: int, dtype: torch.dty
                   config: FlashConfig = DEFAULT_CONFIG) -> tuple[str, dict]:
     """(launch mode, {pass: launch parameters}) of the backward without autotuning.
 
-    Passes: 0 = dK/dV and dQ programs in one grid ("fused"), 1 = dK/dV programs (with atomic dQ updates in
-    "atomic" mode), 2 = dQ programs. ``BLOCK_M1 x BLOCK_N1`` are the (query, key) tiles of the dK/dV loop,
-    ``BLOCK_M2 x BLOCK_N2`` those of the dQ loop. bf16/fp16 at d <= 128, as measured by the sweep of
-    ``python -m lab.book.flash.sweep`` on an H100: one fused launch with 4 warps for short sequences (8 warps
-    took twice as long at 512 tokens) and thin grids; when the heads fill the GPU, two passes, at
-    ``BLOCK_D`` 128 with dK/dV programs of 64 queries x 128 keys on 8 warps. The five-product "atomic"
-    launch (on the same tiles, dQ added by TMA bulk reductions) measured the same at d = 128 and slower at
-    d = 64 and 80, so "auto" keeps the two-pass launch, whose results are also the same from run to run.
-    A split head dimension (:func:`head_chunks`: 80 as 64 + 16 columns) ran fastest on 64 x 64 tiles, 4 warps,
-    in both passes (the wide tiles measured slower there, at d = 80 and 96). The dK/dV program keeps two fp32
-    ``BLOCK_N1 x BLOCK_D`` accumulators in registers, so wide heads and fp32 get narrower key tiles.
+    Passes: 0 = dK/dV and dQ programs in one grid ("fused"), 1 = dK/dV programs, 2 = dQ programs.
+    ``BLOCK_M1 x BLOCK_N1`` are the (query, key) tiles of the dK/dV loop, ``BLOCK_M2 x BLOCK_N2`` those of the
+    dQ loop. bf16/fp16 at d <= 128, as measured by the sweep of ``python -m lab.book.flash.sweep`` on an H100:
+    one fused launch with 4 warps for short sequences (8 warps took twice as long at 512 tokens) and thin
+    grids; when the heads fill the GPU, two passes, at ``BLOCK_D`` 128 with dK/dV programs of 64 queries x 128
+    keys on 8 warps. A split head dimension (:func:`head_chunks`: 80 as 64 + 16 columns) ran fastest on 64 x 64
+    tiles, 4 warps, in both passes (the wide tiles measured slower there, at d = 80 and 96). The dK/dV program
+    keeps two fp32 ``BLOCK_N1 x BLOCK_D`` accumulators in registers, so wide heads and fp32 get narrower key
+    tiles.
     """
     bd = block_d(d)
     long = long_sequence(n_q, n_k)

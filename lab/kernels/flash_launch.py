@@ -1,36 +1,24 @@
-"""What the forward and the backward kernels share: tile loads (pointer or TMA), the masking constant, the
-fast relaunch of compiled kernels and the autotuning cache.
+"""What the forward and the backward kernels share: tile loads, the masking constant, the fast relaunch of
+compiled kernels and the autotuning cache.
 
 Tile loads: :func:`load_tile` reads rows ``[start, start + BLOCK)`` of one head's ``(seq, d)`` matrix as a
-``(BLOCK, BLOCK_D)`` tile, zero outside the matrix. Its ``src`` is either a pointer (masked loads; the
-mask on the head dimension is what lets any d that is a multiple of 8 run on a power-of-two ``BLOCK_D``
-without padded copies; a column offset reads the second chunk of a split head dimension) or a tensor
-descriptor (TMA: the copy engine fetches the tile, and fills columns past d and rows past the end of the
-tensor with zeros). Which one is a compile-time choice: Triton
-specialises the kernel on the argument's type.
-
-A descriptor describes the (batch x heads x seq, d) matrix of all heads at once, so for a ragged last
-tile the rows past this head's end are the *next* head's rows, not zeros. Every kernel masks those rows
-anyway (scores of keys past ``n_k`` get ``MASK_VALUE``; query rows past ``n_q`` get an infinite
-logsumexp, hence zero probability, and are never stored); a non-finite value in another head's rows
-could still turn into NaN through ``0 * inf``, which is why TMA is an opt-in (``FlashConfig.fwd_tma``, ``bwd_tma``).
+``(BLOCK, BLOCK_D)`` tile through masked pointer loads, zero outside the matrix. The mask on the head
+dimension is what lets any d that is a multiple of 8 run on a power-of-two ``BLOCK_D`` without padded
+copies; a column offset reads the second chunk of a split head dimension.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime import driver
 
 from lab.kernels.flash_config import INTERPRET
 from lab.kernels.triton_env import unit_last_stride  # noqa: F401 - the kernels' wrappers import it from here
-
-try:
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # Triton < 3.4: no host-side tensor descriptors, the pointer path only
-    TensorDescriptor = None
 
 LOG2E = 1.4426950408889634
 
@@ -46,32 +34,28 @@ MASK_VALUE = tl.constexpr(-1.0e6)
 
 # ---------------------------------------------------------------------------------------------- tiles
 @triton.jit
-def load_tile(src, head_offset, row0, start, n_rows, stride_s,
+def load_tile(src, head_offset, start, n_rows, stride_s,
               BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, CHECK_ROWS: tl.constexpr,
               COL0: tl.constexpr = 0):
     """Rows ``[start, start + BLOCK)``, columns ``[COL0, COL0 + BLOCK_D)`` of one head as a (BLOCK, BLOCK_D)
     tile (``COL0`` > 0: the second column chunk of a split head dimension, see ``flash_config.head_chunks``).
 
-    Pointer ``src``: the tensor's base pointer; the head starts at ``src + head_offset`` with rows
-    ``stride_s`` apart. Rows at or past ``n_rows`` are masked only when ``CHECK_ROWS`` (tiles known to be
-    inside the sequence skip the comparison); columns past ``HEAD_DIM`` only when the tile reaches past it.
-    Descriptor ``src``: the head's first row is row ``row0`` of the described (rows, d) matrix.
+    The head starts at ``src + head_offset`` with rows ``stride_s`` apart. Rows at or past ``n_rows`` are
+    masked only when ``CHECK_ROWS`` (tiles known to be inside the sequence skip the comparison); columns past
+    ``HEAD_DIM`` only when the tile reaches past it.
     """
-    if isinstance(src, tl.tensor_descriptor):
-        return src.load([row0 + start, COL0])
-    else:
-        rows = start + tl.arange(0, BLOCK)
-        cols = COL0 + tl.arange(0, BLOCK_D)
-        ptrs = src + head_offset + rows[:, None] * stride_s + cols[None, :]
-        if CHECK_ROWS:
-            if COL0 + BLOCK_D > HEAD_DIM:
-                return tl.load(ptrs, mask=(rows[:, None] < n_rows) & (cols[None, :] < HEAD_DIM), other=0.0)
-            else:
-                return tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
-        elif COL0 + BLOCK_D > HEAD_DIM:
-            return tl.load(ptrs, mask=cols[None, :] < HEAD_DIM, other=0.0)
+    rows = start + tl.arange(0, BLOCK)
+    cols = COL0 + tl.arange(0, BLOCK_D)
+    ptrs = src + head_offset + rows[:, None] * stride_s + cols[None, :]
+    if CHECK_ROWS:
+        if COL0 + BLOCK_D > HEAD_DIM:
+            return tl.load(ptrs, mask=(rows[:, None] < n_rows) & (cols[None, :] < HEAD_DIM), other=0.0)
         else:
-            return tl.load(ptrs)
+            return tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
+    elif COL0 + BLOCK_D > HEAD_DIM:
+        return tl.load(ptrs, mask=cols[None, :] < HEAD_DIM, other=0.0)
+    else:
+        return tl.load(ptrs)
 
 
 @triton.jit
@@ -94,56 +78,50 @@ def as_bhsd(t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == 4 else t.unsqueeze(1)
 
 
-def stream_source(t: torch.Tensor, block_rows: int, bd: int, use_tma: bool):
-    """What a kernel streams tiles of ``t`` (batch, heads, seq, d) from: a TMA descriptor over the
-    (batch * heads * seq, d) matrix when ``use_tma`` and the layout allows it, else ``t`` itself (pointer
-    loads). TMA needs the (batch, heads, seq) dimensions to collapse into one row index with a single
-    stride, 16-byte aligned rows and base, and a CUDA tensor (the interpreter emulates descriptors too)."""
-    if not use_tma or TensorDescriptor is None:
-        return t
-    b, h, s, d = t.shape
-    stride_s = t.stride(2)
-    collapsible = (h == 1 or t.stride(1) == s * stride_s) and (b == 1 or t.stride(0) == h * s * stride_s)
-    aligned = (stride_s * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
-    if not (collapsible and aligned and t.stride(3) == 1):
-        return t
-    return TensorDescriptor(t, [b * h * s, d], [stride_s, 1], [block_rows, bd])
-
-
 # ------------------------------------------------------------------------------------- fast relaunch
-try:  # the stream getter JITFunction.run uses (through Triton's driver), without the driver indirection
-    from torch._C import _cuda_getCurrentRawStream as _current_raw_stream
-except ImportError:  # a torch build without CUDA: no GPU launches happen anyway
-    def _current_raw_stream(index):
-        return torch.cuda.current_stream(index).cuda_stream
+#: The Triton release (major, minor) whose compiled-kernel internals the direct relaunch of :func:`launch` calls
+#: (``CompiledKernel.run``, ``launch_metadata``, ``function`` and ``packed_metadata``, the launch hooks of
+#: ``triton.knobs.runtime``, the driver's stream getter): none of them is public API and their signatures
+#: change between releases, so under any other version every launch takes the public ``kernel[grid](...)``.
+RELAUNCH_TRITON = (3, 6)
 
 _COMPILED: dict[tuple, object] = {}
 
 
+@functools.cache
+def relaunches_directly(version: str) -> bool:
+    """Whether :func:`launch` may relaunch compiled kernels through Triton's internal launcher under Triton
+    ``version`` (``triton.__version__``): only the release it was written for, :data:`RELAUNCH_TRITON`,
+    any patch level."""
+    try:
+        return tuple(int(part) for part in version.split(".")[:2]) == RELAUNCH_TRITON
+    except ValueError:  # a version string this check cannot read: not the release it knows
+        return False
+
+
 def _arg_signature(a):
-    """What Triton specialises a launch argument on (pointers: dtype and 16-byte alignment; descriptors:
-    dtype and block shape; ints and floats: their value, a superset of Triton's own key)."""
+    """What Triton specialises a launch argument on (pointers: dtype and 16-byte alignment; ints and floats:
+    their value, a superset of Triton's own key)."""
     if isinstance(a, torch.Tensor):
         return a.dtype, a.data_ptr() % 16 == 0
-    if TensorDescriptor is not None and isinstance(a, TensorDescriptor):
-        return "desc", a.base.dtype, tuple(a.block_shape), a.base.data_ptr() % 16 == 0
     return a
 
 
 def launch(kernel, grid: tuple, args: tuple, constexprs: dict, fast: bool = True) -> None:
-    """``kernel[grid](*args, **constexprs)``, with the per-launch host cost cut down.
+    """``kernel[grid](*args, **constexprs)``, with the per-launch host cost cut down where it is safe.
 
     ``JITFunction.run`` binds and specialises every argument on every launch (tens of microseconds for
-    these ~30-argument kernels, on the critical path when one head's attention takes ~0.1 ms). The first
-    launch of an argument signature goes through it and keeps the compiled kernel; later launches with the
-    same signature (:func:`_arg_signature` of every argument, the constexprs, the device) call the
-    compiled kernel's launcher directly, the way ``JITFunction.run`` itself does. ``fast=False`` (or the
-    interpreter) always goes through ``JITFunction.run``.
+    these ~30-argument kernels, on the critical path when one head's attention takes a fraction of a
+    millisecond). Under the Triton release :func:`relaunches_directly` knows, the first launch of an argument
+    signature goes through it and keeps the compiled kernel; later launches with the same signature
+    (:func:`_arg_signature` of every argument, the constexprs, the device) call the compiled kernel's
+    launcher directly, the way ``JITFunction.run`` itself does. ``fast=False``, the interpreter and every
+    other Triton version always go through the public ``kernel[grid](...)``.
     """
-    if not fast or INTERPRET:
+    if not fast or INTERPRET or not relaunches_directly(triton.__version__):
         kernel[grid](*args, **constexprs)
         return
-    device_index = args[0].device.index if isinstance(args[0], torch.Tensor) else args[0].base.device.index
+    device_index = args[0].device.index
     signature = (id(kernel), device_index, tuple(constexprs.items()), tuple(_arg_signature(a) for a in args))
     compiled = _COMPILED.get(signature)
     if compiled is None:
@@ -154,7 +132,7 @@ def launch(kernel, grid: tuple, args: tuple, constexprs: dict, fast: bool = True
     values = dict(zip(kernel.arg_names, args))
     values.update(constexprs)
     params = [values[name] for name in kernel.arg_names]
-    stream = _current_raw_stream(device_index)
+    stream = driver.active.get_current_stream(device_index)
     grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
     metadata = compiled.launch_metadata(grid3, stream, *params)
     compiled.run(*grid3, stream, compiled.function, compiled.packed_metadata, metadata,
@@ -182,13 +160,3 @@ def remember_tuning(key: tuple, tuner) -> dict:
     TUNED_CONFIGS[key] = config
     return config
 
-
-def descriptor_pre_hook(blocks: dict):
-    """An autotune ``pre_hook`` giving every descriptor argument named in ``blocks`` (argument -> (row
-    block constexpr name)) the block shape of the config being tried."""
-    def hook(nargs):
-        for name, rows in blocks.items():
-            src = nargs.get(name)
-            if TensorDescriptor is not None and isinstance(src, TensorDescriptor):
-                src.block_shape = [1] * (len(src.block_shape) - 2) + [nargs[rows], nargs["BLOCK_D"]]
-    return hook

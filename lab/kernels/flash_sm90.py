@@ -34,38 +34,26 @@ def _report(kernel, types: dict, constexprs: dict, num_warps: int, num_stages: i
             "products": out["products"], "waited_at_once": out["waited_at_once"]}
 
 
-def forward_report(d, causal, tiles, tma=False, dtype="bf16", scale="fp32", split=False, overlap=False) -> dict:
+def forward_report(d, causal, tiles, dtype="bf16", scale="fp32", split=False) -> dict:
     """The forward kernel at head dimension ``d`` on ``tiles`` ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``;
     ``split``: two column chunks (``flash_config.split_widths``); ``scale``: the scale's type (Inductor
     passes fp64)."""
     m, n, warps, stages = tiles
     bd, bd1 = fc.split_widths(d) if split else (fc.block_d(d), 0)
     types = {name: f"*{dtype}" for name in ("Q", "K", "V", "O")} | {"L": "*fp32", "qk_scale": scale}
-    if tma:
-        types["K"] = types["V"] = f"tensordesc<{dtype}[{n},{bd}]>"
     precision = "tf32x3" if dtype == "fp32" else "tf32"
-    constexprs = dict(HEAD_DIM=d, BLOCK_D=bd, BLOCK_D1=bd1, IS_CAUSAL=causal, PRECISION=precision,
-                      WARP_SPECIALIZE=False, OVERLAP=overlap, BLOCK_M=m, BLOCK_N=n)
+    constexprs = dict(HEAD_DIM=d, BLOCK_D=bd, BLOCK_D1=bd1, IS_CAUSAL=causal, PRECISION=precision, BLOCK_M=m, BLOCK_N=n)
     return _report(FORWARD_KERNEL, types, constexprs, warps, stages)
 
 
-def backward_report(d, causal, tiles, pass_, atomic=False, delta_from_o=False, store_delta=False, tma=False,
-                    atomic_tma=False, scale="fp32", split=False, ordered=False) -> dict:
+def backward_report(d, causal, tiles, pass_, scale="fp32", split=False) -> dict:
     """One pass of the backward kernel (0 fused, 1 dK/dV, 2 dQ) on ``tiles`` ``(BLOCK_M1, BLOCK_N1, BLOCK_M2,
-    BLOCK_N2, num_warps, num_stages)``; the switches as in ``flash_triton_backward``."""
+    BLOCK_N2, num_warps, num_stages)``, bf16."""
     m1, n1, m2, n2, warps, stages = tiles
     bd, bd1 = fc.split_widths(d) if split else (fc.block_d(d), 0)
-    types = {name: "*bf16" for name in ("Q", "K", "V", "O", "DO", "DK", "DV", "Q_S", "DO_S", "K_S", "V_S")}
-    types |= {"L": "*fp32", "Delta": "*fp32", "DQ": "*fp32" if atomic else "*bf16", "qk_scale": scale,
-              "sm_scale": scale}
-    types["DQ_ACC"] = f"tensordesc<fp32[1,{m1},{bd}]>" if atomic_tma else types["DQ"]
-    types["DQ_TURN"] = "*i32" if ordered else "*fp32"
-    if tma:
-        types["Q_S"] = types["DO_S"] = f"tensordesc<bf16[{m1},{bd}]>"
-        types["K_S"] = types["V_S"] = f"tensordesc<bf16[{n2},{bd}]>"
+    types = {name: "*bf16" for name in ("Q", "K", "V", "DO", "DQ", "DK", "DV")}
+    types |= {"L": "*fp32", "Delta": "*fp32", "qk_scale": scale, "sm_scale": scale}
     constexprs = dict(HEAD_DIM=d, BLOCK_D=bd, BLOCK_D1=bd1, IS_CAUSAL=causal, PRECISION="tf32", PASS=pass_,
-                      ATOMIC_DQ=atomic or ordered, ORDERED_DQ=ordered, DELTA_FROM_O=delta_from_o,
-                      STORE_DELTA=store_delta,
                       BLOCK_M1=m1, BLOCK_N1=n1, BLOCK_M2=m2, BLOCK_N2=n2)
     return _report(BACKWARD_KERNEL, types, constexprs, warps, stages)
 
@@ -99,8 +87,7 @@ def default_kernels(d: int, causal: bool = True, n: int = 4096, batch_heads: int
                  **forward_report(d, causal, fwd_tiles))]
     for p in fc.LAUNCHED_PASSES[mode]:  # the plan lists every pass
         rows.append(dict(kernel=names[p], d=d, tiles="x".join(map(str, bwd_tiles[p])),
-                         **backward_report(d, causal, bwd_tiles[p], p, atomic=mode == "atomic",
-                                           ordered=mode == "ordered")))
+                         **backward_report(d, causal, bwd_tiles[p], p)))
     return rows
 
 

@@ -21,6 +21,14 @@ of that head through them, so the ``n_queries x n_keys`` scores never exist in m
 * (batch, seq, d) and (batch, heads, seq, d) inputs with any batch/head/sequence strides.
 
 Saved for the backward: the output and the natural-log logsumexp ``L`` of every query row (fp32).
+
+Tried and removed: issuing the next key tile's scores before this tile's softmax, so that a matrix product
+could run under the exponentials (FlashAttention-3's overlap within one warp group). Triton's compiled code
+waits for that product before the softmax all the same (:mod:`lab.book.flash.schedule`), and the second score
+tile costs registers and shared memory: on the shapes measured it never beat the fastest tiles without it
+(``results/flash_overlap_sweep``). The overlap needs control of when a product is waited for, which ``tl.dot``
+does not give. K/V tiles loaded through TMA descriptors and Triton's warp specialization of the key loop were
+timed as sweep variants and never chosen by the tile tables.
 """
 
 from __future__ import annotations
@@ -46,12 +54,10 @@ from lab.kernels.flash_launch import (
     TUNED_CONFIGS,
     as_bhsd,
     base2_scale,
-    descriptor_pre_hook,
     launch,
     load_tile,
     remember_tuning,
     store_tile,
-    stream_source,
     unit_last_stride,
 )
 from lab.kernels.triton_env import empty_in_layout
@@ -60,19 +66,18 @@ _LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def _fwd_inner(acc, acc1, row_sum, row_max, q, q1, k_src, v_src, k_off, v_off, kv_row0, stride_ks, stride_vs, lo, hi,
+def _fwd_inner(acc, acc1, row_sum, row_max, q, q1, K, V, k_off, v_off, stride_ks, stride_vs, lo, hi,
                offs_m, n_k, qk_scale,
                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D1: tl.constexpr, HEAD_DIM: tl.constexpr,
-               MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
-               WARP_SPECIALIZE: tl.constexpr):
+               MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
     """Stream key tiles [lo, hi) through the online softmax. MASKED tiles cross the diagonal or the end.
     ``q1``/``acc1``: the second column chunk (``BLOCK_D1 > 0``; otherwise unused placeholders)."""
     offs_n = tl.arange(0, BLOCK_N)
-    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
-        k = load_tile(k_src, k_off, kv_row0, start_n, n_k, stride_ks, BLOCK_N, BLOCK_D, HEAD_DIM, MASKED)
+    for start_n in range(lo, hi, BLOCK_N):
+        k = load_tile(K, k_off, start_n, n_k, stride_ks, BLOCK_N, BLOCK_D, HEAD_DIM, MASKED)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if BLOCK_D1 > 0:
-            k1 = load_tile(k_src, k_off, kv_row0, start_n, n_k, stride_ks, BLOCK_N, BLOCK_D1, HEAD_DIM, MASKED,
+            k1 = load_tile(K, k_off, start_n, n_k, stride_ks, BLOCK_N, BLOCK_D1, HEAD_DIM, MASKED,
                            BLOCK_D)
             s = tl.dot(q1, tl.trans(k1), s, input_precision=PRECISION)
         # Base-2 exponent s * log2(e) / sqrt(d) - max: one fused multiply-add per score.
@@ -90,52 +95,15 @@ def _fwd_inner(acc, acc1, row_sum, row_max, q, q1, k_src, v_src, k_off, v_off, k
         rescale = tl.math.exp2(row_max - new_max)  # 0 on the first tile, where row_max = -inf
         row_sum = row_sum * rescale + tl.sum(p, 1)
         acc = acc * rescale[:, None]
-        v = load_tile(v_src, v_off, kv_row0, start_n, n_k, stride_vs, BLOCK_N, BLOCK_D, HEAD_DIM, MASKED)
+        v = load_tile(V, v_off, start_n, n_k, stride_vs, BLOCK_N, BLOCK_D, HEAD_DIM, MASKED)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
         if BLOCK_D1 > 0:
             acc1 = acc1 * rescale[:, None]
-            v1 = load_tile(v_src, v_off, kv_row0, start_n, n_k, stride_vs, BLOCK_N, BLOCK_D1, HEAD_DIM, MASKED,
+            v1 = load_tile(V, v_off, start_n, n_k, stride_vs, BLOCK_N, BLOCK_D1, HEAD_DIM, MASKED,
                            BLOCK_D)
             acc1 = tl.dot(p.to(v1.dtype), v1, acc1, input_precision=PRECISION)
         row_max = new_max
     return acc, acc1, row_sum, row_max
-
-
-@triton.jit
-def _softmax_pv(acc, row_sum, row_max, s, v_src, v_off, kv_row0, stride_vs, start_n, n_k, qk_scale,
-                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr):
-    """One unmasked key tile's online-softmax update and ``P V`` product, its scores ``s`` given."""
-    new_max = tl.maximum(row_max, tl.max(s, 1) * qk_scale)
-    p = tl.math.exp2(s * qk_scale - new_max[:, None])
-    rescale = tl.math.exp2(row_max - new_max)
-    row_sum = row_sum * rescale + tl.sum(p, 1)
-    acc = acc * rescale[:, None]
-    v = load_tile(v_src, v_off, kv_row0, start_n, n_k, stride_vs, BLOCK_N, BLOCK_D, HEAD_DIM, False)
-    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
-    return acc, row_sum, new_max
-
-
-@triton.jit
-def _fwd_inner_overlap(acc, row_sum, row_max, q, k_src, v_src, k_off, v_off, kv_row0, stride_ks, stride_vs, lo, hi,
-                       n_k, qk_scale, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-                       PRECISION: tl.constexpr):
-    """Unmasked key tiles [lo, hi) with the next tile's scores issued before this tile's softmax, so that
-    ``Q K_{j+1}^T`` could run on the tensor cores under the exponentials of tile ``j`` (FlashAttention-3's
-    overlap within one warp group), at the price of a second score tile in registers. Triton's compiled code
-    waits for that product before the softmax all the same (``lab.book.flash.schedule``), so this stays a
-    sweep variant (``FlashConfig.fwd_overlap``). One head-dimension chunk only."""
-    if lo < hi:
-        k = load_tile(k_src, k_off, kv_row0, lo, n_k, stride_ks, BLOCK_N, BLOCK_D, HEAD_DIM, False)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        for start_n in tl.range(lo, hi - BLOCK_N, BLOCK_N):
-            k = load_tile(k_src, k_off, kv_row0, start_n + BLOCK_N, n_k, stride_ks, BLOCK_N, BLOCK_D, HEAD_DIM, False)
-            s_next = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-            acc, row_sum, row_max = _softmax_pv(acc, row_sum, row_max, s, v_src, v_off, kv_row0, stride_vs, start_n,
-                                                n_k, qk_scale, BLOCK_N, BLOCK_D, HEAD_DIM, PRECISION)
-            s = s_next
-        acc, row_sum, row_max = _softmax_pv(acc, row_sum, row_max, s, v_src, v_off, kv_row0, stride_vs, hi - BLOCK_N,
-                                            n_k, qk_scale, BLOCK_N, BLOCK_D, HEAD_DIM, PRECISION)
-    return acc, row_sum, row_max
 
 
 @triton.jit(do_not_specialize=["tune_batch"])
@@ -144,10 +112,9 @@ def _flash_fwd_kernel(Q, K, V, O, L,
                       stride_vz, stride_vh, stride_vs, stride_oz, stride_oh, stride_os,
                       n_q, n_k, qk_scale, tune_batch,
                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D1: tl.constexpr,
-                      IS_CAUSAL: tl.constexpr, PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-                      OVERLAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Grid (query tiles, heads, batch). K and V are pointers or TMA descriptors (``flash_launch``);
-    ``tune_batch`` is unused: it only keys the autotuner."""
+                      IS_CAUSAL: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
+    """Grid (query tiles, heads, batch). ``tune_batch`` is unused: it only keys the autotuner."""
     # Inductor passes a Python float as fp64 (when it launches this kernel itself, FlashConfig.compile_inline):
     # in fp64 the scale would turn the whole softmax into fp64, which tl.dot's fp32 accumulator refuses.
     qk_scale = tl.cast(qk_scale, tl.float32)
@@ -161,13 +128,13 @@ def _flash_fwd_kernel(Q, K, V, O, L,
     q_off = z.to(tl.int64) * stride_qz + h.to(tl.int64) * stride_qh
     k_off = z.to(tl.int64) * stride_kz + h.to(tl.int64) * stride_kh
     v_off = z.to(tl.int64) * stride_vz + h.to(tl.int64) * stride_vh
-    q = load_tile(Q, q_off, 0, start_m, n_q, stride_qs, BLOCK_M, BLOCK_D, HEAD_DIM, True)
+    q = load_tile(Q, q_off, start_m, n_q, stride_qs, BLOCK_M, BLOCK_D, HEAD_DIM, True)
 
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if BLOCK_D1 > 0:
-        q1 = load_tile(Q, q_off, 0, start_m, n_q, stride_qs, BLOCK_M, BLOCK_D1, HEAD_DIM, True, BLOCK_D)
+        q1 = load_tile(Q, q_off, start_m, n_q, stride_qs, BLOCK_M, BLOCK_D1, HEAD_DIM, True, BLOCK_D)
         acc1 = tl.zeros([BLOCK_M, BLOCK_D1], dtype=tl.float32)
     else:  # placeholders the inner loop never touches
         q1 = q
@@ -183,19 +150,12 @@ def _flash_fwd_kernel(Q, K, V, O, L,
     else:
         full_end = whole_tiles_end
         end = n_k
-    kv_row0 = zh * n_k  # this head's first row in a TMA descriptor over all heads' rows
-    if OVERLAP and BLOCK_D1 == 0:
-        acc, row_sum, row_max = _fwd_inner_overlap(acc, row_sum, row_max, q, K, V, k_off, v_off, kv_row0, stride_ks,
-                                                   stride_vs, 0, full_end, n_k, qk_scale, BLOCK_N, BLOCK_D, HEAD_DIM,
-                                                   PRECISION)
-    else:
-        acc, acc1, row_sum, row_max = _fwd_inner(acc, acc1, row_sum, row_max, q, q1, K, V, k_off, v_off, kv_row0,
-                                                 stride_ks, stride_vs, 0, full_end, offs_m, n_k, qk_scale,
-                                                 BLOCK_N, BLOCK_D, BLOCK_D1, HEAD_DIM, False, IS_CAUSAL, PRECISION,
-                                                 WARP_SPECIALIZE)
-    acc, acc1, row_sum, row_max = _fwd_inner(acc, acc1, row_sum, row_max, q, q1, K, V, k_off, v_off, kv_row0,
-                                             stride_ks, stride_vs, full_end, end, offs_m, n_k, qk_scale,
-                                             BLOCK_N, BLOCK_D, BLOCK_D1, HEAD_DIM, True, IS_CAUSAL, PRECISION, False)
+    acc, acc1, row_sum, row_max = _fwd_inner(acc, acc1, row_sum, row_max, q, q1, K, V, k_off, v_off, stride_ks,
+                                             stride_vs, 0, full_end, offs_m, n_k, qk_scale,
+                                             BLOCK_N, BLOCK_D, BLOCK_D1, HEAD_DIM, False, IS_CAUSAL, PRECISION)
+    acc, acc1, row_sum, row_max = _fwd_inner(acc, acc1, row_sum, row_max, q, q1, K, V, k_off, v_off, stride_ks,
+                                             stride_vs, full_end, end, offs_m, n_k, qk_scale,
+                                             BLOCK_N, BLOCK_D, BLOCK_D1, HEAD_DIM, True, IS_CAUSAL, PRECISION)
 
     o_off = z.to(tl.int64) * stride_oz + h.to(tl.int64) * stride_oh
     store_tile(O, o_off, start_m, n_q, stride_os, acc / row_sum[:, None], BLOCK_M, BLOCK_D, HEAD_DIM)
@@ -216,29 +176,24 @@ def _fwd_configs():
         (128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (128, 128, 8, 2),
         (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 4, 2), (64, 128, 8, 3),
     ]
-    hook = descriptor_pre_hook({"K": "BLOCK_N", "V": "BLOCK_N"})
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s, pre_hook=hook)
-            for m, n, w, s in shapes]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
 
 
 _flash_fwd_tuned = triton.autotune(
     configs=_fwd_configs(),
-    key=["n_q", "n_k", "tune_batch", "HEAD_DIM", "BLOCK_D1", "IS_CAUSAL", "PRECISION", "WARP_SPECIALIZE", "OVERLAP"],
+    key=["n_q", "n_k", "tune_batch", "HEAD_DIM", "BLOCK_D1", "IS_CAUSAL", "PRECISION"],
 )(_flash_fwd_kernel)
 
 
-def forward_launch_args(q, k, v, out, lse, is_causal: bool, config: FlashConfig, block_n: int) -> tuple[tuple, dict]:
+def forward_launch_args(q, k, v, out, lse, is_causal: bool, config: FlashConfig) -> tuple[tuple, dict]:
     """Positional arguments and constexpr keywords (all but the tiles) of the forward kernel on
-    (batch, heads, seq, d) tensors; K and V become TMA descriptors with ``block_n``-row tiles when
-    ``config.fwd_tma`` and their layout allow it and the head dimension is one chunk (``head_chunks``)."""
+    (batch, heads, seq, d) tensors."""
     d = q.shape[-1]
     bd, bd1 = head_chunks(d, q.dtype, "fwd", q.shape[2], k.shape[2], config)
-    k_src, v_src = (stream_source(t, block_n, bd, config.fwd_tma and not bd1) for t in (k, v))
-    args = (q, k_src, v_src, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+    args = (q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
             q.shape[2], k.shape[2], base2_scale(d), tune_batch(q.shape[0] * q.shape[1]))
     meta = {"HEAD_DIM": d, "BLOCK_D": bd, "BLOCK_D1": bd1, "IS_CAUSAL": bool(is_causal),
-            "PRECISION": dot_precision(q.dtype, config.fp32_precision), "WARP_SPECIALIZE": config.warp_specialize,
-            "OVERLAP": config.fwd_overlap}
+            "PRECISION": dot_precision(q.dtype, config.fp32_precision)}
     return args, meta
 
 
@@ -260,17 +215,16 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
     autotune = autotunes(config, q.dtype, n_q, n_k, config.fwd_tiles)
     if autotune:
         key = ("fwd", n_q, n_k, tune_batch(batch * heads), d, head_chunks(d, q.dtype, "fwd", n_q, n_k, config),
-               bool(is_causal),
-               q.dtype, config.fwd_tma, config.warp_specialize, config.fwd_overlap)
+               bool(is_causal), q.dtype)
         tiles = TUNED_CONFIGS.get(key)
         if tiles is None:
-            args, meta = forward_launch_args(q4, k4, v4, out4, lse, is_causal, config, 64)
+            args, meta = forward_launch_args(q4, k4, v4, out4, lse, is_causal, config)
             _flash_fwd_tuned[lambda m: (triton.cdiv(n_q, m["BLOCK_M"]), heads, batch)](*args, **meta)
             remember_tuning(key, _flash_fwd_tuned)
             return out, lse
     else:
         tiles = forward_tiles(batch * heads, n_q, n_k, d, q.dtype, q.device, config, bool(is_causal))
-    args, meta = forward_launch_args(q4, k4, v4, out4, lse, is_causal, config, tiles["BLOCK_N"])
+    args, meta = forward_launch_args(q4, k4, v4, out4, lse, is_causal, config)
     launcher(_flash_fwd_kernel, (triton.cdiv(n_q, tiles["BLOCK_M"]), heads, batch), args, {**meta, **tiles},
              fast=config.fast_launch)
     return out, lse

@@ -1,9 +1,9 @@
 """The Triton FlashAttention kernels as ``torch.library`` operators, so that ``torch.compile`` sees them.
 
 Dynamo cannot trace into a Triton launch (Python that reads data pointers and calls a CUDA driver), so a
-call it meets inside a compiled function would break the graph in two. Registered as custom operators
-with a fake (shape-only) implementation, the kernels are opaque nodes of known output shapes that dynamo,
-AOTAutograd and Inductor pass through; Inductor calls the real implementation at run time.
+call it meets inside a compiled function would break the graph in two. Registered as operators with a fake
+(shape-only) implementation, the kernels are nodes of known output shapes that dynamo, AOTAutograd and
+Inductor pass through.
 
 * ``lab::flash_attention_forward(q, k, v, causal, *config) -> (out, lse)``;
 * ``lab::flash_attention_backward(grad_out, q, k, v, out, lse, causal, *config) -> (dq, dk, dv)``;
@@ -16,27 +16,29 @@ on its own (``register_autograd``: its backward is the backward op);
 ``lab.kernels.flash_triton.FlashAttentionTriton`` calls both from an ``autograd.Function``, which dynamo
 traces into a graph with these two ops.
 
-With ``FlashConfig.compile_inline`` (on by default, see there), under ``torch.compile`` on a GPU
-(:func:`~lab.kernels.flash_config.inlines`) both ops decompose while AOTAutograd functionalizes the graph:
-their host function runs once on the traced tensors with every launch wrapped in
+Both are ``torch.library.triton_op`` operators: while AOTAutograd functionalizes a graph (``torch.compile``) they
+decompose into their implementation. With ``FlashConfig.compile_inline`` (on by default, see there) on a
+GPU (:func:`~lab.kernels.flash_config.inlines`) that is the host function with every launch wrapped in
 ``torch.library.wrap_triton`` (``flash_launch.inline_launch``), so the graph Inductor compiles holds the
 Triton kernels themselves, launched by Inductor's generated code without the op's Python (the custom-op
-dispatch, the config, the checks, the tile tables, the launch arguments) on every call. That is what
-``torch.library.triton_op`` does; it is done here by hand so that the same ops stay opaque where
-decomposing is not possible (the interpreter, autotuning, TMA descriptors) and a dispatch mode (selective
-activation checkpointing) still sees them by name.
+dispatch, the config, the checks, the tile tables, the launch arguments) on every call. Where the launches
+cannot be traced (the interpreter, whose kernels run on the host's data; the autotuner, which times
+candidates on real data) the decomposition is one call of an opaque twin,
+``lab::flash_attention_forward_opaque`` / ``lab::flash_attention_backward_opaque`` (``torch.library.custom_op``,
+the same schema), which Inductor calls at run time as it would any custom op. On real tensors (an eager
+call, or the op's kernel below a dispatch mode) both ops run the host function with the fast launcher.
 
 :func:`attention_forward` / :func:`attention_backward` are what the autograd functions call: the ops when
-anything traces, the host functions directly for eager calls on plain tensors (the dispatcher costs
-~8 us of host time per call, on the critical path for small shapes).
+anything traces or a dispatch mode is active (selective activation checkpointing saves an op's outputs by
+seeing the op), the host functions directly for eager calls on plain tensors (the dispatcher's host time
+per call is on the critical path for small shapes).
 
-(No ``from __future__ import annotations`` here: ``custom_op`` reads the schema from the annotations.)
+(No ``from __future__ import annotations`` here: ``custom_op`` and ``triton_op`` read the schema from the
+annotations.)
 """
 
 import torch
 from torch import Tensor
-from torch._subclasses.fake_tensor import FakeTensor
-from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from lab.kernels.flash_config import FlashConfig, check_triton_inputs, inlines
@@ -46,43 +48,87 @@ from lab.kernels.flash_triton_forward import flash_forward
 from lab.kernels.triton_env import empty_in_layout
 
 
-@torch.library.custom_op("lab::flash_attention_forward", mutates_args=())
-def flash_attention_forward_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, autotune: bool, fast_launch: bool,
-                               fp32_precision: str, fwd_tiles: list[int], fwd_tma: bool, warp_specialize: bool,
-                               backward_launch: str, fused_delta: bool, bwd_tiles: list[int],
-                               bwd_tma: bool, atomic_tma: bool, compile_inline: bool,
-                               split_d: str, fwd_overlap: bool) -> tuple[Tensor, Tensor]:
-    """FlashAttention forward: (output, fp32 logsumexp)."""
-    config = FlashConfig(autotune, fast_launch, fp32_precision, fwd_tiles, fwd_tma, warp_specialize, backward_launch,
-                         fused_delta, bwd_tiles, bwd_tma, atomic_tma, compile_inline, split_d, fwd_overlap)
-    return flash_forward(q, k, v, causal, config)
+def _plain(*tensors) -> bool:
+    """True for real tensors (not fake, functional or another subclass): the call runs the kernels now."""
+    return all(type(t) is Tensor for t in tensors)
 
 
-@flash_attention_forward_op.register_fake
+# ------------------------------------------------------------------------------------------------ forward
 def _forward_fake(q, k, v, causal, *config):
     check_triton_inputs(q, k, v)  # the same one-line errors at trace time as in eager mode
     FlashConfig(*config)
     return empty_in_layout(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
-@torch.library.custom_op("lab::flash_attention_backward", mutates_args=())
-def flash_attention_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                                causal: bool, autotune: bool, fast_launch: bool, fp32_precision: str,
-                                fwd_tiles: list[int], fwd_tma: bool, warp_specialize: bool, backward_launch: str,
-                                fused_delta: bool, bwd_tiles: list[int],
-                                bwd_tma: bool, atomic_tma: bool, compile_inline: bool,
-                                split_d: str, fwd_overlap: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """FlashAttention backward: (dq, dk, dv)."""
-    config = FlashConfig(autotune, fast_launch, fp32_precision, fwd_tiles, fwd_tma, warp_specialize, backward_launch,
-                         fused_delta, bwd_tiles, bwd_tma, atomic_tma, compile_inline, split_d, fwd_overlap)
-    return flash_backward(q, k, v, out, lse, grad_out, causal, config)
+@torch.library.custom_op("lab::flash_attention_forward_opaque", mutates_args=())
+def _forward_opaque(q: Tensor, k: Tensor, v: Tensor, causal: bool, autotune: bool, fast_launch: bool,
+                    fp32_precision: str, fwd_tiles: list[int], backward_launch: str, bwd_tiles: list[int],
+                    compile_inline: bool, split_d: str) -> tuple[Tensor, Tensor]:
+    """The forward's kernels as one opaque node, for traced calls whose launches cannot be traced."""
+    config = FlashConfig(autotune, fast_launch, fp32_precision, fwd_tiles, backward_launch, bwd_tiles, compile_inline,
+                         split_d)
+    return flash_forward(q, k, v, causal, config)
 
 
-@flash_attention_backward_op.register_fake
+_forward_opaque.register_fake(_forward_fake)
+
+
+@torch.library.triton_op("lab::flash_attention_forward", mutates_args=())
+def flash_attention_forward_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, autotune: bool, fast_launch: bool,
+                               fp32_precision: str, fwd_tiles: list[int], backward_launch: str,
+                               bwd_tiles: list[int], compile_inline: bool, split_d: str) -> tuple[Tensor, Tensor]:
+    """FlashAttention forward: (output, fp32 logsumexp)."""
+    config = FlashConfig(autotune, fast_launch, fp32_precision, fwd_tiles, backward_launch, bwd_tiles, compile_inline,
+                         split_d)
+    if _plain(q, k, v):
+        return flash_forward(q, k, v, causal, config)
+    if inlines(config, q.device):
+        return flash_forward(q, k, v, causal, config, launcher=inline_launch)
+    return _forward_opaque(q, k, v, causal, *config.op_args())
+
+
+# triton_op's own fake runs the implementation on fake tensors, which an interpreted kernel cannot take
+flash_attention_forward_op.register_fake(_forward_fake)
+
+
+# ----------------------------------------------------------------------------------------------- backward
 def _backward_fake(grad_out, q, k, v, out, lse, causal, *config):
     return empty_in_layout(q), empty_in_layout(k), empty_in_layout(v)
 
 
+@torch.library.custom_op("lab::flash_attention_backward_opaque", mutates_args=())
+def _backward_opaque(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
+                     autotune: bool, fast_launch: bool, fp32_precision: str, fwd_tiles: list[int],
+                     backward_launch: str, bwd_tiles: list[int], compile_inline: bool,
+                     split_d: str) -> tuple[Tensor, Tensor, Tensor]:
+    """The backward's kernels as one opaque node, for traced calls whose launches cannot be traced."""
+    config = FlashConfig(autotune, fast_launch, fp32_precision, fwd_tiles, backward_launch, bwd_tiles, compile_inline,
+                         split_d)
+    return flash_backward(q, k, v, out, lse, grad_out, causal, config)
+
+
+_backward_opaque.register_fake(_backward_fake)
+
+
+@torch.library.triton_op("lab::flash_attention_backward", mutates_args=())
+def flash_attention_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                                causal: bool, autotune: bool, fast_launch: bool, fp32_precision: str,
+                                fwd_tiles: list[int], backward_launch: str, bwd_tiles: list[int],
+                                compile_inline: bool, split_d: str) -> tuple[Tensor, Tensor, Tensor]:
+    """FlashAttention backward: (dq, dk, dv)."""
+    config = FlashConfig(autotune, fast_launch, fp32_precision, fwd_tiles, backward_launch, bwd_tiles, compile_inline,
+                         split_d)
+    if _plain(grad_out, q, k, v, out, lse):
+        return flash_backward(q, k, v, out, lse, grad_out, causal, config)
+    if inlines(config, q.device):
+        return flash_backward(q, k, v, out, lse, grad_out, causal, config, launcher=inline_launch)
+    return _backward_opaque(grad_out, q, k, v, out, lse, causal, *config.op_args())
+
+
+flash_attention_backward_op.register_fake(_backward_fake)
+
+
+# ----------------------------------------------------------------------------------------------- autograd
 def _setup_context(ctx, inputs, output):
     q, k, v, causal, *config = inputs
     out, lse = output
@@ -101,41 +147,23 @@ def _forward_op_backward(ctx, grad_out, grad_lse):
 flash_attention_forward_op.register_autograd(_forward_op_backward, setup_context=_setup_context)
 
 
-def _decomposes(types, q: Tensor, config: FlashConfig) -> bool:
-    """Whether a call seen by the functionalization mode is traced into its kernel launches: plain, fake or
-    functional tensors only (another subclass keeps the op), and :func:`inlines` for this config and device."""
-    plain = all(t is Tensor or issubclass(t, (FakeTensor, FunctionalTensor)) for t in types)
-    return plain and inlines(config, q.device)
+# ------------------------------------------------------------------------------------------ entry points
+def dispatch_mode_active() -> bool:
+    """Whether a ``TorchDispatchMode`` is active (selective activation checkpointing, ``FlopCounterMode``).
 
-
-def _functional_forward(mode, op, types, args, kwargs):
-    q, k, v, causal, *fields = args
-    config = FlashConfig(*fields)
-    if kwargs or not _decomposes(types, q, config):
-        return mode.__torch_dispatch__(op, types, args, kwargs)
-    with mode:
-        return flash_forward(q, k, v, causal, config, launcher=inline_launch)
-
-
-def _functional_backward(mode, op, types, args, kwargs):
-    grad_out, q, k, v, out, lse, causal, *fields = args
-    config = FlashConfig(*fields)
-    if kwargs or not _decomposes(types, q, config):
-        return mode.__torch_dispatch__(op, types, args, kwargs)
-    with mode:
-        return flash_backward(q, k, v, out, lse, grad_out, causal, config, launcher=inline_launch)
-
-
-flash_attention_forward_op.register_torch_dispatch(FunctionalTensorMode, _functional_forward)
-flash_attention_backward_op.register_torch_dispatch(FunctionalTensorMode, _functional_backward)
+    PyTorch has no public query for it: this reads ``torch.utils._python_dispatch``, the one private call left
+    in these ops, kept for the eager shortcut of :func:`attention_forward` (a mode must see the op, so the
+    shortcut may only skip the dispatcher where none is active). If it moved, dropping the shortcut (always
+    calling the ops) would stay correct at the dispatcher's cost; ``tests/kernels/test_flash_compile.py``
+    checks both sides."""
+    return _get_current_dispatch_mode() is not None
 
 
 def _eager(*tensors) -> bool:
     """True for an eager call on plain tensors with no dispatch mode active; False under torch.compile, for
-    fake, meta or subclassed tensors, and inside a ``TorchDispatchMode`` (selective activation checkpointing
-    saves an op's outputs by seeing the op), which must all see the registered ops."""
-    return (not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
-            and all(type(t) is torch.Tensor for t in tensors))
+    fake, meta or subclassed tensors, and inside a ``TorchDispatchMode``, which must all see the registered
+    ops."""
+    return not torch.compiler.is_compiling() and not dispatch_mode_active() and _plain(*tensors)
 
 
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, config: FlashConfig) -> tuple[Tensor, Tensor]:

@@ -10,6 +10,7 @@ projections that write back to the residual stream (``save_outputs``).
 from __future__ import annotations
 
 import functools
+from contextlib import nullcontext
 from functools import partial
 
 import torch
@@ -32,6 +33,8 @@ def saved_ops() -> frozenset:
         import lab.kernels.flash_triton  # noqa: F401
 
         ops.add(torch.ops.lab.flash_attention_forward.default)
+        # what the op decomposes into where its launches cannot be traced (compiled, in the interpreter)
+        ops.add(torch.ops.lab.flash_attention_forward_opaque.default)
     except (ImportError, AttributeError):
         pass
     return frozenset(ops)
@@ -65,6 +68,7 @@ class CheckpointedBlock(nn.Module):
         self._saved = saved_ops() if policy != "block" else frozenset()
         self._matmuls = matmul_ops()
         self._inside = 0  # > 0 while a saved projection runs (its module's hooks count it)
+        self._recomputing = 0  # > 0 while the checkpoint recomputes the block (_Recomputation counts it)
         if policy == "save_outputs":
             for name in SAVED_PROJECTIONS:
                 module = block.get_submodule(name)
@@ -80,21 +84,36 @@ class CheckpointedBlock(nn.Module):
     def _run(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             # A compiled block (the stock recipe's per-block torch.compile) traces the checkpoint as one
-            # higher-order op, which must not hold the graph-task query below: Dynamo cannot trace it, and
-            # the whole checkpointed block then ran eagerly, so "stock_compiled" was the eager step. A
-            # compiled block's recomputation has no range of its own: its profile counts it with the block's.
+            # higher-order op, whose context_fn may only be selective checkpointing's dispatch modes: nothing
+            # marks its recomputation, which has no range of its own (its profile counts it with the block's).
             return self.block(x)
         # The same range op in the forward and in the recomputation (selective checkpointing replays the
-        # forward's ops one for one), named by which one this is: inside backward it is the recomputation.
-        name = "recompute" if torch._C._current_graph_task_id() != -1 else "block"
-        with torch.profiler.record_function(name):
+        # forward's ops one for one), named by which one this is.
+        with torch.profiler.record_function("recompute" if self._recomputing else "block"):
             return self.block(x)
+
+    def _contexts(self, selective=None):
+        """``context_fn`` of the checkpoint: ``selective``'s (forward, recompute) contexts, or none, with the
+        recompute context also marking the block as recomputing. torch.utils.checkpoint enters the recompute
+        context around exactly the recomputation, which is how the block knows (no query of autograd's
+        engine state needed)."""
+        forward_context, recompute_context = selective() if selective is not None else (nullcontext(), nullcontext())
+        return forward_context, _Recomputation(self, recompute_context)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled():
             return self.block(x)
-        if self.policy == "block":
-            return checkpoint(self._run, x, use_reentrant=False, early_stop=False)
+        selective = None
+        if self.policy != "block":
+            selective = partial(create_selective_checkpoint_contexts, self._policy())
+        if torch.compiler.is_compiling():  # compiled, checkpoint takes no context but dispatch modes
+            context = {} if selective is None else {"context_fn": selective}
+        else:
+            context = {"context_fn": partial(self._contexts, selective)}
+        return checkpoint(self._run, x, use_reentrant=False, early_stop=False, **context)
+
+    def _policy(self):
+        """The selective checkpointing policy of ``save_attention`` or ``save_outputs``."""
         saved, matmuls = self._saved, self._matmuls
         if self.policy == "save_attention":  # constants only: a compiled block can trace it
 
@@ -108,6 +127,27 @@ class CheckpointedBlock(nn.Module):
                 if op in saved or (self._inside and op in matmuls):
                     return CheckpointPolicy.MUST_SAVE
                 return CheckpointPolicy.PREFER_RECOMPUTE
+        return policy
 
-        return checkpoint(self._run, x, use_reentrant=False, early_stop=False,
-                          context_fn=partial(create_selective_checkpoint_contexts, policy))
+
+class _Recomputation:
+    """The recompute context of one checkpointed call: ``inner`` (selective checkpointing's mode, or nothing)
+    with ``block._recomputing`` raised while it is entered. A class, not a generator, because a second
+    backward through the same graph (``retain_graph``) enters it again."""
+
+    def __init__(self, block: CheckpointedBlock, inner):
+        self.block, self.inner = block, inner
+
+    def __enter__(self):
+        self.block._recomputing += 1
+        try:
+            return self.inner.__enter__()
+        except BaseException:
+            self.block._recomputing -= 1
+            raise
+
+    def __exit__(self, *exc):
+        try:
+            return self.inner.__exit__(*exc)
+        finally:
+            self.block._recomputing -= 1

@@ -59,23 +59,17 @@ def test_default_bf16_kernels_compile_for_hopper(monkeypatch, d):
 
 
 @pytest.mark.slow
-def test_variants_and_fp32_compile_for_hopper(monkeypatch):
-    """Atomic dQ with D computed in the kernel, atomic dQ as TMA bulk reductions, and TMA descriptors in both
-    directions compile for sm_90a without spills at d = 64 (the interpreter cannot tell: it emulates
-    descriptors and atomics, and has no bulk reduction at all); the fp32
-    forward table at d = 128, sized for 3xTF32 (each operand split in two TF32 halves), does not spill
-    either (larger tiles spill hundreds of bytes)."""
+def test_fp32_forward_and_short_sequence_kernels_compile_for_hopper(monkeypatch):
+    """The fp32 forward table at d = 128, sized for 3xTF32 (each operand split in two TF32 halves), does not
+    spill (larger tiles spill hundreds of bytes); neither does the fused backward launch that short
+    sequences get (the interpreter cannot tell either)."""
     fp32_tiles, _, _ = table(monkeypatch, 128, torch.float32)
+    _, mode, short_tiles = table(monkeypatch, 64, torch.bfloat16, batch_heads=128, n=512)
+    assert mode == "fused"
     reports = compile_in_subprocess([
-        ["fwd", dict(d=64, causal=True, tiles=(128, 64, 8, 3), tma=True)],
-        ["bwd", dict(d=64, causal=True, tiles=(64, 128, 128, 64, 8, 3), pass_=1, atomic=True, delta_from_o=True)],
-        ["bwd", dict(d=64, causal=True, tiles=(64, 128, 128, 64, 8, 3), pass_=1, atomic=True, atomic_tma=True)],
-        ["bwd", dict(d=64, causal=True, tiles=(64, 128, 128, 64, 8, 3), pass_=2, delta_from_o=True, store_delta=True,
-                     tma=True)],
         ["fwd", dict(d=128, causal=True, tiles=fp32_tiles, dtype="fp32")],
-        ["bwd", dict(d=64, causal=False, tiles=(64, 64, 64, 64, 4, 3), pass_=1, ordered=True)]])
+        ["bwd", dict(d=64, causal=True, tiles=short_tiles[0], pass_=0)]])
     assert all(r["shared"] <= MAX_SHARED and r["spill"] == 0 for r in reports), reports
-    assert reports[-1]["products"] == 5  # the ordered launch: 5 products, dQ's among them
 
 
 @pytest.mark.slow
@@ -121,10 +115,11 @@ def test_product_waits_follows_commit_groups_and_pending_counts():
 
 @pytest.mark.slow
 def test_forward_waits_for_every_product_and_dkdv_keeps_its_accumulations_in_flight():
-    """What Triton makes of the kernels, read from the PTX: the default forward waits for each of its products (2
-    per key loop, two loops) before anything else is issued; the dK/dV kernel keeps some in flight (its dK and dV
-    accumulations). A Triton that overlaps the forward's products fails this test: then a forward that issues the
-    next tile's scores first is worth a sweep again."""
+    """What Triton makes of the kernels, read from the PTX: the default forward waits for each of its
+    products (2 per key loop, two loops) before anything else is issued (why issuing the next tile's scores
+    first measured slower, ``results/flash_overlap_sweep``); the dK/dV kernel keeps some in flight (its dK
+    and dV accumulations). A Triton that overlaps the forward's products fails this test: then an overlapped
+    key loop is worth a sweep again."""
     from lab.bench.flash_variants import product_wait_table
 
     table = product_wait_table(head_dims=(64,))

@@ -40,19 +40,6 @@ def test_split_d_follows_the_config_and_is_validated():
         ft.FlashConfig(split_d="yes")
 
 
-def test_split_tiles_stream_through_pointers_even_with_tma():
-    """A descriptor has one block shape, so split chunks are loaded through pointers whatever the config says."""
-    q, k, v = (t.detach().reshape(1, 1, 20, 80) for t in random_qkv(1, 20, 20, 80))
-    out, lse = torch.empty_like(q), torch.empty(1, 1, 20)
-    args, meta = fwd.forward_launch_args(q, k, v, out, lse, True, SPLIT.replace(fwd_tma=True), 16)
-    assert args[1] is k and args[2] is v and (meta["BLOCK_D"], meta["BLOCK_D1"]) == (64, 16)
-    tiles = dict(BLOCK_M1=16, BLOCK_N1=16, BLOCK_M2=16, BLOCK_N2=16)
-    grads = [torch.empty_like(q) for _ in range(3)]
-    args, meta = bwd.backward_launch_args(q, k, v, out, out, lse, lse, *grads, True,
-                                          SPLIT.replace(bwd_tma=True, backward_launch="atomic"), tiles, atomic=True)
-    assert all(isinstance(a, torch.Tensor) for a in args[10:15]) and meta["BLOCK_D1"] == 16
-
-
 SPLIT_CASES = [  # lead dims, n_q, n_k, d, causal, dtype, tol: ragged lengths, n_q != n_k both ways
     (2, 37, 53, 80, True, torch.float32, 2e-5),
     ((1, 2), 45, 29, 96, True, torch.float32, 2e-5),
@@ -70,14 +57,12 @@ def test_split_head_dims_match_float64_reference(lead, n_q, n_k, d, causal, dtyp
     check_against_reference(ft.FlashAttentionTriton, q, k, v, causal, atol=tol, rtol=tol, config=SPLIT)
 
 
-VARIANTS = [SPLIT.replace(backward_launch=mode, fused_delta=fused, bwd_tma=fused)
-            for mode in ("fused", "two_pass", "atomic", "ordered") for fused in (False, True)]
+VARIANTS = [SPLIT.replace(backward_launch=mode) for mode in ("fused", "two_pass")]
 
 
-@pytest.mark.parametrize("config", VARIANTS, ids=lambda c: f"{c.backward_launch}-delta{int(c.fused_delta)}")
+@pytest.mark.parametrize("config", VARIANTS, ids=lambda c: c.backward_launch)
 def test_split_backward_variants_match_reference(config):
-    """Every launch mode, D from the preprocess kernel or from both chunks of O and dO in the kernels, atomic
-    dQ in both chunks, rectangular tiles: (batch, heads) inputs at d = 80 with ragged lengths."""
+    """Every launch mode, square and rectangular tiles: (batch, heads) inputs at d = 80 with ragged lengths."""
     q, k, v = random_qkv((2, 2), 45, 29, 80, seed=3)
     check_against_reference(ft.FlashAttentionTriton, q, k, v, True, atol=2e-5, rtol=2e-5, config=config)
     tiles = config.replace(fwd_tiles=(32, 16, 4, 1), bwd_tiles=(16, 32, 32, 16, 4, 1))
@@ -105,10 +90,10 @@ def test_gpu_split_head_dims_match_float64_reference(d, causal, lead, n):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [SPLIT.replace(backward_launch="atomic"),
-                                    SPLIT.replace(backward_launch="two_pass", fused_delta=True),
+@pytest.mark.parametrize("config", [SPLIT.replace(backward_launch="fused"),
+                                    SPLIT.replace(backward_launch="two_pass"),
                                     SPLIT.replace(fwd_tiles=(128, 128, 8, 3), bwd_tiles=(128, 128, 128, 128, 8, 2))],
-                         ids=["atomic", "two_pass-delta", "big-tiles"])
+                         ids=["fused", "two_pass", "big-tiles"])
 def test_gpu_split_variants_match_float64_reference(config):
     q, k, v = random_qkv((1, 4), 1100, 1100, 80, dtype=torch.bfloat16, device=DEVICE)
     check_against_reference(ft.FlashAttentionTriton, q, k, v, True, atol=3e-2, rtol=3e-2, config=config)

@@ -14,7 +14,6 @@ import torch
 
 ft = pytest.importorskip("lab.kernels.flash_triton")
 fc = pytest.importorskip("lab.kernels.flash_config")
-fl = pytest.importorskip("lab.kernels.flash_launch")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -106,39 +105,22 @@ def test_half_precision_matches_float64_reference(dtype, tol, causal):
     check_against_reference(ft.FlashAttentionTriton, q, k, v, causal, atol=tol, rtol=tol)
 
 
-VARIANTS = [ft.FlashConfig(backward_launch=mode, fused_delta=fused, fwd_tma=tma, bwd_tma=tma)
-            for mode in ("fused", "two_pass", "atomic", "ordered") for fused in (False, True) for tma in (False, True)]
+VARIANTS = [ft.FlashConfig(backward_launch=mode) for mode in ("fused", "two_pass")]
 
 
-@pytest.mark.parametrize("config", VARIANTS,
-                         ids=lambda c: f"{c.backward_launch}-delta{int(c.fused_delta)}-tma{int(c.bwd_tma)}")
+@pytest.mark.parametrize("config", VARIANTS, ids=lambda c: c.backward_launch)
 @pytest.mark.parametrize("causal", [True, False])
 def test_backward_variants_match_reference(config, causal):
-    """Every launch mode, with D from the preprocess kernel or from the kernels themselves, with pointer
-    loads or tensor descriptors: (batch, heads) inputs, a padded head dim and ragged lengths."""
+    """Every launch mode: (batch, heads) inputs, a padded head dim and ragged lengths."""
     q, k, v = random_qkv((2, 2), 45, 29, 24, seed=3)
     check_against_reference(ft.FlashAttentionTriton, q, k, v, causal, atol=2e-5, rtol=2e-5, config=config)
 
 
-@pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("tiles", [(16, 16, 4, 1), (32, 16, 4, 1)], ids=["16x16", "32x16"])
-def test_overlapped_forward_matches_reference(tiles, causal):
-    """The forward whose next key tile's scores are issued before this tile's softmax (``fwd_overlap``):
-    query tiles with no unmasked key tile (the loop is skipped), with one (prologue and epilogue only) and with
-    several, ragged ends, against float64; the head dimension 24 pads to 32 columns."""
-    q, k, v = random_qkv((2, 2), 75, 69, 24, seed=4)
-    config = ft.FlashConfig(fwd_overlap=True, fwd_tiles=tiles)
-    check_against_reference(ft.FlashAttentionTriton, q, k, v, causal, atol=2e-5, rtol=2e-5, config=config)
-    plain = ft.flash_forward(q, k, v, causal, ft.FlashConfig(fwd_tiles=tiles))[0]
-    overlapped = ft.flash_forward(q, k, v, causal, config)[0]
-    assert torch.allclose(overlapped, plain, atol=1e-6, rtol=1e-6)
-
-
-@pytest.mark.parametrize("mode", ["fused", "atomic"])
+@pytest.mark.parametrize("mode", ["fused", "two_pass"])
 def test_model_layout_comes_back_in_its_own_strides(mode):
     """q, k, v as the model makes them, (batch, seq, heads, d) projections seen as (batch, heads, seq, d):
     the output and the gradients come back in that layout, so the model's ``transpose(1, 2).reshape`` of
-    the output is a view, and they match float64 (an atomic dQ through a strided fp32 buffer too)."""
+    the output is a view, and they match float64."""
     gen = torch.Generator().manual_seed(5)
     base = [torch.randn(2, 37, 3, 24, generator=gen).to(DEVICE) for _ in range(3)]
     q, k, v = (t.transpose(1, 2).requires_grad_() for t in base)  # leaves with the strides of base
@@ -164,68 +146,23 @@ def test_explicit_rectangular_tiles_match_reference(causal):
 
 
 def test_launch_modes_agree():
-    """The two atomic-free launches compute the same sums in the same order: bit for bit equal."""
+    """The two launches compute the same sums in the same order: bit for bit equal."""
     q, k, v = (t.detach() for t in random_qkv(1, 50, 70, 32))
     out, lse = ft.flash_forward(q, k, v, True)
     grad = torch.randn_like(out)
     fused = ft.flash_backward(q, k, v, out, lse, grad, True, ft.FlashConfig(backward_launch="fused"))
     two = ft.flash_backward(q, k, v, out, lse, grad, True, ft.FlashConfig(backward_launch="two_pass"))
-    atomic = ft.flash_backward(q, k, v, out, lse, grad, True, ft.FlashConfig(backward_launch="atomic"))
-    for a, b, c in zip(fused, two, atomic):
+    for a, b in zip(fused, two):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
-        torch.testing.assert_close(a, c, atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.timeout(600)  # a wrong turn count would spin forever
-@pytest.mark.parametrize("tiles", [(16, 32, 32, 16, 4, 1), (32, 16, 16, 32, 4, 1), (16, 16, 16, 16, 4, 1)],
-                         ids=["keys-wider", "queries-wider", "square"])
-@pytest.mark.parametrize("causal", [True, False])
-def test_ordered_dq_matches_reference_and_leaves_its_counters_at_zero(monkeypatch, tiles, causal):
-    """The ordered five-product launch on rectangular tiles and ragged lengths (more queries than keys and
-    fewer): the gradients match float64, the dK/dV of the two-pass launch (the same sums) bit for bit, and
-    every query tile's turn counter is back at 0 after the launch (the last key tile that sees a query tile
-    resets it: the next launch, or the autotuner's next trial, starts from zeros)."""
-    import lab.kernels.flash_triton_backward as fb
-
-    made, real = [], fb.turn_counters
-    monkeypatch.setattr(fb, "turn_counters", lambda *args, **kwargs: made.append(real(*args, **kwargs)) or made[-1])
-    config = ft.FlashConfig(backward_launch="ordered", bwd_tiles=tiles)
-    for n_q, n_k in ((45, 61), (70, 29)):
-        q, k, v = random_qkv((2, 2), n_q, n_k, 24, seed=n_q)
-        check_against_reference(ft.FlashAttentionTriton, q, k, v, causal, atol=2e-5, rtol=2e-5, config=config)
-        out, lse = ft.flash_forward(q.detach(), k.detach(), v.detach(), causal)
-        grad = torch.randn_like(out)
-        ordered = ft.flash_backward(q, k, v, out, lse, grad, causal, config)
-        two_pass = ft.flash_backward(q, k, v, out, lse, grad, causal, config.replace(backward_launch="two_pass"))
-        for a, b in zip(ordered[1:], two_pass[1:]):
-            torch.testing.assert_close(a, b, atol=0, rtol=0)
-    assert made and all(c.numel() == 4 * -(-n // tiles[0]) for c, n in zip(made[::2], (45, 70)))
-    assert all(int(c.abs().sum()) == 0 for c in made)
-
-
-def test_tma_descriptors_are_used_where_the_layout_allows():
-    """Contiguous (batch, heads, seq, d) tensors get a descriptor over all heads' rows; a head-strided
-    view (batch, seq, heads, d).transpose(1, 2) does not collapse to one row index and keeps pointers."""
-    if fl.TensorDescriptor is None:
-        pytest.skip("this Triton has no host-side tensor descriptors")
-    t = torch.randn(2, 3, 40, 24, device=DEVICE)
-    desc = fl.stream_source(t, 16, 32, use_tma=True)
-    assert isinstance(desc, fl.TensorDescriptor) and list(desc.shape) == [2 * 3 * 40, 24]
-    assert desc.block_shape == [16, 32]
-    assert fl.stream_source(t, 16, 32, use_tma=False) is t
-    strided = torch.randn(2, 40, 3, 24, device=DEVICE).transpose(1, 2)
-    assert fl.stream_source(strided, 16, 32, use_tma=True) is strided
-
-
-@pytest.mark.parametrize("tma", [False, True])
-def test_head_strided_inputs_are_not_copied(tma):
+def test_head_strided_inputs_are_not_copied():
     """The model hands over (batch, seq, heads, d) projections transposed to (batch, heads, seq, d)."""
     gen = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(2, 33, 3, 16, generator=gen).to(DEVICE).transpose(1, 2).requires_grad_()
                for _ in range(3))
     assert not q.is_contiguous() and q.stride(-1) == 1
-    check_against_reference(ft.FlashAttentionTriton, q, k, v, True, atol=2e-5, rtol=2e-5,
-                            config=ft.FlashConfig(fwd_tma=tma, bwd_tma=tma))
+    check_against_reference(ft.FlashAttentionTriton, q, k, v, True, atol=2e-5, rtol=2e-5)
 
 
 def test_causal_output_ignores_future_keys_entirely():
@@ -423,34 +360,15 @@ def test_gpu_dtypes_match_float64_reference(lead, n_q, n_k, d, causal, dtype, to
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [ft.FlashConfig(backward_launch="atomic"),
-                                    ft.FlashConfig(backward_launch="ordered"),
-                                    ft.FlashConfig(fwd_tma=True, bwd_tma=True, fused_delta=True),
-                                    ft.FlashConfig(backward_launch="fused", bwd_tma=True),
+@pytest.mark.parametrize("config", [ft.FlashConfig(backward_launch="fused"),
+                                    ft.FlashConfig(backward_launch="two_pass"),
+                                    ft.FlashConfig(fast_launch=False),
                                     ft.FlashConfig(autotune=True),
-                                    ft.FlashConfig(autotune=True, backward_launch="ordered"),
-                                    ft.FlashConfig(fwd_overlap=True, fwd_tiles=(128, 64, 8, 3))],
-                         ids=["atomic", "ordered", "tma-fused_delta", "fused-tma", "autotune", "autotune-ordered",
-                              "overlap"])
+                                    ft.FlashConfig(autotune=True, backward_launch="two_pass")],
+                         ids=["fused", "two_pass", "public-launch", "autotune", "autotune-two_pass"])
 def test_gpu_variants_match_float64_reference(config):
     q, k, v = random_qkv((1, 4), 1100, 1100, 64, dtype=torch.bfloat16, device="cuda")
     check_against_reference(ft.FlashAttentionTriton, q, k, v, True, atol=3e-2, rtol=3e-2, config=config)
-
-
-@pytest.mark.gpu
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("causal", [True, False])
-def test_gpu_ordered_dq_is_the_same_on_every_run(causal):
-    """On a GPU the programs of a head run at once: the ordered launch's dQ has the same bits on every run,
-    and stays within bf16 rounding of the atomic launch's (the same products, summed in another order)."""
-    q, k, v = (t.detach() for t in random_qkv((2, 8), 2048, 2048, 128, dtype=torch.bfloat16, device="cuda"))
-    out, lse = ft.flash_forward(q, k, v, causal)
-    grad = torch.randn_like(out)
-    config = ft.FlashConfig(backward_launch="ordered")
-    runs = [ft.flash_backward(q, k, v, out, lse, grad, causal, config)[0] for _ in range(4)]
-    assert all(torch.equal(runs[0], r) for r in runs[1:])
-    atomic = ft.flash_backward(q, k, v, out, lse, grad, causal, config.replace(backward_launch="atomic"))[0]
-    torch.testing.assert_close(runs[0].float(), atomic.float(), atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.gpu
