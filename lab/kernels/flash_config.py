@@ -74,7 +74,7 @@ class FlashConfig:
       real data), and so does the interpreter (:func:`inlines`); off, the opaque op always. On by default: a
       short sequence's opaque op costs more host time than its kernels take on the device, so the device
       waited for the host; inlined, the compiled 2.7B step kept up with the same step on SDPA's kernels
-      (``lab.book.flash.host`` measures both). Bit-identical to the opaque op
+      (:func:`lab.bench.flash_variants.host_costs` measures both). Bit-identical to the opaque op
       (``tests/kernels/test_flash_compile.py -k inlined``, on a GPU).
     * ``split_d``: ``"on"``: a head dimension that is not a power of two runs as two power-of-two column
       chunks where that covers fewer columns than one padded tile (:func:`head_chunks`); ``"off"``: one
