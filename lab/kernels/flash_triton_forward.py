@@ -27,8 +27,8 @@ could run under the exponentials (FlashAttention-3's overlap within one warp gro
 waits for that product before the softmax all the same (:func:`lab.bench.flash_variants.product_wait_table`),
 and the second score tile costs registers and shared memory: on the shapes measured it never beat the fastest
 tiles without it (``results/flash_overlap_sweep``). The overlap needs control of when a product is waited for,
-which ``tl.dot`` does not give. K/V tiles loaded through TMA descriptors and Triton's warp specialization of the key loop were
-timed as sweep variants and never chosen by the tile tables.
+which ``tl.dot`` does not give. K/V tiles loaded through TMA descriptors and Triton's warp specialization of
+the key loop were timed as sweep variants and never chosen by the tile tables.
 """
 
 from __future__ import annotations
