@@ -42,9 +42,9 @@ from lab.book.precision import present as precision
 from lab.measure import numerics
 from lab.measure.results import measured_on
 
-s = precision.settings(quick, device, sizes=sizes, context=context, batch=batch, warmup=warmup, steps=steps,
-                       accumulation_value=accumulation_value, accumulation_count=accumulation_count,
-                       norm_width=norm_width)
+s = precision.PrecisionSettings(quick, device, sizes=sizes, context=context, batch=batch, warmup=warmup,
+                                steps=steps, accumulation_value=accumulation_value,
+                                accumulation_count=accumulation_count, norm_width=norm_width)
 plots.set_style()
 book = report.Chapter("02_mixed_precision", s.params(), results_dir, replay=replay)
 book.show_machine()

@@ -7,7 +7,6 @@ every timed sample; an explanation that holds on a GPU only is given only for a 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import matplotlib.pyplot as plt
@@ -22,39 +21,35 @@ from lab.measure.numerics import half_ulp
 from lab.measure.results import measured_on
 from lab.model import MODEL_SIZES
 
+QUICK = dict(sizes=("tiny", "mini"), context=64, warmup=2, steps=7)
+FULL = dict(sizes=tuple(MODEL_SIZES), context=512, warmup=3, steps=8)
+
 
 @dataclass(frozen=True)
 class PrecisionSettings:
-    """Every knob of notebook 02, resolved for the quick (CPU) or the full (GPU) profile."""
+    """Every knob of notebook 02. A knob left ``None`` takes the quick profile's value (``tiny`` and ``mini``
+    at context 64 on the CPU, two warm-up rounds so that no cold start is timed) or the full profile's (every
+    spec size at context 512)."""
 
-    quick: bool
-    device: str
-    sizes: tuple[str, ...]
-    context: int
-    batch: int
-    warmup: int
-    steps: int
-    accumulation_value: float
-    accumulation_count: int
-    norm_width: int
+    quick: bool = True
+    device: str = "auto"
+    sizes: tuple[str, ...] | None = None
+    context: int | None = None
+    batch: int = 4
+    warmup: int | None = None
+    steps: int | None = None
+    accumulation_value: float = 0.01
+    accumulation_count: int = 1000
+    norm_width: int = 1024
+
+    def __post_init__(self):
+        knobs = report.with_profile_defaults({k: getattr(self, k) for k in QUICK}, QUICK if self.quick else FULL)
+        for k, v in {**knobs, "device": str(resolve_device(self.device))}.items():
+            object.__setattr__(self, k, v)
 
     def params(self) -> dict:
         return report.settings_params(self)
 
-
-QUICK = dict(sizes=("tiny", "mini"), context=64, warmup=2, steps=7)
-FULL = dict(context=512, warmup=3, steps=8)
-
-
-def settings(quick: bool = True, device: str = "auto", sizes: Sequence[str] | None = None, context: int | None = None,
-             batch: int = 4, warmup: int | None = None, steps: int | None = None, accumulation_value: float = 0.01,
-             accumulation_count: int = 1000, norm_width: int = 1024) -> PrecisionSettings:
-    """A knob left ``None`` takes the quick profile's value (``tiny`` and ``mini`` at context 64 on the CPU, two
-    warm-up rounds so that no cold start is timed) or the full profile's (every spec size at context 512)."""
-    defaults = QUICK if quick else {**FULL, "sizes": tuple(MODEL_SIZES)}
-    k = report.with_profile_defaults(dict(sizes=sizes, context=context, warmup=warmup, steps=steps), defaults)
-    return PrecisionSettings(quick, str(resolve_device(device)), batch=batch, accumulation_value=accumulation_value,
-                             accumulation_count=accumulation_count, norm_width=norm_width, **k)
 
 
 class ToyModel(nn.Module):

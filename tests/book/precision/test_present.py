@@ -29,12 +29,12 @@ def values(claim) -> dict:
 
 
 def test_settings_quick_and_full():
-    quick = precision.settings(quick=True, device="cpu")
+    quick = precision.PrecisionSettings(quick=True, device="cpu")
     assert quick.sizes == ("tiny", "mini") and quick.context == 64 and quick.device == "cpu"
     assert quick.steps >= 5 and quick.warmup >= 2  # enough samples for a verdict; no cold start timed
-    full = precision.settings(quick=False, device="cpu")
+    full = precision.PrecisionSettings(quick=False, device="cpu")
     assert full.sizes[:2] == ("small", "medium") and "10B" in full.sizes and full.context == 512
-    mine = precision.settings(quick=True, device="cpu", sizes=["tiny"], context=32, steps=7)
+    mine = precision.PrecisionSettings(quick=True, device="cpu", sizes=["tiny"], context=32, steps=7)
     assert (mine.sizes, mine.context, mine.steps) == (("tiny",), 32, 7)
     assert mine.params()["sizes"] == ["tiny"] and mine.params()["quick"] is True
 
