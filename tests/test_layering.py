@@ -240,3 +240,16 @@ def test_only_the_book_and_its_command_lines_import_the_book():
     importers = {name for name, path in MODULES.items() if not name.startswith("lab.book")
                  for _, found, _ in _imports(path) if any(m.startswith("lab.book") for m in found)}
     assert importers <= {"lab.render", "lab.fastest"}, importers
+
+
+#: Chapters that import no other chapter: what two chapters share lives in the engine or the book's core.
+#: A chapter joins when it states its answers as claims (lab.book.claims); in the end, every chapter.
+SIBLINGS = {"profiling", "precision", "communication"}
+
+
+@pytest.mark.parametrize("chapter", sorted(SIBLINGS))
+def test_a_chapter_imports_no_other_chapter(chapter):
+    others = set(CHAPTERS.values()) - {chapter}
+    bad = sorted({(str(p.relative_to(LAB)), m) for p in (LAB / "book" / chapter).rglob("*.py")
+                  for m in _lab_imports(p) if m.startswith("lab.book.") and m.split(".")[2] in others})
+    assert not bad, f"lab.book.{chapter} imports another chapter (share through the engine or the book's core): {bad}"
