@@ -53,10 +53,10 @@ from lab.book.profiling import present as profiling
 from lab.book.profiling import warmup as warmup_study
 from lab.measure.results import measured_on
 
-s = profiling.settings(quick, device, sizes=sizes, contexts=contexts, default_context=default_context, dtypes=dtypes,
-                       batch=batch, warmup=warmup, steps=steps, warmup_size=warmup_size, warmups=warmups,
-                       cold_runs=cold_runs, profile_size=profile_size, profile_context=profile_context,
-                       profile_steps=profile_steps)
+s = profiling.ProfilingSettings(quick, device, sizes=sizes, contexts=contexts, default_context=default_context,
+                                dtypes=dtypes, batch=batch, warmup=warmup, steps=steps, warmup_size=warmup_size,
+                                warmups=warmups, cold_runs=cold_runs, profile_size=profile_size,
+                                profile_context=profile_context, profile_steps=profile_steps)
 plots.set_style()
 book = report.Chapter("01_profiling", s.params(), results_dir, replay=replay)
 book.show_machine()

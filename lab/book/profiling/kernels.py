@@ -25,18 +25,14 @@ def time_unit(kernels: pd.DataFrame) -> tuple[str, str]:
     return ("kernel", "GPU kernel time") if gpu else ("operator", "CPU operator time (self time of aten operators)")
 
 
-def top_kernels(kernels: pd.DataFrame, mode: str, n: int = 8, width: int = 90) -> pd.DataFrame:
-    """The ``n`` kernels (operators) of ``mode`` with the most time per step, names cut to ``width``."""
-    top = kernels[kernels["mode"] == mode].sort_values("ms_per_step", ascending=False).head(n)
-    return top.assign(name=top["name"].str.slice(0, width))[["name", "class", "calls_per_step", "ms_per_step",
-                                                              "share"]].reset_index(drop=True)
-
-
-def show_top_kernels(kernels: pd.DataFrame, n: int = 8) -> None:
+def show_top_kernels(kernels: pd.DataFrame, n: int = 8, width: int = 90) -> None:
+    """For each mode, the ``n`` kernels (operators) with the most time per step, names cut to ``width``."""
     noun, _ = time_unit(kernels)
-    for mode in dict.fromkeys(kernels["mode"]):
+    for mode, g in kernels.groupby("mode", sort=False):
+        top = g.sort_values("ms_per_step", ascending=False).head(n)
         report.say(f"**Top {noun}s, {mode}** (per step)")
-        report.show_table(top_kernels(kernels, mode, n))
+        report.show_table(top.assign(name=top["name"].str.slice(0, width))[["name", "class", "calls_per_step",
+                                                                            "ms_per_step", "share"]])
 
 
 def plot_class_shares(kernels: pd.DataFrame, size: str):

@@ -233,6 +233,14 @@ def _kernels(timeline="gpu kernel"):
     return df.assign(share=df["ms_per_step"] / df.groupby("mode")["ms_per_step"].transform("sum"))
 
 
+def test_top_kernels_one_table_per_mode(capsys):
+    kernel_profiles.show_top_kernels(_kernels("cpu op"), n=1)
+    out = capsys.readouterr().out
+    headings = [line for line in out.splitlines() if line.startswith("**")]
+    assert [h.split(", ")[-1].split("*")[0] for h in headings] == ["forward", "forward_backward", "train_step"]
+    assert all("operators" in h for h in headings) and out.count("sm90_gemm") == 3 and "softmax_warp" not in out
+
+
 def test_matmul_claim_on_a_gpu_and_a_cpu():
     gpu = kernel_profiles.matmul_claim(_kernels())
     assert [s.fraction for s in found(gpu, cl.Share)] == pytest.approx([0.8, 0.8, 24 / 34, 0.2])
@@ -245,8 +253,6 @@ def test_matmul_claim_on_a_gpu_and_a_cpu():
     old = _kernels().drop(columns="timeline")  # a table saved before the timeline column: told by its GPU
     assert kernel_profiles.time_unit(old.assign(gpu="NVIDIA H100 80GB HBM3 x2"))[0] == "kernel"
     assert kernel_profiles.time_unit(old.assign(gpu="cpu"))[0] == "operator"
-    assert kernel_profiles.top_kernels(_kernels(), "train_step", n=2)["name"].tolist() == ["sm90_gemm",
-                                                                                        "softmax_warp_forward"]
     assert kernel_profiles.plot_class_shares(_kernels(), "2.7B").axes[0].get_title() == "2.7B: matmul vs other"
 
 
