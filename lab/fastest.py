@@ -8,7 +8,7 @@
 
 Under torchrun every rank runs this command; the ranks per node come from ``LOCAL_WORLD_SIZE`` (or
 ``--gpus-per-node``), each rank takes the allocator settings spawned ranks get
-(``lab.book.fastest.bench.allocator_env``), and rank 0 alone prints and saves the rows. Two agents on one
+(``lab.bench.fastest.allocator_env``), and rank 0 alone prints and saves the rows. Two agents on one
 machine need disjoint GPUs: ``CUDA_VISIBLE_DEVICES=0,1`` for one, ``2,3`` for the other.
 """
 
@@ -24,7 +24,7 @@ import torch
 from lab import cli
 from lab.accounting import state_memory
 from lab.bench.memory_estimate import HEADROOM
-from lab.book.fastest.bench import allocator_env, benchmark, results_table
+from lab.bench.fastest import allocator_env, benchmark, results_table
 from lab.measure.device import available_memory_bytes
 from lab.measure.results import save_results
 from lab.parallel import launcher

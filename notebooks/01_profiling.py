@@ -91,7 +91,7 @@ lm = book.table("lm_step", lambda: bench.sweep_lm(s.sizes, s.contexts, s.dtypes,
                                                   warmup=s.warmup, steps=s.steps, device=s.device),
                 save=bench.lm_step_table)
 lm = bench.with_samples(lm, book.table("01_lm_samples", lambda: bench.samples_long(lm)))
-book.ledger(ledger.lm_step_entries(lm))
+book.ledger(ledger.lm_step_entries(lm), table="lm_step")
 on = measured_on(lm)
 profiling.show_device_caveat(on)
 report.show_table(profiling.timing_table(lm), floatfmt=".4g")

@@ -110,7 +110,7 @@ lm = book.table("lm_step", lambda: bench.sweep_lm(s.sizes, [s.context], ["fp32",
                                                   warmup=s.warmup, steps=s.steps, device=s.device),
                 save=bench.lm_step_table)
 lm = bench.with_samples(lm, book.table("02_lm_samples", lambda: bench.samples_long(lm)))
-book.ledger(ledger.lm_step_entries(lm))
+book.ledger(ledger.lm_step_entries(lm), table="lm_step")
 precision.show_device_caveat(measured_on(lm))
 report.show_table(precision.timing_table(lm), floatfmt=".4g")
 

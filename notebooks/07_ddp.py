@@ -32,10 +32,9 @@
 # So all wrappers, PyTorch's DDP and the single device included, take turns in the same processes
 # (`lab.bench.interleaved`): round after round, each runs its steps in an order rotated every round, step by
 # step when every copy of the model fits in memory, otherwise rebuilt for each turn. Each reports the median
-# and the spread over rounds, and every comparison below is a verdict on those per-round samples
-# (`lab.measure.verdicts`), paired by round: the *ratio* is the median over rounds of the two wrappers' time
-# ratio within the same round (a slow round slows both and cancels), with a bootstrap 95 % interval;
-# "faster" only when the interval excludes 1, otherwise "within noise".
+# and the spread over rounds. Two wrappers ran in the same rounds, so they are compared round by round: the
+# *ratio* is the median of their per-round time ratios (a slow round slows both and cancels), judged by the
+# rule stated at the top of this report, applied to those ratios.
 
 # %% tags=["parameters"]
 quick = True                      # tiny model with gloo on the CPU; the full render sets False
@@ -46,7 +45,7 @@ replay = False                    # True: read this notebook's tables from resul
 world_size = 2
 configs = None                    # None: xl fp32 and 2.7B bf16, batch 2 per rank, context 512 (full); tiny (quick)
 bucket_sizes_mb = None            # None: 1, 10, 100, 1000 (full) or 0.1, 1, 10 (quick)
-rounds = None                     # None: 6 (full) or 20 (quick) interleaved rounds
+rounds = None                     # None: 6 (full) or 20 (quick) interleaved rounds (at least 5 for a verdict)
 steps_per_round = None            # None: 3 (full) or 1 (quick) timed steps per turn
 warmup = None                     # None: 2 (full) or 1 (quick) untimed steps after each build
 schedule = "auto"                 # "resident" (all copies kept, step by step), "rebuild", or "auto" (by memory)
@@ -54,7 +53,9 @@ goal_vs_torch_ddp = 1.0           # the best bucketed step at most this many tim
 goal_vs_single = 1.1              # ... and the single-device step's
 
 # %%
-from lab.book import plots, report  # noqa: E402 - after the parameters cell
+import pandas as pd  # noqa: E402 - after the parameters cell
+
+from lab.book import claims, plots, report  # noqa: E402 - after the parameters cell
 from lab.book.ddp import bench as ddp_bench  # noqa: E402 - after the parameters cell
 from lab.book.ddp import present as ddp_book  # noqa: E402 - after the parameters cell
 
@@ -79,11 +80,11 @@ report.say(run.note)
 
 # %%
 bench = book.table("ddp_benchmark", lambda: run.measure(artifacts_dir))
-report.show_table(ddp_book.step_table(bench), floatfmt=".3g")
+book.ledger(ddp_book.ledger_entries(bench))
+report.show_table(ddp_book.step_table(bench))
 ddp_book.plot_step_times(bench)
-report.say(ddp_book.wrapper_sentences(bench))
-book.answer("What does data parallelism cost over one device?", ddp_book.cost_answer(bench),
-            section="Step time and communication time")
+book.state(*ddp_book.wrapper_findings(bench))
+book.answer(ddp_book.cost_claim(bench), section="Step time and communication time")
 
 # %% [markdown]
 # ## Timelines: does communication overlap the backward pass?
@@ -91,19 +92,17 @@ book.answer("What does data parallelism cost over one device?", ddp_book.cost_an
 # Rank 0's profiled step of each wrapper, drawn from the profiler's events (`lab.measure.traces`): the
 # step's phases (shaded), compute, and communication. Naive and flat communicate only after backward has
 # finished; the hook-based wrappers start during backward. Whether that *saves time* is a question for the
-# timed rounds, not for one profiled step: flat sends the same bytes in one call without any overlap, so
-# the best hook-based wrapper against flat answers it.
+# timed rounds, not for one profiled step (its shares have no spread): flat sends the same bytes in one call
+# without any overlap, so the best hook-based wrapper against flat answers it.
 
 # %%
-shown_config = ddp_book.timeline_config(bench)
-shown = ddp_book.shown_timelines(bench, shown_config)
+shown_config, shown = ddp_book.shown_timelines(bench)
 ddp_book.plot_timelines(shown, shown_config, results_dir)
 overlap = ddp_book.overlap_table(shown)
-report.show_table(overlap, floatfmt=".3g")
-report.say(ddp_book.overlap_sentences(overlap, bench, shown_config))
-book.answer("Does the all-reduce overlap the backward pass, and does that save time?",
-            ddp_book.overlap_answer(overlap, bench, shown_config),
-            section="Timelines: does communication overlap the backward pass?")
+report.show_table(overlap)
+overlap_claim = ddp_book.overlap_claim(overlap, bench, shown_config)
+book.state(overlap_claim)
+book.answer(overlap_claim, section="Timelines: does communication overlap the backward pass?")
 
 # %% [markdown]
 # ## The bucketed overhead model
@@ -120,29 +119,31 @@ book.answer("Does the all-reduce overlap the backward pass, and does that save t
 #
 # Flat DDP is the point $n = 1$ (one call, all of it after backward) and the per-parameter wrapper the
 # point $n = \#\text{parameters}$. We fit $o$ and $w$ to the measured overheads (median step − median
-# single-device step) and compare with the latency and bandwidth that notebook 06 measured for a lone
-# all-reduce in this render (read from its results, with their provenance).
+# single-device step; `lab.accounting.fit_bucket_overhead`) and compare with the latency and bandwidth that
+# notebook 06 measured for a lone all-reduce in this render (read from its results, with their provenance).
+# Every other bucket size is compared with the best one, round by round.
 
 # %%
 alpha_beta = ddp_book.cite_alpha_beta(book, run.backend, world_size)
 model = book.table("ddp_overhead_model", lambda: ddp_book.overhead_model(bench, alpha_beta))
-report.show_table(model, floatfmt=".3g")
+report.show_table(model)
+report.show_table(pd.DataFrame(claims.verdict_table(ddp_book.bucket_comparisons(bench))))
 ddp_book.plot_overhead_model(bench, model)
-report.say(ddp_book.overhead_model_sentences(model))
-book.answer("Which bucket size is best, and does the overhead model predict it?", ddp_book.overhead_answer(model),
-            section="The bucketed overhead model")
+overhead_claim = ddp_book.overhead_claim(model, bench)
+book.state(overhead_claim)
+book.answer(overhead_claim, section="The bucketed overhead model")
 
 # %% [markdown]
 # ## The performance goal
 #
 # The best bucketed step should be no slower than PyTorch DDP's and within 1.1× of the single-device step
 # at the same per-rank batch (the goal is set for the 2.7B model in bf16 autocast, batch 2 per rank,
-# context 512, on two GPUs). A goal is *met* only when the whole 95 % interval of the time ratio lies within
-# it, *missed* when the whole interval lies outside, and *undecided* otherwise. (The best bucket size is
-# picked by its median, which favours it slightly: a lucky bucket size looks better than it is.)
+# context 512, on two GPUs), each judged round by round under the rule at the top of this report. (The best
+# bucket size is picked by its median, which favours it slightly: a lucky bucket size looks better than it
+# is.)
 
 # %%
 goal_config = ddp_book.goal_config(bench)
-goals = ddp_book.goal_checks(bench, goal_config, goal_vs_torch_ddp, goal_vs_single)
-report.show_table(goals, floatfmt=".3g")
-book.answer("Is the goal met?", ddp_book.goal_answer(goals, goal_config), section="The performance goal")
+goals = ddp_book.goal_comparisons(bench, goal_config, goal_vs_torch_ddp, goal_vs_single)
+report.show_table(pd.DataFrame(claims.verdict_table(goals)))
+book.answer(ddp_book.goal_claim(goals, goal_config), section="The performance goal")

@@ -39,7 +39,8 @@
 # `fully_shard` per block and at the root, SDPA, `torch.utils.checkpoint` on every block, materialized
 # logits with `F.cross_entropy` in their own dtype (bf16), fused AdamW, eager and with each block compiled.
 # Every optimization is then changed alone. The quick (CPU) book compiles nothing, so it runs no stock
-# "compiled" step, and it judges no time: interpreted Triton on a CPU says nothing about GPUs.
+# "compiled" step, and it times each recipe once: interpreted Triton on a CPU says nothing about GPUs, so its
+# comparisons are left undecided rather than paid for with minutes of interpreted steps.
 
 # %% tags=["parameters"]
 quick = True                      # CPU-sized stand-ins on gloo with Triton interpreted; the full render sets False
@@ -56,21 +57,25 @@ goal = {"leaderboard": 0.8, "2.7B": 0.85, "leaderboard_hsdp": 1.0, "tiny": 0.8, 
         "tiny_hsdp": 1.0}  # book / fastest stock, equal precision (on two nodes: ahead of FSDP2's HSDP)
 loss_shapes = None                # (vocab, d_model, tokens) of the loss benchmark; None: the defaults below
 scaling_goal = 0.95               # on several nodes: the book's step's tokens/s per GPU, at least this share of one node's
+samples = None                    # host-timed steps a recipe; None: the rule's minimum, 5 (full) or 1 (quick: no verdicts)
 
 # %%
 import matplotlib.pyplot as plt
 
+from lab.bench import fastest as bench
+from lab.bench import fused_loss
 from lab.book import plots, report
-from lab.book.fastest import bench, fused_loss
+from lab.book.fastest import compare
 from lab.book.fastest import present as fastest
 from lab.measure.device import resolve_device
 
 dev = resolve_device(device)
 on_gpu = dev.type == "cuda"
 configs = configs or (["tiny"] if quick else ["leaderboard", "2.7B"])
-loss_shapes = loss_shapes or ([(512, 64, 256)] if quick else [(151_936, 4096, 32_768), (10_000, 2560, 16_384)])
+loss_shapes = loss_shapes or ([(256, 32, 64)] if quick else [(151_936, 4096, 32_768), (10_000, 2560, 16_384)])
+samples = samples or (1 if quick else bench.MIN_SAMPLES)
 params = dict(quick=quick, device=str(dev), configs=configs, carry=carry, ablate=ablate, rep_ms=rep_ms, goal=goal,
-              loss_shapes=loss_shapes, scaling_goal=scaling_goal)
+              loss_shapes=loss_shapes, scaling_goal=scaling_goal, samples=samples)
 book = report.Chapter("10_fastest_step", params, results_dir, replay=replay)
 plots.set_style()
 book.show_machine()
@@ -89,46 +94,40 @@ report.show_table(fastest.config_table(configs), floatfmt=".4g")
 # ## Stock PyTorch against the book's step
 #
 # Each recipe of a configuration runs in the same processes one after the other, the model rebuilt for each.
-# The book's step and both stock steps are timed with `triton.testing.do_bench` (median of whole steps) and
-# profiled once; the ablations with do_bench too on one GPU (a step of milliseconds) and with two host-timed
-# steps on several (a step of seconds; CUDA graphs always with do_bench). `first_step_s` is the first step including
-# compilation and autotuning, and `wall_s` the recipe's whole benchmark (build, first step, timing). On a
-# machine with a GPU for every rank of every configuration the configurations run side by side, each on GPUs of
-# its own (`gpus`), sharing only the host; there the book's step is the first recipe of its processes and
-# compiles from empty Inductor and Triton caches, as the leaderboard's 10-minute rule counts it. Every
-# recipe's processes, stock included, run with the CUDA allocator's expandable segments (`alloc_conf`), which
-# reuse freed memory whatever its size: without them the book's leaderboard step ran out of memory on 80 GB
-# H100s with 12.6 GiB reserved but unallocated (fragmented).
+# The book's step and the stock steps are timed with `triton.testing.do_bench` (the median of whole steps, with
+# their spread) and profiled once; the ablations with do_bench too on one GPU (a step of milliseconds) and with
+# host-timed steps on several (a step of seconds; CUDA graphs always with do_bench). `first_step_s` is the
+# first step including compilation and autotuning, and `wall_s` the recipe's whole benchmark (build, first
+# step, timing). On a machine with a GPU for every rank of every configuration the configurations run side by
+# side, each on GPUs of its own (`gpus`), sharing only the host; there the book's step is the first recipe of
+# its processes and compiles from empty Inductor and Triton caches, as the leaderboard's 10-minute rule counts
+# it. Every recipe's processes, stock included, run with the CUDA allocator's expandable segments
+# (`alloc_conf`), which reuse freed memory whatever its size.
 #
 # `leaderboard_hsdp` is the leaderboard on two nodes of two GPUs (four ranks spawned on one machine, grouped
-# as two nodes: the book's HSDP shards within a node and replicates across, FSDP2's on a 2-D mesh); beside
-# its goal against FSDP2's HSDP, its tokens per second per GPU are set against the one-node leaderboard step
-# of this render (equal tokens per GPU).
+# as two nodes: the book's HSDP shards within a node and replicates across, FSDP2's on a 2-D mesh); beside its
+# goal against FSDP2's HSDP, its tokens per second per GPU are set against the one-node leaderboard step.
+#
+# The second table sets each copy of the book's step against the fastest stock step of equal precision,
+# configuration, batch, timer and cards, and splits their differences into options any PyTorch user can set
+# and the book's own parts.
 
 # %%
 runs = book.table("fastest_step", lambda: bench.benchmark_configs(
-    fastest.measured_recipes(configs, carry, quick, ablate), device=str(dev), rep_ms=rep_ms, trace_dir=artifacts_dir),
+    fastest.measured_recipes(configs, carry, quick, ablate), device=str(dev), rep_ms=rep_ms, trace_dir=artifacts_dir,
+    samples=samples),
     save=bench.results_table, carry=(lambda saved: fastest.carried_rows(saved, configs, carry)) if carry else None)
 on_gpu = fastest.measured_on_gpu(runs, on_gpu)  # a replay judges the GPU rows it reads back
 for name in configs:
     table = runs[runs["config"] == name]
-    shown = [c for c in ["impl", "precision", "status", "step_ms", "step_std_ms", "peak_gib", "tokens_per_s", "mfu",
-                         "first_step_s", "timer"] if c in table]
-    report.show_table(table[shown], floatfmt=".4g")
-    report.show_table(fastest.versus_table(table, on_gpu), floatfmt=".3g")
-    like = fastest.like_for_like_table(table, on_gpu)
-    if not like.empty:
-        report.show_table(like, floatfmt=".4g")
-    report.say(fastest.goal_sentence(table, name, goal[name], on_gpu=on_gpu))
-    report.say(fastest.other_precision_sentence(table, on_gpu))
-    report.say(fastest.compile_sentence(table, name, on_gpu))
-    book.answer(f"Is the book's {name} step at most {goal[name]}x the fastest stock step of equal precision?",
-                fastest.goal_sentence(table, name, goal[name], on_gpu=on_gpu), "Stock PyTorch against the book's step")
-scaling = fastest.scaling_sentence(runs, target=scaling_goal, on_gpu=on_gpu)  # "" unless a configuration spans nodes
-if scaling:
-    report.say(scaling)
-    book.answer(f"On several nodes, does the book's step keep {scaling_goal:.0%} of one node's tokens/s per GPU?",
-                scaling, "Stock PyTorch against the book's step")
+    report.show_table(table[fastest.RUN_COLUMNS].dropna(axis=1, how="all"), floatfmt=".4g")
+    report.show_table(compare.like_for_like_table(table), floatfmt=".4g")
+    book.answer(compare.goal_claim(table, name, goal[name], on_gpu), section="Stock PyTorch against the book's step")
+    book.state(*compare.other_precision_claims(table))
+    book.state(fastest.compile_claim(table, name, on_gpu))
+scaling = compare.scaling_claim(runs, target=scaling_goal, on_gpu=on_gpu)  # None unless a configuration spans nodes
+if scaling is not None:
+    book.answer(scaling, section="Stock PyTorch against the book's step")
 
 # %% [markdown]
 # ## Where the time goes
@@ -137,27 +136,23 @@ if scaling:
 # launched, else to attention, matmuls or the loss by its name; communication counts only where no compute
 # ran beside it; `idle` is the time the compute streams waited (launch gaps, exposed communication). The
 # tables below each plot set the book's step against each stock step of its precision phase by phase: one
-# profiled step each, so they say where the time goes, not which step is faster (stock eager's recomputation
-# is a phase of its own; a compiled block's is not).
+# profiled step each, so they say where the time goes, not which step is faster.
 
 # %%
 for name in configs:
     table = runs[runs["config"] == name]
     fastest.plot_phases(table, f"{name}: time by phase (ms per step)")
     plt.show()
-    report.say(fastest.phase_sentence(table))
-    for reference in fastest.stocks_like(table):
+    book.answer(fastest.phase_claim(table), section="Where the time goes")
+    for reference in compare.stocks_like(table):
         gap = fastest.gap_table(table, reference=reference)
         if not gap.empty:
             report.show_table(gap, floatfmt=".4g")
-        report.say(fastest.gap_sentence(table, reference=reference))
-    others = fastest.other_kernels_table(table, ["project", *fastest.stocks_like(table)[:1]])
+            book.state(fastest.gap_claim(table, reference=reference))
+    others = fastest.other_kernels_table(table, ["project", *compare.stocks_like(table)[:1]])
     if not others.empty:
-        report.say("The largest kernels of `other kernels` (ms per profiled step):")
         report.show_table(others, floatfmt=".4g")
-    report.say(fastest.mfu_sentence(table, on_gpu))
-book.answer("Where does the book's step spend its time?",
-            " ".join(fastest.phase_sentence(runs[runs["config"] == name]) for name in configs), "Where the time goes")
+    book.answer(fastest.mfu_claim(table, on_gpu), section="Where the time goes")
 
 # %% [markdown]
 # ## Memory by category
@@ -173,32 +168,26 @@ for name in configs:
 # %% [markdown]
 # ## Ablations: what each optimization is worth
 #
-# The book's step with one thing changed alone (`change` says what, in words), measured in the same run and
-# against the book's step timed the same way (`base_ms`: do_bench on one GPU, two host-clock steps each on
-# several; the `timer` column says which). The verdict is on the
-# change: `slower` means the step with the change is slower beyond the noise (so the recipe keeps its
-# choice), `faster` that it is faster, `within noise` neither. Where the machine has GPUs for every
-# configuration's ranks and for twice a multi-GPU configuration's (four for the leaderboard and the 2.7B
-# rung), that configuration's ablations run on GPUs of their own beside its headline steps, in processes of
-# their own (if they fail or hang past a deadline, their rows say `failed` and the render goes on), and are
-# compared with the book's step measured again there (`ablation_base`): every comparison is on the same
-# cards. A render that carries a configuration's headline rows (`carry=["leaderboard:headline"]`) measures
-# its ablations the same way. The second table says what offloading moved (GiB per step and rank to the host,
-# and the milliseconds the computation waited for copies back), whether a step was captured in CUDA graphs
-# (only on a GPU), and what each rank of a sharded step sends within its node and across nodes (from the shapes).
-# The offload and optimizer-in-the-backward ablations are also profiled once, like the book's step, so that
-# the phases say where their time goes (waiting, or slower kernels).
+# The book's step with one thing changed alone (`change` says what), measured in the same run against the
+# book's step timed the same way on the same cards (`base_ms`; where the ablations run on GPUs of their own,
+# the book's step measured again there, `ablation_base`). The verdict is on the change: `slower` means the
+# step with the change is slower (so the recipe keeps its choice), `faster` that it is faster. The last table
+# says what offloading moved, whether a step was captured in CUDA graphs, and what each rank of a sharded step
+# sends within its node and across nodes (from the shapes). The offload and optimizer-in-the-backward
+# ablations are profiled once too, so the phases say where their time goes.
 
 # %%
 for name in configs:
-    report.say(f"**{name}**")
-    ablated = fastest.ablation_table(runs[runs["config"] == name], on_gpu=on_gpu)
+    table = runs[runs["config"] == name]
+    ablated = compare.ablation_table(table)
     if not ablated.empty:
         report.show_table(ablated, floatfmt=".4g")
-    report.say(fastest.ablation_sentence(runs[runs["config"] == name], on_gpu))
-    report.say(fastest.ablation_phase_sentence(runs[runs["config"] == name]))
-    choices = fastest.choices_table(runs[runs["config"] == name])
-    if not choices.empty:  # offloaded and sent bytes per step and rank, CUDA graphs captured or not
+    book.answer(compare.ablation_claim(table, name, on_gpu), section="Ablations: what each optimization is worth")
+    moved = fastest.ablation_phase_claim(table)
+    if moved is not None:
+        book.state(moved)
+    choices = fastest.choices_table(table)
+    if not choices.empty:
         report.show_table(choices, floatfmt=".4g")
 
 # %% [markdown]
@@ -206,12 +195,12 @@ for name in configs:
 #
 # The fused LM head + cross-entropy against PyTorch with materialized logits (eager and compiled) and a
 # chunked PyTorch loss, forward+backward, at the leaderboard's vocabulary and at the course models' 10,000.
-# `peak_extra_gib` is the memory the loss needs beyond its inputs and outputs.
+# `peak_extra_gib` is the memory the loss needs beyond its inputs and outputs. On a CPU the Triton kernels run
+# interpreted: the fused rows are checked against an fp32 reference and not timed.
 
 # %%
-losses = book.table("fused_loss", lambda: fused_loss.add_ratios(fused_loss.sweep(shapes=loss_shapes, device=dev)))
-report.show_table(losses, floatfmt=".4g")
-loss_on_gpu = fastest.measured_on_gpu(losses, dev.type == "cuda")
-report.say(fastest.fused_loss_sentence(losses, loss_on_gpu))
-book.answer("Does the fused loss remove the logits' memory without costing time?",
-            fastest.fused_loss_sentence(losses, loss_on_gpu), "The loss without the logits")
+losses = book.table("fused_loss", lambda: fused_loss.add_ratios(fused_loss.sweep(
+    shapes=loss_shapes, device=dev, check=True, untimed=() if on_gpu else ("fused", "fused_recompute"))))
+report.show_table(losses.drop(columns=["fwdbwd_samples_ms"]), floatfmt=".4g")
+book.answer(fastest.fused_loss_claim(losses, fastest.measured_on_gpu(losses, dev.type == "cuda")),
+            section="The loss without the logits")

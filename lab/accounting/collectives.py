@@ -1,5 +1,6 @@
 """The one collective cost model: ring all-gather, reduce-scatter, all-reduce (and the alternate
-all-reduce) in time and bytes, symbolic or numeric.
+all-reduce) in time and bytes, symbolic or numeric; and the time bucketed all-reduces add to a data-parallel
+step (:func:`bucket_overhead_ms`, its optimum and its fit to measured steps).
 
 Used by the accounting notebook (closed forms, checked step by step by :mod:`lab.accounting.ring_sim`), by
 the collective benchmark (nccl-tests' bus bandwidth is the ring factor of these formulas) and by the
@@ -12,6 +13,10 @@ keeps ``S / N``).
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
+import numpy as np
 import sympy as sp
 
 from lab.accounting.symbols import N, S, W, alpha
@@ -128,3 +133,56 @@ def collective_table(size_bytes: float, devices, bandwidth: float, latency: floa
                              time_s=float(time_fn(size_bytes, n, bandwidth, latency)),
                              bytes_sent=float(bytes_fn(size_bytes, n))))
     return pd.DataFrame(rows).sort_values(["devices", "collective"], kind="stable", ignore_index=True)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# bucketed all-reduce during backward (data parallelism)
+
+
+def bucket_overhead_ms(n_buckets: float, total_bytes: float, o_ms: float, w_gbps: float) -> float:
+    """Time added after backward by bucketed all-reduce, in ms: ``n*o + s/(n*w)``.
+
+    The model: gradients arrive at the rate the bandwidth can carry them, so each bucket's transfer
+    ``(s/n)/w`` hides behind the backward of the next bucket, except that every call also costs a fixed
+    ``o`` that nothing hides (the delays pile up: ``n*o``), and the last bucket's transfer starts only when
+    backward has ended (``s/(n*w)``). ``w`` is the algorithm bandwidth in GB/s (10**9 B/s).
+    """
+    return n_buckets * o_ms + total_bytes / n_buckets / (w_gbps * 1e9) * 1e3
+
+
+def optimal_bucket(total_bytes: float, o_ms: float, w_gbps: float) -> dict:
+    """Minimum of :func:`bucket_overhead_ms` over n: ``n* = sqrt(s/(w*o))``, bucket ``b* = s/n* = sqrt(s*w*o)``,
+    overhead ``2*sqrt(s*o/w)``. Returns n_buckets, bucket_mb (MiB) and overhead_ms."""
+    if o_ms <= 0 or w_gbps <= 0:
+        raise ValueError(f"o and w must be positive, got o={o_ms} ms, w={w_gbps} GB/s")
+    w = w_gbps * 1e9 / 1e3  # bytes per ms
+    n = math.sqrt(total_bytes / (w * o_ms))
+    return {"n_buckets": n, "bucket_mb": total_bytes / n / 2**20, "overhead_ms": 2 * math.sqrt(total_bytes * o_ms / w)}
+
+
+def fit_bucket_overhead(n_buckets: Sequence[float], overhead_ms: Sequence[float], total_bytes: float) -> dict:
+    """Least-squares ``o`` (ms) and ``w`` (GB/s) of :func:`bucket_overhead_ms` from measured overheads.
+
+    ``overhead_ms`` is each bucketed step minus the single-device step. The model is linear in ``o`` and
+    ``1/w``; a coefficient that comes out non-positive (noise, or overlap better than the model assumes)
+    is dropped and the other refitted alone, and reported as NaN. Returns o_ms, w_gbps and the fit's
+    predictions.
+    """
+    n = np.asarray(n_buckets, dtype=float)
+    y = np.asarray(overhead_ms, dtype=float)
+    if len(n) < 2:
+        raise ValueError("need at least two bucket sizes to fit two parameters")
+    cols = np.stack([n, total_bytes / n], axis=1)  # y = o * n + (1/w) * s/n, with 1/w in ms per byte
+    coef, *_ = np.linalg.lstsq(cols, y, rcond=None)
+    if coef[0] <= 0 or coef[1] <= 0:
+        # fall back to the better of the two one-parameter models (latency only, or bandwidth only)
+        fits = []
+        for j in (0, 1):
+            c = max(float(cols[:, j] @ y / (cols[:, j] @ cols[:, j])), 0.0)
+            fits.append((float(np.sum((y - c * cols[:, j]) ** 2)), j, c))
+        _, j, c = min(fits)
+        coef = np.zeros(2)
+        coef[j] = c
+    o_ms = float(coef[0]) if coef[0] > 0 else math.nan
+    w_gbps = 1.0 / float(coef[1]) / 1e9 * 1e3 if coef[1] > 0 else math.nan
+    return {"o_ms": o_ms, "w_gbps": w_gbps, "predicted_ms": (cols @ coef).tolist()}

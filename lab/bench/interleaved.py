@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from lab.measure.device import error_summary, is_oom, synchronize
-from lab.measure.verdicts import compare_paired, goal_paired
+from lab.measure.verdicts import summarize
 from lab.units import GiB
 
 #: ``build()`` returns ``(step, close)``: one training step, and what releases the implementation.
@@ -315,16 +315,12 @@ def combine_entry(results: Sequence[dict]) -> dict:
 
 
 def summarize_rounds(round_ms: Sequence[float]) -> dict:
-    """Median and spread over rounds (ms): ``step_ms`` (median), ``step_q1_ms``, ``step_q3_ms`` (quartiles),
-    ``step_iqr_ms``, ``rounds`` and ``step_samples_ms`` (the samples as a JSON list, so that a table keeps
-    them through a CSV file; read them back with :func:`samples`). NaN without samples."""
-    n = len(round_ms)
-    if n == 0:
-        return dict(step_ms=math.nan, step_q1_ms=math.nan, step_q3_ms=math.nan, step_iqr_ms=math.nan, rounds=0,
-                    step_samples_ms="[]")
-    xs = sorted(round_ms)
-    q1, q3 = (xs[0], xs[0]) if n == 1 else statistics.quantiles(xs, n=4, method="inclusive")[::2]
-    return dict(step_ms=statistics.median(xs), step_q1_ms=q1, step_q3_ms=q3, step_iqr_ms=q3 - q1, rounds=n,
+    """The rounds as a measurement record (ms): ``step_ms`` (the median), ``step_spread_ms`` (the robust
+    spread, :func:`lab.measure.verdicts.summarize`), ``step_n`` (rounds) and ``step_samples_ms`` (the samples in
+    round order as a JSON list, so that a table keeps them through a CSV file and two implementations of one
+    launch compare round by round; read them back with :func:`samples`). NaN without samples."""
+    s = summarize(round_ms)
+    return dict(step_ms=s.median, step_spread_ms=s.spread, step_n=s.n,
                 step_samples_ms=json.dumps([round(float(x), 4) for x in round_ms]))
 
 
@@ -336,15 +332,3 @@ def samples(value) -> list[float]:
     if value is None or (isinstance(value, float) and math.isnan(value)) or value == "":
         return []
     return [float(v) for v in json.loads(value)]
-
-
-def compare_rounds(subject: Sequence[float], reference: Sequence[float], lower_is_better: bool = True):
-    """Two implementations' per-round samples under the rule, paired by round
-    (:func:`lab.measure.verdicts.compare_paired`): pairing is what interleaving buys, since both ran in the same
-    round, so a slow round slows both and cancels in their ratio."""
-    return compare_paired(subject, reference, lower_is_better)
-
-
-def goal_rounds(subject: Sequence[float], reference: Sequence[float], target: float, lower_is_better: bool = True):
-    """:func:`lab.measure.verdicts.goal_paired` on per-round samples."""
-    return goal_paired(subject, reference, target, lower_is_better)

@@ -19,6 +19,7 @@ findings, so the same comparison reads the same way in every report.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Iterable, Sequence
@@ -94,6 +95,8 @@ def plural(count: int, noun: str) -> str:
 # measured rows
 
 OOM = "oom"
+#: Units of a time: a comparison of times says faster or slower, of anything else lower or higher.
+TIME_UNITS = ("ms", "s", "µs", "us", "ns")
 
 
 @dataclass(frozen=True)
@@ -124,6 +127,12 @@ class Measured:
         return cls(label, v.Summary(float(value), math.nan, 1), unit)
 
     @classmethod
+    def fixed(cls, label: str, value: float, unit: str = "ms") -> Measured:
+        """A target known exactly (a goal's time, a limit): no spread, and as many samples as a verdict needs,
+        so that a measurement can be set against it under the rule."""
+        return cls(label, v.Summary(float(value), 0.0, v.MIN_SAMPLES, (float(value),) * v.MIN_SAMPLES), unit)
+
+    @classmethod
     def out_of_memory(cls, label: str, limit_gib: float = math.nan, unit: str = "ms") -> Measured:
         """A row that ran out of memory, with the memory the process had (GiB) where known."""
         return cls(label, unit=unit, status=OOM, limit_gib=float(limit_gib))
@@ -132,8 +141,8 @@ class Measured:
     def from_row(cls, label: str, row, column: str, unit: str = "ms") -> Measured:
         """From a table row: its ``column`` (a median), the spread beside it (``<column stem>_spread<unit
         suffix>``, e.g. ``fwd_ms`` -> ``fwd_spread_ms``) and its count (``<stem>_n``, else ``n``); the
-        samples where the row keeps them (``<stem>_samples<suffix>``, a list). A row whose ``status`` is not
-        ``ok`` is out of memory (``oom``, with ``limit_gib`` if the row has it) or failed."""
+        samples where the row keeps them (``<stem>_samples<suffix>``, a list or its JSON text). A row whose
+        ``status`` is not ``ok`` is out of memory (``oom``, with ``limit_gib`` if the row has it) or failed."""
         get = row.get if hasattr(row, "get") else (lambda k, d=None: getattr(row, k, d))
         status = str(get("status", "ok") or "ok")
         if status != "ok":
@@ -141,6 +150,8 @@ class Measured:
             return cls(label, unit=unit, status=status, limit_gib=float(limit) if limit is not None else math.nan)
         stem, _, suffix = column.rpartition("_") if column.endswith(("_ms", "_gib", "_s")) else (column, "", "")
         samples = get(f"{stem}_samples_{suffix}" if suffix else f"{stem}_samples")
+        if isinstance(samples, str) and samples.startswith("["):  # a list kept through a CSV file as JSON
+            samples = json.loads(samples)
         if isinstance(samples, (list, tuple)) and samples:
             return cls.of(label, samples, unit)
         spread = get(f"{stem}_spread_{suffix}" if suffix else f"{stem}_spread", math.nan)
@@ -193,10 +204,13 @@ class Versus:
 
     @property
     def verdict(self) -> str:
-        """The rule's word, or ``"out of memory"`` / the failure where a side did not run."""
+        """The rule's word (``faster``/``slower`` for times, ``lower``/``higher`` for other quantities), or
+        ``"out of memory"`` / the failure where a side did not run."""
         c = self.comparison
         if c is None:
             return next(m.text() for m in (self.subject, self.reference) if not m.ok)
+        if self.subject.unit not in TIME_UNITS:
+            return {v.FASTER: v.LOWER, v.SLOWER: v.HIGHER}.get(c.verdict, c.verdict)
         return c.verdict
 
     @property
@@ -295,10 +309,6 @@ class Claim:
 _VERDICT_ORDER = (v.FASTER, v.HIGHER, v.WITHIN_NOISE, v.SLOWER, v.LOWER, v.NOT_DECIDED)
 
 
-def _ratio_words(c: v.Comparison) -> str:
-    return f"ratio {number(c.ratio)}, {v.CONFIDENCE:.0%} interval {interval(c.low, c.high)}"
-
-
 def say_versus(f: Versus) -> str:
     """One comparison in words (see the module docstring)."""
     a, b = f.subject, f.reference
@@ -307,17 +317,19 @@ def say_versus(f: Versus) -> str:
     else:
         c = f.comparison
         medians = f"{a.text()} against {b.text()}"
+        ratio = (f"median per-round ratio {number(c.ratio)}" if f.paired else f"ratio {number(c.ratio)}") + \
+            f", {v.CONFIDENCE:.0%} interval {interval(c.low, c.high)}"
         if c.verdict == v.NOT_DECIDED:
             text = (f"{a.label} against {b.label}: not decided, {plural(a.summary.n, 'sample')} and "
                     f"{number(b.summary.n)} ({number(v.MIN_SAMPLES)} needed; {medians})")
         elif c.verdict == v.WITHIN_NOISE:
-            text = f"{a.label} and {b.label} are within noise ({medians}; {_ratio_words(c)})"
-        elif c.verdict == v.FASTER:
-            text = f"{a.label} is **{number(c.speedup)}x faster** than {b.label} ({medians}; {_ratio_words(c)})"
-        elif c.verdict == v.SLOWER:
-            text = f"{a.label} is **{number(c.ratio)}x slower** than {b.label} ({medians}; {_ratio_words(c)})"
+            text = f"{a.label} and {b.label} are within noise ({medians}; {ratio})"
+        elif f.verdict == v.FASTER:
+            text = f"{a.label} is **{number(c.speedup)}x faster** than {b.label} ({medians}; {ratio})"
+        elif f.verdict == v.SLOWER:
+            text = f"{a.label} is **{number(c.ratio)}x slower** than {b.label} ({medians}; {ratio})"
         else:
-            text = f"{a.label} is **{number(c.ratio)}x** {b.label}, {c.verdict} ({medians}; {_ratio_words(c)})"
+            text = f"{a.label} is **{number(c.ratio)}x** {b.label}, {f.verdict} ({medians}; {ratio})"
     if f.goal is not None:
         bound = "at most" if not f.higher_is_better else "at least"
         text += f"; goal {bound} {number(f.goal)}x: **{f.goal_word}**"
@@ -362,18 +374,24 @@ def say(finding: Finding) -> str:
 def sentence(claim: Claim, with_question: bool = True) -> str:
     """A claim as Markdown: the question in italics, then its findings and its explanation."""
     body = "; ".join(say(f) for f in claim.findings) or "nothing was measured"
-    text = f"{body[0].upper()}{body[1:]}." if body else ""
+    first = re.match(r"[a-z]+\b", body)  # a plain word starts the sentence; a name (stock_eager, fp32) stays as is
+    text = (f"{body[0].upper()}{body[1:]}." if first and not re.match(r"[a-z]+[_\d]", body) else f"{body}.")
     if claim.because:
         text += f" {claim.because.strip()}"
     return f"*{claim.question}* {text}" if with_question else text
 
 
 def verdict_table(rows: Sequence[tuple[dict, Versus]]) -> list[dict]:
-    """Rows of a comparison table: each ``(keys, Versus)`` as its keys, both medians and the comparison's
-    cells (:meth:`Versus.cells`), so a table and the prose beside it read the same verdicts."""
+    """Rows of a comparison table: each ``(keys, Versus)`` as its keys, both sides (``subject``, ``against``)
+    and the comparison's cells (:meth:`Versus.cells`), so a table and the prose beside it read the same
+    verdicts."""
     out = []
     for keys, f in rows:
-        out.append({**keys, "subject": f.subject.text(), "reference": f.reference.text(), **f.cells()})
+        cells = {"subject": f.subject.text(), "against": f.reference.text(), **f.cells()}
+        clash = sorted(set(keys) & set(cells))
+        if clash:
+            raise ValueError(f"verdict_table: the keys {clash} would hide the comparison's own columns; rename them")
+        out.append({**keys, **cells})
     return out
 
 

@@ -33,7 +33,7 @@ KINDS: dict[str, tuple[str, ...]] = {
     # a data-parallel training step, per rank
     "ddp_step": ("impl", "size", "context", "batch", "dtype", "world_size", "bucket_mb"),
     # one attention call
-    "attention": ("impl", "dtype", "batch", "heads", "seq_len", "d", "causal", "pass", "timing"),
+    "attention": ("impl", "kernel", "dtype", "batch", "heads", "seq_len", "d", "causal", "pass", "timing"),
     # the peak of GPU memory allocated in one mode of a step
     "peak_memory": ("size", "context", "batch", "dtype", "mode", "checkpoint"),
 }

@@ -87,6 +87,9 @@ def table_text(df: pd.DataFrame, floatfmt: str = ".3g") -> str:
 
 def show_table(df: pd.DataFrame, floatfmt: str = ".3g", max_rows: int = 60) -> None:
     """Show a DataFrame as a Markdown table (readable in the HTML report and in plain text; :func:`table_text`)."""
+    if df.empty:
+        _display_markdown("*(no rows)*")
+        return
     if len(df) > max_rows:
         df = df.head(max_rows)
     _display_markdown(table_text(df, floatfmt))
@@ -184,13 +187,16 @@ class Chapter:
         parts = [cl.sentence(x) if isinstance(x, cl.Claim) else cl.say(x) + "." for x in items]
         say(" ".join(p[0].upper() + p[1:] if p and not p.startswith("*") else p for p in parts))
 
-    def ledger(self, entries: list[dict]) -> None:
+    def ledger(self, entries: list[dict], table: str | None = None) -> None:
         """Enter rows that other reports measure too (:func:`lab.book.ledger.entry`) and check them against the
         other reports' entries: a disagreement on a GPU stops the render naming both rows
-        (:class:`lab.book.ledger.LedgerMismatch`); on a CPU it is shown as a warning."""
+        (:class:`lab.book.ledger.LedgerMismatch`); on a CPU it is shown as a warning. ``table``: the saved table
+        the rows come from, whose provenance (the machine that measured them, also when this render read
+        them back) the entries take; else this machine's."""
         if not entries:
             return
-        book_ledger.record(entries, self.results_dir, self.notebook, store.provenance())
+        where = self.provenance(table) if table is not None else store.provenance()
+        book_ledger.record(entries, self.results_dir, self.notebook, where)
         for line in book_ledger.check(self.results_dir, self.notebook):
             warn(f"Measured on a CPU, two reports disagree: {line}.")
 

@@ -139,8 +139,10 @@ def compare(subject: Sequence[float] | Summary, reference: Sequence[float] | Sum
     independently); a :class:`Summary` without samples goes through :func:`compare_medians`."""
     a = subject if isinstance(subject, Summary) else summarize(subject)
     b = reference if isinstance(reference, Summary) else summarize(reference)
-    if a.n == 0 or b.n == 0:
+    if not (math.isfinite(a.median) and math.isfinite(b.median)):
         raise ValueError("compare needs at least one finite sample (or a median) on each side")
+    if a.n == 0 or b.n == 0:  # a derived median (a difference of two timings) with no samples of its own
+        return _undecided(a.median / b.median if b.median else math.nan, a, b, lower_is_better)
     if not (a.samples and b.samples):
         return compare_medians(a, b, lower_is_better, confidence)
     ratio = a.median / b.median

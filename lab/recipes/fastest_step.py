@@ -195,7 +195,7 @@ def is_stock(name: str) -> bool:
     """Whether a recipe name is one of the stock PyTorch steps (:data:`STOCK_EAGER` and its kin)."""
     return name.startswith("stock_")
 #: The name of the book's step measured again beside its ablations where they run on GPUs of their own
-#: (``lab.book.fastest.bench.plan``): what they are compared with, on the same cards and timed the same way.
+#: (``lab.bench.fastest.plan``): what they are compared with, on the same cards and timed the same way.
 ABLATION_BASE = "ablation_base"
 
 

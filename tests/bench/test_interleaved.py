@@ -10,7 +10,7 @@ import pytest
 
 from lab.bench import interleaved
 from lab.bench.interleaved import Interleaving
-from lab.measure.verdicts import compare
+from lab.measure.verdicts import compare, compare_paired
 from lab.parallel import launcher as distributed
 
 
@@ -52,27 +52,25 @@ def test_combine_ranks_takes_each_step_at_its_slowest_rank():
     assert out["gone"] == {"status": "oom", "error": "MemoryError: x", "round_ms": []}
 
 
-def test_summarize_rounds_median_quartiles_and_samples_through_json():
+def test_summarize_rounds_is_a_measurement_record_with_samples_through_json():
     s = interleaved.summarize_rounds([4.0, 1.0, 10.0, 3.0, 2.0])
-    assert (s["step_ms"], s["step_q1_ms"], s["step_q3_ms"], s["step_iqr_ms"], s["rounds"]) == (3.0, 2.0, 4.0, 2.0, 5)
+    assert (s["step_ms"], s["step_n"]) == (3.0, 5)
+    assert s["step_spread_ms"] == pytest.approx(1.4826)  # 1.4826 x the median absolute deviation (1)
     assert interleaved.samples(s["step_samples_ms"]) == [4.0, 1.0, 10.0, 3.0, 2.0]  # in round order
     assert json.loads(s["step_samples_ms"]) == [4.0, 1.0, 10.0, 3.0, 2.0]
     empty = interleaved.summarize_rounds([])
-    assert math.isnan(empty["step_ms"]) and empty["rounds"] == 0 and interleaved.samples(empty["step_samples_ms"]) == []
+    assert math.isnan(empty["step_ms"]) and empty["step_n"] == 0 and interleaved.samples(empty["step_samples_ms"]) == []
     assert interleaved.samples(float("nan")) == [] and interleaved.samples([1, 2]) == [1.0, 2.0]
 
 
-def test_paired_rounds_cancel_a_drifting_host():
+def test_rounds_kept_in_order_compare_paired_and_cancel_a_drifting_host():
     """Rounds alternate between a quiet and a busy host; A is 10 % faster than B in every round."""
     host = [10.0, 30.0] * 5
-    a, b = [0.9 * h for h in host], host
+    a, b = (interleaved.samples(interleaved.summarize_rounds(x)["step_samples_ms"]) for x in ([0.9 * h for h in host],
+                                                                                           host))
     assert compare(a, b).verdict == "within noise"  # unpaired, the host's drift swamps the difference
-    paired = interleaved.compare_rounds(a, b)
+    paired = compare_paired(a, b)
     assert paired.verdict == "faster" and paired.ratio == pytest.approx(0.9)
-    assert interleaved.goal_rounds(a, b, 0.95).met is True and interleaved.goal_rounds(a, b, 0.85).met is False
-    assert interleaved.compare_rounds(b, a).verdict == "slower"
-    assert interleaved.compare_rounds(a[:-1], b).ratio == compare(a[:-1], b).ratio  # unequal rounds: unpaired
-    assert interleaved.compare_rounds([1.0], [2.0]).verdict == "not decided"  # one round: no spread
 
 
 # ----------------------------------------------------------------------------------------------------------

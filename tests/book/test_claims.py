@@ -50,6 +50,13 @@ def test_versus_follows_the_rule_and_says_the_ratio():
     assert noisy.verdict == "within noise" and noisy.cells()["verdict"] == "within noise"
 
 
+def test_a_fixed_target_is_met_or_missed_under_the_rule():
+    target = cl.Measured.fixed("the course's goal", 4.6)
+    assert cl.Versus(cl.Measured.of("ours", _samples(4.0, 0.05)), target, goal=1.0).goal_word == "met"
+    assert cl.Versus(cl.Measured.of("ours", _samples(5.1, 0.05)), target, goal=1.0).goal_word == "missed"
+    assert cl.Versus(cl.Measured.of("ours", _samples(4.62, 0.3)), target, goal=1.0).goal_word == "undecided"
+
+
 def test_out_of_memory_is_a_result_not_a_message():
     oom = cl.Measured.out_of_memory("naive at 16k", limit_gib=79.16)
     f = cl.Versus(oom, cl.Measured.of("flash", _samples(5.0, 0.1)), goal=1.0)
@@ -66,6 +73,8 @@ def test_rows_are_read_with_their_spread_and_count():
     assert (m.median, m.summary.spread, m.summary.n) == (12.0, 0.3, 9)
     with_samples = pd.Series(dict(step_ms=3.0, step_samples_ms=[1.0, 2.0, 3.0, 4.0, 5.0]))
     assert cl.Measured.from_row("s", with_samples, "step_ms").summary.samples == (1.0, 2.0, 3.0, 4.0, 5.0)
+    from_csv = pd.Series(dict(host_step_ms=3.0, host_step_samples_ms="[1.0, 2.0, 3.0, 4.0, 5.0]"))
+    assert cl.Measured.from_row("s", from_csv, "host_step_ms").summary.n == 5
     shared_n = pd.Series(dict(peak_gib=3.5, n=1))
     assert cl.Measured.from_row("p", shared_n, "peak_gib", unit="GiB").summary.n == 1
 
@@ -173,3 +182,21 @@ def test_lm_step_rows_enter_the_ledger_mode_by_mode(tmp_path):
     assert entries[1]["median"] == row["fwdbwd_ms"] and entries[1]["n"] == 5
     saved = table.drop(columns=[c for c in table if c.endswith("_samples_ms")])  # as read back from a CSV
     assert [e["median"] for e in ledger.lm_step_entries(saved)] == [e["median"] for e in entries]
+
+
+def test_a_quantity_other_than_time_is_lower_or_higher_and_paired_ratios_say_so():
+    small = cl.Measured.of("sharded", _samples(20.0, 0.1), "GiB")
+    big = cl.Measured.of("ddp", _samples(40.0, 0.1), "GiB")
+    assert cl.Versus(small, big).verdict == "lower" and cl.Versus(big, small).verdict == "higher"
+    assert "faster" not in cl.say(cl.Versus(small, big))
+    a, b = [9.0, 9.0, 27.0, 9.0, 9.0, 9.0], [10.0, 10.0, 30.0, 10.0, 10.0, 10.0]
+    paired = cl.Versus(cl.Measured.of("a", a), cl.Measured.of("b", b), paired=True)
+    assert paired.verdict == "faster" and "per-round ratio" in cl.say(paired)
+
+
+def test_verdict_table_refuses_keys_that_hide_its_columns():
+    f = cl.Versus(cl.Measured.of("a", _samples(1.0, 0.01)), cl.Measured.of("b", _samples(2.0, 0.01)))
+    row = cl.verdict_table([({"shape": "x"}, f)])[0]
+    assert row["verdict"] == "faster" and row["against"] == f.reference.text()
+    with pytest.raises(ValueError, match="verdict"):
+        cl.verdict_table([({"verdict": "mine"}, f)])

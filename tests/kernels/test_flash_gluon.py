@@ -8,6 +8,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 flash_gluon = pytest.importorskip("lab.kernels.flash_gluon")
+flash_gluon_backward = pytest.importorskip("lab.kernels.flash_gluon_backward")
 
 MAX_SHARED = 232448  # bytes of shared memory a block may use on an H100/H200 (227 KB)
 
@@ -60,6 +61,18 @@ def test_forward_flops_halve_when_causal():
     assert flash_gluon.forward_flops(2, 3, 1024, 64, True) == 2 * 2 * 3 * 1024 ** 2 * 64
 
 
+def test_chunked_reference_gradients_match_autograd():
+    torch.manual_seed(0)
+    q, k, v, grad_out = (torch.randn(1, 2, 40, 16) for _ in range(4))
+    for causal in (False, True):
+        qf, kf, vf = (t.double().requires_grad_() for t in (q, k, v))
+        out, _ = reference(qf, kf, vf, causal)
+        expected = torch.autograd.grad(out, (qf, kf, vf), grad_out.double())
+        got = flash_gluon.reference_head_gradients(q, k, v, grad_out, causal, chunk=16)
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(g, e[0, 0], rtol=0, atol=1e-12)
+
+
 def test_reference_rows_match_the_full_reference():
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 2, 40, 16) for _ in range(3))
@@ -75,7 +88,7 @@ def test_reference_rows_match_the_full_reference():
 @pytest.mark.parametrize("d", [64, 128])
 def test_forward_compiles_for_sm90a_into_warp_group_mmas_without_spills(d):
     try:
-        report = flash_gluon.compile_in_subprocess(d, True, "bf16")
+        report = flash_gluon.compile_in_subprocess("forward", d, True, "bf16")
     except FileNotFoundError as exc:
         pytest.skip(str(exc))
     # two consumer warp groups: the prologue's score product, two loops of (score, P V) and the last P V,
@@ -144,3 +157,63 @@ def test_forward_is_deterministic_and_writes_every_element():
     for _ in range(3):
         out, lse = flash_gluon.gluon_forward(q, k, v, True)
         assert torch.equal(out, first) and torch.equal(lse, first_lse)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("d", [64, 128])
+def test_backward_compiles_for_sm90a_into_warp_group_mmas(d):
+    try:
+        report = flash_gluon.compile_in_subprocess("backward", d, True, "bf16")
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    # two consumer warp groups, three query-tile loops, five products a tile: S^T and dP^T (d / 16 K steps),
+    # dV and dK (64 queries / 16) and dQ (128 keys / 16)
+    assert report["wgmma"] == 2 * 3 * (2 * d // 16 + 4 + 4 + 8)
+    assert report["shared_bytes"] <= MAX_SHARED
+    # the producer warp (and the dQ writer warps, sharing its warp group) ask for few registers; the consumers
+    # take the rest
+    writer = flash_gluon_backward.dq_writer_default(d)
+    assert min(report["setmaxnreg"]) == (40 if writer else 24) and max(report["setmaxnreg"]) >= (232 if writer else 240)
+
+
+BACKWARD_SHAPES = [  # batch, heads, n_q, n_k, d, dtype, causal
+    (2, 2, 512, 512, 128, torch.bfloat16, True),
+    (1, 3, 640, 640, 128, torch.bfloat16, False),
+    (1, 2, 1000, 1000, 64, torch.float16, True),
+    (2, 2, 333, 333, 128, torch.float16, False),
+    (1, 2, 300, 700, 64, torch.bfloat16, False),
+    (1, 2, 700, 300, 128, torch.bfloat16, True),
+]
+
+
+def relative_error(got, ref):
+    return ((got.double() - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("shape", BACKWARD_SHAPES,
+                         ids=lambda s: f"{s[0]}x{s[1]}x{s[2]}x{s[3]}x{s[4]}-{s[5]}-causal{s[6]}")
+@pytest.mark.parametrize("dq_writer", [None, "other"])
+def test_backward_matches_float64_and_the_portable_kernel(shape, dq_writer):
+    from lab.kernels.flash_triton_backward import flash_backward
+
+    batch, heads, n_q, n_k, d, dtype, causal = shape
+    if dq_writer == "other":  # the way of adding dQ that d does not use by default
+        dq_writer = not flash_gluon_backward.dq_writer_default(d)
+    q = torch.randn(batch, heads, n_q, d, device="cuda", dtype=dtype)
+    k, v = (torch.randn(batch, heads, n_k, d, device="cuda", dtype=dtype) for _ in range(2))
+    grad_out = torch.randn_like(q)
+    qf, kf, vf = (t.double().requires_grad_() for t in (q, k, v))
+    ref_out, _ = reference(qf, kf, vf, causal)
+    references = torch.autograd.grad(ref_out, (qf, kf, vf), grad_out.double())
+    out, lse = flash_gluon.gluon_forward(q, k, v, causal)
+    grads = flash_gluon.gluon_backward(q, k, v, out, lse, grad_out, causal, dq_writer)
+    portable = flash_backward(q, k, v, out, lse, grad_out, causal)
+    for name, got, ref, other in zip(("dq", "dk", "dv"), grads, references, portable):
+        assert got.dtype == dtype and got.shape == ref.shape, name
+        assert torch.isfinite(got).all(), name
+        error = relative_error(got, ref)
+        # 16-bit P and dS: about 1e-3 of the gradient's largest value, as the portable kernel's
+        assert error < (2e-2 if dtype == torch.bfloat16 else 5e-3), (name, error)
+        assert error < 2 * relative_error(other, ref) + 2e-3, (name, error, relative_error(other, ref))

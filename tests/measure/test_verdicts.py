@@ -47,6 +47,8 @@ def test_fewer_than_min_samples_decide_nothing(n):
     assert check_goal([10.0] * n, [20.0] * 8, 0.9).met is None
     with pytest.raises(ValueError):
         compare([], [1.0])
+    derived = compare(Summary(3.0, math.nan, 0), Summary(4.0, 0.1, 9))  # a difference of medians, no samples
+    assert derived.verdict == "not decided" and derived.ratio == 0.75
 
 
 def test_five_samples_are_enough():

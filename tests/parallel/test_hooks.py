@@ -36,7 +36,7 @@ def test_weak_hook_calls_while_alive_and_frees_its_owner():
 
 
 def _dropped_wrappers_are_freed() -> dict:
-    from lab.book.sharding.bench import build_impl
+    from lab.bench.sharding import build_impl
     from lab.measure.step import TrainStep, random_batch
     from lab.parallel.ddp import DDPBucketed, DDPIndividualParameters
 

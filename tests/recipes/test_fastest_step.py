@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from lab.book.fastest import bench as fs_bench
+from lab.bench import fastest as fs_bench
 from lab.model import ModelConfig, TransformerLM
 from lab.parallel import launcher
 from lab.recipes import fastest_step as fs

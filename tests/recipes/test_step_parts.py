@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lab.accounting.collectives import ring_bytes_per_rank
-from lab.book.fastest import bench as bench
+from lab.bench import fastest as bench
 from lab.parallel import launcher
 from lab.parallel.collectives import TrafficLog
 from lab.recipes import fastest_step as fs

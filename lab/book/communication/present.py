@@ -275,4 +275,4 @@ def ranks_claim(pairs: list[tuple[dict, cl.Versus]]) -> cl.Claim:
 
 def comparison_table(pairs: list[tuple[dict, cl.Versus]], subject: str, reference: str) -> pd.DataFrame:
     """Comparisons as a table: both medians, their ratio with its interval, the verdict."""
-    return pd.DataFrame(cl.verdict_table(pairs)).rename(columns={"subject": subject, "reference": reference})
+    return pd.DataFrame(cl.verdict_table(pairs)).rename(columns={"subject": subject, "against": reference})

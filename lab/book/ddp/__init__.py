@@ -1,3 +1,3 @@
-"""Notebook 07, data parallelism: the DDP wrappers against torch DDP, overlap and the bucket model (`bench`),
-tables, goals and sentences (`present`).
+"""Notebook 07, data parallelism: what a render measures (`bench`: the DDP wrappers against torch DDP, through
+:mod:`lab.bench.ddp`), and its tables, plots and claims (`present`: overlap, the bucket model, the goal).
 """

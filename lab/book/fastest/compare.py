@@ -1,12 +1,11 @@
-"""Notebook 10's comparisons of step times, like for like: the book's step against the stock steps, and each
-ablation against the book's step.
+"""Notebook 10's comparisons, like for like, as claims: the book's step against the fastest stock step of equal
+precision, each ablation against the book's step, and a step on several nodes against one node.
 
 A comparison holds fixed what it does not measure: the configuration (model, context, batch, ranks), the
-precision (bf16 parameters, or fp32 master weights under bf16 autocast) and the timer (``do_bench`` of the
-headline recipes, or the host clock where an ablation is involved). The book's step is set against the
-fastest stock step at its own precision only; every verdict is :mod:`lab.measure.verdicts`' on the measured
-spread, and on a CPU (Triton interpreted) none is given. Where the book's step differs from that stock step,
-:func:`lab.recipes.fastest_step.stock_options` says which differences any PyTorch user can make.
+precision (bf16 parameters, or fp32 master weights under bf16 autocast), the timer (``do_bench`` of the
+headline recipes, or the host clock where an ablation is involved) and the cards. The verdicts are the rule's
+(:mod:`lab.measure.verdicts`) on the rows' samples; where the book's step differs from the stock step,
+:func:`lab.recipes.fastest_step.differences` says which differences any PyTorch user can make.
 """
 
 from __future__ import annotations
@@ -15,8 +14,7 @@ import math
 
 import pandas as pd
 
-from lab.book.report import fmt
-from lab.measure.verdicts import Comparison, GoalCheck, compare_summaries, scatter_note
+from lab.book.claims import Claim, Measured, Observed, Tally, Versus
 from lab.recipes.fastest_step import (
     ABLATION_BASE,
     CONFIGS,
@@ -33,29 +31,19 @@ from lab.recipes.fastest_step import (
 BOOK_STEPS = ("project", ABLATION_BASE, "fp32_master_weights")
 #: The most a step may allocate to fit an 80 GB H100 (79.6 GiB of device memory, less the CUDA context's).
 FITS_GIB = 78.0
-#: A verdict's place when the rows come from a CPU: the Triton kernels ran interpreted.
-NOT_JUDGED = "not judged (CPU)"
-
-
-#: A goal's verdict in the sentences (:attr:`lab.measure.verdicts.GoalCheck.met`).
-_GOAL_WORD = {True: "met", False: "missed", None: "undecided within the noise"}
+CPU_NOTE = ("On a CPU the Triton kernels run interpreted and nothing is compiled: these verdicts are about the CPU, "
+            "not about GPUs.")
 
 
 def with_fixed_columns(df: pd.DataFrame) -> pd.DataFrame:
-    """``df`` with ``precision`` and ``batch`` filled where older rows lack them: the precision from the row's
-    ``recipe`` (its repr; the :class:`Recipe` default where none is named), the batch from its configuration
-    (:data:`CONFIGS`)."""
+    """``df`` with ``precision`` and ``batch`` filled where older rows lack them (the recipe's default precision,
+    the configuration's batch)."""
     out = df.copy()
-    if "recipe" in out.columns:
-        parsed = out["recipe"].astype(str).str.extract(r"precision='(\w+)'")[0]
-        out["precision"] = out["precision"].fillna(parsed) if "precision" in out.columns else parsed
-    elif "precision" not in out.columns:
+    if "precision" not in out.columns:
         out["precision"] = math.nan
-    out["precision"] = out["precision"].astype(object).fillna(Recipe().precision)  # none named: the default
-    if "batch" not in out.columns:
-        out["batch"] = math.nan
+    out["precision"] = out["precision"].astype(object).fillna(Recipe().precision)
     known = out["config"].map(lambda c: CONFIGS[c].batch_per_rank * CONFIGS[c].world_size if c in CONFIGS else math.nan)
-    out["batch"] = out["batch"].fillna(known)
+    out["batch"] = out["batch"].fillna(known) if "batch" in out.columns else known
     return out
 
 
@@ -65,10 +53,9 @@ def _host_timed(row: pd.Series) -> bool:
 
 
 def common_timer(a: pd.Series, b: pd.Series, same_cards: bool = True) -> str | None:
-    """The column prefix under which two rows were timed the same way on the same cards: ``""``
-    (``step_*``) where both used the same timer (or the rows do not say), ``"host_"`` where both have
-    host-clock steps; None where they ran on different GPUs (their ``gpus`` columns differ; not asked with
-    ``same_cards=False``, for steps of different rank counts) or share no timer."""
+    """The column prefix under which two rows were timed the same way on the same cards: ``""`` (``step_*``)
+    where both used the same timer, ``"host_"`` where both have host-clock steps; None where they ran on other
+    GPUs (``gpus`` differ; not asked with ``same_cards=False``) or share no timer."""
     ga, gb = a.get("gpus"), b.get("gpus")
     if same_cards and isinstance(ga, str) and isinstance(gb, str) and ga and gb and ga != gb:
         return None
@@ -79,18 +66,20 @@ def common_timer(a: pd.Series, b: pd.Series, same_cards: bool = True) -> str | N
     return "host_" if _host_timed(a) and _host_timed(b) else None
 
 
-def comparison(row: pd.Series, ref: pd.Series, prefix: str = ""):
-    """:func:`lab.measure.verdicts.compare_summaries` of two rows' ``{prefix}step_*`` columns."""
-    return compare_summaries(row[f"{prefix}step_ms"], row[f"{prefix}step_std_ms"], int(row[f"{prefix}step_n"]),
-                             ref[f"{prefix}step_ms"], ref[f"{prefix}step_std_ms"], int(ref[f"{prefix}step_n"]))
+def measured(row: pd.Series, prefix: str = "") -> Measured:
+    """A row's step time under the timer ``prefix`` as a claim reads it, named as the book calls the recipe."""
+    name = {"project": "the book's step", ABLATION_BASE: "the book's step beside its ablations"}.get(row["impl"],
+                                                                                                     row["impl"])
+    return Measured.from_row(f"{name} ({row['precision']})", row, f"{prefix}step_ms")
 
 
-def best_stock(df: pd.DataFrame, row: pd.Series) -> tuple[pd.Series | None, str | None]:
-    """The fastest stock step with ``row``'s configuration, batch and precision that was timed as ``row``
-    was (:func:`common_timer`), and the prefix of that timer's columns; ``(None, None)`` if none ran."""
+def best_stock(df: pd.DataFrame, row: pd.Series, same_precision: bool = True) -> tuple[pd.Series | None, str | None]:
+    """The fastest stock step with ``row``'s configuration and batch (and precision) timed as ``row`` was, with
+    that timer's column prefix; ``(None, None)`` if none ran."""
     ok = with_fixed_columns(df)
     ok = ok[(ok["status"] == "ok") & ok["impl"].map(is_stock) & (ok["config"] == row["config"])
-            & (ok["precision"] == row["precision"]) & (ok["batch"] == row["batch"])]
+            & (ok["batch"] == row["batch"])]
+    ok = ok[(ok["precision"] == row["precision"]) == same_precision]
     best, best_prefix = None, None
     for _, cand in ok.iterrows():
         prefix = common_timer(row, cand)
@@ -100,260 +89,127 @@ def best_stock(df: pd.DataFrame, row: pd.Series) -> tuple[pd.Series | None, str 
 
 
 def _recipe(config: str, impl: str):
-    if config not in CONFIGS:
-        return None
     known = recipes_for(CONFIGS[config])
-    known = {**known, **{r.name: r for r in ablations(known["project"])}}
-    known[ABLATION_BASE] = known["project"]
+    known = {**known, **{r.name: r for r in ablations(known["project"])}, ABLATION_BASE: known["project"]}
     return known.get(impl)
 
 
-def recipe_differences(config: str | None, impl: str, stock: str) -> list[tuple[str, object, object, bool]]:
-    """:func:`lab.recipes.fastest_step.differences` of ``impl``'s recipe from ``stock``'s as they run on the
-    configuration's ranks; empty where the configuration or a recipe is unknown."""
-    ours, theirs = (_recipe(config, impl), _recipe(config, stock)) if config in CONFIGS else (None, None)
-    if ours is None or theirs is None:
-        return []
-    world = CONFIGS[config].world_size
-    return differences(ours.for_world(world), theirs.for_world(world))
-
-
 def split_differences(config: str, impl: str, stock: str) -> tuple[list[str], list[str]]:
-    """``impl``'s differences from ``stock`` (recipe fields, :func:`recipe_differences`) as ``(stock PyTorch
-    options, the book's own parts)``; both empty where a recipe is unknown."""
-    diff = recipe_differences(config, impl, stock)
-    return [f for f, _, _, option in diff if option], [f for f, _, _, option in diff if not option]
+    """``impl``'s differences from ``stock`` as they run on the configuration's ranks, ``"field ours, not
+    theirs"`` each: ``(stock PyTorch options, the book's own parts)``; empty where a recipe is unknown."""
+    if config not in CONFIGS or _recipe(config, impl) is None or _recipe(config, stock) is None:
+        return [], []
+    world = CONFIGS[config].world_size
+    diff = differences(_recipe(config, impl).for_world(world), _recipe(config, stock).for_world(world))
+    said = [(f"{f} {a}, not {b}", option) for f, a, b, option in diff]
+    return [s for s, option in said if option], [s for s, option in said if not option]
 
 
-def like_for_like_table(df: pd.DataFrame, on_gpu: bool = True) -> pd.DataFrame:
-    """Each copy of the book's step (:data:`BOOK_STEPS`) against the fastest stock step of equal precision,
-    configuration and batch, timed the same way: both times, the ratio with its interval, the verdict, and the
-    book's differences from that stock step split into stock PyTorch options and the book's own parts."""
-    rows = []
+def versus_stock(df: pd.DataFrame, impls=BOOK_STEPS,
+                 same_precision: bool = True) -> list[tuple[pd.Series, pd.Series, Versus]]:
+    """Each ok row of ``impls`` against the fastest stock step of equal (or, ``same_precision=False``, other)
+    precision timed the same way: ``(row, stock row, Versus)``."""
     full = with_fixed_columns(df)
-    for _, row in full[(full["status"] == "ok") & full["impl"].isin(BOOK_STEPS)].iterrows():
-        out = dict(book=row["impl"], precision=row["precision"], batch=row["batch"])
-        stock, prefix = best_stock(full, row)
-        if stock is None:
-            same = full[full["impl"].map(is_stock) & (full["status"] == "ok") & (full["config"] == row["config"])
-                        & (full["precision"] == row["precision"])]
-            why = "none timed the same way on the same cards" if len(same) else f"none at {row['precision']}"
-            rows.append({**out, "stock": why, "verdict": "not compared"})
-            continue
-        c = comparison(row, stock, prefix)
-        options, own = split_differences(row["config"], row["impl"], stock["impl"])
-        rows.append({**out, "stock": stock["impl"], "timer": "host" if prefix else row.get("timer", "do_bench"),
-                     "book_ms": row[f"{prefix}step_ms"], "stock_ms": stock[f"{prefix}step_ms"],
-                     "book_n": int(row[f"{prefix}step_n"]), "stock_n": int(stock[f"{prefix}step_n"]), "ratio": c.ratio,
-                     "low": c.low, "high": c.high, "verdict": c.label if on_gpu else NOT_JUDGED,
-                     "stock_options": ", ".join(options), "own_parts": ", ".join(own)})
+    out = []
+    for _, row in full[(full["status"] == "ok") & full["impl"].isin(impls)].iterrows():
+        stock, prefix = best_stock(full, row, same_precision)
+        if stock is not None:
+            out.append((row, stock, Versus(measured(row, prefix), measured(stock, prefix))))
+    return out
+
+
+def like_for_like_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Each copy of the book's step against the fastest stock step of equal precision, configuration, batch,
+    timer and cards: both times, the comparison's cells, and the differences split into stock PyTorch options
+    and the book's own parts."""
+    rows = []
+    for row, stock_row, f in versus_stock(df):
+        stock = stock_row["impl"]
+        options, own = split_differences(row["config"], row["impl"], stock)
+        rows.append(dict(book=row["impl"], precision=row["precision"], stock=stock, book_ms=f.subject.median,
+                         stock_ms=f.reference.median, **f.cells(), stock_options="; ".join(options),
+                         own_parts="; ".join(own)))
     return pd.DataFrame(rows)
 
 
-def versus_table(df: pd.DataFrame, on_gpu: bool = True) -> pd.DataFrame:
-    """Each headline recipe's step (those timed with do_bench; ablations are :func:`ablation_table`'s) against
-    the fastest stock step of its own precision: time ratio with its interval and the verdict (none on a
-    CPU). Recipes that did not run say why."""
-    full = with_fixed_columns(df)
-    headline = full[~full["impl"].isin(BOOK_STEPS[1:]) & (full["impl"].map(is_stock) | (full["impl"] == "project"))]
-    rows = []
-    for _, row in headline[headline["status"] == "ok"].iterrows():
-        ref, prefix = best_stock(full, row)
-        out = dict(impl=row["impl"], precision=row["precision"], step_ms=row["step_ms"])
-        if ref is None:
-            rows.append({**out, "reference": f"no stock step at {row['precision']}", "verdict": "not compared"})
-            continue
-        c = comparison(row, ref, prefix)
-        verdict = "reference" if ref["impl"] == row["impl"] else c.label if on_gpu else NOT_JUDGED
-        rows.append({**out, "reference": ref["impl"], "ratio_to_reference": c.ratio, "low": c.low, "high": c.high,
-                     "verdict": verdict})
-    for impl, status in headline.loc[headline["status"] != "ok", ["impl", "status"]].itertuples(index=False):
-        rows.append(dict(impl=impl, step_ms=math.nan, verdict="out of memory" if status == "oom" else status))
-    return pd.DataFrame(rows)
-
-
-def _held_fixed(row: pd.Series, config: str, timer: str) -> str:
-    c = CONFIGS.get(config)
-    gpus = f"{c.world_size} GPU{'s' if c and c.world_size > 1 else ''}" if c else ""
-    shape = f"{int(row['batch'])} x {c.context:,} tokens on {gpus}" if c else f"batch {row['batch']}"
-    return f"precision {row['precision']}, the {config} model at {shape}, timer {timer}"
-
-
-def goal_sentence(df: pd.DataFrame, config: str, target: float, on_gpu: bool = True) -> str:
-    """The goal "the book's step <= target x the fastest stock step of equal precision, configuration and
-    batch", decided within the noise, with the numbers, what was held fixed, and which of the book's
-    differences from that stock step are stock PyTorch options."""
-    table = like_for_like_table(df, on_gpu)
-    mine = table[table["book"] == "project"] if len(table) else table
-    if mine.empty:
-        return f"The {config} goal cannot be checked: the book's step has no time (see the table)."
-    r = mine.iloc[0]
-    if pd.isna(r.get("ratio")):
-        ran = with_fixed_columns(df)
-        ran = ran[ran["impl"].map(is_stock) & (ran["status"] == "ok")]
-        others = ", ".join(f"{i} at {p}" for i, p in zip(ran["impl"], ran["precision"])) or "none"
-        return (f"The {config} goal cannot be checked at equal precision: no stock step ran at "
-                f"{r['precision']} (stock steps that ran: {others}).")
-    if not on_gpu:
-        return (f"**{config}**: the book's step took {fmt(r['book_ms'], 4)} ms and {r['stock']} "
-                f"{fmt(r['stock_ms'], 4)} ms at equal precision ({r['precision']}), but on a CPU, with the Triton "
-                "kernels interpreted, these times say nothing about GPUs: the goal is not evaluated here.")
-    c = comparison_of(r)
-    met = _GOAL_WORD[GoalCheck(c, target).met]
-    if not c.spread_measured:
-        met = "undecided (fewer than two timed steps, no spread)"
-    text = (f"**{config}** ({_held_fixed(r, config, r['timer'])}, all held fixed): the book's step takes "
-            f"{fmt(r['book_ms'], 4)} ms against {fmt(r['stock_ms'], 4)} ms for {r['stock']}, the fastest stock "
-            f"step measured at that precision, a ratio of {c.ratio:.3f} (95% interval {c.low:.3f}-{c.high:.3f}"
-            f"{_samples(r)}); the goal (<= {target}x) is **{met}**.")
-    return text + " " + options_sentence(r, config)
-
-
-def _samples(r: pd.Series) -> str:
-    """``", from 2 and 3 timed steps"`` where a side has fewer than ten samples (an interval from so few is
-    rough), else ``""``."""
-    counts = [r.get("book_n"), r.get("stock_n")]
-    if any(pd.isna(n) for n in counts) or min(counts) >= 10:  # older rows carry no counts
-        return ""
-    return f", from {int(counts[0])} and {int(counts[1])} timed steps"
-
-
-def comparison_of(r: pd.Series):
-    """The :class:`lab.measure.verdicts.Comparison` stored in a :func:`like_for_like_table` row."""
-    return Comparison(r["ratio"], r["low"], r["high"], r["verdict"] if r["verdict"] != "no spread" else
-                      "within noise")
-
-
-def options_sentence(r: pd.Series, config: str | None = None) -> str:
-    """Which of the book's differences from the stock step of a :func:`like_for_like_table` row are options of
-    stock PyTorch (any gain they bring is a PyTorch user's too) and which are the book's own parts; with the
-    ``config``, each with the two values (``checkpoint save_outputs, not block``)."""
-    options = [o for o in str(r.get("stock_options") or "").split(", ") if o]
-    own = [o for o in str(r.get("own_parts") or "").split(", ") if o]
-    if not options and not own:
-        return f"The book's step and {r['stock']} are the same recipe."
-    values = {f: f"{f} {a}, not {b}" for f, a, b, _ in recipe_differences(config, r["book"], r["stock"])}
-
-    def named(fields):
-        return "; ".join(values.get(f, f) for f in fields) if values else ", ".join(fields)
-
-    parts = []
+def goal_claim(df: pd.DataFrame, config: str, target: float, on_gpu: bool = True) -> Claim:
+    """Is the book's step at most ``target`` x the fastest stock step of equal precision (all else fixed)?"""
+    question = f"Is the book's {config} step at most {target}x the fastest stock step of equal precision?"
+    pairs = versus_stock(df, ("project",))
+    if not pairs:
+        failed = df[(df["impl"] == "project") & (df["status"] != "ok")]
+        book = (Measured.out_of_memory("the book's step", failed["limit_gib"].iloc[0] if "limit_gib" in failed else
+                                       math.nan) if len(failed) and failed["status"].iloc[0] == "oom" else None)
+        return Claim(question, [Observed("the book's step", book.text() if book else "no stock step of equal "
+                                         "precision, configuration and timer ran beside it")])
+    row, stock, f = pairs[0]
+    options, own = split_differences(config, "project", stock["impl"])
+    findings = [Versus(f.subject, f.reference, goal=target),
+                Observed("held fixed", f"precision {row['precision']}, batch {int(row['batch'])}, the {config} model, "
+                                       f"timer {row.get('timer', 'do_bench')}")]
     if options:
-        parts.append(f"{named(options)}: {'an option' if len(options) == 1 else 'options'} any PyTorch user can "
-                     "set (any time they save, stock PyTorch saves too)")
+        findings.append(Observed("differences any PyTorch user can set (a gain from them is stock PyTorch's too)",
+                                 "; ".join(options)))
     if own:
-        parts.append(f"{named(own)}: the book's own")
-    return f"The book's step differs from {r['stock']} in " + "; and in ".join(parts) + "."
+        findings.append(Observed("the book's own parts", "; ".join(own)))
+    return Claim(question, findings, because="" if on_gpu else CPU_NOTE)
 
 
-def ablation_table(df: pd.DataFrame, base: str = "project", on_gpu: bool = True) -> pd.DataFrame:
-    """What each change to the book's step does, read in one direction: the step with the change (``change``,
-    in words; ``ablation``, its recipe name) against the book's step, the time it adds (ms and x, negative:
-    the change is faster) and the verdict on the change itself (``slower``, ``faster``, ``within noise``; none
-    on a CPU). Each is compared with the book's step timed the same way: host-clock steps of both where the
-    rows have them (``host_step_*``), else their ``step_ms``. Where the ablations ran on GPUs of their own,
-    the book's step measured there (:data:`ABLATION_BASE`) is the base, so every comparison is on the same
-    cards."""
-    ok = df[df["status"] == "ok"].set_index("impl")
-    ablated = df[~df["impl"].isin((base, "project", ABLATION_BASE)) & ~df["impl"].map(is_stock)]
-    base = ABLATION_BASE if ABLATION_BASE in set(df["impl"]) else base
-    if base not in ok.index:  # the book's step itself failed there: nothing to compare with
-        status = df.loc[df["impl"] == base, "status"]
-        why = f"not compared: {base} {status.iloc[0] if len(status) else 'did not run'}"
-        return pd.DataFrame([dict(change=change_label(r.impl), ablation=r.impl, verdict=why)
-                             for r in ablated.itertuples()])
-    ref = ok.loc[base]
-    rows = []
-    for impl, row in ok.loc[ok.index.isin(ablated["impl"])].iterrows():
-        prefix = "host_" if _host_timed(row) and _host_timed(ref) else ""
-        c = comparison(row, ref, prefix)
-        rows.append(dict(change=change_label(impl), ablation=impl, step_ms=row[f"{prefix}step_ms"],
-                         base_ms=ref[f"{prefix}step_ms"], added_ms=row[f"{prefix}step_ms"] - ref[f"{prefix}step_ms"],
-                         ratio=c.ratio, low=c.low, high=c.high, verdict=c.label if on_gpu else NOT_JUDGED,
-                         peak_gib=row.get("peak_gib", math.nan)))
-    for r in ablated[ablated["status"] != "ok"].itertuples(index=False):
-        error = getattr(r, "error", "")
-        rows.append(dict(change=change_label(r.impl), ablation=r.impl, verdict="out of memory" if r.status == "oom"
-                         else f"{r.status}: {error[:120]}" if isinstance(error, str) and error else r.status))
-    return pd.DataFrame(rows)
-
-
-def ablation_sentence(df: pd.DataFrame, on_gpu: bool = True, fits_gib: float = FITS_GIB) -> str:
-    """Each change to the book's step in words with what it does to the step (``+865 ms (slower)``, ``out of
-    memory``), and, for a change that is faster beyond the noise, whether its peak still fits an 80 GB card
-    (``fits_gib``). On a CPU no change is judged."""
-    table = ablation_table(df, on_gpu=on_gpu)
-    if table.empty:
-        return "No ablation of the book's step ran."
-    if "ratio" not in table:
-        return ("No ablation of the book's step was measured: "
-                + "; ".join(f"{r.change}: {r.verdict}" for r in table.itertuples()) + ".")
-    if not on_gpu:
-        return ("On a CPU, with the Triton kernels interpreted, the ablations' times say nothing about GPUs: "
-                "the recipe's choices are not judged here.")
-    parts = [f"{r.change}: {r.added_ms:+.4g} ms ({r.verdict}"
-             f"{scatter_note(r.low, r.high) if r.verdict == 'within noise' else ''})"
-             if r.ratio == r.ratio else f"{r.change}: {r.verdict}" for r in table.itertuples()]
-    text = "Each change alone, against the book's step timed the same way: " + "; ".join(parts) + "."
-    for r in table[table["verdict"] == "faster"].itertuples():
-        fits = r.peak_gib <= fits_gib if r.peak_gib == r.peak_gib else None
-        why = {True: f"its peak of {r.peak_gib:.3g} GiB fits an 80 GB card: a better recipe, to adopt once a "
-                     "render has measured it as the book's step",
-               False: f"its peak of {r.peak_gib:.3g} GiB does not fit an 80 GB card (the recipe must fit one), "
-                      "so the recipe does not adopt it",
-               None: "its peak memory was not measured"}[fits]
-        text += f" \"{r.change}\" makes the step faster (ratio {r.ratio:.3g}), and {why}."
-    return text
-
-
-def stocks_like(df: pd.DataFrame, impl: str = "project") -> list[str]:
-    """The stock steps that ran with ``impl``'s precision, configuration and batch, fastest first (by
-    ``step_ms``): those its profile may be set against phase by phase."""
-    full = with_fixed_columns(df)
-    mine = full[(full["impl"] == impl) & (full["status"] == "ok")]
-    if mine.empty:
-        return []
-    r = mine.iloc[0]
-    same = full[full["impl"].map(is_stock) & (full["status"] == "ok") & (full["config"] == r["config"])
-                & (full["precision"] == r["precision"]) & (full["batch"] == r["batch"])]
-    return list(same.sort_values("step_ms")["impl"])
-
-
-def other_precision_sentence(df: pd.DataFrame, on_gpu: bool = True) -> str:
-    """The book's step against the fastest stock step at each *other* precision (the course's fp32-master
-    reference on one GPU), within the noise, with the differences that make it so: where the precision is
-    among them, any gain is a stock PyTorch option, not the book's parts ('' where no such stock step ran)."""
-    full = with_fixed_columns(df)
-    mine = full[(full["impl"] == "project") & (full["status"] == "ok")]
-    if mine.empty:
-        return ""
-    row = mine.iloc[0]
-    parts = []
-    stocks = full[full["impl"].map(is_stock) & (full["status"] == "ok") & (full["config"] == row["config"])
-                  & (full["batch"] == row["batch"]) & (full["precision"] != row["precision"])]
-    for precision, group in stocks.groupby("precision"):
-        timed = [(common_timer(row, r), r) for _, r in group.iterrows()]
-        timed = [(p, r) for p, r in timed if p is not None]
-        if not timed:
-            continue
-        prefix, stock = min(timed, key=lambda pr: pr[1][f"{pr[0]}step_ms"])
-        options, own = split_differences(row["config"], "project", stock["impl"])
-        if on_gpu:
-            said = comparison(row, stock, prefix).describe("the book's step", f"{stock['impl']} ({precision})")
-        else:
-            said = (f"the book's step took {fmt(row[f'{prefix}step_ms'], 4)} ms and {stock['impl']} ({precision}) "
-                    f"{fmt(stock[f'{prefix}step_ms'], 4)} ms on a CPU (not judged)")
-        text = f"At a different precision, {said}"
+def other_precision_claims(df: pd.DataFrame) -> list[Versus | Observed]:
+    """The book's step against the fastest stock step at each other precision, with the differences that make
+    it so (the precision among them is a stock option: that comparison does not measure the book's parts)."""
+    out = []
+    for row, stock, f in versus_stock(df, ("project",), same_precision=False):
+        out.append(f)
+        options, _ = split_differences(row["config"], "project", stock["impl"])
         if options:
-            text += (f"; but the two differ in {', '.join(options)}, which any PyTorch user can set, so that "
-                     "comparison does not measure the book's parts (the goal holds precision fixed)")
-        parts.append(text + ".")
-    return " ".join(parts)
+            out.append(Observed("stock options among the differences", "; ".join(options)))
+    return out
+
+
+def ablation_versus(df: pd.DataFrame) -> list[tuple[str, pd.Series, Versus | None]]:
+    """Each change to the book's step against the book's step timed the same way on the same cards (the copy
+    measured beside the ablations, :data:`ABLATION_BASE`, where there is one): ``(change, row, Versus)``, the
+    verdict read in one direction (slower: the change slows the step, so the recipe keeps its choice)."""
+    base_name = ABLATION_BASE if ABLATION_BASE in set(df["impl"]) else "project"
+    base = df[df["impl"] == base_name]
+    ref = base.iloc[0] if len(base) else None
+    out = []
+    for _, row in df[~df["impl"].isin(("project", ABLATION_BASE)) & ~df["impl"].map(is_stock)].iterrows():
+        change = change_label(row["impl"])
+        prefix = "host_" if ref is not None and _host_timed(row) and _host_timed(ref) else ""
+        reference = (Measured.from_row("the book's step", ref, f"{prefix}step_ms") if ref is not None
+                     else Measured("the book's step", status="did not run"))
+        out.append((change, row, Versus(Measured.from_row(change, row, f"{prefix}step_ms"), reference)))
+    return out
+
+
+def ablation_table(df: pd.DataFrame) -> pd.DataFrame:
+    """What each change does to the book's step: both times, the time it adds, the comparison's cells and the
+    peak memory with the change."""
+    return pd.DataFrame([dict(change=change, ablation=row["impl"], step_ms=f.subject.median,
+                              base_ms=f.reference.median, added_ms=f.subject.median - f.reference.median,
+                              **f.cells(), peak_gib=row.get("peak_gib", math.nan))
+                         for change, row, f in ablation_versus(df)])
+
+
+def ablation_claim(df: pd.DataFrame, config: str, on_gpu: bool = True, fits_gib: float = FITS_GIB) -> Claim:
+    """What each optimization of the book's step is worth, counted by verdict, and for a change that makes the
+    step faster whether its peak still fits an 80 GB card."""
+    rows = ablation_versus(df)
+    findings: list = [Tally(f"each change alone against the book's {config} step", tuple(f for _, _, f in rows))]
+    for change, row, f in rows:
+        if f.verdict == "faster":
+            peak = row.get("peak_gib", math.nan)
+            fits = "not measured" if not peak == peak else "fits" if peak <= fits_gib else "does not fit"
+            findings += [f, Observed("its peak on an 80 GB card", fits)]
+    return Claim(f"What is each optimization of the {config} step worth?", findings,
+                 because="" if on_gpu else CPU_NOTE)
 
 
 def _single_node_base(name: str, configs) -> str | None:
     """The configuration among ``configs`` that trains ``name``'s model at its context and batch per rank on one
-    node of its size (the leaderboard for the leaderboard on two nodes); None for a one-node ``name``."""
+    node of its size; None for a one-node ``name``."""
     c = CONFIGS.get(name)
     if c is None or not 0 < c.gpus_per_node < c.world_size:
         return None
@@ -362,41 +218,47 @@ def _single_node_base(name: str, configs) -> str | None:
                  and not 0 < CONFIGS[b].gpus_per_node < CONFIGS[b].world_size), None)
 
 
-def scaling_sentence(df: pd.DataFrame, target: float = 0.95, on_gpu: bool = True) -> str:
-    """For each configuration on several nodes, each step's tokens per second per GPU against the same recipe's
-    on one node of that size (the same model, context and sequences per rank): the ratio with its interval
-    (both steps timed the same way) and, for the book's step, the goal ``>= target``. ``""`` where no
-    configuration spans nodes or its one-node base did not run."""
+def _tokens_per_gpu(row: pd.Series, prefix: str, config) -> Measured:
+    step = Measured.from_row("", row, f"{prefix}step_ms")
+    per_gpu = config.tokens_per_step / config.world_size
+    label = f"{row['impl']} on {config.world_size // max(config.gpus_per_node, 1) if config.gpus_per_node else 1} " \
+            f"node(s) of {config.gpus_per_node or config.world_size} GPUs"
+    if step.summary.samples:
+        return Measured.of(label, [per_gpu / (ms * 1e-3) for ms in step.summary.samples], "tokens/s")
+    s = step.summary
+    return Measured.summarized(label, per_gpu / (s.median * 1e-3), per_gpu * s.spread / (s.median ** 2 * 1e-3), s.n,
+                               "tokens/s")
+
+
+def scaling_claim(df: pd.DataFrame, target: float = 0.95, on_gpu: bool = True) -> Claim | None:
+    """On several nodes, each step's tokens per second per GPU against the same recipe on one node (equal tokens
+    per GPU), with the goal ``>= target`` for the book's step; None where no configuration spans nodes."""
     names = list(dict.fromkeys(df["config"]))
-    out = []
+    findings = []
     for name in names:
         base = _single_node_base(name, names)
-        if base is None:
-            continue
-        many, one = CONFIGS[name], CONFIGS[base]
-        parts = []
-        for impl in ("project", "stock_compiled"):
+        for impl in ("project", "stock_compiled") if base else ():
             a = df[(df["config"] == name) & (df["impl"] == impl) & (df["status"] == "ok")]
             b = df[(df["config"] == base) & (df["impl"] == impl) & (df["status"] == "ok")]
-            if a.empty or b.empty:
-                continue
-            a, b = a.iloc[0], b.iloc[0]
-            prefix = common_timer(a, b, same_cards=False)
-            if prefix is None:
-                continue
-            per_gpu = (many.tokens_per_step / many.world_size) / (one.tokens_per_step / one.world_size)
-            c = comparison(b, a, prefix)  # one node's time / several nodes': the throughput ratio at equal tokens
-            c = Comparison(c.ratio * per_gpu, c.low * per_gpu, c.high * per_gpu,
-                           {"faster": "lower", "slower": "higher"}.get(c.verdict, c.verdict), lower_is_better=False)
-            interval = (f"95% interval {c.low:.1%}-{c.high:.1%}" if c.spread_measured else "no spread measured")
-            who = "the book's step" if impl == "project" else "the stock compiled step"
-            clause = (f"{who} moves {fmt(a['tokens_per_s'] / many.world_size, 4)} tokens/s per GPU on "
-                      f"{many.world_size // many.gpus_per_node} nodes of {many.gpus_per_node} GPUs against "
-                      f"{fmt(b['tokens_per_s'] / one.world_size, 4)} on one node ({base}): {c.ratio:.1%} ({interval})")
-            if impl == "project" and on_gpu:
-                clause += f"; the goal (>= {target:.0%}) is **{_GOAL_WORD[GoalCheck(c, target).met]}**"
-            parts.append(clause)
-        if parts:
-            tail = "" if on_gpu else " On a CPU these rates say nothing about GPUs: the goal is not evaluated."
-            out.append(f"**{name}**, per GPU: " + "; ".join(parts) + "." + tail)
-    return " ".join(out)
+            prefix = common_timer(a.iloc[0], b.iloc[0], same_cards=False) if len(a) and len(b) else None
+            if prefix is not None:
+                findings.append(Versus(_tokens_per_gpu(a.iloc[0], prefix, CONFIGS[name]),
+                                       _tokens_per_gpu(b.iloc[0], prefix, CONFIGS[base]), higher_is_better=True,
+                                       goal=target if impl == "project" else None))
+    if not findings:
+        return None
+    return Claim(f"On several nodes, does the book's step keep {target:.0%} of one node's tokens/s per GPU?",
+                 findings, because="" if on_gpu else CPU_NOTE)
+
+
+def stocks_like(df: pd.DataFrame, impl: str = "project") -> list[str]:
+    """The stock steps that ran with ``impl``'s precision, configuration and batch, fastest first: those its
+    profile may be set against phase by phase."""
+    full = with_fixed_columns(df)
+    mine = full[(full["impl"] == impl) & (full["status"] == "ok")]
+    if mine.empty:
+        return []
+    r = mine.iloc[0]
+    same = full[full["impl"].map(is_stock) & (full["status"] == "ok") & (full["config"] == r["config"])
+                & (full["precision"] == r["precision"]) & (full["batch"] == r["batch"])]
+    return list(same.sort_values("step_ms")["impl"])

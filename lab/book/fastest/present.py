@@ -1,11 +1,9 @@
-"""Notebook 10's tables, plots and prose: the book's fastest step against stock PyTorch.
+"""Notebook 10's plan, tables, plots and claims besides the timed comparisons (:mod:`lab.book.fastest.compare`):
+which recipes a render measures, where a profiled step's time goes, memory by category, MFU, the leaderboard's
+ten-minute rule, and the fused loss against the materialized one and its peers.
 
-Every verdict on step times comes from :mod:`lab.measure.verdicts` on their measured spread (a claim only
-beyond the noise), like for like (:mod:`lab.book.fastest.compare`: equal precision, configuration, batch and
-timer); every number from the rows of this render's tables. A profiled step's phases are one step each, with
-no spread: they say where time goes, not which step is faster. The fused loss's goals are read from
-``do_bench`` samples per implementation (median, spread and count): a verdict beyond the noise where both
-sides have two samples or more, "one timed sample: no verdict" where not.
+A profiled step is one step: its phases say where the time goes, not which step is faster (the timed steps do,
+under the rule). The fused loss's comparisons are the rule's, on ``do_bench`` samples per implementation.
 """
 
 from __future__ import annotations
@@ -17,21 +15,10 @@ from collections.abc import Mapping, Sequence
 import pandas as pd
 
 from lab.accounting import parameter_count
-from lab.book.fastest.bench import PHASE_COLUMNS, PROFILED_ABLATIONS
-from lab.book.fastest.compare import (  # noqa: F401 - the notebook reads the comparisons through this module
-    FITS_GIB,
-    ablation_sentence,
-    ablation_table,
-    goal_sentence,
-    like_for_like_table,
-    other_precision_sentence,
-    scaling_sentence,
-    stocks_like,
-    versus_table,
-)
-from lab.book.report import fmt
+from lab.bench.fastest import PHASE_COLUMNS, PROFILED_ABLATIONS
+from lab.book.claims import Claim, Measured, Observed, Share, Value, Versus
+from lab.book.fastest.compare import CPU_NOTE
 from lab.measure.results import measured_on
-from lab.measure.verdicts import compare_summaries, label
 from lab.recipes.fastest_step import (
     CONFIGS,
     HEADLINE,
@@ -44,7 +31,6 @@ from lab.recipes.fastest_step import (
 
 #: The ablations the quick (CPU) book runs: interpreted Triton takes seconds a step.
 QUICK_ABLATIONS = ("flash_triton_attention", "no_fused_loss")
-#: The phases of a profiled step, as the bench assigns them (one list: lab.book.fastest.bench.PHASE_COLUMNS).
 PHASES = PHASE_COLUMNS
 #: The phases where a step whose recomputation has no profiler range of its own (compiled blocks) counts it.
 MERGED_WITH_RECOMPUTE = ("recompute", "attention", "matmul", "other kernels")
@@ -182,20 +168,6 @@ def plot_memory(df: pd.DataFrame, title: str = "", ax=None):
     return _stacked_bars(data, ax, "GiB per GPU at the step's peak", title)
 
 
-def phase_sentence(df: pd.DataFrame, impl: str = "project") -> str:
-    """Where the step's time goes, largest phases first (profiled step, ms per step)."""
-    row = df.set_index("impl").loc[impl] if impl in set(df["impl"]) else None
-    if row is None or row[PHASES].isna().all():
-        return f"No GPU profile of {impl} (on the CPU there are no kernels to attribute)."
-    parts = row[PHASES].dropna().sort_values(ascending=False)
-    total = parts.sum()
-    text = ", ".join(f"{_label(name)} {ms:,.0f} ms ({ms / total:.0%})" if ms >= 100 else
-                     f"{_label(name)} {fmt(ms, 3)} ms ({ms / total:.0%})"
-                     for name, ms in parts.items() if ms > 0.005 * total)
-    config = f"**{row['config']}**: one" if isinstance(row.get("config"), str) else "One"
-    return f"{config} profiled step of {impl}: {text}."
-
-
 def gap_table(df: pd.DataFrame, impl: str = "project", reference: str = "stock_compiled") -> pd.DataFrame:
     """Phase by phase, ``impl``'s profiled step against ``reference``'s: ms each and the difference (positive:
     ``impl`` spends more there). Where the goal is missed, this says which phases hold the gap."""
@@ -218,169 +190,6 @@ def moved_phases(gap: pd.DataFrame, reference: str) -> pd.DataFrame:
     what a sentence names (smaller moves are within a profile's own variation)."""
     phases = gap.iloc[:-1]
     return phases[phases["difference_ms"].abs() >= 0.01 * gap[reference].iloc[-1]]
-
-
-def gap_sentence(df: pd.DataFrame, impl: str = "project", reference: str = "stock_compiled") -> str:
-    """Where ``impl`` gains and loses against ``reference`` (from :func:`gap_table`); which ablation would be
-    faster is :func:`ablation_sentence`'s (timed the same way as the book's step)."""
-    gap = gap_table(df, impl, reference)
-    if gap.empty:
-        return f"No GPU profile of both {impl} and {reference}: the gap cannot be split by phase here."
-    phases, moved = gap.iloc[:-1], moved_phases(gap, reference)
-    behind = moved[moved["difference_ms"] > 0].sort_values("difference_ms", ascending=False)
-    ahead = moved[moved["difference_ms"] < 0].sort_values("difference_ms")
-    ref = reference.replace("_", " ")
-
-    def listed(part, sign):
-        return ", ".join(f"{r.phase} ({sign}{abs(r.difference_ms):.4g} ms)" for r in part.itertuples())
-
-    less, more = listed(ahead, "-"), listed(behind, "+")
-    if less and more:
-        said = f"spends less on {less}, and more on {more}"
-    elif less or more:
-        said = (f"spends less on {less}; no phase takes more by 1% of the step or more" if less else
-                f"spends more on {more}; no phase takes less by 1% of the step or more")
-    else:
-        said = "spends within 1% of the step on every phase"
-    text = (f"Against {ref}, the book's step {said} (one profiled step each, {gap[impl].iloc[-1]:.4g} ms against "
-            f"{gap[reference].iloc[-1]:.4g} ms: where the time goes, not a verdict on which step is faster; that "
-            "is the timed steps').")
-    by = phases.set_index("phase")
-    if by.loc["recompute", reference] == 0 < by.loc["recompute", impl]:
-        merged = by.loc[list(MERGED_WITH_RECOMPUTE)].sum()
-        text += (f" {ref[0].upper() + ref[1:]} recomputes without a profiler range of its own (a compiled block's "
-                 f"recomputation is part of its graph), so its recomputation is counted in its other phases, "
-                 f"attention included: compare {', '.join(MERGED_WITH_RECOMPUTE)} together, {merged[impl]:.4g} ms "
-                 f"against {merged[reference]:.4g} ms ({merged[impl] - merged[reference]:+.4g}).")
-    return text
-
-
-def ablation_phase_sentence(df: pd.DataFrame, base: str = "project") -> str:
-    """For each profiled ablation (:data:`lab.book.fastest.bench.PROFILED_ABLATIONS`): where its profiled step
-    spends more or less than the book's, the phases that moved by 1% of the step or more (one profiled step
-    each: where the time goes, not a timing); "" where none was profiled."""
-    parts = []
-    for impl in [i for i in df["impl"] if i in PROFILED_ABLATIONS]:
-        gap = gap_table(df, impl, base)
-        if gap.empty:
-            continue
-        where = (", ".join(f"{r.phase} {r.difference_ms:+.4g} ms" for r in moved_phases(gap, base).itertuples())
-                 or "no phase moved by 1% of the step or more")
-        parts.append(f"{impl} {gap['difference_ms'].iloc[-1]:+.4g} ms in all ({where})")
-    if not parts:
-        return ""
-    return ("Profiled once each against the book's step (one step each: where the time goes, not a timing): "
-            + "; ".join(parts) + ".")
-
-
-def mfu_sentence(df: pd.DataFrame, on_gpu: bool) -> str:
-    """MFU of the book's step against the matmul ceiling measured on this card and the datasheet."""
-    ok = df[(df["status"] == "ok") & (df["impl"] == "project")]
-    if not on_gpu or ok.empty or not math.isfinite(ok["mfu"].iloc[0]):
-        return "Model-FLOP utilisation is only meaningful on a GPU; this render has none."
-    r = ok.iloc[0]
-    world = int(r.get("world_size", 1) or 1)  # the MFU is per GPU: a total over several GPUs says so
-    work = (f"{fmt(r['model_tflop_per_step'], 4)} TFLOP of model FLOPs per step over {world} GPUs, "
-            f"{fmt(r['mfu'] * r['matmul_ceiling_tflops'], 3)} TFLOP/s per GPU" if world > 1 else
-            f"{fmt(r['model_tflop_per_step'], 4)} TFLOP of model FLOPs per step")
-    return (f"The book's step does {work}: "
-            f"{fmt(r['tokens_per_s'], 4)} tokens/s, {r['mfu']:.1%} of the {r['matmul_ceiling_tflops']:.0f} TFLOP/s "
-            f"bf16 matmul ceiling measured on this card ({r['mfu_datasheet']:.1%} of the 989 TFLOP/s datasheet); "
-            f"the gap to the ceiling is {1 - r['mfu']:.0%} of the step.")
-
-
-#: Matmul work of the fused loss's recompute mode (``fused_recompute``: 8 N D V, forward, recompute,
-#: d_weight, d_hidden) over the 6 N D V of the materialized loss, which every row's ``tflops`` is credited
-#: with (lab.book.fastest.fused_loss); the default (gradients in the forward) does the same 6 N D V.
-FUSED_WORK = {"fused": 1.0, "fused_recompute": 8 / 6}
-#: The peers the fused loss is set against besides the materialized loss: (impl, name in the text).
-LOSS_PEERS = (("liger", "Liger's fused linear cross-entropy"), ("cce", "Cut Cross-Entropy"))
-
-
-def loss_verdict(by: pd.DataFrame, impl: str, reference: str) -> tuple[float, str]:
-    """``(time ratio, verdict)`` of ``impl`` against ``reference`` at one shape: the noise-aware verdict where
-    both rows carry a spread (``fwdbwd_std_ms``, ``fwdbwd_n``), else the bare ratio with no verdict."""
-    a, b = by.loc[impl], by.loc[reference]
-    if all(c in by.columns for c in ("fwdbwd_std_ms", "fwdbwd_n")) and a[["fwdbwd_std_ms", "fwdbwd_n"]].notna().all() \
-            and b[["fwdbwd_std_ms", "fwdbwd_n"]].notna().all():
-        c = compare_summaries(a["fwdbwd_ms"], a["fwdbwd_std_ms"], int(a["fwdbwd_n"]), b["fwdbwd_ms"],
-                              b["fwdbwd_std_ms"], int(b["fwdbwd_n"]))
-        return c.ratio, label(c.verdict, c.low, c.high)
-    return a["fwdbwd_ms"] / b["fwdbwd_ms"], "unjudged"
-
-
-def fused_loss_sentence(losses: pd.DataFrame, on_gpu: bool, memory_goal: float = 0.05, time_goal: float = 1.0) -> str:
-    """The fused loss's goals at each benchmarked shape: extra memory <= ``memory_goal`` x the materialized
-    eager loss's, forward+backward time <= ``time_goal`` x ``torch.compile`` of the materialized loss (and
-    whether that lies beyond the noise), and its time and memory against the peers of :data:`LOSS_PEERS` that
-    ran."""
-    if not on_gpu:
-        return ("This render has no GPU: the loss ran through the Triton interpreter, so its times and the memory "
-                "goals are not measured here (the GPU render reports them).")
-    ok = losses[losses["status"] == "ok"]
-    parts = []
-    for (vocab, d, tokens), shape in ok.groupby(["vocab", "d_model", "tokens"]):
-        by = shape.set_index("impl")
-        if "fused" not in by.index:
-            continue
-        f = by.loc["fused"]
-        text = f"At vocabulary {vocab:,}, width {d:,}, {tokens:,} tokens: fused {f['fwdbwd_ms']:.4g} ms"
-        if "torch_compiled" in by.index:
-            ratio, verdict = loss_verdict(by, "fused", "torch_compiled")
-            goal = ("undecided" if verdict == "no spread" else "met" if ratio <= time_goal else "missed")
-            noise = {"faster": ", faster beyond the noise", "slower": ", slower beyond the noise",
-                     "within noise": ", within noise", "no spread": ": one timed sample, no spread"}.get(verdict, "")
-            text += f", {ratio:.3g}x the compiled materialized loss (time goal {goal}{noise}"
-            c = by.loc["torch_compiled"]
-            rates = (f.get("tflops", math.nan), c.get("tflops", math.nan))
-            if ratio > time_goal and all(math.isfinite(r) for r in rates):
-                # `tflops` credits everyone with 6 N D V; scale by the work the default design really does
-                work = FUSED_WORK["fused"]
-                done = f["tflops"] * work
-                amount = "the same matmul work as" if work == 1 else f"{work:.3g}x the matmul work of"
-                text += f": {amount} the compiled loss, at {done:.0f} TFLOP/s against its {c['tflops']:.0f}"
-            text += ")"
-        if "torch" in by.index and by.loc["torch", "peak_extra_gib"] > 0:
-            share = f["peak_extra_gib"] / by.loc["torch", "peak_extra_gib"]
-            text += (f"; {f['peak_extra_gib']:.3g} GiB beyond inputs and outputs, {share:.1%} of the eager "
-                     f"materialized loss's {by.loc['torch', 'peak_extra_gib']:.3g} GiB (memory goal "
-                     f"{'met' if share <= memory_goal else 'missed'})")
-            if "torch_compiled" in by.index and by.loc["torch_compiled", "peak_extra_gib"] > 0:
-                compiled = by.loc["torch_compiled", "peak_extra_gib"]
-                text += f" and {f['peak_extra_gib'] / compiled:.0%} of the compiled one's {compiled:.3g} GiB"
-        elif "torch" not in by.index:
-            text += "; the materialized loss ran out of memory at this shape"
-        for peer, name in LOSS_PEERS:
-            if peer not in by.index:
-                continue
-            ratio, verdict = loss_verdict(by, "fused", peer)
-            said = {"faster": "faster than", "slower": "slower than", "within noise": "within noise of"}.get(
-                verdict, "set against")
-            blind = "; one timed sample: no verdict" if verdict == "no spread" else ""
-            theirs = by.loc[peer, "peak_extra_gib"]
-            memory = ("about the same" if abs(f["peak_extra_gib"] - theirs) <= 0.01 * max(theirs, f["peak_extra_gib"])
-                      else "less" if f["peak_extra_gib"] < theirs else "more")
-            text += (f"; {said} {name} ({ratio:.3g}x its {by.loc[peer, 'fwdbwd_ms']:.4g} ms{blind}) with {memory} "
-                     f"extra memory ({f['peak_extra_gib']:.3g} against {by.loc[peer, 'peak_extra_gib']:.3g} GiB)")
-        parts.append(text)
-    oom = losses[losses["status"] == "oom"]
-    if len(oom):
-        parts.append("Out of memory: " + ", ".join(f"{r.impl} at vocabulary {r.vocab:,}" for r in oom.itertuples()))
-    return (". ".join(parts) + ".") if parts else "No fused-loss row ran."  # a sentence per shape
-
-
-def compile_sentence(df: pd.DataFrame, config: str, on_gpu: bool, limit_s: float = 600) -> str:
-    """The leaderboard's rule that the whole benchmark, compilation and autotuning included, finishes within
-    ``limit_s`` from an empty cache: the book's step's ``wall_s`` (build, first step, timing) and
-    ``first_step_s``, where its processes compiled from empty caches (the first recipe of a render on GPUs)."""
-    row = df[(df["impl"] == "project") & (df["status"] == "ok")]
-    if not on_gpu or row.empty or "wall_s" not in row or not row["wall_s"].notna().iloc[0]:
-        return f"The {config} step's time from an empty compile cache is measured only in a GPU render."
-    r = row.iloc[0]
-    verdict = "within" if r["wall_s"] <= limit_s else "beyond"
-    return (f"**{config}**: from empty Inductor and Triton caches, building the book's step, its first step "
-            f"({r['first_step_s']:.3g} s: compilation and autotuning included) and the do_bench timing took "
-            f"{r['wall_s']:.3g} s, {verdict} the {limit_s / 60:.3g}-minute limit.")
 
 
 def other_kernels_table(df: pd.DataFrame, impls: Sequence[str] = ("project", "stock_compiled")) -> pd.DataFrame:
@@ -417,3 +226,131 @@ def choices_table(df: pd.DataFrame) -> pd.DataFrame:
         out[column.replace("_bytes", "_gib")] = out.pop(column) / 2**30
     out["note"] = out["note"].fillna("")
     return out.reset_index(drop=True)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# claims
+
+
+def phase_claim(df: pd.DataFrame, impl: str = "project") -> Claim:
+    """Where one profiled step of ``impl`` spends its time: each phase's share of the step, largest first."""
+    question = f"Where does {'the book' if impl == 'project' else impl}'s {df['config'].iloc[0]} step spend its time?"
+    row = df.set_index("impl").loc[impl] if impl in set(df["impl"]) else None
+    if row is None or row[PHASES].isna().all():
+        return Claim(question, [Observed(f"a GPU profile of {impl}", "none (on a CPU there are no kernels)")])
+    parts = row[PHASES].dropna().sort_values(ascending=False)
+    total = parts.sum()
+    return Claim(question, [Value(Measured.value("one profiled step", total, "ms"))]
+                 + [Share(_label(p), ms, total) for p, ms in parts.items() if ms > 0.005 * total])
+
+
+def gap_claim(df: pd.DataFrame, impl: str = "project", reference: str = "stock_compiled") -> Claim | None:
+    """Phase by phase, where ``impl``'s profiled step spends more or less than ``reference``'s (the phases that
+    moved by 1% of the step or more); None without both profiles."""
+    gap = gap_table(df, impl, reference)
+    if gap.empty:
+        return None
+    findings = [Value(Measured.value(f"{r.phase}, {impl} against {reference}", r.difference_ms, "ms"))
+                for r in moved_phases(gap, reference).itertuples()]
+    by = gap.iloc[:-1].set_index("phase")
+    because = ""
+    if by.loc["recompute", reference] == 0 < by.loc["recompute", impl]:
+        merged = by.loc[list(MERGED_WITH_RECOMPUTE)].sum()
+        findings.append(Value(Measured.value("recomputation with the phases it hides in ("
+                                             + " + ".join(MERGED_WITH_RECOMPUTE) + ")", merged[impl]
+                                             - merged[reference], "ms")))
+        because = (f"{reference} recomputes inside its compiled blocks, without a profiler range of its own, so its "
+                   "recomputation is counted among its other phases: compare them together.")
+    return Claim(f"Where does {impl}'s profiled step gain and lose against {reference}'s?",
+                 findings or [Observed("every phase", "within 1% of the step")],
+                 because=because + " One profiled step each: where the time goes, not which step is faster.")
+
+
+def ablation_phase_claim(df: pd.DataFrame, base: str = "project") -> Claim | None:
+    """For each profiled ablation (:data:`lab.bench.fastest.PROFILED_ABLATIONS`), its profiled step against the
+    book's: the whole difference and the phases that moved by 1% of the step or more."""
+    findings = []
+    for impl in [i for i in df["impl"] if i in PROFILED_ABLATIONS]:
+        gap = gap_table(df, impl, base)
+        if not gap.empty:
+            findings.append(Value(Measured.value(f"{impl} in all", gap["difference_ms"].iloc[-1], "ms")))
+            findings += [Value(Measured.value(f"{impl}, {r.phase}", r.difference_ms, "ms"))
+                         for r in moved_phases(gap, base).itertuples()]
+    if not findings:
+        return None
+    return Claim("Where does each profiled ablation's step move time against the book's?", findings,
+                 because="One profiled step each: where the time goes, not a timing.")
+
+
+def mfu_claim(df: pd.DataFrame, on_gpu: bool) -> Claim:
+    """The book's step's tokens/s and model-FLOP utilisation against the matmul ceiling measured on this card."""
+    ok = df[(df["status"] == "ok") & (df["impl"] == "project")]
+    question = f"How close does the book's {df['config'].iloc[0]} step come to the card's matmul ceiling?"
+    if not on_gpu or ok.empty or not math.isfinite(ok["mfu"].iloc[0]):
+        return Claim(question, [Observed("model-FLOP utilisation", "measured only on a GPU")])
+    r = ok.iloc[0]
+    per_gpu = r["mfu"] * r["matmul_ceiling_tflops"]
+    return Claim(question, [Value(Measured.value("model work per step", r["model_tflop_per_step"], "TFLOP")),
+                            Value(Measured.value("throughput", r["tokens_per_s"], "tokens/s")),
+                            Share("share of the bf16 matmul ceiling measured on this card, per GPU", per_gpu,
+                                  r["matmul_ceiling_tflops"]),
+                            Share("share of the 989 TFLOP/s datasheet rate", per_gpu, 989.0)])
+
+
+def compile_claim(df: pd.DataFrame, config: str, on_gpu: bool, limit_s: float = 600) -> Claim:
+    """The leaderboard's rule: building the step, its first step (compilation and autotuning from empty caches)
+    and the timing finish within ``limit_s``."""
+    question = f"Does the {config} benchmark finish within {limit_s / 60:g} minutes from an empty compile cache?"
+    row = df[(df["impl"] == "project") & (df["status"] == "ok")]
+    if not on_gpu or row.empty or not row["wall_s"].notna().iloc[0]:
+        return Claim(question, [Observed("from an empty cache", "measured only in a GPU render")])
+    r = row.iloc[0]
+    return Claim(question, [Value(Measured.value("the first step, compilation and autotuning included",
+                                                 r["first_step_s"], "s")),
+                            Value(Measured.value("build, first step and timing", r["wall_s"], "s")),
+                            Observed("the limit", "kept" if r["wall_s"] <= limit_s else "exceeded")])
+
+
+#: The peers the fused loss is set against besides the materialized loss: impl -> name.
+LOSS_PEERS = {"torch_compiled": "compiled PyTorch", "liger": "Liger's fused linear cross-entropy",
+              "cce": "Cut Cross-Entropy"}
+
+
+def _loss(row: pd.Series, name: str) -> Measured:
+    return Measured.from_row(name, row, "fwdbwd_ms")
+
+
+def fused_loss_claim(losses: pd.DataFrame, on_gpu: bool, memory_goal: float = 0.05, time_goal: float = 1.0) -> Claim:
+    """At each shape: the fused loss's forward+backward against compiled PyTorch (goal <= ``time_goal``) and the
+    peers, and its memory beyond inputs and outputs as a share of the eager materialized loss's (goal <=
+    ``memory_goal``)."""
+    findings: list = []
+    for (vocab, d, tokens), shape in losses.groupby(["vocab", "d_model", "tokens"]):
+        by = shape.set_index("impl")
+        if "fused" not in by.index:
+            continue
+        at = f"at vocabulary {vocab:,}, width {d:,}, {tokens:,} tokens"
+        fused = _loss(by.loc["fused"], f"the fused loss {at}")
+        for peer, name in LOSS_PEERS.items():
+            if peer in by.index and by.loc[peer, "status"] in ("ok", "oom"):
+                findings.append(Versus(fused, _loss(by.loc[peer], name),
+                                       goal=time_goal if peer == "torch_compiled" else None))
+        eager = by.loc["torch"] if "torch" in by.index else None
+        if eager is not None and eager["status"] == "ok" and eager["peak_extra_gib"] > 0:
+            share = Share(f"extra memory {at}, of the eager materialized loss's", by.loc["fused", "peak_extra_gib"],
+                          eager["peak_extra_gib"])
+            findings += [share, Observed("memory goal", "met" if share.fraction <= memory_goal else "missed")]
+        elif eager is not None and eager["status"] == "oom":
+            findings.append(Observed(f"the materialized loss {at}", _loss(eager, "").text()))
+    untimed = losses[losses["status"] == "not timed"]
+    if len(untimed):
+        names = ", ".join(dict.fromkeys(untimed["impl"]))
+        findings.append(Observed("checked against fp32 but not timed (Triton interpreted)", names))
+    return Claim("Does the fused loss remove the logits' memory without costing time?",
+                 findings or [Observed("the fused loss", "no row ran")], because="" if on_gpu else CPU_NOTE)
+
+
+#: The columns of a configuration's runs as shown: what ran, its median step with spread and samples, memory,
+#: throughput, MFU and the compile cost.
+RUN_COLUMNS = ["impl", "precision", "status", "step_ms", "step_spread_ms", "step_n", "timer", "peak_gib",
+               "tokens_per_s", "mfu", "first_step_s"]

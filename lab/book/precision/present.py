@@ -213,7 +213,7 @@ def dtype_comparisons(lm: pd.DataFrame) -> list[tuple[dict, cl.Versus]]:
 
 def speedup_table(pairs: list[tuple[dict, cl.Versus]]) -> pd.DataFrame:
     """The comparisons as a table: both medians, the ratio bf16 / fp32 with its interval, and the verdict."""
-    return pd.DataFrame(cl.verdict_table(pairs)).rename(columns={"subject": "bf16", "reference": "fp32"})
+    return pd.DataFrame(cl.verdict_table(pairs)).rename(columns={"subject": "bf16", "against": "fp32"})
 
 
 def host_bound_findings(lm: pd.DataFrame) -> list[cl.Finding]:

@@ -1,3 +1,3 @@
-"""Notebook 08, sharding: optimizer-state sharding, ZeRO-1 and FSDP against torch's (`bench`), the bytes each step
-sends (`traffic`), tables, goals and sentences (`present`).
+"""Notebook 08, sharding: what a render measures (`bench`: optimizer-state sharding, ZeRO-1 and FSDP against
+torch's, through :mod:`lab.bench.sharding`), and its tables, plots and claims (`present`).
 """

@@ -1,45 +1,59 @@
-"""Notebook 08's presentation: the sharding benchmark as tables, plots and sentences generated from it.
+"""Notebook 08's presentation: the sharding benchmark as tables, plots and claims (:mod:`lab.book.claims`).
 
 The input is the ``sharding_benchmark`` table of :meth:`lab.book.sharding.bench.ShardingRun.measure`: per (size,
-impl) the peaks by phase and the state bytes, measured in fresh processes, and the step time of the
-interleaved rounds (median, and every round in ``step_samples_ms``). Time comparisons and time goals are
-verdicts of :mod:`lab.measure.verdicts` on the per-round samples, paired by round
-(:func:`lab.bench.interleaved.compare_rounds`). Memory is compared directly: the
-allocator's peaks and the tensors' bytes repeat to the byte from run to run, so
-they have no noise to judge against; on the CPU there are no allocator peaks at all, and the sentences say
-so.
+impl) the peaks by phase of several steady-state steps and the state bytes, measured in fresh processes, and the
+step time of the interleaved rounds (median, and every round in order in ``step_samples_ms``). Times compare
+round by round (paired); peaks compare step against step, and a memory verdict reads "lower" or "higher". On
+the CPU there are no allocator peaks, and the claims say so.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, replace
 
 import pandas as pd
 
-from lab.bench.interleaved import compare_rounds, goal_rounds, samples
+from lab.bench.distributed import TORCH_DDP_BUCKET_MB
+from lab.bench.interleaved import samples
+from lab.book import claims as cl
+from lab.book import ledger
 from lab.book.plots import save_figure
-from lab.book.report import pct
-from lab.book.sharding.bench import REFERENCE
 from lab.measure.traces import existing_trace, overlap_summary, plot_timeline, read_trace
-from lab.measure.verdicts import CONFIDENCE, Comparison
+from lab.measure.verdicts import FASTER, HIGHER, LOWER, SLOWER
 
+NAMES = {"ddp": "DDP", "sharded_optimizer": "sharded optimizer", "zero1": "ZeRO-1", "fsdp": "FSDP",
+         "torch_zero": "torch ZeroRedundancyOptimizer", "torch_fsdp2": "FSDP2"}
+#: The implementation each one is judged against (the performance goals of notebook 08).
+REFERENCE = {"sharded_optimizer": "torch_zero", "zero1": "torch_zero", "fsdp": "torch_fsdp2"}
 PEAKS = ["peak_init_gib", "peak_before_step_gib", "peak_after_step_gib"]
 PARTS = ["parameters", "gradients", "optimizer state", "activations + transients"]
+MEASURES = {"step_ms": "step time", "peak_after_step_gib": "peak after the step", "peak_gib": "overall peak"}
+
+
+@dataclass(frozen=True)
+class PeakVersus(cl.Versus):
+    """:class:`lab.book.claims.Versus` of a memory peak: lower is better, and the verdict says "lower" or
+    "higher" (not "faster" or "slower")."""
+
+    @property
+    def comparison(self):
+        c = super().comparison
+        return c if c is None else replace(c, verdict={FASTER: LOWER, SLOWER: HIGHER}.get(c.verdict, c.verdict))
 
 
 def _ok(df: pd.DataFrame) -> pd.DataFrame:
     return df[df["status"] == "ok"]
 
 
-def _get(df: pd.DataFrame, size: str, impl: str) -> pd.Series | None:
-    ok = _ok(df)
-    rows = ok[(ok["size"] == size) & (ok["impl"] == impl)]
+def _get(df: pd.DataFrame, size: str, impl: str, ok: bool = True) -> pd.Series | None:
+    rows = (_ok(df) if ok else df)
+    rows = rows[(rows["size"] == size) & (rows["impl"] == impl)]
     return rows.iloc[0] if len(rows) else None
 
 
-def gib(x: float) -> str:
-    """``"19.0 GiB"``, or ``"n/a (no GPU)"`` for a peak the CPU cannot measure."""
-    return "n/a (no GPU)" if x is None or pd.isna(x) else f"{x:.3g} GiB"
+def sizes(df: pd.DataFrame) -> list[str]:
+    return list(dict.fromkeys(df["size"]))
 
 
 def has_peaks(df: pd.DataFrame) -> bool:
@@ -47,106 +61,128 @@ def has_peaks(df: pd.DataFrame) -> bool:
     return bool(_ok(df)["peak_after_step_gib"].notna().any()) if "peak_after_step_gib" in df else False
 
 
+def measured(row: pd.Series, column: str = "step_ms") -> cl.Measured:
+    """A row's step time (every round) or, for a ``*_gib`` column, its peak (every step; a table that kept no
+    steps decides nothing), labelled; a row that did not run is out of memory (at the memory its ranks had) or
+    failed (:meth:`lab.book.claims.Measured.from_row`)."""
+    return cl.Measured.from_row(f"{NAMES[row['impl']]}'s {MEASURES[column]} ({row['size']})", row, column,
+                                "ms" if column == "step_ms" else "GiB")
+
+
+def failures(df: pd.DataFrame) -> list[cl.Observed]:
+    """The rows that did not run: out of memory (at the memory the ranks had) or the failure's first line."""
+    if (df["status"] == "ok").all():
+        return [cl.Observed("every configuration", "ran to the end")]
+    return [cl.Observed(f"{NAMES[r['impl']]} ({r['size']})", measured(r).text() if r["status"] == "oom" else
+                        f"{r['status']}: {str(r['error']).splitlines()[0] if r['error'] else ''}")
+            for _, r in df[df["status"] != "ok"].iterrows()]
+
+
+def ledger_entries(df: pd.DataFrame) -> list[dict]:
+    """The DDP rows (torch DDP, default buckets) as ``ddp_step`` entries of the ledger (notebook 07 times it too)."""
+    return [ledger.entry("ddp_step", measured(r).summary, "ms", f"torch DDP, {r['size']} "
+                         f"{r['dtype']}", impl="torch_ddp", size=r["size"], context=r["context"], batch=r["batch"],
+                         dtype=r["dtype"], world_size=r["world_size"], bucket_mb=TORCH_DDP_BUCKET_MB)
+            for _, r in _ok(df).iterrows() if r["impl"] == "ddp"]
+
+
 # ----------------------------------------------------------------------------------------------------------
-# closed forms
+# closed forms and traffic
 
 
-def state_sentence(expected: pd.DataFrame, world_size: int) -> str:
-    """What the closed form says for the largest size: DDP's state per rank and what ZeRO-1 and FSDP leave."""
-    e = expected.set_index(["size", "impl"])
+def _value(label: str, value: float, unit: str = "") -> cl.Value:
+    return cl.Value(cl.Measured.value(label, value, unit))
+
+
+def state_findings(expected: pd.DataFrame) -> list:
+    """For the largest size: DDP's state per rank and what sharding the optimizer state and FSDP leave."""
+    e = expected.set_index(["size", "impl"])["total_gib"]
     size = expected["size"].iloc[-1]
-    ddp, zero1, fsdp = (e.loc[(size, i), "total_gib"] for i in ("ddp", "zero1", "fsdp"))
-    return (f"For the {size} model ({e.loc[(size, 'ddp'), 'params_M']:.4g} M parameters) on {world_size} ranks, DDP "
-            f"holds {ddp:.3g} GiB of state per rank; sharding the optimizer state cuts that to {zero1:.3g} GiB "
-            f"({1 - zero1 / ddp:.0%} less) and FSDP to {fsdp:.3g} GiB ({1 - fsdp / ddp:.0%} less), before "
-            "activations.")
+    ddp = e[(size, "ddp")]
+    out = [_value(f"parameters of {size}", expected.loc[expected["size"] == size, "params_M"].iloc[0] * 1e6),
+           _value(f"DDP's state per rank ({size}, closed form)", ddp, "GiB")]
+    for impl, what in (("zero1", "sharding the optimizer state"), ("fsdp", "FSDP")):
+        out += [_value(f"{what}: state per rank", e[(size, impl)], "GiB"),
+                cl.Share(f"{what}: saved against DDP", ddp - e[(size, impl)], ddp)]
+    return out
 
 
-def _times(ratio: float) -> str:
-    """``"1.50x"``, or ``"n/a"`` for a schedule whose traffic run failed (NaN)."""
-    return f"{ratio:.2f}x" if ratio == ratio else "n/a"
-
-
-def traffic_sentences(closed: pd.DataFrame, traffic: pd.DataFrame) -> str:
-    """Whether the collectives the code issued match the closed form, and what each schedule sends."""
-    matches = traffic.dropna(subset=["expected_bytes"])
-    agree = bool((matches["measured_bytes"] == matches["expected_bytes"]).all())
-    ct = closed.set_index("impl")
-    tt = traffic.groupby("impl")["measured_ratio_to_ddp"].first()
-    size = closed["size"].iloc[0]
-    return (f"The recorded collectives {'match' if agree else '**do not match**'} the closed form for DDP, the sharded "
-            f"optimizer and ZeRO-1 byte for byte. Per step on the {size} model, DDP sends "
-            f"{ct.loc['ddp', 'total_gib']:.3g} GiB per rank. The simple sharded optimizer adds a broadcast of every "
-            f"parameter: {ct.loc['sharded_optimizer', 'total_gib']:.3g} GiB "
-            f"({ct.loc['sharded_optimizer', 'ratio_to_ddp']:.2f}x DDP). ZeRO-1 replaces the all-reduce by a "
-            f"reduce-scatter and an all-gather and sends {ct.loc['zero1', 'total_gib']:.3g} GiB "
-            f"({ct.loc['zero1', 'ratio_to_ddp']:.2f}x). Measured on the tiny model: {_times(tt['sharded_optimizer'])} "
-            f"and {_times(tt['zero1'])} DDP; FSDP (fp32, parameters gathered in forward and again in backward) "
-            f"{_times(tt['fsdp'])}.")
-
-
-def traffic_answer(closed: pd.DataFrame, traffic: pd.DataFrame) -> str:
-    """The answers-box line: bytes per rank per step relative to DDP, closed form and measured."""
-    ct = closed.set_index("impl")["ratio_to_ddp"]
-    tt = traffic.groupby("impl")["measured_ratio_to_ddp"].first()
-    return (f"relative to DDP's all-reduce: sharded optimizer {ct['sharded_optimizer']:.2f}x, ZeRO-1 "
-            f"{ct['zero1']:.2f}x (closed form, matched by the recorded collectives), FSDP {_times(tt['fsdp'])} "
-            "(measured, fp32).")
-
-
-def difference_sentence(closed: pd.DataFrame, world_size: int) -> str:
-    """How the simple sharded optimizer differs from ZeRO stage 1, with the traffic ratios of the table."""
-    ct = closed.set_index("impl")["ratio_to_ddp"]
-    return (
-        "How the simple sharded optimizer differs from ZeRO stage 1: both keep the optimizer state of "
-        f"1/{world_size} of the parameters per rank, but the sharded optimizer keeps DDP's all-reduce and then "
-        f"broadcasts every parameter from its owner, {ct['sharded_optimizer']:.2f}x DDP's traffic, while ZeRO-1 "
-        "reduce-scatters the gradients into the slice each rank updates and all-gathers the result, "
-        f"{ct['zero1']:.2f}x. ZeRO-1 needs no DDP wrapper: its gradients live in bucketed flat buffers, and each "
-        "bucket's reduce-scatter starts during backward as soon as the bucket's gradients exist (as DDP's bucketed "
-        "all-reduce does). Both then update chunk by chunk and launch each chunk's broadcast (sharded optimizer) "
-        "or all-gather (ZeRO-1) while the next chunk is being updated, which also keeps a foreach AdamW's "
-        "temporaries to one chunk instead of the whole share; torch's ZeroRedundancyOptimizer steps its whole "
-        "share first and broadcasts after.")
+def traffic_claim(closed: pd.DataFrame, traffic: pd.DataFrame) -> cl.Claim:
+    """Bytes per rank per step of each scheme against DDP's: the closed form for the model, and the bytes the
+    code issued in a step of the tiny model (which must equal the closed form where there is one)."""
+    matched = traffic.dropna(subset=["expected_bytes"])
+    ct, size = closed.set_index("impl"), closed["size"].iloc[0]
+    counted = traffic.groupby("impl", sort=False)["measured_ratio_to_ddp"].first()
+    findings = [cl.Observed("the collectives the code issued, against the closed form", "equal byte for byte" if (
+        matched["measured_bytes"] == matched["expected_bytes"]).all() else "**not equal**")]
+    for impl in ("ddp", "sharded_optimizer", "zero1"):
+        findings.append(_value(f"{NAMES[impl]}: bytes per rank per step ({size}, closed form)",
+                               ct.loc[impl, "total_bytes"], "B"))
+        if impl != "ddp":
+            findings.append(_value("against DDP's", ct.loc[impl, "ratio_to_ddp"], "x"))
+    findings += [_value(f"{NAMES[impl]}: bytes against DDP's, counted in a step of the tiny model (fp32)",
+                        counted.get(impl, math.nan), "x") for impl in ("sharded_optimizer", "zero1", "fsdp")]
+    return cl.Claim("What does each scheme communicate?", findings)
 
 
 # ----------------------------------------------------------------------------------------------------------
-# the benchmark
+# memory
 
 
 def benchmark_table(df: pd.DataFrame) -> pd.DataFrame:
-    """What to read in the benchmark: per size and impl the median step over rounds and its spread, the
-    peaks by phase, the reduce dtype and the status."""
-    cols = ["size", "impl", "status", "step_ms", "step_iqr_ms", "rounds", *PEAKS, "reduce_dtype"]
+    """What to read in the benchmark: per size and impl the median step over rounds with its spread and count,
+    the peaks by phase (medians over steps), the reduce dtype and the status."""
+    cols = ["size", "impl", "status", "step_ms", "step_spread_ms", "step_n", *PEAKS, "reduce_dtype"]
     return df[[c for c in cols if c in df]]
 
 
-def failures(df: pd.DataFrame) -> str:
-    """The rows that did not run (out of memory, or an error) as a Markdown table with their messages, or a
-    sentence saying that every configuration ran."""
-    failed = df.loc[df["status"] != "ok", ["size", "impl", "status", "error"]]
-    return "Every configuration ran." if failed.empty else failed.to_markdown(index=False)
+def memory_breakdown(df: pd.DataFrame) -> pd.DataFrame:
+    """Long table of measured vs closed-form GiB per rank for parameters, gradients and optimizer state,
+    plus the measured activations (and transient buffers) at the peak before the step."""
+    rows = []
+    for _, r in _ok(df).iterrows():
+        for part, name in zip(("param", "grad", "optimizer_state", "activations"), PARTS):
+            rows.append(dict(impl=r["impl"], size=r["size"], part=name, measured_gib=r[f"{part}_gib"],
+                             expected_gib=r.get(f"expected_{part}_gib", math.nan)))
+    out = pd.DataFrame(rows, columns=["impl", "size", "part", "measured_gib", "expected_gib"])
+    return out.assign(ratio=out["measured_gib"] / out["expected_gib"])
 
 
-def plot_step_times(df: pd.DataFrame):
-    """Per size: every round's step time (points) and the median (bar) of each implementation."""
-    import matplotlib.pyplot as plt
-    import numpy as np
+def breakdown_claim(breakdown: pd.DataFrame) -> cl.Claim:
+    """How close the state tensors' bytes are to the closed form, over every configuration that ran."""
+    states = breakdown.dropna(subset=["expected_gib"])
+    worst = (states["ratio"] - 1).abs().max() if len(states) else math.nan
+    because = ("The closed form is 4 + 4 + 8 bytes per parameter, divided by the world size where sharded; a "
+               "small excess is padding to a multiple of the world size and the size balance of the sharded "
+               "optimizer." if worst < 0.01 else "More than padding: see the breakdown table.")
+    return cl.Claim("Do the state tensors hold the bytes the closed form predicts?", [
+        _value("configurations compared", states.groupby(["size", "impl"]).ngroups),
+        _value("largest departure from the closed form", 100 * worst, "%")], because if len(states) else "")
 
-    ok = _ok(df)
-    sizes = list(dict.fromkeys(ok["size"]))
-    fig, axes = plt.subplots(1, max(len(sizes), 1), figsize=(6.5 * max(len(sizes), 1), 3.8), squeeze=False)
-    for ax, size in zip(axes[0], sizes):
-        part = ok[ok["size"] == size]
-        x = np.arange(len(part))
-        ax.bar(x, part["step_ms"], color="tab:blue", alpha=0.35, label="median over rounds")
-        for xi, s in zip(x, part["step_samples_ms"]):
-            ys = samples(s)
-            ax.plot(np.full(len(ys), xi), ys, "k.", ms=3, alpha=0.6)
-        ax.set_xticks(x, part["impl"], rotation=30, ha="right")
-        ax.set(title=size, ylabel="step time (ms; dots: one per round)")
-    fig.tight_layout()
-    return fig
+
+def memory_claim(df: pd.DataFrame) -> cl.Claim:
+    """Per size: DDP's state per rank, each implementation's against it, and on GPUs every overall peak."""
+    findings = []
+    for size in sizes(df):
+        part = _ok(df)[_ok(df)["size"] == size].set_index("impl")
+        state = part[["param_gib", "grad_gib", "optimizer_state_gib"]].sum(axis=1)
+        if "ddp" in state:
+            findings += [_value(f"DDP's state per rank ({size})", state["ddp"], "GiB")] + [
+                _value(f"{NAMES[i]}'s against it", v / state["ddp"], "x") for i, v in state.items() if i != "ddp"]
+        if has_peaks(df):
+            findings += [cl.Value(measured(r, "peak_gib")) for _, r in df[df["size"] == size].iterrows()]
+    because = "" if has_peaks(df) else ("No CUDA allocator statistics on the CPU: the peaks are not measured in "
+                                        "this render, only the tensors' bytes.")
+    return cl.Claim("How much memory does each scheme save per rank?", findings, because)
+
+
+def peak_claim(df: pd.DataFrame) -> cl.Claim:
+    """Per size on GPUs: the peak during the optimizer step of DDP and the optimizer-sharding schemes."""
+    findings = [cl.Value(measured(r, "peak_after_step_gib")) for size in sizes(df)
+                for impl in ("ddp", "sharded_optimizer", "zero1", "torch_zero")
+                if (r := _get(df, size, impl, ok=False)) is not None] if has_peaks(df) else []
+    return cl.Claim("How high does memory peak during the optimizer step?", findings,
+                    "" if findings else "No CUDA allocator statistics on the CPU: the peaks are not measured here.")
 
 
 def plot_peaks(df: pd.DataFrame, results_dir: str | None = None):
@@ -167,29 +203,6 @@ def plot_peaks(df: pd.DataFrame, results_dir: str | None = None):
     return g
 
 
-def peaks_sentence(df: pd.DataFrame) -> str:
-    """A sentence when there are no peaks to draw (the CPU, or nothing ran); empty otherwise."""
-    if has_peaks(df):
-        return ""
-    if _ok(df).empty:
-        return "No configuration ran to the end (see the status and error columns above): there are no peaks to draw."
-    return ("No CUDA allocator statistics on the CPU: the peak columns stay empty in this render, and only the "
-            "tensors' bytes below are measured.")
-
-
-def breakdown_sentence(breakdown: pd.DataFrame, world_size: int) -> str:
-    """How close the state tensors' bytes are to the closed form, over every configuration that ran."""
-    states = breakdown[breakdown["part"] != "activations + transients"]
-    if states.empty:
-        return "No configuration ran."
-    worst = (states["ratio"] - 1).abs().max()
-    n = states.groupby(["size", "impl"]).ngroups
-    return (f"Across {n} configurations the measured parameter, gradient and optimizer-state bytes are within "
-            f"{worst:.2%} of the closed form (4 + 4 + 8 bytes per parameter, divided by {world_size} where "
-            "sharded); the small excess is padding to a multiple of the world size and the size balance of the "
-            "sharded optimizer.")
-
-
 def plot_breakdown(breakdown: pd.DataFrame):
     """Stacked bars of parameters, gradients, optimizer state and activations at the peak before the step; None
     without allocator peaks (the activations are the peak minus the rest)."""
@@ -201,9 +214,8 @@ def plot_breakdown(breakdown: pd.DataFrame):
     pivot = pivot.reset_index()
     fig, ax = plt.subplots(figsize=(11, 4))
     bottom = 0
-    labels = pivot["impl"] + " / " + pivot["size"]
     for part in PARTS:
-        ax.bar(labels, pivot[part], bottom=bottom, label=part)
+        ax.bar(pivot["impl"] + " / " + pivot["size"], pivot[part], bottom=bottom, label=part)
         bottom = bottom + pivot[part]
     ax.set_ylabel("GiB per rank at the peak before the step")
     ax.tick_params(axis="x", rotation=40)
@@ -211,249 +223,148 @@ def plot_breakdown(breakdown: pd.DataFrame):
     return fig
 
 
-def memory_answer(df: pd.DataFrame) -> str:
-    """The answers-box line: per size, the state bytes per rank (and the overall peak on GPUs) of each
-    implementation next to DDP's."""
-    parts = []
-    for size, part in _ok(df).groupby("size", sort=False):
-        state = part.set_index("impl")[["param_gib", "grad_gib", "optimizer_state_gib"]].sum(axis=1)
-        if "ddp" not in state:
-            continue
-        bits = ", ".join(f"{impl} {v / state['ddp']:.2f}x" for impl, v in state.items() if impl != "ddp")
-        peak = part.set_index("impl")["peak_gib"]
-        peaks = "" if peak.isna().all() else "; overall peak " + ", ".join(f"{i} {gib(v)}" for i, v in peak.items())
-        parts.append(f"{size}: state per rank relative to DDP's {state['ddp']:.3g} GiB: {bits}{peaks}")
-    return "; ".join(parts) + "." if parts else "nothing ran."
-
-
-# ----------------------------------------------------------------------------------------------------------
-# time, from the interleaved rounds
-
-
-def time_comparisons(df: pd.DataFrame) -> pd.DataFrame:
-    """Per size and implementation: its median step against DDP's and against its reference (torch's
-    ZeroRedundancyOptimizer for the sharded optimizer and ZeRO-1, FSDP2 for FSDP), as ratio, 95 % interval
-    and verdict on the per-round samples."""
-    rows = []
-    ok = _ok(df)
-    for size in dict.fromkeys(ok["size"]):
-        for impl in ok.loc[ok["size"] == size, "impl"]:
-            r = _get(df, size, impl)
-            for ref_impl in ("ddp", REFERENCE.get(impl)):
-                ref = _get(df, size, ref_impl) if ref_impl else None
-                if ref_impl is None or ref_impl == impl or ref is None:
-                    continue
-                c = compare_rounds(samples(r["step_samples_ms"]), samples(ref["step_samples_ms"]))
-                rows.append(dict(size=size, impl=impl, reference=ref_impl, step_ms=r["step_ms"],
-                                 reference_ms=ref["step_ms"], ratio=c.ratio, low=c.low, high=c.high,
-                                 verdict=c.verdict))
-    return pd.DataFrame(rows, columns=["size", "impl", "reference", "step_ms", "reference_ms", "ratio", "low", "high",
-                                       "verdict"])
-
-
-def time_sentences(comparisons: pd.DataFrame) -> str:
-    """Per size, one clause per comparison, worded by its verdict."""
-    lines = []
-    for size, part in comparisons.groupby("size", sort=False):
-        clauses = [Comparison(r.ratio, r.low, r.high, r.verdict).describe(r.impl, r.reference)
-                   for r in part.itertuples()]
-        lines.append(f"**{size}:** " + "; ".join(clauses) + ".")
-    return "\n\n".join(lines) or "Nothing to compare."
-
-
-def time_answer(comparisons: pd.DataFrame) -> str:
-    """The answers-box line: each implementation's verdict against DDP."""
-    vs = comparisons[comparisons["reference"] == "ddp"]
-    if vs.empty:
-        return "not measured."
-    per_size = [f"{size}: " + ", ".join(f"{r.impl} {r.verdict} (ratio {r.ratio:.3g})" for r in part.itertuples())
-                for size, part in vs.groupby("size", sort=False)]
-    return "; ".join(per_size) + " (against DDP; ratio: the median per-round time ratio)."
-
-
-def memory_sentences(df: pd.DataFrame) -> str:
-    """Per size, each implementation's peak during the optimizer step (and FSDP's overall peak)."""
-    lines = []
-    for size in dict.fromkeys(df["size"]):
-        def peak(impl, col="peak_after_step_gib"):
-            r = _get(df, size, impl)
-            if r is None:
-                rows = df[(df["size"] == size) & (df["impl"] == impl)]
-                return f"n/a ({rows['status'].iloc[0]})" if len(rows) else "n/a (not run)"
-            return gib(r[col])
-
-        lines.append(f"**{size}**, peak during the optimizer step: DDP {peak('ddp')}, sharded optimizer "
-                     f"{peak('sharded_optimizer')}, ZeRO-1 {peak('zero1')}, torch's ZeroRedundancyOptimizer "
-                     f"{peak('torch_zero')}; overall peak of FSDP {peak('fsdp', 'peak_gib')} and FSDP2 "
-                     f"{peak('torch_fsdp2', 'peak_gib')}.")
-    return "\n\n".join(lines)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# the performance goals
-
-
-def goals(df: pd.DataFrame, fsdp_memory_factor: float = 1.1) -> pd.DataFrame:
-    """The goals of notebook 08 per size: the sharded optimizer and ZeRO-1 use no more memory after the step
-    than ``torch_zero`` and step no slower; FSDP steps no slower than FSDP2 with at most
-    ``fsdp_memory_factor`` times its peak memory. Step-time goals are :func:`lab.measure.verdicts.check_goal`
-    on the per-round samples, paired by round (met, missed, or undecided within noise); memory goals compare the peaks
-    directly (deterministic), "not measured" without peaks (the CPU) or a missing row. Columns size, goal,
-    impl, reference_impl, value, reference, ratio, low, high, result."""
-    rows = []
-
-    def add(size, goal, impl, ref_impl, column, target, kind):
-        r, ref = _get(df, size, impl), _get(df, size, ref_impl)
-        row = dict(size=size, goal=goal, impl=impl, reference_impl=ref_impl, value=math.nan, reference=math.nan,
-                   ratio=math.nan, low=math.nan, high=math.nan, result="not measured")
-        if r is not None and ref is not None:
-            row.update(value=r[column], reference=ref[column])
-            if kind == "time":
-                g = goal_rounds(samples(r["step_samples_ms"]), samples(ref["step_samples_ms"]), target)
-                row.update(ratio=g.comparison.ratio, low=g.comparison.low, high=g.comparison.high, result=g.word)
-            elif not (pd.isna(r[column]) or pd.isna(ref[column])):
-                ratio = r[column] / ref[column]
-                row.update(ratio=ratio, result="met" if ratio <= target else "missed")
-        rows.append(row)
-
-    for size in dict.fromkeys(df["size"]):
-        for impl in ("sharded_optimizer", "zero1"):
-            add(size, "peak after step <= torch_zero", impl, "torch_zero", "peak_after_step_gib", 1.0, "memory")
-            add(size, "step time <= torch_zero", impl, "torch_zero", "step_ms", 1.0, "time")
-        add(size, "step time <= torch_fsdp2", "fsdp", "torch_fsdp2", "step_ms", 1.0, "time")
-        add(size, f"peak memory <= {fsdp_memory_factor:g} x torch_fsdp2", "fsdp", "torch_fsdp2", "peak_gib",
-            fsdp_memory_factor, "memory")
-    return pd.DataFrame(rows)
-
-
-def goals_answer(goal_table: pd.DataFrame) -> str:
-    """The answers-box line: how many goals are met, missed and undecided, and which are not met."""
-    counts = goal_table["result"].value_counts()
-    head = ", ".join(f"{counts[k]} {k}" for k in ("met", "missed", "undecided (within noise)", "not measured")
-                     if k in counts)
-    missed = goal_table[goal_table["result"] == "missed"]
-    tail = "" if missed.empty else "; missed: " + "; ".join(
-        f"{r.impl} {r.goal} on {r.size} (ratio {r.ratio:.3g}"
-        + (f", {CONFIDENCE:.0%} interval {r.low:.3g}-{r.high:.3g})" if math.isfinite(r.low) else ")")
-        for r in missed.itertuples())
-    return f"of {len(goal_table)} checks: {head}{tail}."
-
-
-# ----------------------------------------------------------------------------------------------------------
-# FSDP's timeline
-
-
-def profiled_timelines(df: pd.DataFrame) -> dict[str, pd.DataFrame]:
-    """``{size: timeline}`` of the profiled implementation's traces that exist on this machine."""
-    out = {}
-    if "trace" not in df:
-        return out
-    for r in _ok(df).itertuples():
-        path = existing_trace(r.trace)
-        if path is not None:
-            out[r.size] = read_trace(path)
-    return out
-
-
-def plot_profiled_timeline(timeline: pd.DataFrame, size: str, impl: str, results_dir: str | None = None):
-    """One profiled training step on rank 0 (saved as ``sharding_timeline_<impl>_<size>.png`` when
-    ``results_dir`` is given)."""
+def plot_step_times(df: pd.DataFrame):
+    """Per size: every round's step time (points) and the median (bar) of each implementation."""
     import matplotlib.pyplot as plt
+    import numpy as np
 
-    fig, ax = plt.subplots(figsize=(12, 3.4))
-    plot_timeline(timeline, title=f"{impl}, {size}: one training step on rank 0", ax=ax)
-    if results_dir is not None:
-        save_figure(fig, f"sharding_timeline_{impl}_{size}", results_dir)
+    ok = _ok(df)
+    names = sizes(ok)
+    fig, axes = plt.subplots(1, max(len(names), 1), figsize=(6.5 * max(len(names), 1), 3.8), squeeze=False)
+    for ax, size in zip(axes[0], names):
+        part = ok[ok["size"] == size]
+        x = np.arange(len(part))
+        ax.bar(x, part["step_ms"], color="tab:blue", alpha=0.35, label="median over rounds")
+        for xi, s in zip(x, part["step_samples_ms"]):
+            ys = samples(s)
+            ax.plot(np.full(len(ys), xi), ys, "k.", ms=3, alpha=0.6)
+        ax.set_xticks(x, part["impl"], rotation=30, ha="right")
+        ax.set(title=size, ylabel="step time (ms; dots: one per round)")
+    fig.tight_layout()
     return fig
 
 
-def forward_sentence(summary: pd.DataFrame, size: str, timed_step_ms: float | None = None) -> str:
-    """What kept the compute lane idle in the profiled step's forward: late all-gathers, or the host not
-    launching kernels fast enough. Numbers of one profiled step (no spread), so the wording says "in the
-    profiled step"."""
-    s = summary.set_index("phase")
-    if "forward" not in s.index:
-        return f"{size}: the profiled step has no forward range."
-    f = s.loc["forward"]
-    idle, exposed, window = f["compute_idle_ms"], f["exposed_communication_ms"], f["window_ms"]
-    text = (f"{size}, in the profiled step: the forward ({window:.3g} ms) kept the compute lane busy "
-            f"{f['compute_ms']:.3g} ms and idle {idle:.3g} ms ({idle / window:.0%}); "
-            f"{pct(f['overlap_share'])} of its {f['communication_ms']:.3g} ms of communication ran beside compute, "
-            f"{exposed:.3g} ms did not. ")
-    text += forward_reading(f)
-    step = s["window_ms"].get("step")
-    if timed_step_ms is not None and step is not None and math.isfinite(timed_step_ms):
-        text += (f" The profiler adds host work of its own: this profiled step took {step:.3g} ms, the median "
-                 f"timed step {timed_step_ms:.3g} ms.")
-    return text
+# ----------------------------------------------------------------------------------------------------------
+# time and goals
 
 
-def forward_reading(forward: pd.Series) -> str:
-    """The reading of a forward's row of :func:`lab.measure.traces.overlap_summary`: no gaps (the gathers
-    arrive in time), gaps that are mostly exposed communication (the gathers are late), or gaps that are
-    mostly the host (the gathers arrive in time; the host does not launch work fast enough)."""
-    idle, exposed, window = forward["compute_idle_ms"], forward["exposed_communication_ms"], forward["window_ms"]
-    if idle <= 0.1 * window:
-        return "The compute lane has no gaps to speak of: the all-gathers arrived before the layers needed them."
-    if exposed >= 0.5 * idle:
-        return "Most of the idle time is exposed communication: the gathers are on the critical path at this size."
-    return (f"Exposed communication accounts for only {exposed / idle:.0%} of the compute lane's idle time: most "
-            "of the gap is time with neither compute nor communication on the device, which is what a host that "
-            "launches work slower than the device runs it looks like (a host-bound step at this batch size); the "
-            "gathers that were exposed cost the rest.")
+def time_comparisons(df: pd.DataFrame) -> list[tuple[dict, cl.Versus]]:
+    """Per size and implementation: its step time against DDP's and against its reference (torch's
+    ZeroRedundancyOptimizer for the sharded optimizer and ZeRO-1, FSDP2 for FSDP), paired by round."""
+    out = []
+    for size in sizes(_ok(df)):
+        for _, r in _ok(df)[_ok(df)["size"] == size].iterrows():
+            for ref in ("ddp", REFERENCE.get(r["impl"])):
+                if ref not in (None, r["impl"]) and (b := _get(df, size, ref)) is not None:
+                    out.append((dict(size=size, impl=r["impl"], against=ref),
+                                cl.Versus(measured(r), measured(b), paired=True)))
+    return out
 
 
-def forward_answer(overlap: pd.DataFrame) -> str:
-    """The answers-box line: per size, the reading of the profiled forward (or why there is none)."""
-    if overlap.empty:
-        return "no profiled trace here to tell."
-    fwd = overlap[overlap["phase"] == "forward"]
-    def lower(text):
-        return text[0].lower() + text[1:]
+def time_claim(df: pd.DataFrame) -> cl.Claim:
+    """Each implementation's step time against DDP's; where some reduce gradients in another dtype than DDP,
+    which (their step times then differ in the bytes each reduction sends too)."""
+    findings = [f for keys, f in time_comparisons(df) if keys["against"] == "ddp"]
+    ok = _ok(df)
+    theirs = ok.loc[ok["impl"] == "ddp", "reduce_dtype"].dropna() if "reduce_dtype" in ok else pd.Series()
+    other = ok[ok["reduce_dtype"] != theirs.iloc[0]] if len(theirs) else ok.iloc[:0]
+    if len(other):
+        by = {d: ", ".join(NAMES[i] for i in dict.fromkeys(g["impl"])) for d, g in other.groupby("reduce_dtype")}
+        findings.append(cl.Observed("gradients reduced in", "; ".join([f"DDP {theirs.iloc[0]}", *(
+            f"{names} {d}" for d, names in by.items())])))
+    because = ("Not like for like in one respect: their step times against DDP also differ in the bytes each "
+               "reduction sends.") if len(other) else ""
+    return cl.Claim("What does sharding cost in step time?", findings, because)
 
-    return " ".join(f"{r['size']} (one profiled step): {lower(forward_reading(r))}" for _, r in fwd.iterrows())
+
+def goal_comparisons(df: pd.DataFrame, fsdp_memory_factor: float = 1.1) -> list[tuple[dict, cl.Versus]]:
+    """The goals of notebook 08 per size: the sharded optimizer and ZeRO-1 step no slower than
+    ``torch_zero`` and (on GPUs) peak no higher after the step; FSDP steps no slower than FSDP2 and (on GPUs)
+    peaks at most ``fsdp_memory_factor`` times as high. Times paired by round, peaks step against step."""
+    checks = []
+    for size in sizes(df):
+        for impl in ("sharded_optimizer", "zero1"):
+            checks += [(size, impl, "torch_zero", column, 1.0) for column in ("peak_after_step_gib", "step_ms")]
+        checks += [(size, "fsdp", "torch_fsdp2", "step_ms", 1.0),
+                   (size, "fsdp", "torch_fsdp2", "peak_gib", fsdp_memory_factor)]
+    out = []
+    for size, impl, ref, column, target in checks:
+        a, b = _get(df, size, impl, ok=False), _get(df, size, ref, ok=False)
+        if a is None or b is None or (column != "step_ms" and not has_peaks(df)):
+            continue
+        kind = cl.Versus if column == "step_ms" else PeakVersus
+        out.append((dict(size=size, impl=impl, against=ref, measure=MEASURES[column]),
+                    kind(measured(a, column), measured(b, column), goal=target, paired=column == "step_ms")))
+    return out
 
 
-def fsdp_overlap(df: pd.DataFrame, impl: str, results_dir: str | None = None) -> tuple[pd.DataFrame, str]:
-    """For every size with a profiled trace of ``impl`` here: draw the timeline, and return the per-phase
-    overlap tables (one long table with a ``size`` column) and the sentences."""
-    tables, lines = [], []
-    for size, tl in profiled_timelines(df[df["impl"] == impl]).items():
-        plot_profiled_timeline(tl, size, impl, results_dir)
+def goals_claim(goals: list[tuple[dict, cl.Versus]], has_gpu_peaks: bool = True) -> cl.Claim:
+    """How many goals are met, missed and undecided, and the ones missed."""
+    missed = [f for _, f in goals if f.goal_word == "missed"]
+    because = "" if has_gpu_peaks else "The memory goals need the GPU's allocator peaks, which the CPU does not have."
+    return cl.Claim("Are the performance goals met?", [cl.Tally("the goals", tuple(f for _, f in goals)), *missed],
+                    because)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# FSDP: its profiled step and its saving
+
+
+def fsdp_overlap(df: pd.DataFrame, impl: str, results_dir: str | None = None) -> tuple[pd.DataFrame, cl.Claim]:
+    """For every size with a profiled trace of ``impl`` here: draw the timeline (saved as
+    ``sharding_timeline_<impl>_<size>.png``) and return the per-phase overlap table (one long table with a
+    ``size`` column) and what kept the compute lane idle in the forward."""
+    import matplotlib.pyplot as plt
+
+    tables, findings, readings = [], [], []
+    for _, r in _ok(df)[_ok(df)["impl"] == impl].iterrows():
+        if "trace" not in r or (path := existing_trace(r["trace"])) is None:
+            continue
+        tl, size = read_trace(path), r["size"]
+        fig, ax = plt.subplots(figsize=(12, 3.4))
+        plot_timeline(tl, title=f"{impl}, {size}: one training step on rank 0", ax=ax)
+        if results_dir is not None:
+            save_figure(fig, f"sharding_timeline_{impl}_{size}", results_dir)
         summary = overlap_summary(tl)
         tables.append(summary.assign(size=size))
-        r = _get(df, size, impl)
-        lines.append(forward_sentence(summary, size, r["step_ms"] if r is not None else None))
-    if not tables:
-        return pd.DataFrame(), (f"No profiler trace of {impl} is on this machine (traces are regenerated by "
-                                "measuring, not by replaying).")
-    return pd.concat(tables, ignore_index=True), "\n\n".join(lines)
+        f, step = summary.set_index("phase").loc["forward"], summary.set_index("phase")["window_ms"].get("step")
+        idle, exposed = f["compute_idle_ms"], f["exposed_communication_ms"]
+        findings += [_value(f"the profiled forward ({size})", f["window_ms"], "ms"),
+                     cl.Share("the compute lane idle in it", idle, f["window_ms"]),
+                     cl.Share("its communication beside compute", f["overlapped_ms"], f["communication_ms"]),
+                     _value("exposed communication", exposed, "ms"),
+                     cl.Share("its share of the idle time", exposed, idle),
+                     _value("the profiled step", step, "ms"), cl.Value(measured(r))]
+        readings.append(f"In the {size} forward, " + (
+            "the compute lane has no gaps to speak of: the all-gathers arrived before the layers needed them."
+            if idle <= 0.1 * f["window_ms"] else
+            "most of the idle time is exposed communication: the gathers are on the critical path at this size."
+            if exposed >= 0.5 * idle else
+            "most of the gap is time with neither compute nor communication on the device, which is what a host "
+            "that launches work slower than the device runs it looks like (a host-bound step at this batch "
+            "size); the gathers that were exposed cost the rest.") + (
+            " The profiler adds host work of its own: the profiled step is longer than the timed one."
+            if step > r["step_ms"] else ""))
+    because = " ".join(readings)
+    claim = cl.Claim("Do FSDP's all-gathers finish before the forward needs them?", findings, because or (
+        f"No profiler trace of {impl} is on this machine (traces are regenerated by measuring, not by replaying)."))
+    return (pd.concat(tables, ignore_index=True) if tables else pd.DataFrame()), claim
 
 
-def fsdp_saving(df: pd.DataFrame, expected: pd.DataFrame) -> pd.DataFrame:
-    """Per size: FSDP's state saving over DDP from the closed form and from the state tensors, and the
-    saving of the overall peak (NaN without peaks)."""
-    e = expected.set_index(["size", "impl"])["total_gib"]
-    rows = []
-    for size in dict.fromkeys(df["size"]):
+def saving_claim(df: pd.DataFrame) -> cl.Claim:
+    """Per size: FSDP's state saving over DDP from the closed form and from the state tensors, and on GPUs the
+    saving of the overall peak (medians over steps)."""
+    findings = []
+    for size in sizes(df):
         d, f = _get(df, size, "ddp"), _get(df, size, "fsdp")
         if d is None or f is None:
             continue
-        state = [r["param_gib"] + r["grad_gib"] + r["optimizer_state_gib"] for r in (d, f)]
-        rows.append(dict(size=size, expected_saving_gib=e[(size, "ddp")] - e[(size, "fsdp")],
-                         measured_state_saving_gib=state[0] - state[1],
-                         measured_peak_saving_gib=d["peak_gib"] - f["peak_gib"]))
-    return pd.DataFrame(rows, columns=["size", "expected_saving_gib", "measured_state_saving_gib",
-                                       "measured_peak_saving_gib"])
-
-
-def fsdp_saving_sentences(saving: pd.DataFrame) -> str:
-    """Per size: the closed-form saving, the measured state saving, and the peak's (or why it is missing)."""
-    lines = []
-    for r in saving.itertuples():
-        peak = ("the peak is not measured on the CPU" if pd.isna(r.measured_peak_saving_gib) else
-                f"the peak is {r.measured_peak_saving_gib:.3g} GiB lower (the peak also moves with activations and "
-                "transient buffers: autocast's weight copies in DDP, gathered weights in FSDP)")
-        lines.append(f"{r.size}: the closed form says FSDP saves {r.expected_saving_gib:.3g} GiB of state per rank "
-                     f"over DDP; the state tensors measure {r.measured_state_saving_gib:.3g} GiB less, and {peak}.")
-    return "\n\n".join(lines) or "DDP or FSDP did not run."
+        state = [sum(r[f"{kind}{part}_gib"] for part in ("param", "grad", "optimizer_state"))
+                 for kind in ("expected_", "") for r in (d, f)]
+        findings += [_value(f"FSDP's state saving over DDP per rank ({size}, closed form)", state[0] - state[1], "GiB"),
+                     _value("measured in the state tensors", state[2] - state[3], "GiB")]
+        if has_peaks(df):
+            findings.append(_value("its overall peak's saving", d["peak_gib"] - f["peak_gib"], "GiB"))
+    because = ("The peak also moves with activations and transient buffers: autocast's weight copies in DDP, "
+               "gathered weights in FSDP." if has_peaks(df) else "The peak is not measured on the CPU.")
+    return cl.Claim("What does FSDP save, expected against measured?", findings, because if findings else "")

@@ -1,4 +1,5 @@
-"""lab.book.ddp.present: the sentences, tables and goal checks of notebook 07, from small synthetic benchmark tables."""
+"""lab.book.ddp.present: the claims, tables and ledger entries of notebook 07, from small synthetic benchmark
+tables. Values and verdicts are asserted, never the wording."""
 
 import json
 import math
@@ -7,9 +8,11 @@ import matplotlib
 import pandas as pd
 import pytest
 
-from lab.book.ddp import bench as ddp_bench
+from lab.accounting import bucket_overhead_ms, optimal_bucket
+from lab.book import claims as cl
+from lab.book import ledger
 from lab.book.ddp import present as ddp_book
-from tests.book.prose import amounts, has_amount, in_order, numbers, sentence_with
+from lab.measure.verdicts import FASTER, SLOWER, WITHIN_NOISE
 
 matplotlib.use("Agg")
 GRAD_MB = 64.0
@@ -22,59 +25,65 @@ def _samples(ms, k=10, spread=0.005, shift=0):
     return json.dumps([ms * (1 + spread * ((i * 7 + shift) % 5 - 2)) for i in range(k)])
 
 
-def _row(impl, bucket_mb, ms, n_buckets, comm=5.0, overlap=0.0, spread=0.005, world_size=2):
+def _row(impl, bucket_mb, ms, n_buckets, comm=5.0, overlap=0.0, world_size=2):
     return dict(impl=impl, bucket_mb=bucket_mb, world_size=world_size, size="tiny", context=32, batch=2, dtype="fp32",
-                step_ms=ms, step_iqr_ms=ms * spread, rounds=10, step_samples_ms=_samples(ms, spread=spread),
-                comm_ms=comm, overlap_frac=overlap, n_buckets=n_buckets, grad_mb=GRAD_MB, trace=None, status="ok",
-                error="", config="tiny fp32")
+                step_ms=ms, comm_ms=comm, overlap_frac=overlap, n_buckets=n_buckets, grad_mb=GRAD_MB, trace=None,
+                status="ok", error="", config="tiny fp32")
 
 
-def bench(single=100.0, torch_ddp=110.0, noisy=False):
+def bench(single=100.0, torch_ddp=110.0, noisy=False, rounds=10):
     """One config: the bucketed rows follow n*o + s/(n*w) on top of the single-device step."""
     total = GRAD_MB * 2**20
-    spread = 0.2 if noisy else 0.005
-    rows = [_row("naive", 0.0, 160.0, 40, spread=spread),
-            _row("flat", 0.0, single + ddp_bench.bucket_overhead_ms(1, total, O_MS, W_GBPS), 1, spread=spread),
-            _row("individual", 0.0, single + ddp_bench.bucket_overhead_ms(40, total, O_MS, W_GBPS), 40, overlap=0.8,
-                 spread=spread)]
-    for mb in (1.0, 8.0, 64.0):
-        n = GRAD_MB / mb
-        rows.append(_row("bucketed", mb, single + ddp_bench.bucket_overhead_ms(n, total, O_MS, W_GBPS), n,
-                         overlap=0.7, spread=spread))
-    rows += [_row("torch_ddp", 25.0, torch_ddp, math.nan, overlap=0.6, spread=spread),
-             _row("single_gpu", 0.0, single, math.nan, comm=0.0, overlap=math.nan, spread=spread, world_size=1)]
+    rows = [_row("naive", 0.0, 160.0, 40),
+            _row("flat", 0.0, single + bucket_overhead_ms(1, total, O_MS, W_GBPS), 1),
+            _row("individual", 0.0, single + bucket_overhead_ms(40, total, O_MS, W_GBPS), 40, overlap=0.8)]
+    rows += [_row("bucketed", mb, single + bucket_overhead_ms(GRAD_MB / mb, total, O_MS, W_GBPS), GRAD_MB / mb,
+                  overlap=0.7) for mb in (1.0, 8.0, 64.0)]
+    rows += [_row("torch_ddp", 25.0, torch_ddp, math.nan, overlap=0.6),
+             _row("single_gpu", 0.0, single, math.nan, comm=0.0, overlap=math.nan, world_size=1)]
     for i, r in enumerate(rows):  # each row up and down in its own rounds
-        r["step_samples_ms"] = _samples(r["step_ms"], spread=spread, shift=i)
+        r["step_samples_ms"] = _samples(r["step_ms"], k=rounds, spread=0.2 if noisy else 0.005, shift=i)
     return pd.DataFrame(rows)
 
 
+def _versus(findings, subject, reference):
+    return next(f for f in findings if isinstance(f, cl.Versus) and f.subject.label.startswith(subject)
+                and f.reference.label.startswith(reference))
+
+
 def test_labels_and_step_table():
-    b = bench()
-    assert ddp_book.label("bucketed", 8.0) == "bucketed 8 MB" and ddp_book.label("naive", 0.0) == "naive"
-    table = ddp_book.step_table(b)
+    assert ddp_book.label("bucketed", 8.0) == "bucketed 8 MB" and ddp_book.label("torch_ddp", 25) == "torch DDP"
+    table = ddp_book.step_table(bench())
     assert list(table.columns[:3]) == ["config", "label", "step_ms"]
-    assert "bucketed 64 MB" in set(table["label"]) and ddp_book.configs(b) == ["tiny fp32"]
+    assert "bucketed 64 MB" in set(table["label"]) and ddp_book.configs(bench()) == ["tiny fp32"]
 
 
-def test_wrapper_sentences_take_their_words_from_the_verdicts():
-    text = ddp_book.wrapper_sentences(bench())
-    head, flat, hooked, vs_torch, vs_one = [p for p in text.split(". ") if p]
-    assert head.startswith("**tiny fp32**") and numbers(head) == [10, 100]  # rounds, the single-device ms
-    assert numbers(flat)[0] == 40 and "faster" in flat and 1.4 <= numbers(flat)[1] < 1.6  # 40 calls; speedup
+def test_wrapper_story_is_paired_verdicts():
+    findings = ddp_book.wrapper_findings(bench())
+    values = [f.measured for f in findings if isinstance(f, cl.Value)]
+    assert values[0].median == pytest.approx(100.0, rel=0.01) and values[0].summary.n == 10  # one device
+    assert values[1].median == 40  # naive's all-reduce calls
+    flat = _versus(findings, "flat", "naive")
+    assert flat.paired and flat.verdict == FASTER and 1 / flat.comparison.ratio == pytest.approx(1.48, rel=0.02)
     best = ddp_book.best(ddp_book._ok(bench()))
     assert best["label"] == "bucketed 8 MB"  # 8 buckets: 4 ms + 0.84 ms beats 1 bucket (0.5 + 6.7) and 64 (32 + 0.1)
-    assert "bucketed 8 MB" in hooked and "faster" in hooked
-    assert "faster" in vs_torch and 1.0 <= numbers(vs_torch)[1] < 1.1  # after the "8" of "8 MB"
-    assert "slower" in vs_one
-    noisy = ddp_book.wrapper_sentences(bench(noisy=True, torch_ddp=106.0))
-    vs_torch = sentence_with(noisy, "torch DDP")
-    assert "within noise" in vs_torch and "faster" not in vs_torch and "slower" not in vs_torch
+    assert _versus(findings, "bucketed 8 MB", "flat").verdict == FASTER
+    vs_torch = _versus(findings, "bucketed 8 MB", "torch DDP")
+    assert vs_torch.verdict == FASTER and vs_torch.comparison.ratio == pytest.approx(104.84 / 110, rel=0.01)
+    assert _versus(findings, "bucketed 8 MB", "one device").verdict == SLOWER
+    cost = ddp_book.cost_claim(bench())
+    assert [f.verdict for f in cost.findings] == [SLOWER] and cost.findings[0].reference.label.startswith("one device")
+    noisy = _versus(ddp_book.wrapper_findings(bench(noisy=True, torch_ddp=106.0)), "bucketed 8 MB", "torch DDP")
+    assert noisy.verdict == WITHIN_NOISE
+    few = _versus(ddp_book.wrapper_findings(bench(rounds=3)), "flat", "naive")
+    assert few.verdict == "not decided"  # 3 rounds: fewer than the rule needs
 
 
-def test_cost_answer():
-    answer = ddp_book.cost_answer(bench())
-    assert "bucketed 8 MB" in answer and in_order(answer, [8, 105, 100]) and "slower" in answer
-    assert 1.0 <= numbers(answer)[-1] < 1.1  # the median per-round ratio
+def test_ledger_enters_torch_ddp_rows():
+    (e,) = ddp_book.ledger_entries(bench())
+    assert e["kind"] == "ddp_step" and e["n"] == 10 and e["median"] == pytest.approx(110.0, rel=0.01)
+    assert e["key"] == ledger.key("ddp_step", impl="torch_ddp", size="tiny", context=32, batch=2, dtype="fp32",
+                                  world_size=2, bucket_mb=25)
 
 
 def _timeline(comm_start, comm_end, compute_end=10.0):
@@ -84,66 +93,68 @@ def _timeline(comm_start, comm_end, compute_end=10.0):
     return pd.DataFrame(rows, columns=["lane", "kind", "name", "start_ms", "dur_ms"])
 
 
-def test_overlap_table_and_sentences():
+def test_overlap_claim():
     shown = {"naive": _timeline(10.0, 14.0, compute_end=10.0), "bucketed 8 MB": _timeline(6.0, 11.0)}
     overlap = ddp_book.overlap_table(shown).set_index("wrapper")
     assert overlap.loc["naive", "overlap_share"] == 0 and overlap.loc["naive", "exposed_ms"] == pytest.approx(4.0)
     assert overlap.loc["bucketed 8 MB", "overlap_share"] == pytest.approx(0.8)
-    text = ddp_book.overlap_sentences(overlap.reset_index(), bench(), "tiny fp32")
-    assert "no spread" in text  # one profiled step each
-    shares = text[text.index("),") + 2:text.index("hook-based")]
-    assert numbers(shares) == [0, 80]  # naive 0%, the one hook-based wrapper 80% (one number, not "80%-80%")
-    verdict = sentence_with(text, "faster than flat")
-    assert "bucketed 8 MB" in verdict and "saves" in verdict
-    # a saving larger than all of flat's communication is not put down to overlap
+    claim = ddp_book.overlap_claim(overlap.reset_index(), bench(), "tiny fp32")
+    shares = [f.fraction for f in claim.findings if isinstance(f, cl.Share)]
+    assert shares == [0, pytest.approx(0.8)]
+    (vs_flat,) = [f for f in claim.findings if isinstance(f, cl.Versus)]
+    assert vs_flat.verdict == FASTER and vs_flat.reference.label.startswith("flat")
+    assert claim.because == ddp_book.OVERLAP_MEANS[FASTER]
+    # a saving larger than all of flat's communication is not put down to overlap: flat's communication is shown
     b = bench()
     b.loc[b["impl"] == "flat", "comm_ms"] = 1.0
-    flat_ms = float(b.loc[b["impl"] == "flat", "step_ms"].iloc[0])
-    saved = flat_ms - float(ddp_book.best(ddp_book._ok(b), ddp_book.HOOKED)["step_ms"])
-    assert saved > 1.0
-    odd = sentence_with(ddp_book.overlap_sentences(overlap.reset_index(), b, "tiny fp32"), "faster than flat")
-    assert "saves" not in odd and "cannot account" in odd and in_order(odd, [float(f"{saved:.3g}"), 1])
-    for untraced in (ddp_book.overlap_answer(overlap, bench(), None),
-                     ddp_book.overlap_sentences(overlap, bench(), None)):
-        assert "trace" in untraced and numbers(untraced) == [] and "faster" not in untraced  # no share, no verdict
-    assert ddp_book.timeline_config(bench()) is None and ddp_book.shown_timelines(bench(), None) == {}
+    odd = ddp_book.overlap_claim(overlap.reset_index(), b, "tiny fp32")
+    assert [f.measured.median for f in odd.findings if isinstance(f, cl.Value)] == [1.0]
+    assert odd.because != ddp_book.OVERLAP_MEANS[FASTER]
+    untraced = ddp_book.overlap_claim(overlap, bench(), None)
+    assert untraced.findings == () and untraced.because
+    assert ddp_book.shown_timelines(bench()) == (None, {})
 
 
 def test_overhead_model_recovers_o_and_w_and_cites_06():
     model = ddp_book.overhead_model(bench(), dict(o_ms=O_MS, w_gbps=W_GBPS))
     (r,) = model.itertuples()
     assert r.fit_o_ms == pytest.approx(O_MS, rel=1e-3) and r.fit_w_gbps == pytest.approx(W_GBPS, rel=1e-3)
-    expected = ddp_bench.optimal_bucket(GRAD_MB * 2**20, O_MS, W_GBPS)["bucket_mb"]
+    expected = optimal_bucket(GRAD_MB * 2**20, O_MS, W_GBPS)["bucket_mb"]
     assert r.fit_best_bucket_mb == pytest.approx(expected, rel=1e-3)
     assert r.nb06_best_bucket_mb == pytest.approx(expected)
-    assert r.measured_best_bucket_mb == 8 and r.within_noise_of_best_mb == ""
-    text = ddp_book.overhead_model_sentences(model)
-    assert in_order(sentence_with(text, "fit gives"), [500, 10])  # o in µs, w in GB/s
-    assert in_order(sentence_with(text, "Notebook 06"), [6, 500, 10, float(f"{expected:.3g}")])
-    assert in_order(ddp_book.overhead_answer(model), [8])
-    large = ddp_book.overhead_model_sentences(model.assign(grad_mb=7624.4, nb06_best_bucket_mb=1234.5))
-    assert "7,620 MiB of gradients" in large and "1,230 MB." in large and "e+" not in large
+    assert r.measured_best_bucket_mb == 8
+    claim = ddp_book.overhead_claim(model, bench())
+    values = [f.measured for f in claim.findings if isinstance(f, cl.Value)]
+    assert values[0].median == 8 and values[0].unit == "MB"
+    assert [(v.median, v.unit) for v in values[1:3]] == [(pytest.approx(O_MS * 1e3, rel=1e-3), "µs"),
+                                                         (pytest.approx(W_GBPS, rel=1e-3), "GB/s")]
+    assert sum(1 for v in values if v.median == pytest.approx(expected, rel=1e-3)) == 2  # the fit's and 06's optimum
+    (tally,) = [f for f in claim.findings if isinstance(f, cl.Tally)]
+    assert tally.counts() == {SLOWER: 2}  # 1 MB and 64 MB against 8 MB
+    assert not claim.because
+    table = pd.DataFrame(cl.verdict_table(ddp_book.bucket_comparisons(bench())))
+    assert list(table["bucket_mb"]) == [1.0, 64.0] and set(table["verdict"]) == {SLOWER}
     without_06 = ddp_book.overhead_model(bench(), None)
-    assert "nb06_o_ms" not in without_06 and "Notebook 06" not in ddp_book.overhead_model_sentences(without_06)
+    assert without_06["nb06_best_bucket_mb"].isna().all()
+    assert len([f for f in ddp_book.overhead_claim(without_06, bench()).findings if isinstance(f, cl.Value)]) == 5
     fig = ddp_book.plot_overhead_model(bench(), model)
     assert fig.axes[0].get_title() == "tiny fp32"
 
 
-def test_goal_checks_met_missed_undecided():
-    met = ddp_book.goal_checks(bench(single=100, torch_ddp=120), "tiny fp32", 1.0, 1.1).set_index("reference")
-    assert met.loc["torch DDP", "result"] == "met" and met.loc["one device", "result"] == "met"
-    missed = ddp_book.goal_checks(bench(single=100, torch_ddp=90), "tiny fp32", 1.0, 1.01).set_index("reference")
-    assert missed.loc["torch DDP", "result"] == "missed" and missed.loc["one device", "result"] == "missed"
-    noisy = ddp_book.goal_checks(bench(noisy=True, torch_ddp=106), "tiny fp32", 1.0, 1.1).set_index("reference")
-    assert noisy.loc["torch DDP", "result"] == "undecided (within noise)"
+def test_goal_met_missed_undecided():
+    def goals(**kw):
+        return {keys["check"]: f.goal_word for keys, f in ddp_book.goal_comparisons(bench(**kw), "tiny fp32", 1.0, 1.1)}
+    assert goals(single=100, torch_ddp=120) == {"best bucketed <= 1x torch DDP": "met",
+                                                "best bucketed <= 1.1x one device": "met"}
+    assert goals(single=100, torch_ddp=90)["best bucketed <= 1x torch DDP"] == "missed"
+    assert goals(noisy=True, torch_ddp=106)["best bucketed <= 1x torch DDP"] == "undecided"
     gone = bench()
     gone.loc[gone["impl"] == "torch_ddp", "status"] = "oom"
-    assert ddp_book.goal_checks(gone, "tiny fp32").set_index("reference").loc["torch DDP", "result"] == "not measured"
-    text = ddp_book.goal_answer(met.reset_index(), "tiny fp32")
-    vs_torch, vs_one = text.split(";")
-    assert vs_torch.startswith("tiny fp32") and "torch DDP" in vs_torch and "met" in vs_torch
-    assert amounts(vs_torch)[0] == (1, "x") and 0.8 <= numbers(vs_torch)[1] < 0.9  # the goal, then the ratio
-    assert "one device" in vs_one and has_amount(vs_one, 1.1, "x") and "met" in vs_one
+    checks = ddp_book.goal_comparisons(gone, "tiny fp32")
+    assert [k["check"] for k, _ in checks] == ["best bucketed <= 1.1x one device"]
+    claim = ddp_book.goal_claim(checks, "tiny fp32")
+    assert [f.goal for f in claim.findings] == [1.1]
+    assert ddp_book.goal_claim([], "tiny fp32").findings[0].seen == "not measured"
     assert ddp_book.goal_config(pd.concat([bench(), bench().assign(config="2.7B bf16")])) == "2.7B bf16"
 
 
@@ -162,14 +173,12 @@ def test_cite_alpha_beta_reads_06_or_warns(capsys):
     fits = pd.DataFrame([dict(backend="gloo", op="all_reduce", world_size=2, latency_ms=0.3, bandwidth_gbps=6.0),
                          dict(backend="gloo", op="all_gather", world_size=2, latency_ms=9.0, bandwidth_gbps=1.0)])
     book = _Book(fits)
-    assert ddp_book.cite_alpha_beta(book, "gloo", 2) == dict(backend="gloo", world_size=2, o_ms=0.3, w_gbps=6.0)
+    assert ddp_book.cite_alpha_beta(book, "gloo", 2) == dict(o_ms=0.3, w_gbps=6.0)
     assert book.asked == [("collectives_latency_bandwidth", "06_communication")]
     assert ddp_book.cite_alpha_beta(book, "nccl", 2) is None
-    out = capsys.readouterr().out
-    assert "nccl" in out and numbers(out)[-1] == 2 and "gloo" not in out  # the backend and ranks it lacks
+    assert "nccl" in capsys.readouterr().out
     assert ddp_book.cite_alpha_beta(_Book(None), "gloo", 2) is None
-    out = capsys.readouterr().out
-    assert "`collectives_latency_bandwidth`" in out and "results/somewhere" in out and "06" in out  # what, where
+    assert "`collectives_latency_bandwidth`" in capsys.readouterr().out
 
 
 def test_step_time_plot():

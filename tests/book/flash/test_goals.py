@@ -1,106 +1,185 @@
-"""The comparisons and goals of notebook 05 from known times (:mod:`lab.book.flash.goals`)."""
+"""lab.book.flash.goals: the goals under the one rule, the gap by head dimension, the products against the matmul
+ceiling, the product waits and the bounds of missed goals, from synthetic rows (values and verdicts)."""
 
 import math
 
 import pandas as pd
 import pytest
 
-from lab.book.flash import goals as gl
-from lab.book.flash.bench import Shape
+from lab.accounting.attention import attention_flops
+from lab.bench.attention_grid import Shape
+from lab.book.claims import Share, Tally, Versus
+from lab.book.flash import goals
+from lab.book.flash.bench import SHAPE_2_7B
+from tests.book.flash.rows import grid_row, table
+
+A, B = Shape(1, 16, 4096, 64), Shape(2, 16, 4096, 128)
 
 
-def _timed(impl, heads, d, fwd, bwd, e2e, dtype="bf16", std=0.01, n=50):
-    """A grid row whose passes have a mean, a relative spread ``std`` and ``n`` samples."""
-    row = dict(impl=impl, dtype=dtype, batch=1, heads=heads, seq_len=4096, d=d, causal=True, status="ok")
-    for p, ms in (("fwd", fwd), ("bwd", bwd), ("e2e", e2e)):
-        row.update({f"{p}_ms": ms, f"{p}_mean_ms": ms, f"{p}_std_ms": std * ms, f"{p}_n": n})
-    return row
+def _words(pairs):
+    return {(k["shape"], k["pass"]): f.goal_word for k, f in pairs}
 
 
-def test_flash_goals_from_known_times():
-    df = pd.DataFrame([
-        _timed("sdpa", 16, 64, 1.0, 2.0, 3.0), _timed("triton", 16, 64, 0.9, 2.2, 3.1),  # all goals met
-        _timed("sdpa", 32, 128, 4.0, 8.0, 12.0), _timed("triton", 32, 128, 5.0, 8.0, 12.0),  # fwd too slow
-        _timed("sdpa", 1, 64, 1.0, 1.0, 1.0), _timed("triton", 1, 64, 9.0, 9.0, 9.0),  # one head: not LM-like, ignored
-        _timed("sdpa", 16, 64, 1.0, 1.0, 1.0, "fp32"), _timed("triton", 16, 64, 9.0, 9.0, 9.0, "fp32"),  # fp32 ignored
-    ])
-    g = gl.flash_goals(df).sort_values("heads")
-    assert g["heads"].tolist() == [16, 32]
-    assert g["fwd_ratio"].tolist() == pytest.approx([1 / 0.9, 0.8])
-    assert g["fwd_goal"].tolist() == ["met", "missed"] and g["fwd_ok"].tolist() == [True, False]
-    assert g["bwd_goal"].tolist() == ["met", "met"] and g["e2e_goal"].tolist() == ["met", "met"]
-    assert (g["fwd_low"] < g["fwd_ratio"]).all() and (g["fwd_ratio"] < g["fwd_high"]).all()
-    s = gl.summarize_goals(g)
-    assert s["configs"] == 2 and s["fwd"]["met"] == 1 and s["fwd"]["missed"] == 1
-    assert s["fwd"]["worst"] == pytest.approx(0.8) and s["fwd"]["worst_config"]["heads"] == 32
-    assert not s["all_met"]
-    empty = gl.summarize_goals(gl.flash_goals(df[df["heads"] < 16]))
-    assert empty["configs"] == 0 and not empty["all_met"] and math.isnan(empty["e2e"]["worst"])
+def test_goals_are_versus_findings_with_the_goal_as_a_time_ratio():
+    bench = table(grid_row("sdpa", A, ms=1.0), grid_row("triton", A, ms=0.9, factors=(1.0, 2.4, 3.4)),  # all met
+                  grid_row("sdpa", B, ms=4.0), grid_row("triton", B, ms=5.0, factors=(1.0, 1.6, 2.4)),  # fwd missed
+                  grid_row("sdpa", Shape(1, 1, 4096, 64), ms=1.0), grid_row("triton", Shape(1, 1, 4096, 64), ms=9.0),
+                  grid_row("sdpa", A, "fp32", 1.0), grid_row("triton", A, "fp32", 9.0))  # one head, fp32: no goal
+    pairs = goals.goal_comparisons(bench)
+    assert all(isinstance(f, Versus) for _, f in pairs) and len(pairs) == 6
+    assert {k["pass"]: f.goal for k, f in pairs if k["shape"] == A.label} == pytest.approx(
+        {"fwd": 1.0, "bwd": 1 / 0.9, "e2e": 1 / 0.95})
+    assert _words(pairs) == {(A.label, "fwd"): "met", (A.label, "bwd"): "met", (A.label, "e2e"): "met",
+                             (B.label, "fwd"): "missed", (B.label, "bwd"): "met", (B.label, "e2e"): "met"}
+    claim = goals.goals_claim(("SDPA", pairs))
+    tallies = [f for f in claim.findings if isinstance(f, Tally)]
+    assert [t.goal_counts() for t in tallies] == [{"met": 1, "missed": 1}, {"met": 2}, {"met": 2}]
+    furthest = claim.findings[-1]
+    assert isinstance(furthest, Versus) and furthest.comparison.ratio == pytest.approx(1.25)
+    empty = goals.goals_claim(("SDPA", goals.goal_comparisons(bench[bench["heads"] < 16])))
+    assert empty.findings == () and empty.because
 
 
-def test_flash_goals_undecided_within_the_noise():
-    """A speed ratio of 0.98 against a goal of 1.0 is "missed" with a tight spread, "undecided" with a wide one,
-    and "undecided" when a pass was timed once (no spread)."""
-    tight = pd.DataFrame([_timed("sdpa", 16, 64, 1.0, 1.0, 1.0), _timed("triton", 16, 64, 1 / 0.98, 0.5, 0.5)])
-    assert gl.flash_goals(tight)["fwd_goal"].tolist() == ["missed"]
-    wide = pd.DataFrame([_timed("sdpa", 16, 64, 1.0, 1.0, 1.0, std=0.3, n=5),
-                         _timed("triton", 16, 64, 1 / 0.98, 0.5, 0.5, std=0.3, n=5)])
-    assert gl.flash_goals(wide)["fwd_goal"].tolist() == ["undecided"]
-    # a narrow interval, but one side scatters by more than the gap to the goal: "undecided", as in the verdicts
-    scattered = pd.DataFrame([_timed("sdpa", 16, 64, 1.0, 1.0, 1.0, std=0.001, n=400),
-                              _timed("triton", 16, 64, 1 / 0.9, 0.5, 0.5, std=0.12, n=400)])
-    assert gl.flash_goals(scattered)["fwd_goal"].tolist() == ["undecided"]
-    once = pd.DataFrame([_timed("sdpa", 16, 64, 1.0, 1.0, 1.0, n=1), _timed("triton", 16, 64, 0.5, 0.5, 0.5, n=1)])
-    g = gl.flash_goals(once)
-    assert g["fwd_goal"].tolist() == ["undecided"] and g["fwd_ratio"].tolist() == pytest.approx([2.0])
-    assert not gl.summarize_goals(g)["all_met"]
+def test_goals_within_the_noise_are_undecided():
+    """A time ratio of 1.02 against a goal of 1 is missed with a tight spread, undecided with a wide one or a
+    spread that covers the gap, and undecided with fewer than 5 samples."""
+    def word(spread, n, ratio=1.02):
+        bench = table(grid_row("sdpa", A, ms=1.0, spread=spread, n=n), grid_row("triton", A, ms=ratio, spread=spread,
+                                                                                n=n))
+        return _words(goals.goal_comparisons(bench))[A.label, "fwd"]
+
+    assert word(0.001, 400) == "missed" and word(0.3, 5) == "undecided" and word(0.001, 4) == "undecided"
+    assert word(0.05, 400) == "undecided"  # a narrow interval, but each side scatters by more than the gap
 
 
-def test_versus_gives_speedups_and_verdicts():
-    df = pd.DataFrame([_timed("triton", 16, 64, 1.0, 2.0, 3.0), _timed("sdpa", 16, 64, 2.0, 2.0, 2.0),
-                       _timed("pytorch_naive", 16, 64, 1.0, 1.0, 1.0),
-                       {**_timed("sdpa_cudnn", 16, 64, 1.0, 1.0, 1.0), "status": "unsupported"}])
-    vs = gl.versus(df, "triton", ["sdpa", "pytorch_naive", "sdpa_cudnn"]).set_index(["reference", "pass"])
-    assert vs.loc[("sdpa", "fwd"), "speedup"] == pytest.approx(2.0) and vs.loc[("sdpa", "fwd"), "verdict"] == "faster"
-    assert vs.loc[("sdpa", "bwd"), "verdict"] == "within noise"
-    assert vs.loc[("sdpa", "e2e"), "verdict"] == "slower" and vs.loc[("sdpa", "e2e"), "speedup"] == pytest.approx(2 / 3)
-    low, high = vs.loc[("sdpa", "e2e"), ["low", "high"]]
-    assert low < 2 / 3 < high
-    assert "sdpa_cudnn" not in vs.index.get_level_values("reference")  # did not run: nothing to compare
-    assert len(vs) == 6
+def test_the_2_7b_shape_and_flex_goals():
+    short = SHAPE_2_7B
+    bench = table(grid_row("sdpa", short, timing="graph"), grid_row("triton", short, factors=(2.0, 1.0, 3 / 0.92),
+                                                                    timing="graph", bwd_n=0),
+                  grid_row("flex", A, ms=1.2), grid_row("triton", A, ms=1.0, factors=(1.0, 2.5, 3.0)))
+    pairs = goals.goal_comparisons(bench)
+    assert [(k["shape"], k["pass"]) for k, _ in pairs] == [(short.label, "e2e")]  # its one goal, 0.9x
+    assert pairs[0][1].goal == pytest.approx(1 / 0.9) and pairs[0][1].goal_word == "met"
+    flex = goals.goal_comparisons(bench, "flex", goals.FLEX_GOAL_SPEED, shape_speeds={})
+    assert _words(flex) == {(A.label, "fwd"): "met", (A.label, "bwd"): "missed"}
 
 
-
-def test_a_shape_with_goals_of_its_own():
-    """The 2.7B shape is asked only forward + backward >= 0.9x: its other passes are "n/a" and count for nothing,
-    and the worst configuration is the one furthest below its own target."""
-    short = dict(batch=4, heads=32, seq_len=512, d=80)
-    df = pd.DataFrame([{**_timed("sdpa", 16, 64, 1.0, 1.0, 1.0), **short},
-                       {**_timed("triton", 16, 64, 2.0, 1.0, 1 / 0.92), **short},  # fwd 0.5x, e2e 0.92x
-                       _timed("sdpa", 16, 64, 1.0, 1.0, 1.0), _timed("triton", 16, 64, 1.0, 1.0, 1 / 0.93)])
-    g = gl.flash_goals(df).set_index("seq_len")
-    assert g.loc[512, "fwd_goal"] == "n/a" and not g.loc[512, "fwd_ok"] and math.isnan(g.loc[512, "fwd_target"])
-    assert g.loc[512, "fwd_ratio"] == pytest.approx(0.5)  # measured all the same
-    assert g.loc[512, "e2e_goal"] == "met" and g.loc[512, "e2e_target"] == 0.9
-    assert g.loc[4096, "e2e_goal"] == "missed" and g.loc[4096, "e2e_target"] == 0.95
-    s = gl.summarize_goals(g.reset_index())
-    assert s["fwd"]["checked"] == 1 and s["e2e"]["checked"] == 2 and s["e2e"]["met"] == 1
-    assert s["e2e"]["worst_config"]["seq_len"] == 4096 and s["e2e"]["worst_target"] == 0.95
-    met = gl.summarize_goals(g.reset_index().iloc[[0]])
-    assert met["all_met"]  # the 2.7B row alone: its one goal is met, the passes without one do not count
-    assert gl.SHAPE_GOALS[Shape(4, 32, 512, 80)] == {"e2e": 0.9}
+def _goal_grid():
+    rows = []
+    for shape, ratios in ((Shape(1, 16, 4096, 64), (0.96, 0.85, 0.87)), (Shape(4, 32, 2048, 80), (0.70, 0.65, 0.66)),
+                          (Shape(1, 32, 4096, 80), (0.68, 0.63, 0.66)), (Shape(8, 16, 2048, 128), (0.73, 0.73, 0.74))):
+        rows.append(grid_row("sdpa", shape))  # speed ratios: SDPA's time / Triton's
+        rows.append(grid_row("triton", shape, factors=tuple(f / r for f, r in zip((1.0, 2.0, 3.0), ratios)),
+                             gpu="cpu"))  # measured by the interpreter: d 80 in one masked 128-wide tile
+    return table(*rows)
 
 
-def test_rows_timed_differently_are_not_compared():
-    """A CUDA-graph replay (the device's time) is never compared with an eager time (the host's launches in it)."""
-    graph = {**_timed("triton", 16, 64, 1.0, 1.0, 1.0), "timing": "graph"}
-    eager = {**_timed("sdpa", 16, 64, 2.0, 2.0, 2.0), "timing": "eager"}
-    df = pd.DataFrame([graph, eager])
-    assert gl.flash_goals(df).empty and gl.versus(df, "triton", ["sdpa"]).empty
-    mine, theirs = gl.add_speedups(df, ("sdpa",))["fwd_speedup_vs_sdpa"]
-    assert math.isnan(mine) and theirs == 1.0  # SDPA's own row is 1 against itself
-    alike = pd.DataFrame([graph, {**eager, "timing": "graph"}])
-    assert gl.flash_goals(alike)["fwd_ratio"].tolist() == pytest.approx([2.0])
-    assert gl.add_speedups(alike, ("sdpa",))["fwd_speedup_vs_sdpa"].tolist() == pytest.approx([2.0, 1.0])
-    old = pd.DataFrame([_timed("triton", 16, 64, 1.0, 1.0, 1.0), _timed("sdpa", 16, 64, 2.0, 2.0, 2.0)])
-    assert len(gl.flash_goals(old)) == 1  # tables from before graph timing have no timing column
+def test_by_head_dim_and_why_claim():
+    bench = _goal_grid()
+    t = goals.by_head_dim(goals.goal_comparisons(bench), bench).set_index("d")
+    assert t.loc[80, "shapes"] == 2 and t.loc[80, "fwd_median"] == pytest.approx((1 / 0.70 + 1 / 0.68) / 2)
+    assert t.loc[80, "useful_columns"] == 0.625 and t.loc[128, "useful_columns"] == 1.0
+    findings = goals.why_claim(t.reset_index()).findings
+    assert findings[0].seen == "the forward at d 80"  # 1/0.69 x 1.0 beyond 1/0.64 x 0.9
+    values = {getattr(f, "measured", None) and f.measured.label: f for f in findings}
+    powers = values["the forward's median time ratio at powers of two"].measured.median
+    assert powers == pytest.approx((1 / 0.96 + 1 / 0.73) / 2)
+    share = next(f for f in findings if isinstance(f, Share))
+    assert share.fraction == 0.625
+    assert values["head dimensions where the backward trails the forward"].measured.median == 2
+    assert values[next(k for k in values if k and "equal efficiency" in k)].measured.median == pytest.approx(7 / 5)
+
+
+CEILING = pd.DataFrame([{"dtype": "bf16", "n": 8192, "tflops": 700.0}])
+
+
+def test_backward_and_forward_against_the_ceiling():
+    bench = table(grid_row("triton", SHAPE_2_7B, ms=0.1, bwd_mode="fused", fwd_columns=80, bwd_columns=128),
+                  grid_row("sdpa", SHAPE_2_7B, ms=0.05),
+                  grid_row("triton", B, ms=1.0, bwd_mode="two_pass"), grid_row("triton", A, "fp32", ms=1.0))
+    back = goals.backward_table(bench, CEILING)
+    assert back["shape"].tolist() == [SHAPE_2_7B.label, B.label] and back["products"].tolist() == [7, 7]
+    useful = attention_flops(4, 512, 80, True, "bwd", heads=32) / 0.2e-3 / 1e12
+    assert back.loc[0, "useful_tflops"] == pytest.approx(useful)
+    assert back.loc[0, "executed_tflops"] == pytest.approx(useful * 7 / 5 * 128 / 80)
+    assert back.loc[0, "of_ceiling"] == pytest.approx(back.loc[0, "executed_tflops"] / 700)
+    fwd = goals.forward_table(bench, CEILING)
+    assert fwd["shape"].tolist() == [SHAPE_2_7B.label]  # the others have no SDPA row
+    work = attention_flops(4, 512, 80, True, "fwd", heads=32) / 1e12
+    assert fwd.loc[0, "triton_of_ceiling"] == pytest.approx(work / 0.1e-3 / 700)
+    assert fwd.loc[0, "reference_of_ceiling"] == pytest.approx(work / 0.05e-3 / 700)
+    shares = [f.fraction for f in goals.ceiling_claim(back, fwd).findings if isinstance(f, Share)]
+    assert shares == pytest.approx([back["of_ceiling"].min(), back["of_ceiling"].max(),
+                                    fwd.loc[0, "triton_of_ceiling"], fwd.loc[0, "reference_of_ceiling"]])
+    assert goals.backward_table(bench, CEILING.iloc[:0])["of_ceiling"].isna().all()
+
+
+def test_waits_claim_reads_the_compiled_kernels():
+    waits = pd.DataFrame([("forward", 64, 4, 4), ("backward dK/dV", 64, 8, 6), ("backward dQ", 64, 6, 6)],
+                         columns=["kernel", "d", "products", "waited_at_once"])
+    waits["in_flight"] = waits["products"] - waits["waited_at_once"]
+    claim = goals.waits_claim(waits)
+    assert [(f.part, f.whole) for f in claim.findings] == [(4, 4), (6, 8), (6, 6)] and claim.because
+    overlapped = waits.assign(waited_at_once=[2, 6, 6], in_flight=[2, 2, 0])
+    assert goals.waits_claim(overlapped).because == ""
+    noted = goals.waits_claim(pd.DataFrame({"note": ["no ptxas"], "products": [math.nan]}))
+    assert "no ptxas" in noted.findings[0].seen
+
+
+def _bound_row(impl, seq, fwd, bwd, e2e, d=64):
+    return grid_row(impl, Shape(1, 16, seq, d), ms=fwd, spread=0.001, n=100, factors=(1.0, bwd / fwd, e2e / fwd),
+                    bwd_mode="two_pass" if impl == "triton" else None, fwd_columns=d, bwd_columns=d)
+
+
+def _tflop(seq, pass_):
+    return attention_flops(1, seq, 64, True, pass_, heads=16) / 1e12
+
+
+WAITS = pd.DataFrame([dict(kernel="forward", d=64, products=4, waited_at_once=4),
+                      dict(kernel="backward dK/dV", d=64, products=8, waited_at_once=6),
+                      dict(kernel="backward dQ", d=64, products=6, waited_at_once=6)])
+
+
+def test_each_missed_goal_gets_the_share_of_the_ceiling_it_needs():
+    # 8192 tokens: Triton's forward misses 1.0x (1.25x the time), its backward 0.9x (1.25x); 4096: every goal met
+    bench = table(_bound_row("sdpa", 8192, 1.0, 2.0, 3.0), _bound_row("triton", 8192, 1.25, 2.5, 3.75),
+                  _bound_row("sdpa", 4096, 1.0, 1.0, 1.0), _bound_row("triton", 4096, 0.5, 0.5, 0.5))
+    t = goals.missed_goal_bounds(bench, goals.goal_comparisons(bench), pd.DataFrame([{"dtype": "bf16", "tflops": 1e3}]),
+                                 WAITS).set_index("pass")
+    assert sorted(t.index) == ["bwd", "e2e", "fwd"] and (t["shape"] == "1x16x8192x64").all()
+    fwd = t.loc["fwd"]  # it must take 1.0 ms for its two products: that rate against 1000 TFLOP/s
+    assert fwd["needs_of_ceiling"] == pytest.approx(_tflop(8192, "fwd") / 1e-3 / 1e3)
+    assert fwd["of_ceiling"] == pytest.approx(_tflop(8192, "fwd") / 1.25e-3 / 1e3)
+    assert fwd["best_of_ceiling"] == pytest.approx(max(_tflop(4096, "fwd") / 0.5e-3, _tflop(8192, "fwd") / 1.25e-3)
+                                                   / 1e3)
+    assert (fwd["waited_at_once"], fwd["products"]) == (4, 4)
+    bwd = t.loc["bwd"]  # 7/5 of the useful FLOPs, in 2.0 / 0.9 ms
+    assert bwd["needs_of_ceiling"] == pytest.approx(_tflop(8192, "bwd") * 7 / 5 / (2.0e-3 / 0.9) / 1e3)
+    assert bwd["needs_with_5"] == pytest.approx(bwd["needs_of_ceiling"] * 5 / 7)
+    assert (bwd["waited_at_once"], bwd["products"]) == (12, 14)
+    both = _tflop(8192, "fwd") + _tflop(8192, "bwd") * 7 / 5
+    assert t.loc["e2e", "needs_of_ceiling"] == pytest.approx(both / (3.0e-3 / 0.95) / 1e3)
+
+
+def test_the_bound_is_read_from_the_shares():
+    slow = [_bound_row("sdpa", 8192, 1.0, 2.0, 3.0), _bound_row("triton", 8192, 1.25, 2.5, 3.75)]
+    fast = [_bound_row("sdpa", 4096, 1.0, 1.0, 1.0), _bound_row("triton", 4096, 0.05, 0.1, 0.15)]
+    other_d = [_bound_row("sdpa", 4096, 1.0, 1.0, 1.0, d=128), _bound_row("triton", 4096, 0.05, 0.1, 0.15, d=128)]
+    high = pd.DataFrame([{"dtype": "bf16", "tflops": 1e4}])
+
+    def bounds(rows, ceiling=high):
+        bench = table(*rows)
+        return goals.missed_goal_bounds(bench, goals.goal_comparisons(bench), ceiling)
+
+    assert set(bounds(slow + fast)["bound"]) == {"this shape"}  # another shape of d 64 reaches the share
+    assert set(bounds(slow + other_d)["bound"]) == {"in-flight products"}  # d 128 says nothing about d 64
+    alone = bounds(slow)
+    assert set(alone["bound"]) == {"in-flight products"}
+    assert alone.set_index("pass").loc["bwd", "next_step"] == goals.FIVE_PRODUCTS  # 5/7 of its need is reached
+    assert set(bounds(slow, pd.DataFrame([{"dtype": "bf16", "tflops": 1.0}]))["bound"]) == {"ceiling"}
+    claim = goals.bounds_claim(alone)
+    values = {f.measured.label: f.measured.median for f in claim.findings if hasattr(f, "measured")}
+    assert values["missed goals"] == 3 and values["held by in-flight products"] == 3
+    assert values["shapes whose backward misses a goal"] == 1
+    assert values["of them, met by 5 products per tile pair at today's time per product"] == 1
+    assert goals.bounds_claim(alone.iloc[:0]).findings == ()

@@ -1,186 +1,104 @@
-"""lab.book.flash.grid: notebook 05's grid tables, speedups, goals and fp32 sweep, from small synthetic tables."""
-
-import math
-import re
+"""lab.book.flash.grid: the grid's comparisons, tables and claims, from synthetic rows (values and verdicts)."""
 
 import matplotlib
-import pandas as pd
 import pytest
 
-from lab.book.flash import bench as fl
-from lab.book.flash import goals as gl
-from lab.book.flash import grid, present
-from tests.book.prose import amounts, clause_of, counts, in_order, numbers, sentence_of
+from lab.accounting.attention import attention_flops
+from lab.bench.attention_grid import Shape
+from lab.book.claims import Tally, Versus
+from lab.book.flash import grid
+from tests.book.flash.rows import grid_row, table
 
 matplotlib.use("Agg")
 
-GPU = "NVIDIA H100 80GB HBM3"
+A, B, F = Shape(1, 16, 4096, 64), Shape(8, 16, 2048, 128, False), Shape(1, 1, 1024, 64)
 
 
-def _row(impl, shape, dtype, ms, std=0.01, n=50, sweep="lm", status="ok", note="", gpu=GPU):
-    row = dict(sweep=sweep, impl=impl, dtype=dtype, batch=shape.batch, heads=shape.heads, seq_len=shape.seq,
-               d=shape.d, causal=shape.causal, gpu=gpu, status=status, note=note)
-    for p, factor in (("fwd", 1.0), ("bwd", 2.0), ("e2e", 3.0)):
-        t = ms * factor if status == "ok" else math.nan
-        row.update({f"{p}_ms": t, f"{p}_mean_ms": t, f"{p}_std_ms": std * t, f"{p}_n": n if status == "ok" else 0})
-    return row
+def _bench():
+    return table(grid_row("triton", A, ms=1.0), grid_row("sdpa", A, ms=1.2),
+                 grid_row("sdpa_cudnn", A, ms=1.0, spread=0.2, n=5),
+                 grid_row("pytorch_flash", A, status="skipped", note="too slow"),
+                 grid_row("triton", B, ms=2.0), grid_row("sdpa", B, ms=1.0),
+                 grid_row("sdpa_cudnn", B, status="unsupported"),
+                 grid_row("pytorch_flash", B, ms=50.0, n=2),  # two samples: not decided
+                 grid_row("triton", F, "fp32", 1.0, sweep="fp32"), grid_row("sdpa", F, "fp32", 0.5, sweep="fp32"),
+                 grid_row("pytorch_naive", F, "fp32", 2.0, sweep="fp32"))
 
 
-A, B = fl.Shape(1, 16, 4096, 64), fl.Shape(8, 16, 2048, 128, False)
+def _verdicts(pairs, pass_="e2e"):
+    return {(k["shape"], k["against"]): f for k, f in pairs if k["pass"] == pass_}
 
 
-def _bench(gpu=GPU):
-    rows = [_row("triton", A, "bf16", 1.0, gpu=gpu), _row("sdpa", A, "bf16", 1.2, gpu=gpu),
-            _row("sdpa_cudnn", A, "bf16", 1.0, std=0.2, n=5, gpu=gpu),
-            _row("pytorch_flash", A, "bf16", 0, status="skipped", note="not run beyond 2048 tokens", gpu=gpu),
-            _row("triton", B, "bf16", 2.0, gpu=gpu), _row("sdpa", B, "bf16", 1.0, gpu=gpu),
-            _row("sdpa_cudnn", B, "bf16", 0, status="unsupported", note="not supported: no kernel", gpu=gpu),
-            _row("pytorch_flash", B, "bf16", 50.0, n=1, gpu=gpu),  # one sample: no spread
-            _row("triton", fl.Shape(1, 1, 1024, 64), "fp32", 1.0, sweep="fp32", gpu=gpu),
-            _row("sdpa", fl.Shape(1, 1, 1024, 64), "fp32", 0.5, sweep="fp32", gpu=gpu),
-            _row("pytorch_naive", fl.Shape(1, 1, 1024, 64), "fp32", 2.0, sweep="fp32", gpu=gpu)]
-    return fl.add_tflops(pd.DataFrame(rows))
+def test_versus_compares_what_both_ran_timed_alike():
+    pairs = grid.versus(_bench())
+    e2e = _verdicts(pairs)
+    assert set(e2e) == {(A.label, "sdpa"), (A.label, "sdpa_cudnn"), (B.label, "sdpa"), (B.label, "pytorch_flash")}
+    assert e2e[A.label, "sdpa"].comparison.ratio == pytest.approx(1 / 1.2) and e2e[A.label, "sdpa"].verdict == "faster"
+    assert e2e[A.label, "sdpa_cudnn"].verdict == "within noise"  # the reference scatters by 20%
+    assert e2e[B.label, "sdpa"].verdict == "slower" and e2e[B.label, "sdpa"].comparison.ratio == pytest.approx(2.0)
+    assert e2e[B.label, "pytorch_flash"].verdict == "not decided"  # fewer than 5 samples
+    assert all(isinstance(f, Versus) and f.goal is None for _, f in pairs) and len(pairs) == 12
+    # a replay is never set against an eager time; a replay's backward (derived, no samples) decides nothing
+    mixed = table(grid_row("triton", A, timing="graph"), grid_row("sdpa", A, timing="eager"))
+    assert grid.versus(mixed) == []
+    alike = table(grid_row("triton", A, timing="graph", bwd_n=0), grid_row("sdpa", A, ms=2.0, timing="graph"))
+    assert [k["pass"] for k, _ in grid.versus(alike)] == ["fwd", "e2e"]
+    table_ = grid.comparison_table(pairs, "e2e")
+    assert len(table_) == 4 and set(table_["verdict"]) == {"faster", "slower", "within noise", "not decided"}
 
 
-def test_latency_and_status_tables():
+def test_speed_and_fp32_claims_count_the_verdicts():
     bench = _bench()
-    lat = grid.latency_table(bench, "lm")
-    assert lat.columns.tolist() == ["shape", "dtype", "triton", "sdpa", "sdpa_cudnn", "pytorch_flash"]
-    assert lat.iloc[0]["shape"] == "1x16x4096 d64 causal" and lat.iloc[0]["triton"] == "1 / 2 / 3"
-    assert lat.iloc[0]["pytorch_flash"] == "skipped" and lat.iloc[1]["sdpa_cudnn"] == "unsupported"
-    graph = grid.latency_table(bench.assign(timing=["graph"] * 4 + ["eager"] * 7), "lm")
-    assert graph.iloc[0]["triton"] == "1 / 2 / 3 (graph)" and graph.iloc[1]["triton"] == "2 / 4 / 6"
-    st = grid.status_table(bench)
-    assert st["status"].tolist() == ["skipped", "unsupported"] and "2048" in st["note"].iloc[0]
-    assert grid.status_sentence(bench) == ("9 of 11 configurations ran. The rest: pytorch_flash skipped ×1; "
-                                              "sdpa_cudnn unsupported ×1 (the table gives each reason).")
+    speed = grid.speed_claim(grid.versus(bench))
+    counts = {f.label: f.counts() for f in speed.findings}
+    assert counts == {"Triton forward + backward against sdpa": {"faster": 1, "slower": 1},
+                      "Triton forward + backward against sdpa_cudnn": {"within noise": 1},
+                      "Triton forward + backward against pytorch_flash": {"not decided": 1}}
+    fp32 = grid.fp32_claim(grid.versus(bench, sweep="fp32"))
+    by = {(f.label.split()[-1], f.label.split()[1]): f.counts() for f in fp32.findings}
+    assert by["sdpa", "forward"] == {"slower": 1} and by["pytorch_naive", "forward"] == {"faster": 1}
+    assert len(fp32.findings) == 6 and all(isinstance(f, Tally) for f in fp32.findings)
 
 
-def test_speedups_sentences_and_heatmap():
+def test_latency_table_and_status_findings():
     bench = _bench()
-    sp = grid.speedup_table(bench, "lm")
-    e2e = sp[sp["pass"] == "e2e"].set_index(["shape", "reference"])
-    assert e2e.loc[("1x16x4096 d64 causal", "sdpa"), "speedup"] == pytest.approx(1.2)
-    assert e2e.loc[("1x16x4096 d64 causal", "sdpa"), "verdict"] == "faster"
-    assert e2e.loc[("1x16x4096 d64 causal", "sdpa_cudnn"), "verdict"] == "within noise"
-    assert e2e.loc[("8x16x2048 d128 full", "sdpa"), "verdict"] == "slower"
-    assert e2e.loc[("8x16x2048 d128 full", "pytorch_flash"), "speedup"] == pytest.approx(25.0)
-    shown = grid.speedup_display(sp, "e2e")
-    assert shown.iloc[0]["sdpa"] == "1.2x faster" and shown.iloc[0]["sdpa_cudnn"] == "1x ≈"
-    assert shown.iloc[1]["pytorch_flash"] == "25x (1 sample)"  # not "≈": no noise was measured
-    assert grid.speedup_display(sp, "e2e", interpreted_=True).iloc[0]["sdpa"] == "1.2x"
-    text = grid.speed_sentence(sp)
-    sdpa, cudnn, flash = text.split(";")  # one clause per reference: faster, slower, within noise on k of n
-    assert "Triton" in sdpa and "sdpa" in sdpa and sdpa.index("faster") < sdpa.index("slower") < sdpa.index("within")
-    assert numbers(sdpa)[-6:] == [1, 1, 0, 2, 0.5, 1.2] and amounts(sdpa) == [(1.2, "x")]  # counts, speedup range
-    assert "sdpa_cudnn" in cudnn and numbers(cudnn) == [0, 0, 1, 1, 1, 1]
-    assert "pytorch_flash" in flash and numbers(flash) == [1, 1, 25, 25] and "no spread" in flash
-    assert "faster" not in flash and "no verdict" in flash
-    assert grid.speed_sentence(sp, interpreted_=True) == present.INTERPRETED_SHORT
-    assert grid.plot_speedup_heatmap(sp) is not None
-    tf = grid.tflops_table(bench, "lm")
-    assert tf.iloc[0]["triton"] == pytest.approx(fl.attention_flops(1, 4096, 64, True, "e2e", heads=16) / 3e-3 / 1e12)
-    tf = grid.tflops_sentence(bench)  # Triton's best forward, backward, end to end; the best other's end to end
-    assert amounts(tf) == [(137, "TFLOP/s")] and numbers(tf) == [137, 172, 160, 321] and "bf16" in tf and "sdpa" in tf
-    assert tf.startswith("In bf16, Triton reaches at best") and tf.endswith("each pass on its own best shape.")
+    lat = grid.latency_table(bench)
+    assert lat.columns.tolist()[:6] == ["shape", "dtype", "impl", "kernel", "timing", "status"]
+    assert len(lat) == 8 and lat.loc[0, "e2e_ms"] == 3.0 and lat.loc[0, "n"] == 50 and lat.loc[7, "n"] == 2
+    values = {f.measured.label: f.measured.median for f in grid.status_findings(bench)}
+    assert values == {"configurations measured": 9, "configurations in the grid": 11,
+                      "rows of pytorch_flash skipped": 1, "rows of sdpa_cudnn unsupported": 1}
 
 
-def test_goals_sentence():
+def test_parts_against_the_whole_call():
+    """Forward and backward timed apart, summed (spreads in quadrature), against forward + backward in one call."""
+    bench = table(grid_row("triton", A, ms=1.0, factors=(1.0, 2.4, 3.0)),  # 3.4 against 3.0: beyond the noise
+                  grid_row("sdpa", A, ms=1.0, factors=(1.0, 2.0, 3.0)),  # they add up
+                  grid_row("triton", B, timing="graph", bwd_n=0))  # a replay's backward is the difference: left out
+    pairs = grid.parts_against_whole(bench)
+    assert [(k["impl"], k["shape"]) for k, _ in pairs] == [("triton", A.label), ("sdpa", A.label)]
+    summed = pairs[0][1].subject.summary
+    assert summed.median == pytest.approx(3.4) and summed.spread == pytest.approx(0.01 * (1 + 2.4 ** 2) ** 0.5)
+    claim = grid.parts_claim(pairs)
+    assert [f.counts() for f in claim.findings] == [{"slower": 1}, {"within noise": 1}] and claim.because
+
+
+def test_host_claim_sets_eager_calls_beside_replays():
+    eager = dict(e2e_eager_ms=6.0, e2e_eager_spread_ms=0.06, e2e_eager_n=20)
+    bench = table(grid_row("triton", A, timing="graph", **eager), grid_row("sdpa", A, timing="graph", ms=1.2, **eager),
+                  grid_row("sdpa_flash", A, timing="graph", **eager), grid_row("triton", B))
+    claim = grid.host_claim(bench)
+    assert [f.subject.label.split()[0] for f in claim.findings] == ["triton", "sdpa"]
+    assert [f.comparison.ratio for f in claim.findings] == pytest.approx([2.0, 6.0 / 3.6])
+    assert all(f.verdict == "slower" for f in claim.findings)
+    assert len(grid.host_table(bench)) == 3 and grid.host_table(table(grid_row("triton", B))).empty
+
+
+def test_tflops_findings_and_heatmap():
     bench = _bench()
-    goals = gl.flash_goals(bench)
-    shown = grid.goals_display(goals)
-    assert shown["shape"].tolist() == ["1x16x4096 d64 causal", "8x16x2048 d128 full"]
-    assert shown["targets"].tolist() == ["fwd ≥ 1, bwd ≥ 0.9, e2e ≥ 0.95"] * 2
-    text = grid.goals_sentence(goals)
-    tally, furthest = text.split(". ")[:2]
-    assert amounts(tally) == [(1, "x"), (0.9, "x"), (0.95, "x")]  # the goals of each pass
-    for p in ("fwd:", "bwd:", "e2e:"):  # met, missed, undecided of n
-        assert numbers(clause_of(tally, p)) == [1, 1, 0, 2] and clause_of(tally, p).index("met") < clause_of(
-            tally, p).index("missed") < clause_of(tally, p).index("undecided")
-    assert "fwd" in furthest and "8x16x2048 d128 full" in furthest and "bwd" not in furthest
-    assert amounts(furthest) == [(0.5, "x"), (1, "x"), (50, "%")] and "below" in furthest
-    met = grid.goals_sentence(gl.flash_goals(bench[bench["seq_len"] == 4096]))
-    assert "met" in met and "missed" not in met and "1x16x4096 d64 causal" in met and "above" in met
-    assert amounts(met) == [(1, "x"), (0.9, "x"), (0.95, "x"), (1.2, "x"), (1, "x"), (20, "%")]  # goals; the closest
-    none = grid.goals_sentence(gl.flash_goals(bench[bench["heads"] < 16]))
-    assert not amounts(none) and "met" not in none and "missed" not in none and numbers(none) == [16]
-    interpreted_text = grid.goals_sentence(goals, interpreted_=True)
-    assert present.INTERPRETED_SHORT in interpreted_text and not amounts(interpreted_text)
-    assert "met" not in interpreted_text and "missed" not in interpreted_text
-
-
-def test_fp32_sentence_says_whether_triton_is_ever_slower():
-    text = grid.fp32_sentence(_bench())
-    sdpa, naive = text.split(";")
-    assert text.startswith("Yes") and "sdpa" in sdpa and "pytorch_naive" in naive
-    assert re.findall(r"(\d+) of (\d+)", sdpa) == [("1", "1")] * 3  # slower in each pass's one configuration
-    assert "1x1x1024 d64 causal" in sdpa and "0.5x" in sdpa  # the end-to-end shape and its speed
-    assert "never" in naive and not re.findall(r"\d+ of \d+", naive)
-    faster = _bench()
-    faster.loc[(faster["sweep"] == "fp32") & (faster["impl"] == "sdpa"), ["fwd_mean_ms", "bwd_mean_ms",
-                                                                          "e2e_mean_ms"]] = [5.0, 10.0, 15.0]
-    never = grid.fp32_sentence(faster)
-    assert never.startswith("No") and not counts(never) and not amounts(never) and never.count("never") == 2
-    interpreted_text = grid.fp32_sentence(_bench(), interpreted_=True)
-    assert present.INTERPRETED_SHORT in interpreted_text and not counts(interpreted_text)
-    assert not interpreted_text.startswith(("Yes", "No"))  # no answer either way
-
-
-def test_interpreted_is_read_from_the_rows():
-    assert present.interpreted(_bench(gpu="cpu")) and not present.interpreted(_bench())
-    assert present.interpreted(pd.DataFrame(dict(device=["cpu"])))
-    assert not present.interpreted(pd.DataFrame(dict(device=["cuda:0"])))
-
-
-def test_why_missed_reads_the_gap_by_head_dimension():
-    rows = [(64, 0.96, 0.85, 0.87), (80, 0.70, 0.65, 0.66), (80, 0.68, 0.63, 0.66), (128, 0.73, 0.73, 0.74)]
-    goals = pd.DataFrame([dict(d=d, fwd_ratio=f, bwd_ratio=b, e2e_ratio=e) for d, f, b, e in rows])
-    t = grid.why_missed_table(goals).set_index("d")
-    assert t.loc[80, "shapes"] == 2 and t.loc[80, "fwd_median"] == pytest.approx(0.69)
-    assert t.loc[80, "useful_columns"] == 0.625 and t.loc[128, "useful_columns"] == 1.0
-    text = grid.why_missed_sentence(goals)
-    d80 = clause_of(text, "d 80")  # forward, backward, end to end
-    assert amounts(d80) == [(0.69, "x"), (0.64, "x"), (0.66, "x")] and d80.index("forward") < d80.index("backward")
-    furthest = text.split(". ")[1]  # 0.69 / 1.0 below 0.64 / 0.9
-    assert numbers(furthest) == [80] and "forward" in furthest and "backward" not in furthest
-    # the powers of two's forward median: (0.96 + 0.73) / 2
-    masked = sentence_of(text, 62.5, "%")
-    assert numbers(masked) == [80, 62.5, 128, 0.69, 0.845] and amounts(masked)[1:] == [(0.69, "x"), (0.845, "x")]
-    products = sentence_of(text, 0.714, "x")
-    assert counts(products) == [(2, 3)] and in_order(products, [7, 5, 0.714])  # d 128: equal, not behind
-    assert products.index("backward") < products.index("forward")  # the backward trails the forward
-    unexamined = grid.why_missed_sentence(goals, interpreted_=True)
-    assert not amounts(unexamined) and not numbers(unexamined)
-    # measured on a GPU in bf16, d = 80 runs as 64 + 16 columns: no masked tile is claimed
-    on_gpu = goals.assign(dtype="bf16", seq_len=2048, gpu="NVIDIA H100 80GB HBM3")
-    assert grid.why_missed_table(on_gpu).set_index("d").loc[80, "useful_columns"] == 1.0
-    split = grid.why_missed_sentence(on_gpu)
-    assert "masked" not in split.replace("no masked", "")
-    chunks = next(part for part in split.split(". ") if "no masked" in part)
-    assert numbers(chunks) == [80, 0.69, 0.845]
-
-
-def test_host_table_sets_eager_calls_beside_graph_replays():
-    bench = _bench()
-    assert grid.host_table(bench).empty and grid.host_sentence(grid.host_table(bench)) == ""  # no graph timing
-    graph = ["graph", "graph"] + ["eager"] * 9
-    bench = bench.assign(timing=graph, e2e_eager_ms=[6.0, 4.8] + [math.nan] * 9, fwd_eager_ms=[2.0, 1.6] + [
-        math.nan] * 9)
-    t = grid.host_table(bench)
-    assert t["impl"].tolist() == ["triton", "sdpa"] and t["e2e_graph_ms"].tolist() == pytest.approx([3.0, 3.6])
-    assert t["e2e_host_share"].tolist() == pytest.approx([0.5, 0.25])
-    text = grid.host_sentence(t)
-    assert numbers(text)[1:5] == [6000, 3000, 4800, 3600]  # triton eager, replayed; sdpa eager, replayed
-    assert text.index("triton") < text.index("sdpa") and "1x16x4096 d64 causal" in text
-
-
-def test_goals_against_flex_attention():
-    """The FlexAttention goals (fwd, bwd >= 1x) through the same table and sentence, naming their reference."""
-    bench = _bench()
-    bench = pd.concat([bench, bench[bench["impl"] == "sdpa"].assign(impl="flex")], ignore_index=True)
-    goals = gl.flash_goals(bench, reference="flex", goals=gl.FLEX_GOALS, shape_goals={})
-    assert (goals["reference"] == "flex").all() and "e2e_ratio" not in goals.columns
-    shown = grid.goals_display(goals)
-    assert "e2e_goal" not in shown.columns and shown["targets"].tolist() == ["fwd ≥ 1, bwd ≥ 1"] * 2
-    text = grid.goals_sentence(goals, gl.FLEX_GOALS, reference="FlexAttention")
-    assert "FlexAttention's speed" in text and "e2e" not in text and "SDPA" not in text
+    values = {f.measured.label: f.measured.median for f in grid.tflops_claim(bench).findings}
+    a, b = (attention_flops(s.batch, s.seq, s.d, s.causal, "e2e", heads=s.heads) / 1e12 for s in (A, B))
+    assert values["triton's best forward + backward in bf16"] == pytest.approx(max(a / 3e-3, b / 6e-3))
+    assert values["the best other forward + backward in bf16 (sdpa)"] == pytest.approx(b / 3e-3)  # sdpa on B
+    assert grid.tflops_table(bench).loc[0, "triton"] == pytest.approx(a / 3e-3)
+    assert grid.plot_speedup_heatmap(grid.versus(bench)) is not None and grid.plot_speedup_heatmap([]) is None

@@ -1,5 +1,6 @@
 """The LM-head loss benchmark on the CPU with tiny shapes (fused kernels interpreted), and its baselines."""
 
+import json
 import math
 import sys
 import types
@@ -9,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lab.book.fastest import fused_loss as fl
+from lab.bench import fused_loss as fl
 
 
 def test_sweep_rows_and_columns():
@@ -20,8 +21,9 @@ def test_sweep_rows_and_columns():
     assert (df["status"] == "ok").all() and (df["error"] == "").all()
     assert (df[["vocab", "d_model", "tokens"]].drop_duplicates().values.tolist() == [[50, 24, 37]])
     assert (df["fwdbwd_ms"] > 0).all() and (df["fwd_ms"] > 0).all()
-    # each forward+backward keeps its spread and sample count, for the noise-aware verdicts of 10's loss table
-    assert (df["fwdbwd_n"] == 1).all() and df["fwdbwd_std_ms"].notna().all()
+    # each forward+backward keeps its spread, sample count and samples, for the verdicts of 10's loss table
+    assert (df["fwdbwd_n"] == 1).all() and (df["fwdbwd_spread_ms"] == 0).all()
+    assert [json.loads(x) for x in df["fwdbwd_samples_ms"]] == [[round(m, 4)] for m in df["fwdbwd_ms"]]
     assert df["peak_extra_gib"].isna().all() and df["peak_with_grads_gib"].isna().all()  # no CUDA allocator
     expected = fl.loss_flops(37, 24, 50) / (df["fwdbwd_ms"] * 1e-3) / 1e12
     assert df["tflops"].to_numpy() == pytest.approx(expected.to_numpy())
@@ -33,6 +35,15 @@ def test_sweep_rows_and_columns():
     ratios = fl.add_ratios(df, "torch")
     assert ratios.loc[ratios["impl"] == "torch", "time_vs_torch"].tolist() == [1.0, 1.0]
     assert ratios["memory_vs_torch"].isna().all()
+
+
+def test_an_untimed_row_is_checked_but_not_timed():
+    """Interpreted Triton on a CPU: the errors of one forward+backward, no time (it would say nothing)."""
+    df = fl.sweep(impls=("fused", "torch"), shapes=[(30, 16, 8)], dtypes=("fp32",), device="cpu", cpu_steps=1,
+                  check=True, untimed=("fused",))
+    fused, torch_row = df.set_index("impl").loc["fused"], df.set_index("impl").loc["torch"]
+    assert fused["status"] == "not timed" and math.isnan(fused["fwdbwd_ms"]) and fused["dw_rel_err"] < 1e-5
+    assert torch_row["status"] == "ok" and torch_row["fwdbwd_ms"] > 0
 
 
 def test_chunk_size_rows_and_unknown_names():
@@ -77,7 +88,7 @@ def test_command_line(tmp_path, capsys):
     assert code == 0
     df = pd.read_csv(tmp_path / "fused_loss.csv")
     assert df["impl"].tolist() == ["fused", "torch", "cce"] and df["status"].tolist() == ["ok", "ok", "skipped"]
-    assert (df["source"] == "lab.book.fastest.fused_loss").all() and (df.loc[:1, "dh_rel_err"] < 1e-5).all()
+    assert (df["source"] == "lab.bench.fused_loss").all() and (df.loc[:1, "dh_rel_err"] < 1e-5).all()
     assert "| fused " in capsys.readouterr().out
     assert fl.main(["--impls", "nope", "--device", "cpu"]) == 2
     assert fl.main(["--shapes", "40x16", "--device", "cpu"]) == 2

@@ -8,7 +8,8 @@ import time
 import pytest
 import torch
 
-from lab.book.fastest import bench
+from lab.bench import fastest as bench
+from lab.measure.verdicts import MIN_SAMPLES
 from lab.parallel.gpu_pool import run_on_gpus
 from lab.recipes.fastest_step import ABLATION_BASE, CONFIGS, ablations, recipes_for
 from tests.kineto import write_trace
@@ -222,12 +223,12 @@ def test_rows_say_what_a_comparison_holds_fixed():
     assert bench.empty_row(CONFIGS["leaderboard"], recipes_for(CONFIGS["leaderboard"])["project"])["batch"] == 2
 
 
-@pytest.mark.parametrize("name,ablation_steps", [("tiny_one_rank", 0), ("tiny", 2)])
+@pytest.mark.parametrize("name,ablation_steps", [("tiny_one_rank", 0), ("tiny", MIN_SAMPLES)])
 def test_ablations_time_like_the_headline_on_one_gpu_and_by_the_host_clock_on_several(monkeypatch, name,
                                                                                    ablation_steps):
     """A one-GPU step takes milliseconds: its ablations get do_bench like the headline steps (``host_steps`` 0)
-    and no host-timed reference is needed; a multi-GPU step takes seconds: two host-timed steps, and the
-    headline recipes add two more so that the ablations compare like for like."""
+    and no host-timed reference is needed; a multi-GPU step takes seconds: the rule's minimum of host-timed
+    steps, and the headline recipes add as many so that the ablations compare like for like."""
     config = CONFIGS[name]
     project = recipes_for(config)["project"]
     recipes = [project, *ablations(project)[:2]]

@@ -26,10 +26,11 @@ from torch._dynamo.utils import counters
 
 from lab import paths
 from lab.bench.progress import progress_line
-from lab.measure.device import empty_cache, error_summary, is_oom, synchronize
+from lab.measure.device import available_memory_bytes, empty_cache, error_summary, is_oom, synchronize
 from lab.measure.profiling import kernel_class, profile_step
 from lab.measure.timing import matmul_tflops, time_callable, time_kernel
 from lab.measure.traces import kernels_by_range, read_trace, step_overlap
+from lab.measure.verdicts import MIN_SAMPLES, summarize
 from lab.parallel import launcher, runner
 from lab.parallel.gpu_pool import run_on_gpus
 from lab.recipes.fastest_step import (
@@ -143,9 +144,10 @@ def empty_row(config: StepConfig, recipe: Recipe, status: str = "ok", error: str
     back; NaN without offloading); ``cuda_graphs`` (captured or not) and ``note`` (why a choice did not apply)."""
     return dict(impl=recipe.name, config=config.name, world_size=config.world_size, status=status, error=error,
                 precision=recipe.precision, batch=config.batch_per_rank * config.world_size, context=config.context,
-                step_ms=math.nan, step_std_ms=math.nan, step_n=0, step_samples_ms=[], first_step_s=math.nan,
-                wall_s=math.nan, host_step_ms=math.nan, host_step_std_ms=math.nan, host_step_n=0,
-                peak_gib=math.nan, params_gib=math.nan, grads_gib=math.nan, optimizer_gib=math.nan,
+                step_ms=math.nan, step_spread_ms=math.nan, step_n=0, step_samples_ms=[], first_step_s=math.nan,
+                wall_s=math.nan, host_step_ms=math.nan, host_step_spread_ms=math.nan, host_step_n=0,
+                host_step_samples_ms=[],
+                peak_gib=math.nan, limit_gib=math.nan, params_gib=math.nan, grads_gib=math.nan, optimizer_gib=math.nan,
                 activations_and_other_gib=math.nan, **dict.fromkeys(PHASE_COLUMNS, math.nan),
                 other_kernels_top="", offload_bytes=math.nan, offload_wait_ms=math.nan, cuda_graphs=False, note="",
                 **step_traffic(config, recipe), recipe=repr(recipe.for_world(config.world_size)))
@@ -153,7 +155,7 @@ def empty_row(config: StepConfig, recipe: Recipe, status: str = "ok", error: str
 
 def measure_recipe(config: StepConfig, recipe: Recipe, device: torch.device, warmup_ms: float = 1,
                    rep_ms: float = 3000, profile: bool = True, trace_dir: str | None = None, seed: int = 0,
-                   host_steps: int = 0, host_reference: bool = False) -> dict:
+                   host_steps: int = 0, host_reference: bool = False, samples: int = MIN_SAMPLES) -> dict:
     """One recipe on this rank: build, the first step (compilation and autotuning included), then
     ``triton.testing.do_bench`` of whole steps (``rep_ms`` of them; do_bench also runs five steps to estimate
     their time), or with ``host_steps`` that many steps timed by the host clock (cheaper, for ablations),
@@ -192,19 +194,21 @@ def measure_recipe(config: StepConfig, recipe: Recipe, device: torch.device, war
         else:
             if offloader is not None:
                 offloader.reset_stats()
-            timing, row["timer"] = time_callable(step, warmup=0, steps=max(host_steps, 2), device=device), "host"
+            timing, row["timer"] = time_callable(step, warmup=0, steps=max(host_steps, samples), device=device), \
+                "host"
         if device.type == "cuda":
             row["peak_gib"] = torch.cuda.max_memory_allocated(device) / GiB
-        row.update(step_ms=timing.median_ms, step_std_ms=timing.std_ms, step_n=len(timing.samples_ms),
-                   step_samples_ms=timing.samples_ms)
+        s = summarize(timing.samples_ms)
+        row.update(step_ms=s.median, step_spread_ms=s.spread, step_n=s.n, step_samples_ms=timing.samples_ms)
         row["wall_s"] = time.perf_counter() - begun
         if offloader is not None:
             row.update(_offload_per_step(step, offloader, len(timing.samples_ms) if row["timer"] == "host" else 0))
         if row["timer"] == "do_bench" and host_reference:
-            timing = time_callable(step, warmup=0, steps=2, device=device)
+            timing = time_callable(step, warmup=0, steps=samples, device=device)
         if row["timer"] == "host" or host_reference:
-            row.update(host_step_ms=timing.median_ms, host_step_std_ms=timing.std_ms,
-                       host_step_n=len(timing.samples_ms))
+            s = summarize(timing.samples_ms)
+            row.update(host_step_ms=s.median, host_step_spread_ms=s.spread, host_step_n=s.n,
+                       host_step_samples_ms=timing.samples_ms)
         state = _state_bytes(step)
         row.update({f"{k}_gib": v / GiB for k, v in state.items()})
         if row["peak_gib"] == row["peak_gib"]:
@@ -214,7 +218,7 @@ def measure_recipe(config: StepConfig, recipe: Recipe, device: torch.device, war
     except Exception as exc:  # noqa: BLE001 - out of memory is a result
         if not is_oom(exc):
             raise
-        row.update(status="oom", error=error_summary(exc))
+        row.update(status="oom", error=error_summary(exc), limit_gib=available_memory_bytes(device) / GiB)
     step = None  # noqa: F841
     gc.collect()
     empty_cache()
@@ -250,18 +254,18 @@ def _announce(row: dict) -> dict:
 
 def fastest_worker(config: StepConfig, recipes: list[Recipe], warmup_ms: float, rep_ms: float, profile: bool,
                    trace_dir: str | None, headline: tuple[str, ...], fresh_cache: bool = False,
-                   progress: runner.Progress | None = None) -> list[dict]:
+                   progress: runner.Progress | None = None, samples: int = MIN_SAMPLES) -> list[dict]:
     """Inside a launched process: every recipe in turn on this rank (the ``headline`` ones timed with
     do_bench and profiled, as are :data:`PROFILED_ABLATIONS`; the others with do_bench on one GPU, whose
-    steps take milliseconds, and with two host-timed steps on several, whose steps take seconds; where both
-    kinds run, each headline recipe with two host-timed steps more, so that an ablation can be compared with
-    any of them timed the same way);
+    steps take milliseconds, and with :data:`~lab.measure.verdicts.MIN_SAMPLES` host-timed steps on several, whose
+    steps take seconds; where both kinds run, each headline recipe with as many host-timed steps more, so that
+    an ablation can be compared with any of them timed the same way);
     returns the rows, each also recorded in ``progress`` as it finishes (:func:`run_recipes`).
     ``fresh_cache``: compile into empty Inductor and Triton caches of this process's own
     (removed at the end), so the first recipe's ``first_step_s`` and ``wall_s`` include every compilation
     and autotuning from scratch, as the leaderboard's 10-minute rule counts them."""
     device = launcher.device()
-    host_steps = {r.name: 0 if r.name in headline or config.world_size == 1 else 2 for r in recipes}
+    host_steps = {r.name: 0 if r.name in headline or config.world_size == 1 else samples for r in recipes}
     ablated = any(host_steps.values()) and any(r.name == "project" for r in recipes)
     fresh = (tempfile.TemporaryDirectory(prefix="lab_fastest_cache_", ignore_cleanup_errors=True) if fresh_cache
              else contextlib.nullcontext())
@@ -271,7 +275,7 @@ def fastest_worker(config: StepConfig, recipes: list[Recipe], warmup_ms: float, 
         with launcher.environment(caches):  # a torchrun rank is this very process: its environment is restored
             return run_recipes(recipes, lambda r: measure_recipe(
                 config, r, device, warmup_ms, rep_ms, profile and profiled(r.name, headline), trace_dir,
-                host_steps=host_steps[r.name], host_reference=ablated and r.name in headline),
+                host_steps=host_steps[r.name], host_reference=ablated and r.name in headline, samples=samples),
                 progress or runner.Progress(""))
 
 
@@ -293,14 +297,14 @@ def benchmark(config: str | StepConfig, recipes: Sequence[Recipe], world_size: i
               warmup_ms: float = 1, rep_ms: float = 3000, profile: bool = True, trace_dir: str | None = None,
               peak_tflops: float | None = None, timeout_s: float = 1800,
               headline: Sequence[str] = HEADLINE, first_gpu: int = 0, deadline_s: float | None = None,
-              fresh_cache: bool = False, env: dict[str, str] | None = None) -> pd.DataFrame:
+              fresh_cache: bool = False, env: dict[str, str] | None = None, samples: int = MIN_SAMPLES) -> pd.DataFrame:
     """Every recipe of the configuration on ``world_size`` ranks (default: the configuration's), side by side
     in the same processes. One row per recipe with ``impl``, ``config``, ``world_size``, ``step_ms`` (median
-    over the timed steps of rank 0), ``step_std_ms``, ``peak_gib`` (the largest over ranks), memory by
+    over the timed steps of rank 0), ``step_spread_ms``, ``step_n``, ``peak_gib`` (the largest over ranks), memory by
     category on rank 0, phase times, ``tokens_per_s``, ``mfu`` (against ``peak_tflops`` per GPU: by default
     the bf16 matmul rate measured here, :func:`matmul_ceiling_tflops`; datasheet MFU in ``mfu_datasheet``).
     The ``headline`` recipes are timed with do_bench and profiled; the others (ablations) as
-    :func:`fastest_worker` says (do_bench on one GPU, two host-timed steps on several). On GPUs, rank ``r``
+    :func:`fastest_worker` says (do_bench on one GPU, host-timed steps on several). On GPUs, rank ``r``
     drives GPU ``first_gpu + r`` (``gpus`` column).
 
     The ranks run with ``env`` (default :func:`allocator_env`; ``alloc_conf`` column).
@@ -310,7 +314,9 @@ def benchmark(config: str | StepConfig, recipes: Sequence[Recipe], world_size: i
     ``deadline_s``: ranks that hang or die past it (or fail otherwise) make every recipe they had not
     finished a row of ``status`` ``failed`` (the reason in ``error``) rather than an exception; the rows
     they finished are kept. ``fresh_cache``: the first recipe compiles
-    from empty caches (:func:`fastest_worker`)."""
+    from empty caches (:func:`fastest_worker`). ``samples``: the host-timed steps of a recipe (on the CPU every
+    recipe's; do_bench gives at least as many on a GPU): fewer than the rule's minimum decide nothing, which a
+    quick render whose interpreted kernels say nothing about GPUs can accept to stay quick."""
     config = CONFIGS[config] if isinstance(config, str) else config
     world_size = world_size or config.world_size
     if world_size != config.world_size:
@@ -320,7 +326,7 @@ def benchmark(config: str | StepConfig, recipes: Sequence[Recipe], world_size: i
     per_recipe = runner.run(
         fastest_worker, recipes, world_size,
         lambda todo, progress: (config, todo, warmup_ms, rep_ms, profile, trace_dir, tuple(headline),
-                                fresh_cache and progress.launch == 0, progress),
+                                fresh_cache and progress.launch == 0, progress, samples),
         blank=lambda recipe, status, error: empty_row(config, recipe, status=status, error=error),
         deadline_s=deadline_s, device=device, timeout_s=timeout_s, first_gpu=first_gpu,
         env=None if launcher.is_torchrun() else env)
@@ -408,7 +414,9 @@ def benchmark_configs(jobs: Mapping[str, Sequence[Recipe]], device: str = "auto"
 
 
 def results_table(df: pd.DataFrame) -> pd.DataFrame:
-    """The spec's ``fastest_step.csv`` columns first, the samples dropped."""
+    """The spec's ``fastest_step.csv`` columns first; the samples kept as JSON lists (a comparison bootstraps
+    them when the table is read back)."""
     first = ["impl", "config", "world_size", "step_ms", "peak_gib", "tokens_per_s", "mfu", "status"]
-    df = df.drop(columns=[c for c in df.columns if c.endswith("_samples_ms")])
+    df = df.assign(**{c: df[c].map(lambda x: json.dumps([round(float(v), 4) for v in x]) if isinstance(x, list)
+                                   else x) for c in df.columns if c.endswith("_samples_ms")})
     return df[first + [c for c in df.columns if c not in first]]

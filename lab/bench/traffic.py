@@ -1,8 +1,9 @@
 """Communication volume of one training step of each sharding schedule (DDP, the sharded optimizer, ZeRO-1,
-FSDP), recorded from the collectives the code issues (:class:`lab.parallel.collectives.TrafficLog`) and set
-beside the closed forms (:func:`lab.parallel.sharded_optimizer.optimizer_traffic`).
+FSDP), counted from the collectives the code issues (:class:`lab.parallel.collectives.TrafficLog`) and set
+beside the closed forms (:func:`lab.parallel.sharded_optimizer.optimizer_traffic`). Both are byte counts that
+depend on the model and the number of ranks, not on the machine: the counting runs a tiny model on CPU
+processes with gloo wherever the rest of a benchmark runs.
 """
-
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ import math
 
 import pandas as pd
 import torch
+import torch.distributed as dist
 
 from lab.accounting import parameter_count
-from lab.book.ddp.bench import model_config
-from lab.book.sharding.bench import LR
+from lab.bench.distributed import model_config
+from lab.bench.sharding import LR
 from lab.measure.step import lm_loss, random_batch
 from lab.model import ModelConfig, TransformerLM
 from lab.parallel import launcher as distributed
@@ -26,8 +28,6 @@ from lab.units import GiB
 
 def _average_gradients(model: torch.nn.Module) -> None:
     """DDP's gradient synchronization, unbucketed: all-reduce (sum) every gradient, divide by the world size."""
-    import torch.distributed as dist
-
     for p in model.parameters():
         if p.grad is not None:
             record_collective("all_reduce", p.grad)
@@ -65,13 +65,6 @@ def traffic_row(impl: str, cfg: ModelConfig, batch: int = 2) -> dict:
         opt.step()
     return dict(impl=impl, collectives={op: log.bytes_per_rank(n, op) for op in log.summary()},
                 num_params=model.num_parameters(), status="ok", error="")
-
-
-def traffic_worker(cfg: ModelConfig, batch: int = 2) -> dict:
-    """Inside a launched process: :func:`traffic_row` of each schedule. Returns ``{impl: {collective: ring
-    bytes per rank}}`` for ddp, sharded_optimizer, zero1 and fsdp, plus ``num_params``."""
-    rows = [traffic_row(impl, cfg, batch) for impl in IMPLS]
-    return {"num_params": rows[0]["num_params"], **{r["impl"]: r["collectives"] for r in rows}}
 
 
 def measure_traffic(size: str | ModelConfig = "tiny", world_size: int = 2, context: int = 64,
@@ -121,23 +114,3 @@ def closed_form_traffic(size: str | ModelConfig, world_size: int = 2) -> pd.Data
     for col in ("gradient", "parameter", "total"):
         df[f"{col}_gib"] = df[f"{col}_bytes"] / GiB
     return df.assign(size=name)
-
-
-def reduce_precision_note(df: pd.DataFrame, reference: str = "ddp") -> str:
-    """Which implementations reduce their gradients in another dtype than ``reference`` (``reduce_dtype``
-    column): their step times against it differ in the bytes each reduction sends too, not only in the
-    sharding; "" where all reduce alike (or the column is absent)."""
-    if "reduce_dtype" not in df:
-        return ""
-    ok = df[df["status"] == "ok"] if "status" in df else df
-    ref = ok.loc[ok["impl"] == reference, "reduce_dtype"].dropna()
-    if ref.empty:
-        return ""
-    theirs = ref.iloc[0]
-    others = ok[(ok["impl"] != reference) & ok["reduce_dtype"].notna() & (ok["reduce_dtype"] != theirs)]
-    if others.empty:
-        return ""
-    by = others.groupby("reduce_dtype", sort=False)["impl"].unique()
-    named = "; ".join(f"{', '.join(impls)} in {dtype}" for dtype, impls in by.items())
-    return (f"Not like for like in one respect: {reference} reduces its gradients in {theirs}, {named}, so their "
-            f"step times against {reference} also differ in the bytes each reduction sends.")

@@ -25,7 +25,7 @@ each row also gives its loss's and gradients' relative error against an fp32 ref
 
 Command line (one row per shape and implementation, a markdown table, optionally the CSV)::
 
-    python -m lab.book.fastest.fused_loss --shapes 151936x4096x32768 10000x2560x16384 --check --rep-ms 600 \
+    python -m lab.bench.fused_loss --shapes 151936x4096x32768 10000x2560x16384 --check --rep-ms 600 \
         --results-dir results
 """
 
@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import json
 import math
 import re
 import warnings
@@ -49,11 +50,13 @@ from lab.dtypes import element_size
 from lab.measure.device import empty_cache, error_summary, is_oom, resolve_device, synchronize
 from lab.measure.results import save_results
 from lab.measure.timing import time_kernel
+from lab.measure.verdicts import MIN_SAMPLES, summarize
 
 IMPLS = ("fused", "fused_recompute", "torch", "torch_compiled", "torch_chunked", "liger", "cce")
 #: Optional peers: impl -> the package that must import.
 PEERS = {"liger": "liger_kernel", "cce": "cut_cross_entropy"}
-COLUMNS = ["impl", "vocab", "d_model", "tokens", "dtype", "fwdbwd_ms", "fwdbwd_std_ms", "fwdbwd_n", "fwd_ms",
+COLUMNS = ["impl", "vocab", "d_model", "tokens", "dtype", "fwdbwd_ms", "fwdbwd_spread_ms", "fwdbwd_n",
+           "fwdbwd_samples_ms", "fwd_ms",
            "peak_extra_gib", "peak_with_grads_gib", "tflops", "loss_rel_err", "dh_rel_err", "dw_rel_err",
            "status", "error", "device"]
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -243,14 +246,17 @@ def peak_extra_bytes(fn: LossFn, hidden, weight, targets) -> tuple[int, int]:
 
 def benchmark_loss(impl: str, vocab: int, d_model: int, tokens: int, dtype: str = "bf16",
                    device: torch.device | str = "auto", fn: LossFn | None = None, warmup_ms: float = 25,
-                   rep_ms: float = 100, cpu_steps: int = 3, seed: int = 0, record_errors: bool = False,
-                   reference: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> dict:
+                   rep_ms: float = 100, cpu_steps: int = 5, seed: int = 0, record_errors: bool = False,
+                   reference: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                   timed: bool = True) -> dict:
     """One row: forward and forward+backward time of the loss ``impl`` (or ``fn``, named ``impl``) and its
     peak extra memory at one shape.
 
     ``fwd_ms``: median ms of the forward with autograd recording (what a training step pays; for ``fused``,
     ``torch_chunked`` and ``liger`` it includes the gradients). ``fwdbwd_ms``: median ms of forward +
-    ``torch.autograd.grad`` for hidden and weight. ``peak_extra_gib`` / ``peak_with_grads_gib``:
+    ``torch.autograd.grad`` for hidden and weight, with its spread, count and samples (a JSON list).
+    ``timed=False`` measures no time: one forward+backward for the errors (where Triton runs interpreted on a
+    CPU, a time says nothing and costs minutes). ``peak_extra_gib`` / ``peak_with_grads_gib``:
     :func:`peak_extra_bytes` in GiB (NaN on the CPU). ``tflops``: :func:`loss_flops` / ``fwdbwd_ms``.
     ``reference`` (:func:`reference_loss_and_grads` of the same inputs): the ``*_rel_err`` columns. One
     untimed forward+backward runs first (compilation, Triton JIT). Out-of-memory anywhere gives
@@ -270,9 +276,10 @@ def benchmark_loss(impl: str, vocab: int, d_model: int, tokens: int, dtype: str 
         def fwdbwd():
             return torch.autograd.grad(loss_fn(hidden, weight, targets), (hidden, weight))
 
-        with warnings.catch_warnings():  # Inductor's notice that it split the compiled loss's reduction
-            warnings.filterwarnings("ignore", message=r"\s*Online softmax is disabled", category=UserWarning)
-            fwdbwd()  # compile / JIT / autotune outside the measurements
+        if timed:
+            with warnings.catch_warnings():  # Inductor's notice that it split the compiled loss's reduction
+                warnings.filterwarnings("ignore", message=r"\s*Online softmax is disabled", category=UserWarning)
+                fwdbwd()  # compile / JIT / autotune outside the measurements
         if reference is not None:
             loss = loss_fn(hidden, weight, targets)
             d_hidden, d_weight = torch.autograd.grad(loss, (hidden, weight))
@@ -282,13 +289,17 @@ def benchmark_loss(impl: str, vocab: int, d_model: int, tokens: int, dtype: str 
         if device.type == "cuda":
             extra, with_grads = peak_extra_bytes(loss_fn, hidden, weight, targets)
             row["peak_extra_gib"], row["peak_with_grads_gib"] = extra / 2**30, with_grads / 2**30
-        # at least 5 samples on a GPU: a loss of 200 ms in a 100 ms budget would give one, and no spread
-        timer = dict(warmup_ms=warmup_ms, rep_ms=rep_ms, cpu_warmup=1, cpu_steps=cpu_steps, min_samples=5)
-        row["fwd_ms"] = time_kernel(lambda: loss_fn(hidden, weight, targets), device, **timer).median_ms
-        # the median with its spread and sample count, so that a comparison can say "within noise"
-        timing = time_kernel(fwdbwd, device, **timer)
-        row.update(fwdbwd_ms=timing.median_ms, fwdbwd_std_ms=timing.std_ms, fwdbwd_n=len(timing.samples_ms))
-        row["tflops"] = loss_flops(tokens, d_model, vocab) / (row["fwdbwd_ms"] * 1e-3) / 1e12
+        if timed:
+            # a loss of 200 ms in a 100 ms budget would give do_bench one sample: ask for the rule's minimum
+            timer = dict(warmup_ms=warmup_ms, rep_ms=rep_ms, cpu_warmup=1, cpu_steps=cpu_steps,
+                         min_samples=MIN_SAMPLES)
+            row["fwd_ms"] = time_kernel(lambda: loss_fn(hidden, weight, targets), device, **timer).median_ms
+            timing = summarize(time_kernel(fwdbwd, device, **timer).samples_ms)
+            row.update(fwdbwd_ms=timing.median, fwdbwd_spread_ms=timing.spread, fwdbwd_n=timing.n,
+                       fwdbwd_samples_ms=json.dumps([round(x, 4) for x in timing.samples]))
+            row["tflops"] = loss_flops(tokens, d_model, vocab) / (row["fwdbwd_ms"] * 1e-3) / 1e12
+        else:
+            row["status"] = "not timed"
     except PeerUnavailable as exc:
         row.update(status=exc.status, error=str(exc))
     except Exception as exc:
@@ -303,9 +314,10 @@ def benchmark_loss(impl: str, vocab: int, d_model: int, tokens: int, dtype: str 
 
 def sweep(impls: Sequence[str] = IMPLS, shapes: Iterable[tuple[int, int, int]] = ((10_000, 768, 4096),),
           dtypes: Sequence[str] = ("bf16",), device: torch.device | str = "auto", progress: bool = False,
-          check: bool = False, **kwargs) -> pd.DataFrame:
+          check: bool = False, untimed: Sequence[str] = (), **kwargs) -> pd.DataFrame:
     """:func:`benchmark_loss` for every ``(vocab, d_model, tokens)`` in ``shapes``, dtype and implementation.
-    ``check``: each shape's :func:`reference_loss_and_grads` first, and every row's errors against it.
+    ``check``: each shape's :func:`reference_loss_and_grads` first, and every row's errors against it;
+    ``untimed``: implementations measured for their errors only (``status`` "not timed").
     Returns a DataFrame with one row per measurement and the columns of :data:`COLUMNS`; keyword arguments go
     to :func:`benchmark_loss`."""
     device = resolve_device(device) if isinstance(device, str) else device
@@ -318,7 +330,7 @@ def sweep(impls: Sequence[str] = IMPLS, shapes: Iterable[tuple[int, int, int]] =
                                                                   kwargs.get("seed", 0)))
             for impl in impls:
                 rows.append(benchmark_loss(impl, vocab, d_model, tokens, dtype, device, reference=reference,
-                                           **kwargs))
+                                           timed=impl not in untimed, **kwargs))
                 if progress:  # every number of the row: a run cut short still says what it measured
                     r = rows[-1]
                     print(f"{impl:>18} V={vocab} D={d_model} N={tokens} {dtype}: fwdbwd {r['fwdbwd_ms']:.2f} ms, "
@@ -395,7 +407,7 @@ def _shape(text: str) -> tuple[int, int, int]:
 
 
 def parser() -> cli.Parser:
-    p = cli.Parser(prog="python -m lab.book.fastest.fused_loss",
+    p = cli.Parser(prog="python -m lab.bench.fused_loss",
                    description="Time the LM-head loss (forward+backward) and its peak extra memory: the fused op, "
                                "materialized PyTorch (eager, compiled), chunked PyTorch, Liger, CCE.")
     p.add_argument("--shapes", nargs="+", type=_shape, default=[(151_936, 4096, 32_768), (10_000, 2560, 16_384)],
@@ -407,7 +419,7 @@ def parser() -> cli.Parser:
     p.add_argument("--rep-ms", type=float, default=100)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:<index>")
     p.add_argument("--results-dir", default=None, help="also save the rows as <dir>/fused_loss.csv")
-    p.add_argument("--source", default="lab.book.fastest.fused_loss",
+    p.add_argument("--source", default="lab.bench.fused_loss",
                    help="the source the saved rows are tagged with (10_fastest_step: the rows notebook 10 replays)")
     return p
 
@@ -430,8 +442,8 @@ def loss_main(argv: Sequence[str] | None = None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m lab.book.fastest.fused_loss``: :func:`sweep` from the command line, with one-line errors."""
-    return cli.run(loss_main, argv, prog="python -m lab.book.fastest.fused_loss")
+    """``python -m lab.bench.fused_loss``: :func:`sweep` from the command line, with one-line errors."""
+    return cli.run(loss_main, argv, prog="python -m lab.bench.fused_loss")
 
 
 if __name__ == "__main__":
