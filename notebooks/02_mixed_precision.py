@@ -97,8 +97,8 @@ book.answer(precision.norm_claim(norm), section="3. Why normalisation statistics
 # ## 4. fp32 against bf16 autocast, for every size
 #
 # `lab.bench.lm.sweep_lm` times the forward and forward+backward of every size in fp32 and under bf16 autocast
-# (fp32 master weights, matmuls in bf16), the two modes taking turns round by round after untimed warm-up
-# rounds; a size whose backward does not fit still reports its forward. These rows are this notebook's own
+# (fp32 master weights, matmuls in bf16), taking turns round by round after untimed warm-up rounds with the
+# full train step, as notebook 01 times them; a size whose backward does not fit still reports its forward. These rows are this notebook's own
 # measurements in the headline table `lm_step.csv`, and they enter the book's ledger: where notebook 01 (or
 # another report) measured the same configuration on the same GPU model, the two must agree within noise, or
 # the render stops and names both rows. A row whose GPU was busy for less than 80% of the step is *host-bound*:
@@ -106,8 +106,8 @@ book.answer(precision.norm_claim(norm), section="3. Why normalisation statistics
 # such rows.
 
 # %%
-lm = book.table("lm_step", lambda: bench.sweep_lm(s.sizes, [s.context], ["fp32", "bf16"], batch=s.batch,
-                                                  warmup=s.warmup, steps=s.steps, device=s.device),
+lm = book.table("lm_step", lambda: bench.sweep_lm(s.sizes, [s.context], ["fp32", "bf16"], precision.TIMED_MODES,
+                                                  batch=s.batch, warmup=s.warmup, steps=s.steps, device=s.device),
                 save=bench.lm_step_table)
 lm = bench.with_samples(lm, book.table("02_lm_samples", lambda: bench.samples_long(lm)))
 book.ledger(ledger.lm_step_entries(lm), table="lm_step")

@@ -181,6 +181,9 @@ def norm_claim(norm: pd.DataFrame) -> cl.Claim:
 # 4. fp32 against bf16 autocast
 
 MODES = (("fwd_ms", "forward"), ("fwdbwd_ms", "forward+backward"))
+#: The modes the sweep times together: those notebook 01 times at its default context, so that the two reports
+#: measure these rows alike (the ledger compares them); the train step itself is not compared here.
+TIMED_MODES = ("forward", "forward_backward", "train_step")
 SHOWN = ["size", "context", "dtype", "status", "params", "fwd_ms", "fwd_spread_ms", "fwdbwd_ms", "fwdbwd_spread_ms",
          "bwd_ms", "bwd_spread_ms", "fwdbwd_n", "fwd_peak_gib", "fwdbwd_peak_gib", "gpu_busy", "host_bound"]
 

@@ -10,6 +10,7 @@ import pytest
 from lab.book import claims as cl
 from lab.book.precision import present as precision
 from lab.measure import numerics
+from lab.measure.step import MODES
 from tests.book.notebook_code import assert_thin
 
 matplotlib.use("Agg")
@@ -37,6 +38,7 @@ def test_settings_quick_and_full():
     mine = precision.PrecisionSettings(quick=True, device="cpu", sizes=["tiny"], context=32, steps=7)
     assert (mine.sizes, mine.context, mine.steps) == (("tiny",), 32, 7)
     assert mine.params()["sizes"] == ["tiny"] and mine.params()["quick"] is True
+    assert precision.TIMED_MODES == MODES  # timed as 01 times its default context, so the ledger compares like rows
 
 
 def test_accumulation_claim_from_the_real_experiment():
