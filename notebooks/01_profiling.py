@@ -14,11 +14,10 @@
 # inside one step with `torch.profiler`: which kernels run, how much of the time is matrix multiplication, and
 # what softmax costs inside attention.
 #
-# **How to read the numbers.** Every number in the prose is computed from this render's tables (or, with
-# `replay=True`, from the tables saved in `results/`, which say which machine measured them). A step time is
-# the median of several timed steps; a comparison ("faster", "costs more", "slow") is made only when the 95%
-# interval of the ratio of medians excludes 1 (`lab.measure.verdicts`), and says "within noise" otherwise. A
-# render on a CPU says which of its findings do not carry over to GPUs.
+# **How to read the numbers.** Every answer is stated from this render's tables (or, with `replay=True`, from
+# the tables saved in `results/`, which say which machine measured them). A step time is the median of its
+# timed steps, with its spread; a comparison says "faster" or "slower" only under the rule stated at the top,
+# "within noise" otherwise. A render on a CPU says which of its findings do not carry over to GPUs.
 
 # %% tags=["parameters"]
 quick = True                      # toy sizes on the CPU; the full render (GPU) sets False
@@ -31,11 +30,11 @@ contexts = None                   # None: 128, 256, 512, 1024 (full) or 32, 64 (
 default_context = None            # the context at which the train step is also timed: 512 (full), 64 (quick)
 dtypes = ("fp32", "bf16")         # training precisions: fp32, and bf16 autocast
 batch = 4
-warmup = None                     # untimed steps before the timed ones: 3 (full), 1 (quick)
+warmup = None                     # untimed rounds before the timed ones: 3 (full), 2 (quick)
 steps = None                      # timed steps per mode: 8 (full), 7 (quick)
 warmup_size = None                # model of the warm-up study: large (full), tiny (quick)
 warmups = (0, 1, 2, 5)            # warm-up counts of the study, each in a fresh process
-cold_runs = None                  # fresh processes without warm-up (samples of the first step): 3 (full), 2 (quick)
+cold_runs = None                  # fresh processes without warm-up (samples of the first step): 5
 profile_size = None               # model of the kernel profile: 2.7B (full), mini (quick)
 profile_context = None            # 512 (full), 64 (quick)
 profile_steps = 3                 # profiled steps per mode
@@ -47,17 +46,17 @@ import matplotlib.pyplot as plt
 
 from lab import paths
 from lab.bench import lm as bench
-from lab.book import plots, report
-from lab.book.precision.bench import speedup_table
-from lab.book.precision.present import speedup_display
+from lab.bench.profiles import KernelProfiles
+from lab.book import ledger, plots, report
 from lab.book.profiling import kernels as kernel_profiles
 from lab.book.profiling import present as profiling
 from lab.book.profiling import warmup as warmup_study
+from lab.measure.results import measured_on
 
-s = profiling.settings(quick, device, sizes=sizes, contexts=contexts, default_context=default_context, dtypes=dtypes,
-                       batch=batch, warmup=warmup, steps=steps, warmup_size=warmup_size, warmups=warmups,
-                       cold_runs=cold_runs, profile_size=profile_size, profile_context=profile_context,
-                       profile_steps=profile_steps)
+s = profiling.ProfilingSettings(quick, device, sizes=sizes, contexts=contexts, default_context=default_context,
+                                dtypes=dtypes, batch=batch, warmup=warmup, steps=steps, warmup_size=warmup_size,
+                                warmups=warmups, cold_runs=cold_runs, profile_size=profile_size,
+                                profile_context=profile_context, profile_steps=profile_steps)
 plots.set_style()
 book = report.Chapter("01_profiling", s.params(), results_dir, replay=replay)
 book.show_machine()
@@ -78,19 +77,23 @@ report.show_table(profiling.size_table(s.sizes), floatfmt=".1f")
 #
 # `lab.bench.lm.sweep_lm` builds each model, runs `warmup` untimed steps and then `steps` timed ones of each
 # mode, synchronizing the GPU after every step: the forward alone, forward+backward (the backward is timed on its
-# own inside each of those steps), and at the default context the full AdamW train step. Each mode is measured on
-# its own, with its own peak memory, and out-of-memory is a row (`status="oom"`), not a crash. Every size and
-# context is measured in fp32 and under bf16 autocast. The rows go into the headline table `lm_step.csv`
-# (tagged with this notebook as their source), every timed sample into `01_lm_samples.csv`.
+# own inside each of those steps), and at the default context the full AdamW train step. The modes take turns
+# round by round after untimed warm-up rounds, so they see the same machine; out-of-memory is a row
+# (`status="oom"`), not a crash. Every size and context is measured in fp32 and under bf16 autocast. The rows go
+# into the headline table `lm_step.csv` (tagged with this notebook as their source), every timed sample into
+# `01_lm_samples.csv`, and into the book's ledger: where notebook 02 (or another report) measured the same
+# configuration on the same GPU model, the two must agree within noise, or the render stops and names both
+# rows. A row whose GPU was busy for less than 80% of the step is *host-bound*: the host's kernel launches set
+# its time, so another host gives another time; the answers name such rows.
 
 # %%
 lm = book.table("lm_step", lambda: bench.sweep_lm(s.sizes, s.contexts, s.dtypes, modes=s.modes_for, batch=s.batch,
                                                   warmup=s.warmup, steps=s.steps, device=s.device),
                 save=bench.lm_step_table)
-samples = book.table("01_lm_samples", lambda: bench.samples_long(lm))
-on = profiling.measured_on(lm)
+lm = bench.with_samples(lm, book.table("01_lm_samples", lambda: bench.samples_long(lm)))
+book.ledger(ledger.lm_step_entries(lm), table="lm_step")
+on = measured_on(lm)
 profiling.show_device_caveat(on)
-book.check_consistency("lm_step")
 report.show_table(profiling.timing_table(lm), floatfmt=".4g")
 
 # %%
@@ -98,27 +101,23 @@ profiling.plot_timings(lm)
 plt.show()
 
 # %%
-ratios = profiling.backward_ratios(samples)
-report.say(profiling.timing_paragraph(lm, ratios, s.default_context))
-book.answer("How long does a train step take?", profiling.step_answer(lm, s.default_context),
-            section="End-to-end timing")
-book.answer("What does the backward cost next to the forward?", profiling.backward_answer(ratios),
-            section="End-to-end timing")
+book.state(*profiling.timing_findings(lm, s.default_context))
+book.answer(profiling.step_claim(lm, s.default_context), section="End-to-end timing")
+book.answer(profiling.backward_claim(lm), section="End-to-end timing")
 
 # %% [markdown]
 # ### bf16 autocast at every context
 #
-# The same sweep under bf16 autocast (fp32 master weights, matmuls in bf16). The speedup is the fp32 median over
-# the bf16 median, with its 95% interval; notebook 02 looks at mixed precision in depth.
+# The same sweep under bf16 autocast (fp32 master weights, matmuls in bf16), each configuration against its fp32
+# row: the ratio of medians bf16 / fp32 with its 95% interval (below 1: bf16 is faster) and the verdict; notebook
+# 02 looks at mixed precision in depth.
 
 # %%
-speed = speedup_table(samples, keys=("size", "context"))
-report.show_table(speedup_display(speed), floatfmt=".3g")
-profiling.plot_speedup_by_context(speed)
+pairs = profiling.dtype_comparisons(lm)
+report.show_table(profiling.speedup_table(pairs))
+profiling.plot_speedup_by_context(pairs)
 plt.show()
-report.say(profiling.dtype_paragraph(speed, on))
-book.answer("Does bf16 autocast speed up every size and context?", profiling.dtype_answer(speed, on),
-            section="bf16 autocast at every context")
+book.answer(profiling.dtype_claim(pairs, lm), section="bf16 autocast at every context")
 
 # %% [markdown]
 # ## Warm-up: why the first steps are slow
@@ -127,8 +126,8 @@ book.answer("Does bf16 autocast speed up every size and context?", profiling.dty
 # hides is paid once per process; the settings without warm-up run in several processes, so that the first
 # step has more than one sample and can be compared with the steady state (every step after the most warm-up)
 # beyond the noise. What a cold process pays for depends on the device: on a GPU it is mostly CUDA setup
-# (context, kernel loading, cuBLAS handles, allocator growth); on a CPU other one-time costs. The paragraph below
-# the plot says which applies to this render, and whether the first step is slow here at all.
+# (context, kernel loading, cuBLAS handles, allocator growth); on a CPU other one-time costs. The answer says
+# which applies to this render, and whether the first step is slow here at all.
 
 # %%
 wu = book.table("01_warmup", lambda: bench.warmup_study(s.warmup_size, warmups=s.warmup_runs, steps=s.steps,
@@ -136,9 +135,7 @@ wu = book.table("01_warmup", lambda: bench.warmup_study(s.warmup_size, warmups=s
 warmup_study.plot_warmup(wu, s.warmup_size)
 plt.show()
 report.show_table(warmup_study.warmup_summary(wu), floatfmt=".3g")
-report.say(warmup_study.warmup_paragraph(wu, on))
-book.answer("Why is the first step slow?", warmup_study.warmup_answer(wu, on),
-            section="Warm-up: why the first steps are slow")
+book.answer(warmup_study.cold_start_claim(wu, on), section="Warm-up: why the first steps are slow")
 
 # %% [markdown]
 # ## Inside one step: a kernel profile
@@ -151,20 +148,17 @@ book.answer("Why is the first step slow?", warmup_study.warmup_answer(wu, on),
 
 # %%
 trace_dir = paths.artifacts_dir(artifacts_dir) / "traces"
-profiles = kernel_profiles.KernelProfiles(partial(bench.profile_lm, device=s.device, steps=s.profile_steps),
-                                    s.profile_size, s.profile_context, s.batch, trace_dir)
+profiles = KernelProfiles(partial(bench.profile_lm, device=s.device, steps=s.profile_steps), s.profile_size,
+                          s.profile_context, s.batch, trace_dir)
 kernels = book.table("01_kernels", profiles.kernels)
 profile_steps_table = book.table("01_profile_steps", profiles.step_times)
-report.say(kernel_profiles.profile_caption(profile_steps_table, kernels, trace_dir))
 kernel_profiles.show_top_kernels(kernels)
 
 # %%
 kernel_profiles.plot_class_shares(kernels, s.profile_size)
 plt.show()
-report.say(kernel_profiles.matmul_paragraph(kernels))
-report.say(kernel_profiles.profile_timer_sentence(profile_steps_table, lm))
-book.answer("How much of the time is matrix multiplication?", kernel_profiles.matmul_answer(kernels),
-            section="Inside one step: a kernel profile")
+book.state(*kernel_profiles.profile_findings(profile_steps_table, kernels, lm, trace_dir))
+book.answer(kernel_profiles.matmul_claim(kernels), section="Inside one step: a kernel profile")
 
 # %% [markdown]
 # ### Softmax against the two matrix products inside attention
@@ -176,6 +170,5 @@ book.answer("How much of the time is matrix multiplication?", kernel_profiles.ma
 # %%
 ranges = book.table("01_attention_ranges", profiles.attention_ranges)
 report.show_table(kernel_profiles.attention_table(ranges), floatfmt=".3g")
-report.say(kernel_profiles.softmax_paragraph(ranges, on))
-book.answer("What does softmax cost inside attention?", kernel_profiles.softmax_answer(ranges),
+book.answer(kernel_profiles.softmax_claim(ranges, on),
             section="Softmax against the two matrix products inside attention")

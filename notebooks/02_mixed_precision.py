@@ -13,11 +13,10 @@
 # of a small model (observed with hooks, not assumed); why normalisation statistics are kept in fp32; and how much
 # bf16 autocast speeds up every model size.
 #
-# **How to read the numbers.** Every number in the prose is computed from this render's tables (or, with
-# `replay=True`, from the tables saved in `results/`, which say which machine measured them). The first three
-# sections are arithmetic and hold on any machine. The timings of the last one depend on the machine: a speedup
-# is the ratio of fp32's median step time to bf16's, and it is called "faster" only when its 95% interval
-# excludes 1 (`lab.measure.verdicts`), "within noise" otherwise.
+# **How to read the numbers.** Every answer is stated from this render's tables (or, with `replay=True`, from
+# the tables saved in `results/`, which say which machine measured them). The first three sections are
+# arithmetic and hold on any machine. The timings of the last one depend on the machine: each time is the median
+# of its timed steps, and bf16 is called faster or slower than fp32 only under the rule stated at the top.
 
 # %% tags=["parameters"]
 quick = True                      # toy sizes on the CPU; the full render (GPU) sets False
@@ -28,7 +27,7 @@ replay = False                    # True: read the tables back from results_dir 
 sizes = None                      # None: every spec size (full) or tiny and mini (quick)
 context = None                    # None: 512 (full) or 64 (quick)
 batch = 4
-warmup = None                     # untimed steps before the timed ones: 2 (full), 1 (quick)
+warmup = None                     # untimed rounds before the timed ones: 3 (full), 2 (quick)
 steps = None                      # timed steps per mode: 8 (full), 7 (quick)
 accumulation_value = 0.01
 accumulation_count = 1000
@@ -38,13 +37,14 @@ norm_width = 1024                 # width of the synthetic activations in the no
 import matplotlib.pyplot as plt
 
 from lab.bench import lm as bench
-from lab.book import plots, report
-from lab.book.precision import bench as experiments
+from lab.book import ledger, plots, report
 from lab.book.precision import present as precision
+from lab.measure import numerics
+from lab.measure.results import measured_on
 
-s = precision.settings(quick, device, sizes=sizes, context=context, batch=batch, warmup=warmup, steps=steps,
-                       accumulation_value=accumulation_value, accumulation_count=accumulation_count,
-                       norm_width=norm_width)
+s = precision.PrecisionSettings(quick, device, sizes=sizes, context=context, batch=batch, warmup=warmup,
+                                steps=steps, accumulation_value=accumulation_value,
+                                accumulation_count=accumulation_count, norm_width=norm_width)
 plots.set_style()
 book = report.Chapter("02_mixed_precision", s.params(), results_dir, replay=replay)
 book.show_machine()
@@ -61,11 +61,9 @@ book.show_answers()
 
 # %%
 acc = book.table("mixed_precision_accumulation",
-                 lambda: experiments.accumulation_experiment(s.accumulation_value, s.accumulation_count))
+                 lambda: numerics.accumulation_experiment(s.accumulation_value, s.accumulation_count))
 report.show_table(acc.drop(columns=["exact"]), floatfmt=".6g")
-report.say(precision.accumulation_paragraph(acc))
-book.answer("What goes wrong when a sum accumulates in 16 bits?", precision.accumulation_answer(acc),
-            section="1. Accumulation: summing 0.01 a thousand times")
+book.answer(precision.accumulation_claim(acc), section="1. Accumulation: summing 0.01 a thousand times")
 
 # %% [markdown]
 # ## 2. What autocast does to each tensor
@@ -77,11 +75,10 @@ book.answer("What goes wrong when a sum accumulates in 16 bits?", precision.accu
 # CUDA; on a GPU the probe therefore runs on the CPU as well, to show the difference.
 
 # %%
-probe = book.table("mixed_precision_autocast_dtypes", lambda: experiments.autocast_dtype_tables(s.device))
+probe = book.table("mixed_precision_autocast_dtypes",
+                   lambda: numerics.autocast_dtype_tables(precision.ToyModel, s.device))
 precision.show_autocast_tables(probe)
-report.say(precision.autocast_paragraph(probe))
-book.answer("What does autocast do to each tensor?", precision.autocast_answer(probe),
-            section="2. What autocast does to each tensor")
+book.answer(precision.autocast_claim(probe), section="2. What autocast does to each tensor")
 
 # %% [markdown]
 # ## 3. Why normalisation statistics stay in fp32
@@ -92,36 +89,35 @@ book.answer("What does autocast do to each tensor?", precision.autocast_answer(p
 # reach; and N(100, 1) values, whose large mean LayerNorm must subtract. The table shows relative errors.
 
 # %%
-norm = book.table("mixed_precision_norm_statistics", lambda: experiments.norm_statistics_demo(d_model=s.norm_width))
+norm = book.table("mixed_precision_norm_statistics", lambda: numerics.norm_statistics_demo(d_model=s.norm_width))
 report.show_table(precision.norm_error_table(norm), floatfmt=".3g")
-report.say(precision.norm_paragraph(norm))
-book.answer("Why do normalisation statistics stay in fp32?", precision.norm_answer(norm),
-            section="3. Why normalisation statistics stay in fp32")
+book.answer(precision.norm_claim(norm), section="3. Why normalisation statistics stay in fp32")
 
 # %% [markdown]
 # ## 4. fp32 against bf16 autocast, for every size
 #
 # `lab.bench.lm.sweep_lm` times the forward and forward+backward of every size in fp32 and under bf16 autocast
-# (fp32 master weights, matmuls in bf16); each mode is a separate run, so a size whose backward does not fit
-# still reports its forward. These rows are this notebook's own measurements in the headline table
-# `lm_step.csv` (source `02_mixed_precision`); where notebook 01 measured the same configuration, the two must
-# agree within their noise, and a warning below says so if they do not.
+# (fp32 master weights, matmuls in bf16), taking turns round by round after untimed warm-up rounds with the
+# full train step, as notebook 01 times them; a size whose backward does not fit still reports its forward. These rows are this notebook's own
+# measurements in the headline table `lm_step.csv`, and they enter the book's ledger: where notebook 01 (or
+# another report) measured the same configuration on the same GPU model, the two must agree within noise, or
+# the render stops and names both rows. A row whose GPU was busy for less than 80% of the step is *host-bound*:
+# its time is set by how fast the host launches kernels, so another host gives another time; the answer names
+# such rows.
 
 # %%
-lm = book.table("lm_step", lambda: bench.sweep_lm(s.sizes, [s.context], ["fp32", "bf16"], batch=s.batch,
-                                                  warmup=s.warmup, steps=s.steps, device=s.device),
+lm = book.table("lm_step", lambda: bench.sweep_lm(s.sizes, [s.context], ["fp32", "bf16"], precision.TIMED_MODES,
+                                                  batch=s.batch, warmup=s.warmup, steps=s.steps, device=s.device),
                 save=bench.lm_step_table)
-samples = book.table("02_lm_samples", lambda: bench.samples_long(lm))
-precision.show_device_caveat(precision.measured_on(lm))
-book.check_consistency("lm_step")
+lm = bench.with_samples(lm, book.table("02_lm_samples", lambda: bench.samples_long(lm)))
+book.ledger(ledger.lm_step_entries(lm), table="lm_step")
+precision.show_device_caveat(measured_on(lm))
 report.show_table(precision.timing_table(lm), floatfmt=".4g")
 
 # %%
-speed = experiments.speedup_table(samples)
-fig = precision.plot_speedup(speed, lm, title=f"bf16 autocast speedup over fp32, context {s.context}")
+pairs = precision.dtype_comparisons(lm)
+fig = precision.plot_speedup(pairs, lm, title=f"bf16 autocast speedup over fp32, context {s.context}")
 plots.save_figure(fig, "02_bf16_speedup", results_dir)
 plt.show()
-report.show_table(precision.speedup_display(speed), floatfmt=".3g")
-report.say(precision.speedup_paragraph(speed, lm))
-book.answer("How much faster is bf16 autocast?", precision.speedup_answer(speed, lm),
-            section="4. fp32 against bf16 autocast, for every size")
+report.show_table(precision.speedup_table(pairs))
+book.answer(precision.speedup_claim(pairs, lm), section="4. fp32 against bf16 autocast, for every size")

@@ -26,8 +26,9 @@
 # by an all-gather) and ×(n−1)/n for all-gather and reduce-scatter, so it can be compared with a link's
 # bandwidth whatever the number of ranks. Each timed call starts after a barrier and ends with a device
 # synchronize; a call's time is that of its **slowest** rank (the collective is done when its last rank
-# is); a row's time is the median over the timed calls, and every call's time is kept for the verdicts
-# below. Before timing, one call on known integer inputs checks the result values.
+# is); a row's time is the median over the timed calls with its spread, and every call's time is kept for
+# the verdicts below, which follow the rule stated at the top. Before timing, one call on known integer
+# inputs checks the result values.
 
 # %% tags=["parameters"]
 quick = True                      # gloo with small tensors only; the full render sets False
@@ -43,13 +44,13 @@ warmup = 5
 iters = 20
 
 # %%
+from lab.bench import collectives  # noqa: E402 - after the parameters cell
 from lab.book import plots, report  # noqa: E402 - after the parameters cell
-from lab.book.communication import collectives  # noqa: E402 - after the parameters cell
 from lab.book.communication import present as comm  # noqa: E402 - after the parameters cell
 
 machine = comm.measuring_machine(results_dir, replay)  # a replay plans for the machine that measured
-grid_plan = collectives.plan_grid(quick, device, world_sizes, ops, gpu_sizes_mb, cpu_sizes_mb, warmup, iters,
-                                  gpus=machine["gpus"])
+grid_plan = comm.plan_grid(quick, device, world_sizes, ops, gpu_sizes_mb, cpu_sizes_mb, warmup, iters,
+                           gpus=machine["gpus"])
 params = dict(quick=quick, device=device, **grid_plan.params())
 book = report.Chapter("06_communication", params, results_dir, replay=replay)
 plots.set_style()
@@ -66,8 +67,7 @@ book.show_answers()
 report.say(grid_plan.note)
 grid = book.table("collectives", grid_plan.measure)
 report.show_table(comm.grid_table(grid), floatfmt=".4g")
-report.say(comm.correctness_sentence(grid))
-report.say(comm.cpu_sharing_sentence(grid, machine["cores"]))
+book.state(*comm.grid_findings(grid, machine["cores"]))
 
 # %% [markdown]
 # ## Bandwidth against message size
@@ -92,10 +92,8 @@ bandwidth_plot = comm.plot_bandwidth(grid)
 fits = book.table("collectives_latency_bandwidth", lambda: collectives.latency_bandwidth_fit(grid))
 report.show_table(fits, floatfmt=".4g")
 comm.plot_times_with_fit(grid, fits)
-report.say(comm.latency_bandwidth_sentences(fits))
-report.say(comm.backend_sentence(grid))
-book.answer("What does one all-reduce call cost?", comm.latency_bandwidth_answer(fits),
-            section="The alpha-beta model")
+book.state(*comm.fits_findings(fits), *comm.backend_findings(grid))
+book.answer(comm.latency_claim(fits), section="The alpha-beta model")
 
 # %% [markdown]
 # ## All-reduce, or reduce-scatter then all-gather?
@@ -106,22 +104,18 @@ book.answer("What does one all-reduce call cost?", comm.latency_bandwidth_answer
 # the largest size, judged against the spread of the timed calls.
 
 # %%
-split = comm.split_allreduce(grid)
-report.show_table(split, floatfmt=".3g")
-report.say(comm.split_allreduce_sentences(split))
-book.answer("Does splitting an all-reduce into reduce-scatter + all-gather cost extra time?",
-            comm.split_allreduce_answer(split), section="All-reduce, or reduce-scatter then all-gather?")
+split = comm.split_comparisons(grid)
+report.show_table(comm.comparison_table(split, "reduce-scatter + all-gather", "all-reduce"))
+book.answer(comm.split_claim(split), section="All-reduce, or reduce-scatter then all-gather?")
 
 # %% [markdown]
 # ## More ranks
 #
 # With $n$ ranks an all-reduce moves $2(n-1)/n$ of the tensor over each link, so the algorithm bandwidth
 # falls as ranks are added even on ideal links; the bus bandwidth divides that factor out and should stay
-# flat.
+# flat. Below, each world size's bus bandwidth per timed call against the fewest ranks' (higher is better).
 
 # %%
-by_ranks = comm.bus_bandwidth_by_ranks(grid)
-report.show_table(by_ranks, floatfmt=".3g")
-report.say(comm.bus_bandwidth_sentences(by_ranks))
-book.answer("Does the bus bandwidth hold as ranks are added?", comm.bus_bandwidth_answer(by_ranks),
-            section="More ranks")
+by_ranks = comm.rank_comparisons(grid)
+report.show_table(comm.comparison_table(by_ranks, "bus bandwidth", "at the fewest ranks"))
+book.answer(comm.ranks_claim(by_ranks), section="More ranks")

@@ -13,7 +13,7 @@ from lab.paths import REPO_ROOT
 CORES = os.cpu_count() or 1
 NO_GPU = not torch.cuda.is_available()
 
-COLLECTIVES = "lab.book.communication.collectives"
+COLLECTIVES = "lab.bench.collectives"
 FLASH_SWEEP = "lab.book.flash.sweep"
 CASES = [  # module, argv, whether this machine can tell it is wrong
     ("lab.bench", ["--context", "0"], True),

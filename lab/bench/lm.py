@@ -199,18 +199,33 @@ def compare_variants(size: str | ModelConfig, variants: Iterable[dict], context:
     return lm_step_table(pd.DataFrame(rows))
 
 
-def samples_long(df: pd.DataFrame, keys: Sequence[str] = ("size", "context", "dtype", "attention", "compile"),
-                 ) -> pd.DataFrame:
+SAMPLE_KEYS = ("size", "context", "dtype", "attention", "compile")
+SAMPLE_COLUMNS = ("fwd", "bwd", "fwdbwd", "step")
+
+
+def samples_long(df: pd.DataFrame, keys: Sequence[str] = SAMPLE_KEYS) -> pd.DataFrame:
     """Every timed sample of a benchmark table in long form: one row per (config, mode, step index)."""
     rows = []
     for _, r in df.iterrows():
-        for col in ("fwd", "bwd", "fwdbwd", "step"):
+        for col in SAMPLE_COLUMNS:
             samples = r.get(f"{col}_samples_ms")
             if not isinstance(samples, list):
                 continue
             for i, ms in enumerate(samples):
                 rows.append({**{k: r[k] for k in keys if k in r}, "phase": col, "step": i, "ms": ms})
     return pd.DataFrame(rows)
+
+
+def with_samples(df: pd.DataFrame, long: pd.DataFrame, keys: Sequence[str] = SAMPLE_KEYS) -> pd.DataFrame:
+    """``df`` with each row's ``<m>_samples_ms`` lists rebuilt from its :func:`samples_long` table (the
+    inverse of it), so a table read back from CSV, which keeps only medians, is compared from its samples
+    just as the table that was measured; a mode without samples gets an empty list."""
+    keys = [k for k in keys if k in df.columns and k in long.columns]
+    lists = long.sort_values("step").groupby([*keys, "phase"], sort=False)["ms"].agg(list).to_dict()
+    out = df.copy()
+    for col in SAMPLE_COLUMNS:
+        out[f"{col}_samples_ms"] = [lists.get((*(r[k] for k in keys), col), []) for _, r in df.iterrows()]
+    return out
 
 
 def lm_step_table(df: pd.DataFrame) -> pd.DataFrame:

@@ -8,6 +8,7 @@ under ``nsys profile`` by a user who has it.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
 import pandas as pd
@@ -119,12 +120,15 @@ def kernel_table(prof, top: int | None = 15) -> pd.DataFrame:
     return (g.head(top) if top else g).reset_index(drop=True)
 
 
-def class_shares(prof) -> pd.DataFrame:
-    """GPU (or CPU-op) time per step by kernel class, with each class's share of the total."""
-    full = kernel_table(prof, top=None)
-    g = full.groupby("class")[["ms_per_step", "calls_per_step"]].sum().reset_index()
-    g["share"] = g["ms_per_step"] / g["ms_per_step"].sum()
-    return g.sort_values("ms_per_step", ascending=False).reset_index(drop=True)
+def class_shares(kernels, by: Sequence[str] = ()) -> pd.DataFrame:
+    """GPU (or CPU-op) time and calls per step by kernel class, with each class's share of its ``by`` group's
+    total (e.g. ``("mode",)`` for a table of several profiles; groups in the order they first appear), largest
+    first without ``by``. ``kernels``: a :func:`kernel_table` of every kernel, or a profiler."""
+    table = kernels if isinstance(kernels, pd.DataFrame) else kernel_table(kernels, top=None)
+    g = table.groupby([*by, "class"], sort=False)[["ms_per_step", "calls_per_step"]].sum().reset_index()
+    total = g.groupby(list(by), sort=False)["ms_per_step"].transform("sum") if by else g["ms_per_step"].sum()
+    g = g.assign(share=g["ms_per_step"] / total)
+    return g if by else g.sort_values("ms_per_step", ascending=False).reset_index(drop=True)
 
 
 def range_times(prof, names=ATTENTION_RANGES) -> pd.DataFrame:

@@ -6,7 +6,7 @@
   it issues on which full tensor, so tests and notebooks can check the bytes against the closed forms of
   :mod:`lab.accounting.collectives`.
 
-How fast these collectives run is measured by :mod:`lab.book.communication.collectives`.
+How fast these collectives run is measured by :mod:`lab.bench.collectives`.
 """
 
 from __future__ import annotations

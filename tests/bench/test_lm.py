@@ -70,6 +70,8 @@ def test_samples_long_and_table():
     table = bench.lm_step_table(df)
     assert not any(c.endswith("_samples_ms") for c in table.columns)
     assert list(table.columns[:len(bench.LM_STEP_COLUMNS)]) == bench.LM_STEP_COLUMNS
+    back = bench.with_samples(table.assign(context=8.0), long.assign(context=8.0))  # as read back from CSV
+    assert back["fwd_samples_ms"].iloc[0] == df["fwd_samples_ms"].iloc[0] and back["step_samples_ms"].iloc[0] == []
 
 
 def test_compare_variants_one_row_each_in_order():

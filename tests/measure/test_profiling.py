@@ -1,3 +1,4 @@
+import pandas as pd
 import pytest
 
 from lab.bench.lm import profile_lm
@@ -37,7 +38,12 @@ def test_profile_tables_on_cpu(tmp_path):
     # 2 blocks x (4 attention + 3 ffn projections) + head = 15 forward matmuls; backward adds ~2 per matmul
     assert mm["calls_per_step"].iloc[0] >= 15
     shares = profiling.class_shares(prof)
-    assert set(shares["class"]) >= {"matmul", "other"}
+    assert set(shares["class"]) >= {"matmul", "other"} and shares["share"].sum() == pytest.approx(1.0)
+    two = profiling.class_shares(pd.concat([table.assign(mode="a"), table.assign(mode="b")]), by=("mode",))
+    assert list(dict.fromkeys(two["mode"])) == ["a", "b"] and two.groupby("mode")["share"].sum().tolist() == \
+        pytest.approx([1.0, 1.0])
+    assert two[two["mode"] == "a"].set_index("class")["share"].to_dict() == pytest.approx(
+        shares.set_index("class")["share"].to_dict())
     ranges = profiling.range_times(prof).set_index("range")
     assert (ranges["calls_per_step"] == CFG.num_layers).all() and (ranges["ms_per_step"] > 0).all()
     assert profiling.step_wall_ms(prof) > 0

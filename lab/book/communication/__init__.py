@@ -1,3 +1,3 @@
-"""Notebook 06, collectives: bandwidth of all-reduce, all-gather and reduce-scatter (`collectives`, also `python
--m lab.book.communication.collectives`) and the chapter's tables and sentences (`present`).
+"""Notebook 06, communication: the collective grid it measures and its tables, plots and claims (`present`);
+the benchmark itself is `lab.bench.collectives`.
 """

@@ -1,70 +1,76 @@
-"""Notebook 06's presentation: the collective grid as tables, plots and sentences generated from it.
-
-Every function takes the tables of :mod:`lab.book.communication.collectives` (``collectives``: one row per backend, op,
-world size and size, with every iteration's time in ``samples_ms``; ``collectives_latency_bandwidth``: the
-alpha-beta fit) and returns a table, a figure or Markdown text. A sentence that says "faster", "slower" or
-"no extra cost" gets the word from :mod:`lab.measure.verdicts` on the iteration samples.
+"""Notebook 06: the collective grid it measures (:class:`CollectiveGrid`, run by :mod:`lab.bench.collectives`)
+and what it shows of it: tables, plots, and its answers as claims (:mod:`lab.book.claims`), every comparison
+drawn from the timed calls' samples under the one rule.
 """
 
 from __future__ import annotations
 
-import math
 import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import pandas as pd
 import torch
 
+from lab.bench.collectives import OPS, benchmark_collectives, bus_bandwidth_factor, plan_world_sizes
 from lab.bench.interleaved import samples
-from lab.book.communication.collectives import bus_bandwidth_factor
+from lab.book import claims as cl
 from lab.measure.results import load_provenance
-from lab.measure.verdicts import Comparison, compare
+from lab.units import MiB
 
 OP_NAMES = {"all_reduce": "all-reduce", "all_gather": "all-gather", "reduce_scatter": "reduce-scatter"}
-GRID_COLUMNS = ["backend", "op", "world_size", "size_mb", "time_ms", "time_ms_std", "algbw_gbps", "busbw_gbps",
-                "correct", "status"]
 
 
-def duration(ms: float) -> str:
-    """``"143 µs"`` below a millisecond, ``"3.38 ms"`` above, ``"n/a"`` for NaN."""
-    if ms is None or not math.isfinite(ms):
-        return "n/a"
-    return f"{ms * 1e3:.3g} µs" if ms < 1 else f"{ms:.3g} ms"
+@dataclass(frozen=True)
+class CollectiveGrid:
+    """What notebook 06 measures: ``ops`` over gloo with ``cpu_world_sizes`` CPU processes at ``cpu_sizes_mb``,
+    and over NCCL with ``gpu_world_sizes`` GPUs at ``gpu_sizes_mb`` (empty: no NCCL part); ``warmup`` untimed
+    and ``iters`` timed calls each. ``note`` says which requested world sizes NCCL cannot run, and why."""
+
+    ops: tuple[str, ...] = OPS
+    cpu_world_sizes: tuple[int, ...] = (2, 4, 6)
+    cpu_sizes_mb: tuple[float, ...] = (1, 10, 100)
+    gpu_world_sizes: tuple[int, ...] = ()
+    gpu_sizes_mb: tuple[float, ...] = (1, 10, 100, 1024)
+    warmup: int = 5
+    iters: int = 20
+    note: str = ""
+
+    def params(self) -> dict:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items() if k != "note"}
+
+    def measure(self, progress: bool = True) -> pd.DataFrame:
+        """The gloo grid, then the NCCL grid, as one table (:func:`lab.bench.collectives.benchmark_collectives`)."""
+        parts = [("cpu", self.cpu_sizes_mb, self.cpu_world_sizes), ("cuda", self.gpu_sizes_mb, self.gpu_world_sizes)]
+        return pd.concat([benchmark_collectives(self.ops, sizes, ranks, device, self.warmup, self.iters,
+                                                progress=progress) for device, sizes, ranks in parts if ranks],
+                         ignore_index=True)
 
 
-def nominal_mb(mb: float) -> float:
-    """A size rounded to whole KiB: the size asked for, where the benchmark trimmed a tensor by a few elements
-    to a multiple of the world size (0.999985 MiB on 6 ranks is the 1 MiB row)."""
-    return round(mb * 1024) / 1024 if mb >= 1 / 1024 else mb
-
-
-def size_text(mb: float) -> str:
-    """``"64 KiB"``, ``"10 MiB"``, ``"1 GiB"`` (of the nominal size)."""
-    mb = nominal_mb(mb)
-    value, unit = (mb / 1024, "GiB") if mb >= 1024 else (mb, "MiB") if mb >= 1 else (mb * 1024, "KiB")
-    return f"{value:.3g} {unit}" if value < 1000 else f"{value:.0f} {unit}"
-
-
-def _ok(grid: pd.DataFrame) -> pd.DataFrame:
-    return grid[grid["status"] == "ok"]
-
-
-def grid_table(grid: pd.DataFrame) -> pd.DataFrame:
-    """The grid's columns worth reading, sorted by backend, op, world size and size."""
-    cols = [c for c in GRID_COLUMNS if c in grid.columns]
-    return grid[cols].sort_values(["backend", "op", "world_size", "size_mb"], ignore_index=True)
-
-
-def correctness_sentence(grid: pd.DataFrame) -> str:
-    """Whether every measured collective returned the values its inputs imply."""
-    ok = _ok(grid)
-    wrong = ok[~ok["correct"].astype(bool)]
-    if wrong.empty:
-        return (f"All {len(ok)} measured collectives returned the values expected from their inputs (checked "
-                "element by element against closed forms before timing).")
-    cases = "; ".join(f"{r.backend} {OP_NAMES.get(r.op, r.op)} on {r.world_size} ranks at {size_text(r.size_mb)}"
-                      for r in wrong.itertuples())
-    return f"**Wrong values** in {len(wrong)} of {len(ok)} collectives: {cases}. Their times mean nothing."
+def plan_grid(quick: bool, device: str = "auto", world_sizes: Sequence[int] = (2, 4, 6), ops: Sequence[str] = OPS,
+              gpu_sizes_mb: Sequence[float] = (1, 10, 100, 1024), cpu_sizes_mb: Sequence[float] | None = None,
+              warmup: int = 5, iters: int = 20, gpus: int | None = None) -> CollectiveGrid:
+    """The notebook's grid made concrete. gloo always runs every world size as CPU processes, at
+    ``cpu_sizes_mb`` (default 1, 10, 100 MiB; quick: 1/16, 1/2, 4 MiB and at most 3 warm-up and 10 timed
+    calls: gloo is slow and a 2-core CPU runs 6 processes). NCCL runs, unless ``quick`` or ``device="cpu"``,
+    the world sizes the GPUs allow at ``gpu_sizes_mb``; ``note`` explains the others."""
+    for op in ops:
+        bus_bandwidth_factor(op, 2)  # validates the name
+    if cpu_sizes_mb is None:
+        cpu_sizes_mb = (1 / 16, 1 / 2, 4) if quick else (1, 10, 100)
+    if quick:
+        warmup, iters = min(warmup, 3), min(iters, 10)
+    gpu_world_sizes, note = [], ""
+    if quick:
+        note = "The quick profile measures gloo only (CPU processes); the full render adds NCCL on the GPUs."
+    elif device == "cpu":
+        note = "device='cpu': only gloo (CPU processes) is measured."
+    else:
+        gpu_world_sizes, note = plan_world_sizes(world_sizes, "cuda", gpus)
+        note = note or f"NCCL runs every requested world size ({', '.join(map(str, gpu_world_sizes))} GPUs)."
+    return CollectiveGrid(tuple(ops), tuple(world_sizes), tuple(float(s) for s in cpu_sizes_mb),
+                          tuple(gpu_world_sizes), tuple(float(s) for s in gpu_sizes_mb), warmup, iters, note)
 
 
 def measuring_machine(results_dir: str, replay) -> dict:
@@ -74,31 +80,60 @@ def measuring_machine(results_dir: str, replay) -> dict:
     if replay is True or (replay and "collectives" in replay):
         meta = load_provenance("collectives", results_dir, "06_communication")
         return dict(gpus=int(meta.get("gpu_count") or 0), cores=meta.get("host_cores"))
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return dict(gpus=gpus, cores=os.cpu_count() or 1)
+    return dict(gpus=torch.cuda.device_count() if torch.cuda.is_available() else 0, cores=os.cpu_count() or 1)
 
 
-def cpu_sharing_sentence(grid: pd.DataFrame, cores: int | None) -> str:
-    """A caution when gloo ran more processes than the measuring machine has ``cores`` (empty without gloo
-    rows; a plain statement when the core count was not recorded)."""
-    gloo = grid[grid["backend"] == "gloo"]
-    if gloo.empty:
-        return ""
-    if not cores:
-        return ("The measuring machine's core count was not recorded with this table: whether its gloo processes "
-                "shared cores is not known here.")
-    if gloo["world_size"].max() <= cores:
-        return f"Every gloo process had a CPU core of its own ({cores} cores)."
-    crowded = sorted(int(n) for n in gloo["world_size"].unique() if n > cores)
-    return (f"This machine has {cores} CPU core(s), so with {', '.join(map(str, crowded))} gloo processes they take "
-            "turns on the cores: a rank waits for its peers to be scheduled, and those times measure the OS "
-            "scheduler as much as the transport. Read them as what an oversubscribed host does, not as gloo's "
-            "speed.")
+# ----------------------------------------------------------------------------------------------------------
+# the grid
+
+GRID_COLUMNS = ["backend", "op", "world_size", "size_mb", "time_ms", "time_spread_ms", "time_n", "algbw_gbps",
+                "busbw_gbps", "correct", "status"]
+
+
+def _ok(grid: pd.DataFrame) -> pd.DataFrame:
+    """The rows that ran, their sizes as asked for (whole KiB: older tables kept the size a world size trims)."""
+    ok = grid[grid["status"] == "ok"]
+    return ok.assign(size_mb=(ok["size_mb"] * 1024).round() / 1024)
+
+
+def grid_table(grid: pd.DataFrame) -> pd.DataFrame:
+    return grid[[c for c in GRID_COLUMNS if c in grid.columns]].sort_values(
+        ["backend", "op", "world_size", "size_mb"], ignore_index=True)
+
+
+def size(mb: float) -> str:
+    return cl.number(mb * MiB, "B")
+
+
+def label(r, op: str | None = None) -> str:
+    return f"{r.backend} {OP_NAMES[op or r.op]}, {r.world_size} ranks, {size(r.size_mb)}"
+
+
+def measured(r, what: str | None = None) -> cl.Measured:
+    """A row's time per call from its timed calls (the slowest rank of each)."""
+    return cl.Measured.of(what or label(r), samples(r.samples_ms))
+
+
+def grid_findings(grid: pd.DataFrame, cores: int | None) -> list[cl.Finding]:
+    """Whether every collective returned the values its inputs imply, and whether gloo's processes shared the
+    measuring machine's CPU cores (then their times measure the scheduler as much as the transport)."""
+    ok = _ok(grid)
+    wrong = [label(r) for r in ok.itertuples() if not r.correct]
+    out = [cl.Value(cl.Measured.value("collectives checked element by element against closed forms", len(ok))),
+           cl.Observed("of which returned wrong values (their times mean nothing)", "; ".join(wrong) or "none")]
+    gloo = sorted(int(n) for n in grid.loc[grid["backend"] == "gloo", "world_size"].unique())
+    if gloo and not cores:
+        out.append(cl.Observed("CPU cores of the measuring machine", "not recorded with this table"))
+    elif gloo:
+        crowded = ", ".join(str(n) for n in gloo if n > cores) or "none"
+        out += [cl.Value(cl.Measured.value("CPU cores of the measuring machine", cores)),
+                cl.Observed("gloo world sizes with more processes than cores (ranks take turns on the cores, so "
+                            "those times measure the operating system's scheduler as much as gloo)", crowded)]
+    return out
 
 
 def plot_bandwidth(grid: pd.DataFrame):
-    """Bus bandwidth against message size, one panel per backend (hue: op, style: world size); returns the
-    seaborn grid."""
+    """Bus bandwidth against message size, a panel per backend (hue: op, style: world size)."""
     import seaborn as sns
 
     g = sns.relplot(data=_ok(grid), x="size_mb", y="busbw_gbps", hue="op", style="world_size", col="backend",
@@ -107,212 +142,137 @@ def plot_bandwidth(grid: pd.DataFrame):
     return g
 
 
+# ----------------------------------------------------------------------------------------------------------
+# the alpha-beta model
+
+
 def plot_times_with_fit(grid: pd.DataFrame, fits: pd.DataFrame, op: str = "all_reduce"):
-    """Measured time per call of ``op`` against size (points, with the middle half of the iterations as a
-    bar) and the fitted latency + size / bandwidth (lines), one panel per backend; returns the figure."""
+    """Median time per call of ``op`` against size (bars: its spread) and the fitted latency + size /
+    bandwidth (dashes), a panel per backend. Returns the figure."""
     import matplotlib.pyplot as plt
 
-    ok = _ok(grid)
-    ok = ok[ok["op"] == op]
-    backends = list(dict.fromkeys(ok["backend"]))
-    fig, axes = plt.subplots(1, max(len(backends), 1), figsize=(6 * max(len(backends), 1), 4), squeeze=False)
+    ok = _ok(grid)[lambda d: d["op"] == op]
+    backends = list(dict.fromkeys(ok["backend"])) or [""]
+    fig, axes = plt.subplots(1, len(backends), figsize=(6 * len(backends), 4), squeeze=False)
     for ax, backend in zip(axes[0], backends):
-        part = ok[ok["backend"] == backend]
-        for i, (n, rows) in enumerate(part.groupby("world_size")):
-            color = f"C{i}"
-            q = np.array([np.percentile(samples(s), [25, 75]) for s in rows["samples_ms"]]) \
-                if "samples_ms" in rows else None
-            yerr = None if q is None else np.abs(q.T - rows["time_ms"].to_numpy())
-            ax.errorbar(rows["size_mb"], rows["time_ms"], yerr=yerr, fmt="o", color=color, label=f"{n} ranks")
+        for i, (n, rows) in enumerate(ok[ok["backend"] == backend].groupby("world_size")):
+            ax.errorbar(rows["size_mb"], rows["time_ms"], yerr=rows.get("time_spread_ms"), fmt="o", color=f"C{i}",
+                        label=f"{n} ranks")
             f = fits[(fits["backend"] == backend) & (fits["op"] == op) & (fits["world_size"] == n)]
-            if len(f) and math.isfinite(f["bandwidth_gbps"].item()):
+            if len(f) and np.isfinite(f["bandwidth_gbps"].item()):
                 x = np.logspace(np.log10(rows["size_mb"].min()), np.log10(rows["size_mb"].max()), 50)
-                ax.plot(x, f["latency_ms"].item() + x * 2**20 / (f["bandwidth_gbps"].item() * 1e6), "--",
-                        color=color, lw=1)
-        ax.set(xscale="log", yscale="log", title=f"{backend}: {OP_NAMES.get(op, op)}", xlabel="tensor size (MiB)",
+                ax.plot(x, f["latency_ms"].item() + x * MiB / (f["bandwidth_gbps"].item() * 1e6), "--",
+                        color=f"C{i}", lw=1)
+        ax.set(xscale="log", yscale="log", title=f"{backend}: {OP_NAMES[op]}", xlabel="tensor size (MiB)",
                ylabel="time per call (ms, slowest rank)")
         ax.legend(fontsize=8, title="points: median; dashes: fit", title_fontsize=8)
     fig.tight_layout()
     return fig
 
 
-def latency_bandwidth_sentences(fits: pd.DataFrame, op: str = "all_reduce") -> str:
-    """What the alpha-beta fit says for ``op`` per backend and world size: latency, bandwidth, and the size
-    below which a call is latency-bound (or why the fit says nothing)."""
-    part = fits[fits["op"] == op].sort_values(["backend", "world_size"])
-    if part.empty:
-        return f"No {OP_NAMES.get(op, op)} fit (fewer than two sizes measured)."
-    lines = []
-    for r in part.itertuples():
-        head = f"**{r.backend}, {r.world_size} ranks:** "
-        if not math.isfinite(r.bandwidth_gbps):
-            lines.append(head + f"times do not grow with size over the {r.sizes} sizes measured, so the fit finds "
-                                "no bandwidth; the calls are all latency (and scheduling) at these sizes.")
-            continue
-        latency = "an intercept too small to resolve" if r.latency_ms <= 0 else f"{duration(r.latency_ms)} per call"
-        fit = "" if r.max_residual <= 0.5 else (f" The model misses a measured time by up to {r.max_residual:.0%}: "
-                                                "treat the two numbers as rough.")
-        bound = (f"; a call is latency-bound below about {size_text(r.half_latency_mb)}"
-                 if r.latency_ms > 0 else "")
-        lines.append(head + f"latency {latency}, bandwidth {r.bandwidth_gbps:.3g} GB/s{bound}.{fit}")
-    return "\n\n".join(lines)
+def fit_findings(r) -> list[cl.Finding]:
+    """One fit (a row of :func:`lab.bench.collectives.latency_bandwidth_fit`): latency, bandwidth, the size below
+    which a call is latency-bound, and how far the model misses a measured time."""
+    head = f"{r.backend}, {r.world_size} ranks: "
+    if not np.isfinite(r.bandwidth_gbps):
+        return [cl.Observed(head + "bandwidth", f"none resolvable: times do not grow with size over the {r.sizes} "
+                                                "sizes measured, so these calls are all latency (and scheduling)")]
+    latency = (r.latency_ms * 1e3, "µs") if r.latency_ms < 1 else (r.latency_ms, "ms")
+    out = [cl.Value(cl.Measured.value(head + "latency per call", *latency)) if r.latency_ms > 0
+           else cl.Observed(head + "latency per call", "too small to resolve"),
+           cl.Value(cl.Measured.value("bandwidth", r.bandwidth_gbps, "GB/s"))]
+    if r.latency_ms > 0:
+        out.append(cl.Value(cl.Measured.value("latency-bound below", r.half_latency_mb * MiB, "B")))
+    return out + [cl.Share("the model's largest miss of a measured time", r.max_residual, 1.0)]
 
 
-def latency_bandwidth_answer(fits: pd.DataFrame, op: str = "all_reduce") -> str:
-    """One line per backend for the answers box: the smallest world size's fitted latency and bandwidth."""
-    part = fits[fits["op"] == op].sort_values(["backend", "world_size"]).groupby("backend").head(1)
-    if part.empty:
-        return "not measured."
-    bits = []
-    for r in part.itertuples():
-        bw = f"{r.bandwidth_gbps:.3g} GB/s" if math.isfinite(r.bandwidth_gbps) else "no resolvable bandwidth"
-        bits.append(f"{r.backend} with {r.world_size} ranks: {duration(r.latency_ms)} + size / {bw}")
-    return f"{OP_NAMES.get(op, op).capitalize()}: " + "; ".join(bits) + "."
+def fits_findings(fits: pd.DataFrame, op: str = "all_reduce") -> list[cl.Finding]:
+    return [f for r in fits[fits["op"] == op].sort_values(["backend", "world_size"]).itertuples()
+            for f in fit_findings(r)]
+
+
+def latency_claim(fits: pd.DataFrame, op: str = "all_reduce") -> cl.Claim:
+    """Per backend, the smallest world size's fitted latency and bandwidth."""
+    first = fits[fits["op"] == op].sort_values(["backend", "world_size"]).groupby("backend").head(1)
+    findings = [f for r in first.itertuples() for f in fit_findings(r)[:2]]
+    return cl.Claim(f"What does one {OP_NAMES[op]} call cost?", findings or [
+        cl.Observed("the fit", "not made: fewer than two sizes measured")], because=(
+        "A call costs a fixed latency plus size / bandwidth: small messages pay the latency, large ones the "
+        "bandwidth."))
+
+
+def backend_findings(grid: pd.DataFrame, op: str = "all_reduce", world_size: int = 2) -> list[cl.Finding]:
+    """NCCL against gloo at the largest size both measured with ``world_size`` ranks."""
+    ok = _ok(grid)
+    ok = ok[(ok["op"] == op) & (ok["world_size"] == world_size)]
+    both = set(ok.loc[ok["backend"] == "gloo", "size_mb"]) & set(ok.loc[ok["backend"] == "nccl", "size_mb"])
+    if not both:
+        return [cl.Observed(f"NCCL against gloo with {world_size} ranks", "not compared: no size measured on both")]
+    at = {r.backend: r for r in ok[ok["size_mb"] == max(both)].itertuples()}
+    return [cl.Versus(measured(at["nccl"]), measured(at["gloo"]))]
 
 
 # ----------------------------------------------------------------------------------------------------------
-# comparisons drawn from the iteration samples
+# reduce-scatter + all-gather against all-reduce; more ranks
 
 
-def _samples_at(grid: pd.DataFrame, backend: str, op: str, world_size: int, size_mb: float) -> list[float]:
-    ok = _ok(grid)
-    row = ok[(ok["backend"] == backend) & (ok["op"] == op) & (ok["world_size"] == world_size)
-             & (ok["size_mb"].map(nominal_mb) == nominal_mb(size_mb))]
-    return samples(row["samples_ms"].iloc[0]) if len(row) else []
+def split_comparisons(grid: pd.DataFrame) -> list[tuple[dict, cl.Versus]]:
+    """Per backend and world size, at the largest size measured for all three ops: each timed reduce-scatter
+    plus all-gather against the all-reduce (what ZeRO-1 and FSDP issue instead of it)."""
+    out = []
+    for (backend, n), part in _ok(grid).groupby(["backend", "world_size"]):
+        sizes = [s for s, ops in part.groupby("size_mb")["op"] if set(OPS) <= set(ops)]
+        if sizes:
+            at = {r.op: r for r in part[part["size_mb"] == max(sizes)].itertuples()}
+            rs, ag = samples(at["reduce_scatter"].samples_ms), samples(at["all_gather"].samples_ms)
+            split = cl.Measured.of(f"{backend} reduce-scatter + all-gather, {n} ranks, {size(max(sizes))}",
+                                   [a + b for a, b in zip(rs, ag)])
+            out.append((dict(backend=backend, world_size=int(n), size=size(max(sizes))),
+                        cl.Versus(split, measured(at["all_reduce"], "the all-reduce"))))
+    return out
 
 
-def split_allreduce(grid: pd.DataFrame) -> pd.DataFrame:
-    """Per backend and world size, at the largest size measured for all three ops: the all-reduce against a
-    reduce-scatter followed by an all-gather (what ZeRO-1 and FSDP issue instead). Columns backend,
-    world_size, size_mb, all_reduce_ms, split_ms (medians), ratio (split / all-reduce), low, high (its 95 %
-    interval) and verdict (of the split against the all-reduce: faster, slower or within noise)."""
-    rows = []
-    ok = _ok(grid).assign(size_mb=lambda d: d["size_mb"].map(nominal_mb))
-    for (backend, n), part in ok.groupby(["backend", "world_size"]):
-        sizes = [s for s, ops in part.groupby("size_mb")["op"] if {"all_reduce", "all_gather", "reduce_scatter"}
-                 <= set(ops)]
-        if not sizes:
-            continue
-        s = max(sizes)
-        ar = _samples_at(grid, backend, "all_reduce", n, s)
-        rs, ag = _samples_at(grid, backend, "reduce_scatter", n, s), _samples_at(grid, backend, "all_gather", n, s)
-        split = [a + b for a, b in zip(rs, ag)]
-        if not ar or not split:
-            continue
-        c = compare(split, ar)
-        rows.append(dict(backend=backend, world_size=int(n), size_mb=s, all_reduce_ms=float(np.median(ar)),
-                         split_ms=float(np.median(split)), ratio=c.ratio, low=c.low, high=c.high, verdict=c.verdict))
-    return pd.DataFrame(rows, columns=["backend", "world_size", "size_mb", "all_reduce_ms", "split_ms", "ratio", "low",
-                                       "high", "verdict"])
+def split_claim(pairs: list[tuple[dict, cl.Versus]]) -> cl.Claim:
+    return cl.Claim("Does splitting an all-reduce into reduce-scatter + all-gather cost extra time?",
+                    [f for _, f in pairs] or [cl.Observed("the grid", "has no size measured for all three ops")],
+                    because="On a ring an all-reduce is a reduce-scatter followed by an all-gather, so the two should "
+                            "take the same time; where the split is slower, ZeRO-1 and FSDP pay that much more "
+                            "communication than DDP's all-reduce.")
 
 
-def split_allreduce_sentences(split: pd.DataFrame) -> str:
-    """What splitting an all-reduce into reduce-scatter + all-gather costs, per backend and world size, in the
-    words of the verdict (never "no extra cost" unless the interval says the split is not slower)."""
-    if split.empty:
-        return "The grid has no size at which all three collectives were measured."
-    lines = []
-    for r in split.itertuples():
-        c = compare_row(r)
-        clause = c.describe("reduce-scatter + all-gather", "the all-reduce")
-        meaning = {"slower": "splitting the all-reduce (as ZeRO-1 and FSDP do) costs extra communication time here",
-                   "faster": "splitting it costs no extra time here; this backend's all-reduce is the slower path",
-                   "within noise": "no difference between the two is measurable beyond the noise"}[r.verdict]
-        lines.append(f"**{r.backend}, {r.world_size} ranks, {size_text(r.size_mb)}:** {duration(r.split_ms)} against "
-                     f"{duration(r.all_reduce_ms)}: {clause}, so {meaning}.")
-    return "\n\n".join(lines)
-
-
-def compare_row(r):
-    """A :class:`~lab.measure.verdicts.Comparison` rebuilt from a table row's ratio, low, high and verdict."""
-    return Comparison(r.ratio, r.low, r.high, r.verdict)
-
-
-def bus_bandwidth_by_ranks(grid: pd.DataFrame, op: str = "all_reduce") -> pd.DataFrame:
-    """Per backend, at the largest size measured for every world size: the bus bandwidth of ``op`` per world
-    size (median over iterations), compared with the smallest world size's (higher, lower or within noise;
-    ratio with its interval)."""
-    rows = []
-    ok = _ok(grid).assign(size_mb=lambda d: d["size_mb"].map(nominal_mb))
-    ok = ok[ok["op"] == op]
+def rank_comparisons(grid: pd.DataFrame, op: str = "all_reduce") -> list[tuple[dict, cl.Versus]]:
+    """Per backend, at the largest size every world size measured: the bus bandwidth of ``op`` per timed call
+    at each world size against the fewest ranks' (higher is better)."""
+    out = []
+    ok = _ok(grid)[lambda d: d["op"] == op]
     for backend, part in ok.groupby("backend"):
         common = set.intersection(*(set(p["size_mb"]) for _, p in part.groupby("world_size")))
         if not common:
             continue
-        s = max(common)
-        at = part[part["size_mb"] == s].sort_values("world_size")
-        factor = (at["busbw_gbps"] * at["time_ms"]).to_numpy()  # busbw * time: the bytes one link carries
-        bw = {int(n): [f / t for t in samples(x)] for n, f, x in zip(at["world_size"], factor, at["samples_ms"])}
-        base = min(bw)
-        for n, values in bw.items():
-            c = compare(values, bw[base], lower_is_better=False) if n != base else None
-            rows.append(dict(backend=backend, size_mb=s, world_size=n, busbw_gbps=float(np.median(values)),
-                             algbw_gbps=float(np.median(values)) / bus_bandwidth_factor(op, n),
-                             ratio_to_smallest=c.ratio if c else 1.0, low=c.low if c else math.nan,
-                             high=c.high if c else math.nan, verdict=c.verdict if c else "reference"))
-    return pd.DataFrame(rows, columns=["backend", "size_mb", "world_size", "busbw_gbps", "algbw_gbps",
-                                       "ratio_to_smallest", "low", "high", "verdict"])
+        rows = list(part[part["size_mb"] == max(common)].sort_values("world_size").itertuples())
+        bw = [cl.Measured.of(f"the bus bandwidth of {label(r)}" if i else f"that of {r.world_size} ranks",
+                             [r.size_bytes * bus_bandwidth_factor(op, r.world_size) / t / 1e6 for t in
+                              samples(r.samples_ms)], "GB/s") for i, r in enumerate(rows)]
+        out += [(dict(backend=backend, size=size(r.size_mb), world_size=int(r.world_size)),
+                 cl.Versus(m, bw[0], higher_is_better=True)) for r, m in zip(rows[1:], bw[1:])]
+    return out
 
 
-def bus_bandwidth_sentences(by_ranks: pd.DataFrame) -> str:
-    """Does the bus bandwidth hold as ranks are added? One sentence per backend, from the verdicts."""
-    lines = []
-    for backend, part in by_ranks.groupby("backend"):
-        if len(part) < 2:
-            continue
-        base = part[part["verdict"] == "reference"].iloc[0]
-        others = part[part["verdict"] != "reference"]
-        held = others[others["verdict"] == "within noise"]
-        words = "; ".join(f"{r.world_size} ranks {r.busbw_gbps:.3g} GB/s ({r.verdict}, ratio "
-                          f"{r.ratio_to_smallest:.3g}, interval {r.low:.3g}-{r.high:.3g})" for r in others.itertuples())
-        if len(held) == len(others):
-            meaning = ("the bus bandwidth holds within the noise while the algorithm bandwidth falls: each link "
-                       "carries 2(n-1)/n of the data, which is what the bus-bandwidth convention normalizes away")
-        elif (others["verdict"] == "lower").any():
-            meaning = ("the bus bandwidth does not hold: adding ranks costs more than the ring's 2(n-1)/n traffic "
-                       "per link explains (more hops of latency, shared links, or, for CPU processes, shared cores)")
-        elif not (others["verdict"] == "higher").all():
-            meaning = ("the bus bandwidth holds or rises with the ranks: adding ranks costs no more than the ring's "
-                       "2(n-1)/n traffic per link explains")
-        else:
-            meaning = ("the bus bandwidth rises with the ranks, which the ring's 2(n-1)/n traffic per link does not "
-                       "predict: the ranks' links are not the bottleneck at the fewest ranks"
-                       + (" (gloo copies through host memory and TCP, and more processes overlap more of those "
-                          "copies)" if backend == "gloo" else ""))
-        lines.append(f"**{backend}, {size_text(base.size_mb)}:** {base.world_size} ranks reach {base.busbw_gbps:.3g} "
-                     f"GB/s of bus bandwidth; {words}. So {meaning}.")
-    return "\n\n".join(lines) or "Only one world size was measured: nothing to compare."
+def ranks_claim(pairs: list[tuple[dict, cl.Versus]]) -> cl.Claim:
+    """Bus bandwidth with more ranks against the fewest, and what the verdicts mean."""
+    verdicts = {f.verdict for _, f in pairs}
+    because = ("Each link carries 2(n-1)/n of the data on a ring, which the bus-bandwidth convention divides out, so "
+               "it should hold as ranks are added. " + (
+                   "It holds within the noise here." if verdicts == {"within noise"} else
+                   "Where it is lower, adding ranks costs more than that traffic explains (more hops of latency, "
+                   "shared links, or, for CPU processes, shared cores)." if "lower" in verdicts else
+                   "It rises here, which that traffic does not predict: at the fewest ranks the links are not the "
+                   "bottleneck (gloo copies through host memory and TCP, and more processes overlap more of those "
+                   "copies)." if verdicts == {"higher"} else "It holds or rises here."))
+    return cl.Claim("Does the bus bandwidth hold as ranks are added?", [f for _, f in pairs] or [
+        cl.Observed("world sizes", "one per backend: nothing to compare")], because=because if pairs else "")
 
 
-def backend_sentence(grid: pd.DataFrame, op: str = "all_reduce", world_size: int = 2) -> str:
-    """NCCL against gloo for ``op`` at the largest size both measured with ``world_size`` ranks (or a sentence
-    saying they cannot be compared)."""
-    ok = _ok(grid).assign(size_mb=lambda d: d["size_mb"].map(nominal_mb))
-    ok = ok[(ok["op"] == op) & (ok["world_size"] == world_size)]
-    sizes = set(ok.loc[ok["backend"] == "gloo", "size_mb"]) & set(ok.loc[ok["backend"] == "nccl", "size_mb"])
-    if not sizes:
-        return f"No size was measured with {world_size} ranks on both gloo and NCCL, so the two are not compared."
-    s = max(sizes)
-    c = compare(_samples_at(grid, "nccl", op, world_size, s), _samples_at(grid, "gloo", op, world_size, s))
-    return (f"At {size_text(s)} with {world_size} ranks, {c.describe('NCCL', 'gloo')}: GPU-to-GPU links against "
-            "copies through host memory and TCP.")
-
-
-def split_allreduce_answer(split: pd.DataFrame) -> str:
-    """The answers-box line: per backend and world size, the split's verdict against the all-reduce."""
-    if split.empty:
-        return "not measured."
-    return "; ".join(f"{r.backend} with {r.world_size} ranks at {size_text(r.size_mb)}: the split is {r.verdict} "
-                     f"(time ratio {r.ratio:.3g}, interval {r.low:.3g}-{r.high:.3g})" for r in split.itertuples()) + "."
-
-
-def bus_bandwidth_answer(by_ranks: pd.DataFrame) -> str:
-    """The answers-box line: per backend, the bus bandwidth at each world size and its verdict."""
-    if by_ranks.empty or by_ranks.groupby("backend").size().max() < 2:
-        return "only one world size was measured."
-    parts = []
-    for backend, part in by_ranks.groupby("backend"):
-        values = ", ".join(f"{r.busbw_gbps:.3g} GB/s on {r.world_size} ranks"
-                           + ("" if r.verdict == "reference" else f" ({r.verdict})") for r in part.itertuples())
-        parts.append(f"{backend}: {values}")
-    return "; ".join(parts) + " (verdicts against the fewest ranks)."
+def comparison_table(pairs: list[tuple[dict, cl.Versus]], subject: str, reference: str) -> pd.DataFrame:
+    """Comparisons as a table: both medians, their ratio with its interval, the verdict."""
+    return pd.DataFrame(cl.verdict_table(pairs)).rename(columns={"subject": subject, "against": reference})

@@ -1,3 +1,3 @@
-"""Notebook 02, mixed precision: the accumulation and autocast experiments (`bench`) and their tables, plot and
-sentences (`present`).
+"""Notebook 02, mixed precision: its settings and answers (`present`); the experiments it runs are
+`lab.measure.numerics` and the `lab.bench.lm` sweep.
 """

@@ -1,72 +1,67 @@
-"""lab.book.profiling.present: notebook 01's settings, tables, plots and generated prose, from small synthetic tables
-for CPU and GPU renders (one real profile of a toy model checks the profile tables end to end)."""
+"""lab.book.profiling: notebook 01's settings, tables, plots and claims, from small synthetic tables for CPU and
+GPU renders; the claims' values, counts and verdicts are checked, never their wording."""
 
 import math
-from functools import partial
 
 import matplotlib
 import pandas as pd
 import pytest
 
-from lab.book.precision.bench import speedup_table
+from lab.book import claims as cl
 from lab.book.profiling import kernels as kernel_profiles
 from lab.book.profiling import present as profiling
 from lab.book.profiling import warmup
 from lab.paths import REPO_ROOT
-from tests.book.prose import amounts, bold, clause_of, counts, in_order, numbers, sentence_of, sentence_with, sentences
+from tests.book.notebook_code import assert_thin
 
 matplotlib.use("Agg")
 
 
-def notebook_code(name: str) -> list[str]:
-    """The non-blank, non-comment lines of the code cells of notebooks/<name>.py."""
-    jupytext = pytest.importorskip("jupytext")
-    nb = jupytext.read(REPO_ROOT / "notebooks" / f"{name}.py")
-    return [ln.strip() for c in nb.cells if c.cell_type == "code" for ln in c.source.splitlines()
-            if ln.strip() and not ln.strip().startswith("#")]
+def found(claim_or_findings, kind):
+    findings = claim_or_findings.findings if isinstance(claim_or_findings, cl.Claim) else claim_or_findings
+    return [f for f in findings if isinstance(f, kind)]
+
+
+def values(claim_or_findings) -> dict:
+    """label -> number (Value: its median; Share: its fraction) or text (Observed)."""
+    out = {}
+    for f in found(claim_or_findings, (cl.Value, cl.Share, cl.Observed)):
+        label = f.measured.label if isinstance(f, cl.Value) else f.label
+        out[label] = f.measured if isinstance(f, cl.Value) else f.fraction if isinstance(f, cl.Share) else f.seen
+    return out
 
 
 def test_notebook_holds_no_logic():
-    lines = notebook_code("01_profiling")
-    assert len(lines) <= 100, f"01_profiling has {len(lines)} lines of code (budget 100)"
-    assert not [ln for ln in lines if ln.startswith(("def ", "class ", "for ", "while "))]
-    assert all("lambda:" in ln for ln in lines if "lambda" in ln)  # only deferred calls, no arguments
-    assert any(ln.startswith("replay = False") for ln in lines)
+    assert_thin("01_profiling", 100)
 
 
 # ---- settings -------------------------------------------------------------------------------------------
 
 
 def test_settings_quick_full_and_overrides():
-    quick = profiling.settings(quick=True, device="cpu")
+    quick = profiling.ProfilingSettings(quick=True, device="cpu")
     assert quick.sizes == ("tiny", "mini") and quick.contexts == (32, 64) and quick.default_context == 64
-    assert quick.dtypes == ("fp32", "bf16") and quick.device == "cpu"
-    full = profiling.settings(quick=False, device="cpu")
+    assert quick.dtypes == ("fp32", "bf16") and quick.device == "cpu" and quick.steps >= 5 and quick.warmup >= 2
+    full = profiling.ProfilingSettings(quick=False, device="cpu")
     assert full.sizes == ("small", "medium", "large", "xl", "2.7B", "10B")
     assert full.contexts == (128, 256, 512, 1024) and full.default_context == 512 and full.profile_size == "2.7B"
-    mine = profiling.settings(quick=True, device="cpu", sizes=["tiny"], contexts=[16, 32], default_context=16)
-    assert mine.sizes == ("tiny",) and mine.contexts == (16, 32)
+    mine = profiling.ProfilingSettings(quick=True, device="cpu", sizes=["tiny"], contexts=[16, 32], default_context=16)
+    assert mine.sizes == ("tiny",) and mine.contexts == (16, 32) and mine.params()["contexts"] == [16, 32]
     with pytest.raises(ValueError, match="default_context=48 is not one of"):
-        profiling.settings(quick=True, device="cpu", default_context=48)
-    assert mine.params()["contexts"] == [16, 32]
+        profiling.ProfilingSettings(quick=True, device="cpu", default_context=48)
+    assert quick.modes_for("tiny", 64) == ("forward", "forward_backward", "train_step")
+    assert quick.modes_for("tiny", 32) == ("forward", "forward_backward")
 
 
-def test_train_step_only_at_the_default_context():
-    s = profiling.settings(quick=True, device="cpu")
-    assert s.modes_for("tiny", 64) == ("forward", "forward_backward", "train_step")
-    assert s.modes_for("tiny", 32) == ("forward", "forward_backward")
-
-
-def test_warmup_runs_add_cold_processes():
-    assert profiling.settings(device="cpu", cold_runs=2).warmup_runs == (0, 0, 1, 2, 5)
-    assert profiling.settings(device="cpu", cold_runs=1).warmup_runs == (0, 1, 2, 5)
-    assert profiling.settings(device="cpu", cold_runs=3, warmups=(1, 5)).warmup_runs == (0, 0, 0, 1, 5)
+def test_warmup_runs_give_the_first_step_enough_samples():
+    assert profiling.ProfilingSettings(device="cpu").warmup_runs == (0, 0, 0, 0, 0, 1, 2, 5)
+    assert profiling.ProfilingSettings(device="cpu", cold_runs=1).warmup_runs == (0, 1, 2, 5)
+    assert profiling.ProfilingSettings(device="cpu", cold_runs=3, warmups=(1, 5)).warmup_runs == (0, 0, 0, 1, 5)
 
 
 def test_device_caveat_only_on_the_cpu(capsys):
-    assert profiling.device_caveat("cuda") is None
-    caveat = profiling.device_caveat("cpu")  # the claims that do not carry over to GPUs, named
-    assert "GPU" in caveat and all(claim in caveat for claim in ("matmul", "bf16", "first step"))
+    profiling.show_device_caveat("cuda")
+    assert capsys.readouterr().out == ""
     profiling.show_device_caveat("cpu")
     assert "Warning" in capsys.readouterr().out
 
@@ -79,206 +74,145 @@ def test_size_table_counts_parameters():
     t = profiling.size_table(["tiny", "10B"]).set_index("size")
     torch.manual_seed(0)
     assert t.loc["tiny", "params_M"] == TransformerLM(config_for("tiny")).num_parameters() / 1e6
-    assert t.loc["10B", "d_model"] == 4608 and t.loc["10B", "params_M"] > 10_000  # counted on meta, no memory
+    assert t.loc["10B", "d_model"] == 4608 and t.loc["10B", "params_M"] > 10_000
 
 
 # ---- synthetic sweeps -----------------------------------------------------------------------------------
 
-TIGHT = [1.0, 1.01, 0.99, 1.0, 1.02, 0.98, 1.01]  # 7 samples, as the quick profile times
+TIGHT = [1.0, 1.01, 0.99, 1.0, 1.02, 0.98, 1.01]
 
 
-def _samples(spec):
-    """spec: {(size, context, dtype): {phase: [ms...]}} -> a samples_long table."""
-    return pd.DataFrame([dict(size=s, context=c, dtype=d, attention="sdpa", compile=False, phase=p, step=i, ms=ms)
-                         for (s, c, d), phases in spec.items() for p, values in phases.items()
-                         for i, ms in enumerate(values)])
+def _row(size, context, dtype, params, fwd, bwd=None, step=None, **extra):
+    """One lm_step row with every sample: ``fwd`` (ms, or a list), backward ``bwd`` (default 2x), forward+backward
+    their sum, the train step ``step``."""
+    fwd = [fwd * x for x in TIGHT] if isinstance(fwd, (int, float)) else fwd
+    bwd = [2 * x for x in fwd] if bwd is None else bwd
+    row = dict(size=size, context=context, batch=4, dtype=dtype, attention="sdpa", compile=False, fused_loss=False,
+               params=params, status="ok", device="cpu", gpu_busy=math.nan, host_bound=False, limit_gib=79.2)
+    for col, samples in (("fwd", fwd), ("bwd", bwd), ("fwdbwd", [a + b for a, b in zip(fwd, bwd)] if fwd else []),
+                         ("step", [step * x for x in TIGHT] if step else [])):
+        s = cl.Measured.of(col, samples).summary
+        row.update({f"{col}_ms": s.median, f"{col}_spread_ms": s.spread, f"{col}_n": s.n, f"{col}_samples_ms": samples})
+    return {**row, **extra}
 
 
-def _lm(rows, device="cpu"):
-    base = dict(batch=4, attention="sdpa", status="ok", error="", device=device, fwd_std_ms=0.01, bwd_std_ms=0.01,
-                step_std_ms=0.01, fwd_ms=1.0, bwd_ms=1.0, step_ms=math.nan, step_median_ms=math.nan)
-    return pd.DataFrame([{**base, **r} for r in rows])
-
-
-def _sweep_spec():
-    spec = {}
-    for size, scale in (("a", 10.0), ("b", 40.0)):
+def _sweep(device="cpu"):
+    rows = []
+    for size, scale, params in (("a", 10.0, 1e6), ("b", 40.0, 4e6)):
         for context in (32, 64):
             for dtype, speed in (("fp32", 1.0), ("bf16", 2.0)):
-                fwd = [scale * x / speed * context / 64 for x in TIGHT]
-                spec[(size, context, dtype)] = {"fwd": fwd, "bwd": [2 * x for x in fwd],
-                                                "fwdbwd": [3 * x for x in fwd]}
-    # one configuration whose backward is as noisy as it is slow, and one with a wild outlier
-    spec[("a", 32, "bf16")]["bwd"] = [1.0, 30.0, 2.0, 25.0, 5.0, 0.5, 12.0]
-    spec[("b", 32, "fp32")]["bwd"] = [80.0, 80.5, 79.5, 80.2, 0.5, 80.1, 79.9]
-    return spec
+                rows.append(_row(size, context, dtype, params, scale / speed * context / 64,
+                                 step=4 * scale / speed if context == 64 else None))
+    rows[2]["bwd_samples_ms"] = [1.0, 30.0, 2.0, 25.0, 5.0, 0.5, 12.0]  # a at 64 fp32: a backward as noisy as slow
+    rows[2].update(bwd_ms=5.0, bwd_spread_ms=6.0)
+    rows.append(_row("c", 64, "fp32", 1e10, [], [], status="oom"))  # nothing fit
+    rows.append(_row("c", 64, "bf16", 1e10, 500.0, [], status="oom"))  # the forward fit, the backward did not
+    return pd.DataFrame(rows).assign(device=device)
 
 
-def test_backward_ratios_use_medians_and_verdicts():
-    ratios = profiling.backward_ratios(_samples(_sweep_spec())).set_index(["size", "context", "dtype"])
-    assert len(ratios) == 8
-    assert ratios.loc[("a", 64, "fp32"), "ratio"] == pytest.approx(2.0)
-    assert ratios.loc[("a", 64, "fp32"), "verdict"] == "higher"
-    assert ratios.loc[("a", 32, "bf16"), "verdict"] == "within noise"
-    assert ratios.loc[("b", 32, "fp32"), "verdict"] == "higher"  # one wild sample cannot flip the median
-    text = profiling.backward_sentence(ratios.reset_index())
-    assert counts(text) == [(7, 8)] and numbers(clause_of(text, "within noise"))[0] == 1  # 7 higher, 1 within noise
-    assert 2.0 in numbers(sentence_with(text, "FLOPs"))  # the FLOPs' 2x beside the measured ratios
-    answer = profiling.backward_answer(ratios.reset_index())
-    assert numbers(answer)[:3] == [2.0, 2.0, 4.0] and counts(answer) == [(7, 8)]  # median, range, verdict count
+def test_backward_claim_pairs_rounds_and_counts_every_configuration():
+    claim = profiling.backward_claim(_sweep())
+    (tally,) = found(claim, cl.Tally)
+    assert tally.counts() == {"slower": 7, "within noise": 1}  # the backward costs more in 7 of the 8 measured
+    assert all(f.paired for f in tally.comparisons)
+    v = values(claim)
+    assert v["median ratio of medians"].median == pytest.approx(2.0) and v["largest ratio of medians"].median == 2.0
+    assert v["smallest ratio of medians"].median == pytest.approx(0.5)  # a's noisy backward: 5 ms against 10
+    assert "2x" in claim.because  # the FLOPs' prediction beside the measured ratios
 
 
-def test_timing_paragraph_quotes_the_tables():
-    lm = _lm([dict(size="a", context=64, dtype="fp32", params=1e6, fwd_median_ms=10.0),
-              dict(size="b", context=64, dtype="fp32", params=4e6, fwd_median_ms=40.0),
-              dict(size="a", context=32, dtype="fp32", params=1e6, fwd_median_ms=5.0, fwd_ms=5.0, fwd_std_ms=1.0),
-              dict(size="b", context=32, dtype="fp32", params=4e6, fwd_median_ms=math.nan, status="oom",
-                   error="forward_backward: CUDA out of memory; train_step: CUDA out of memory")])
-    ratios = profiling.backward_ratios(_samples(_sweep_spec()))
-    text = profiling.timing_paragraph(lm, ratios, 64)
-    assert numbers(sentence_of(text, 10, "ms")) == [64, 10, 40]  # context; a's and b's forward
-    noisy = sentence_of(text, 20, "%")  # the noisiest configuration's spread
-    assert counts(noisy) == [(1, 4)] and 20 in numbers(noisy) and "fwd" in noisy
-    from_csv = profiling.timing_paragraph(lm.astype({"context": float}), ratios, 64)  # NaN rows make ints floats
-    assert in_order(sentence_of(from_csv, 20, "%"), [32]) and "32.0" not in from_csv
-    oom = sentences(text)[-1]  # the configuration that ran out of memory, and in which modes
-    assert numbers(oom) == [32] and "b" in oom.split() and "a" not in oom.split() and "fp32" in oom
-    assert "forward_backward" in oom and "train_step" in oom and "ms" not in oom
-    noisy_fwd = lm.iloc[:2].assign(fwd_std_ms=[2.0, 50.0])  # b's spread exceeds its 40 ms median
-    forward = sentence_of(profiling.timing_paragraph(noisy_fwd, ratios, 64), 10, "ms")
-    assert numbers(forward) == [64, 10, 50] and "noisy" in forward  # b's 40 ms is not quoted
-    quiet = profiling.timing_paragraph(lm.iloc[:2], ratios, 64)
-    assert "worst for" not in quiet and 5 in numbers(quiet)  # no noisy configuration; the 5% threshold named
+def test_step_claim_per_dtype_and_an_inverted_order():
+    lm = _sweep()
+    claim = profiling.step_claim(lm, 64)
+    medians = [(f.measured.label, f.measured.median) for f in found(claim, cl.Value)]
+    assert [label for label, _ in medians] == ["a, fp32", "b, fp32", "c, fp32", "a, bf16", "b, bf16", "c, bf16"]
+    assert [m for _, m in medians if math.isfinite(m)] == [40.0, 160.0, 20.0, 80.0]
+    texts = [f.measured.text() for f in found(claim, cl.Value)]
+    assert texts[2] == texts[5] == "out of memory at 79 GiB"
+    assert claim.because == "" and "64" in claim.question
+    inverted = lm.copy()
+    inverted.loc[(inverted["size"] == "a") & (inverted["context"] == 64) & (inverted["dtype"] == "fp32"),
+                 ["step_ms", "step_samples_ms"]] = [500.0, None]
+    assert "host" in profiling.step_claim(inverted, 64).because  # a smaller model slower: flagged
 
 
-def test_step_answer_per_dtype():
-    lm = _lm([dict(size="b", context=64, dtype="fp32", params=4e6, step_median_ms=120.0),
-              dict(size="a", context=64, dtype="fp32", params=1e6, step_median_ms=30.0),
-              dict(size="a", context=64, dtype="bf16", params=1e6, step_median_ms=20.0),
-              dict(size="a", context=32, dtype="fp32", params=1e6)])
-    parts = profiling.step_parts(lm, 64)
-    assert [(p["dtype"], p["size"], p["median_ms"]) for p in parts] == [("fp32", "a", 30.0), ("fp32", "b", 120.0),
-                                                                          ("bf16", "a", 20.0)]
-    fp32, bf16 = profiling.step_answer(lm, 64).split(";")
-    assert numbers(fp32) == [64, 4, 30, 120] and numbers(bf16) == [20]
-    assert profiling.step_parts(lm, 32) == [] and 32 in numbers(profiling.step_answer(lm, 32))
+def test_timing_findings_quote_forwards_spread_and_out_of_memory():
+    v = values(profiling.timing_findings(_sweep(), 64))
+    assert v["forward, a at context 64, fp32"].median == 10.0 and v["forward, b at context 64, fp32"].median == 40.0
+    assert v["configurations whose spread exceeds 5% of their median"] == pytest.approx(1 / 9)
+    assert v["the largest, a at context 64, fp32, backward: spread over median"] == pytest.approx(6.0 / 5.0)
+    assert v["c at context 64, fp32 (forward, forward+backward, train step)"].text() == "out of memory at 79 GiB"
+    assert v["c at context 64, bf16 (forward+backward, train step)"].status == "oom"  # its forward fit
 
 
-def test_step_answer_leaves_out_noise_and_flags_an_inverted_order():
-    lm = _lm([dict(size="a", context=64, dtype="fp32", params=1e6, step_median_ms=354.0, step_std_ms=286.0),
-              dict(size="b", context=64, dtype="fp32", params=4e6, step_median_ms=107.0, step_std_ms=2.0),
-              dict(size="a", context=64, dtype="bf16", params=1e6, step_median_ms=30.0, step_std_ms=45.0)])
-    parts = {(p["dtype"], p["size"]): p for p in profiling.step_parts(lm, 64)}
-    assert parts[("fp32", "a")]["quotable"] and not parts[("bf16", "a")]["quotable"]  # std 45 > median 30
-    fp32, bf16 = profiling.step_answer(lm, 64).split(";")
-    assert "load" in fp32  # the smaller model measured slower: flagged, not explained as a finding
-    assert "too noisy" in bf16 and numbers(bf16) == [45, 30]
+def test_host_bound_rows_are_named_on_a_gpu():
+    gpu = _sweep("cuda:0").assign(gpu_busy=0.95)
+    gpu.loc[0, ["gpu_busy", "host_bound"]] = [0.4, True]
+    shares = found(profiling.host_bound_findings(gpu), cl.Share)
+    assert [(s.label.split(" (")[0], s.fraction) for s in shares] == [("GPU busy during a at context 32, fp32", 0.4)]
+    none = profiling.host_bound_findings(gpu.assign(host_bound=False))
+    assert [o.seen for o in found(none, cl.Observed)] == ["none"]
+    assert profiling.host_bound_findings(_sweep()) == []  # a CPU has no launches to wait for
 
 
-def test_plot_timings_one_line_per_size_and_dtype():
-    rows = [dict(size=s, context=c, dtype=d, params=1, fwd_median_ms=c * 1.0, bwd_median_ms=c * 2.0)
-            for s in ("a", "b") for c in (32, 64) for d in ("fp32", "bf16")]
-    fig = profiling.plot_timings(_lm(rows))
-    left, right = fig.axes
-    assert (left.get_title(), right.get_title()) == ("forward", "backward")
-    assert len(left.lines) >= 4 and left.get_xscale() == "log"
-    assert len(right.get_legend().get_texts()) == 4
-
-
-# ---- bf16 at every context ------------------------------------------------------------------------------
-
-
-def test_dtype_paragraph_counts_verdicts_and_warns_on_the_cpu():
-    speed = speedup_table(_samples(_sweep_spec()), keys=("size", "context"))
-    assert (speed["verdict"] == "faster").all()
-    cpu = profiling.dtype_paragraph(speed, "cpu")
-    assert counts(sentence_with(cpu, "Forward:")) == [(4, 4)]
-    assert 2 in numbers(sentence_with(cpu, "largest speedup")) and "faster" in sentence_with(cpu, "largest speedup")
-    caveat = len(cpu) - len(profiling.dtype_paragraph(speed, "cuda"))
-    assert caveat > 0 and "GPU" in cpu[-caveat:]  # only the CPU render carries the caveat
-    answer = profiling.dtype_answer(speed, "cpu")
-    assert counts(answer) == [(4, 4)] and numbers(answer)[-1] == 2  # a 2-2x range prints as one number
-    assert "2-2" not in answer
-    fig = profiling.plot_speedup_by_context(speed)
+def test_dtype_claim_counts_add_up_and_out_of_memory_counts():
+    pairs = profiling.dtype_comparisons(_sweep())
+    assert [(k["size"], k["context"], k["mode"]) for k, _ in pairs][:2] == [("a", 32, "forward"),
+                                                                          ("a", 32, "forward+backward")]
+    claim = profiling.dtype_claim(pairs, _sweep())
+    fb, fwd = found(claim, cl.Tally)
+    assert sum(fb.counts().values()) == 5 and fb.counts()["out of memory at 79 GiB"] == 1
+    assert fwd.counts()["faster"] == 4 and sum(fwd.counts().values()) == 5
+    ends = found(claim, cl.Versus)
+    assert len(ends) == 2 and all(f.verdict == "faster" for f in ends) and "CPU" in claim.because
+    table = profiling.speedup_table(pairs)
+    assert list(table.columns[:5]) == ["size", "context", "mode", "bf16", "fp32"] and len(table) == 10
+    fig = profiling.plot_speedup_by_context(pairs)
     assert [ax.get_title() for ax in fig.axes] == ["bf16 autocast, forward", "bf16 autocast, forward+backward"]
 
 
-def test_dtype_paragraph_says_within_noise():
-    spec = _sweep_spec()
-    spec[("a", 64, "bf16")]["fwdbwd"] = [1.0, 100.0, 5.0, 80.0, 30.0, 2.0, 60.0]
-    speed = speedup_table(_samples(spec), keys=("size", "context"))
-    text = profiling.dtype_paragraph(speed, "cuda")
-    fb = sentence_with(text, "Forward+backward:")
-    assert counts(fb) == [(3, 4)] and numbers(clause_of(fb, "within noise"))[0] == 1
-    assert (speed.set_index(["mode", "size", "context"]).loc[("forward+backward", "a", 64), "verdict"]
-            == "within noise")
-    assert "within noise" in text[text.index("the smallest"):]
+def test_timing_table_and_plot():
+    shown = profiling.timing_table(_sweep())
+    assert {"fwd_ms", "fwd_spread_ms", "step_ms", "params_M"} <= set(shown) and "fwd_median_ms" not in shown
+    assert "gpu_busy" not in shown  # nobody measured it on the CPU
+    left, right = profiling.plot_timings(_sweep()).axes
+    assert (left.get_title(), right.get_title()) == ("forward", "backward") and left.get_xscale() == "log"
 
 
 # ---- warm-up --------------------------------------------------------------------------------------------
 
 
-def _warmup(first=(100.0, 120.0), steady=10.0):
+def _warmup(first=(100.0, 120.0, 110.0, 105.0, 115.0), steady=10.0):
     rows = []
     for run, w in enumerate([0] * len(first) + [1, 5]):
-        for i in range(5):
+        for i in range(7):
             ms = first[run] if w == 0 and i == 0 else steady * TIGHT[i]
             rows.append(dict(warmup=w, step=i, fwdbwd_ms=ms, status="ok"))
     return pd.DataFrame(rows)
 
 
-def test_cold_start_compares_first_steps_with_the_steady_state():
-    cs = warmup.cold_start(_warmup())
-    assert cs.first_ms == [100.0, 120.0] and cs.steady_warmup == 5 and len(cs.steady_ms) == 5
-    assert cs.first.verdict == "slower" and cs.first.ratio == pytest.approx(110.0 / 10.0)
-    assert cs.second.verdict == "within noise"
+def test_cold_start_claim_slower_beyond_noise_with_the_device_cause():
+    gpu = warmup.cold_start_claim(_warmup(), "cuda")
+    first, second = found(gpu, cl.Versus)
+    assert first.verdict == "slower" and first.comparison.ratio == pytest.approx(110.0 / 10.0)
+    assert first.subject.summary.n == 5 and first.reference.summary.n == 7
+    assert second.verdict == "within noise" and gpu.because == warmup.GPU_FIRST_STEP
+    assert warmup.cold_start_claim(_warmup(), "cpu").because == warmup.CPU_FIRST_STEP
     summary = warmup.warmup_summary(_warmup()).set_index("warmup")
-    assert summary.loc[0, "processes"] == 2 and summary.loc[0, "steps"] == 10
-    assert summary.loc[0, "first_step"] == 110.0 and summary.loc[5, "processes"] == 1
+    assert summary.loc[0, "processes"] == 5 and summary.loc[0, "steps"] == 35 and summary.loc[0, "first_step_ms"] == 110
+    assert summary.loc[5, "median_ms"] == 10.0 and "spread_ms" in summary and "mean" not in summary
 
 
-def test_warmup_paragraph_explains_by_the_measured_device():
-    gpu = warmup.warmup_paragraph(_warmup(), "cuda")
-    first = sentences(gpu)[0]  # the cold first step: median of 2 processes, times the steady state after 5 steps
-    assert bold(first) == ["110 ms", "11x"] and in_order(first, [110, 2, 11, 10, 5])
-    assert "slower" in first and amounts(first)[-2:] == [(95, "%"), (12, "x")] and in_order(first, [9.9, 12])
-    assert warmup.GPU_FIRST_STEP in gpu and "page faults" not in gpu
-    cpu = warmup.warmup_paragraph(_warmup(), "cpu")
-    assert warmup.CPU_FIRST_STEP in cpu and "cudaMalloc" not in cpu and warmup.GPU_FIRST_STEP not in cpu
-    for device, cause, not_cause in (("cpu", "CPU", "cuBLAS"), ("cuda", "cuBLAS", "CPU")):
-        answer = warmup.warmup_answer(_warmup(), device)
-        assert amounts(answer) == [(11, "x"), (95, "%"), (12, "x")] and "slower" in answer
-        assert cause in answer.split(":", 1)[1] and not_cause not in answer  # the cause named for the device measured
-
-
-def test_warmup_paragraph_makes_no_claim_within_noise():
-    flat = _warmup(first=(10.0, 10.1))
-    text = warmup.warmup_paragraph(flat, "cpu")
-    first = sentences(text)[0]
-    assert bold(first) == ["10.1 ms", "1.01x"] and "within noise" in first and "slower" not in text
-    assert warmup.CPU_FIRST_STEP not in text and warmup.GPU_FIRST_STEP not in text  # no cause claimed
-    answer = warmup.warmup_answer(flat, "cuda")
-    assert amounts(answer)[0] == (1.01, "x") and "not" in answer and "slower" not in answer
-    one = warmup.warmup_paragraph(_warmup(first=(100.0,)), "cuda")
-    first = sentences(one)[0]  # one cold process: a ratio, but no spread and so no verdict
-    assert bold(first) == ["100 ms", "10x"] and "no spread" in first and "slower" not in first
-    assert "within noise" not in first and numbers(first)[:2] == [100, 10]  # no "median of n" either
-    assert warmup.GPU_FIRST_STEP not in one and warmup.CPU_FIRST_STEP not in one
-    answer = warmup.warmup_answer(_warmup(first=(100.0,)), "cuda")
-    assert answer.startswith("Undecided") and "no spread" in answer and amounts(answer) == [(10, "x")]
-
-
-def test_warmup_study_that_failed_makes_no_claim():
+def test_cold_start_claim_makes_no_claim_within_noise_or_without_samples():
+    flat = warmup.cold_start_claim(_warmup(first=(10.0, 10.1, 9.9, 10.0, 10.05)), "cpu")
+    assert found(flat, cl.Versus)[0].verdict == "within noise" and flat.because not in (warmup.CPU_FIRST_STEP,
+                                                                                        warmup.GPU_FIRST_STEP)
+    two = warmup.cold_start_claim(_warmup(first=(100.0, 120.0)), "cuda")
+    assert found(two, cl.Versus)[0].verdict == "not decided" and two.because != warmup.GPU_FIRST_STEP
     failed = pd.DataFrame([dict(warmup=w, step=0, status="oom") for w in (0, 1, 2, 5)])
-    assert warmup.cold_start(failed).first is None
-    nothing = warmup.warmup_paragraph(failed, "cuda")
-    assert not amounts(nothing) and not bold(nothing) and "slower" not in nothing and "within noise" not in nothing
-    assert warmup.warmup_answer(failed, "cuda") == "Not measured."
-
-
-def test_plot_warmup_one_line_per_count():
-    fig = warmup.plot_warmup(_warmup(), "tiny")
-    ax = fig.axes[0]
+    claim = warmup.cold_start_claim(failed, "cuda")
+    assert not found(claim, cl.Versus) and found(claim, cl.Observed)
+    ax = warmup.plot_warmup(_warmup(), "tiny").axes[0]
     assert len(ax.lines) == 3 and ax.get_yscale() == "log" and ax.get_title().startswith("tiny:")
 
 
@@ -299,67 +233,46 @@ def _kernels(timeline="gpu kernel"):
     return df.assign(share=df["ms_per_step"] / df.groupby("mode")["ms_per_step"].transform("sum"))
 
 
-def test_class_shares_and_matmul_paragraph_on_a_gpu():
-    shares = kernel_profiles.class_shares(_kernels()).set_index(["mode", "class"])["share"]
-    assert shares[("forward", "matmul")] == pytest.approx(0.8)
-    assert shares[("train_step", "matmul")] == pytest.approx(24 / 34)
-    text = kernel_profiles.matmul_paragraph(_kernels())
-    shares = sentences(text)[0]  # the matmul share per mode
-    assert bold(shares) == ["80%"] and amounts(shares) == [(80, "%"), (80, "%"), (71, "%")] and "GPU" in shares
-    assert shares.index("forward") < shares.index("forward+backward") < shares.index("train step")
-    largest = sentence_with(text, "`softmax_warp_forward`")  # the largest other kernel: share, calls per step
-    assert amounts(largest) == [(20.0, "%")] and numbers(largest) == [20.0, 4] and "memory-bound" in text
-    answer = kernel_profiles.matmul_answer(_kernels())
-    assert amounts(answer) == [(80, "%"), (80, "%"), (71, "%")] and "GPU" in answer
-    assert answer.index("forward") < answer.index("forward+backward") < answer.index("train step")
-
-
-def test_matmul_paragraph_on_a_cpu_makes_no_gpu_claim():
-    text = kernel_profiles.matmul_paragraph(_kernels("cpu op"))
-    shares = sentences(text)[0]
-    assert "CPU" in shares and "GPU" not in shares and amounts(shares) == [(80, "%"), (80, "%"), (71, "%")]
-    assert "`softmax_warp_forward`" in text and "kernel" not in text.split("`softmax_warp_forward`")[0]  # operators
-    assert "memory-bound" not in text and "GPU" in sentences(text)[-1]  # no GPU reading of CPU times
-
-
-def test_top_kernels_tables(capsys):
-    top = kernel_profiles.top_kernels(_kernels(), "train_step", n=2)
-    assert top["name"].tolist() == ["sm90_gemm", "softmax_warp_forward"]
+def test_top_kernels_one_table_per_mode(capsys):
     kernel_profiles.show_top_kernels(_kernels("cpu op"), n=1)
-    # a table saved before the timeline column existed: told by the GPU that measured it
-    old = _kernels().drop(columns="timeline")
+    out = capsys.readouterr().out
+    headings = [line for line in out.splitlines() if line.startswith("**")]
+    assert [h.split(", ")[-1].split("*")[0] for h in headings] == ["forward", "forward_backward", "train_step"]
+    assert all("operators" in h for h in headings) and out.count("sm90_gemm") == 3 and "softmax_warp" not in out
+
+
+def test_matmul_claim_on_a_gpu_and_a_cpu():
+    gpu = kernel_profiles.matmul_claim(_kernels())
+    assert [s.fraction for s in found(gpu, cl.Share)] == pytest.approx([0.8, 0.8, 24 / 34, 0.2])
+    v = values(gpu)
+    assert v["the forward's largest other kernel"] == "`softmax_warp_forward`" and v["its calls per step"].median == 4
+    assert "memory-bound" in gpu.because and "optimizer" in gpu.because
+    cpu = kernel_profiles.matmul_claim(_kernels("cpu op"))
+    assert "the forward's largest other operator" in values(cpu) and "memory-bound" not in cpu.because
+    assert all("CPU operator time" in s.label for s in found(cpu, cl.Share)[:3])
+    old = _kernels().drop(columns="timeline")  # a table saved before the timeline column: told by its GPU
     assert kernel_profiles.time_unit(old.assign(gpu="NVIDIA H100 80GB HBM3 x2"))[0] == "kernel"
     assert kernel_profiles.time_unit(old.assign(gpu="cpu"))[0] == "operator"
-    assert kernel_profiles.time_unit(old)[0] == "operator"  # no gpu column: nothing says it was a GPU
-    out = capsys.readouterr().out
-    headings = bold(out)  # one table per mode, titled by the CPU's unit: operators
-    assert [h.split(", ")[-1] for h in headings] == ["forward", "forward_backward", "train_step"]
-    assert all("operators" in h and "kernels" not in h for h in headings)
-    fig = kernel_profiles.plot_class_shares(_kernels(), "2.7B")
-    assert fig.axes[0].get_title() == "2.7B: matmul vs other"
+    assert kernel_profiles.plot_class_shares(_kernels(), "2.7B").axes[0].get_title() == "2.7B: matmul vs other"
 
 
-def _steps(busy=300.0):
-    return pd.DataFrame([dict(mode=m, wall_ms=320.0, busy_ms=busy, profiled_steps=3, size="2.7B", context=512,
+def _steps(busy=300.0, wall=320.0):
+    return pd.DataFrame([dict(mode=m, wall_ms=wall, busy_ms=busy, profiled_steps=3, size="2.7B", context=512,
                               batch=4, attention="naive") for m in ("forward", "forward_backward", "train_step")])
 
 
-def test_profile_timer_sentence():
-    lm = _lm([dict(size="2.7B", context=512, dtype="fp32", fwd_median_ms=309.0),
-              dict(size="2.7B", context=512, dtype="bf16", fwd_median_ms=40.0)])
-    text = kernel_profiles.profile_timer_sentence(_steps(), lm)
-    # wall time, kernels' busy time and its share, the Python timer's median (of the sdpa sweep, not naive)
-    assert bold(text) == ["320 ms"] and amounts(text) == [(320, "ms"), (300, "ms"), (94, "%"), (309, "ms")]
-    assert "sdpa" in text and "naive" in text and "forward" in text
-    cpu = kernel_profiles.profile_timer_sentence(_steps(busy=0.0), lm.iloc[:0])
-    assert amounts(cpu) == [(320, "ms")] and len(sentences(cpu)) == 1  # no kernels, no timer to compare
-    # H100, 01 at 395bd41: 139 ms "wall" against 324 ms of kernels; said as impossible, not as 234%
-    wrong = kernel_profiles.profile_timer_sentence(_steps(busy=324.0).assign(wall_ms=139.0), lm)
-    assert amounts(wrong) == [(324, "ms"), (139, "ms")] and "%" not in wrong and "309" not in wrong  # no share
-    caption = kernel_profiles.profile_caption(_steps(), _kernels(), REPO_ROOT / "artifacts" / "traces")
-    assert bold(caption) == ["2.7B"] and numbers(caption)[:4] == [2.7, 512, 4, 3]  # size, context, batch, steps
-    assert "fp32" in caption and "naive" in caption and "GPU" in caption
-    assert "`artifacts/traces`" in caption
+def test_profile_findings_against_the_python_timer():
+    lm = pd.DataFrame([_row("2.7B", 512, "fp32", 2.7e9, 309.0), _row("2.7B", 512, "bf16", 2.7e9, 40.0)])
+    trace = REPO_ROOT / "artifacts" / "traces"
+    v = values(kernel_profiles.profile_findings(_steps(), _kernels(), lm, trace))
+    assert v["the profiled forward step's wall time"].median == 320 and v["kernels busy"] == pytest.approx(300 / 320)
+    assert v["the Python timer's forward (sdpa attention, no profiler)"].median == 309.0
+    assert "`artifacts/traces`" in v["profiled"] and "naive" in v["profiled"]
+    cpu = values(kernel_profiles.profile_findings(_steps(busy=0.0), _kernels("cpu op"), lm.iloc[:0], trace))
+    assert set(cpu) == {"profiled", "the profiled forward step's wall time"}  # no kernels, no timer to compare
+    # H100: 139 ms "wall" against 324 ms of kernels: said as impossible, not as a 234% share
+    wrong = kernel_profiles.profile_findings(_steps(busy=324.0, wall=139.0), _kernels(), lm, trace)
+    assert not found(wrong, cl.Share) and values(wrong)["its kernels' busy time"].median == 324
 
 
 def _ranges(softmax_ms=2.4):
@@ -370,47 +283,14 @@ def _ranges(softmax_ms=2.4):
                               gflop_per_step=172.0)]).assign(tflop_per_s=lambda d: d.gflop_per_step / d.ms_per_step)
 
 
-def test_softmax_ratios_and_paragraph():
-    r = kernel_profiles.softmax_ratios(_ranges())
-    assert r["runtime"] == pytest.approx(2.4 / 19.4) and r["flops"] == pytest.approx(5.37 / 345.0)
-    gpu = kernel_profiles.softmax_paragraph(_ranges(), "cuda")
-    first = sentences(gpu)[0]  # time share, FLOP share, cost per FLOP, the two rates
-    assert bold(first) == ["0.12x", "0.016x"] and "more" in first and "less" not in first
-    assert amounts(first) == [(0.12, "x"), (0.016, "x"), (7.9, "x"), (2.24, "TFLOP/s"), (17.8, "TFLOP/s")]
-    assert "memory bandwidth" in gpu and "CPU" not in gpu
-    cpu = kernel_profiles.softmax_paragraph(_ranges(), "cpu")
-    assert sentences(cpu)[0] == first and "CPU" in cpu and "GPU" in sentences(cpu)[-1]  # GPU reading: for GPUs
-    cheap = sentences(kernel_profiles.softmax_paragraph(_ranges(softmax_ms=0.1), "cuda"))[0]
-    assert amounts(cheap)[:3] == [(0.0052, "x"), (0.016, "x"), (3, "x")] and "less" in cheap and "more" not in cheap
-    answer = kernel_profiles.softmax_answer(_ranges())
-    assert amounts(answer) == [(0.12, "x"), (0.016, "x"), (7.9, "x")]
+def test_softmax_claim():
+    gpu = kernel_profiles.softmax_claim(_ranges(), "cuda")
+    got = [(f.measured.median, f.measured.unit) for f in found(gpu, cl.Value)]
+    assert got == [(pytest.approx(2.4 / 19.4), "x"), (pytest.approx(5.37 / 345.0), "x"),
+                   (pytest.approx((2.4 / 19.4) / (5.37 / 345.0)), "x"), (pytest.approx(2.2375), "TFLOP/s"),
+                   (pytest.approx(345 / 19.4), "TFLOP/s")]
+    assert "memory bandwidth" in gpu.because
+    cpu = kernel_profiles.softmax_claim(_ranges().assign(tflop_per_s=1e-5), "cpu")
+    assert [f.measured.unit for f in found(cpu, cl.Value)][3] == "GFLOP/s" and "CPU" in cpu.because
     assert list(kernel_profiles.attention_table(_ranges()).columns) == ["range", "calls_per_step", "ms_per_step",
-                                                                  "gflop_per_step", "tflop_per_s"]
-
-
-def test_kernel_profiles_are_taken_on_first_use_only(tmp_path):
-    calls = []
-    fake = lambda size, **kw: calls.append((size, kw["mode"], kw["trace_path"].name)) or object()
-    profiles = kernel_profiles.KernelProfiles(fake, "mini", 64, 4, tmp_path)
-    assert calls == []  # a replayed notebook builds the object but never asks for a table
-    first = profiles.profiler("forward")
-    assert profiles.profiler("forward") is first and calls == [("mini", "forward", "01_mini_forward.json")]
-
-
-def test_kernel_profiles_of_a_toy_model(tmp_path):
-    from lab.bench.lm import profile_lm
-    from lab.model import ModelConfig
-
-    cfg = ModelConfig(d_model=32, d_ff=64, num_layers=1, num_heads=2, context_length=16, vocab_size=64)
-    profile = partial(profile_lm, device="cpu", warmup=1, steps=1)
-    profiles = kernel_profiles.KernelProfiles(profile, cfg, 16, 2, tmp_path)
-    kernels = profiles.kernels()
-    assert list(dict.fromkeys(kernels["mode"])) == ["forward", "forward_backward", "train_step"]
-    assert (kernels["timeline"] == "cpu op").all() and (kernels["class"] == "matmul").any()
-    steps = profiles.step_times()
-    assert (steps["wall_ms"] > 0).all() and (steps["busy_ms"] == 0).all() and steps["size"].iloc[0] == "d32_L1"
-    ranges = profiles.attention_ranges()
-    assert ranges["range"].tolist() == ["attention/scores", "attention/softmax", "attention/final_matmul"]
-    assert (ranges["gflop_per_step"] > 0).all() and (ranges["calls_per_step"] == 1).all()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["01_d32_L1_forward.json", "01_d32_L1_forward_backward.json",
-                                                          "01_d32_L1_train_step.json"]
+                                                                        "gflop_per_step", "tflop_per_s"]

@@ -1,6 +1,6 @@
 """How fast collectives run: all-reduce, all-gather and reduce-scatter of float32 tensors over gloo (CPU
 processes) or NCCL (one GPU per rank), values checked against closed forms, bandwidths as nccl-tests
-reports them, and the alpha-beta (latency + size / bandwidth) fit. ``python -m lab.book.communication.collectives``.
+reports them, and the alpha-beta (latency + size / bandwidth) fit. ``python -m lab.bench.collectives``.
 
 Bandwidth conventions are those of nccl-tests (github.com/NVIDIA/nccl-tests, doc/PERFORMANCE.md): ``size``
 is the *full* tensor; **algorithm bandwidth** ``algbw = size / time`` is what the caller sees; **bus
@@ -9,19 +9,17 @@ bandwidth** ``busbw = algbw * factor`` is the traffic each link carries on an op
 it compares with the hardware's link bandwidth independently of the number of ranks.
 
 Units: sizes in MiB (2**20 bytes; "1 GB" is 1024 MiB), times in milliseconds, bandwidths in GB/s (10**9 B/s).
-A call's time is that of its slowest rank, and a table's time the median over iterations; every iteration's
-time is kept (``samples_ms``) for :mod:`lab.measure.verdicts`.
+A call's time is that of its slowest rank, and a row's time the median over iterations with its spread
+(:func:`lab.measure.verdicts.summarize`); every iteration's time is kept (``samples_ms``) for the verdicts.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
 
 import pandas as pd
 import torch
@@ -32,6 +30,7 @@ from lab.accounting.collectives import ring_factor
 from lab.bench.progress import progress_bar
 from lab.measure.device import available_memory_bytes, error_summary, is_oom, synchronize
 from lab.measure.results import save_results
+from lab.measure.verdicts import summarize
 from lab.parallel import launcher as distributed
 from lab.parallel import runner
 from lab.parallel.collectives import all_gather_tensor, reduce_scatter_tensor
@@ -105,8 +104,8 @@ def collective_row(item: tuple[str, int], warmup: int, iters: int) -> dict:
     op, size = item
     n, r, dev = distributed.world_size(), distributed.rank(), distributed.device()
     numel = (size // 4) // n * n  # divisible by n, so every rank's share is the same
-    row = {"op": op, "size_bytes": numel * 4, "rank": r, "samples_s": [], "correct": None, "status": "ok",
-           "error": ""}
+    row = {"op": op, "size_mb": size / MiB, "size_bytes": numel * 4, "rank": r, "samples_s": [], "correct": None,
+           "status": "ok", "error": ""}
     try:
         inp, out = _buffers(op, numel, n, r, dev)
         _run(op, inp, out)  # one call on known inputs checks the values
@@ -158,60 +157,6 @@ def plan_world_sizes(world_sizes: Sequence[int], device: str, gpus: int | None =
     return run, msg
 
 
-@dataclass(frozen=True)
-class CollectiveGrid:
-    """What notebook 06 measures: ``ops`` over gloo with ``cpu_world_sizes`` CPU processes at ``cpu_sizes_mb``,
-    and over NCCL with ``gpu_world_sizes`` GPUs at ``gpu_sizes_mb`` (empty: no NCCL part); ``warmup`` untimed
-    and ``iters`` timed calls each. ``note`` says which requested world sizes NCCL cannot run, and why."""
-
-    ops: tuple[str, ...] = OPS
-    cpu_world_sizes: tuple[int, ...] = (2, 4, 6)
-    cpu_sizes_mb: tuple[float, ...] = (1, 10, 100)
-    gpu_world_sizes: tuple[int, ...] = ()
-    gpu_sizes_mb: tuple[float, ...] = (1, 10, 100, 1024)
-    warmup: int = 5
-    iters: int = 20
-    note: str = ""
-
-    def params(self) -> dict:
-        """The resolved settings, for a report's provenance."""
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items() if k != "note"}
-
-    def measure(self, progress: bool = True) -> pd.DataFrame:
-        """The gloo grid, then the NCCL grid, as one table (see :func:`benchmark_collectives`)."""
-        tables = [benchmark_collectives(self.ops, self.cpu_sizes_mb, self.cpu_world_sizes, "cpu", self.warmup,
-                                        self.iters, progress=progress)]
-        if self.gpu_world_sizes:
-            tables.append(benchmark_collectives(self.ops, self.gpu_sizes_mb, self.gpu_world_sizes, "cuda",
-                                                self.warmup, self.iters, progress=progress))
-        return pd.concat(tables, ignore_index=True)
-
-
-def plan_grid(quick: bool, device: str = "auto", world_sizes: Sequence[int] = (2, 4, 6), ops: Sequence[str] = OPS,
-              gpu_sizes_mb: Sequence[float] = (1, 10, 100, 1024), cpu_sizes_mb: Sequence[float] | None = None,
-              warmup: int = 5, iters: int = 20, gpus: int | None = None) -> CollectiveGrid:
-    """The notebook's grid made concrete. gloo always runs every world size as CPU processes, at
-    ``cpu_sizes_mb`` (default 1, 10, 100 MiB; quick: 1/16, 1/2, 4 MiB and at most 3 warm-up and 10 timed
-    calls: gloo is slow and a 2-core CPU runs 6 processes). NCCL runs, unless ``quick`` or ``device="cpu"``,
-    the world sizes the GPUs allow at ``gpu_sizes_mb``; ``note`` explains the others."""
-    for op in ops:
-        bus_bandwidth_factor(op, 2)  # validates the name
-    if cpu_sizes_mb is None:
-        cpu_sizes_mb = (1 / 16, 1 / 2, 4) if quick else (1, 10, 100)
-    if quick:
-        warmup, iters = min(warmup, 3), min(iters, 10)
-    gpu_world_sizes, note = [], ""
-    if quick:
-        note = "The quick profile measures gloo only (CPU processes); the full render adds NCCL on the GPUs."
-    elif device == "cpu":
-        note = "device='cpu': only gloo (CPU processes) is measured."
-    else:
-        gpu_world_sizes, note = plan_world_sizes(world_sizes, "cuda", gpus)
-        note = note or f"NCCL runs every requested world size ({', '.join(map(str, gpu_world_sizes))} GPUs)."
-    return CollectiveGrid(tuple(ops), tuple(world_sizes), tuple(float(s) for s in cpu_sizes_mb),
-                          tuple(gpu_world_sizes), tuple(float(s) for s in gpu_sizes_mb), warmup, iters, note)
-
-
 def benchmark_collectives(ops: Sequence[str] = OPS, sizes_mb: Sequence[float] = (1, 10, 100, 1024),
                           world_sizes: Sequence[int] = (2, 4, 6), device: str = "cpu", warmup: int = 5,
                           iters: int = 20, timeout_s: float = 600, progress: bool = True,
@@ -220,14 +165,13 @@ def benchmark_collectives(ops: Sequence[str] = OPS, sizes_mb: Sequence[float] = 
 
     ``device`` "cpu" uses gloo, "cuda" NCCL with one GPU per rank (world sizes larger than the GPU count are
     skipped, see :func:`plan_world_sizes`). Columns: backend, op, world_size, size_mb (MiB of the full
-    tensor), time_ms (median over iterations of the slowest rank's time: a collective is done when its last
-    rank is; the median, so that an iteration in which the OS preempted a process does not set the number),
-    time_ms_mean (nccl-tests' mean of the same), time_ms_rank_mean (mean over ranks and iterations),
-    time_ms_std (of the per-iteration max),
-    samples_ms (every iteration's slowest-rank time as a JSON list: what verdicts are drawn from),
-    algbw_gbps, busbw_gbps, correct (values checked against the closed form), status (ok, oom, failed) and
-    error. Each world size's (op, size) pairs run through :func:`lab.parallel.runner.run`: one that runs out
-    of memory or fails on a rank (a hung collective fails after ``timeout_s``) is a row of its own and the
+    tensor asked for), size_bytes (as measured: a multiple of the world size), time_ms (median over
+    iterations of the slowest rank's time: a collective is done when its last rank is), time_spread_ms,
+    time_n, samples_ms (every iteration's slowest-rank time as a JSON list: what verdicts are drawn from),
+    algbw_gbps, busbw_gbps (from the median), correct (values checked against the closed form), status (ok,
+    oom, failed) and error. Each world size's (op, size) pairs run through :func:`lab.parallel.runner.run`:
+    one that runs out of memory or fails on a rank (a hung collective fails after ``timeout_s``) is a row of
+    its own and the
     rest are measured in new processes; ``deadline_s`` (per world size) makes what is left ``failed`` rows.
     """
     for op in ops:
@@ -242,8 +186,8 @@ def benchmark_collectives(ops: Sequence[str] = OPS, sizes_mb: Sequence[float] = 
     for n in progress_bar(run, f"collectives on {device}", progress):
         def blank(item, status, error, n=n):
             numel = (item[1] // 4) // n * n
-            return {"op": item[0], "size_bytes": numel * 4, "samples_s": [], "correct": None, "status": status,
-                    "error": error}
+            return {"op": item[0], "size_mb": item[1] / MiB, "size_bytes": numel * 4, "samples_s": [],
+                    "correct": None, "status": status, "error": error}
 
         per_item = runner.run(runner.each_item, items, n,
                               lambda todo, progress_: (collective_row, todo, progress_, warmup, iters),
@@ -260,24 +204,21 @@ def aggregate_over_ranks(per_rank: list[list[dict]], world_size: int, backend: s
 
 def aggregate_item(results: Sequence[dict], world_size: int, backend: str) -> dict:
     """One (op, size)'s row from its ranks' :func:`collective_row` (or the one row of an item that failed):
-    the slowest rank per iteration, its median and mean, bandwidths; ``status`` ``oom`` or ``failed`` (with
-    ``error``) where any rank's was."""
+    the slowest rank per iteration, their median, spread and count, bandwidths; ``status`` ``oom`` or
+    ``failed`` (with ``error``) where any rank's was."""
     first = results[0]
     bad = [r for r in results if r["status"] != "ok"]
     row = {"backend": backend, "op": first["op"], "world_size": world_size,
-           "size_mb": first["size_bytes"] / MiB, "size_bytes": first["size_bytes"],
+           "size_mb": first.get("size_mb", first["size_bytes"] / MiB), "size_bytes": first["size_bytes"],
            "correct": all(r["correct"] for r in results if r["correct"] is not None),
            "status": bad[0]["status"] if bad else "ok", "error": bad[0].get("error", "") if bad else ""}
     if row["status"] == "ok":
-        samples = torch.tensor([r["samples_s"] for r in results], dtype=torch.float64)  # (ranks, iters)
-        slowest = samples.max(dim=0).values
-        t = statistics.median(slowest.tolist())
-        row.update(time_ms=t * 1e3, time_ms_mean=slowest.mean().item() * 1e3,
-                   time_ms_rank_mean=samples.mean().item() * 1e3,
-                   time_ms_std=(slowest.std().item() * 1e3) if slowest.numel() > 1 else 0.0,
-                   samples_ms=json.dumps([round(x * 1e3, 6) for x in slowest.tolist()]),
-                   algbw_gbps=algorithm_bandwidth_gbps(row["size_bytes"], t),
-                   busbw_gbps=bus_bandwidth_gbps(row["op"], row["size_bytes"], t, world_size))
+        slowest = [max(times) * 1e3 for times in zip(*(r["samples_s"] for r in results))]  # per iteration
+        s = summarize(slowest)
+        row.update(time_ms=s.median, time_spread_ms=s.spread, time_n=s.n,
+                   samples_ms=json.dumps([round(x, 6) for x in slowest]),
+                   algbw_gbps=algorithm_bandwidth_gbps(row["size_bytes"], s.median / 1e3),
+                   busbw_gbps=bus_bandwidth_gbps(row["op"], row["size_bytes"], s.median / 1e3, world_size))
     return row
 
 
@@ -316,8 +257,8 @@ def latency_bandwidth_fit(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def parser() -> cli.Parser:
-    """The command line of ``python -m lab.book.communication.collectives``."""
-    p = cli.Parser(prog="python -m lab.book.communication.collectives", description=__doc__.splitlines()[0])
+    """The command line of ``python -m lab.bench.collectives``."""
+    p = cli.Parser(prog="python -m lab.bench.collectives", description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cpu: gloo between processes; cuda: NCCL, one GPU per rank")
     p.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
@@ -354,7 +295,7 @@ def check_fits(ops: Sequence[str], sizes_mb: Sequence[float], world_sizes: Seque
 
 
 def collectives_main(argv: Sequence[str] | None = None) -> int:
-    """``python -m lab.book.communication.collectives --device cuda --world-sizes 2 4 --sizes-mb 1 10 100 1024``: every
+    """``python -m lab.bench.collectives --device cuda --world-sizes 2 4 --sizes-mb 1 10 100 1024``: every
     argument, output path and the grid's memory are checked before any process starts."""
     args = parser().parse_args(argv)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -375,7 +316,7 @@ def collectives_main(argv: Sequence[str] | None = None) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run :func:`collectives_main`, every mistake answered in one line (see :mod:`lab.cli`)."""
-    return cli.run(collectives_main, argv, prog="python -m lab.book.communication.collectives")
+    return cli.run(collectives_main, argv, prog="python -m lab.bench.collectives")
 
 
 if __name__ == "__main__":

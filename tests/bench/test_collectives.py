@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from lab.book.communication import collectives
+from lab.bench import collectives
 
 
 @pytest.mark.parametrize("n", [1, 2, 4, 6, 8])
@@ -34,8 +34,7 @@ def test_aggregate_takes_the_slowest_rank_per_iteration():
     (row,) = rows
     assert json.loads(row["samples_ms"]) == pytest.approx([3.0, 4.0, 20.0])  # per call: the slowest rank
     assert row["time_ms"] == pytest.approx(4.0)  # their median: the preempted call (20 ms) does not set it
-    assert row["time_ms_mean"] == pytest.approx(9.0)
-    assert row["time_ms_rank_mean"] == pytest.approx(31 / 6)
+    assert row["time_spread_ms"] == pytest.approx(1.4826) and row["time_n"] == 3  # 1.4826 x MAD, MAD = 1 ms
     assert row["busbw_gbps"] == pytest.approx(8 * 2**20 / 0.004 / 1e9 * 0.5)
 
 
@@ -50,28 +49,14 @@ def test_plan_world_sizes_skips_what_does_not_fit():
     assert collectives.plan_world_sizes([2, 4], "cuda", gpus=8) == ([2, 4], "")
 
 
-def test_plan_grid_quick_full_and_without_gpus():
-    quick = collectives.plan_grid(True, gpus=8)
-    assert quick.cpu_world_sizes == (2, 4, 6) and quick.gpu_world_sizes == () and max(quick.cpu_sizes_mb) <= 4
-    assert quick.iters <= 10 and "gloo only" in quick.note
-    full = collectives.plan_grid(False, world_sizes=[2, 4, 6], gpus=2)
-    assert full.cpu_world_sizes == (2, 4, 6) and full.gpu_world_sizes == (2,)
-    assert full.gpu_sizes_mb == (1, 10, 100, 1024) and "cannot run 4, 6 ranks" in full.note
-    assert collectives.plan_grid(False, device="cpu", gpus=8).gpu_world_sizes == ()
-    assert collectives.plan_grid(False, world_sizes=[2, 4], gpus=4).note == "NCCL runs every requested world size " \
-        "(2, 4 GPUs)."
-    assert full.params()["gpu_world_sizes"] == [2] and "note" not in full.params()
-    with pytest.raises(ValueError):
-        collectives.plan_grid(True, ops=["broadcast"])
-
-
 def test_gloo_run_rows_and_values():
     df = collectives.benchmark_collectives(sizes_mb=[0.25], world_sizes=[2], device="cpu", warmup=1, iters=3,
                                            progress=False)
     assert len(df) == 3 and set(df["op"]) == set(collectives.OPS)
     assert (df["status"] == "ok").all() and df["correct"].all() and (df["backend"] == "gloo").all()
     assert all(len(json.loads(s)) == 3 for s in df["samples_ms"])
-    assert (df["time_ms"] > 0).all() and (df["time_ms_mean"] >= df["time_ms_rank_mean"] - 1e-9).all()
+    assert (df["time_ms"] > 0).all() and (df["time_n"] == 3).all() and (df["time_spread_ms"] >= 0).all()
+    assert (df["size_mb"] == 0.25).all()
     for _, row in df.iterrows():
         expected = row["size_bytes"] / (row["time_ms"] / 1e3) / 1e9
         assert math.isclose(row["algbw_gbps"], expected, rel_tol=1e-9)

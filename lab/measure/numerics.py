@@ -1,24 +1,14 @@
-"""Mixed precision, seen from the numbers: accumulation error, what autocast does to each tensor, and why
-normalisation statistics are kept in fp32.
-
-Three experiments, each returning a DataFrame for the 02 notebook:
-
-* :func:`accumulation_experiment` sums 0.01 a thousand times with different accumulator and addend dtypes;
-* :func:`probe_autocast_dtypes` runs a toy model under autocast and *observes* (with forward hooks and
-  tensor hooks) the dtype of every interesting tensor, rather than asserting what it should be;
-* :func:`norm_statistics_demo` computes RMSNorm / LayerNorm statistics of large activations with every
-  intermediate rounded to fp16 or bf16 and compares them with fp64.
-
-:func:`speedup_table` compares fp32 with bf16 autocast timings of ``lab.bench.lm.sweep_lm`` sample by sample,
-with the noise-aware verdicts of :mod:`lab.measure.verdicts`.
+"""What a floating-point format does to a computation, measured rather than assumed: a sum accumulated in
+a dtype (:func:`accumulation_experiment`), the dtype autocast gives each tensor of any module, observed with
+hooks (:func:`probe_autocast_dtypes`), and normalisation statistics computed naively in a dtype against fp64
+(:func:`norm_statistics_demo`). Each returns a DataFrame.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
-import numpy as np
 import pandas as pd
 import torch
 import torch.nn.functional as F
@@ -26,7 +16,6 @@ from torch import nn
 
 from lab.dtypes import dtype_name, torch_dtype
 from lab.measure.device import resolve_device
-from lab.measure.verdicts import compare
 
 # ----------------------------------------------------------------------------------------------------------
 # 1. Accumulation
@@ -85,28 +74,20 @@ def accumulation_experiment(value: float = 0.01, count: int = 1000,
     return pd.DataFrame(rows)
 
 
+def half_ulp(x: float, dtype: str) -> float:
+    """Half a unit in the last place of ``x`` in ``dtype``: an addend smaller than this leaves a sum of ``x``
+    unchanged (round to nearest)."""
+    return 2.0 ** math.floor(math.log2(abs(x))) * torch.finfo(torch_dtype(dtype)).eps / 2 if x else 0.0
+
+
 # ----------------------------------------------------------------------------------------------------------
 # 2. What autocast does to each tensor
 
 
-class ToyModel(nn.Module):
-    """Linear -> ReLU -> LayerNorm -> Linear, the model of the classic autocast exercise."""
-
-    def __init__(self, in_features: int = 10, out_features: int = 5, hidden: int = 10):
-        super().__init__()
-        self.fc1 = nn.Linear(in_features, hidden, bias=False)
-        self.relu = nn.ReLU()
-        self.ln = nn.LayerNorm(hidden)
-        self.fc2 = nn.Linear(hidden, out_features, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.ln(self.relu(self.fc1(x))))
-
-
-def probe_autocast_dtypes(model: nn.Module | None = None, dtype: str = "bf16", device: str | torch.device = "cpu",
-                          batch: int = 4, seed: int = 0) -> pd.DataFrame:
-    """Run ``model`` (default :class:`ToyModel`) forward and backward under autocast to ``dtype`` and record
-    the dtype of every tensor of interest as it is actually produced.
+def probe_autocast_dtypes(model: nn.Module, dtype: str = "bf16", device: str | torch.device = "cpu", batch: int = 4,
+                          seed: int = 0) -> pd.DataFrame:
+    """Run ``model`` (its first Linear sets the input width) forward and backward under autocast to ``dtype``
+    and record the dtype of every tensor of interest as it is actually produced.
 
     Nothing is asserted: forward hooks on each child module record their output dtypes, a tensor hook on
     the logits records the dtype of the gradient flowing into them, and parameter ``.grad`` dtypes are read
@@ -116,7 +97,7 @@ def probe_autocast_dtypes(model: nn.Module | None = None, dtype: str = "bf16", d
     """
     device = torch.device(device)
     torch.manual_seed(seed)
-    model = (model or ToyModel()).to(device)
+    model = model.to(device)
     in_features = next(m for m in model.modules() if isinstance(m, nn.Linear)).in_features
     x = torch.randn(batch, in_features, device=device)
     rows: list[dict] = []
@@ -152,11 +133,11 @@ def probe_autocast_dtypes(model: nn.Module | None = None, dtype: str = "bf16", d
     return pd.DataFrame(rows)
 
 
-def autocast_dtype_table(dtypes: Sequence[str] = ("fp32", "fp16", "bf16"),
+def autocast_dtype_table(make_model: Callable[[], nn.Module], dtypes: Sequence[str] = ("fp32", "fp16", "bf16"),
                          device: str | torch.device = "cpu") -> pd.DataFrame:
-    """:func:`probe_autocast_dtypes` for each autocast dtype side by side: one row per tensor, one column
-    per autocast dtype holding the observed dtype."""
-    frames = [probe_autocast_dtypes(dtype=d, device=device) for d in dtypes]
+    """:func:`probe_autocast_dtypes` of a fresh ``make_model()`` for each autocast dtype side by side: one row
+    per tensor, one column per autocast dtype holding the observed dtype."""
+    frames = [probe_autocast_dtypes(make_model(), dtype=d, device=device) for d in dtypes]
     long = pd.concat(frames, ignore_index=True)
     order = list(dict.fromkeys(frames[0]["tensor"]))
     wide = long.pivot(index="tensor", columns="autocast", values="dtype").reindex(order)[list(dtypes)]
@@ -165,13 +146,14 @@ def autocast_dtype_table(dtypes: Sequence[str] = ("fp32", "fp16", "bf16"),
     return wide.assign(kind=kinds.reindex(order).values).reset_index()
 
 
-def autocast_dtype_tables(device: str | torch.device = "auto",
+def autocast_dtype_tables(make_model: Callable[[], nn.Module], device: str | torch.device = "auto",
                           dtypes: Sequence[str] = ("fp32", "fp16", "bf16")) -> pd.DataFrame:
     """:func:`autocast_dtype_table` on ``device`` and, when that is a GPU, on the CPU as well (the two
     autocast op lists differ): the wide tables stacked, with a ``device`` column (``cuda`` / ``cpu``)."""
     dev = resolve_device(device) if isinstance(device, str) else torch.device(device)
     devices = [dev] + ([torch.device("cpu")] if dev.type == "cuda" else [])
-    return pd.concat([autocast_dtype_table(dtypes, d).assign(device=d.type) for d in devices], ignore_index=True)
+    return pd.concat([autocast_dtype_table(make_model, dtypes, d).assign(device=d.type) for d in devices],
+                     ignore_index=True)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -230,46 +212,4 @@ def norm_statistics_demo(d_model: int = 1024, scales: Sequence[float] = (1.0, 30
                     rel = value  # the outputs are O(1), so the absolute error is already relative
                 rows.append(dict(input=label, dtype=dt, statistic=stat, value=value, reference=reference,
                                  rel_error=rel, finite=math.isfinite(value)))
-    return pd.DataFrame(rows)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# 4. Timings
-
-#: What each phase of a ``lab.bench.lm.samples_long`` table measures.
-PHASE_NAMES = {"fwd": "forward", "bwd": "backward", "fwdbwd": "forward+backward", "step": "train step"}
-
-
-def speedup_table(samples: pd.DataFrame, baseline: str = "fp32", other: str = "bf16",
-                  keys: Sequence[str] = ("size",), phases: Sequence[str] = ("fwd", "fwdbwd")) -> pd.DataFrame:
-    """Speedup of training dtype ``other`` over ``baseline`` for each configuration ``keys`` and phase, with a
-    noise-aware verdict.
-
-    ``samples`` is the long table of :func:`lab.bench.lm.samples_long` (``dtype``, ``phase``, ``ms`` and the
-    ``keys`` columns; one row per timed step). The speedup is the ratio of medians ``baseline / other`` (>1:
-    ``other`` is faster) and its 95% interval comes from :func:`lab.measure.verdicts.compare`, whose verdict
-    (``faster``, ``slower`` or ``within noise``, said of ``other``) is the only word prose may use. A
-    configuration that one dtype did not measure (out of memory) gets ``"not measured"`` and NaN.
-
-    Returns columns ``keys``, ``phase``, ``mode``, ``<baseline>_median_ms``, ``<other>_median_ms``,
-    ``speedup``, ``speedup_low``, ``speedup_high``, ``verdict``, ``n_<baseline>``, ``n_<other>``.
-    """
-    keys = list(keys)
-    rows = []
-    for config, mine in samples.groupby(keys, sort=False):
-        for phase in phases:
-            cell = mine[mine["phase"] == phase]
-            b = cell.loc[cell["dtype"] == baseline, "ms"].dropna().tolist()
-            o = cell.loc[cell["dtype"] == other, "ms"].dropna().tolist()
-            row = {**dict(zip(keys, config)), "phase": phase, "mode": PHASE_NAMES.get(phase, phase),
-                   f"{baseline}_median_ms": float(np.median(b)) if b else math.nan,
-                   f"{other}_median_ms": float(np.median(o)) if o else math.nan,
-                   "speedup": math.nan, "speedup_low": math.nan, "speedup_high": math.nan,
-                   "verdict": "not measured", f"n_{baseline}": len(b), f"n_{other}": len(o)}
-            if b and o:
-                c = compare(o, b)
-                row.update(speedup=c.speedup, verdict=c.verdict,
-                           speedup_low=1 / c.high if math.isfinite(c.high) and c.high > 0 else math.nan,
-                           speedup_high=1 / c.low if math.isfinite(c.low) and c.low > 0 else math.nan)
-            rows.append(row)
     return pd.DataFrame(rows)
