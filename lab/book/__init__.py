@@ -1,14 +1,17 @@
 """The lab book: one package per chapter, and the machinery they share.
 
 Each chapter (``profiling`` 01, ``precision`` 02, ``memory`` 03, ``attention`` 04, ``flash`` 05,
-``communication`` 06, ``ddp`` 07, ``sharding`` 08, ``accounting`` 09, ``fastest`` 10) holds everything its
-notebook does that is not a parameter or a call: its experiment plan and the orchestration of its measurements
-(``bench`` and its siblings) and its tables, plots and sentences (``present``), tested apart from the notebook.
-Adding or changing a chapter touches that package, its tests (``tests/book/<chapter>/``) and its notebook.
+``communication`` 06, ``ddp`` 07, ``sharding`` 08, ``accounting`` 09, ``fastest`` 10) holds what its notebook
+does that is not a parameter or a call: its plan, its tables and plots, and its answers stated as claims
+(data: the question, the rows compared, the goal), tested apart from the notebook. Chapters are siblings: none
+imports another; what two share lives in the engine (``lab.bench``, ``lab.measure``, ...) or here. Adding or
+changing a chapter touches that package, its tests (``tests/book/<chapter>/``) and its notebook.
 
-The shared machinery: rendering notebooks with papermill (:mod:`lab.book.render`), the provenance banner, the
-answers box and number formats (:mod:`lab.book.report`), render-time consistency checks
-(:mod:`lab.book.consistency`) and one plotting style (:mod:`lab.book.plots`).
+The shared machinery: rendering notebooks with papermill (:mod:`lab.book.render`); the provenance banner, the
+rule and the answers box (:mod:`lab.book.report`); the one module that says every claim, in numbers as a person
+writes them and verdicts under the one rule (:mod:`lab.book.claims`); the ledger that makes two reports of the
+same measurement agree (:mod:`lab.book.ledger`); the reader's index (:mod:`lab.book.index`); one plotting style
+(:mod:`lab.book.plots`).
 
 May import: any other ``lab`` subpackage (it measures with the engine and presents what it measured), pandas,
 matplotlib, seaborn. Nothing in ``lab`` imports it but the command lines that render or run the book

@@ -4,10 +4,11 @@ measured (or replayed from ``results/``) with their provenance, and prose genera
 A notebook makes one :class:`Chapter` after its parameters cell::
 
     book = report.Chapter("01_profiling", params, results_dir, replay=replay)
-    book.show_machine()
+    book.show_machine()                       # the banner, the rule, whether the render ran alone
     book.show_answers()                       # filled in as the notebook runs
     lm = book.table("lm_step", lambda: bench.sweep_lm(...))
-    book.answer("How long does a step take?", f"...{lm.step_ms.max():.1f} ms...", section="End-to-end timing")
+    book.answer(profiling.step_claim(lm), section="End-to-end timing")   # a lab.book.claims.Claim
+    book.ledger(ledger.lm_step_entries(lm), table="lm_step")            # rows other reports measure too
 
 ``table`` measures and saves (rows tagged with the notebook as their source), or, with ``replay=True``,
 reads this notebook's rows back from ``results/`` and says which machine and commit measured them, so a
@@ -24,7 +25,6 @@ import pandas as pd
 
 from lab.book import claims as cl
 from lab.book import ledger as book_ledger
-from lab.book.consistency import consistency_report
 from lab.measure import machine
 from lab.measure import results as store
 from lab.measure.verdicts import RULE
@@ -47,22 +47,18 @@ def _display_markdown(text: str, display_id: str | None = None, update: bool = F
 
 
 def machine_banner(params: dict[str, Any] | None = None) -> str:
-    """A Markdown paragraph naming the machine, versions, commit and date; shown at the top of each report."""
+    """A Markdown paragraph naming the machine (GPUs and the host's CPU, which paces an eager step's launches),
+    versions, commit and date; shown at the top of each report."""
     p = store.provenance(params)
-    gpu = f"**{p['gpu_count']} x {p['gpu_name']}** (driver {p['driver']}, CUDA {p['cuda']})" if p["gpu_count"] \
-        else f"**CPU only** ({p['host_cpu']})"
-    knobs = ", ".join(f"`{k}={v!r}`" for k, v in (params or {}).items())
+    gpu = (f"**{p['gpu_count']} x {p['gpu_name']}** (driver {p['driver']}, CUDA {p['cuda']}) on a {p['host_cpu']} host"
+           if p["gpu_count"] else f"**CPU only** ({p['host_cpu']})")
+    knobs = ", ".join(f"`{k}={v!r}`" for k, v in (params or {}).items() if k != "neighbours")  # said beside it
     return (f"> Rendered on {gpu}; torch {p['torch']}, triton {p['triton']}, Python {p['python']}; "
             f"commit `{p['commit']}`; {p['date']}.\n>\n> Parameters: {knobs or 'defaults'}")
 
 
-def show_machine(params: dict[str, Any] | None = None) -> None:
-    """Display :func:`machine_banner` (call it in a notebook's first cell after the parameters)."""
-    _display_markdown(machine_banner(params))
-
-
 def say(text: str) -> None:
-    """Display a sentence of conclusions; build ``text`` with f-strings from the result tables."""
+    """Display Markdown the book writes itself (a heading, a provenance line); a finding goes through claims."""
     _display_markdown(text)
 
 
@@ -72,15 +68,15 @@ def warn(text: str) -> None:
 
 
 def table_text(df: pd.DataFrame, floatfmt: str = ".3g") -> str:
-    """``df`` as a Markdown table. With a ``".Ng"`` format its float cells read as :func:`fmt` writes them in
-    prose (``12,510``, not ``1.251e+04``; ``n/a`` for NaN), right-aligned like numbers."""
+    """``df`` as a Markdown table. With a ``".Ng"`` format its float cells read as :func:`lab.book.claims.number`
+    writes them in prose (``12,510``, not ``1.251e+04``; ``n/a`` for NaN), right-aligned like numbers."""
     digits = re.fullmatch(r"\.(\d+)g", floatfmt)
     if digits is None:
         return df.to_markdown(index=False, floatfmt=floatfmt)
     floats = [c for c in df.columns if pd.api.types.is_float_dtype(df[c])]
     cells = df.astype({c: object for c in floats})
     for c in floats:
-        cells[c] = [fmt(v, int(digits.group(1))) for v in df[c]]
+        cells[c] = [cl.number(v, digits=int(digits.group(1))) for v in df[c]]
     numeric = [pd.api.types.is_numeric_dtype(df[c]) for c in df.columns]
     return cells.to_markdown(index=False, disable_numparse=True, colalign=["right" if n else "left" for n in numeric])
 
@@ -149,7 +145,7 @@ class Chapter:
     def show_machine(self) -> None:
         """The banner, the rule every verdict of the report follows, and whether the render had its GPUs and
         host to itself; when replaying, it also says that the tables were measured elsewhere (see each table)."""
-        show_machine({**self.params, "replay": self.replay})
+        say(machine_banner({**self.params, "replay": self.replay}))
         say(f"> **The rule.** {RULE}")
         if self.neighbours is not None:
             say("> **Alone:** nothing else ran on this render's GPUs or host when it started." if not self.neighbours
@@ -171,15 +167,10 @@ class Chapter:
         """Display the answers box (empty now, completed by :meth:`answer` as the notebook runs)."""
         _display_markdown(self._answers_markdown(), display_id=self._answers_id)
 
-    def answer(self, claim: cl.Claim | str, text: str | None = None, section: str | None = None) -> None:
-        """Add one answer to the box at the top, linked to ``section``'s heading: a :class:`~lab.book.claims.Claim`
-        (its question and its sentence, :func:`lab.book.claims.sentence`), or, from a chapter not yet stating
-        claims, a question and its text."""
-        if isinstance(claim, cl.Claim):
-            question, text = claim.question, cl.sentence(claim, with_question=False)
-        else:
-            question = claim
-        self.answers.append((question, text, section))
+    def answer(self, claim: cl.Claim, section: str | None = None) -> None:
+        """Add one answer to the box at the top, linked to ``section``'s heading: a claim's question and its
+        sentence (:func:`lab.book.claims.sentence`)."""
+        self.answers.append((claim.question, cl.sentence(claim, with_question=False), section))
         _display_markdown(self._answers_markdown(), display_id=self._answers_id, update=True)
 
     def state(self, *items: cl.Claim | cl.Finding) -> None:
@@ -245,21 +236,6 @@ class Chapter:
         store.save_results(saved, name, self.results_dir, params, source=self.notebook)
         return df
 
-    def check_consistency(self, name: str = "lm_step") -> list[str]:
-        """Warn visibly where another notebook measured one of this notebook's configurations in ``name`` and
-        the two disagree beyond their noise and beyond run-to-run variation (:mod:`lab.book.consistency`);
-        smaller differences are counted in one plain sentence. Returns the warnings."""
-        try:
-            table = store.load_results(name, self.results_dir)
-        except FileNotFoundError:
-            return []
-        sentences, note = consistency_report(table, self.notebook)
-        for s in sentences:
-            warn(s)
-        if note:
-            say(note)
-        return sentences
-
     def provenance(self, name: str, source: str | None = None) -> dict:
         """Provenance of ``name``'s rows from ``source`` (default: this notebook)."""
         return store.load_provenance(name, self.results_dir, source or self.notebook)
@@ -289,13 +265,3 @@ def settings_params(settings) -> dict:
     from dataclasses import asdict
 
     return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(settings).items()}
-
-
-def pct(x: float) -> str:
-    """A share as a percentage (:func:`lab.book.claims.percent`)."""
-    return cl.percent(x)
-
-
-def fmt(value: float, digits: int = 3) -> str:
-    """A number for prose (:func:`lab.book.claims.number`)."""
-    return cl.number(value, digits=digits)

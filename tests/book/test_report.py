@@ -1,11 +1,14 @@
 """The chapter machinery: measured or replayed tables with provenance, answers linked to sections."""
 
+import json
+
 import pandas as pd
 import pytest
 import torch
 
-from lab.book import report
-from lab.book.consistency import InconsistentTimings
+from lab.book import claims as cl
+from lab.book import ledger, report
+from lab.measure import verdicts as v
 from tests.book.prose import bold, has_amount, numbers
 
 
@@ -46,32 +49,47 @@ def test_replay_some_tables_and_measure_the_others(tmp_path, capsys):
 
 def test_answers_are_collected_with_links():
     book = report.Chapter("01_profiling", {}, "results")
-    book.answer("How slow is the first step?", "2.3x the steady state.", section="Warm-up: why the first steps")
+    first = cl.Measured.of("the first step", [23.0, 23.1, 22.9, 23.2, 23.0])
+    steady = cl.Measured.of("the steady state", [10.0, 10.1, 9.9, 10.05, 10.0])
+    book.answer(cl.Claim("How slow is the first step?", [cl.Versus(first, steady)]),
+                section="Warm-up: why the first steps")
     md = book._answers_markdown()
     (item,) = [line for line in md.splitlines() if "How slow is the first step?" in line]
     assert item.startswith("- *How slow is the first step?*") and has_amount(item, 2.3, "x")  # question, answer
     assert "(#Warm-up:-why-the-first-steps)" in md
 
 
-def test_check_consistency_fails_on_gpu_rows_and_warns_on_cpu_rows(tmp_path, capsys):
-    base = dict(size="small", context=512, batch=4, dtype="bf16", attention="sdpa", compile=False, fused_loss=False,
-                world_size=1, gpu="G", status="ok", steps=10)
-    from lab.measure.results import save_results
+def test_the_banner_states_the_rule_and_whether_the_render_ran_alone(tmp_path, capsys):
+    book = report.Chapter("01_profiling", {}, str(tmp_path))
+    book.neighbours = ["a benchmark (pid 7) on the GPU"]
+    book.show_machine()
+    out = capsys.readouterr().out
+    assert v.RULE in out and "Not alone" in out and "pid 7" in out
+    assert report.Chapter("01_profiling", {}, str(tmp_path), replay=True).neighbours is None  # times nothing
 
-    save_results(pd.DataFrame([{**base, "fwd_ms": 10.0, "fwd_std_ms": 0.1}]), "lm_step", tmp_path, source="a")
-    save_results(pd.DataFrame([{**base, "fwd_ms": 20.0, "fwd_std_ms": 0.1}]), "lm_step", tmp_path, source="b")
-    with pytest.raises(InconsistentTimings):  # measured on a GPU: the render stops
-        report.Chapter("b", {}, str(tmp_path)).check_consistency()
-    for source, ms in (("a", 10.0), ("b", 20.0)):  # the same disagreement on a shared CPU is a warning
-        save_results(pd.DataFrame([{**base, "gpu": "cpu", "fwd_ms": ms, "fwd_std_ms": 0.1}]), "lm_step", tmp_path,
-                     source=source)
-    warnings = report.Chapter("b", {}, str(tmp_path)).check_consistency()
-    assert len(warnings) == 1 and "Warning" in capsys.readouterr().out
+
+def test_ledger_entries_take_the_provenance_of_their_table_and_stop_a_gpu_render(tmp_path):
+    def entry(ms):
+        return ledger.entry("lm_step", v.summarize([ms + 0.01 * i for i in range(6)]), "ms", f"small {ms}",
+                            size="small", context=512, batch=4, dtype="bf16", attention="sdpa", compile=False,
+                            fused_loss=False, mode="fwdbwd")
+
+    for source, ms in (("01_profiling", 59.0), ("02_mixed_precision", 31.0)):
+        book = report.Chapter(source, {}, str(tmp_path))
+        book.table("lm_step", lambda: pd.DataFrame({"size": ["small"]}))
+        meta = tmp_path / "lm_step.json"
+        sidecar = json.loads(meta.read_text())
+        sidecar["sources"][source]["gpu"] = "NVIDIA H100 80GB HBM3"  # as a GPU render saved it
+        meta.write_text(json.dumps(sidecar))
+        if source == "01_profiling":
+            book.ledger([entry(ms)], table="lm_step")
+        else:
+            with pytest.raises(ledger.LedgerMismatch, match="01_profiling"):
+                book.ledger([entry(ms)], table="lm_step")
+    assert set(ledger.load(tmp_path)["gpu"]) == {"NVIDIA H100 80GB HBM3"}
 
 
 def test_carried_rows_keep_their_own_provenance(tmp_path, capsys):
-    import json
-
     from lab.measure import results
 
     first = report.Chapter("10_fastest_step", {"configs": ["a", "b"]}, str(tmp_path))
