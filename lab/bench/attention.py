@@ -82,8 +82,9 @@ def attention_impl(name: str, device: torch.device | str = "auto") -> AttentionF
     """The attention function ``fn(q, k, v, causal)`` on ``(batch, seq, d)`` called ``name`` in the tables.
 
     ``pytorch_naive`` (the registry's naive attention), ``sdpa`` and ``sdpa_<backend>`` (SDPA, default or one
-    backend), ``triton`` (``FlashAttentionTriton``), ``triton_compiled_bwd`` (Triton forward, backward as
-    compiled PyTorch), ``flex`` (compiled FlexAttention, :func:`flex_attention_fn`) and ``pytorch_flash``
+    backend), ``triton`` (``FlashAttentionTriton``), ``triton_compiled_bwd`` (its forward, backward as
+    compiled PyTorch; both carry ``kernel(q, k, v, causal)``, which forward kernel runs: ``"gluon"`` or
+    ``"triton"``), ``flex`` (compiled FlexAttention, :func:`flex_attention_fn`) and ``pytorch_flash``
     (``FlashAttentionPytorch``, tiled in pure PyTorch). All share
     the registry's top-left causal convention. The flash kernels are imported only when asked for (on a
     machine without a GPU, ``import lab`` has already switched Triton to its interpreter).
@@ -94,16 +95,15 @@ def attention_impl(name: str, device: torch.device | str = "auto") -> AttentionF
         return naive_attention
     if name.startswith("sdpa") and name in IMPLS:
         return sdpa_on_heads(name)
-    if name == "triton":
+    if name in ("triton", "triton_compiled_bwd"):
         # optional dependency: Triton (Linux only), imported only when its kernel is asked for
-        from lab.kernels.flash_triton import FlashAttentionTriton
+        from lab.kernels.flash_triton import BACKWARDS, which_forward
 
-        return lambda q, k, v, causal: FlashAttentionTriton.apply(q, k, v, causal)
-    if name == "triton_compiled_bwd":
-        # optional dependency: Triton (Linux only), imported only when its kernel is asked for
-        from lab.kernels.flash_triton import FlashAttentionTritonCompiledBackward
-
-        return lambda q, k, v, causal: FlashAttentionTritonCompiledBackward.apply(q, k, v, causal)
+        function = BACKWARDS["triton" if name == "triton" else "compiled"]
+        fn = lambda q, k, v, causal: function.apply(q, k, v, causal)
+        # the rows say which forward ran (the Gluon kernel on Hopper, else the portable one): see kernel_of
+        fn.kernel = lambda q, k, v, causal: which_forward(q, k, v, causal)
+        return fn
     if name == "pytorch_flash":
         return lambda q, k, v, causal: FlashAttentionPytorch.apply(q, k, v, causal)
     if name == "flex":

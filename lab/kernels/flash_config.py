@@ -42,6 +42,8 @@ BACKWARD_LAUNCHES = ("auto", "fused", "two_pass")
 LAUNCHED_PASSES = {"fused": (0,), "two_pass": (1, 2)}
 FP32_PRECISIONS = ("auto", "ieee", "tf32", "tf32x3")
 SPLIT_MODES = ("auto", "on", "off")
+#: Which forward kernel runs (:func:`lab.kernels.flash_dispatch.which_forward`).
+FORWARD_KERNELS = ("auto", "gluon", "triton")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +83,14 @@ class FlashConfig:
       power-of-two tile with masked columns; ``"auto"``: the table's choice per head dimension, dtype,
       pass and sequence length (:func:`splits_head_dim`; never under the interpreter, whose tests choose
       ``"on"`` to check the split kernels).
+    * ``forward_kernel``: ``"gluon"``, the Hopper forward written in Gluon (:mod:`lab.kernels.flash_gluon_forward`,
+      FlashAttention-3's schedule; an error where it cannot run), ``"triton"``, the portable Triton-language
+      forward, or ``"auto"``: Gluon wherever it can run (an sm_90 GPU, bf16/fp16, d 64 or 128) on contiguous
+      inputs unless ``fwd_tiles`` fixes the portable kernel's tiles, the portable kernel elsewhere (the Gluon
+      kernel would first copy strided inputs, such as the model's head-strided views, which costs more than
+      its schedule saves). Both save the same output and
+      natural-log logsumexp, so the backward (always the portable Triton one) takes either; the other fields
+      configure the portable kernels only.
 
     Variants that never won were removed, what they measured kept in ``results/``: the forward's overlapped
     key loop (``flash_triton_forward``), the five-product backward launches with atomic or ordered dQ, ``D``
@@ -96,6 +106,7 @@ class FlashConfig:
     bwd_tiles: tuple[int, ...] = ()
     compile_inline: bool = True
     split_d: str = "auto"
+    forward_kernel: str = "auto"
 
     def __post_init__(self):
         if self.backward_launch not in BACKWARD_LAUNCHES:
@@ -104,6 +115,10 @@ class FlashConfig:
             raise ValueError(f"fp32_precision must be one of {FP32_PRECISIONS}, got {self.fp32_precision!r}")
         if self.split_d not in SPLIT_MODES:
             raise ValueError(f"split_d must be one of {SPLIT_MODES}, got {self.split_d!r}")
+        if self.forward_kernel not in FORWARD_KERNELS:
+            raise ValueError(f"forward_kernel must be one of {FORWARD_KERNELS}, got {self.forward_kernel!r}")
+        if self.forward_kernel == "gluon" and self.fwd_tiles:
+            raise ValueError("fwd_tiles are the portable forward's tiles: they cannot go with forward_kernel='gluon'")
         # lists arrive from the torch.library schema (int[]): store tuples so the config stays hashable
         object.__setattr__(self, "fwd_tiles", tuple(int(x) for x in self.fwd_tiles))
         object.__setattr__(self, "bwd_tiles", tuple(int(x) for x in self.bwd_tiles))
@@ -119,7 +134,7 @@ class FlashConfig:
         """The fields in declaration order: the trailing arguments of the ``lab::flash_attention_*`` ops.
         Spelled out rather than ``dataclasses.fields``, which dynamo would have to trace."""
         return (self.autotune, self.fast_launch, self.fp32_precision, self.fwd_tiles, self.backward_launch,
-                self.bwd_tiles, self.compile_inline, self.split_d)
+                self.bwd_tiles, self.compile_inline, self.split_d, self.forward_kernel)
 
     def replace(self, **changes) -> FlashConfig:
         return dataclasses.replace(self, **changes)

@@ -300,10 +300,11 @@ def _gl_dtype(dtype: torch.dtype):
     return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
 
 
-def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, tiles: dict | None = None):
+def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, tiles: dict | None = None,
+                   out: torch.Tensor | None = None):
     """Outputs and launch arguments of the forward on contiguous (batch, heads, seq, d) tensors: returns
     ``(out, lse, grid, args, constexprs, num_warps, maxnreg)``; runs nothing (the tensors may live on the
-    CPU, for compiling)."""
+    CPU, for compiling). ``out``: where the output goes (None: a new contiguous tensor)."""
     batch, heads, n_q, d = q.shape
     n_k = k.shape[2]
     tiles = {**forward_tiles(d, causal), **(tiles or {})}
@@ -314,7 +315,7 @@ def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     q_desc = TensorDescriptor.from_tensor(q.view(-1, d), [m, d], q_layout)
     k_desc = TensorDescriptor.from_tensor(k.view(-1, d), [n, d], kv_layout)
     v_desc = TensorDescriptor.from_tensor(v.view(-1, d), [n, d], kv_layout)
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     lse = torch.empty((batch, heads, n_q), dtype=torch.float32, device=q.device)
     heads_per_group = tiles.pop("heads_per_group", None) or heads_sharing_l2(n_k, d, q.element_size(), q.device)
     grid = (triton.cdiv(n_q, tiles["NUM_WG"] * m) * batch * heads, )
@@ -328,13 +329,21 @@ def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     return out, lse, grid, args, constexprs, 4, maxnreg
 
 
+def _tma_operand(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as TMA reads it: contiguous (each head's rows one 2-D block) from a 16-byte aligned address (a
+    view that starts mid-row may not be)."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
 def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                  tiles: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  tiles: dict | None = None, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """FlashAttention forward on (batch, heads, seq, d) CUDA tensors (bf16 or fp16, d 64 or 128) on Hopper.
-    Returns (output in q's dtype and shape, contiguous; natural-log logsumexp fp32 of shape (batch, heads,
-    n_queries)). Inputs that are not contiguous are copied first (TMA reads each head's rows as one 2-D
-    block)."""
-    q, k, v = (t.contiguous() for t in (q, k, v))
-    out, lse, grid, args, constexprs, num_warps, maxnreg = forward_launch(q, k, v, causal, tiles)
+    Returns (output in q's dtype and shape; natural-log logsumexp fp32 of shape (batch, heads, n_queries),
+    contiguous). The output is written into ``out`` when given (q's shape and dtype, any strides with a unit
+    last one: the caller's layout), else into a new contiguous tensor. Inputs that are not contiguous are
+    copied first (TMA reads each head's rows as one 2-D block)."""
+    q, k, v = (_tma_operand(t) for t in (q, k, v))
+    out, lse, grid, args, constexprs, num_warps, maxnreg = forward_launch(q, k, v, causal, tiles, out)
     _attention_forward_kernel[grid](*args, **constexprs, num_warps=num_warps, maxnreg=maxnreg)
     return out, lse

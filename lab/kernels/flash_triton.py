@@ -1,6 +1,10 @@
 """FlashAttention-2 in Triton: the public interface (autograd Functions and the model registry's entry point).
 
-Two ``torch.autograd.Function`` classes share the Triton forward and differ only in the backward:
+Two ``torch.autograd.Function`` classes share the forward and differ only in the backward. The forward is the
+Gluon kernel for Hopper (:mod:`lab.kernels.flash_gluon_forward`) where it can run (an sm_90 GPU, bf16/fp16, d 64
+or 128) and the portable Triton-language kernel (:mod:`lab.kernels.flash_triton_forward`) elsewhere, as
+``FlashConfig.forward_kernel`` chooses; :func:`which_forward` says which runs. Both save the same output and
+logsumexp, which either backward takes:
 
 * :class:`FlashAttentionTriton`: backward in Triton (:mod:`lab.kernels.flash_triton_backward`);
 * :class:`FlashAttentionTritonCompiledBackward`: backward = ``torch.compile`` of the untiled recomputation
@@ -14,7 +18,8 @@ Both take ``apply(q, k, v, is_causal=False, config=None)``:
 * d any multiple of 8 from 8 to 256; dtypes fp32, fp16, bf16 (all three of q, k, v alike);
 * ``config``: a :class:`FlashConfig` (None: the defaults), how the kernels are launched;
 * tensors whose last dimension is not contiguous are copied; batch, head and sequence strides are passed
-  to the kernels as they are (no copy);
+  to the portable kernels as they are (no copy), while the Gluon forward reads contiguous copies of strided
+  inputs (its TMA descriptors cover each head's rows as one block); outputs come in q's layout either way;
 * the kernels run on a CUDA GPU, or on the CPU under ``TRITON_INTERPRET=1`` (slow; for tests).
 
 Saved for backward: q, k, v, the output and the fp32 logsumexp of shape ``q.shape[:-1]``.
@@ -36,6 +41,7 @@ import warnings
 import torch
 
 from lab.kernels.flash_config import DEFAULT_CONFIG, FlashConfig
+from lab.kernels.flash_dispatch import which_forward
 from lab.kernels.flash_pytorch import attention_backward_recompute, check_bhsd
 from lab.kernels.flash_triton_backward import flash_backward
 from lab.kernels.flash_triton_forward import flash_forward
@@ -44,12 +50,12 @@ from lab.kernels.flash_triton_ops import attention_backward, attention_forward
 __all__ = [
     "DEFAULT_CONFIG", "FlashAttentionTriton", "FlashAttentionTritonCompiledBackward", "FlashConfig",
     "compiled_backward",
-    "flash_attention_bhsd", "flash_backward", "flash_forward",
+    "flash_attention_bhsd", "flash_backward", "flash_forward", "which_forward",
 ]
 
 
 class FlashAttentionTriton(torch.autograd.Function):
-    """FlashAttention-2: Triton forward, Triton backward.
+    """FlashAttention-2: the forward :func:`which_forward` picks (Gluon on Hopper, else Triton), Triton backward.
 
     ``FlashAttentionTriton.apply(q, k, v, is_causal=False, config=None)`` on (batch, seq, d) or
     (batch, heads, seq, d) tensors returns the attention output of q's shape in the input dtype. Saved for
@@ -102,8 +108,8 @@ def compiled_backward(q, k, v, out, lse, grad_out, is_causal):
 
 
 class FlashAttentionTritonCompiledBackward(FlashAttentionTriton):
-    """FlashAttention-2 with the Triton forward and the backward as compiled PyTorch (recomputation
-    equations through ``torch.compile``, eager when compiling is unavailable). Same interface as
+    """FlashAttention-2 with the forward of :class:`FlashAttentionTriton` and the backward as compiled PyTorch
+    (recomputation equations through ``torch.compile``, eager when compiling is unavailable). Same interface as
     :class:`FlashAttentionTriton`, whose forward it shares."""
 
     @staticmethod

@@ -25,8 +25,12 @@ dispatch, the config, the checks, the tile tables, the launch arguments) on ever
 cannot be traced (the interpreter, whose kernels run on the host's data; the autotuner, which times
 candidates on real data) the decomposition is one call of an opaque twin,
 ``lab::flash_attention_forward_opaque`` / ``lab::flash_attention_backward_opaque`` (``torch.library.custom_op``,
-the same schema), which Inductor calls at run time as it would any custom op. On real tensors (an eager
-call, or the op's kernel below a dispatch mode) both ops run the host function with the fast launcher.
+the same schema), which Inductor calls at run time as it would any custom op. The forward decomposes into
+that opaque twin as well where it runs the Gluon kernel (``FlashConfig.forward_kernel``,
+:func:`~lab.kernels.flash_dispatch.which_forward`: Inductor traces Triton-language launches, not Gluon ones);
+its backward, the portable Triton kernels, still inlines. On real tensors (an eager call, or the op's kernel
+below a dispatch mode) both ops run the host function with the fast launcher; the forward's host function is
+:func:`~lab.kernels.flash_dispatch.forward`, which runs the kernel ``which_forward`` picks.
 
 :func:`attention_forward` / :func:`attention_backward` are what the autograd functions call: the ops when
 anything traces or a dispatch mode is active (selective activation checkpointing saves an op's outputs by
@@ -42,6 +46,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from lab.kernels.flash_config import FlashConfig, check_triton_inputs, inlines
+from lab.kernels.flash_dispatch import forward, which_forward
 from lab.kernels.flash_launch import inline_launch
 from lab.kernels.flash_triton_backward import flash_backward
 from lab.kernels.flash_triton_forward import flash_forward
@@ -56,18 +61,19 @@ def _plain(*tensors) -> bool:
 # ------------------------------------------------------------------------------------------------ forward
 def _forward_fake(q, k, v, causal, *config):
     check_triton_inputs(q, k, v)  # the same one-line errors at trace time as in eager mode
-    FlashConfig(*config)
+    which_forward(q, k, v, causal, FlashConfig(*config))  # forward_kernel="gluon" where Gluon cannot run: an error
     return empty_in_layout(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("lab::flash_attention_forward_opaque", mutates_args=())
 def _forward_opaque(q: Tensor, k: Tensor, v: Tensor, causal: bool, autotune: bool, fast_launch: bool,
                     fp32_precision: str, fwd_tiles: list[int], backward_launch: str, bwd_tiles: list[int],
-                    compile_inline: bool, split_d: str) -> tuple[Tensor, Tensor]:
+                    compile_inline: bool, split_d: str,
+                    forward_kernel: str) -> tuple[Tensor, Tensor]:
     """The forward's kernels as one opaque node, for traced calls whose launches cannot be traced."""
     config = FlashConfig(autotune, fast_launch, fp32_precision, fwd_tiles, backward_launch, bwd_tiles, compile_inline,
-                         split_d)
-    return flash_forward(q, k, v, causal, config)
+                         split_d, forward_kernel)
+    return forward(q, k, v, causal, config)
 
 
 _forward_opaque.register_fake(_forward_fake)
@@ -76,13 +82,15 @@ _forward_opaque.register_fake(_forward_fake)
 @torch.library.triton_op("lab::flash_attention_forward", mutates_args=())
 def flash_attention_forward_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, autotune: bool, fast_launch: bool,
                                fp32_precision: str, fwd_tiles: list[int], backward_launch: str,
-                               bwd_tiles: list[int], compile_inline: bool, split_d: str) -> tuple[Tensor, Tensor]:
+                               bwd_tiles: list[int], compile_inline: bool, split_d: str,
+                               forward_kernel: str) -> tuple[Tensor, Tensor]:
     """FlashAttention forward: (output, fp32 logsumexp)."""
     config = FlashConfig(autotune, fast_launch, fp32_precision, fwd_tiles, backward_launch, bwd_tiles, compile_inline,
-                         split_d)
+                         split_d, forward_kernel)
     if _plain(q, k, v):
-        return flash_forward(q, k, v, causal, config)
-    if inlines(config, q.device):
+        return forward(q, k, v, causal, config)
+    # Inductor traces the launches of Triton-language kernels (wrap_triton), not those of Gluon kernels
+    if inlines(config, q.device) and which_forward(q, k, v, causal, config) == "triton":
         return flash_forward(q, k, v, causal, config, launcher=inline_launch)
     return _forward_opaque(q, k, v, causal, *config.op_args())
 
@@ -99,11 +107,11 @@ def _backward_fake(grad_out, q, k, v, out, lse, causal, *config):
 @torch.library.custom_op("lab::flash_attention_backward_opaque", mutates_args=())
 def _backward_opaque(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
                      autotune: bool, fast_launch: bool, fp32_precision: str, fwd_tiles: list[int],
-                     backward_launch: str, bwd_tiles: list[int], compile_inline: bool,
-                     split_d: str) -> tuple[Tensor, Tensor, Tensor]:
+                     backward_launch: str, bwd_tiles: list[int], compile_inline: bool, split_d: str,
+                     forward_kernel: str) -> tuple[Tensor, Tensor, Tensor]:
     """The backward's kernels as one opaque node, for traced calls whose launches cannot be traced."""
     config = FlashConfig(autotune, fast_launch, fp32_precision, fwd_tiles, backward_launch, bwd_tiles, compile_inline,
-                         split_d)
+                         split_d, forward_kernel)
     return flash_backward(q, k, v, out, lse, grad_out, causal, config)
 
 
@@ -114,10 +122,11 @@ _backward_opaque.register_fake(_backward_fake)
 def flash_attention_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                                 causal: bool, autotune: bool, fast_launch: bool, fp32_precision: str,
                                 fwd_tiles: list[int], backward_launch: str, bwd_tiles: list[int],
-                                compile_inline: bool, split_d: str) -> tuple[Tensor, Tensor, Tensor]:
+                                compile_inline: bool, split_d: str,
+                                forward_kernel: str) -> tuple[Tensor, Tensor, Tensor]:
     """FlashAttention backward: (dq, dk, dv)."""
     config = FlashConfig(autotune, fast_launch, fp32_precision, fwd_tiles, backward_launch, bwd_tiles, compile_inline,
-                         split_d)
+                         split_d, forward_kernel)
     if _plain(grad_out, q, k, v, out, lse):
         return flash_backward(q, k, v, out, lse, grad_out, causal, config)
     if inlines(config, q.device):
@@ -169,7 +178,7 @@ def _eager(*tensors) -> bool:
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, config: FlashConfig) -> tuple[Tensor, Tensor]:
     """(output, logsumexp): the host function for eager calls on plain tensors, else the forward op."""
     if _eager(q, k, v):
-        return flash_forward(q, k, v, causal, config)
+        return forward(q, k, v, causal, config)
     return torch.ops.lab.flash_attention_forward(q, k, v, causal, *config.op_args())
 
 
