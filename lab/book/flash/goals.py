@@ -240,7 +240,7 @@ def missed_goal_bounds(bench: pd.DataFrame, pairs: list, ceilings: pd.DataFrame,
         if bound == "in-flight products" and p == "bwd" and with_5 <= best:
             step = FIVE_PRODUCTS
         sel = waits[(waits["d"] == d) & waits["kernel"].isin(kernels[p])] if waits is not None and "d" in waits else []
-        rows.append(dict(shape=k["shape"], dtype=k["dtype"], against=k["against"], **{"pass": p},
+        rows.append(dict(shape=k["shape"], dtype=k["dtype"], against=k["reference_impl"], **{"pass": p},
                          ratio=f.comparison.ratio, goal=f.goal, of_ceiling=reach, needs_of_ceiling=needs,
                          needs_with_5=with_5, best_of_ceiling=best, bound=bound, next_step=step,
                          waited_at_once=int(sel["waited_at_once"].sum()) if len(sel) else math.nan,

@@ -43,7 +43,7 @@ def _key(row) -> tuple:
 def versus(bench: pd.DataFrame, impl: str = "triton", references=None, passes=PASSES, sweep: str | None = "lm",
            goals=None) -> list[tuple[dict, Versus]]:
     """``impl`` against each reference (default: every other implementation that ran) on every configuration both
-    ran, timed alike: ``(keys, Versus)`` pairs, keys ``shape``, ``dtype``, ``d``, ``against``, ``pass``. With
+    ran, timed alike: ``(keys, Versus)`` pairs, keys ``shape``, ``dtype``, ``d``, ``reference_impl``, ``pass``. With
     ``goals(shape, pass)`` (a time ratio ``impl / reference`` to stay under, or None for no goal), only the
     passes with a goal, each Versus carrying it."""
     df = ran(bench, sweep)
@@ -58,7 +58,7 @@ def versus(bench: pd.DataFrame, impl: str = "triton", references=None, passes=PA
                 goal = goals(shape, p) if goals else None
                 if (goals and goal is None) or not (sampled(r, p) and sampled(other, p)):
                     continue
-                keys = {"shape": shape.label, "dtype": r["dtype"], "d": shape.d, "against": ref, "pass": p}
+                keys = {"shape": shape.label, "dtype": r["dtype"], "d": shape.d, "reference_impl": ref, "pass": p}
                 out.append((keys, Versus(Measured.from_row(f"{impl} on {shape.label} {r['dtype']}, {PASS_NAMES[p]}",
                                                            r, f"{p}_ms"),
                                          Measured.from_row(ref, other, f"{p}_ms"), goal=goal)))
@@ -76,7 +76,7 @@ def tallies(pairs: list[tuple[dict, Versus]], passes=PASSES, label: str = "{impl
     groups: dict[tuple, list] = {}
     for k, f in pairs:
         if k["pass"] in passes:
-            groups.setdefault((k["against"], k["pass"]), []).append(f)
+            groups.setdefault((k["reference_impl"], k["pass"]), []).append(f)
     return [Tally(label.format(impl="Triton", pass_=PASS_NAMES[p], against=ref), tuple(fs))
             for (ref, p), fs in groups.items()]
 
@@ -112,7 +112,7 @@ def plot_speedup_heatmap(pairs: list[tuple[dict, Versus]], impl: str = "triton")
     import matplotlib.pyplot as plt
     import seaborn as sns
 
-    cells = pd.DataFrame([dict(row=f"{k['shape']} {k['dtype']}", against=k["against"], pass_=k["pass"],
+    cells = pd.DataFrame([dict(row=f"{k['shape']} {k['dtype']}", against=k["reference_impl"], pass_=k["pass"],
                                speed=1 / f.comparison.ratio, verdict=f.verdict) for k, f in pairs])
     if cells.empty:
         return None
