@@ -131,7 +131,8 @@ def test_memory_claims():
     assert not _values(no_gpu) and no_gpu.because
     oom = table()
     oom.loc[0, ["status", "error"]] = ["oom", "OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB"]
-    oom.loc[0, [c for c in oom.columns if c.endswith(("_ms", "_gib")) and c != "limit_gib"]] = float("nan")  # nothing ran
+    ran = [c for c in oom.columns if c.endswith(("_ms", "_gib")) and c != "limit_gib"]
+    oom.loc[0, ran] = float("nan")  # nothing ran
     assert [f.seen for f in sharding_book.failures(oom)] == ["out of memory at 80 GiB"]
     assert _values(sharding_book.peak_claim(oom))[0].text() == "out of memory at 80 GiB"
     assert sharding_book.failures(table())[0].seen == "ran to the end"
