@@ -3,9 +3,10 @@
 ``run(main, argv)`` calls ``main(argv)`` and turns an :class:`UsageError` (bad input: exit 2) or any other
 exception (exit 1) into one line on stderr, ``<prog>: error: <what was wrong>``. ``--debug`` anywhere on
 the command line shows the full traceback instead. argparse's own errors already print a usage line and
-exit 2.
+exit 2. On a machine without a GPU a command runs the book's Triton kernels in Triton's interpreter
+(:func:`lab.use_triton_interpreter`, unless ``TRITON_INTERPRET`` is set) and says so in one line when it ends.
 
-Leaf module: imports nothing from ``lab``.
+Leaf module: imports nothing from ``lab`` but the root package (which imports nothing from ``lab`` itself).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
+
+import lab
 
 
 class UsageError(ValueError):
@@ -106,6 +109,9 @@ def run(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] 
     """Run a CLI's ``main(argv)``; return its exit code, printing one line for any error (see the module)."""
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args
+    # A command may have imported Triton already (torch.compile's machinery does); the ranks it starts have not.
+    interpreted = "TRITON_INTERPRET" not in os.environ and lab.use_triton_interpreter(announce=False,
+                                                                                      this_process=False)
     try:
         code = main(args)
     except SystemExit as exc:  # argparse, --help
@@ -118,4 +124,6 @@ def run(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] 
             raise
         print(f"{prog}: error: {first_line(exc)}", file=sys.stderr)
         return 2 if isinstance(exc, UsageError) else 1
+    if interpreted and not code and "triton" in sys.modules:  # said once, where it explains the times above
+        print(f"{prog}: {lab.INTERPRETER_NOTICE.removeprefix('lab: ')}", file=sys.stderr)
     return int(code or 0)

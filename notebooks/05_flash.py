@@ -58,6 +58,11 @@ lm_steps = None                   # None: 5 (full) or 2
 ceiling_n = None                  # matmul ceiling: one n x n x n torch.mm; None: 8192 (full) or 256 (quick)
 
 # %%
+import lab
+
+lab.use_triton_interpreter()  # without a CUDA GPU: Triton kernels run in Triton's interpreter (said once)
+
+# %%
 import matplotlib.pyplot as plt
 import pandas as pd
 

@@ -54,6 +54,11 @@ goal_vs_torch_ddp = 1.0           # the best bucketed step at most this many tim
 goal_vs_single = 1.1              # ... and the single-device step's
 
 # %%
+import lab
+
+lab.use_triton_interpreter()  # without a CUDA GPU: Triton kernels run in Triton's interpreter (said once)
+
+# %%
 from lab.book import plots, report  # noqa: E402 - after the parameters cell
 from lab.book.ddp import bench as ddp_bench  # noqa: E402 - after the parameters cell
 from lab.book.ddp import present as ddp_book  # noqa: E402 - after the parameters cell

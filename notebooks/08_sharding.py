@@ -54,6 +54,11 @@ profile_impl = "fsdp"             # its step is profiled: compute vs communicati
 fsdp_memory_factor = 1.1          # goal: FSDP's peak at most this many times FSDP2's
 
 # %%
+import lab
+
+lab.use_triton_interpreter()  # without a CUDA GPU: Triton kernels run in Triton's interpreter (said once)
+
+# %%
 from lab.book import plots, report  # noqa: E402 - after the parameters cell
 from lab.book.sharding import bench as sharding_bench  # noqa: E402 - after the parameters cell
 from lab.book.sharding import present as sharding_book  # noqa: E402 - after the parameters cell

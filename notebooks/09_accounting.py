@@ -45,6 +45,11 @@ check_batch, check_context = 2, 64
 memory_tolerance = 0.25           # a measured peak further than this from the prediction is listed as a disagreement
 
 # %%
+import lab
+
+lab.use_triton_interpreter()  # without a CUDA GPU: Triton kernels run in Triton's interpreter (said once)
+
+# %%
 from lab import accounting as acc
 from lab.accounting.ring_sim import check_closed_forms
 from lab.book import plots, report

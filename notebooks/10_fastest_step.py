@@ -58,6 +58,11 @@ loss_shapes = None                # (vocab, d_model, tokens) of the loss benchma
 scaling_goal = 0.95               # on several nodes: the book's step's tokens/s per GPU, at least this share of one node's
 
 # %%
+import lab
+
+lab.use_triton_interpreter()  # without a CUDA GPU: Triton kernels run in Triton's interpreter (said once)
+
+# %%
 import matplotlib.pyplot as plt
 
 from lab.book import plots, report

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+import lab
 from lab import cli, paths
 from lab.bench.progress import PREFIX as PROGRESS_PREFIX
 from lab.cli import UsageError
@@ -190,6 +191,9 @@ def render(profile: str = "quick", only: Sequence[str] | None = None, html: bool
     params = {**prof.parameters(), **(extra_parameters or {})}
     books = numbered_notebooks(only)
     check_parameters(books, extra_parameters or {})
+    # the kernels inherit this process's environment: without a GPU they run Triton interpreted, said once here
+    if lab.use_triton_interpreter(announce=False):
+        print(f"[render:{profile}] {lab.INTERPRETER_NOTICE.removeprefix('lab: ')}", flush=True)
     done = []
     for nb in books:
         start = time.perf_counter()
