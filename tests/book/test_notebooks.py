@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from lab.book import render
+from lab.paths import REPO_ROOT
 
 NOTEBOOKS = render.numbered_notebooks()
 
@@ -82,6 +83,21 @@ def test_sync_check_notices_a_changed_script(tmp_path):
     edited = tmp_path / script.name
     edited.write_text(script.read_text() + "\n# %%\nprint('an edit that was never synced')\n")
     assert _cells(jupytext.read(edited)) != _cells(json.loads(NOTEBOOKS[0].read_text()))
+
+
+def test_jupyterlab_lists_each_notebook_once():
+    """JupyterLab asks jupytext's contents manager what a file is: the .ipynb of a pair is the notebook, its
+    percent script a plain file (opened in the editor), so that the folder shows each notebook once."""
+    pytest.importorskip("jupyter_server")
+    from jupyter_server.services.contents.largefilemanager import LargeFileManager
+    from jupytext.sync_contentsmanager import build_sync_jupytext_contents_manager_class
+
+    manager = build_sync_jupytext_contents_manager_class(LargeFileManager)(root_dir=str(REPO_ROOT))
+    listing = manager.get("notebooks", content=True)["content"]
+    as_notebooks = sorted(item["name"] for item in listing if item["type"] == "notebook")
+    assert as_notebooks == [nb.name for nb in NOTEBOOKS]
+    scripts = {item["name"]: item["type"] for item in listing if item["name"].endswith(".py")}
+    assert scripts == {nb.with_suffix(".py").name: "file" for nb in NOTEBOOKS}
 
 
 def _digest(folder: Path) -> str:
