@@ -73,7 +73,7 @@ from lab.measure.device import resolve_device
 dev = resolve_device(device)
 on_gpu = dev.type == "cuda"
 configs = configs or (["tiny"] if quick else ["leaderboard", "2.7B"])
-loss_shapes = loss_shapes or ([(512, 64, 256)] if quick else [(151_936, 4096, 32_768), (10_000, 2560, 16_384)])
+loss_shapes = loss_shapes or ([(128, 16, 32)] if quick else [(151_936, 4096, 32_768), (10_000, 2560, 16_384)])
 params = dict(quick=quick, device=str(dev), configs=configs, carry=carry, ablate=ablate, rep_ms=rep_ms, goal=goal,
               loss_shapes=loss_shapes, scaling_goal=scaling_goal)
 book = report.Chapter("10_fastest_step", params, results_dir, replay=replay)

@@ -7,6 +7,7 @@ The notebooks in ``notebooks/`` are only read, never written.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
@@ -106,26 +107,112 @@ def parse_value(name: str, text: str) -> object:
         return text
 
 
+def inputs_digest(notebook: Path, parameters: dict) -> str:
+    """A digest of what a render's outputs depend on: the notebook, every source file of ``lab``, the
+    parameters, and the versions of Python and torch. Two renders with the same digest ran the same code."""
+    import hashlib
+    import json
+    import platform
+
+    import torch
+
+    h = hashlib.sha256()
+    h.update(Path(notebook).read_bytes())
+    for source in sorted((paths.REPO_ROOT / "lab").rglob("*.py")):
+        h.update(str(source.relative_to(paths.REPO_ROOT)).encode() + source.read_bytes())
+    h.update(json.dumps(parameters, sort_keys=True, default=str).encode())
+    h.update(f"{platform.python_version()} {torch.__version__}".encode())
+    return h.hexdigest()
+
+
+def _files(folder: Path) -> dict[str, float]:
+    return {str(p.relative_to(folder)): p.stat().st_mtime for p in folder.rglob("*") if p.is_file()} \
+        if folder.is_dir() else {}
+
+
+def reusable_render(notebook: Path, output: Path, parameters: dict) -> dict | None:
+    """The stamp of ``output`` (see :func:`run_notebook`) if it is a complete render of ``notebook`` with
+    ``parameters`` by the code as it is now, its results still on disk; else None (render it again)."""
+    import json
+
+    try:
+        executed = json.loads(Path(output).read_text())
+    except (OSError, ValueError):
+        return None
+    stamp = executed.get("metadata", {}).get("lab_render", {})
+    if stamp.get("inputs") != inputs_digest(notebook, parameters):
+        return None
+    results = paths.resolve(parameters.get("results_dir", "results"))
+    if not all((results / name).is_file() for name in stamp.get("results", [])):
+        return None
+    return stamp
+
+
+class _LongCellNotice:
+    """While papermill runs a notebook, say on the terminal which cell has been running for a while: papermill
+    saves the notebook it executes as it goes, with each running cell's start time."""
+
+    def __init__(self, running: Path, label: str, every_s: float = 60.0):
+        import threading
+
+        self.running, self.label, self.every_s = running, label, every_s
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join(timeout=5)
+
+    def _watch(self) -> None:
+        import json
+        from datetime import datetime, timezone
+
+        while not self.stop.wait(self.every_s):
+            try:
+                cells = json.loads(self.running.read_text())["cells"]
+            except (OSError, ValueError, KeyError):
+                continue
+            for index, cell in enumerate(cells):
+                meta = cell.get("metadata", {}).get("papermill", {})
+                if meta.get("status") == "running" and meta.get("start_time"):
+                    started = datetime.fromisoformat(meta["start_time"].replace("Z", "+00:00"))
+                    seconds = (datetime.now(timezone.utc) - started).total_seconds()
+                    first = "".join(cell.get("source", "")).strip().splitlines()[:1]
+                    print(f"{self.label} cell {index + 1}/{len(cells)} running for {seconds:.0f} s: "
+                          f"{first[0][:70] if first else ''}", flush=True)
+
+
 def run_notebook(notebook: Path, output: Path, parameters: dict, log_output: bool = False,
-                 timeout_s: int | None = None) -> Path:
+                 timeout_s: int | None = None, label: str | None = None) -> Path:
     """Execute ``notebook`` with papermill into ``output`` (written only if every cell succeeds).
 
     On failure the partially executed notebook is kept as ``<output>.failed.ipynb`` and
-    :class:`NotebookFailed` names the failing cell.
+    :class:`NotebookFailed` names the failing cell. The output's metadata ``lab_render`` holds
+    :func:`inputs_digest` and the files the render wrote under ``results_dir`` (see :func:`reusable_render`).
+    ``label``: say on stdout, every minute, which cell has been running that long (a render's terminal).
     """
+    import json
+
     import papermill as pm
 
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.with_suffix(".running.ipynb")
+    results = paths.resolve(parameters.get("results_dir", "results"))
+    before, digest = _files(results), inputs_digest(notebook, parameters)
     # progress bars are for terminals: keep them out of the stored outputs of a rendered report
     os.environ.setdefault("TQDM_DISABLE", "1")
     try:
-        pm.execute_notebook(str(notebook), str(tmp), parameters=parameters, cwd=str(paths.REPO_ROOT),
-                            log_output=log_output, progress_bar=False, execution_timeout=timeout_s,
-                            kernel_name="python3",
-                            # the kernel's own start-up notices (e.g. "running over TCP without encryption"
-                            # on a local, loopback-only connection) are not the notebook's output
-                            extra_arguments=["--IPKernelApp.log_level=ERROR"])
+        with _LongCellNotice(tmp, label) if label else contextlib.nullcontext():
+            pm.execute_notebook(str(notebook), str(tmp), parameters=parameters, cwd=str(paths.REPO_ROOT),
+                                log_output=log_output, progress_bar=False, execution_timeout=timeout_s,
+                                kernel_name="python3",
+                                # the kernel's own start-up notices (e.g. "running over TCP without encryption"
+                                # on a local, loopback-only connection) are not the notebook's output
+                                extra_arguments=["--IPKernelApp.log_level=ERROR"])
     except pm.PapermillExecutionError as exc:
         failed = output.with_suffix(".failed.ipynb")
         if tmp.exists():
@@ -134,6 +221,11 @@ def run_notebook(notebook: Path, output: Path, parameters: dict, log_output: boo
         raise NotebookFailed(f"{notebook.name}: cell {exc.exec_count} raised {exc.ename}: "
                              f"{evalue[0] if evalue else ''} (partial output kept in {failed})") from None
     strip_progress_bars(tmp)
+    after = _files(results)
+    executed = json.loads(tmp.read_text())
+    executed.setdefault("metadata", {})["lab_render"] = {
+        "inputs": digest, "results": sorted(name for name, mtime in after.items() if before.get(name) != mtime)}
+    tmp.write_text(json.dumps(executed, indent=1, ensure_ascii=False) + "\n")
     tmp.replace(output)
     return output
 
@@ -198,7 +290,7 @@ def render(profile: str = "quick", only: Sequence[str] | None = None, html: bool
     for nb in books:
         start = time.perf_counter()
         print(f"[render:{profile}] {nb.name} ...", flush=True)
-        out = run_notebook(nb, reports / nb.name, params, log_output=log_output)
+        out = run_notebook(nb, reports / nb.name, params, log_output=log_output, label=f"[render:{profile}] {nb.stem}")
         if html:
             export_html(out)
         print(f"[render:{profile}] {nb.name} done in {time.perf_counter() - start:.0f} s -> "
