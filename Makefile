@@ -5,7 +5,10 @@ VPY := $(VENV)/bin/python
 # CPU build by default; on a GPU machine: make book-full TORCH=torch (or your pinned CUDA build)
 TORCH ?= torch==2.13.0
 
-.PHONY: setup book book-full html test test-fast lint sync clean
+# test processes (pytest-xdist): the CPU-bound tests and renders of a 2-core machine share its two cores
+JOBS ?= 2
+
+.PHONY: setup book book-full html site test test-fast lint sync clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -27,11 +30,14 @@ book-full: $(VPY)     ## render the full lab book on a GPU machine into reports/
 html: $(VPY)          ## HTML export of the executed full reports
 	$(VPY) -m lab.render --profile full --html-only
 
-test: $(VPY)          ## the whole test suite (CI runs exactly this)
-	$(VPY) -m pytest -q -ra --durations=15
+site: $(VPY)          ## the rendered reports as one offline website: build/site/index.html
+	$(VPY) -m lab.book.site
+
+test: $(VPY)          ## the whole test suite, JOBS processes (CI runs this and `make lint`)
+	$(VPY) -m pytest -q -ra -n $(JOBS) --durations=25
 
 test-fast: $(VPY)     ## everything except the notebook renders and other slow tests
-	$(VPY) -m pytest -q -m "not slow"
+	$(VPY) -m pytest -q -n $(JOBS) -m "not slow"
 
 lint: $(VPY)
 	$(VPY) -m ruff check lab tests examples tools
@@ -40,4 +46,4 @@ sync: $(VPY)          ## update each notebook pair (notebooks/NN.py <-> NN.ipynb
 	$(VPY) -m jupytext --quiet --sync notebooks/[0-9][0-9]_*.py
 
 clean:
-	rm -rf reports/quick results/quick artifacts
+	rm -rf reports/quick results/quick artifacts build

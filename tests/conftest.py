@@ -16,6 +16,9 @@ def pytest_report_header(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    # The slow tests (notebook renders, minutes each) first: pytest-xdist hands tests out in this order, and a
+    # long test handed out last would run alone on one core at the end.
+    items.sort(key=lambda item: "slow" not in item.keywords)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
