@@ -12,9 +12,11 @@ Leaf module: imports nothing from ``lab`` but the root package (which imports no
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -104,6 +106,20 @@ def check_ranks(world_sizes: Sequence[int], device: str, gpus: int, cores: int |
                          f"use {flag} {limit} or fewer")
 
 
+def _tell_torchrun(line: str) -> None:
+    """Under torchrun, leave the error where its failure report reads a rank's error (the file named by
+    ``TORCHELASTIC_ERROR_FILE``), so that the report's root cause is this line rather than "To enable
+    traceback see ..." below it."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": line, "timestamp": int(time.time())}, f)  # a plain message, shown as it is
+    except OSError:
+        pass
+
+
 def run(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] | None = None,
         prog: str = "lab") -> int:
     """Run a CLI's ``main(argv)``; return its exit code, printing one line for any error (see the module)."""
@@ -122,7 +138,11 @@ def run(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] 
     except Exception as exc:  # noqa: BLE001 - the point: one line, not a traceback
         if debug:
             raise
-        print(f"{prog}: error: {first_line(exc)}", file=sys.stderr)
+        line = f"{prog}: error: {first_line(exc)}"
+        _tell_torchrun(line)
+        # Under torchrun every rank checks the same arguments: rank 0 says a usage error, once.
+        if not (isinstance(exc, UsageError) and os.environ.get("RANK", "0") != "0"):
+            print(line, file=sys.stderr)
         return 2 if isinstance(exc, UsageError) else 1
     if interpreted and not code and "triton" in sys.modules:  # said once, where it explains the times above
         print(f"{prog}: {lab.INTERPRETER_NOTICE.removeprefix('lab: ')}", file=sys.stderr)
