@@ -260,16 +260,65 @@ def strip_progress_bars(executed: Path) -> int:
     return removed
 
 
-def export_html(executed: Path) -> Path | None:
-    """An HTML copy of an executed notebook beside it (None if nbconvert is not installed)."""
+#: The HTML export's template: JupyterLab's, without the scripts it loads from a CDN (require.js, for widgets the
+#: reports do not have, and MathJax: the formulas are MathML instead, which browsers draw themselves).
+OFFLINE_TEMPLATE = """{%- extends 'lab/index.html.j2' -%}
+{%- block html_head_js_requirejs -%}{%- endblock html_head_js_requirejs -%}
+{%- block html_head_js_mathjax -%}{%- endblock html_head_js_mathjax -%}
+"""
+
+
+def latex_to_mathml(latex: str, display: bool = False) -> str:
+    """A TeX formula as MathML (``latex2mathml``); the TeX itself, escaped, where it cannot be converted."""
+    import html
+
+    from latex2mathml.converter import convert
+
     try:
+        return convert(latex.strip(), display="block" if display else "inline")
+    except Exception:  # noqa: BLE001 - a formula latex2mathml does not know stays readable as TeX
+        return f"<code>{html.escape(latex)}</code>"
+
+
+def _markdown_with_mathml(source: str) -> str:
+    from nbconvert.filters.markdown_mistune import IPythonRenderer, MarkdownWithMath
+
+    class MathMLRenderer(IPythonRenderer):
+        def inline_math(self, body: str) -> str:
+            return latex_to_mathml(body)
+
+        def block_math(self, body: str) -> str:
+            return latex_to_mathml(body, display=True)
+
+        def latex_environment(self, name: str, body: str) -> str:
+            return latex_to_mathml(f"\\begin{{{name}}}{body}\\end{{{name}}}", display=True)
+
+    return MarkdownWithMath(renderer=MathMLRenderer(escape=False)).render(source)
+
+
+def export_html(executed: Path) -> Path | None:
+    """An HTML copy of an executed notebook beside it (None if nbconvert is not installed) that opens offline:
+    no script from a CDN, the formulas of markdown and of ``text/latex`` outputs as MathML."""
+    try:
+        import jinja2
         import nbformat
         from nbconvert import HTMLExporter
     except ImportError:
         print(f"nbconvert is not installed: no HTML for {executed.name} (run `python -m lab.book.render --html-only`"
               " where it is)", file=sys.stderr)
         return None
-    body, _ = HTMLExporter().from_notebook_node(nbformat.read(str(executed), as_version=4))
+    nb = nbformat.read(str(executed), as_version=4)
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            data = out.get("data", {})
+            if "text/latex" in data and "text/html" not in data:
+                latex = data["text/latex"].strip()
+                display = latex.startswith("$$") or not latex.startswith("$")
+                data["text/html"] = latex_to_mathml(latex.strip("$"), display=display)
+    exporter = HTMLExporter(extra_loaders=[jinja2.DictLoader({"offline.html.j2": OFFLINE_TEMPLATE})],
+                            template_file="offline.html.j2")
+    exporter.register_filter("markdown2html", _markdown_with_mathml)
+    body, _ = exporter.from_notebook_node(nb)
     html = executed.with_suffix(".html")
     html.write_text(body, encoding="utf-8")
     return html
