@@ -10,39 +10,43 @@ JOBS ?= 2
 
 .PHONY: setup book book-full html site test test-fast lint sync clean
 
-$(VPY):
-	$(PY) -m venv $(VENV)
+# Made again when pyproject.toml changes (new dependencies reach an existing .venv; torch is kept).
+READY := $(VENV)/.installed
+
+$(READY): pyproject.toml
+	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	# CPU build of torch from the local wheel cache; a GPU user installs their own CUDA torch first.
 	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q "$(TORCH)"
 	# triton 3.6 + numpy<2.3: the Triton interpreter runs the kernels on the CPU
 	$(VPY) -m pip install -q -e ".[dev]" "triton==3.6.0; platform_system == 'Linux'" "numpy<2.3"
 	$(VPY) -m ipykernel install --sys-prefix --name python3 >/dev/null
+	touch $@
 
-setup: $(VPY)
+setup: $(READY)
 
-book: $(VPY)          ## render the quick lab book on the CPU into reports/quick/
+book: $(READY)          ## render the quick lab book on the CPU into reports/quick/
 	$(VPY) -m lab.render --profile quick
 
-book-full: $(VPY)     ## render the full lab book on a GPU machine into reports/
+book-full: $(READY)     ## render the full lab book on a GPU machine into reports/
 	$(VPY) -m lab.render --profile full
 
-html: $(VPY)          ## HTML export of the executed full reports
+html: $(READY)          ## HTML export of the executed full reports
 	$(VPY) -m lab.render --profile full --html-only
 
-site: $(VPY)          ## the rendered reports as one offline website: build/site/index.html
+site: $(READY)          ## the rendered reports as one offline website: build/site/index.html
 	$(VPY) -m lab.book.site
 
-test: $(VPY)          ## the whole test suite, JOBS processes (CI runs this and `make lint`)
+test: $(READY)          ## the whole test suite, JOBS processes (CI runs this and `make lint`)
 	$(VPY) -m pytest -q -ra -n $(JOBS) --durations=25
 
-test-fast: $(VPY)     ## everything except the notebook renders and other slow tests
+test-fast: $(READY)     ## everything except the notebook renders and other slow tests
 	$(VPY) -m pytest -q -n $(JOBS) -m "not slow"
 
-lint: $(VPY)
+lint: $(READY)
 	$(VPY) -m ruff check lab tests examples tools
 
-sync: $(VPY)          ## update each notebook pair (notebooks/NN.py <-> NN.ipynb) from whichever was edited last
+sync: $(READY)          ## update each notebook pair (notebooks/NN.py <-> NN.ipynb) from whichever was edited last
 	$(VPY) -m jupytext --quiet --sync notebooks/[0-9][0-9]_*.py
 
 clean:
