@@ -5,39 +5,49 @@ VPY := $(VENV)/bin/python
 # CPU build by default; on a GPU machine: make book-full TORCH=torch (or your pinned CUDA build)
 TORCH ?= torch==2.13.0
 
-.PHONY: setup book book-full html test test-fast lint sync clean
+# test processes (pytest-xdist): the CPU-bound tests and renders of a 2-core machine share its two cores
+JOBS ?= 2
 
-$(VPY):
-	$(PY) -m venv $(VENV)
+.PHONY: setup book book-full html site test test-fast lint sync clean
+
+# Made again when pyproject.toml changes (new dependencies reach an existing .venv; torch is kept).
+READY := $(VENV)/.installed
+
+$(READY): pyproject.toml
+	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	# CPU build of torch from the local wheel cache; a GPU user installs their own CUDA torch first.
 	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q "$(TORCH)"
 	# triton 3.6 + numpy<2.3: the Triton interpreter runs the kernels on the CPU
 	$(VPY) -m pip install -q -e ".[dev]" "triton==3.6.0; platform_system == 'Linux'" "numpy<2.3"
 	$(VPY) -m ipykernel install --sys-prefix --name python3 >/dev/null
+	touch $@
 
-setup: $(VPY)
+setup: $(READY)
 
-book: $(VPY)          ## render the quick lab book on the CPU into reports/quick/
+book: $(READY)          ## render the quick lab book on the CPU into reports/quick/
 	$(VPY) -m lab.render --profile quick
 
-book-full: $(VPY)     ## render the full lab book on a GPU machine into reports/
+book-full: $(READY)     ## render the full lab book on a GPU machine into reports/
 	$(VPY) -m lab.render --profile full
 
-html: $(VPY)          ## HTML export of the executed full reports
+html: $(READY)          ## HTML export of the executed full reports
 	$(VPY) -m lab.render --profile full --html-only
 
-test: $(VPY)          ## the whole test suite (CI runs exactly this)
-	$(VPY) -m pytest -q -ra --durations=15
+site: $(READY)          ## the rendered reports as one offline website: build/site/index.html
+	$(VPY) -m lab.book.site
 
-test-fast: $(VPY)     ## everything except the notebook renders and other slow tests
-	$(VPY) -m pytest -q -m "not slow"
+test: $(READY)          ## the whole test suite, JOBS processes (CI runs this and `make lint`)
+	$(VPY) -m pytest -q -ra -n $(JOBS) --durations=25
 
-lint: $(VPY)
+test-fast: $(READY)     ## everything except the notebook renders and other slow tests
+	$(VPY) -m pytest -q -n $(JOBS) -m "not slow"
+
+lint: $(READY)
 	$(VPY) -m ruff check lab tests examples tools
 
-sync: $(VPY)          ## update each notebook pair (notebooks/NN.py <-> NN.ipynb) from whichever was edited last
+sync: $(READY)          ## update each notebook pair (notebooks/NN.py <-> NN.ipynb) from whichever was edited last
 	$(VPY) -m jupytext --quiet --sync notebooks/[0-9][0-9]_*.py
 
 clean:
-	rm -rf reports/quick results/quick artifacts
+	rm -rf reports/quick results/quick artifacts build

@@ -3,19 +3,24 @@
 ``run(main, argv)`` calls ``main(argv)`` and turns an :class:`UsageError` (bad input: exit 2) or any other
 exception (exit 1) into one line on stderr, ``<prog>: error: <what was wrong>``. ``--debug`` anywhere on
 the command line shows the full traceback instead. argparse's own errors already print a usage line and
-exit 2.
+exit 2. On a machine without a GPU a command runs the book's Triton kernels in Triton's interpreter
+(:func:`lab.use_triton_interpreter`, unless ``TRITON_INTERPRET`` is set) and says so in one line when it ends.
 
-Leaf module: imports nothing from ``lab``.
+Leaf module: imports nothing from ``lab`` but the root package (which imports nothing from ``lab`` itself).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+
+import lab
 
 
 class UsageError(ValueError):
@@ -101,11 +106,28 @@ def check_ranks(world_sizes: Sequence[int], device: str, gpus: int, cores: int |
                          f"use {flag} {limit} or fewer")
 
 
+def _tell_torchrun(line: str) -> None:
+    """Under torchrun, leave the error where its failure report reads a rank's error (the file named by
+    ``TORCHELASTIC_ERROR_FILE``), so that the report's root cause is this line rather than "To enable
+    traceback see ..." below it."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": line, "timestamp": int(time.time())}, f)  # a plain message, shown as it is
+    except OSError:
+        pass
+
+
 def run(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] | None = None,
         prog: str = "lab") -> int:
     """Run a CLI's ``main(argv)``; return its exit code, printing one line for any error (see the module)."""
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args
+    # A command may have imported Triton already (torch.compile's machinery does); the ranks it starts have not.
+    interpreted = "TRITON_INTERPRET" not in os.environ and lab.use_triton_interpreter(announce=False,
+                                                                                      this_process=False)
     try:
         code = main(args)
     except SystemExit as exc:  # argparse, --help
@@ -116,6 +138,12 @@ def run(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] 
     except Exception as exc:  # noqa: BLE001 - the point: one line, not a traceback
         if debug:
             raise
-        print(f"{prog}: error: {first_line(exc)}", file=sys.stderr)
+        line = f"{prog}: error: {first_line(exc)}"
+        _tell_torchrun(line)
+        # Under torchrun every rank checks the same arguments: rank 0 says a usage error, once.
+        if not (isinstance(exc, UsageError) and os.environ.get("RANK", "0") != "0"):
+            print(line, file=sys.stderr)
         return 2 if isinstance(exc, UsageError) else 1
+    if interpreted and not code and "triton" in sys.modules:  # said once, where it explains the times above
+        print(f"{prog}: {lab.INTERPRETER_NOTICE.removeprefix('lab: ')}", file=sys.stderr)
     return int(code or 0)

@@ -40,6 +40,11 @@ profile_context = None            # 512 (full), 64 (quick)
 profile_steps = 3                 # profiled steps per mode
 
 # %%
+import lab
+
+lab.use_triton_interpreter()  # without a CUDA GPU: Triton kernels run in Triton's interpreter (said once)
+
+# %%
 from functools import partial
 
 import matplotlib.pyplot as plt

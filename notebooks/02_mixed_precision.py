@@ -34,6 +34,11 @@ accumulation_count = 1000
 norm_width = 1024                 # width of the synthetic activations in the norm demo
 
 # %%
+import lab
+
+lab.use_triton_interpreter()  # without a CUDA GPU: Triton kernels run in Triton's interpreter (said once)
+
+# %%
 import matplotlib.pyplot as plt
 
 from lab.bench import lm as bench

@@ -47,6 +47,11 @@ timing_steps = 5                  # timed steps per checkpointing configuration 
 top_allocations = 10
 
 # %%
+import lab
+
+lab.use_triton_interpreter()  # without a CUDA GPU: Triton kernels run in Triton's interpreter (said once)
+
+# %%
 from lab.book import plots, report
 from lab.book.memory import bench as bench_memory
 from lab.book.memory import present as memory_book

@@ -41,6 +41,11 @@ lm_warmup = None                  # None: 2 (full; the first step of a compiled 
 lm_steps = None                   # timed steps per mode (at least 5 for a verdict); None: 5
 
 # %%
+import lab
+
+lab.use_triton_interpreter()  # without a CUDA GPU: Triton kernels run in Triton's interpreter (said once)
+
+# %%
 import matplotlib.pyplot as plt
 
 from lab.bench.attention import naive_attention, run_naive_grid

@@ -58,6 +58,11 @@ lm_steps = None                   # None: 7 (full) or 5
 ceiling_n = None                  # matmul ceiling: one n x n x n torch.mm; None: 8192 (full) or 256 (quick)
 
 # %%
+import lab
+
+lab.use_triton_interpreter()  # without a CUDA GPU: Triton kernels run in Triton's interpreter (said once)
+
+# %%
 import matplotlib.pyplot as plt
 
 from lab.bench import flash_variants as fv

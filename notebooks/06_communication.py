@@ -44,6 +44,11 @@ warmup = 5
 iters = 20
 
 # %%
+import lab
+
+lab.use_triton_interpreter()  # without a CUDA GPU: Triton kernels run in Triton's interpreter (said once)
+
+# %%
 from lab.bench import collectives  # noqa: E402 - after the parameters cell
 from lab.book import plots, report  # noqa: E402 - after the parameters cell
 from lab.book.communication import present as comm  # noqa: E402 - after the parameters cell

@@ -53,6 +53,11 @@ goal_vs_torch_ddp = 1.0           # the best bucketed step at most this many tim
 goal_vs_single = 1.1              # ... and the single-device step's
 
 # %%
+import lab
+
+lab.use_triton_interpreter()  # without a CUDA GPU: Triton kernels run in Triton's interpreter (said once)
+
+# %%
 import pandas as pd  # noqa: E402 - after the parameters cell
 
 from lab.book import claims, plots, report  # noqa: E402 - after the parameters cell

@@ -55,6 +55,11 @@ profile_impl = "fsdp"             # its step is profiled: compute vs communicati
 fsdp_memory_factor = 1.1          # goal: FSDP's peak at most this many times FSDP2's
 
 # %%
+import lab
+
+lab.use_triton_interpreter()  # without a CUDA GPU: Triton kernels run in Triton's interpreter (said once)
+
+# %%
 import pandas as pd  # noqa: E402 - after the parameters cell
 
 from lab.bench import traffic as sharding_traffic  # noqa: E402 - after the parameters cell

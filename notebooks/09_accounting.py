@@ -45,6 +45,11 @@ check_model = {"d_model": 128, "d_ff": 352, "num_layers": 2, "num_heads": 4}  # 
 check_batch, check_context = 2, 64
 
 # %%
+import lab
+
+lab.use_triton_interpreter()  # without a CUDA GPU: Triton kernels run in Triton's interpreter (said once)
+
+# %%
 from lab import accounting as acc
 from lab.accounting.ring_sim import check_closed_forms
 from lab.bench.predicted_memory import predicted_vs_measured, saved_activations_check

@@ -60,6 +60,11 @@ scaling_goal = 0.95               # on several nodes: the book's step's tokens/s
 samples = None                    # host-timed steps a recipe; None: the rule's minimum, 5 (full) or 1 (quick: no verdicts)
 
 # %%
+import lab
+
+lab.use_triton_interpreter()  # without a CUDA GPU: Triton kernels run in Triton's interpreter (said once)
+
+# %%
 import matplotlib.pyplot as plt
 
 from lab.bench import fastest as bench
@@ -72,7 +77,7 @@ from lab.measure.device import resolve_device
 dev = resolve_device(device)
 on_gpu = dev.type == "cuda"
 configs = configs or (["tiny"] if quick else ["leaderboard", "2.7B"])
-loss_shapes = loss_shapes or ([(256, 32, 64)] if quick else [(151_936, 4096, 32_768), (10_000, 2560, 16_384)])
+loss_shapes = loss_shapes or ([(128, 16, 32)] if quick else [(151_936, 4096, 32_768), (10_000, 2560, 16_384)])
 samples = samples or (1 if quick else bench.MIN_SAMPLES)
 params = dict(quick=quick, device=str(dev), configs=configs, carry=carry, ablate=ablate, rep_ms=rep_ms, goal=goal,
               loss_shapes=loss_shapes, scaling_goal=scaling_goal, samples=samples)

@@ -1,17 +1,24 @@
-"""Test-wide setup: Triton kernels run interpreted on a machine without a GPU."""
-
-import os
+"""Test-wide setup: Triton kernels run interpreted on a machine without a GPU (said in the report's header)."""
 
 import torch
 
-# Must be set before any @triton.jit function is defined, i.e. before lab's Triton modules are imported.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+import lab
+
+# Before any @triton.jit function is defined, i.e. before a test module imports lab's Triton modules; the
+# processes the tests start (spawned ranks, command lines, notebook kernels) inherit it.
+INTERPRETED = lab.use_triton_interpreter(announce=False)
 
 import pytest  # noqa: E402
 
 
+def pytest_report_header(config):
+    return "triton: interpreted on the CPU (TRITON_INTERPRET=1)" if INTERPRETED else "triton: compiled"
+
+
 def pytest_collection_modifyitems(config, items):
+    # The slow tests (notebook renders, minutes each) first: pytest-xdist hands tests out in this order, and a
+    # long test handed out last would run alone on one core at the end.
+    items.sort(key=lambda item: "slow" not in item.keywords)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")

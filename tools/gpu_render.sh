@@ -11,7 +11,10 @@ site=$(mktemp -d /tmp/site.XXXXXX)  # one per render: renders of separate GPUs m
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl \
   || { echo "wheel install failed"; exit 1; }
 export PYTHONPATH=$site:$PWD LAB_COMMIT=$commit PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# The lent machines' NVLink fabric has no SHARP multicast, and NCCL's init fails or hangs trying it: switched
+# off here, for this script's renders (lab itself sets no NCCL variable); a value already set stands.
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1} \
+  NVSHMEM_DISABLE_NVLS=${NVSHMEM_DISABLE_NVLS:-1}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
 # At the limit, kill every process this script started, the notebook kernel included: papermill starts it in

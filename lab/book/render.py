@@ -7,6 +7,7 @@ The notebooks in ``notebooks/`` are only read, never written.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+import lab
 from lab import cli, paths
 from lab.bench.progress import PREFIX as PROGRESS_PREFIX
 from lab.cli import UsageError
@@ -105,26 +107,112 @@ def parse_value(name: str, text: str) -> object:
         return text
 
 
+def inputs_digest(notebook: Path, parameters: dict) -> str:
+    """A digest of what a render's outputs depend on: the notebook, every source file of ``lab``, the
+    parameters, and the versions of Python and torch. Two renders with the same digest ran the same code."""
+    import hashlib
+    import json
+    import platform
+
+    import torch
+
+    h = hashlib.sha256()
+    h.update(Path(notebook).read_bytes())
+    for source in sorted((paths.REPO_ROOT / "lab").rglob("*.py")):
+        h.update(str(source.relative_to(paths.REPO_ROOT)).encode() + source.read_bytes())
+    h.update(json.dumps(parameters, sort_keys=True, default=str).encode())
+    h.update(f"{platform.python_version()} {torch.__version__}".encode())
+    return h.hexdigest()
+
+
+def _files(folder: Path) -> dict[str, float]:
+    return {str(p.relative_to(folder)): p.stat().st_mtime for p in folder.rglob("*") if p.is_file()} \
+        if folder.is_dir() else {}
+
+
+def reusable_render(notebook: Path, output: Path, parameters: dict) -> dict | None:
+    """The stamp of ``output`` (see :func:`run_notebook`) if it is a complete render of ``notebook`` with
+    ``parameters`` by the code as it is now, its results still on disk; else None (render it again)."""
+    import json
+
+    try:
+        executed = json.loads(Path(output).read_text())
+    except (OSError, ValueError):
+        return None
+    stamp = executed.get("metadata", {}).get("lab_render", {})
+    if stamp.get("inputs") != inputs_digest(notebook, parameters):
+        return None
+    results = paths.resolve(parameters.get("results_dir", "results"))
+    if not all((results / name).is_file() for name in stamp.get("results", [])):
+        return None
+    return stamp
+
+
+class _LongCellNotice:
+    """While papermill runs a notebook, say on the terminal which cell has been running for a while: papermill
+    saves the notebook it executes as it goes, with each running cell's start time."""
+
+    def __init__(self, running: Path, label: str, every_s: float = 60.0):
+        import threading
+
+        self.running, self.label, self.every_s = running, label, every_s
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join(timeout=5)
+
+    def _watch(self) -> None:
+        import json
+        from datetime import datetime, timezone
+
+        while not self.stop.wait(self.every_s):
+            try:
+                cells = json.loads(self.running.read_text())["cells"]
+            except (OSError, ValueError, KeyError):
+                continue
+            for index, cell in enumerate(cells):
+                meta = cell.get("metadata", {}).get("papermill", {})
+                if meta.get("status") == "running" and meta.get("start_time"):
+                    started = datetime.fromisoformat(meta["start_time"].replace("Z", "+00:00"))
+                    seconds = (datetime.now(timezone.utc) - started).total_seconds()
+                    first = "".join(cell.get("source", "")).strip().splitlines()[:1]
+                    print(f"{self.label} cell {index + 1}/{len(cells)} running for {seconds:.0f} s: "
+                          f"{first[0][:70] if first else ''}", flush=True)
+
+
 def run_notebook(notebook: Path, output: Path, parameters: dict, log_output: bool = False,
-                 timeout_s: int | None = None) -> Path:
+                 timeout_s: int | None = None, label: str | None = None) -> Path:
     """Execute ``notebook`` with papermill into ``output`` (written only if every cell succeeds).
 
     On failure the partially executed notebook is kept as ``<output>.failed.ipynb`` and
-    :class:`NotebookFailed` names the failing cell.
+    :class:`NotebookFailed` names the failing cell. The output's metadata ``lab_render`` holds
+    :func:`inputs_digest` and the files the render wrote under ``results_dir`` (see :func:`reusable_render`).
+    ``label``: say on stdout, every minute, which cell has been running that long (a render's terminal).
     """
+    import json
+
     import papermill as pm
 
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.with_suffix(".running.ipynb")
+    results = paths.resolve(parameters.get("results_dir", "results"))
+    before, digest = _files(results), inputs_digest(notebook, parameters)
     # progress bars are for terminals: keep them out of the stored outputs of a rendered report
     os.environ.setdefault("TQDM_DISABLE", "1")
     try:
-        pm.execute_notebook(str(notebook), str(tmp), parameters=parameters, cwd=str(paths.REPO_ROOT),
-                            log_output=log_output, progress_bar=False, execution_timeout=timeout_s,
-                            kernel_name="python3",
-                            # the kernel's own start-up notices (e.g. "running over TCP without encryption"
-                            # on a local, loopback-only connection) are not the notebook's output
-                            extra_arguments=["--IPKernelApp.log_level=ERROR"])
+        with _LongCellNotice(tmp, label) if label else contextlib.nullcontext():
+            pm.execute_notebook(str(notebook), str(tmp), parameters=parameters, cwd=str(paths.REPO_ROOT),
+                                log_output=log_output, progress_bar=False, execution_timeout=timeout_s,
+                                kernel_name="python3",
+                                # the kernel's own start-up notices (e.g. "running over TCP without encryption"
+                                # on a local, loopback-only connection) are not the notebook's output
+                                extra_arguments=["--IPKernelApp.log_level=ERROR"])
     except pm.PapermillExecutionError as exc:
         failed = output.with_suffix(".failed.ipynb")
         if tmp.exists():
@@ -133,6 +221,11 @@ def run_notebook(notebook: Path, output: Path, parameters: dict, log_output: boo
         raise NotebookFailed(f"{notebook.name}: cell {exc.exec_count} raised {exc.ename}: "
                              f"{evalue[0] if evalue else ''} (partial output kept in {failed})") from None
     strip_progress_bars(tmp)
+    after = _files(results)
+    executed = json.loads(tmp.read_text())
+    executed.setdefault("metadata", {})["lab_render"] = {
+        "inputs": digest, "results": sorted(name for name, mtime in after.items() if before.get(name) != mtime)}
+    tmp.write_text(json.dumps(executed, indent=1, ensure_ascii=False) + "\n")
     tmp.replace(output)
     return output
 
@@ -167,16 +260,65 @@ def strip_progress_bars(executed: Path) -> int:
     return removed
 
 
-def export_html(executed: Path) -> Path | None:
-    """An HTML copy of an executed notebook beside it (None if nbconvert is not installed)."""
+#: The HTML export's template: JupyterLab's, without the scripts it loads from a CDN (require.js, for widgets the
+#: reports do not have, and MathJax: the formulas are MathML instead, which browsers draw themselves).
+OFFLINE_TEMPLATE = """{%- extends 'lab/index.html.j2' -%}
+{%- block html_head_js_requirejs -%}{%- endblock html_head_js_requirejs -%}
+{%- block html_head_js_mathjax -%}{%- endblock html_head_js_mathjax -%}
+"""
+
+
+def latex_to_mathml(latex: str, display: bool = False) -> str:
+    """A TeX formula as MathML (``latex2mathml``); the TeX itself, escaped, where it cannot be converted."""
+    import html
+
+    from latex2mathml.converter import convert
+
     try:
+        return convert(latex.strip(), display="block" if display else "inline")
+    except Exception:  # noqa: BLE001 - a formula latex2mathml does not know stays readable as TeX
+        return f"<code>{html.escape(latex)}</code>"
+
+
+def _markdown_with_mathml(source: str) -> str:
+    from nbconvert.filters.markdown_mistune import IPythonRenderer, MarkdownWithMath
+
+    class MathMLRenderer(IPythonRenderer):
+        def inline_math(self, body: str) -> str:
+            return latex_to_mathml(body)
+
+        def block_math(self, body: str) -> str:
+            return latex_to_mathml(body, display=True)
+
+        def latex_environment(self, name: str, body: str) -> str:
+            return latex_to_mathml(f"\\begin{{{name}}}{body}\\end{{{name}}}", display=True)
+
+    return MarkdownWithMath(renderer=MathMLRenderer(escape=False)).render(source)
+
+
+def export_html(executed: Path) -> Path | None:
+    """An HTML copy of an executed notebook beside it (None if nbconvert is not installed) that opens offline:
+    no script from a CDN, the formulas of markdown and of ``text/latex`` outputs as MathML."""
+    try:
+        import jinja2
         import nbformat
         from nbconvert import HTMLExporter
     except ImportError:
         print(f"nbconvert is not installed: no HTML for {executed.name} (run `python -m lab.book.render --html-only`"
               " where it is)", file=sys.stderr)
         return None
-    body, _ = HTMLExporter().from_notebook_node(nbformat.read(str(executed), as_version=4))
+    nb = nbformat.read(str(executed), as_version=4)
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            data = out.get("data", {})
+            if "text/latex" in data and "text/html" not in data:
+                latex = data["text/latex"].strip()
+                display = latex.startswith("$$") or not latex.startswith("$")
+                data["text/html"] = latex_to_mathml(latex.strip("$"), display=display)
+    exporter = HTMLExporter(extra_loaders=[jinja2.DictLoader({"offline.html.j2": OFFLINE_TEMPLATE})],
+                            template_file="offline.html.j2")
+    exporter.register_filter("markdown2html", _markdown_with_mathml)
+    body, _ = exporter.from_notebook_node(nb)
     html = executed.with_suffix(".html")
     html.write_text(body, encoding="utf-8")
     return html
@@ -190,11 +332,14 @@ def render(profile: str = "quick", only: Sequence[str] | None = None, html: bool
     params = {**prof.parameters(), **(extra_parameters or {})}
     books = numbered_notebooks(only)
     check_parameters(books, extra_parameters or {})
+    # the kernels inherit this process's environment: without a GPU they run Triton interpreted, said once here
+    if lab.use_triton_interpreter(announce=False):
+        print(f"[render:{profile}] {lab.INTERPRETER_NOTICE.removeprefix('lab: ')}", flush=True)
     done = []
     for nb in books:
         start = time.perf_counter()
         print(f"[render:{profile}] {nb.name} ...", flush=True)
-        out = run_notebook(nb, reports / nb.name, params, log_output=log_output)
+        out = run_notebook(nb, reports / nb.name, params, log_output=log_output, label=f"[render:{profile}] {nb.stem}")
         if html:
             export_html(out)
         print(f"[render:{profile}] {nb.name} done in {time.perf_counter() - start:.0f} s -> "

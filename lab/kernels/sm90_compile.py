@@ -39,9 +39,9 @@ _CHILD = ("import importlib, json, sys; module, name = sys.argv[1].split(':'); "
 
 def call_without_interpreter(target: str, args: list = (), timeout_s: float = 600):
     """``module:function`` called with ``args`` (JSON in, JSON out) in a fresh interpreter without
-    ``TRITON_INTERPRET``, where ``@triton.jit`` functions compile (importing ``lab`` on a machine without a
-    GPU turns the interpreter on). Raises FileNotFoundError where Triton ships no ptxas, RuntimeError with the
-    child's error otherwise."""
+    ``TRITON_INTERPRET``, where ``@triton.jit`` functions compile (on a machine without a GPU the caller's
+    entry point has usually turned the interpreter on, :func:`lab.use_triton_interpreter`). Raises
+    FileNotFoundError where Triton ships no ptxas, RuntimeError with the child's error otherwise."""
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])

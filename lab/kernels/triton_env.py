@@ -11,8 +11,9 @@ import os
 
 import torch
 
-#: True when this process runs Triton kernels in the interpreter (``TRITON_INTERPRET=1``, which ``import lab``
-#: sets on a machine without a GPU); read once, before any ``@triton.jit`` function is defined.
+#: True when this process runs Triton kernels in the interpreter (``TRITON_INTERPRET=1``, which
+#: :func:`lab.use_triton_interpreter` sets on a machine without a GPU); read once, before any ``@triton.jit``
+#: function is defined.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

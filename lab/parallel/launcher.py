@@ -48,11 +48,12 @@ import torch.multiprocessing as mp
 
 from lab.measure.process import describe_exit
 
-# Environment every worker gets before the process group starts. NVLink SHARP (NVLS) multicast and
-# symmetric-memory multicast are unavailable on the shared GPU machines and make NCCL init fail or hang.
-WORKER_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
-# Set for the children's start only (read by torch's C++ logging when it loads): quiet workers.
-CHILD_ENV = {**WORKER_ENV, "TORCH_CPP_LOG_LEVEL": "ERROR"}
+# The launcher leaves NCCL's and torch's settings to its user: a machine whose NCCL needs a switch (NVLink SHARP
+# multicast off where the fabric lacks it: NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1) gets it from
+# the command or script that runs there, and spawned ranks inherit it, or from ``launch(env=...)``.
+# One default for spawned children, only where the user set none: torch's C++ logging (read when torch loads)
+# at errors only, so that gloo's and the TCP store's connection notices do not bury a rank's own output.
+CHILD_DEFAULTS = {"TORCH_CPP_LOG_LEVEL": "ERROR"}
 
 # This process's device, set by the launcher in each worker (None outside a launched function).
 _DEVICE: torch.device | None = None
@@ -197,7 +198,6 @@ def _worker(local: int, world: int, port: int, backend: str, device_type: str, t
             fn: Callable, args: tuple, kwargs: dict, results, first_gpu: int = 0) -> None:
     global _DEVICE, _SPAWNED
     _SPAWNED = True
-    os.environ.update(WORKER_ENV)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(local),
                        "LOCAL_RANK": str(local), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)})
     try:
@@ -278,7 +278,9 @@ def launch(fn: Callable, world_size: int, *args, backend: str | None = None, dev
     :class:`WorkerError` here with its traceback, after the other ranks were terminated. ``first_gpu``: rank
     ``r`` drives GPU ``first_gpu + r`` (launches on disjoint GPUs may run side by side from threads).
     ``env``: more environment variables for the ranks, set before they start (so before CUDA reads them:
-    ``PYTORCH_CUDA_ALLOC_CONF``, for instance); not for torchrun, whose ranks are already running.
+    ``PYTORCH_CUDA_ALLOC_CONF``, for instance); not for torchrun, whose ranks are already running. Otherwise
+    the ranks get this process's environment as it is (NCCL's settings included); only
+    :data:`CHILD_DEFAULTS` fill variables the user left unset.
     Under torchrun (env:// variables set) ``fn`` runs in this process only and ``world_size`` must match.
     """
     if is_torchrun():
@@ -305,9 +307,9 @@ def launch(fn: Callable, world_size: int, *args, backend: str | None = None, dev
                          args=(r, world_size, port, backend, device_type, timeout_s, fn, args, kwargs, results,
                                first_gpu))
              for r in range(world_size)]
-    # The children inherit this environment when they start: C++ logging (gloo's and the TCP store's
-    # connection notices) set to errors only there, before they import torch.
-    with _ENV_LOCK, environment({**CHILD_ENV, **(env or {})}):  # launches from threads must not interleave
+    # The children inherit this environment when they start, before they import torch.
+    defaults = {k: v for k, v in CHILD_DEFAULTS.items() if k not in os.environ}
+    with _ENV_LOCK, environment({**defaults, **(env or {})}):  # launches from threads must not interleave
         for p in procs:
             p.start()
     values: dict[int, Any] = {}
@@ -380,7 +382,6 @@ def _launch_in_torchrun(fn, world_size, args, kwargs, backend, device, timeout_s
     if world_size is not None and world_size != env_world:
         raise ValueError(f"launch(world_size={world_size}) under torchrun with WORLD_SIZE={env_world}")
     backend, device_type = resolve_backend(env_world, backend, device)
-    os.environ.update(WORKER_ENV)
     created = not dist.is_initialized()
     if device_type == "cuda":
         torch.cuda.set_device(local_rank())

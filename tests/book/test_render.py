@@ -54,3 +54,30 @@ def test_progress_bars_are_stripped_from_stored_outputs(tmp_path):
     assert render.strip_progress_bars(path) == 3
     outs = json.loads(path.read_text())["cells"][0]["outputs"]
     assert [o["text"] for o in outs] == ["a real warning\n", ["50%|kept on stdout|\n"]]
+
+
+def test_html_export_opens_offline(tmp_path):
+    """The HTML copy of a report loads nothing from the network: no require.js, no MathJax from a CDN; its
+    formulas (markdown and text/latex outputs) are MathML, which the browser draws itself."""
+    import json
+    import re
+
+    pytest.importorskip("nbconvert")
+    pytest.importorskip("latex2mathml")
+    nb = {"cells": [{"cell_type": "markdown", "id": "a", "metadata": {},
+                     "source": ["A call costs $T(s) = \\alpha + s/\\beta$, and\n\n$$\\frac{2(n-1)}{n}$$\n"]},
+                    {"cell_type": "code", "id": "b", "metadata": {}, "execution_count": 1, "source": ["eq"],
+                     "outputs": [{"output_type": "display_data", "metadata": {},
+                                  "data": {"text/latex": "$$M = \\frac{1}{2N}$$", "text/plain": "eq"}}]}],
+          "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
+          "nbformat": 4, "nbformat_minor": 5}
+    path = tmp_path / "01_demo.ipynb"
+    path.write_text(json.dumps(nb))
+    page = render.export_html(path).read_text()
+    assert not re.findall(r'(?:src|href)="https?://', page)
+    assert "require.min.js" not in page
+    assert "mathjax" not in page.lower()
+    maths = re.findall(r"<math\b.*?</math>", page, flags=re.S)
+    assert len(maths) == 3  # inline, display, and the text/latex output
+    assert "<mi>α</mi>" in maths[0] and "<mfrac>" in maths[1] and "<mfrac>" in maths[2]
+    assert "$" not in re.sub(r"<style.*?</style>|<script.*?</script>", "", page, flags=re.S)

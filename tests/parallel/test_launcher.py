@@ -46,16 +46,54 @@ def _sleep_on_rank_one(seconds):
     return distributed.rank()
 
 
-def test_results_per_rank_and_back_to_back_launches():
+def test_results_per_rank_and_back_to_back_launches(monkeypatch):
+    monkeypatch.delenv("NCCL_NVLS_ENABLE", raising=False)
     for offset in (0.0, 100.0):  # a second launch right after the first needs a fresh port and group
         out = distributed.launch(_rank_report, 2, offset, device="cpu")
         assert [o["rank"] for o in out] == [0, 1]
-        assert all(o["world"] == 2 and o["device"] == "cpu" and o["nvls"] == "0" for o in out)
+        assert all(o["world"] == 2 and o["device"] == "cpu" and o["nvls"] is None for o in out)
         assert all(o["sum"] == 3.0 + offset for o in out)  # 1 + 2, all-reduced
         assert torch.equal(out[1]["tensor"], torch.tensor([0, 1, 2]))
         assert [o["extra"] for o in out] == [None, None]
     out = distributed.launch(_rank_report, 2, 0.0, device="cpu", env={"LAB_TEST_EXTRA": "on"})
     assert [o["extra"] for o in out] == ["on", "on"] and "LAB_TEST_EXTRA" not in os.environ  # the ranks' only
+
+
+def _environment(names):
+    return {name: os.environ.get(name) for name in names}
+
+
+NCCL_SWITCHES = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST")
+
+
+def test_spawned_ranks_get_the_users_environment_as_it_is(monkeypatch):
+    """No NCCL or torch switch the user did not set; what the user set (NCCL's, or torch's logging) stands."""
+    for name in NCCL_SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("TORCH_CPP_LOG_LEVEL", raising=False)
+    names = (*NCCL_SWITCHES, "TORCH_CPP_LOG_LEVEL")
+    out = distributed.launch(_environment, 2, names, device="cpu")
+    # the one default: torch's C++ logging at errors only, where the user chose no level
+    assert out == [{"NCCL_NVLS_ENABLE": None, "TORCH_SYMM_MEM_DISABLE_MULTICAST": None,
+                    "TORCH_CPP_LOG_LEVEL": "ERROR"}] * 2
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
+    monkeypatch.setenv("TORCH_CPP_LOG_LEVEL", "INFO")
+    out = distributed.launch(_environment, 2, names, device="cpu")
+    assert out == [{"NCCL_NVLS_ENABLE": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": None,
+                    "TORCH_CPP_LOG_LEVEL": "INFO"}] * 2
+    assert os.environ["TORCH_CPP_LOG_LEVEL"] == "INFO"  # and this process's own environment is as it was
+
+
+def test_under_torchrun_the_environment_is_left_alone(monkeypatch):
+    """Under torchrun the rank is this very process: the launcher joins its group and changes no variable."""
+    for name in NCCL_SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                            MASTER_PORT=str(distributed.free_port())).items():
+        monkeypatch.setenv(name, value)
+    before = dict(os.environ)
+    assert distributed.launch(_environment, 1, NCCL_SWITCHES, device="cpu") == [dict.fromkeys(NCCL_SWITCHES)]
+    assert dict(os.environ) == before
 
 
 def test_worker_exception_reaches_caller_with_message():
