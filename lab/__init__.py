@@ -1,8 +1,10 @@
 """The systems lab book: measure where a Transformer's training time and memory go.
 
 Public names are imported lazily so that ``import lab`` works on a machine without Triton or a GPU. Importing
-``lab`` changes nothing in the environment: on a machine without a GPU, :func:`use_triton_interpreter` switches
-Triton to its interpreter when asked (the book's entry points ask).
+``lab`` from your own code changes nothing in the environment: on a machine without a GPU,
+:func:`use_triton_interpreter` switches Triton to its interpreter when asked. The book's entry points ask: a
+command of lab's own (``python -m lab...``, also as a torchrun rank) as it starts, before its modules import
+Triton, and says so when it ends (:func:`lab.cli.run`); the render, each notebook's first cell, the test suite.
 """
 
 from __future__ import annotations
@@ -48,6 +50,15 @@ def use_triton_interpreter(announce: bool = True, this_process: bool = True) -> 
         print(INTERPRETER_NOTICE, file=sys.stderr, flush=True)
     return True
 
+
+def running_a_lab_command(argv: list[str] | None = None) -> bool:
+    """Whether this process is one of lab's command lines: ``python -m lab`` or ``python -m lab.<module>``."""
+    argv = list(getattr(sys, "orig_argv", []) if argv is None else argv)
+    return any(a == "-m" and i + 1 < len(argv) and argv[i + 1].split(".")[0] == "lab" for i, a in enumerate(argv))
+
+
+#: True when this process is a lab command that turned the interpreter on as it started (said when it ends).
+COMMAND_INTERPRETED = running_a_lab_command() and use_triton_interpreter(announce=False, this_process=False)
 
 # public name -> module that defines it
 _LAZY = {

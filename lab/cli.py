@@ -126,8 +126,8 @@ def run(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] 
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args
     # A command may have imported Triton already (torch.compile's machinery does); the ranks it starts have not.
-    interpreted = "TRITON_INTERPRET" not in os.environ and lab.use_triton_interpreter(announce=False,
-                                                                                      this_process=False)
+    interpreted = lab.COMMAND_INTERPRETED or ("TRITON_INTERPRET" not in os.environ and lab.use_triton_interpreter(
+        announce=False, this_process=False))
     try:
         code = main(args)
     except SystemExit as exc:  # argparse, --help

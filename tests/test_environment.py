@@ -113,3 +113,23 @@ sys.exit(cli.run(uses_triton, sys.argv[1:], prog="demo"))
     refused = subprocess.run([sys.executable, "-c", code, "bad"], cwd=REPO_ROOT, env=_clean_env(),
                              capture_output=True, text=True, timeout=300)
     assert refused.returncode == 2 and refused.stderr.strip().splitlines() == ["demo: error: refused"]
+
+
+def test_a_lab_command_is_recognised_by_how_it_was_started():
+    assert lab.running_a_lab_command(["python", "-m", "lab.bench", "--size", "tiny"])
+    assert lab.running_a_lab_command(["python3", "-u", "-m", "lab.fastest"])
+    assert not lab.running_a_lab_command(["python", "-m", "pytest", "tests/"])
+    assert not lab.running_a_lab_command(["python", "my_script.py", "-m", "x"])
+    assert not lab.running_a_lab_command(["python", "-m", "laboratory"])
+
+
+@pytest.mark.skipif(not NO_GPU, reason="the interpreter is for machines without a GPU")
+def test_a_lab_command_runs_the_kernels_interpreted_without_being_told():
+    """``python -m lab.bench`` imports the kernels before its main runs: the switch happens as lab is imported by
+    a lab command, not later; the run says so once, at the end."""
+    out = subprocess.run([sys.executable, "-m", "lab.bench", "--size", "tiny", "--context", "16", "--batch", "1",
+                          "--mode", "forward", "--warmup", "0", "--steps", "1", "--attention", "flash_triton",
+                          "--device", "cpu"], cwd=REPO_ROOT, env=_clean_env(), capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.strip().splitlines()[-1].endswith(lab.INTERPRETER_NOTICE.removeprefix("lab: "))

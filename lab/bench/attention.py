@@ -87,7 +87,7 @@ def attention_impl(name: str, device: torch.device | str = "auto") -> AttentionF
     ``"triton"``), ``flex`` (compiled FlexAttention, :func:`flex_attention_fn`) and ``pytorch_flash``
     (``FlashAttentionPytorch``, tiled in pure PyTorch). All share
     the registry's top-left causal convention. The flash kernels are imported only when asked for (on a
-    machine without a GPU, ``import lab`` has already switched Triton to its interpreter).
+    machine without a GPU they run interpreted where the entry point asked, :func:`lab.use_triton_interpreter`).
     """
     if isinstance(device, str):
         resolve_device(device)  # an unknown device name is an error here too
