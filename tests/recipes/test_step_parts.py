@@ -294,6 +294,26 @@ def test_traffic_closed_forms():
     assert row["nodes"] == 2 and row["across_node_bytes"] > 0
 
 
+def test_data_parallel_traffic_is_one_all_reduce_of_every_gradient():
+    """Two ranks: a ring all-reduce sends the gradients' bytes once (2(n-1)/n = 1), in the communication dtype;
+    over two nodes of two ranks, one hop in two of the ring leaves its node."""
+    cfg = fs.CONFIGS["tiny_hsdp"].model
+    d, f, v, L = cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.num_layers
+    grads = 2 * v * d + L * (4 * d * d + 3 * f * d + 2 * d) + d
+    ddp = fs.Recipe("ddp", attention="sdpa", fused_loss=False, sharding="ddp", checkpoint="none", compile="none",
+                    precision="bf16_autocast")
+    two = fs.StepConfig("tiny", cfg, 64, 1, 2)
+    assert fs.step_traffic(two, ddp) == dict(nodes=1, within_node_bytes=4 * grads, across_node_bytes=0.0)
+    bf16 = dataclasses.replace(ddp, reduce_dtype="bf16")
+    assert fs.step_traffic(two, bf16)["within_node_bytes"] == 2 * grads
+    torch_ddp = dataclasses.replace(ddp, sharding="torch_ddp", precision="bf16")  # bf16 gradients: 2 bytes anyway
+    assert fs.step_traffic(two, torch_ddp)["within_node_bytes"] == 2 * grads
+    four = fs.StepConfig("tiny", cfg, 64, 1, 4, gpus_per_node=2)
+    sent = ring_bytes_per_rank("all_reduce", 4 * grads, 4)
+    assert fs.step_traffic(four, ddp) == dict(nodes=2, within_node_bytes=sent / 2, across_node_bytes=sent / 2)
+    assert math.isnan(fs.step_traffic(two, fs.PROJECT_ONE_GPU)["within_node_bytes"])
+
+
 def hsdp_worker(recipe):
     """Inside a launched process: one step of ``recipe`` on tiny_hsdp under a traffic log; this rank's loss,
     batch, full gradients and weights (lab.FSDP) or full weights (FSDP2), and the log's bytes by collective."""
