@@ -219,17 +219,20 @@ def test_a_side_stream_needs_cuda_parameters():
 # clipping by the global norm
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("bucketing", ["per_parameter", "per_block"])
-def test_clipping_matches_clip_grad_norm_then_the_plain_step(bucketing):
+def test_clipping_matches_clip_grad_norm_then_the_plain_step(bucketing, device):
     """max_grad_norm: the global norm formed from each bucket's norms has clip_grad_norm_'s bits, and the
-    clipped updates give the plain step's weights (fp32, several steps, the norm above the limit in most)."""
-    ref, model = _pair()
-    ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER)
+    clipped updates give the plain step's weights (fp32, several steps, the norm above the limit in most); on a
+    GPU with the multi-tensor norms and the fused AdamW, the updates on the side stream."""
+    ref, model = (m.to(device) for m in _pair())
+    flags = dict(fused=True) if device == "cuda" else {}
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER, **flags)
     buckets = block_buckets(model) if bucketing == "per_block" else None
-    opt = OptimizerInBackward(model.parameters(), buckets=buckets, max_grad_norm=0.5, **HYPER)
+    opt = OptimizerInBackward(model.parameters(), buckets=buckets, max_grad_norm=0.5, **HYPER, **flags)
     clipped = 0
     for step in range(4):
-        batch = random_batch(CFG, 2, "cpu", seed=step)
+        batch = random_batch(CFG, 2, device, seed=step)
         ref_opt.zero_grad()
         lm_loss(ref, *batch).backward()
         norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
@@ -237,6 +240,8 @@ def test_clipping_matches_clip_grad_norm_then_the_plain_step(bucketing):
         lm_loss(model, *batch).backward()
         assert all(p.grad is None for p in model.parameters())  # updated at the end of the backward
         opt.step()
+        if device == "cuda":
+            torch.cuda.synchronize()
         assert torch.equal(opt.grad_norm, norm), step
         assert _same(ref, model), step
         clipped += bool(norm > 0.5)
