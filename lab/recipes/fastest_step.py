@@ -105,6 +105,7 @@ from lab.recipes.step_parts import (
     keep_offloading,
     marking_steps,
     node_size,
+    offload_that_fits,
     offloaded_count,
     sharded_traffic,
     uses_cuda_graphs,
@@ -276,6 +277,16 @@ def build_step(config: StepConfig, recipe: Recipe, device: torch.device, seed: i
         hooks = model.saved_tensor_hooks() if isinstance(model, FSDP) else None
         keep_offloading(step, inner, offloaded, hooks, min_bytes=offload_min_bytes)
     return step
+
+
+def offload_for_host(config: StepConfig, recipe: Recipe, available: int | None = None) -> float:
+    """The ``offload`` share of ``recipe`` on ``config`` that this host's memory holds
+    (:func:`lab.recipes.step_parts.offload_that_fits`): an offloaded block saves what an unchecked block saves
+    (:func:`lab.accounting.saved_activation_bytes`), and every rank of the node pins its own."""
+    cfg = dataclasses.replace(config.model, attention=recipe.attention)
+    saved = saved_activation_bytes(cfg, config.batch_per_rank, config.context, recipe.precision)["blocks"]
+    ranks_here = node_size(config.world_size, config.gpus_per_node)
+    return offload_that_fits(saved / cfg.num_layers, cfg.num_layers, ranks_here, available)
 
 
 def step_traffic(config: StepConfig, recipe: Recipe) -> dict[str, float]:

@@ -15,7 +15,8 @@ bytes a step sends within and across nodes. :mod:`lab.recipes.fastest_step` appl
   (:func:`compile_options`), and the row says so.
 * **Activation offloading** (``offload``): the first blocks' saved activations wait in host memory instead of
   being recomputed (:mod:`lab.model.offload`); :func:`keep_offloading` enters the offloading for the step's
-  life and leaves it when the step is dropped.
+  life and leaves it when the step is dropped; :func:`offload_that_fits` is the largest share the host's memory
+  holds, so that only what it cannot take is recomputed.
 * **HSDP** (``sharding="hsdp"``): the ranks of one node shard the model, and the nodes hold replicas;
   :func:`hsdp_mesh` builds the ("replicate", "shard") grid, :func:`node_size` reads the node's size, and
   :func:`sharded_traffic` computes what each rank sends per step within its node and across nodes;
@@ -120,6 +121,17 @@ def check_host_memory(offloaded_bytes: float, ranks_here: int, available: int | 
     if offloaded_bytes * ranks_here > HOST_HEADROOM * available:
         raise MemoryError(f"offloading needs {offloaded_bytes / 2**30:.1f} GiB of pinned host memory per rank x "
                           f"{ranks_here} ranks, but the host has {available / 2**30:.1f} GiB available")
+
+
+def offload_that_fits(block_bytes: float, num_layers: int, ranks_here: int, available: int | None = None) -> float:
+    """The largest share of the blocks whose saved activations (``block_bytes`` each, per rank) the host holds
+    for its ``ranks_here`` ranks within :data:`HOST_HEADROOM` of ``available`` bytes (default: the kernel's
+    ``MemAvailable``): ``k / num_layers`` for the largest ``k`` up to every block but the last (see
+    :func:`offloaded_count`), 0 where not even one block fits. Every block offloaded is one block less
+    recomputed, so a recipe recomputes only what the host cannot take."""
+    available = available_memory_bytes("cpu") if available is None else available
+    fits = int(HOST_HEADROOM * available // (block_bytes * ranks_here)) if block_bytes > 0 else num_layers
+    return min(num_layers - 1, fits) / num_layers
 
 
 def keep_offloading(step: TrainStep, model: nn.Module, blocks: int, fsdp_hooks: tuple | None = None,

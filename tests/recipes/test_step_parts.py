@@ -76,6 +76,18 @@ def test_an_offload_the_host_cannot_hold_is_refused_as_out_of_memory():
 # CUDA graphs
 
 
+def test_the_offload_share_the_host_holds():
+    """Two ranks of 3 GiB a block on a host of 40 GiB: 0.8 x 40 / 6 = 5 blocks of 8; never the last block."""
+    assert step_parts.offload_that_fits(3 * 2**30, 8, 2, available=40 * 2**30) == 5 / 8
+    assert step_parts.offload_that_fits(3 * 2**30, 8, 2, available=400 * 2**30) == 7 / 8
+    assert step_parts.offload_that_fits(3 * 2**30, 8, 2, available=5 * 2**30) == 0
+    share = fs.offload_for_host(fs.CONFIGS["leaderboard"], fs.PROJECT, available=2**38)  # 256 GiB
+    blocks = step_parts.offloaded_count(share, 34)
+    saved = fs.saved_activation_bytes(fs.LEADERBOARD, 1, 32_768, "bf16")["blocks"] / 34
+    assert 0 < blocks < 33 and blocks * saved * 2 <= step_parts.HOST_HEADROOM * 2**38 < (blocks + 1) * saved * 2
+    step_parts.check_host_memory(blocks * saved, 2, available=2**38)  # what fits passes the build's own check
+
+
 def test_cuda_graphs_apply_on_a_gpu_only():
     assert step_parts.compile_options("model_cudagraphs", torch.device("cuda", 0)) == dict(mode="reduce-overhead")
     assert step_parts.compile_options("model_cudagraphs", CPU) == {}
