@@ -339,6 +339,8 @@ def parser() -> cli.Parser:
     p.add_argument("--steps-per-round", type=cli.positive_int, default=3)
     p.add_argument("--warmup", type=cli.non_negative_int, default=2)
     p.add_argument("--schedule", choices=["auto", "resident", "rebuild"], default="auto")
+    p.add_argument("--entries", nargs="+", default=None, metavar="NAME",
+                   help="time only these entries of the part (keep each one's reference beside it)")
     p.add_argument("--loss-steps", type=cli.non_negative_int, default=10)
     p.add_argument("--no-profile", action="store_true", help="skip the profiled step of each entry")
     p.add_argument("--timeout-s", type=cli.positive_float, default=600)
@@ -364,10 +366,17 @@ def overlap_main(argv: Sequence[str] | None = None) -> int:
     for flag in ("results_dir", "artifacts_dir"):
         if getattr(args, flag):
             cli.writable_dir(getattr(args, flag), "--" + flag.replace("_", "-"))
+    plan = plan_for(args.part, args.bucket_mb)
+    if args.entries:
+        unknown = [n for n in args.entries if n not in {e.name for e in plan}]
+        if unknown:
+            raise cli.UsageError(f"--entries: {', '.join(unknown)} not in the {args.part} part "
+                                 f"({', '.join(e.name for e in plan)})")
+        plan = [e for e in plan if e.name in args.entries]
     interleaving = Interleaving(args.rounds, args.steps_per_round, args.warmup, args.schedule)
     table, losses = measure(args.part, args.size, args.context, args.batch, args.world_size, args.device,
                             interleaving, args.bucket_mb, args.loss_steps, not args.no_profile, args.artifacts_dir,
-                            args.timeout_s)
+                            args.timeout_s, plan)
     cols = ["entry", "reference", "step_ms", "step_iqr_ms", "rounds", "vs_reference_ratio", "vs_reference_verdict",
             "vs_baseline_ratio", "comm_ms", "overlap_frac", "optimizer_ms", "optimizer_overlapped_ms", "loss_last",
             "status"]

@@ -66,7 +66,8 @@ def test_optimizer_overlap_is_the_update_kernels_time_beside_other_streams():
 
 @pytest.mark.parametrize("argv,phrase", [(["--part", "one_gpu", "--world-size", "2"], "one rank"),
                                          (["--part", "ddp", "--size", "huge"], "unknown model size"),
-                                         (["--part", "ddp", "--world-size", "64", "--device", "cpu"], "ranks")])
+                                         (["--part", "ddp", "--world-size", "64", "--device", "cpu"], "ranks"),
+                                         (["--part", "ddp", "--entries", "ddp_ready", "fsdp"], "fsdp not in the ddp")])
 def test_bad_input_is_one_line(argv, phrase, capsys):
     assert overlap.main(argv) == 2
     err = capsys.readouterr().err.strip()
