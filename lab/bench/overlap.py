@@ -36,19 +36,13 @@ import torch.distributed as dist
 
 from lab import cli, paths
 from lab.accounting import parameter_count
-from lab.bench.interleaved import (
-    Interleaving,
-    choose_schedule,
-    combine_entry,
-    compare_rounds,
-    summarize_rounds,
-    time_interleaved,
-)
+from lab.bench.interleaved import Interleaving, choose_schedule, combine_entry, summarize_rounds, time_interleaved
 from lab.measure.device import available_memory_bytes, error_summary, is_oom, synchronize
 from lab.measure.profiling import profile_step
 from lab.measure.results import save_results
 from lab.measure.step import random_batch
 from lab.measure.traces import intersect_intervals, intervals_length, read_trace, step_overlap, union_intervals
+from lab.measure.verdicts import compare_paired
 from lab.model import ModelConfig, config_for
 from lab.parallel import launcher, runner
 from lab.recipes.fastest_step import StepConfig, build_step
@@ -249,11 +243,12 @@ def step_config(size: str | ModelConfig, context: int, batch: int, world_size: i
 
 
 def _comparison(samples: dict[str, list[float]], subject: str, reference: str | None, prefix: str) -> dict:
-    """``subject``'s rounds against ``reference``'s (:func:`lab.bench.interleaved.compare_rounds`) as columns."""
+    """``subject``'s rounds against ``reference``'s, paired by round (:func:`lab.measure.verdicts.compare_paired`),
+    as columns."""
     if reference is None or not samples.get(subject) or not samples.get(reference):
         ratio, low, high, verdict = math.nan, math.nan, math.nan, ""
     else:
-        c = compare_rounds(samples[subject], samples[reference])
+        c = compare_paired(samples[subject], samples[reference])
         ratio, low, high, verdict = c.ratio, c.low, c.high, c.verdict
     return {f"{prefix}_ratio": ratio, f"{prefix}_low": low, f"{prefix}_high": high, f"{prefix}_verdict": verdict}
 
@@ -265,10 +260,10 @@ def measure(part: str, size: str | ModelConfig = "2.7B", context: int = 512, bat
     """Time the entries of ``part`` (:func:`plan_for`): ``one_gpu`` on one rank (batch 4 per step by default),
     ``ddp`` on ``world_size`` ranks (default 2; batch 2 per rank by default). Returns two tables: one row per
     entry (``entry``, ``reference``, ``part``, ``size``, ``context``, ``batch`` per rank, ``world_size`` (1 for
-    the solo entry), ``precision``, the spread over rounds of :func:`lab.bench.interleaved.summarize_rounds`
+    the solo entry), ``precision``, the rounds as :func:`lab.bench.interleaved.summarize_rounds` records them
     (``step_ms`` the median), ``schedule``; ``vs_reference_ratio``, ``_low``, ``_high`` and ``_verdict`` against
     the entry's ``reference`` and ``vs_baseline_*`` against :data:`BASELINE` (paired by round,
-    :func:`lab.bench.interleaved.compare_rounds`); ``comm_ms``, ``overlap_frac``, ``optimizer_ms``,
+    :func:`lab.measure.verdicts.compare_paired`); ``comm_ms``, ``overlap_frac``, ``optimizer_ms``,
     ``optimizer_overlapped_ms`` and ``trace`` from the profiled step; ``loss_first``/``loss_last``; ``recipe``,
     ``status``, ``error``), and the loss curves (``entry``, ``step``, ``loss``). ``plan`` replaces the part's
     entries (e.g. eager ones for a quick check)."""
@@ -377,7 +372,7 @@ def overlap_main(argv: Sequence[str] | None = None) -> int:
     table, losses = measure(args.part, args.size, args.context, args.batch, args.world_size, args.device,
                             interleaving, args.bucket_mb, args.loss_steps, not args.no_profile, args.artifacts_dir,
                             args.timeout_s, plan)
-    cols = ["entry", "reference", "step_ms", "step_iqr_ms", "rounds", "vs_reference_ratio", "vs_reference_verdict",
+    cols = ["entry", "reference", "step_ms", "step_spread_ms", "step_n", "vs_reference_ratio", "vs_reference_verdict",
             "vs_baseline_ratio", "comm_ms", "overlap_frac", "optimizer_ms", "optimizer_overlapped_ms", "loss_last",
             "status"]
     print(table[cols].to_string(index=False, float_format=lambda v: f"{v:.4g}"))

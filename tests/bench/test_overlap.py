@@ -18,7 +18,7 @@ from lab.paths import REPO_ROOT
 from lab.recipes import recipe as rc
 
 COLUMNS = ["entry", "reference", "part", "size", "context", "batch", "world_size", "precision", "step_ms",
-           "step_q1_ms", "step_q3_ms", "step_iqr_ms", "rounds", "step_samples_ms", "schedule", "vs_reference_ratio",
+           "step_spread_ms", "step_n", "step_samples_ms", "schedule", "vs_reference_ratio",
            "vs_reference_low", "vs_reference_high", "vs_reference_verdict", "vs_baseline_ratio", "vs_baseline_low",
            "vs_baseline_high", "vs_baseline_verdict", "comm_ms", "overlap_frac", "optimizer_ms",
            "optimizer_overlapped_ms", "trace", "loss_first", "loss_last", "recipe", "status", "error"]
@@ -92,7 +92,7 @@ def test_the_script_measures_the_ddp_part_on_two_cpu_ranks(tmp_path):
     table = pd.read_csv(tmp_path / "back" / "results" / "overlap_ddp_tiny.csv")
     assert set(COLUMNS) <= set(table.columns)
     assert list(table["entry"]) == [e.name for e in overlap.ddp_plan()]
-    assert (table["status"] == "ok").all() and (table["rounds"] == 5).all()
+    assert (table["status"] == "ok").all() and (table["step_n"] == 5).all()
     assert list(table["world_size"]) == [1] + [2] * 6
     assert table.set_index("entry")["vs_baseline_ratio"].drop("single_gpu").gt(0).all()
     assert table.set_index("entry").loc["ddp_ready", "comm_ms"] > 0
@@ -113,7 +113,7 @@ def test_the_one_gpu_part_with_a_tiny_model_on_the_cpu(tmp_path):
                                     interleaving=Interleaving(5, 1, 1, "resident"), loss_steps=3,
                                     artifacts_dir=str(tmp_path))
     assert list(table["entry"]) == [e.name for e in overlap.one_gpu_plan()]
-    assert (table["status"] == "ok").all() and (table["rounds"] == 5).all()
+    assert (table["status"] == "ok").all() and (table["step_n"] == 5).all()
     assert (table["optimizer_ms"] > 0).all() and (table["optimizer_overlapped_ms"] == 0).all()  # one CPU thread
     curves = {name: list(group["loss"]) for name, group in losses.groupby("entry")}
     assert curves["optimizer_in_backward"] == curves["block_compile"]
