@@ -10,10 +10,12 @@ the data-parallel wrappers against torch DDP
 (``python -m lab.bench.ddp``) and sharding against DDP, ZeRO and FSDP (``python -m lab.bench.sharding``), with what
 they share (:mod:`lab.bench.distributed`) and the bytes each sharding schedule sends (:mod:`lab.bench.traffic`);
 the book's fastest step against stock PyTorch (:mod:`lab.bench.fastest`, ``python -m lab.fastest``) and the
-LM-head loss (``python -m lab.bench.fused_loss``); interleaved timing of several implementations in the same
-processes (:mod:`lab.bench.interleaved`); the CPU memory pre-check every command line runs before it starts
-(:mod:`lab.bench.memory_estimate`); progress lines (:mod:`lab.bench.progress`). What a chapter alone does with
-them (its plan, tables, plots and claims) lives with the chapter, in ``lab.book.<chapter>``.
+LM-head loss (``python -m lab.bench.fused_loss``); the optimizer inside the backward and data parallelism's
+hidden communication, the recipes' switches for both (``python -m lab.bench.overlap``); interleaved timing of
+several implementations in the same processes (:mod:`lab.bench.interleaved`); the CPU memory pre-check every
+command line runs before it starts (:mod:`lab.bench.memory_estimate`); progress lines (:mod:`lab.bench.progress`).
+What a chapter alone does with them (its plan, tables, plots and claims) lives with the chapter, in
+``lab.book.<chapter>``.
 
 May import: every other ``lab`` subpackage except ``lab.book``.
 """

@@ -6,8 +6,8 @@ spawned or under torchrun), ``runner`` (several items measured on the ranks of a
 item's failure a row), ``collectives`` (the primitives and their bandwidth arithmetic),
 ``process_groups`` (which ranks a wrapper talks to: a group, a DeviceMesh or the default group), ``ddp``,
 ``sharded_optimizer``, ``zero1``, ``fsdp`` (with ``fsdp_layout``, its data, and ``fsdp_grads``, its
-gradient collectives, hybrid sharding included), ``optimizer_in_backward`` (each parameter updated as soon
-as its gradient is final, alone or after FSDP's reduce-scatter).
+gradient collectives, hybrid sharding included), ``optimizer_in_backward`` (each group of parameters updated as soon
+as its gradients are final: alone, after DDPBucketed's all-reduce or after FSDP's reduce-scatter).
 
 May import: torch, ``lab.measure``, ``lab.accounting`` (the collective cost model).
 """

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lab.parallel.hooks import weak_hook
-from lab.parallel.process_groups import GroupLike, broadcast_from_first, resolve_group
+from lab.parallel.process_groups import GroupLike, broadcast_from_first, global_rank, resolve_group
 
 
 class _DataParallel(nn.Module):
@@ -190,61 +190,119 @@ class DDPIndividualParameters(_DataParallel):
         self._hooks.clear()
 
 
-class _Bucket:
-    """A group of parameters whose gradients are reduced together through one flat buffer."""
+#: Orders in which :class:`DDPBucketed` fills its buckets: ``ready``, the order the first backward produced the
+#: gradients in (recorded then, and the buckets rebuilt after it), or ``reverse`` registration order.
+BUCKET_ORDERS = ("ready", "reverse")
 
-    def __init__(self, params: list[torch.Tensor]):
+
+class _Bucket:
+    """A group of parameters whose gradients are reduced together through one flat buffer.
+
+    ``grads`` holds the averaged gradients (each parameter's ``.grad`` is a view of it); ``buffer`` is what
+    travels: ``grads`` itself, or a copy in the communication dtype, copied back into ``grads`` once reduced."""
+
+    def __init__(self, params: list[torch.Tensor], comm_dtype: torch.dtype | None = None):
         self.params = params
-        self.buffer = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
-        # views into the buffer, one per parameter, created once
-        self.views = [v.view_as(p) for v, p in zip(self.buffer.split([p.numel() for p in params]), params)]
+        numel, like = sum(p.numel() for p in params), params[0]
+        self.grads = torch.empty(numel, dtype=like.dtype, device=like.device)
+        compressed = comm_dtype is not None and comm_dtype != like.dtype
+        self.buffer = torch.empty(numel, dtype=comm_dtype, device=like.device) if compressed else self.grads
+        # views, one per parameter, created once
+        self.views = self._views(self.grads)
+        self.sends = self._views(self.buffer) if compressed else self.views
         self.ready = 0
         self.work: dist.Work | None = None
+        self.reduced = False  # waited for, and its average in ``grads``, this backward
+
+    def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [v.view_as(p) for v, p in zip(flat.split([p.numel() for p in self.params]), self.params)]
 
 
 class DDPBucketed(_DataParallel):
     """Bucketed, overlapped data parallelism: the scheme ``torch.nn.parallel.DistributedDataParallel`` uses.
 
-    Parameters are grouped, in reverse registration order (roughly the order backward produces their
-    gradients), into buckets of at most ``bucket_size_mb`` MiB (a parameter larger than that gets a bucket
-    of its own). When the last gradient of a bucket is ready, the bucket's flat buffer is all-reduced
+    Parameters are grouped into buckets of at most ``bucket_size_mb`` MiB (a parameter larger than that gets
+    a bucket of its own). When the last gradient of a bucket is ready, the bucket's flat buffer is all-reduced
     asynchronously while backward continues. One knob trades the two costs: small buckets overlap well but
     pay the per-call latency often; one huge bucket is :class:`FlatDDP` (no overlap).
 
+    **Order** (``bucket_order``). A bucket can leave only once its *last* gradient is ready, so a bucket whose
+    parameters the backward reaches at different times holds back the ones that were ready early, and the
+    reductions pile up at the end of the backward where nothing hides them. Reverse registration order
+    (``"reverse"``) is only a guess at the backward's order (a module registered before it is used, a weight
+    shared between layers, a model that applies its layers in another order break it). ``"ready"`` (the
+    default, as torch DDP does) starts with the reverse-order buckets, records the order in which the first
+    synchronized backward produces the gradients, and after that backward rebuilds the buckets in that order
+    (the group's first rank's order, broadcast, so that every rank launches the same collectives in the same
+    order), so that each bucket leaves as soon as the backward has passed it.
+
+    **Communication dtype** (``reduce_dtype``, e.g. ``torch.bfloat16``). The gradients travel in that dtype:
+    half the bytes of fp32. Each gradient is divided by the world size and rounded once, while it is copied
+    into the bucket (exact division for a power-of-two world); the all-reduce sums in that dtype, one rounding
+    per addition (with two ranks one addition: at bf16's unit roundoff ``2**-8``, a reduced element then lies
+    within ``(2**-7 + 2**-16)`` times the mean of the two ranks' magnitudes of the fp32 average); the sum is
+    copied back into the parameters' gradients in their own dtype (fp32), where accumulation under
+    :meth:`no_sync` and the optimizer work as before. As torch DDP's ``bf16_compress_hook``.
+
     Bucket buffers are allocated once. When a gradient is ready it is divided by the world size *while*
     being copied into its slot of the bucket (one kernel), and the parameter's ``.grad`` is then pointed at
-    that slot (as torch DDP's ``gradient_as_bucket_view=True``): the all-reduce leaves the averaged
-    gradient in place, so nothing is copied back and no arithmetic remains after backward.
-    ``finish_gradient_synchronization`` (queued automatically at the end of every synchronized backward)
-    only waits for the outstanding requests.
+    its slot of the bucket's gradients (as torch DDP's ``gradient_as_bucket_view=True``): the all-reduce (or
+    the copy back from the compressed buffer) leaves the averaged gradient in place, so nothing else is
+    copied and no arithmetic remains after backward. ``.grad`` holds the average once its bucket has been
+    waited for: :meth:`finish_gradient_synchronization` (queued automatically at the end of every
+    synchronized backward) waits for every outstanding bucket.
+
+    **Consumers during the backward.** ``on_reduction_started`` holds callables called with a bucket's
+    parameters right after its all-reduce is launched; :meth:`wait_for_gradients` then waits for exactly
+    those buckets on the caller's current stream (on a GPU the host does not block; a side stream can wait
+    while the backward goes on). :class:`lab.parallel.optimizer_in_backward.OptimizerInBackward` updates
+    parameters there, as soon as their gradients are reduced.
     """
 
-    def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0, process_group: GroupLike = None):
+    def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0, process_group: GroupLike = None, *,
+                 bucket_order: str = "ready", reduce_dtype: torch.dtype | None = None):
         super().__init__(module, process_group)
         if not bucket_size_mb > 0:
             raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb!r}")
+        if bucket_order not in BUCKET_ORDERS:
+            raise ValueError(f"bucket_order must be one of {', '.join(BUCKET_ORDERS)}, got {bucket_order!r}")
+        if reduce_dtype is not None and not reduce_dtype.is_floating_point:
+            raise ValueError(f"reduce_dtype must be a floating-point dtype, got {reduce_dtype}")
         self.bucket_size_mb = bucket_size_mb
-        self.buckets = self._make_buckets(self.trainable, bucket_size_mb * 2**20)
-        self._where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        self.bucket_order = bucket_order
+        self.reduce_dtype = reduce_dtype
+        self.buckets = self._make_buckets(self.trainable[::-1], bucket_size_mb * 2**20, reduce_dtype)
+        self._index_of = {id(p): i for i, p in enumerate(self.trainable)}
+        self._locate()
+        #: trainable parameters' indices in the order their gradients became ready, recorded in the first
+        #: synchronized backward when the buckets are to follow it (None once they do, or never will)
+        self.ready_order: list[int] | None = [] if bucket_order == "ready" else None
+        self.on_reduction_started: list = []
         self._launched = 0
         self._any_ready = False
         self._seen: set[int] = set()
         self._hooks = [p.register_post_accumulate_grad_hook(weak_hook(self._on_grad_ready)) for p in self.trainable]
 
     @staticmethod
-    def _make_buckets(params: list[torch.Tensor], capacity_bytes: float) -> list[_Bucket]:
+    def _make_buckets(params: list[torch.Tensor], capacity_bytes: float,
+                      comm_dtype: torch.dtype | None = None) -> list[_Bucket]:
+        """Consecutive runs of ``params`` (in the order given) of at most ``capacity_bytes`` each, one dtype
+        and device per bucket."""
         buckets, current, size = [], [], 0
-        for p in reversed(params):
+        for p in params:
             nbytes = p.numel() * p.element_size()
             same_kind = not current or (p.dtype == current[0].dtype and p.device == current[0].device)
             if current and (size + nbytes > capacity_bytes or not same_kind):
-                buckets.append(_Bucket(current))
+                buckets.append(_Bucket(current, comm_dtype))
                 current, size = [], 0
             current.append(p)
             size += nbytes
         if current:
-            buckets.append(_Bucket(current))
+            buckets.append(_Bucket(current, comm_dtype))
         return buckets
+
+    def _locate(self) -> None:
+        self._where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         if not self._sync:
@@ -252,15 +310,39 @@ class DDPBucketed(_DataParallel):
         if not self._any_ready:
             self._any_ready = True
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_gradient_synchronization)
+        if self.ready_order is not None:
+            self.ready_order.append(self._index_of[id(param)])
         bucket, i = self._where[id(param)]
-        view = bucket.views[i]
-        torch.div(param.grad, self.world_size, out=view)  # average while copying into the bucket
-        param.grad = view  # the gradient now lives in the bucket: the all-reduce result lands in .grad
+        torch.div(param.grad, self.world_size, out=bucket.sends[i])  # average while copying into the bucket
+        param.grad = bucket.views[i]  # the gradient now lives in the bucket: the reduced average lands in .grad
         bucket.ready += 1
         self._seen.add(id(param))
         if bucket.ready == len(bucket.params):
             bucket.work = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
             self._launched += 1
+            for callback in self.on_reduction_started:
+                callback(bucket.params)
+
+    def _wait(self, bucket: _Bucket) -> None:
+        if bucket.reduced:
+            return
+        bucket.work.wait()  # on a GPU: the current stream waits for the collective, the host goes on
+        if bucket.buffer is not bucket.grads:
+            bucket.grads.copy_(bucket.buffer)
+        if bucket.grads.is_cuda:  # the buffers may be freed by a rebuild while this stream still reads them
+            stream = torch.cuda.current_stream(bucket.grads.device)
+            bucket.grads.record_stream(stream)
+            bucket.buffer.record_stream(stream)
+        bucket.reduced = True
+
+    def wait_for_gradients(self, params) -> None:
+        """Wait, on the current stream, for the all-reduce of the buckets that hold ``params`` (each bucket
+        once per backward), after which their ``.grad`` hold the average. Call it only for parameters whose
+        bucket has started (``on_reduction_started``)."""
+        for b in dict.fromkeys(self._where[id(p)][0] for p in params):
+            if b.work is None:
+                raise RuntimeError("wait_for_gradients: a bucket of these parameters has not been launched")
+            self._wait(b)
 
     def finish_gradient_synchronization(self) -> None:
         if not self._any_ready:
@@ -272,14 +354,35 @@ class DDPBucketed(_DataParallel):
                 if b.work is not None:
                     b.work.wait()
             self._reset()
+            if self.ready_order is not None:  # record again, in a complete backward
+                self.ready_order.clear()
             raise self._missing_grad_error(missing)
         for b in self.buckets:
-            b.work.wait()
+            self._wait(b)
+        if self.ready_order:
+            self._rebuild_in_ready_order()
         self._reset()
+
+    @torch.no_grad()
+    def _rebuild_in_ready_order(self) -> None:
+        """Buckets in the order of :attr:`ready_order` (the group's first rank's); the gradients still held
+        move into the new buckets, and the old buffers go."""
+        order = torch.tensor(self.ready_order, dtype=torch.int64, device=self.buckets[0].grads.device)
+        dist.broadcast(order, src=global_rank(self.process_group, 0), group=self.process_group)
+        self.ready_order = None
+        params = [self.trainable[i] for i in order.tolist()]
+        buckets = self._make_buckets(params, self.bucket_size_mb * 2**20, self.reduce_dtype)
+        for b in buckets:
+            for p, view in zip(b.params, b.views):
+                if p.grad is not None:
+                    view.copy_(p.grad)
+                    p.grad = view
+        self.buckets = buckets
+        self._locate()
 
     def _reset(self) -> None:
         for b in self.buckets:
-            b.ready, b.work = 0, None
+            b.ready, b.work, b.reduced = 0, None, False
         self._launched = 0
         self._any_ready = False
         self._seen.clear()

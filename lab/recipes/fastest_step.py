@@ -1,7 +1,8 @@
 """The fastest training step the book's own parts make, and the stock PyTorch step it is measured against.
 
-A :class:`Recipe` is configuration as data: which attention, whether the LM-head loss is fused, how the
-model is sharded, what each block saves for backward, what is compiled and which AdamW. :func:`build_step`
+A :class:`~lab.recipes.recipe.Recipe` is configuration as data: which attention, whether the LM-head loss is
+fused, how the model is sharded or replicated, what each block saves for backward, what is compiled, which AdamW
+and when it updates (:mod:`lab.recipes.recipe`, with the ablations; re-exported here). :func:`build_step`
 turns a model configuration and a recipe into a :class:`lab.measure.step.TrainStep`; the same model code
 (``lab.model.TransformerLM``) runs in every recipe, with parameters and outputs unchanged.
 
@@ -65,17 +66,50 @@ from lab.parallel import launcher
 from lab.parallel.fsdp import FSDP
 from lab.parallel.optimizer_in_backward import OptimizerInBackward, block_buckets
 from lab.recipes.checkpointing import SAVED_PROJECTIONS, CheckpointedBlock, saved_ops  # noqa: F401 - public here
+from lab.recipes.recipe import (  # noqa: F401 - public here too, where the step is built
+    ABLATION_BASE,
+    ABLATION_LABELS,
+    CHECKPOINTS,
+    COMPILES,
+    DATA_PARALLEL,
+    HEADLINE,
+    OURS,
+    PRECISIONS,
+    PROJECT,
+    PROJECT_ONE_GPU,
+    SHARDINGS,
+    STOCK_COMPILED,
+    STOCK_EAGER,
+    STOCK_ONE_GPU_COMPILED,
+    STOCK_ONE_GPU_COMPILED_BF16,
+    STOCK_ONE_GPU_EAGER,
+    STOCK_ONE_GPU_EAGER_BF16,
+    WHOLE_MODEL,
+    Recipe,
+    ablation_base,
+    ablations,
+    change_label,
+    compared_with,
+    differences,
+    is_stock,
+    overlap_ablations,
+    stock_options,
+)
 from lab.recipes.step_parts import (
     OFFLOAD_MIN_BYTES,
     check_host_memory,
+    clip_before_step,
     compile_options,
+    data_parallel_traffic,
     hsdp_mesh,
     keep_offloading,
     marking_steps,
     node_size,
+    offload_that_fits,
     offloaded_count,
     sharded_traffic,
     uses_cuda_graphs,
+    wrap_data_parallel,
 )
 
 #: The course's 2026 leaderboard model: 34 layers, d_model 4,096, d_ff 11,008, 32 heads, vocabulary 151,936,
@@ -114,95 +148,6 @@ CONFIGS = {
                             gpus_per_node=2),
 }
 
-CHECKPOINTS = ("none", "block", "save_attention", "save_outputs")
-COMPILES = ("none", "pointwise", "block", "model", "model_cudagraphs")
-PRECISIONS = ("bf16", "bf16_autocast", "fp32")
-SHARDINGS = ("none", "fsdp", "fsdp2", "hsdp", "fsdp2_hsdp")
-#: the shardings of the book's own wrapper (lab.FSDP), flat and hybrid
-OURS = ("fsdp", "hsdp")
-
-
-@dataclass(frozen=True)
-class Recipe:
-    """How to build the step (see the module docstring). ``precision``: ``bf16`` parameters, gradients and
-    AdamW state (the leaderboard's rule); ``bf16_autocast``: fp32 master weights, matmuls under bf16 autocast
-    (the course's 2.7B reference); ``fp32``: everything fp32 (exact comparisons in tests). ``loss_upcast``
-    (materialized logits only): the model's own loss, cross-entropy of the logits cast to fp32; False:
-    ``F.cross_entropy`` of the logits as they come (bf16 with bf16 parameters), as the stock step the issue
-    measured does: at the leaderboard's 32k x 152k logits the fp32 copy and fp32 log-softmax cost ~28 GiB.
-
-    ``sharding``: ``hsdp`` is ``lab.FSDP`` sharding within a node and replicating across nodes, ``fsdp2_hsdp``
-    stock ``fully_shard`` on the same ("replicate", "shard") mesh. ``compile="model_cudagraphs"``: the whole
-    model under ``torch.compile(mode="reduce-overhead")``, captured in CUDA graphs on a GPU
-    (:mod:`lab.recipes.step_parts`). ``offload``: the share of the blocks (the first ones, at most every
-    block but the last) whose saved activations go to host memory instead of being recomputed; those blocks
-    are not checkpointed, the others keep ``checkpoint``."""
-
-    name: str = "project"
-    attention: str = "flash_triton"
-    fused_loss: bool = True
-    sharding: str = "fsdp"
-    checkpoint: str = "save_outputs"
-    compile: str = "pointwise"
-    fused_adamw: bool = True
-    precision: str = "bf16"
-    loss_upcast: bool = True
-    optimizer_in_backward: bool = False
-    offload: float = 0.0
-
-    def __post_init__(self):
-        for field, allowed in (("checkpoint", CHECKPOINTS), ("compile", COMPILES), ("sharding", SHARDINGS),
-                               ("precision", PRECISIONS)):
-            if getattr(self, field) not in allowed:
-                raise ValueError(f"{field} must be one of {', '.join(allowed)}, got {getattr(self, field)!r}")
-        if self.optimizer_in_backward and self.sharding.startswith("fsdp2"):
-            raise ValueError(f"optimizer_in_backward runs with lab.FSDP or no sharding, not {self.sharding!r}")
-        if not 0 <= self.offload <= 1:
-            raise ValueError(f"offload is a share of the blocks between 0 and 1, got {self.offload}")
-        if self.offload and (self.sharding.startswith("fsdp2") or self.compile.startswith("model")):
-            raise ValueError("offload wraps the blocks from outside: it runs with lab.FSDP or no sharding and "
-                             f"without a whole-model compile, not sharding={self.sharding!r}, compile={self.compile!r}")
-
-    def for_world(self, world_size: int) -> Recipe:
-        """The same recipe on ``world_size`` ranks: one rank shards nothing."""
-        return self if world_size > 1 or self.sharding == "none" else dataclasses.replace(self, sharding="none")
-
-
-PROJECT = Recipe(attention="sdpa", offload=0.25)  # several GPUs, the leaderboard's shape: see the module docstring
-STOCK_EAGER = Recipe("stock_eager", attention="sdpa", fused_loss=False, sharding="fsdp2", checkpoint="block",
-                     compile="none", loss_upcast=False)
-STOCK_COMPILED = dataclasses.replace(STOCK_EAGER, name="stock_compiled", compile="block")
-
-#: One GPU, where the model fits without sharding or recomputation: the book's step compiles the whole model
-#: (the fused loss is an op inside its graph) and keeps bf16 parameters; the stock steps are the course's
-#: reference (fp32 master weights under bf16 autocast, whole-model torch.compile, fused AdamW) and the same
-#: with bf16 parameters, the book's precision.
-PROJECT_ONE_GPU = Recipe(attention="sdpa", sharding="none", checkpoint="none", compile="model")
-STOCK_ONE_GPU_COMPILED = Recipe("stock_compiled", attention="sdpa", fused_loss=False, sharding="none",
-                                checkpoint="none", compile="model", precision="bf16_autocast", loss_upcast=False)
-STOCK_ONE_GPU_EAGER = dataclasses.replace(STOCK_ONE_GPU_COMPILED, name="stock_eager", compile="none")
-#: The same stock steps at the book's precision (bf16 parameters and AdamW state): what the book's one-GPU step
-#: is set against with precision held fixed.
-STOCK_ONE_GPU_COMPILED_BF16 = dataclasses.replace(STOCK_ONE_GPU_COMPILED, name="stock_compiled_bf16", precision="bf16")
-STOCK_ONE_GPU_EAGER_BF16 = dataclasses.replace(STOCK_ONE_GPU_EAGER, name="stock_eager_bf16", precision="bf16")
-
-
-#: The recipes every render of a configuration times with do_bench and profiles (those a configuration has).
-HEADLINE = ("project", "stock_eager", "stock_compiled", "stock_eager_bf16", "stock_compiled_bf16")
-
-
-def is_stock(name: str) -> bool:
-    """Whether a recipe name is one of the stock PyTorch steps (:data:`STOCK_EAGER` and its kin)."""
-    return name.startswith("stock_")
-#: The name of the book's step measured again beside its ablations where they run on GPUs of their own
-#: (``lab.bench.fastest.plan``): what they are compared with, on the same cards and timed the same way.
-ABLATION_BASE = "ablation_base"
-
-
-def ablation_base(project: Recipe) -> Recipe:
-    """The book's recipe under the name :data:`ABLATION_BASE`."""
-    return dataclasses.replace(project, name=ABLATION_BASE)
-
 
 def recipes_for(config: StepConfig) -> dict[str, Recipe]:
     """The book's recipe and the stock baselines for ``config``, eager and compiled at each precision the
@@ -222,104 +167,6 @@ def recipes_for(config: StepConfig) -> dict[str, Recipe]:
 
 #: What each ablation changes, in words, as the tables and sentences name it (read in one direction: the
 #: step with this change, against the book's step).
-ABLATION_LABELS = {
-    "no_flash_attention": "swap in SDPA for our Triton attention",
-    "flash_triton_attention": "swap in our Triton attention for SDPA",
-    "no_fused_loss": "turn off the fused loss (materialized logits)",
-    "full_recompute": "recompute whole blocks (save nothing inside them)",
-    "save_attention_only": "save only the attention outputs",
-    "no_compile": "turn off torch.compile",
-    "foreach_adamw": "foreach AdamW instead of fused",
-    "fp32_master_weights": "fp32 master weights under bf16 autocast",
-    "optimizer_in_backward": "update each block's parameters inside the backward",
-    "cuda_graphs": "capture the compiled model in CUDA graphs",
-    "offload_quarter": "offload the first quarter of the blocks' activations to the host instead of recomputing",
-    "offload_half": "offload the first half of the blocks' activations to the host instead of recomputing",
-    "offload_all": "offload every block's activations but the last's to the host instead of recomputing",
-    "no_offload": "recompute the offloaded blocks instead of offloading them",
-    "flat_sharding": "shard over every rank (no replicas) instead of within each node",
-}
-
-
-def change_label(name: str) -> str:
-    """What the ablation ``name`` changes, in words (:data:`ABLATION_LABELS`); the name itself if unknown."""
-    return ABLATION_LABELS.get(name, name)
-
-
-#: Per field, whether a recipe's value is an option of stock PyTorch (a dtype, a ``torch.utils.checkpoint``
-#: policy, a ``torch.compile`` scope, an AdamW flag, SDPA, FSDP2) rather than one of the book's own parts
-#: (its Triton attention and fused loss, ``lab.FSDP``).
-_STOCK_VALUE = {
-    "attention": lambda v: v != "flash_triton",
-    "fused_loss": lambda v: not v,
-    "sharding": lambda v: v not in OURS,
-    "checkpoint": lambda v: True,
-    "compile": lambda v: True,
-    "fused_adamw": lambda v: True,
-    "precision": lambda v: True,
-    "loss_upcast": lambda v: True,
-    "optimizer_in_backward": lambda v: not v,
-    "offload": lambda v: not v,
-}
-
-
-def differences(recipe: Recipe, stock: Recipe) -> list[tuple[str, object, object, bool]]:
-    """The fields in which ``recipe`` differs from ``stock`` (both as they run on the same ranks): ``(field,
-    recipe's value, stock's value, stock_option)``, ``stock_option`` True where the recipe's value is a choice
-    any PyTorch user can make. ``loss_upcast`` is skipped when the recipe fuses the loss (it then has no
-    materialized logits to upcast)."""
-    out = []
-    for f in dataclasses.fields(Recipe):
-        if f.name == "name" or (f.name == "loss_upcast" and recipe.fused_loss):
-            continue
-        ours, theirs = getattr(recipe, f.name), getattr(stock, f.name)
-        if ours != theirs:
-            out.append((f.name, ours, theirs, _STOCK_VALUE[f.name](ours)))
-    return out
-
-
-def stock_options(recipe: Recipe, stock: Recipe) -> list[str]:
-    """The fields of :func:`differences` that are stock PyTorch options: the part of any gain over ``stock``
-    that a PyTorch user gets without the book's parts."""
-    return [field for field, _, _, option in differences(recipe, stock) if option]
-
-
-def ablations(recipe: Recipe = PROJECT) -> list[Recipe]:
-    """``recipe`` with each optimization switched off (or, for the attention, swapped) alone, named by what
-    changes (:data:`ABLATION_LABELS` says it in words): ``no_flash_attention`` (SDPA instead of the Triton
-    kernels) or ``flash_triton_attention`` (the other way round), ``no_fused_loss``, ``full_recompute``,
-    ``save_attention_only`` (the smaller checkpointing policy), ``no_compile``, ``foreach_adamw``,
-    ``fp32_master_weights``, and some switched on: ``optimizer_in_backward`` (each block's AdamW update runs
-    as soon as its gradients are final, :class:`lab.parallel.optimizer_in_backward.OptimizerInBackward`);
-    where the whole model is compiled, ``cuda_graphs`` (captured in CUDA graphs); where blocks are
-    checkpointed, ``offload_quarter``, ``offload_half`` and ``offload_all`` (the first quarter or half of the
-    blocks, or every block but the last, offloaded instead of recomputed: at the leaderboard's 32k tokens a
-    block saves several GiB, and the host's memory may hold only the quarter; those the recipe has are
-    skipped) and, where the recipe offloads, ``no_offload``; under HSDP ``flat_sharding`` (lab.FSDP over every
-    rank)."""
-    out = []
-    attention = (("no_flash_attention", dict(attention="sdpa")) if recipe.attention == "flash_triton" else
-                 ("flash_triton_attention", dict(attention="flash_triton")))
-    switches = (attention, ("no_fused_loss", dict(fused_loss=False)), ("full_recompute", dict(checkpoint="block")),
-                ("save_attention_only", dict(checkpoint="save_attention")), ("no_compile", dict(compile="none")),
-                ("foreach_adamw", dict(fused_adamw=False)), ("fp32_master_weights", dict(precision="bf16_autocast")),
-                ("optimizer_in_backward", dict(optimizer_in_backward=True)),
-                ("cuda_graphs", dict(compile="model_cudagraphs")),
-                ("offload_quarter", dict(offload=0.25)), ("offload_half", dict(offload=0.5)),
-                ("offload_all", dict(offload=1.0)), ("no_offload", dict(offload=0.0)),
-                ("flat_sharding", dict(sharding="fsdp")))
-    for name, change in switches:
-        if recipe.checkpoint == "none" and (change.get("checkpoint") or change.get("offload")):
-            continue  # nothing is recomputed: no checkpointing to switch off or to replace by offloading
-        if name == "cuda_graphs" and recipe.compile != "model":
-            continue  # CUDA graphs capture a whole compiled model
-        if name == "flat_sharding" and recipe.sharding != "hsdp":
-            continue  # only hybrid sharding has replicas to give up
-        if any(getattr(recipe, k) != v for k, v in change.items()):
-            out.append(dataclasses.replace(recipe, name=name, **change))
-    return out
-
-
 # ----------------------------------------------------------------------------------------------------------
 # building the step
 
@@ -354,11 +201,16 @@ def build_model(cfg: ModelConfig, recipe: Recipe, device: torch.device, seed: in
     elif recipe.compile == "block":
         for block in model.blocks:
             block.compile()
-    elif recipe.compile in ("model", "model_cudagraphs"):
+    elif recipe.compile in WHOLE_MODEL:
         if recipe.sharding in OURS:
             raise ValueError(f"compile={recipe.compile!r} would trace into lab.FSDP's hooks; use 'pointwise' with "
                              f"{recipe.sharding!r}")
-        model.compile(**compile_options(recipe.compile, device))
+        if recipe.sharding != "torch_ddp":  # torch DDP is compiled around the model (wrap_data_parallel)
+            model.compile(**compile_options(recipe.compile, device))
+    if recipe.sharding in DATA_PARALLEL:
+        compiled = compile_options(recipe.compile, device) if recipe.compile in WHOLE_MODEL else None
+        return wrap_data_parallel(model, recipe.sharding, device, recipe.bucket_mb, recipe.bucket_order,
+                                  recipe.reduce_dtype, compiled)
     world = launcher.world_size()
     if recipe.sharding == "fsdp":
         return FSDP(model)
@@ -398,13 +250,18 @@ def build_step(config: StepConfig, recipe: Recipe, device: torch.device, seed: i
     recipe = recipe.for_world(config.world_size)
     model = build_model(config.model, recipe, device, seed, config.gpus_per_node)
     params = [p for p in model.parameters() if p.requires_grad]
-    flags = dict(fused=recipe.fused_adamw, foreach=None if recipe.fused_adamw else True)
+    hyper = dict(lr=1e-4, weight_decay=0.01, fused=recipe.fused_adamw, foreach=None if recipe.fused_adamw else True)
+    clip = recipe.clip_grad_norm or None
     if not recipe.optimizer_in_backward:
-        optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, **flags)
+        optimizer = torch.optim.AdamW(params, **hyper)
+        if clip:
+            clip_before_step(optimizer, clip)
     elif recipe.sharding in OURS:  # each shard updated right after its reduce-scatter
-        optimizer = OptimizerInBackward(params, fsdp=model, lr=1e-4, weight_decay=0.01, **flags)
-    else:  # unsharded (Recipe refuses FSDP2): one fused update per block, as soon as its gradients are final
-        optimizer = OptimizerInBackward(params, buckets=block_buckets(model), lr=1e-4, weight_decay=0.01, **flags)
+        optimizer = OptimizerInBackward(params, fsdp=model, **hyper)
+    elif recipe.sharding == "ddp":  # each block updated once the all-reduces of its gradients are done
+        optimizer = OptimizerInBackward(params, ddp=model, max_grad_norm=clip, **hyper)
+    else:  # unsharded (Recipe refuses the others): one fused update per block, as soon as its gradients are final
+        optimizer = OptimizerInBackward(params, buckets=block_buckets(model), max_grad_norm=clip, **hyper)
     tokens, targets = random_batch(config.model, config.batch_per_rank, device, config.context, seed=seed + 1 + rank)
     dtype = "bf16" if recipe.precision == "bf16_autocast" else "fp32"  # bf16 parameters need no autocast
     loss_fn = summed_loss if recipe.fused_loss or recipe.loss_upcast else summed_loss_on_logits
@@ -422,11 +279,26 @@ def build_step(config: StepConfig, recipe: Recipe, device: torch.device, seed: i
     return step
 
 
+def offload_for_host(config: StepConfig, recipe: Recipe, available: int | None = None) -> float:
+    """The ``offload`` share of ``recipe`` on ``config`` that this host's memory holds
+    (:func:`lab.recipes.step_parts.offload_that_fits`): an offloaded block saves what an unchecked block saves
+    (:func:`lab.accounting.saved_activation_bytes`), and every rank of the node pins its own."""
+    cfg = dataclasses.replace(config.model, attention=recipe.attention)
+    saved = saved_activation_bytes(cfg, config.batch_per_rank, config.context, recipe.precision)["blocks"]
+    ranks_here = node_size(config.world_size, config.gpus_per_node)
+    return offload_that_fits(saved / cfg.num_layers, cfg.num_layers, ranks_here, available)
+
+
 def step_traffic(config: StepConfig, recipe: Recipe) -> dict[str, float]:
-    """``nodes``, and ``within_node_bytes`` / ``across_node_bytes`` each rank sends per step (NaN unsharded;
-    :func:`lab.recipes.step_parts.sharded_traffic`, the parameters' dtype gathered and reduced)."""
+    """``nodes``, and ``within_node_bytes`` / ``across_node_bytes`` each rank sends per step (NaN on one rank;
+    :func:`lab.recipes.step_parts.sharded_traffic`, the parameters' dtype gathered and reduced; under data
+    parallelism :func:`lab.recipes.step_parts.data_parallel_traffic`, in the communication dtype)."""
     recipe, per_node = recipe.for_world(config.world_size), node_size(config.world_size, config.gpus_per_node)
     width = 2 if recipe.precision == "bf16" else 4
+    if recipe.sharding in DATA_PARALLEL:
+        reduce_bytes = 2 if recipe.reduce_dtype == "bf16" else width
+        return dict(nodes=config.world_size // per_node,
+                    **data_parallel_traffic(config.model, config.world_size, per_node, reduce_bytes))
     first_recomputed = recipe.checkpoint != "none" and offloaded_count(recipe.offload, config.model.num_layers) < 2
     return dict(nodes=config.world_size // per_node, **(
         sharded_traffic(config.model, recipe.sharding, config.world_size, per_node, width, width, first_recomputed)

@@ -15,10 +15,14 @@ bytes a step sends within and across nodes. :mod:`lab.recipes.fastest_step` appl
   (:func:`compile_options`), and the row says so.
 * **Activation offloading** (``offload``): the first blocks' saved activations wait in host memory instead of
   being recomputed (:mod:`lab.model.offload`); :func:`keep_offloading` enters the offloading for the step's
-  life and leaves it when the step is dropped.
+  life and leaves it when the step is dropped; :func:`offload_that_fits` is the largest share the host's memory
+  holds, so that only what it cannot take is recomputed.
 * **HSDP** (``sharding="hsdp"``): the ranks of one node shard the model, and the nodes hold replicas;
   :func:`hsdp_mesh` builds the ("replicate", "shard") grid, :func:`node_size` reads the node's size, and
-  :func:`sharded_traffic` computes what each rank sends per step within its node and across nodes.
+  :func:`sharded_traffic` computes what each rank sends per step within its node and across nodes;
+* **data parallelism** (``sharding="ddp"`` or ``"torch_ddp"``): :func:`wrap_data_parallel` and the all-reduce's
+  bytes, :func:`data_parallel_traffic`;
+* **clipping** by the global norm before a plain update: :func:`clip_before_step`.
 """
 
 from __future__ import annotations
@@ -34,11 +38,13 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from lab.accounting import parameter_count
 from lab.accounting.collectives import ring_bytes_per_rank
 from lab.measure.device import available_memory_bytes, synchronize
 from lab.measure.step import TrainStep
 from lab.model import ModelConfig
 from lab.model.offload import activation_offloading
+from lab.parallel.ddp import DDPBucketed
 
 #: The storages smaller than this stay on the device when offloading (their copies cost more in launches than
 #: they free); tests pass 0 to move a toy model's small activations too.
@@ -115,6 +121,17 @@ def check_host_memory(offloaded_bytes: float, ranks_here: int, available: int | 
     if offloaded_bytes * ranks_here > HOST_HEADROOM * available:
         raise MemoryError(f"offloading needs {offloaded_bytes / 2**30:.1f} GiB of pinned host memory per rank x "
                           f"{ranks_here} ranks, but the host has {available / 2**30:.1f} GiB available")
+
+
+def offload_that_fits(block_bytes: float, num_layers: int, ranks_here: int, available: int | None = None) -> float:
+    """The largest share of the blocks whose saved activations (``block_bytes`` each, per rank) the host holds
+    for its ``ranks_here`` ranks within :data:`HOST_HEADROOM` of ``available`` bytes (default: the kernel's
+    ``MemAvailable``): ``k / num_layers`` for the largest ``k`` up to every block but the last (see
+    :func:`offloaded_count`), 0 where not even one block fits. Every block offloaded is one block less
+    recomputed, so a recipe recomputes only what the host cannot take."""
+    available = available_memory_bytes("cpu") if available is None else available
+    fits = int(HOST_HEADROOM * available // (block_bytes * ranks_here)) if block_bytes > 0 else num_layers
+    return min(num_layers - 1, fits) / num_layers
 
 
 def keep_offloading(step: TrainStep, model: nn.Module, blocks: int, fsdp_hooks: tuple | None = None,
@@ -226,3 +243,65 @@ def sharded_traffic(cfg: ModelConfig, sharding: str, world_size: int, per_node: 
         if hybrid:
             collective("all_reduce", grads / shard, "replicate")
     return dict(within_node_bytes=within, across_node_bytes=across)
+
+
+def data_parallel_traffic(cfg: ModelConfig, world_size: int, per_node: int, reduce_bytes: int) -> dict[str, float]:
+    """Bytes each rank sends per step within its node and across nodes for data parallelism: one ring
+    all-reduce of every parameter's gradient in ``reduce_bytes`` per element (on several nodes, one hop in
+    ``per_node`` of the ring leaves its node, as in :func:`sharded_traffic`). Returns ``within_node_bytes``,
+    ``across_node_bytes``."""
+    sent = ring_bytes_per_rank("all_reduce", parameter_count(cfg) * reduce_bytes, world_size) if world_size > 1 else 0.0
+    nodes = world_size // per_node
+    if nodes == 1:
+        return dict(within_node_bytes=sent, across_node_bytes=0.0)
+    return dict(within_node_bytes=sent * (1 - 1 / per_node), across_node_bytes=sent / per_node)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# data parallelism and clipping
+
+
+def wrap_data_parallel(model: nn.Module, sharding: str, device: torch.device, bucket_mb: float,
+                       bucket_order: str = "ready", reduce_dtype: str = "grad", compile_kwargs: dict | None = None
+                       ) -> nn.Module:
+    """``model`` replicated on every rank: ``lab.DDPBucketed`` (``sharding="ddp"``, buckets of ``bucket_mb`` MiB
+    in ``bucket_order``) or ``torch.nn.parallel.DistributedDataParallel`` (``"torch_ddp"``, ``bucket_cap_mb``),
+    the gradients communicated in bf16 where ``reduce_dtype`` is ``"bf16"`` (torch DDP: its
+    ``bf16_compress_hook``). ``compile_kwargs`` (torch DDP only): compile the wrapped model as a whole, as torch
+    recommends (its graph is then split at the buckets, so that their all-reduces overlap the backward)."""
+    bf16 = reduce_dtype == "bf16"
+    if sharding == "ddp":
+        return DDPBucketed(model, bucket_size_mb=bucket_mb, bucket_order=bucket_order,
+                           reduce_dtype=torch.bfloat16 if bf16 else None)
+    if sharding != "torch_ddp":
+        raise ValueError(f"sharding must be ddp or torch_ddp, got {sharding!r}")
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # distributed-only: imported where it runs
+
+    wrapped = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                                  bucket_cap_mb=bucket_mb)
+    if bf16:
+        wrapped.register_comm_hook(None, default_hooks.bf16_compress_hook if device.type == "cuda" else
+                                   bf16_compress_on_gloo)
+    if compile_kwargs is not None:
+        wrapped.compile(**compile_kwargs)
+    return wrapped
+
+
+def bf16_compress_on_gloo(process_group, bucket):
+    """torch DDP's ``bf16_compress_hook`` itself, under a name torch DDP does not refuse on the CPU: it accepts
+    its own only where NCCL runs it, while gloo reduces bf16 as well (the CPU-sized runs and tests)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # distributed-only: imported where it runs
+
+    return default_hooks.bf16_compress_hook(process_group, bucket)
+
+
+def _clip(params: list[torch.Tensor], max_norm: float, _optimizer, _args, _kwargs) -> None:
+    torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+
+def clip_before_step(optimizer: torch.optim.Optimizer, max_norm: float) -> None:
+    """Clip the gradients of ``optimizer``'s parameters by their global norm (``torch.nn.utils.clip_grad_norm_``,
+    to ``max_norm``) before each of its steps: a step pre-hook, so the clipping runs inside the step's
+    ``optimizer_step`` phase and its cost is the update's."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    optimizer.register_step_pre_hook(functools.partial(_clip, params, max_norm))

@@ -29,6 +29,8 @@ WRAPPERS = {
     "bucketed_tiny": lambda m: ddp_module.DDPBucketed(m, bucket_size_mb=1e-5),
     "bucketed_small": lambda m: ddp_module.DDPBucketed(m, bucket_size_mb=0.002),
     "bucketed_big": lambda m: ddp_module.DDPBucketed(m, bucket_size_mb=100),
+    # the buckets of the default (above) follow the first backward's order from the second step on; these never
+    "bucketed_reverse": lambda m: ddp_module.DDPBucketed(m, bucket_size_mb=0.002, bucket_order="reverse"),
 }
 
 
@@ -63,9 +65,26 @@ class TiedFrozenModel(nn.Module):
         return self.head(self.norm(x))
 
 
+class InterleavedModel(nn.Module):
+    """Four equal layers registered in another order than they run (l1, l4, l2, l3; applied l1 to l4): reverse
+    registration order pairs a layer the backward reaches early with one it reaches late."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.l1 = nn.Linear(d, d)
+        self.l4 = nn.Linear(d, d)
+        self.l2 = nn.Linear(d, d)
+        self.l3 = nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.l4(torch.tanh(self.l3(torch.tanh(self.l2(torch.tanh(self.l1(x)))))))
+
+
 def _make(model_name):
     if model_name == "toy":
         return ToyModel()
+    if model_name == "interleaved":
+        return InterleavedModel()
     if model_name == "tied":
         return TiedFrozenModel()
     from lab.model.transformer import TransformerLM, config_for
@@ -75,9 +94,10 @@ def _make(model_name):
 
 def _global_batch(model_name, step, world, micro, per_rank=3):
     g = torch.Generator().manual_seed(1000 + step)
-    if model_name == "toy":
-        x = torch.randn(world, micro, per_rank, 10, generator=g)
-        y = torch.randint(0, 5, (world, micro, per_rank), generator=g)
+    if model_name in ("toy", "interleaved"):
+        features, classes = (10, 5) if model_name == "toy" else (8, 8)
+        x = torch.randn(world, micro, per_rank, features, generator=g)
+        y = torch.randint(0, classes, (world, micro, per_rank), generator=g)
     else:
         vocab, seq = (32, 6) if model_name == "tied" else (64, 8)
         x = torch.randint(0, vocab, (world, micro, per_rank, seq), generator=g)
@@ -218,11 +238,11 @@ def count_all_reduce(wrapper):
     dist.all_reduce = counting
     try:
         model = WRAPPERS[wrapper](TiedFrozenModel())
+        buckets = len(model.buckets) if hasattr(model, "buckets") else None  # the buckets this step reduces
         x, y = _global_batch("tied", 0, 2, 1)
         calls.clear()  # only the step's communication
         _loss(model, x[distributed.rank(), 0], y[distributed.rank(), 0]).backward()
         model.finish_gradient_synchronization()
-        buckets = len(model.buckets) if hasattr(model, "buckets") else None
     finally:
         dist.all_reduce = original
     return {"calls": calls, "buckets": buckets}
@@ -238,14 +258,14 @@ def _assert_each_trainable_parameter_reduced_once(wrapper, counts):
                       "bucketed_tiny": len(trainable), "bucketed_big": 1}
     if wrapper in expected_calls:
         assert len(calls) == expected_calls[wrapper]
-    if wrapper == "bucketed_small":  # 0.002 MiB = 2097 bytes = 524 floats per bucket
+    if wrapper in ("bucketed_small", "bucketed_reverse"):  # 0.002 MiB = 2097 bytes = 524 floats per bucket
         assert 1 < len(calls) < len(trainable)
         assert counts["buckets"] == len(calls)
 
 
-def test_bucket_layout_reverse_order_and_capacity():
+def test_bucket_layout_in_the_order_given_and_capacity():
     params = [nn.Parameter(torch.zeros(n)) for n in (100, 300, 50, 50, 400)]
-    buckets = ddp_module.DDPBucketed._make_buckets(params, capacity_bytes=4 * 400)
+    buckets = ddp_module.DDPBucketed._make_buckets(params[::-1], capacity_bytes=4 * 400)
     layout = [[p.numel() for p in b.params] for b in buckets]
     assert layout == [[400], [50, 50, 300], [100]]  # reverse order, each at most 400 floats
     big = ddp_module.DDPBucketed._make_buckets(params, capacity_bytes=4 * 10)
@@ -255,3 +275,130 @@ def test_bucket_layout_reverse_order_and_capacity():
 def test_needs_a_process_group():
     with pytest.raises(RuntimeError, match="process group"):
         ddp_module.NaiveDDP(ToyModel())
+
+
+# ----------------------------------------------------------------------------------------------------------
+# DDPBucketed: buckets in the order the backward produces the gradients, and bf16 communication
+
+
+def launch_order(order, steps=3):
+    """Worker: ``steps`` steps of :class:`InterleavedModel` under DDPBucketed with buckets of two layers; per
+    step, the layers of each bucket (before the step) and how many gradients were final when each all-reduce
+    was launched."""
+    torch.manual_seed(0)
+    local = InterleavedModel()
+    final = []
+    for p in local.parameters():  # registered before the wrapper's hooks: they run first
+        p.register_post_accumulate_grad_hook(lambda _: final.append(None))
+    layer = {id(p): name.split(".")[0] for name, p in local.named_parameters()}
+    model = ddp_module.DDPBucketed(local, bucket_size_mb=2 * 72 * 4 / 2**20, bucket_order=order)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    layouts, positions = [], []
+    original = dist.all_reduce
+
+    def spy(tensor, *args, **kwargs):
+        positions[-1].append(len(final))
+        return original(tensor, *args, **kwargs)
+
+    dist.all_reduce = spy
+    try:
+        for step in range(steps):
+            layouts.append([sorted({layer[id(p)] for p in b.params}) for b in model.buckets])
+            positions.append([])
+            final.clear()
+            x, y = _global_batch("interleaved", step, 2, 1)
+            opt.zero_grad()
+            _loss(model, x[distributed.rank(), 0], y[distributed.rank(), 0]).backward()
+            opt.step()
+    finally:
+        dist.all_reduce = original
+    return {"layouts": layouts, "positions": positions,
+            "exact": train_next_to_reference("bucketed_small" if order == "ready" else "bucketed_reverse",
+                                             "interleaved")}
+
+
+def test_buckets_follow_the_order_the_backward_produces_gradients():
+    """Reverse registration order pairs l3 with l2 and l4 with l1: the first bucket leaves after six of the eight
+    gradients. After the first backward the buckets follow its order (l4 with l3, l2 with l1), and the first
+    bucket leaves after four: as soon as the backward has passed it. Both orders train exactly as one process."""
+    reverse = [["l2", "l3"], ["l1", "l4"]]
+    ready = [["l3", "l4"], ["l1", "l2"]]
+    for order, layouts, positions in (("ready", [reverse, ready, ready], [[6, 8], [4, 8], [4, 8]]),
+                                      ("reverse", [reverse] * 3, [[6, 8]] * 3)):
+        out = distributed.launch(launch_order, 2, order, device="cpu", timeout_s=120)
+        for o in out:
+            assert o["layouts"] == layouts, order
+            assert o["positions"] == positions, order
+        _assert_matches([o["exact"] for o in out])
+
+
+BF16_STEPS = 30
+#: The largest error of a gradient element reduced in bf16 over two ranks, in units of the mean of the two
+#: ranks' magnitudes: two roundings at bf16's unit roundoff 2**-8 (the rank's halved gradient, the sum) and
+#: the fp32 reference's own rounding (see DDPBucketed's docstring).
+BF16_BOUND = 2**-7 + 2**-15
+#: How far bf16 communication may move the toy model's loss, relative, over BF16_STEPS AdamW steps.
+BF16_LOSS_TOLERANCE = 1e-3
+
+
+def bf16_next_to_fp32(steps=BF16_STEPS):
+    """Worker: two DDPBucketed copies of one model, gradients communicated in fp32 and in bf16, trained on the
+    same batches. Per step: the bf16 copy's reduced gradients against the fp32 average of the shards' exact
+    gradients at its own weights (largest error over the bound; whether any element differs), and the global
+    loss of both copies."""
+    import copy
+
+    torch.use_deterministic_algorithms(True)
+    r, n = distributed.rank(), distributed.world_size()
+    torch.manual_seed(0)
+    base = ToyModel()
+    models = {"fp32": ddp_module.DDPBucketed(copy.deepcopy(base), bucket_size_mb=0.002),
+              "bf16": ddp_module.DDPBucketed(copy.deepcopy(base), bucket_size_mb=0.002, reduce_dtype=torch.bfloat16)}
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-2) for k, m in models.items()}
+    teacher = torch.randn(10, 5, generator=torch.Generator().manual_seed(7))  # a task the model can learn
+    rows = []
+    for step in range(steps):
+        x, _ = _global_batch("toy", step, n, 1, per_rank=8)
+        y = (x @ teacher).argmax(-1)
+        probe = copy.deepcopy(models["bf16"].module)
+        shard_grads = []
+        for shard in range(n):
+            probe.zero_grad()
+            _loss(probe, x[shard, 0], y[shard, 0]).backward()
+            shard_grads.append([p.grad.clone() for p in probe.parameters()])
+        row = {}
+        for name, model in models.items():
+            opts[name].zero_grad()
+            loss = _loss(model, x[r, 0], y[r, 0])
+            loss.backward()
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            row[f"{name}_loss"] = total.item() / n
+        ratios, differs, dtypes = [], False, set()
+        for p, g0, g1 in zip(models["bf16"].module.parameters(), *shard_grads):
+            reference, scale = (g0 + g1) / n, (g0.abs() + g1.abs()) / n
+            error = (p.grad - reference).abs()
+            assert bool((error[scale == 0] == 0).all())
+            ratios.append((error[scale > 0] / scale[scale > 0]).max().item())
+            differs |= not torch.equal(p.grad, reference)
+            dtypes.add(p.grad.dtype)
+        row.update(worst=max(ratios), differs=differs, dtypes=dtypes,
+                   bucket_dtypes={b.buffer.dtype for b in models["bf16"].buckets})
+        rows.append(row)
+        for o in opts.values():
+            o.step()
+    return rows
+
+
+def test_bf16_communication_stays_within_its_rounding_bound_and_barely_moves_the_loss():
+    out = distributed.launch(bf16_next_to_fp32, 2, device="cpu", timeout_s=120)
+    assert out[0] == out[1]  # the ranks agree on every number
+    rows = out[0]
+    for row in rows:
+        assert row["worst"] <= BF16_BOUND, row
+        assert row["dtypes"] == {torch.float32} and row["bucket_dtypes"] == {torch.bfloat16}
+    assert all(row["differs"] for row in rows)  # the roundings are there: not the fp32 result by accident
+    moved = [abs(row["bf16_loss"] - row["fp32_loss"]) / row["fp32_loss"] for row in rows]
+    assert moved[0] == 0  # the same weights: the first losses are equal
+    assert 0 < max(moved) < BF16_LOSS_TOLERANCE, moved
+    assert rows[-1]["bf16_loss"] < 0.6 * rows[0]["bf16_loss"]  # and it learns the task

@@ -1,7 +1,8 @@
 """lab.parallel.optimizer_in_backward: updates inside the backward equal the plain step bit for bit (fp32,
-CPU), single process and under lab.FSDP on 2 gloo ranks; gradients are freed; schedules, checkpoints and
-misuse behave."""
+CPU), single process, under lab.DDPBucketed and under lab.FSDP on 2 gloo ranks, with and without clipping by
+the global norm; gradients are freed; schedules, checkpoints and misuse behave."""
 
+import contextlib
 import copy
 
 import pytest
@@ -12,6 +13,7 @@ from torch import nn
 from lab.measure.step import lm_loss, random_batch
 from lab.model.transformer import ModelConfig, TransformerLM, config_for
 from lab.parallel import launcher as distributed
+from lab.parallel.ddp import DDPBucketed
 from lab.parallel.fsdp import FSDP
 from lab.parallel.optimizer_in_backward import OptimizerInBackward, block_buckets
 
@@ -211,3 +213,106 @@ def test_a_side_stream_needs_cuda_parameters():
     with pytest.raises(ValueError, match="CUDA"):
         OptimizerInBackward(model.parameters(), side_stream=True, **HYPER)
     assert OptimizerInBackward(model.parameters(), **HYPER)._stream is None  # the CPU: the plain path
+
+
+# ----------------------------------------------------------------------------------------------------------
+# clipping by the global norm
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("bucketing", ["per_parameter", "per_block"])
+def test_clipping_matches_clip_grad_norm_then_the_plain_step(bucketing, device):
+    """max_grad_norm: the global norm formed from each bucket's norms has clip_grad_norm_'s bits, and the
+    clipped updates give the plain step's weights (fp32, several steps, the norm above the limit in most); on a
+    GPU with the multi-tensor norms and the fused AdamW, the updates on the side stream."""
+    ref, model = (m.to(device) for m in _pair())
+    flags = dict(fused=True) if device == "cuda" else {}
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER, **flags)
+    buckets = block_buckets(model) if bucketing == "per_block" else None
+    opt = OptimizerInBackward(model.parameters(), buckets=buckets, max_grad_norm=0.5, **HYPER, **flags)
+    clipped = 0
+    for step in range(4):
+        batch = random_batch(CFG, 2, device, seed=step)
+        ref_opt.zero_grad()
+        lm_loss(ref, *batch).backward()
+        norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        ref_opt.step()
+        lm_loss(model, *batch).backward()
+        assert all(p.grad is None for p in model.parameters())  # updated at the end of the backward
+        opt.step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        assert torch.equal(opt.grad_norm, norm), step
+        assert _same(ref, model), step
+        clipped += bool(norm > 0.5)
+    assert clipped >= 3
+
+
+def test_clipping_keeps_every_gradient_until_the_end_of_the_backward():
+    """The price of clipping: no update before the global norm, so the full gradient set exists at the end."""
+    _, model = _pair()
+    opt = OptimizerInBackward(model.parameters(), buckets=block_buckets(model), max_grad_norm=1.0, **HYPER)
+    params = list(model.parameters())
+    alive = []
+    for p in params:
+        p.register_post_accumulate_grad_hook(lambda _: alive.append(sum(q.grad is not None for q in params)))
+    lm_loss(model, *random_batch(CFG, 2, "cpu")).backward()
+    assert alive[-1] == len(params)
+    opt.step()
+    with pytest.raises(ValueError, match="fsdp"):
+        OptimizerInBackward(model.parameters(), fsdp=object(), max_grad_norm=1.0, **HYPER)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# with lab.DDPBucketed (2 gloo ranks): the reference sums each rank's shard gradients and halves them, as
+# test_ddp does (exact for two ranks)
+
+
+def _ddp_worker(steps: int, max_grad_norm: float | None, micro: int) -> list[dict]:
+    torch.use_deterministic_algorithms(True)
+    r, n = distributed.rank(), distributed.world_size()
+    torch.manual_seed(0)
+    ref = TransformerLM(CFG)
+    model = DDPBucketed(copy.deepcopy(ref), bucket_size_mb=0.01)  # several buckets per block
+    opt = OptimizerInBackward(model.module.parameters(), ddp=model, max_grad_norm=max_grad_norm, **HYPER)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER)
+    rows = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        tokens = torch.randint(0, CFG.vocab_size, (n, micro, 2, CFG.context_length + 1), generator=g)
+        x, y = tokens[..., :-1], tokens[..., 1:]
+        buckets = len(model.buckets)
+        for m in range(micro):
+            with model.no_sync() if m < micro - 1 else contextlib.nullcontext():
+                lm_loss(model, x[r, m], y[r, m]).backward()
+        grads_left = sum(p.grad is not None for p in model.parameters())
+        opt.step()
+        shard_grads = []
+        for shard in range(n):
+            ref_opt.zero_grad()
+            for m in range(micro):
+                lm_loss(ref, x[shard, m], y[shard, m]).backward()
+            shard_grads.append([p.grad.clone() for p in ref.parameters()])
+        for p, g0, g1 in zip(ref.parameters(), *shard_grads):
+            p.grad = (g0 + g1) / n
+        norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_grad_norm) if max_grad_norm else None
+        ref_opt.step()
+        rows.append({"grads_left": grads_left, "buckets": buckets, "groups": len(opt.buckets),
+                     "same": _same(ref, model.module),
+                     "norm_same": norm is None or torch.equal(norm, opt.grad_norm)})
+    return rows
+
+
+@pytest.mark.parametrize("max_grad_norm,micro", [(None, 1), (None, 2), (0.5, 1)],
+                         ids=["plain", "no_sync_accumulation", "clipped"])
+def test_ddp_updates_after_each_all_reduce_match_single_process_exactly(max_grad_norm, micro):
+    """One inner optimizer per block, each stepped once its gradients' buckets are reduced: the weights of a
+    single process after every step, while the buckets are rebuilt in the backward's order after the first
+    step, with gradient accumulation under no_sync, and with clipping."""
+    out = distributed.launch(_ddp_worker, 2, 3, max_grad_norm, micro, device="cpu", timeout_s=180)
+    for rank, rows in enumerate(out):
+        for step, row in enumerate(rows):
+            assert row["same"] and row["norm_same"], f"rank {rank} step {step}"
+            assert row["grads_left"] == 0
+            assert row["buckets"] > row["groups"]  # buckets smaller than blocks: a block waits for several
+        assert rows[0]["groups"] == CFG.num_layers + 3  # the blocks, the embedding, the final norm, the LM head

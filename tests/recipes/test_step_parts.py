@@ -76,6 +76,18 @@ def test_an_offload_the_host_cannot_hold_is_refused_as_out_of_memory():
 # CUDA graphs
 
 
+def test_the_offload_share_the_host_holds():
+    """Two ranks of 3 GiB a block on a host of 40 GiB: 0.8 x 40 / 6 = 5 blocks of 8; never the last block."""
+    assert step_parts.offload_that_fits(3 * 2**30, 8, 2, available=40 * 2**30) == 5 / 8
+    assert step_parts.offload_that_fits(3 * 2**30, 8, 2, available=400 * 2**30) == 7 / 8
+    assert step_parts.offload_that_fits(3 * 2**30, 8, 2, available=5 * 2**30) == 0
+    share = fs.offload_for_host(fs.CONFIGS["leaderboard"], fs.PROJECT, available=2**38)  # 256 GiB
+    blocks = step_parts.offloaded_count(share, 34)
+    saved = fs.saved_activation_bytes(fs.LEADERBOARD, 1, 32_768, "bf16")["blocks"] / 34
+    assert 0 < blocks < 33 and blocks * saved * 2 <= step_parts.HOST_HEADROOM * 2**38 < (blocks + 1) * saved * 2
+    step_parts.check_host_memory(blocks * saved, 2, available=2**38)  # what fits passes the build's own check
+
+
 def test_cuda_graphs_apply_on_a_gpu_only():
     assert step_parts.compile_options("model_cudagraphs", torch.device("cuda", 0)) == dict(mode="reduce-overhead")
     assert step_parts.compile_options("model_cudagraphs", CPU) == {}
@@ -292,6 +304,26 @@ def test_traffic_closed_forms():
     assert stock["across_node_bytes"] == pytest.approx((L * per_block + root) * 2 / 2)
     row = bench.empty_row(fs.CONFIGS["tiny_hsdp"], dataclasses.replace(fs.PROJECT, sharding="hsdp"))
     assert row["nodes"] == 2 and row["across_node_bytes"] > 0
+
+
+def test_data_parallel_traffic_is_one_all_reduce_of_every_gradient():
+    """Two ranks: a ring all-reduce sends the gradients' bytes once (2(n-1)/n = 1), in the communication dtype;
+    over two nodes of two ranks, one hop in two of the ring leaves its node."""
+    cfg = fs.CONFIGS["tiny_hsdp"].model
+    d, f, v, L = cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.num_layers
+    grads = 2 * v * d + L * (4 * d * d + 3 * f * d + 2 * d) + d
+    ddp = fs.Recipe("ddp", attention="sdpa", fused_loss=False, sharding="ddp", checkpoint="none", compile="none",
+                    precision="bf16_autocast")
+    two = fs.StepConfig("tiny", cfg, 64, 1, 2)
+    assert fs.step_traffic(two, ddp) == dict(nodes=1, within_node_bytes=4 * grads, across_node_bytes=0.0)
+    bf16 = dataclasses.replace(ddp, reduce_dtype="bf16")
+    assert fs.step_traffic(two, bf16)["within_node_bytes"] == 2 * grads
+    torch_ddp = dataclasses.replace(ddp, sharding="torch_ddp", precision="bf16")  # bf16 gradients: 2 bytes anyway
+    assert fs.step_traffic(two, torch_ddp)["within_node_bytes"] == 2 * grads
+    four = fs.StepConfig("tiny", cfg, 64, 1, 4, gpus_per_node=2)
+    sent = ring_bytes_per_rank("all_reduce", 4 * grads, 4)
+    assert fs.step_traffic(four, ddp) == dict(nodes=2, within_node_bytes=sent / 2, across_node_bytes=sent / 2)
+    assert math.isnan(fs.step_traffic(two, fs.PROJECT_ONE_GPU)["within_node_bytes"])
 
 
 def hsdp_worker(recipe):
