@@ -68,10 +68,11 @@ _INTERPRET_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warp
 #: block in flight per thread hide DRAM latency. Timed on an H100 (blocks of 2048 to 32768, 4 to 32 warps,
 #: per-row or per-lane running statistics), long rows ran near a plain copy's bandwidth with every setting
 #: and fastest with these; rows of 10,000 about as fast in registers as streamed. Under the interpreter the
-#: sizes are small, so that tests reach both paths.
+#: sizes are small, so that tests reach both paths (a block of 64: a vocabulary of 100 streams two blocks, one
+#: ragged, and the quick book's 512 takes 8 interpreted blocks a row rather than 32).
 ROW_IN_REGISTERS_MAX = 64 if INTERPRET else 16384
 ROW_IN_REGISTERS_WARPS = 32
-ROW_BLOCK = 16 if INTERPRET else 16384
+ROW_BLOCK = 64 if INTERPRET else 16384
 ROW_BLOCK_WARPS = 32
 
 
