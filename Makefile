@@ -38,10 +38,10 @@ site: $(READY)          ## the rendered reports as one offline website: build/si
 	$(VPY) -m lab.book.site
 
 test: $(READY)          ## the whole test suite, JOBS processes (CI runs this and `make lint`)
-	$(VPY) -m pytest -q -ra -n $(JOBS) --durations=25
+	$(VPY) -m pytest -q -ra -n $(JOBS) --maxschedchunk 2 --durations=25
 
 test-fast: $(READY)     ## everything except the notebook renders and other slow tests
-	$(VPY) -m pytest -q -n $(JOBS) -m "not slow"
+	$(VPY) -m pytest -q -n $(JOBS) --maxschedchunk 2 -m "not slow"
 
 lint: $(READY)
 	$(VPY) -m ruff check lab tests examples tools

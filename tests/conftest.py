@@ -16,9 +16,11 @@ def pytest_report_header(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    # The slow tests (notebook renders, minutes each) first: pytest-xdist hands tests out in this order, and a
-    # long test handed out last would run alone on one core at the end.
-    items.sort(key=lambda item: "slow" not in item.keywords)
+    # The notebook renders (minutes each), then the other slow tests, first: pytest-xdist hands tests out in
+    # this order, one or two at a time (`make test` passes --maxschedchunk 2; by default the first worker gets
+    # a contiguous quarter of the suite, every render in it, and renders them one after another while the
+    # other worker runs out of work), and a long test handed out last would run alone on one core at the end.
+    items.sort(key=lambda item: (item.originalname != "test_notebook_runs_quick", "slow" not in item.keywords))
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -256,7 +256,7 @@ def time_comparisons(df: pd.DataFrame) -> list[tuple[dict, cl.Versus]]:
         for _, r in _ok(df)[_ok(df)["size"] == size].iterrows():
             for ref in ("ddp", REFERENCE.get(r["impl"])):
                 if ref not in (None, r["impl"]) and (b := _get(df, size, ref)) is not None:
-                    out.append((dict(size=size, impl=r["impl"], against=ref),
+                    out.append((dict(size=size, impl=r["impl"], reference=ref),
                                 cl.Versus(measured(r), measured(b), paired=True)))
     return out
 
@@ -264,7 +264,7 @@ def time_comparisons(df: pd.DataFrame) -> list[tuple[dict, cl.Versus]]:
 def time_claim(df: pd.DataFrame) -> cl.Claim:
     """Each implementation's step time against DDP's; where some reduce gradients in another dtype than DDP,
     which (their step times then differ in the bytes each reduction sends too)."""
-    findings = [f for keys, f in time_comparisons(df) if keys["against"] == "ddp"]
+    findings = [f for keys, f in time_comparisons(df) if keys["reference"] == "ddp"]
     ok = _ok(df)
     theirs = ok.loc[ok["impl"] == "ddp", "reduce_dtype"].dropna() if "reduce_dtype" in ok else pd.Series()
     other = ok[ok["reduce_dtype"] != theirs.iloc[0]] if len(theirs) else ok.iloc[:0]
@@ -293,7 +293,7 @@ def goal_comparisons(df: pd.DataFrame, fsdp_memory_factor: float = 1.1) -> list[
         if a is None or b is None or (column != "step_ms" and not has_peaks(df)):
             continue
         kind = cl.Versus if column == "step_ms" else PeakVersus
-        out.append((dict(size=size, impl=impl, against=ref, measure=MEASURES[column]),
+        out.append((dict(size=size, impl=impl, reference=ref, measure=MEASURES[column]),
                     kind(measured(a, column), measured(b, column), goal=target, paired=column == "step_ms")))
     return out
 

@@ -71,15 +71,18 @@ def test_state_and_traffic_claims():
 
 def test_time_comparisons_are_paired_against_ddp_and_the_reference():
     t = sharding_book.time_comparisons(table())
-    verdicts = {(k["impl"], k["against"]): f.verdict for k, f in t}
+    verdicts = {(k["impl"], k["reference"]): f.verdict for k, f in t}
     assert ("zero1", "torch_zero") in verdicts and ("fsdp", "torch_fsdp2") in verdicts
     assert ("ddp", "ddp") not in verdicts and ("torch_zero", "torch_zero") not in verdicts
     assert verdicts[("zero1", "torch_zero")] == FASTER and verdicts[("sharded_optimizer", "ddp")] == SLOWER
     assert all(f.paired for _, f in t)
-    noisy = {(k["impl"], k["against"]): f.verdict for k, f in sharding_book.time_comparisons(table(spread=0.3))}
+    noisy = {(k["impl"], k["reference"]): f.verdict for k, f in sharding_book.time_comparisons(table(spread=0.3))}
     assert noisy[("zero1", "ddp")] == WITHIN_NOISE
     few = sharding_book.time_comparisons(table(rounds=4))
     assert {f.verdict for _, f in few} == {"not decided"}
+    rows = cl.verdict_table(t)  # the notebook's table of them: one row a comparison, its verdict among the columns
+    assert [(r["impl"], r["reference"], r["verdict"]) for r in rows] == [(k["impl"], k["reference"], f.verdict)
+                                                                         for k, f in t]
     claim = sharding_book.time_claim(table())
     assert [f.reference.label.startswith("DDP") for f in claim.findings] == [True] * 5 and not claim.because
     ratio = next(f for f in claim.findings if f.subject.label.startswith("sharded optimizer")).comparison.ratio
