@@ -112,7 +112,8 @@ def test_the_one_gpu_part_with_a_tiny_model_on_the_cpu(tmp_path):
     a CPU; the compiled steps are the GPU's): a row per entry, and the update inside the backward trains exactly
     as the step it is read against."""
     tiny = config_for("tiny", vocab_size=64)  # the fused loss runs in Triton's interpreter: a small vocabulary
-    plan = [dataclasses.replace(e, recipe=dataclasses.replace(e.recipe, compile="none")) for e in overlap.one_gpu_plan()]
+    plan = [dataclasses.replace(e, recipe=dataclasses.replace(e.recipe, compile="none"))
+            for e in overlap.one_gpu_plan()]
     table, losses = overlap.measure("one_gpu", tiny, context=16, batch=2, device="cpu",
                                     interleaving=Interleaving(5, 1, 1, "resident"), loss_steps=3,
                                     artifacts_dir=str(tmp_path), plan=plan)

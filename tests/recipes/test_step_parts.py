@@ -167,9 +167,9 @@ def test_a_captured_step_is_timed_only_after_its_graphs_are_recorded(monkeypatch
     monkeypatch.setattr(bench, "build_step", build)
     monkeypatch.setattr(bench, "uses_cuda_graphs", lambda compile, device: True)  # as on a GPU
     recipe = next(r for r in fs.ablations(fs.PROJECT_ONE_GPU) if r.name == "cuda_graphs")
-    row = bench.measure_recipe(fs.CONFIGS["tiny_one_rank"], recipe, CPU, profile=False, host_steps=2)
-    assert row["step_n"] == 2 and row["timer"] == "host"
-    assert len(calls) == 1 + step_parts.CUDA_GRAPH_WARMUP_STEPS + 2
+    row = bench.measure_recipe(fs.CONFIGS["tiny_one_rank"], recipe, CPU, profile=False, host_steps=2, samples=3)
+    assert row["step_n"] == 3 and row["timer"] == "host"  # the larger of host_steps and samples
+    assert len(calls) == 1 + step_parts.CUDA_GRAPH_WARMUP_STEPS + 3
     counted = []
     times = step_parts.warm_up_cuda_graphs(lambda: counted.append(1), CPU, steps=4)
     assert len(counted) == len(times) == 4 and all(t >= 0 for t in times)
