@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Render notebooks with the full profile on a lent GPU machine (no network there: papermill and its
-# dependencies travel as wheels in .whl/). Usage: tools/gpu_render.sh COMMIT TIMEOUT_S NN [NN ...]
+# dependencies travel as wheels in .whl/, made by tools/render_wheels.sh and carried). Usage:
+# tools/gpu_render.sh COMMIT TIMEOUT_S NN [NN ...]
 # Everything produced (reports/, results/, the log) comes back as one tarball under $OUT.
 # COMMIT is the clean commit of the tree being measured, read where the tree was committed (`git rev-parse
 # HEAD` in your checkout): a device's copy of the working tree may carry an older .git.
