@@ -15,12 +15,7 @@ set -uo pipefail
 commit=$1; part=$2; size=${3:-2.7B}; limit=${4:-560}
 [[ $commit =~ ^[0-9a-f]{40}$ ]] || { echo "COMMIT must be the full 40-digit hash (git rev-parse HEAD), got '$commit'"; exit 2; }
 [[ $part == one_gpu || $part == ddp ]] || { echo "PART must be one_gpu or ddp, got '$part'"; exit 2; }
-site=$(mktemp -d /tmp/site.XXXXXX)
-if compgen -G ".whl/*.whl" >/dev/null; then  # pandas' and the results store's dependencies, where the image lacks them
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl \
-    || { echo "wheel install failed"; exit 1; }
-fi
-export PYTHONPATH=$site:$PWD LAB_COMMIT=$commit PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD LAB_COMMIT=$commit PYTHONUNBUFFERED=1
 # the lent machines have no NVLink multicast: NCCL and symmetric memory must not try it
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 work=$(mktemp -d /tmp/overlap.XXXXXX)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The wheels tools/gpu_render.sh (and tools/overlap_check.sh, where present) installs on a GPU machine without
-# network: papermill and a Jupyter kernel with their dependencies, built for that machine's Python (3.12 unless
-# given), downloaded into .whl/ here. git ignores .whl/: name it in the device tool's `carry` (about 20 MB).
+# The wheels tools/gpu_render.sh installs on a GPU machine without network: papermill and a Jupyter kernel
+# with their dependencies, built for that machine's Python (3.12 unless given), downloaded into .whl/ here.
+# git ignores .whl/: name it in the device tool's `carry` (about 20 MB).
 # Usage: tools/render_wheels.sh [PYTHON_VERSION]
 set -euo pipefail
 cd "$(dirname "$0")/.."

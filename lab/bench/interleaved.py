@@ -121,14 +121,17 @@ def _release(device: torch.device) -> None:
 def closer(wrapped, model, optimizer=None) -> Callable[[], None]:
     """The ``close`` a builder returns for a model ``wrapped`` for data parallelism: the wrapper's hooks
     removed, the gradients dropped (a bucketed wrapper's ``.grad`` are views of its buckets) and, when the
-    implementation owns its ``optimizer``, AdamW's moments cleared. The largest parts then go by reference
-    counting, whatever cycle the wrapper's hooks make."""
+    implementation owns its ``optimizer``, its hooks removed too (an update inside the backward) and AdamW's
+    moments cleared (of each ``inner`` optimizer where it has several). The largest parts then go by reference
+    counting, whatever cycle the hooks make."""
     def close():
-        if hasattr(wrapped, "remove_hooks"):
-            wrapped.remove_hooks()
+        for owner in (wrapped, optimizer):
+            if hasattr(owner, "remove_hooks"):
+                owner.remove_hooks()
         model.zero_grad(set_to_none=True)
         if optimizer is not None:
-            optimizer.state.clear()
+            for inner in getattr(optimizer, "inner", [optimizer]):
+                inner.state.clear()
     return close
 
 

@@ -36,7 +36,14 @@ import torch.distributed as dist
 
 from lab import cli, paths
 from lab.accounting import parameter_count
-from lab.bench.interleaved import Interleaving, choose_schedule, combine_entry, summarize_rounds, time_interleaved
+from lab.bench.interleaved import (
+    Interleaving,
+    choose_schedule,
+    closer,
+    combine_entry,
+    summarize_rounds,
+    time_interleaved,
+)
 from lab.measure.device import available_memory_bytes, error_summary, is_oom, synchronize
 from lab.measure.profiling import profile_step
 from lab.measure.results import save_results
@@ -150,18 +157,6 @@ def _profile(step, path: Path) -> dict:
 # inside each rank
 
 
-def _closer(step):
-    """Release an entry: the wrappers' hooks removed, the gradients dropped, the optimizer's moments cleared."""
-    def close():
-        for owner in (step.optimizer, step.model):
-            if hasattr(owner, "remove_hooks"):
-                owner.remove_hooks()
-        step.model.zero_grad(set_to_none=True)
-        for inner in getattr(step.optimizer, "inner", [step.optimizer]):
-            inner.state.clear()
-    return close
-
-
 def loss_curve(step, config: StepConfig, steps: int, rank: int, world: int) -> list[float]:
     """``steps`` training steps of a fresh ``step``, each on fresh batches (the same on every entry); returns
     each step's global loss per token (the mean over the ranks' summed losses)."""
@@ -194,7 +189,7 @@ def overlap_worker(plan: list[Entry], config: StepConfig, interleaving: Interlea
         def build():
             progress.start(index)
             step = build_step(config, entry.recipe, device, rank=rank)
-            return runner.entering(progress, index, step), _closer(step)
+            return runner.entering(progress, index, step), closer(step.model, step.model, step.optimizer)
         return build
 
     builders = {e.name: builder(i, e) for i, e in enumerate(plan)}
@@ -222,7 +217,7 @@ def overlap_worker(plan: list[Entry], config: StepConfig, interleaving: Interlea
                 if not is_oom(exc):
                     raise
                 row["profile"] = dict(error=error_summary(exc))
-            _closer(step)()
+            closer(step.model, step.model, step.optimizer)()
             del step
         if entry.solo and world > 1:
             dist.barrier()  # the other ranks waited for rank 0's solo entry

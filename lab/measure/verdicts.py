@@ -216,9 +216,3 @@ def check_goal(subject: Sequence[float] | Summary, reference: Sequence[float] | 
                lower_is_better: bool = True, **kwargs) -> GoalCheck:
     """Is ``median(subject) / median(reference)`` within ``target`` beyond the noise? (:class:`GoalCheck`)."""
     return GoalCheck(compare(subject, reference, lower_is_better, **kwargs), target)
-
-
-def goal_paired(subject: Sequence[float], reference: Sequence[float], target: float,
-                lower_is_better: bool = True) -> GoalCheck:
-    """:func:`check_goal` on samples taken side by side (:func:`compare_paired`)."""
-    return GoalCheck(compare_paired(subject, reference, lower_is_better), target)

@@ -106,4 +106,4 @@ def test_paired_rounds_cancel_a_slow_round():
     assert c.verdict == "faster" and c.ratio == pytest.approx(0.9)
     assert c.subject.median == pytest.approx(0.9) and c.reference.median == 1.0  # the per-round ratios
     assert compare_paired([1.0] * 3, [2.0] * 3).verdict == "not decided"
-    assert verdicts.goal_paired(sub, ref, 0.95).met is True
+    assert verdicts.GoalCheck(c, 0.95).met is True
