@@ -6,8 +6,8 @@
 #                                                               # inside the backward, clipped, stock compiled bf16
 #   tools/overlap_check.sh $(git rev-parse HEAD) ddp 2.7B      # two ranks, batch 2 each: one GPU, torch DDP (+bf16),
 #   tools/overlap_check.sh $(git rev-parse HEAD) ddp xl        # ours in reverse and backward order, bf16, in-backward
-# Everything comes back as ONE tarball, $OUT/overlap_<part>_<size>.tgz (the tables, their provenance, the log;
-# the profiler traces stay behind: the device tool returns only a few files per call).
+# The tables, their provenance and the log come back as one tarball, $OUT/overlap_<part>_<size>.tgz, and beside
+# it (as ..._traces.tgz) the profiled steps' traces when they fit in 16 MB compressed).
 # COMMIT is the clean commit of the tree being measured (`git rev-parse HEAD` in your checkout): a device's
 # copy of the working tree may carry an older .git. Extra arguments for lab.bench.overlap go in $OVERLAP_ARGS
 # (e.g. OVERLAP_ARGS="--rounds 8 --bucket-mb 50").
@@ -30,5 +30,8 @@ name=overlap_${part}_${size}
   echo "rc=$?"
 } 2>&1 | tee "$work/$name.log"
 tar czf "$OUT/$name.tgz" -C "$work" results "$name.log" 2>/dev/null
+# the profiled steps' traces, one compressed tarball if it fits what the device tool returns (16 MiB a file)
+tar czf "$work/traces.tgz" -C "$work/artifacts" overlap_traces 2>/dev/null \
+  && [ "$(stat -c %s "$work/traces.tgz")" -lt 16000000 ] && cp "$work/traces.tgz" "$OUT/${name}_traces.tgz"
 ls -la "$OUT"
 grep -q "^rc=0$" "$work/$name.log"
