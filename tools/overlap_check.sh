@@ -7,7 +7,7 @@
 #   tools/overlap_check.sh $(git rev-parse HEAD) ddp 2.7B      # two ranks, batch 2 each: one GPU, torch DDP (+bf16),
 #   tools/overlap_check.sh $(git rev-parse HEAD) ddp xl        # ours in reverse and backward order, bf16, in-backward
 # The tables, their provenance and the log come back as one tarball, $OUT/overlap_<part>_<size>.tgz, and beside
-# it (as ..._traces.tgz) the profiled steps' traces when they fit in 16 MB compressed).
+# it (as ..._traces.tgz) the profiled steps' traces when they fit in 16 MB compressed.
 # COMMIT is the clean commit of the tree being measured (`git rev-parse HEAD` in your checkout): a device's
 # copy of the working tree may carry an older .git. Extra arguments for lab.bench.overlap go in $OVERLAP_ARGS
 # (e.g. OVERLAP_ARGS="--rounds 8 --bucket-mb 50").

@@ -18,7 +18,8 @@ that overlapped compute (:func:`lab.measure.traces.step_overlap`) and the fused 
 of it that overlapped other kernels (:func:`optimizer_overlap`).
 
 ``python -m lab.bench.overlap --part one_gpu --size 2.7B --results-dir DIR`` and ``--part ddp --size 2.7B
---world-size 2``; ``tools/overlap_check.sh`` runs the whole measurement on a GPU machine.
+--world-size 2`` (``--compile block``: the same step with each block compiled, so that the kernels rather than
+the host's launches set its pace); ``tools/overlap_check.sh`` runs the whole measurement on a GPU machine.
 """
 
 from __future__ import annotations
@@ -117,11 +118,18 @@ def ddp_plan(bucket_mb: float = 25.0, step: Recipe = DDP_STEP) -> list[Entry]:
                                                         optimizer_in_backward=True), "ddp_ready_bf16")]
 
 
-def plan_for(part: str, bucket_mb: float = 25.0) -> list[Entry]:
-    """The entries of ``part`` (:data:`PARTS`)."""
+#: How chapter 07's step may be compiled in the ``ddp`` part: eager (the chapter's own step, whose launches
+#: from the host can outlast its kernels), or each block compiled (few launches: the kernels set the pace).
+DDP_COMPILES = ("none", "block")
+
+
+def plan_for(part: str, bucket_mb: float = 25.0, compile: str = "none") -> list[Entry]:
+    """The entries of ``part`` (:data:`PARTS`); ``compile`` (:data:`DDP_COMPILES`) applies to the ``ddp`` part."""
     if part not in PARTS:
         raise ValueError(f"part must be one of {', '.join(PARTS)}, got {part!r}")
-    return one_gpu_plan() if part == "one_gpu" else ddp_plan(bucket_mb)
+    if compile not in DDP_COMPILES or (part == "one_gpu" and compile != "none"):
+        raise ValueError(f"compile must be one of {', '.join(DDP_COMPILES)} (ddp part only), got {compile!r}")
+    return one_gpu_plan() if part == "one_gpu" else ddp_plan(bucket_mb, dataclasses.replace(DDP_STEP, compile=compile))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -309,9 +317,10 @@ def measure(part: str, size: str | ModelConfig = "2.7B", context: int = 512, bat
 # the command line
 
 
-def table_name(part: str, size: str) -> str:
-    """The results table of one part at one size: ``overlap_ddp_2.7B`` (its losses: ``..._loss``)."""
-    return f"overlap_{part}_{size}"
+def table_name(part: str, size: str, compile: str = "none") -> str:
+    """The results table of one part at one size: ``overlap_ddp_2.7B``, ``overlap_ddp_2.7B_block`` with the
+    blocks compiled (its losses: ``..._loss``)."""
+    return f"overlap_{part}_{size}" + ("" if compile == "none" else f"_{compile}")
 
 
 def parser() -> cli.Parser:
@@ -325,6 +334,8 @@ def parser() -> cli.Parser:
     p.add_argument("--world-size", type=cli.positive_int, default=None, help="ranks of the ddp part (2)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--bucket-mb", type=cli.positive_float, default=25.0)
+    p.add_argument("--compile", choices=DDP_COMPILES, default="none",
+                   help="ddp part: chapter 07's step eager (none) or compiled block by block")
     p.add_argument("--rounds", type=cli.positive_int, default=6)
     p.add_argument("--steps-per-round", type=cli.positive_int, default=3)
     p.add_argument("--warmup", type=cli.non_negative_int, default=2)
@@ -356,7 +367,9 @@ def overlap_main(argv: Sequence[str] | None = None) -> int:
     for flag in ("results_dir", "artifacts_dir"):
         if getattr(args, flag):
             cli.writable_dir(getattr(args, flag), "--" + flag.replace("_", "-"))
-    plan = plan_for(args.part, args.bucket_mb)
+    if args.part == "one_gpu" and args.compile != "none":
+        raise cli.UsageError("--compile applies to the ddp part (the one_gpu part times its own compile choices)")
+    plan = plan_for(args.part, args.bucket_mb, args.compile)
     if args.entries:
         unknown = [n for n in args.entries if n not in {e.name for e in plan}]
         if unknown:
@@ -372,7 +385,7 @@ def overlap_main(argv: Sequence[str] | None = None) -> int:
             "status"]
     print(table[cols].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
     if args.results_dir:
-        name, params = table_name(args.part, args.size), dict(vars(args))
+        name, params = table_name(args.part, args.size, args.compile), dict(vars(args))
         print(save_results(table, name, args.results_dir, params, source="lab.bench.overlap"))
         print(save_results(losses, f"{name}_loss", args.results_dir, params, source="lab.bench.overlap"))
     return 0

@@ -50,6 +50,12 @@ def test_the_plans_read_each_entry_against_one_choice_away():
     assert all(e.reference in ddp for e in ddp.values() if e.reference)
     with pytest.raises(ValueError, match="part"):
         overlap.plan_for("two_gpus")
+    compiled = overlap.plan_for("ddp", 10, compile="block")
+    assert [e.name for e in compiled] == list(ddp)
+    assert all(_fields(e.recipe, ddp[e.name].recipe) == ["compile"] and e.recipe.compile == "block" for e in compiled)
+    assert overlap.table_name("ddp", "xl", "block") == "overlap_ddp_xl_block"
+    with pytest.raises(ValueError, match="ddp part only"):
+        overlap.plan_for("one_gpu", compile="block")
 
 
 def test_optimizer_overlap_is_the_update_kernels_time_beside_other_streams():
@@ -68,7 +74,8 @@ def test_optimizer_overlap_is_the_update_kernels_time_beside_other_streams():
 @pytest.mark.parametrize("argv,phrase", [(["--part", "one_gpu", "--world-size", "2"], "one rank"),
                                          (["--part", "ddp", "--size", "huge"], "unknown model size"),
                                          (["--part", "ddp", "--world-size", "64", "--device", "cpu"], "ranks"),
-                                         (["--part", "ddp", "--entries", "ddp_ready", "fsdp"], "fsdp not in the ddp")])
+                                         (["--part", "ddp", "--entries", "ddp_ready", "fsdp"], "fsdp not in the ddp"),
+                                         (["--part", "one_gpu", "--compile", "block"], "applies to the ddp part")])
 def test_bad_input_is_one_line(argv, phrase, capsys):
     assert overlap.main(argv) == 2
     err = capsys.readouterr().err.strip()
