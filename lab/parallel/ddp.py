@@ -195,6 +195,10 @@ class DDPIndividualParameters(_DataParallel):
 BUCKET_ORDERS = ("ready", "reverse")
 
 
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape
+
+
 class _Bucket:
     """A group of parameters whose gradients are reduced together through one flat buffer.
 
@@ -236,19 +240,23 @@ class DDPBucketed(_DataParallel):
     (the group's first rank's order, broadcast, so that every rank launches the same collectives in the same
     order), so that each bucket leaves as soon as the backward has passed it.
 
-    **Communication dtype** (``reduce_dtype``, e.g. ``torch.bfloat16``). The gradients travel in that dtype:
-    half the bytes of fp32. Each gradient is divided by the world size and rounded once, while it is copied
-    into the bucket (exact division for a power-of-two world); the all-reduce sums in that dtype, one rounding
-    per addition (with two ranks one addition: at bf16's unit roundoff ``2**-8``, a reduced element then lies
-    within ``(2**-7 + 2**-16)`` times the mean of the two ranks' magnitudes of the fp32 average); the sum is
-    copied back into the parameters' gradients in their own dtype (fp32), where accumulation under
-    :meth:`no_sync` and the optimizer work as before. As torch DDP's ``bf16_compress_hook``.
+    **Communication dtype** (``reduce_dtype``, e.g. ``torch.bfloat16``). The gradients travel in that dtype: half
+    the bytes of fp32. Each gradient is rounded once, when it is copied into the bucket, and scaled by ``1 / world
+    size`` (exact for a power-of-two world, so the bits are those of dividing before rounding); the all-reduce sums
+    in that dtype, one rounding per addition (with two ranks one addition: at bf16's unit roundoff ``2**-8``, a
+    reduced element then lies within ``(2**-7 + 2**-16)`` times the mean of the two ranks' magnitudes of the fp32
+    average); the sum is copied back into the parameters' gradients in their own dtype (fp32), where accumulation
+    under :meth:`no_sync` and the optimizer work as before. As torch DDP's ``bf16_compress_hook``.
 
-    Bucket buffers are allocated once. When a gradient is ready it is divided by the world size *while*
-    being copied into its slot of the bucket (one kernel), and the parameter's ``.grad`` is then pointed at
-    its slot of the bucket's gradients (as torch DDP's ``gradient_as_bucket_view=True``): the all-reduce (or
-    the copy back from the compressed buffer) leaves the averaged gradient in place, so nothing else is
-    copied and no arithmetic remains after backward. ``.grad`` holds the average once its bucket has been
+    Bucket buffers are allocated once. A gradient's hook only counts it: the host's work per gradient is what
+    paces a backward whose kernels are short (a compiled block hands over all its gradients at once). When a
+    bucket's last gradient is ready, its gradients are copied into the bucket (one multi-tensor copy; a
+    gradient that already lives there, accumulated in place, is not copied), each parameter's ``.grad`` is
+    pointed at its slot of the bucket's gradients (as torch DDP's ``gradient_as_bucket_view=True``) and the
+    all-reduce starts, averaging inside the collective (NCCL's ``AVG``, a premultiplication by ``1 / world
+    size``; on other backends one division of the buffer first). The all-reduce (or the copy back from the
+    compressed buffer) leaves the averaged gradient in place, so nothing else is copied and no arithmetic
+    remains after backward. ``.grad`` holds the average once its bucket has been
     waited for: :meth:`finish_gradient_synchronization` (queued automatically at the end of every
     synchronized backward) waits for every outstanding bucket.
 
@@ -271,6 +279,8 @@ class DDPBucketed(_DataParallel):
         self.bucket_size_mb = bucket_size_mb
         self.bucket_order = bucket_order
         self.reduce_dtype = reduce_dtype
+        # NCCL averages inside the collective; gloo has no AVG, so the buffer is divided first
+        self._nccl_avg = dist.get_backend(self.process_group) == "nccl"
         self.buckets = self._make_buckets(self.trainable[::-1], bucket_size_mb * 2**20, reduce_dtype)
         self._index_of = {id(p): i for i, p in enumerate(self.trainable)}
         self._locate()
@@ -312,16 +322,31 @@ class DDPBucketed(_DataParallel):
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_gradient_synchronization)
         if self.ready_order is not None:
             self.ready_order.append(self._index_of[id(param)])
-        bucket, i = self._where[id(param)]
-        torch.div(param.grad, self.world_size, out=bucket.sends[i])  # average while copying into the bucket
-        param.grad = bucket.views[i]  # the gradient now lives in the bucket: the reduced average lands in .grad
+        bucket = self._where[id(param)][0]
         bucket.ready += 1
         self._seen.add(id(param))
         if bucket.ready == len(bucket.params):
+            self._launch(bucket)
+
+    def _launch(self, bucket: _Bucket) -> None:
+        """Move ``bucket``'s gradients into its buffer, point their ``.grad`` at the bucket and start the
+        averaging all-reduce."""
+        grads = [p.grad for p in bucket.params]
+        moved = [(send, g) for send, g in zip(bucket.sends, grads) if not _same_memory(send, g)]
+        if moved:
+            torch._foreach_copy_([send for send, _ in moved], [g for _, g in moved])
+        for p, view, g in zip(bucket.params, bucket.views, grads):
+            if not _same_memory(view, g):
+                p.grad = view  # the gradient now lives in the bucket: the reduced average lands in .grad
+        if self._nccl_avg:
+            bucket.work = dist.all_reduce(bucket.buffer, op=dist.ReduceOp.AVG, group=self.process_group,
+                                          async_op=True)
+        else:
+            bucket.buffer.div_(self.world_size)
             bucket.work = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
-            self._launched += 1
-            for callback in self.on_reduction_started:
-                callback(bucket.params)
+        self._launched += 1
+        for callback in self.on_reduction_started:
+            callback(bucket.params)
 
     def _wait(self, bucket: _Bucket) -> None:
         if bucket.reduced:
