@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
+from lab.bench.progress import progress_line
 from lab.measure.device import error_summary, is_oom, synchronize
 from lab.measure.verdicts import summarize
 from lab.units import GiB
@@ -275,8 +276,14 @@ def time_interleaved(builders: dict[str, Build], plan: Interleaving, device: tor
                 if not agreed_failure(name, _attempt(lambda: build(name))):
                     agreed_failure(name, _attempt(lambda: warm_up(name)))
         for r in range(plan.rounds):
+            started = time.perf_counter()
             for name in rotated(alive, r):
                 turn(name, rebuild=plan.schedule == "rebuild")
+            if rank == 0:  # a rebuilt step's build and warm-up can take longer than its timing: say where it is
+                steps = ", ".join(f"{n} {statistics.fmean(out[n]['steps_ms'][-1]):.1f} ms" for n in alive
+                                  if out[n]["steps_ms"] and out[n]["steps_ms"][-1])
+                progress_line(f"interleaved: round {r + 1} of {plan.rounds} in {time.perf_counter() - started:.0f} s"
+                              f" ({plan.schedule}): {steps or 'no step timed'}")
     finally:
         for _, close in live.values():
             close()

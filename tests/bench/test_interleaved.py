@@ -1,6 +1,8 @@
 """lab.bench.interleaved: the order of turns, the aggregation over ranks and rounds, and a real gloo run with
 two processes (both schedules, a rank-0-only entry, out-of-memory as a row, a verdict from the samples)."""
 
+import contextlib
+import io
 import json
 import math
 import time
@@ -99,8 +101,10 @@ def _interleaved_worker() -> dict:
         builders = {"fast": _contestant("fast", 2), "slow": _contestant("slow", 8),
                     "single": _contestant("single", 1), "too_big": _contestant("too_big", 1, oom_on_rank=1)}
         plan = Interleaving(rounds=5, steps_per_round=1, warmup=1, schedule=schedule)
-        timings = interleaved.time_interleaved(builders, plan, distributed.device(), solo={"single"})
-        out[schedule] = {"timings": timings, "order": list(ORDER)}
+        said = io.StringIO()
+        with contextlib.redirect_stderr(said):
+            timings = interleaved.time_interleaved(builders, plan, distributed.device(), solo={"single"})
+        out[schedule] = {"timings": timings, "order": list(ORDER), "said": said.getvalue().splitlines()}
     return out
 
 
@@ -126,6 +130,12 @@ def test_time_interleaved_on_two_gloo_processes():
             assert order0 == [n for n in turns for _ in range(2)]
         # the rank-0-only entry never ran on rank 1
         assert "single" not in per_rank[1][schedule]["order"]
+        # rank 0 says where the run is after every round, with each entry's mean step of that round
+        rounds_said = [line for line in per_rank[0][schedule]["said"] if "interleaved: round" in line]
+        assert [line.split("interleaved: round ")[1].split(" in ")[0] for line in rounds_said] == \
+            [f"{r} of 5" for r in range(1, 6)]
+        assert all("slow " in line and "too_big" not in line for line in rounds_said)
+        assert not [line for line in per_rank[1][schedule]["said"] if "interleaved: round" in line]
 
 
 # An implementation whose objects form a reference cycle and that something outside Python holds for a
