@@ -18,9 +18,8 @@ Two ways of running, same code:
   torch once, so that a short CPU launch is not mostly interpreters starting; each rank takes the caller's
   environment as it is at the launch, except for what torch reads once when it is imported, such as
   ``TORCH_CPP_LOG_LEVEL``: that is as it was at this process's first CPU launch), picks a free TCP port for the
-  rendezvous,
-  uses gloo on the CPU and NCCL on GPUs (one GPU per rank), and sends each rank's return value back through
-  a queue. ``fn`` travels to the workers by pickling, i.e. by *reference* (module + name): functions and
+  rendezvous, uses gloo on the CPU and NCCL on GPUs (one GPU per rank), and sends each rank's return value
+  back through a queue. ``fn`` travels to the workers by pickling, i.e. by *reference* (module + name): functions and
   lambdas defined in a notebook cell are **not** picklable into a spawned process, so notebooks call
   functions that live in ``lab``.
 * **under torchrun** (``RANK``, ``WORLD_SIZE`` and ``MASTER_ADDR`` are in the environment): the launcher
