@@ -13,13 +13,10 @@ Every multi-process notebook, test and CLI in the lab book goes through :func:`l
 
 Two ways of running, same code:
 
-* **spawned** (the usual case in a notebook or test): ``launch`` starts ``world_size`` processes on this
-  machine (GPU ranks as fresh interpreters, *spawn*; CPU ranks as forks of a *forkserver* that has imported
-  torch once, so that a short CPU launch is not mostly interpreters starting; each rank takes the caller's
-  environment as it is at the launch, except for what torch reads once when it is imported, such as
-  ``TORCH_CPP_LOG_LEVEL``: that is as it was at this process's first CPU launch), picks a free TCP port for the
-  rendezvous, uses gloo on the CPU and NCCL on GPUs (one GPU per rank), and sends each rank's return value
-  back through a queue. ``fn`` travels to the workers by pickling, i.e. by *reference* (module + name): functions and
+* **spawned** (the usual case in a notebook or test): ``launch`` starts ``world_size`` fresh processes with
+  ``torch.multiprocessing``'s *spawn* method on this machine, picks a free TCP port for the rendezvous,
+  uses gloo on the CPU and NCCL on GPUs (one GPU per rank), and sends each rank's return value back through
+  a queue. ``fn`` travels to the workers by pickling, i.e. by *reference* (module + name): functions and
   lambdas defined in a notebook cell are **not** picklable into a spawned process, so notebooks call
   functions that live in ``lab``.
 * **under torchrun** (``RANK``, ``WORLD_SIZE`` and ``MASTER_ADDR`` are in the environment): the launcher
@@ -198,12 +195,9 @@ def _from_bytes(data: bytes) -> Any:
 
 
 def _worker(local: int, world: int, port: int, backend: str, device_type: str, timeout_s: float,
-            fn: Callable, args: tuple, kwargs: dict, results, first_gpu: int = 0, env: dict | None = None) -> None:
+            fn: Callable, args: tuple, kwargs: dict, results, first_gpu: int = 0) -> None:
     global _DEVICE, _SPAWNED
     _SPAWNED = True
-    if env is not None:  # a fork server's child has the server's environment: take the caller's
-        os.environ.clear()
-        os.environ.update(env)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(local),
                        "LOCAL_RANK": str(local), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)})
     try:
@@ -305,23 +299,16 @@ def launch(fn: Callable, world_size: int, *args, backend: str | None = None, dev
     if device_type == "cuda" and first_gpu + world_size > torch.cuda.device_count():
         raise ValueError(f"{world_size} ranks from GPU {first_gpu} need GPUs {first_gpu}-{first_gpu + world_size - 1}; "
                          f"this machine has {torch.cuda.device_count()}")
-    # CPU ranks start as forks of a server that has imported torch once (a rank starts in about 0.1 s instead
-    # of the 2-3 s of a fresh interpreter importing torch, which dominated short CPU launches); each rank then
-    # takes the caller's environment as it is now (_worker). GPU ranks start as fresh interpreters (spawn), the
-    # start method torch documents for CUDA.
-    cpu = device_type == "cpu"
-    ctx = mp.get_context("forkserver" if cpu else "spawn")
-    if cpu:
-        ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
     # not daemonic: a worker may start processes of its own (DataLoader workers, compile workers)
-    defaults = {k: v for k, v in CHILD_DEFAULTS.items() if k not in os.environ}
-    child_env = {**os.environ, **defaults, **(env or {})}
     procs = [ctx.Process(target=_worker, daemon=False,
                          args=(r, world_size, port, backend, device_type, timeout_s, fn, args, kwargs, results,
-                               first_gpu, child_env))
+                               first_gpu))
              for r in range(world_size)]
+    # The children inherit this environment when they start, before they import torch.
+    defaults = {k: v for k, v in CHILD_DEFAULTS.items() if k not in os.environ}
     with _ENV_LOCK, environment({**defaults, **(env or {})}):  # launches from threads must not interleave
         for p in procs:
             p.start()
