@@ -127,8 +127,10 @@ def plan_for(part: str, bucket_mb: float = 25.0, compile: str = "none") -> list[
     """The entries of ``part`` (:data:`PARTS`); ``compile`` (:data:`DDP_COMPILES`) applies to the ``ddp`` part."""
     if part not in PARTS:
         raise ValueError(f"part must be one of {', '.join(PARTS)}, got {part!r}")
-    if compile not in DDP_COMPILES or (part == "one_gpu" and compile != "none"):
-        raise ValueError(f"compile must be one of {', '.join(DDP_COMPILES)} (ddp part only), got {compile!r}")
+    if compile not in DDP_COMPILES:
+        raise ValueError(f"compile must be one of {', '.join(DDP_COMPILES)}, got {compile!r}")
+    if part == "one_gpu" and compile != "none":
+        raise ValueError("--compile applies to the ddp part only (the one_gpu part times its own compile choices)")
     return one_gpu_plan() if part == "one_gpu" else ddp_plan(bucket_mb, dataclasses.replace(DDP_STEP, compile=compile))
 
 
@@ -367,9 +369,10 @@ def overlap_main(argv: Sequence[str] | None = None) -> int:
     for flag in ("results_dir", "artifacts_dir"):
         if getattr(args, flag):
             cli.writable_dir(getattr(args, flag), "--" + flag.replace("_", "-"))
-    if args.part == "one_gpu" and args.compile != "none":
-        raise cli.UsageError("--compile applies to the ddp part (the one_gpu part times its own compile choices)")
-    plan = plan_for(args.part, args.bucket_mb, args.compile)
+    try:
+        plan = plan_for(args.part, args.bucket_mb, args.compile)
+    except ValueError as exc:
+        raise cli.UsageError(str(exc)) from None
     if args.entries:
         unknown = [n for n in args.entries if n not in {e.name for e in plan}]
         if unknown:

@@ -50,6 +50,9 @@ class _DataParallel(nn.Module):
         self.process_group = resolve_group(process_group, type(self).__name__)
         self.module = module
         self.world_size = dist.get_world_size(self.process_group)
+        # NCCL averages inside the collective; gloo has no AVG, so the overlapped wrappers divide first
+        # (exact for a power of two)
+        self._nccl_avg = dist.get_backend(self.process_group) == "nccl"
         self._sync = True
         # module.parameters() yields each Parameter object once even when it is registered under several
         # names (tied weights), which is exactly the set of gradients to reduce.
@@ -59,6 +62,13 @@ class _DataParallel(nn.Module):
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
+
+    def _start_average(self, tensor: torch.Tensor) -> dist.Work:
+        """Start an asynchronous all-reduce that leaves the group's mean in ``tensor``."""
+        if self._nccl_avg:
+            return dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=self.process_group, async_op=True)
+        tensor.div_(self.world_size)
+        return dist.all_reduce(tensor, group=self.process_group, async_op=True)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -148,8 +158,6 @@ class DDPIndividualParameters(_DataParallel):
 
     def __init__(self, module: nn.Module, process_group: GroupLike = None):
         super().__init__(module, process_group)
-        # NCCL averages inside the collective; gloo has no AVG, so divide first (exact for a power of two).
-        self._nccl_avg = dist.get_backend(self.process_group) == "nccl"
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []
         self._launched = 0
         self._hooks = [p.register_post_accumulate_grad_hook(weak_hook(self._on_grad_ready)) for p in self.trainable]
@@ -161,12 +169,7 @@ class DDPIndividualParameters(_DataParallel):
             # wait at the end of this backward, so callers cannot forget to
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_gradient_synchronization)
         self._launched += 1
-        if self._nccl_avg:
-            work = dist.all_reduce(param.grad, op=dist.ReduceOp.AVG, group=self.process_group, async_op=True)
-        else:
-            param.grad.div_(self.world_size)
-            work = dist.all_reduce(param.grad, group=self.process_group, async_op=True)
-        self._pending.append((work, param))
+        self._pending.append((self._start_average(param.grad), param))
 
     def finish_gradient_synchronization(self) -> None:
         if self._launched == 0:
@@ -279,8 +282,6 @@ class DDPBucketed(_DataParallel):
         self.bucket_size_mb = bucket_size_mb
         self.bucket_order = bucket_order
         self.reduce_dtype = reduce_dtype
-        # NCCL averages inside the collective; gloo has no AVG, so the buffer is divided first
-        self._nccl_avg = dist.get_backend(self.process_group) == "nccl"
         self.buckets = self._make_buckets(self.trainable[::-1], bucket_size_mb * 2**20, reduce_dtype)
         self._index_of = {id(p): i for i, p in enumerate(self.trainable)}
         self._locate()
@@ -338,12 +339,7 @@ class DDPBucketed(_DataParallel):
         for p, view, g in zip(bucket.params, bucket.views, grads):
             if not _same_memory(view, g):
                 p.grad = view  # the gradient now lives in the bucket: the reduced average lands in .grad
-        if self._nccl_avg:
-            bucket.work = dist.all_reduce(bucket.buffer, op=dist.ReduceOp.AVG, group=self.process_group,
-                                          async_op=True)
-        else:
-            bucket.buffer.div_(self.world_size)
-            bucket.work = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
+        bucket.work = self._start_average(bucket.buffer)
         self._launched += 1
         for callback in self.on_reduction_started:
             callback(bucket.params)
