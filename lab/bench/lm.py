@@ -21,7 +21,7 @@ from lab.bench.progress import progress_bar
 from lab.dtypes import autocast_dtype
 from lab.measure.device import available_memory_bytes, empty_cache, error_summary, is_oom, resolve_device
 from lab.measure.process import run_python_module
-from lab.measure.profiling import gpu_busy_ms, profile_step, step_wall_ms
+from lab.measure.profiling import gpu_kernel_ms, profile_step
 from lab.measure.step import MODES, TrainStep, make_optimizer, measure_modes, mode_columns, random_batch
 from lab.measure.verdicts import summarize
 from lab.model import ModelConfig, TransformerLM, config_for
@@ -72,7 +72,8 @@ def benchmark_lm(size: str | ModelConfig, context: int = 512, batch: int = 4,
     ``<m>_n`` (samples), ``<m>_samples_ms`` (every sample) and ``<m>_peak_gib`` (peak allocated GPU memory
     during that mode's steps; NaN on the CPU), with ``m`` in ``fwd``, ``fwdbwd``, ``step`` (and ``bwd_*``: the
     backward alone, timed inside the forward+backward steps); ``timer`` and ``warmup``; ``gpu_busy``, the
-    share of the largest mode's wall time during which the GPU ran kernels (one profiled run; NaN on the CPU)
+    share of the largest mode's median during which the GPU ran kernels (in one more run, profiled for kernels
+    alone; NaN on the CPU)
     and ``host_bound`` (busy below :data:`HOST_BOUND_BELOW`: the GPU waited for the host's launches, so the
     time depends on the host's CPU as much as on the GPU); ``params``; ``status`` (``ok``, or ``oom`` if any
     mode ran out of memory: the modes that fit keep their numbers, ``error`` says which failed and
@@ -150,7 +151,7 @@ def benchmark_lm(size: str | ModelConfig, context: int = 512, batch: int = 4,
         row.update(status="oom", error="; ".join(failures))
     elif device.type == "cuda":
         largest = max(modes, key=MODES.index)
-        row["gpu_busy"] = gpu_busy(step, largest)
+        row["gpu_busy"] = gpu_busy(step, largest, row[f"{mode_columns([largest])[0]}_ms"])
         row["host_bound"] = bool(row["gpu_busy"] < HOST_BOUND_BELOW)
     # drop every reference to the model before the next configuration is built
     model = step = runnable = None  # noqa: F841
@@ -159,12 +160,13 @@ def benchmark_lm(size: str | ModelConfig, context: int = 512, batch: int = 4,
     return row
 
 
-def gpu_busy(step: TrainStep, mode: str) -> float:
-    """The share of one run of ``mode``'s wall time during which the GPU ran kernels (profiled once, after
-    the timed runs): near 1 the step is bound by the GPU, well below it the GPU waited for the host."""
-    prof = profile_step(step, mode, warmup=0, steps=1)
-    wall = step_wall_ms(prof)
-    return min(gpu_busy_ms(prof) / wall, 1.0) if wall > 0 else math.nan
+def gpu_busy(step: TrainStep, mode: str, wall_ms: float) -> float:
+    """The share of ``mode``'s median wall time ``wall_ms`` (timed without a profiler) during which the GPU
+    ran kernels in one more run of it, profiled for kernels alone: near 1 the step is bound by the GPU, well
+    below it the GPU waited for the host."""
+    if not wall_ms > 0:
+        return math.nan
+    return min(gpu_kernel_ms(lambda: step.run(mode), step.device) / wall_ms, 1.0)
 
 
 def sweep_lm(sizes: Iterable[str | ModelConfig], contexts: Iterable[int] = (512,), dtypes: Iterable[str] = ("fp32",),
