@@ -38,7 +38,7 @@ def number(value: float | None, unit: str = "", digits: int = 3) -> str:
     """``value`` as a person writes it: ``digits`` significant digits, whole numbers from 1,000 on with
     thousands separators (``12,510 ms``), tiny ones as powers of ten (``4 × 10⁻⁸``), never ``1.2e+04``;
     ``"n/a"`` for a missing value. ``unit`` follows after a space (``"x"`` and ``"%"`` without one); bytes
-    (``"B"``) are written in KiB, MiB or GiB."""
+    (``"B"``) are written in KiB, MiB or GiB, below 1 KiB in bytes (``0 bytes``, never ``0 B``)."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "n/a"
     value = float(value)
@@ -67,7 +67,7 @@ def _binary(n_bytes: float) -> tuple[float, str]:
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n_bytes) >= size:
             return n_bytes / size, unit
-    return n_bytes, "B"
+    return n_bytes, "bytes"
 
 
 def percent(fraction: float, digits: int = 2) -> str:
@@ -78,12 +78,16 @@ def percent(fraction: float, digits: int = 2) -> str:
 
 
 def interval(low: float, high: float, digits: int = 3) -> str:
-    """A 95% interval for prose or a cell: ``"0.79-0.83"``, one number where both ends print alike, ``"none"``
-    where none was measured (infinite ends)."""
+    """A 95% interval for prose or a cell: ``"0.79-0.83"``; ends that print alike at ``digits`` significant
+    digits get more (up to 6), so a narrow interval still shows two ends (``"1.521-1.522"``); one number only
+    where the ends are equal; ``"none"`` where none was measured (infinite ends)."""
     if not (math.isfinite(low) and math.isfinite(high)):
         return "none"
-    a, b = number(low, digits=digits), number(high, digits=digits)
-    return a if a == b else f"{a}-{b}"
+    for d in range(digits, 7):
+        a, b = number(low, digits=d), number(high, digits=d)
+        if a != b:
+            return f"{a}-{b}"
+    return a
 
 
 def plural(count: int, noun: str) -> str:
@@ -399,7 +403,9 @@ def verdict_table(rows: Sequence[tuple[dict, Versus]]) -> list[dict]:
     return out
 
 
-_MACHINE_PHRASES = re.compile(r"\d[eE][+]\d|CUDA out of memory|Tried to allocate|0 B higher|nan\b")
+# exponent notation, an allocator's message, a byte count as "0 B", nan, an interval with one end ("interval 1.52)")
+_MACHINE_PHRASES = re.compile(r"\d[eE][+]\d|CUDA out of memory|Tried to allocate|\b\d+ B\b|nan\b"
+                              r"|interval [\d.,]+(?=[);]|$)")
 
 
 def machine_phrases(text: str) -> list[str]:

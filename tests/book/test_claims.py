@@ -18,7 +18,7 @@ from tests.book import prose
     (7624.4, "", "7,624"), (999.6, "", "1,000"), (123.456, "", "123"), (0.5, "", "0.5"), (0.021, "", "0.021"),
     (-2500.0, "", "-2,500"), (0.0, "", "0"), (float("nan"), "ms", "n/a"), (None, "", "n/a"),
     (0.0000123, "", "1.2 × 10⁻⁵"), (12510.4, "ms", "12,510 ms"), (1.5, "x", "1.5x"), (3.0, "GiB", "3 GiB"),
-    (2.5 * 2**30, "B", "2.5 GiB"), (512, "B", "512 B"), (100.0, "ms", "100 ms"), (1.05, "", "1.05"),
+    (2.5 * 2**30, "B", "2.5 GiB"), (512, "B", "512 bytes"), (100.0, "ms", "100 ms"), (1.05, "", "1.05"),
 ])
 def test_numbers_read_as_a_person_writes_them(value, unit, text):
     assert cl.number(value, unit) == text
@@ -27,7 +27,8 @@ def test_numbers_read_as_a_person_writes_them(value, unit, text):
 
 def test_percent_interval_plural():
     assert cl.percent(0.234) == "23%" and cl.percent(0.045) == "4.5%" and cl.percent(math.nan) == "n/a"
-    assert cl.interval(0.791, 0.834) == "0.791-0.834" and cl.interval(1.0, 1.0001) == "1"
+    assert cl.interval(0.791, 0.834) == "0.791-0.834" and cl.interval(1.0, 1.0001) == "1-1.0001"
+    assert cl.interval(1.52131, 1.52178) == "1.521-1.522" and cl.interval(2.5, 2.5) == "2.5"
     assert cl.interval(-math.inf, math.inf) == "none"
     assert cl.plural(1, "sample") == "1 sample" and cl.plural(1200, "row") == "1,200 rows"
 
@@ -111,6 +112,10 @@ def test_a_claim_is_one_sentence_of_findings_with_its_explanation():
 def test_machine_phrases_are_found():
     assert cl.machine_phrases("took 1.283e+04 ms") == ["3e+0"]
     assert cl.machine_phrases("CUDA out of memory. Tried to allocate 2 GiB")
+    assert cl.machine_phrases("memory is higher by 0 B") == ["0 B"]
+    assert cl.machine_phrases("(ratio 1.52, 95% interval 1.52)") == ["interval 1.52"]
+    assert not cl.machine_phrases("(ratio 0.803, 95% interval 0.803-0.804); 512 bytes")
+    assert cl.number(0, "B") == "0 bytes" and cl.number(512, "B") == "512 bytes" and cl.number(2048, "B") == "2 KiB"
 
 
 # ----------------------------------------------------------------------------------------------------------

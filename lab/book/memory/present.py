@@ -74,8 +74,9 @@ def phases_claim(phases: pd.DataFrame, parameter_bytes: float) -> Claim:
                           g("optimizer_step 1", "end_gib") - g("forward 1", "start_gib")),
                      value("AdamW's two moments, 2 × the parameters", 2 * parameter_bytes)]
     if {"backward 2", "optimizer_step 2"} <= set(st.index):
-        findings += [value("after step 2, memory is above its level after step 1 by",
-                          g("optimizer_step 2", "end_gib") - g("optimizer_step 1", "end_gib")),
+        grown = g("optimizer_step 2", "end_gib") - g("optimizer_step 1", "end_gib")
+        findings += [value("after step 2, memory is above its level after step 1 by", grown) if grown else
+                     Observed("after step 2, memory is back at its level after step 1", "to the byte"),
                      value("step 2's backward peaks above step 1's by", g("backward 2", "peak_gib") -
                           g("backward 1", "peak_gib"))]
     return Claim("What does each phase hold?", findings, "The backward frees activations while it allocates "

@@ -48,7 +48,8 @@ def test_timeline_claims_name_each_peak_and_what_each_phase_holds():
     held = list(values(mb.phases_claim(_phases(), parameter_bytes=0.25 * GiB)).values())
     # forward builds 0.8 GiB on 1 GiB; step 1 peaks 2 and 2.2; optimizer state 0.5 GiB = 2 x 0.25 GiB; step 2
     # leaves memory where step 1 did and peaks 0.5 GiB above step 1's backward
-    assert held == pytest.approx([0.8 * GiB, GiB, 2 * GiB, 2.2 * GiB, 0.5 * GiB, 0.5 * GiB, 0, 0.5 * GiB])
+    assert held[:6] == pytest.approx([0.8 * GiB, GiB, 2 * GiB, 2.2 * GiB, 0.5 * GiB, 0.5 * GiB])
+    assert held[6:] == ["to the byte", pytest.approx(0.5 * GiB)]
     assert not cl.machine_phrases(cl.sentence(mb.phases_claim(_phases(), 0.25 * GiB)))  # no "0 B higher"
     assert mb.phase_peaks_display(_phases(), "train_step")["phase"].iloc[2] == "optimizer step 1"
 
