@@ -117,9 +117,19 @@ def benchmark_lm(size: str | ModelConfig, context: int = 512, batch: int = 4,
         if not is_oom(exc):
             raise
         failures.append(f"build: {error_summary(exc)}")
+    # a mode whose kept state alone (weights, gradients, optimizer state, saved activations) exceeds the GPU's
+    # memory cannot fit: not attempted, so the others are not run twice (together, then each alone after its OOM)
+    fits = list(modes)
+    if not failures:
+        for m in modes:
+            need_m = predicted_peak_bytes(cfg, batch, context, dtype, [m], device)[0]
+            if need_m > available:
+                fits.remove(m)
+                failures.append(f"{m}: not attempted: needs about {need_m / 2**30:.0f} GiB, the {device.type} has "
+                                f"{available / 2**30:.0f} GiB")
     # every mode interleaved and timed alike (lab.measure.step.measure_modes); if one runs out of memory,
     # each mode again on its own, so that a forward that fits is reported even when the train step does not
-    groups = [list(modes)] if not failures else []
+    groups = [fits] if fits and model is not None else []
     while groups:
         group = groups.pop(0)
         failed = False

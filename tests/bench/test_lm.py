@@ -107,3 +107,18 @@ def test_a_cpu_run_that_cannot_fit_is_not_attempted(monkeypatch):
     row = bench.benchmark_lm(TINY, context=16, batch=2, warmup=0, steps=1, device="cpu")
     assert row["status"] == "oom" and row["error"].startswith("not attempted: needs about")
     assert math.isnan(row["fwd_ms"])
+
+
+def test_a_mode_predicted_beyond_the_device_is_not_attempted(monkeypatch):
+    # the train step's kept state "needs" 2x the device; the forward fits and is measured, once
+    real = bench.predicted_peak_bytes
+
+    def predicted(cfg, batch, context, dtype, modes, device):
+        need, available = real(cfg, batch, context, dtype, modes, device)
+        return (2 * available if list(modes) == ["train_step"] else need), available
+
+    monkeypatch.setattr(bench, "predicted_peak_bytes", predicted)
+    row = bench.benchmark_lm(TINY, context=16, batch=2, modes=("forward", "train_step"), warmup=1, steps=3,
+                             device="cpu")
+    assert row["status"] == "oom" and row["error"].startswith("train_step: not attempted: needs about")
+    assert row["fwd_n"] == 3 and math.isnan(row["step_ms"]) and row["step_n"] == 0

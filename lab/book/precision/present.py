@@ -22,7 +22,7 @@ from lab.measure.results import measured_on
 from lab.model import MODEL_SIZES
 
 QUICK = dict(sizes=("tiny", "mini"), context=64, warmup=2, steps=7)
-FULL = dict(sizes=tuple(MODEL_SIZES), context=512, warmup=3, steps=8)
+FULL = dict(sizes=tuple(MODEL_SIZES), context=512, warmup=2, steps=6)
 
 
 @dataclass(frozen=True)

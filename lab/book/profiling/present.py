@@ -28,7 +28,7 @@ from lab.model import MODEL_SIZES, config_for
 # has the samples a verdict needs
 QUICK = dict(sizes=("tiny", "mini"), contexts=(32, 64), default_context=64, warmup=2, steps=6, warmup_size="tiny",
              cold_runs=5, profile_size="mini", profile_context=64)
-FULL = dict(sizes=tuple(MODEL_SIZES), contexts=(128, 256, 512, 1024), default_context=512, warmup=3, steps=8,
+FULL = dict(sizes=tuple(MODEL_SIZES), contexts=(128, 256, 512, 1024), default_context=512, warmup=2, steps=6,
             warmup_size="large", cold_runs=5, profile_size="2.7B", profile_context=512)
 
 
