@@ -24,5 +24,5 @@ def progress_bar(iterable: Iterable, desc: str, progress: bool = True):
 def progress_line(text: str) -> None:
     """One line of a long run's progress on stderr, where a bar cannot go (a launched rank's process, whose
     output interleaves with its peers'): the terminal and a render's log keep it, and the book's renderer
-    drops it from the report's stored outputs, as it does bars (``lab.book.render.strip_progress_bars``)."""
+    drops it from the report's stored outputs, as it does bars (``lab.render.strip_progress_bars``)."""
     print(PREFIX + text, file=sys.stderr, flush=True)

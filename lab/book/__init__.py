@@ -7,11 +7,11 @@ does that is not a parameter or a call: its plan, its tables and plots, and its 
 imports another; what two share lives in the engine (``lab.bench``, ``lab.measure``, ...) or here. Adding or
 changing a chapter touches that package, its tests (``tests/book/<chapter>/``) and its notebook.
 
-The shared machinery: rendering notebooks with papermill (:mod:`lab.book.render`); the provenance banner, the
-rule and the answers box (:mod:`lab.book.report`); the one module that says every claim, in numbers as a person
-writes them and verdicts under the one rule (:mod:`lab.book.claims`); the ledger that makes two reports of the
-same measurement agree (:mod:`lab.book.ledger`); the reader's index (:mod:`lab.book.index`); one plotting style
-(:mod:`lab.book.plots`).
+The shared machinery: the provenance banner, the rule and the answers box (:mod:`lab.book.report`); the one
+module that says every claim, in numbers as a person writes them and verdicts under the one rule
+(:mod:`lab.book.claims`); the ledger that makes two reports of the same measurement agree
+(:mod:`lab.book.ledger`); the reader's index (:mod:`lab.book.index`); one plotting style (:mod:`lab.book.plots`).
+Running the notebooks with papermill is :mod:`lab.render`'s: it renders the book, it says nothing in it.
 
 May import: any other ``lab`` subpackage (it measures with the engine and presents what it measured), pandas,
 matplotlib, seaborn. Nothing in ``lab`` imports it but the command lines that render or run the book

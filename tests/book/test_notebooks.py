@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from lab.book import render
+from lab import render
 from lab.paths import REPO_ROOT
 
 NOTEBOOKS = render.numbered_notebooks()

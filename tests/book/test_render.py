@@ -2,7 +2,7 @@
 
 import pytest
 
-from lab.book import render
+from lab import render
 from lab.cli import UsageError
 
 
