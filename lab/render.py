@@ -325,8 +325,13 @@ def export_html(executed: Path) -> Path | None:
 
 
 def render(profile: str = "quick", only: Sequence[str] | None = None, html: bool = True,
-           log_output: bool = False, extra_parameters: dict | None = None) -> list[Path]:
-    """Run the numbered notebooks for ``profile``; stops at the first failing notebook. Returns the reports."""
+           log_output: bool = False, extra_parameters: dict | None = None, resume: bool = False) -> list[Path]:
+    """Run the numbered notebooks for ``profile``; stops at the first failing notebook. Returns the reports.
+
+    ``resume``: each notebook reads back the tables that this commit already measured for it on this machine's
+    kind (:func:`lab.measure.results.measured_by`; its ``replay`` parameter), and measures the rest: a render
+    stopped by a time limit continues where it stopped, every table still from one commit and one kind of
+    machine, and the report's banner names the tables read back."""
     prof = PROFILES[profile]
     reports = paths.resolve(prof.reports_dir)
     params = {**prof.parameters(), **(extra_parameters or {})}
@@ -339,7 +344,16 @@ def render(profile: str = "quick", only: Sequence[str] | None = None, html: bool
     for nb in books:
         start = time.perf_counter()
         print(f"[render:{profile}] {nb.name} ...", flush=True)
-        out = run_notebook(nb, reports / nb.name, params, log_output=log_output, label=f"[render:{profile}] {nb.stem}")
+        own = dict(params)
+        if resume and "replay" in notebook_parameters(nb):
+            from lab.measure import results as store
+
+            done_before = store.measured_by(nb.stem, store.git_commit(), prof.results_dir)
+            if done_before:
+                own["replay"] = done_before
+                print(f"[render:{profile}] {nb.stem} reads back what this commit measured here: "
+                      f"{', '.join(done_before)}", flush=True)
+        out = run_notebook(nb, reports / nb.name, own, log_output=log_output, label=f"[render:{profile}] {nb.stem}")
         if html:
             export_html(out)
         print(f"[render:{profile}] {nb.name} done in {time.perf_counter() - start:.0f} s -> "
@@ -357,6 +371,9 @@ def render_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--html-only", action="store_true",
                    help="only export HTML for the already executed notebooks of the profile")
     p.add_argument("--log-output", action="store_true", help="stream cell output to the terminal")
+    p.add_argument("--resume", action="store_true",
+                   help="read back the tables this commit already measured on this kind of machine (a render "
+                        "stopped by a time limit continues) and measure the rest")
     p.add_argument("-p", "--parameter", nargs=2, action="append", metavar=("NAME", "VALUE"), default=[],
                    help="notebook parameter, e.g. -p sizes \"['small', 'medium']\" (a Python literal, or a word)")
     args = p.parse_args(argv)
@@ -364,17 +381,21 @@ def render_main(argv: Sequence[str] | None = None) -> int:
         raise UsageError("--html-only and --no-html contradict each other; give one")
     if args.html_only:
         reports = paths.resolve(PROFILES[args.profile].reports_dir)
+        wanted = {p.stem for p in numbered_notebooks(args.only)}
         for nb in sorted(reports.glob("[0-9][0-9]_*.ipynb")):
-            if ".failed" in nb.name or ".running" in nb.name:
+            if ".failed" in nb.name or ".running" in nb.name or nb.stem not in wanted:
                 continue
             print(f"html: {export_html(nb)}")
         return 0
     extra = {name: parse_value(name, value) for name, value in args.parameter}
+    if args.resume and "replay" in extra:
+        raise UsageError("--resume chooses the tables read back; drop -p replay, or drop --resume")
     check_parameters(numbered_notebooks(args.only), extra)
     cli.writable_dir(paths.resolve(PROFILES[args.profile].reports_dir), f"the {args.profile} reports directory")
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     try:
-        render(args.profile, args.only, html=not args.no_html, log_output=args.log_output, extra_parameters=extra)
+        render(args.profile, args.only, html=not args.no_html, log_output=args.log_output, extra_parameters=extra,
+               resume=args.resume)
     except NotebookFailed as exc:
         print(f"python -m lab.render: error: {exc}", file=sys.stderr)
         return 1

@@ -55,6 +55,7 @@ CASES = [  # module, argv, whether this machine can tell it is wrong
     ("lab.render", ["--only", "99"], True),
     ("lab.render", ["-p", "no_such_parameter", "1", "--only", "01"], True),
     ("lab.render", ["--html-only", "--no-html"], True),
+    ("lab.render", ["--resume", "-p", "replay", "True", "--only", "01"], True),
     (FLASH_SWEEP, ["sweep", "--shapes", "4x32x512"], True),
     (FLASH_SWEEP, ["sweep", "--variants", "no such variant"], True),
     (FLASH_SWEEP, ["sweep", "--peers", "cudnn"], True),

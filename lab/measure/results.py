@@ -186,6 +186,26 @@ def load_results(name: str, results_dir: str | os.PathLike = "results", source: 
     return df
 
 
+def measured_by(source: str, commit: str, results_dir: str | os.PathLike = "results",
+                here: dict | None = None) -> list[str]:
+    """The tables whose rows from ``source`` were measured by ``commit`` on this machine's kind (GPU model and
+    count, from ``here``, this machine's :func:`provenance` by default): what a render cut short by a time limit
+    reads back, rather than measuring again, when it continues at the same commit. None for a dirty commit."""
+    if not commit or commit.endswith("+dirty") or commit == "unknown":
+        return []
+    here = here or provenance()
+    found = []
+    for sidecar in sorted(paths.resolve(results_dir).glob("*.json")):
+        try:
+            meta = load_provenance(sidecar.stem, results_dir, source)
+        except (KeyError, ValueError):
+            continue
+        if (meta.get("commit") == commit and meta.get("gpu_name") == here.get("gpu_name")
+                and meta.get("gpu_count") == here.get("gpu_count")):
+            found.append(sidecar.stem)
+    return found
+
+
 def load_provenance(name: str, results_dir: str | os.PathLike = "results", source: str | None = None) -> dict:
     """The provenance of a saved table (of one ``source``'s rows in a shared table): GPU, versions, commit,
     date and parameters of the run that measured it."""

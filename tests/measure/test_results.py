@@ -111,3 +111,16 @@ def test_a_tables_own_source_column_is_refused(tmp_path):
         results.save_results(df, "01_kernels", tmp_path, source="01_profiling")
     results.save_results(df.assign(source="01_profiling"), "01_kernels", tmp_path, source="01_profiling")
     results.save_results(df, "untagged", tmp_path)  # no source: the table is replaced whole
+
+
+def test_measured_by_names_the_tables_this_commit_measured_on_this_kind_of_machine(tmp_path, monkeypatch):
+    h200 = {"gpu_name": "NVIDIA H200", "gpu_count": 1}
+    monkeypatch.setattr(results, "provenance", lambda params=None: {**h200, "gpu": "NVIDIA H200", "host_cpu": "x",
+                                                                    "torch": "2", "commit": commit, "params": {}})
+    for commit, name in (("a" * 40, "lm_step"), ("a" * 40, "warmup"), ("b" * 40, "kernels")):
+        results.save_results(pd.DataFrame({"x": [1]}), name, tmp_path, source="01_profiling")
+    results.save_results(pd.DataFrame({"x": [2]}), "lm_step", tmp_path, source="02_mixed_precision")
+    assert results.measured_by("01_profiling", "a" * 40, tmp_path, here=h200) == ["lm_step", "warmup"]
+    assert results.measured_by("02_mixed_precision", "a" * 40, tmp_path, here=h200) == []  # 02's rows: commit b
+    assert results.measured_by("01_profiling", "a" * 40, tmp_path, here={**h200, "gpu_count": 2}) == []
+    assert results.measured_by("01_profiling", "a" * 40 + "+dirty", tmp_path, here=h200) == []
