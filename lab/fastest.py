@@ -26,6 +26,7 @@ from lab.accounting import state_memory
 from lab.bench.fastest import allocator_env, benchmark, results_table
 from lab.bench.memory_estimate import HEADROOM
 from lab.measure.device import available_memory_bytes
+from lab.measure.machine import busy_host
 from lab.measure.results import save_results
 from lab.parallel import launcher
 from lab.recipes.fastest_step import CONFIGS, PROJECT, PROJECT_ONE_GPU, ablations, recipes_for
@@ -52,6 +53,8 @@ def parser() -> cli.Parser:
     p.add_argument("--fresh-cache", action="store_true", help="compile into empty Inductor and Triton caches, as "
                    "the leaderboard's 10-minute rule counts it (wall_s: build, first step and timing)")
     p.add_argument("--device", default="auto", help="auto, cuda or cpu (cpu: gloo, for trying the code path)")
+    p.add_argument("--busy-host", type=cli.non_negative_int, default=0, metavar="N",
+                   help="time beside N processes that each keep a host core busy (lab.measure.machine.busy_host)")
     p.add_argument("--results-dir", default=None, help="also save the rows as <dir>/fastest_step.csv")
     return p
 
@@ -127,11 +130,12 @@ def fastest_main(argv: Sequence[str] | None = None) -> int:
         cli.writable_dir(args.results_dir)
     if device == "cpu":
         check_cpu_fits(config, recipes, local)
-    df = benchmark(config, recipes, world, device, rep_ms=args.rep_ms,
-                   profile=not args.no_profile, fresh_cache=args.fresh_cache)
+    with busy_host(args.busy_host):
+        df = benchmark(config, recipes, world, device, rep_ms=args.rep_ms,
+                       profile=not args.no_profile, fresh_cache=args.fresh_cache)
     if torchrun and int(os.environ["RANK"]) != 0:
         return 0  # every rank has the rows (gathered): rank 0 prints and saves them
-    table = results_table(df)
+    table = results_table(df).assign(busy_host=args.busy_host)
     cols = ["impl", "config", "world_size", "status", "step_ms", "peak_gib", "tokens_per_s", "mfu", "first_step_s",
             "wall_s"]
     print(table[cols].to_markdown(index=False, floatfmt=".4g"))

@@ -52,6 +52,7 @@ CASES = [  # module, argv, whether this machine can tell it is wrong
     ("lab.fastest", ["--config", "tiny", "--device", "cpu", "--world-size", str(CORES + 1)], True),
     ("lab.fastest", ["--config", "tiny", "--device", "cpu", "--results-dir", "/proc/no/such"], CORES >= 2),
     ("lab.fastest", ["--rep-ms", "-1"], True),
+    ("lab.fastest", ["--busy-host", "-1"], True),
     ("lab.render", ["--only", "99"], True),
     ("lab.render", ["-p", "no_such_parameter", "1", "--only", "01"], True),
     ("lab.render", ["--html-only", "--no-html"], True),

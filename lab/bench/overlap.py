@@ -46,6 +46,7 @@ from lab.bench.interleaved import (
     time_interleaved,
 )
 from lab.measure.device import available_memory_bytes, error_summary, is_oom, synchronize
+from lab.measure.machine import busy_host
 from lab.measure.profiling import profile_step
 from lab.measure.results import save_results
 from lab.measure.step import random_batch
@@ -319,10 +320,11 @@ def measure(part: str, size: str | ModelConfig = "2.7B", context: int = 512, bat
 # the command line
 
 
-def table_name(part: str, size: str, compile: str = "none") -> str:
+def table_name(part: str, size: str, compile: str = "none", busy_host: int = 0) -> str:
     """The results table of one part at one size: ``overlap_ddp_2.7B``, ``overlap_ddp_2.7B_block`` with the
-    blocks compiled (its losses: ``..._loss``)."""
-    return f"overlap_{part}_{size}" + ("" if compile == "none" else f"_{compile}")
+    blocks compiled, ``..._busy16`` timed beside 16 busy neighbours (its losses: ``..._loss``)."""
+    return (f"overlap_{part}_{size}" + ("" if compile == "none" else f"_{compile}")
+            + (f"_busy{busy_host}" if busy_host else ""))
 
 
 def parser() -> cli.Parser:
@@ -346,6 +348,9 @@ def parser() -> cli.Parser:
                    help="time only these entries of the part (keep each one's reference beside it)")
     p.add_argument("--loss-steps", type=cli.non_negative_int, default=10)
     p.add_argument("--no-profile", action="store_true", help="skip the profiled step of each entry")
+    p.add_argument("--busy-host", type=cli.non_negative_int, default=0, metavar="N",
+                   help="time beside N processes that each keep a host core busy (lab.measure.machine.busy_host): "
+                        "does the verdict hold when the host is not the step's alone?")
     p.add_argument("--timeout-s", type=cli.positive_float, default=600)
     p.add_argument("--artifacts-dir", default="artifacts")
     p.add_argument("--results-dir", default=None,
@@ -380,15 +385,20 @@ def overlap_main(argv: Sequence[str] | None = None) -> int:
                                  f"({', '.join(e.name for e in plan)})")
         plan = [e for e in plan if e.name in args.entries]
     interleaving = Interleaving(args.rounds, args.steps_per_round, args.warmup, args.schedule)
-    table, losses = measure(args.part, args.size, args.context, args.batch, args.world_size, args.device,
-                            interleaving, args.bucket_mb, args.loss_steps, not args.no_profile, args.artifacts_dir,
-                            args.timeout_s, plan)
+    with busy_host(args.busy_host) as neighbours:
+        if neighbours:
+            print(f"the host is kept busy by {len(neighbours)} neighbours (pids {', '.join(map(str, neighbours))})",
+                  flush=True)
+        table, losses = measure(args.part, args.size, args.context, args.batch, args.world_size, args.device,
+                                interleaving, args.bucket_mb, args.loss_steps, not args.no_profile,
+                                args.artifacts_dir, args.timeout_s, plan)
+    table["busy_host"] = args.busy_host
     cols = ["entry", "reference", "step_ms", "step_spread_ms", "step_n", "vs_reference_ratio", "vs_reference_verdict",
             "vs_baseline_ratio", "comm_ms", "overlap_frac", "optimizer_ms", "optimizer_overlapped_ms", "loss_last",
             "status"]
     print(table[cols].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
     if args.results_dir:
-        name, params = table_name(args.part, args.size, args.compile), dict(vars(args))
+        name, params = table_name(args.part, args.size, args.compile, args.busy_host), dict(vars(args))
         print(save_results(table, name, args.results_dir, params, source="lab.bench.overlap"))
         print(save_results(losses, f"{name}_loss", args.results_dir, params, source="lab.bench.overlap"))
     return 0

@@ -8,11 +8,14 @@ running when it started (:func:`neighbours`): a report says whether it had its G
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import re
 import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -107,3 +110,28 @@ def neighbours(sample_s: float = 0.5) -> list[str]:
             if share > BUSY_CORE_SHARE:
                 found.append(f"{name} (pid {pid}) using {share:.0%} of a core")
     return found
+
+
+# One busy neighbour: copies a buffer into another for ever, so it holds a core and draws on the memory bus.
+_SPINNER = "b = bytearray({n}); c = bytearray({n})\nwhile True:\n    c[:] = b\n"
+
+
+@contextlib.contextmanager
+def busy_host(processes: int, mib: int = 32) -> Iterator[list[int]]:
+    """For the time of the block, ``processes`` neighbours that each keep one core busy copying ``mib`` MiB
+    buffers (what another job's data loaders or a second benchmark take from a host: cores and memory
+    bandwidth), started as bare interpreters (no imports, so in milliseconds); yields their pids. They are
+    stopped on leaving the block, also on an error. A step whose pace the host sets slows under them; one that
+    the GPU sets does not: timing a choice both ways says whether its verdict depends on the host."""
+    if processes < 0:
+        raise ValueError(f"processes must be >= 0, got {processes}")
+    code = _SPINNER.format(n=int(mib) * 2**20)
+    spinners = [subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for _ in range(processes)]
+    try:
+        yield [p.pid for p in spinners]
+    finally:
+        for p in spinners:
+            p.kill()
+        for p in spinners:
+            p.wait()

@@ -18,6 +18,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from lab.measure.device import synchronize
 from lab.measure.quiet import quiet_profile
 from lab.measure.step import MODES, TrainStep
+from lab.measure.traces import intervals_length, union_intervals
 
 # cuBLAS / CUTLASS / Triton matmul kernel names on Hopper and Ampere, and the aten ops on the CPU.
 _MATMUL = re.compile(r"gemm|nvjet|xmma|cutlass|wgmma|cublas|matmul|^aten::(mm|addmm|bmm|baddbmm|linear)$", re.I)
@@ -155,20 +156,6 @@ def step_wall_ms(prof) -> float:
     return sum(e.time_range.elapsed_us() for e in evts) / 1e3 / max(len(evts), 1)
 
 
-def kernel_union_ms(intervals: Sequence[tuple[int, int]]) -> float:
-    """The time, in ms, during which at least one of ``intervals`` (``(start_ns, end_ns)`` pairs) ran: kernels
-    on two streams at once count once, so the GPU's busy time never exceeds the wall time it spans."""
-    busy, reach = 0, None
-    for start, end in sorted(intervals):
-        if reach is None or start > reach:
-            busy += end - start
-            reach = end
-        elif end > reach:
-            busy += end - reach
-            reach = end
-    return busy / 1e6
-
-
 def gpu_kernel_ms(run, device) -> float:
     """How long the GPU ran kernels (memcpys and memsets included) during one ``run()``, in ms: the union of
     their intervals, profiled with CUDA activity alone. Without the host's operators the profile holds only a
@@ -181,8 +168,9 @@ def gpu_kernel_ms(run, device) -> float:
         run()
         synchronize(device)
     events = prof.profiler.kineto_results.events()
-    return kernel_union_ms([(e.start_ns(), e.end_ns()) for e in events
-                            if e.device_type() == DeviceType.CUDA and not e.is_user_annotation()])
+    spans = [(e.start_ns(), e.end_ns()) for e in events
+             if e.device_type() == DeviceType.CUDA and not e.is_user_annotation()]
+    return intervals_length(union_intervals(spans)) / 1e6  # kernels on two streams at once count once
 
 
 def gpu_busy_ms(prof) -> float:

@@ -2,6 +2,7 @@
 profiled step's optimizer overlap is read off the kernels, and the measurement runs end to end on CPU ranks with a
 tiny model, writing the tables the GPU run writes (one row per entry, the losses of each)."""
 
+import contextlib
 import dataclasses
 import os
 import subprocess
@@ -129,3 +130,27 @@ def test_the_one_gpu_part_with_a_tiny_model_on_the_cpu(tmp_path):
     assert (table["optimizer_ms"] > 0).all() and (table["optimizer_overlapped_ms"] == 0).all()  # one CPU thread
     curves = {name: list(group["loss"]) for name, group in losses.groupby("entry")}
     assert curves["optimizer_in_backward"] == curves["block_compile"]
+
+
+def test_busy_host_times_beside_running_neighbours_and_saves_apart(tmp_path, monkeypatch):
+    """--busy-host 2: the measurement runs while two neighbours spin (alive during it, gone after), and its rows
+    go to a table of their own, each saying how busy the host was."""
+    alive = []
+
+    def fake_measure(*args, **kwargs):
+        for p in (p for p in os.listdir("/proc") if p.isdigit()):
+            with contextlib.suppress(OSError):  # this process's children only (a test beside may spin its own)
+                if int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1]) == os.getpid():
+                    alive.append(int(p))
+        cols = ["entry", "reference", "step_ms", "step_spread_ms", "step_n", "vs_reference_ratio",
+                "vs_reference_verdict", "vs_baseline_ratio", "comm_ms", "overlap_frac", "optimizer_ms",
+                "optimizer_overlapped_ms", "loss_last", "status"]
+        return pd.DataFrame([dict.fromkeys(cols, 1.0)]), pd.DataFrame(columns=["entry", "step", "loss"])
+
+    monkeypatch.setattr(overlap, "measure", fake_measure)
+    assert overlap.main(["--part", "ddp", "--size", "tiny", "--device", "cpu", "--busy-host", "2",
+                         "--results-dir", str(tmp_path)]) == 0
+    assert len(alive) >= 2 and not any(Path(f"/proc/{p}").exists() for p in alive)
+    saved = pd.read_csv(tmp_path / "overlap_ddp_tiny_busy2.csv")
+    assert list(saved["busy_host"]) == [2]
+    assert overlap.table_name("ddp", "xl", "block", busy_host=16) == "overlap_ddp_xl_block_busy16"

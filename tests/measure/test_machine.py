@@ -1,8 +1,11 @@
 """Where a measurement ran: the host's CPU model and what else ran beside it."""
 
+import os
 import subprocess
 import sys
 import time
+
+import pytest
 
 from lab.measure import machine
 
@@ -28,3 +31,25 @@ def test_a_busy_process_beside_us_is_a_neighbour_and_our_own_children_are_not():
         assert not any(f"pid {child.pid})" in n for n in machine.neighbours(sample_s=0.5))
     finally:
         child.kill()
+
+
+def test_busy_host_keeps_cores_busy_and_stops_them():
+    from lab.measure.machine import _cpu_ticks
+
+    with machine.busy_host(2, mib=1) as pids:
+        assert len(pids) == 2
+        time.sleep(0.2)
+        before = _cpu_ticks()
+        time.sleep(0.5)
+        after = _cpu_ticks()
+        hz = os.sysconf("SC_CLK_TCK")
+        busy = [(after[p][1] - before[p][1]) / hz / 0.5 for p in pids]
+        assert all(b > 0.1 for b in busy), busy  # each spins (an idle process takes nothing; two cores, shared)
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # killed and reaped
+    with machine.busy_host(0) as none:
+        assert none == []
+    with pytest.raises(ValueError):
+        with machine.busy_host(-1):
+            pass

@@ -80,11 +80,5 @@ def test_step_wall_time_is_the_cpu_range_not_its_gpu_mirror():
     assert profiling.step_wall_ms(prof) == pytest.approx(300.0)
 
 
-def test_kernel_union_counts_overlapping_kernels_once():
-    # two streams: 0-10 and 5-20 overlap (20 ns busy), 30-35 alone, 32-34 inside it
-    assert profiling.kernel_union_ms([(5, 20), (0, 10), (30, 35), (32, 34)]) * 1e6 == pytest.approx(25)
-    assert profiling.kernel_union_ms([]) == 0
-
-
 def test_gpu_kernel_ms_is_nan_off_cuda():
     assert math.isnan(profiling.gpu_kernel_ms(lambda: None, torch.device("cpu")))
