@@ -328,10 +328,11 @@ def render(profile: str = "quick", only: Sequence[str] | None = None, html: bool
            log_output: bool = False, extra_parameters: dict | None = None, resume: bool = False) -> list[Path]:
     """Run the numbered notebooks for ``profile``; stops at the first failing notebook. Returns the reports.
 
-    ``resume``: each notebook reads back the tables that this commit already measured for it on this machine's
-    kind (:func:`lab.measure.results.measured_by`; its ``replay`` parameter), and measures the rest: a render
-    stopped by a time limit continues where it stopped, every table still from one commit and one kind of
-    machine, and the report's banner names the tables read back."""
+    ``resume``: a notebook whose report this commit already rendered is kept; any other reads back the tables
+    that this commit already measured for it on this machine's kind (:func:`lab.measure.results.measured_by`;
+    its ``replay`` parameter), and measures the rest: a render stopped by a time limit continues where it
+    stopped, every table still from one commit and one kind of machine, and the report's banner names the
+    tables read back."""
     prof = PROFILES[profile]
     reports = paths.resolve(prof.reports_dir)
     params = {**prof.parameters(), **(extra_parameters or {})}
@@ -343,12 +344,19 @@ def render(profile: str = "quick", only: Sequence[str] | None = None, html: bool
     done = []
     for nb in books:
         start = time.perf_counter()
-        print(f"[render:{profile}] {nb.name} ...", flush=True)
         own = dict(params)
-        if resume and "replay" in notebook_parameters(nb):
+        if resume:
+            from lab.book.index import summary
             from lab.measure import results as store
 
-            done_before = store.measured_by(nb.stem, store.git_commit(), prof.results_dir)
+            commit, report = store.git_commit(), reports / nb.name
+            if report.exists() and summary(report)["commit"] == commit and not commit.endswith("+dirty"):
+                print(f"[render:{profile}] {nb.stem} was rendered at this commit: kept", flush=True)
+                done.append(report)
+                continue
+        print(f"[render:{profile}] {nb.name} ...", flush=True)
+        if resume and "replay" in notebook_parameters(nb):
+            done_before = store.measured_by(nb.stem, commit, prof.results_dir)
             if done_before:
                 own["replay"] = done_before
                 print(f"[render:{profile}] {nb.stem} reads back what this commit measured here: "
@@ -357,7 +365,7 @@ def render(profile: str = "quick", only: Sequence[str] | None = None, html: bool
         if html:
             export_html(out)
         print(f"[render:{profile}] {nb.name} done in {time.perf_counter() - start:.0f} s -> "
-              f"{out.relative_to(paths.REPO_ROOT)}", flush=True)
+              f"{paths.repo_relative(out)}", flush=True)
         done.append(out)
     return done
 

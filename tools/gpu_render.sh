@@ -23,8 +23,9 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 # the render never ends; killed from the leaves up while it is still this tree's, the tarball below is made.
 kill_tree() { local c; for c in $(pgrep -P "$1"); do [[ $c == "$BASHPID" ]] || { kill_tree "$c"; kill -9 "$c" 2>/dev/null; }; done; }
 ( sleep "$limit"; echo "render passed its ${limit} s limit: stopped" >&2; kill_tree $$ ) & watchdog=$!
-# --resume: the tables this commit already measured on this kind of machine (committed from an earlier call that
-# the limit stopped) are read back, the rest measured, so a report longer than one call is rendered in several
+# --resume: a report this commit already rendered is kept, and the tables it already measured on this kind of
+# machine are read back, the rest measured: a report longer than one call is rendered in several. Between calls,
+# unpack the returned bundle.tgz at the repository's root, so that the next call's copy of the tree has them.
 timeout "$((limit + 15))" python3 -m lab.render --profile full --no-html --resume --only "$@" 2>&1 | tee "$OUT/render.log"
 rc=${PIPESTATUS[0]}
 # the watchdog, then its sleep (which holds the output open: the call would otherwise last the whole limit)

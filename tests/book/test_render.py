@@ -81,3 +81,28 @@ def test_html_export_opens_offline(tmp_path):
     assert len(maths) == 3  # inline, display, and the text/latex output
     assert "<mi>α</mi>" in maths[0] and "<mfrac>" in maths[1] and "<mfrac>" in maths[2]
     assert "$" not in re.sub(r"<style.*?</style>|<script.*?</script>", "", page, flags=re.S)
+
+
+def test_resume_keeps_a_report_of_this_commit_and_reads_back_what_it_measured(tmp_path, monkeypatch):
+    """--resume: 01's report at this commit is kept (not run again); 03, stopped after one table, runs with that
+    table read back (its replay parameter) and the others measured."""
+    import json
+
+    import pandas as pd
+
+    from lab.measure import results as store
+
+    commit = "c" * 40
+    monkeypatch.setenv("LAB_COMMIT", commit)
+    prof = render.Profile("quick", True, str(tmp_path / "reports"), str(tmp_path / "results"), str(tmp_path / "a"))
+    monkeypatch.setattr(render, "PROFILES", {"quick": prof})
+    (tmp_path / "reports").mkdir()
+    banner = f"> Rendered on **CPU only** (...); commit `{commit}`; 2026-11-28T10:00:00+00:00."
+    (tmp_path / "reports" / "01_profiling.ipynb").write_text(json.dumps(
+        {"cells": [{"cell_type": "code", "outputs": [{"data": {"text/markdown": banner}}]}], "metadata": {}}))
+    store.save_results(pd.DataFrame({"x": [1]}), "memory_peaks", tmp_path / "results", source="03_memory")
+    ran = {}
+    monkeypatch.setattr(render, "run_notebook", lambda nb, out, params, **kw: ran.setdefault(nb.stem, params) and out)
+    done = render.render("quick", ["01", "03"], html=False, resume=True)
+    assert [p.stem for p in done] == ["01_profiling", "03_memory"]
+    assert list(ran) == ["03_memory"] and ran["03_memory"]["replay"] == ["memory_peaks"]
