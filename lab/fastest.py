@@ -55,7 +55,8 @@ def parser() -> cli.Parser:
     p.add_argument("--device", default="auto", help="auto, cuda or cpu (cpu: gloo, for trying the code path)")
     p.add_argument("--busy-host", type=cli.non_negative_int, default=0, metavar="N",
                    help="time beside N processes that each keep a host core busy (lab.measure.machine.busy_host)")
-    p.add_argument("--results-dir", default=None, help="also save the rows as <dir>/fastest_step.csv")
+    p.add_argument("--results-dir", default=None,
+                   help="also save the rows as <dir>/fastest_step.csv (fastest_step_busyN.csv with --busy-host N)")
     return p
 
 
@@ -130,7 +131,9 @@ def fastest_main(argv: Sequence[str] | None = None) -> int:
         cli.writable_dir(args.results_dir)
     if device == "cpu":
         check_cpu_fits(config, recipes, local)
-    with busy_host(args.busy_host):
+    # one set of neighbours per machine: under torchrun each rank runs this, the node's first starts them
+    neighbours = args.busy_host if int(os.environ.get("LOCAL_RANK", 0)) == 0 else 0
+    with busy_host(neighbours):
         df = benchmark(config, recipes, world, device, rep_ms=args.rep_ms,
                        profile=not args.no_profile, fresh_cache=args.fresh_cache)
     if torchrun and int(os.environ["RANK"]) != 0:
@@ -140,7 +143,8 @@ def fastest_main(argv: Sequence[str] | None = None) -> int:
             "wall_s"]
     print(table[cols].to_markdown(index=False, floatfmt=".4g"))
     if args.results_dir:
-        print(save_results(table, "fastest_step", args.results_dir, vars(args), source="lab.fastest"), file=sys.stderr)
+        name = "fastest_step" + (f"_busy{args.busy_host}" if args.busy_host else "")  # beside the rows timed alone
+        print(save_results(table, name, args.results_dir, vars(args), source="lab.fastest"), file=sys.stderr)
     return 0
 
 

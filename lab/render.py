@@ -19,7 +19,10 @@ from typing import Sequence
 import lab
 from lab import cli, paths
 from lab.bench.progress import PREFIX as PROGRESS_PREFIX
+from lab.book.index import summary
 from lab.cli import UsageError
+from lab.measure import machine
+from lab.measure import results as store
 
 NOTEBOOKS_DIR = paths.REPO_ROOT / "notebooks"
 
@@ -324,6 +327,22 @@ def export_html(executed: Path) -> Path | None:
     return html
 
 
+def rendered_here(report: Path, params: dict) -> bool:
+    """Whether ``report`` is this commit's render on this kind of machine (GPU model and count) with these
+    parameters (``replay`` aside): what ``--resume`` keeps rather than renders again."""
+    import json
+
+    commit = store.git_commit()
+    if not report.exists() or not re.fullmatch(r"[0-9a-f]{40}", commit):
+        return False
+    here = f"{machine.gpu_count()} x {machine.gpu_model()}" if machine.gpu_count() else "CPU only"
+    ran = (json.loads(report.read_text()).get("metadata", {}).get("papermill") or {}).get("parameters") or {}
+    mine = {k: v for k, v in json.loads(json.dumps(params)).items() if k != "replay"}
+    found = summary(report)
+    return (found["commit"] == commit and found["machine"] == here
+            and {k: v for k, v in ran.items() if k != "replay"} == mine)
+
+
 def render(profile: str = "quick", only: Sequence[str] | None = None, html: bool = True,
            log_output: bool = False, extra_parameters: dict | None = None, resume: bool = False) -> list[Path]:
     """Run the numbered notebooks for ``profile``; stops at the first failing notebook. Returns the reports.
@@ -345,18 +364,13 @@ def render(profile: str = "quick", only: Sequence[str] | None = None, html: bool
     for nb in books:
         start = time.perf_counter()
         own = dict(params)
-        if resume:
-            from lab.book.index import summary
-            from lab.measure import results as store
-
-            commit, report = store.git_commit(), reports / nb.name
-            if report.exists() and summary(report)["commit"] == commit and not commit.endswith("+dirty"):
-                print(f"[render:{profile}] {nb.stem} was rendered at this commit: kept", flush=True)
-                done.append(report)
-                continue
+        if resume and rendered_here(reports / nb.name, own):
+            print(f"[render:{profile}] {nb.stem} was rendered by this commit on this kind of machine: kept", flush=True)
+            done.append(reports / nb.name)
+            continue
         print(f"[render:{profile}] {nb.name} ...", flush=True)
         if resume and "replay" in notebook_parameters(nb):
-            done_before = store.measured_by(nb.stem, commit, prof.results_dir)
+            done_before = store.measured_by(nb.stem, store.git_commit(), prof.results_dir)
             if done_before:
                 own["replay"] = done_before
                 print(f"[render:{profile}] {nb.stem} reads back what this commit measured here: "

@@ -65,9 +65,9 @@ def number(value: float | None, unit: str = "", digits: int = 3) -> str:
 
 def _binary(n_bytes: float) -> tuple[float, str]:
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n_bytes) >= size:
+        if round(abs(n_bytes)) >= size:
             return n_bytes / size, unit
-    return n_bytes, "bytes"
+    return n_bytes, "byte" if round(abs(n_bytes)) == 1 else "bytes"
 
 
 def percent(fraction: float, digits: int = 2) -> str:
@@ -79,15 +79,15 @@ def percent(fraction: float, digits: int = 2) -> str:
 
 def interval(low: float, high: float, digits: int = 3) -> str:
     """A 95% interval for prose or a cell: ``"0.79-0.83"``; ends that print alike at ``digits`` significant
-    digits get more (up to 6), so a narrow interval still shows two ends (``"1.521-1.522"``); one number only
-    where the ends are equal; ``"none"`` where none was measured (infinite ends)."""
+    digits get more (up to 6), so a narrow interval still shows two ends (``"1.521-1.522"``); ends alike even
+    then read ``"1 at both ends"``; ``"none"`` where none was measured (infinite ends)."""
     if not (math.isfinite(low) and math.isfinite(high)):
         return "none"
     for d in range(digits, 7):
         a, b = number(low, digits=d), number(high, digits=d)
         if a != b:
             return f"{a}-{b}"
-    return a
+    return f"{a} at both ends"
 
 
 def plural(count: int, noun: str) -> str:
@@ -405,7 +405,7 @@ def verdict_table(rows: Sequence[tuple[dict, Versus]]) -> list[dict]:
 
 # exponent notation, an allocator's message, a byte count as "0 B", nan, an interval with one end ("interval 1.52)")
 _MACHINE_PHRASES = re.compile(r"\d[eE][+]\d|CUDA out of memory|Tried to allocate|\b\d+ B\b|nan\b"
-                              r"|interval [\d.,]+(?=[);]|$)")
+                              r"|interval -?\d[\d.,]*(?: [a-zµ%]+)?(?=[);]|, |$)")
 
 
 def machine_phrases(text: str) -> list[str]:

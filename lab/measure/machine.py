@@ -112,8 +112,10 @@ def neighbours(sample_s: float = 0.5) -> list[str]:
     return found
 
 
-# One busy neighbour: copies a buffer into another for ever, so it holds a core and draws on the memory bus.
-_SPINNER = "b = bytearray({n}); c = bytearray({n})\nwhile True:\n    c[:] = b\n"
+# One busy neighbour: copies a buffer into another, so it holds a core and draws on the memory bus, until its
+# parent is gone (a parent killed outright, as torchrun ends its ranks, runs no cleanup: the spinner would stay).
+_SPINNER = ("import os\nb = bytearray({n}); c = bytearray({n})\n"
+            "while os.getppid() == {parent}:\n    c[:] = b\n")
 
 
 @contextlib.contextmanager
@@ -125,10 +127,12 @@ def busy_host(processes: int, mib: int = 32) -> Iterator[list[int]]:
     the GPU sets does not: timing a choice both ways says whether its verdict depends on the host."""
     if processes < 0:
         raise ValueError(f"processes must be >= 0, got {processes}")
-    code = _SPINNER.format(n=int(mib) * 2**20)
-    spinners = [subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL,
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for _ in range(processes)]
+    code = _SPINNER.format(n=int(mib) * 2**20, parent=os.getpid())  # given, not read: the parent may die first
+    spinners: list[subprocess.Popen] = []
     try:
+        for _ in range(processes):
+            spinners.append(subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL,
+                                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         yield [p.pid for p in spinners]
     finally:
         for p in spinners:

@@ -160,7 +160,7 @@ def gpu_kernel_ms(run, device) -> float:
     """How long the GPU ran kernels (memcpys and memsets included) during one ``run()``, in ms: the union of
     their intervals, profiled with CUDA activity alone. Without the host's operators the profile holds only a
     step's kernels, so it costs about a second where a full profile of a large model's step takes many; NaN
-    off CUDA."""
+    off CUDA, and where the profile saw no kernel."""
     if getattr(device, "type", str(device).split(":")[0]) != "cuda":
         return float("nan")
     synchronize(device)
@@ -170,6 +170,8 @@ def gpu_kernel_ms(run, device) -> float:
     events = prof.profiler.kineto_results.events()
     spans = [(e.start_ns(), e.end_ns()) for e in events
              if e.device_type() == DeviceType.CUDA and not e.is_user_annotation()]
+    if not spans:  # no kernel seen is a profile that failed, not an idle GPU
+        return float("nan")
     return intervals_length(union_intervals(spans)) / 1e6  # kernels on two streams at once count once
 
 

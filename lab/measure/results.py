@@ -12,6 +12,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -191,7 +192,7 @@ def measured_by(source: str, commit: str, results_dir: str | os.PathLike = "resu
     """The tables whose rows from ``source`` were measured by ``commit`` on this machine's kind (GPU model and
     count, from ``here``, this machine's :func:`provenance` by default): what a render cut short by a time limit
     reads back, rather than measuring again, when it continues at the same commit. None for a dirty commit."""
-    if not commit or commit.endswith("+dirty") or commit == "unknown":
+    if not re.fullmatch(r"[0-9a-f]{40}", commit or ""):  # a dirty tree's or an unknown commit measured nothing
         return []
     here = here or provenance()
     found = []

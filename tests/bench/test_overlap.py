@@ -135,13 +135,18 @@ def test_the_one_gpu_part_with_a_tiny_model_on_the_cpu(tmp_path):
 def test_busy_host_times_beside_running_neighbours_and_saves_apart(tmp_path, monkeypatch):
     """--busy-host 2: the measurement runs while two neighbours spin (alive during it, gone after), and its rows
     go to a table of their own, each saying how busy the host was."""
-    alive = []
+    def children() -> set[int]:  # this process's (a test beside may spin its own; a resource tracker may stay)
+        found = set()
+        for p in (p for p in os.listdir("/proc") if p.isdigit()):
+            with contextlib.suppress(OSError):
+                if int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1]) == os.getpid():
+                    found.add(int(p))
+        return found
+
+    before, alive = children(), []
 
     def fake_measure(*args, **kwargs):
-        for p in (p for p in os.listdir("/proc") if p.isdigit()):
-            with contextlib.suppress(OSError):  # this process's children only (a test beside may spin its own)
-                if int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1]) == os.getpid():
-                    alive.append(int(p))
+        alive.extend(children() - before)
         cols = ["entry", "reference", "step_ms", "step_spread_ms", "step_n", "vs_reference_ratio",
                 "vs_reference_verdict", "vs_baseline_ratio", "comm_ms", "overlap_frac", "optimizer_ms",
                 "optimizer_overlapped_ms", "loss_last", "status"]

@@ -28,7 +28,7 @@ def test_numbers_read_as_a_person_writes_them(value, unit, text):
 def test_percent_interval_plural():
     assert cl.percent(0.234) == "23%" and cl.percent(0.045) == "4.5%" and cl.percent(math.nan) == "n/a"
     assert cl.interval(0.791, 0.834) == "0.791-0.834" and cl.interval(1.0, 1.0001) == "1-1.0001"
-    assert cl.interval(1.52131, 1.52178) == "1.521-1.522" and cl.interval(2.5, 2.5) == "2.5"
+    assert cl.interval(1.52131, 1.52178) == "1.521-1.522" and cl.interval(2.5, 2.5) == "2.5 at both ends"
     assert cl.interval(-math.inf, math.inf) == "none"
     assert cl.plural(1, "sample") == "1 sample" and cl.plural(1200, "row") == "1,200 rows"
 
@@ -114,8 +114,12 @@ def test_machine_phrases_are_found():
     assert cl.machine_phrases("CUDA out of memory. Tried to allocate 2 GiB")
     assert cl.machine_phrases("memory is higher by 0 B") == ["0 B"]
     assert cl.machine_phrases("(ratio 1.52, 95% interval 1.52)") == ["interval 1.52"]
-    assert not cl.machine_phrases("(ratio 0.803, 95% interval 0.803-0.804); 512 bytes")
+    assert not cl.machine_phrases("(ratio 0.803, 95% interval 0.803-0.804); 512 bytes; interval none")
+    assert not cl.machine_phrases(f"(95% interval {cl.interval(2.5, 2.5)}) of a 2.7B model")
+    for one_ended in ("interval -0.5)", "interval 12 ms)", "interval 1.52, so"):
+        assert cl.machine_phrases(one_ended), one_ended
     assert cl.number(0, "B") == "0 bytes" and cl.number(512, "B") == "512 bytes" and cl.number(2048, "B") == "2 KiB"
+    assert cl.number(1, "B") == "1 byte" and cl.number(1023.6, "B") == "1 KiB"
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -84,8 +84,9 @@ def test_html_export_opens_offline(tmp_path):
 
 
 def test_resume_keeps_a_report_of_this_commit_and_reads_back_what_it_measured(tmp_path, monkeypatch):
-    """--resume: 01's report at this commit is kept (not run again); 03, stopped after one table, runs with that
-    table read back (its replay parameter) and the others measured."""
+    """--resume: 01's report by this commit, machine and parameters is kept (not run again); 02's by another
+    commit and 04's with other parameters are rendered again; 03, stopped after one table, runs with that table
+    read back (its replay parameter) and the others measured."""
     import json
 
     import pandas as pd
@@ -97,12 +98,25 @@ def test_resume_keeps_a_report_of_this_commit_and_reads_back_what_it_measured(tm
     prof = render.Profile("quick", True, str(tmp_path / "reports"), str(tmp_path / "results"), str(tmp_path / "a"))
     monkeypatch.setattr(render, "PROFILES", {"quick": prof})
     (tmp_path / "reports").mkdir()
-    banner = f"> Rendered on **CPU only** (...); commit `{commit}`; 2026-11-28T10:00:00+00:00."
-    (tmp_path / "reports" / "01_profiling.ipynb").write_text(json.dumps(
-        {"cells": [{"cell_type": "code", "outputs": [{"data": {"text/markdown": banner}}]}], "metadata": {}}))
+    params = json.loads(json.dumps(prof.parameters()))
+
+    def report(name, at, parameters):
+        banner = f"> Rendered on **CPU only** (x); commit `{at}`; 2026-11-28T10:00:00+00:00."
+        (tmp_path / "reports" / f"{name}.ipynb").write_text(json.dumps(
+            {"cells": [{"cell_type": "code", "outputs": [{"data": {"text/markdown": banner}}]}],
+             "metadata": {"papermill": {"parameters": parameters}}}))
+
+    report("01_profiling", commit, {**params, "replay": ["lm_step"]})
+    report("02_mixed_precision", "d" * 40, params)
+    report("04_attention", commit, {**params, "quick": False})
     store.save_results(pd.DataFrame({"x": [1]}), "memory_peaks", tmp_path / "results", source="03_memory")
     ran = {}
-    monkeypatch.setattr(render, "run_notebook", lambda nb, out, params, **kw: ran.setdefault(nb.stem, params) and out)
-    done = render.render("quick", ["01", "03"], html=False, resume=True)
-    assert [p.stem for p in done] == ["01_profiling", "03_memory"]
-    assert list(ran) == ["03_memory"] and ran["03_memory"]["replay"] == ["memory_peaks"]
+    monkeypatch.setattr(render, "run_notebook", lambda nb, out, p, **kw: ran.setdefault(nb.stem, p) and out)
+    done = render.render("quick", ["01", "02", "03", "04"], html=False, resume=True)
+    assert [p.stem for p in done] == ["01_profiling", "02_mixed_precision", "03_memory", "04_attention"]
+    assert list(ran) == ["02_mixed_precision", "03_memory", "04_attention"]
+    assert ran["03_memory"]["replay"] == ["memory_peaks"] and "replay" not in ran["02_mixed_precision"]
+    monkeypatch.setenv("LAB_COMMIT", commit + "+dirty")  # a dirty tree keeps nothing and reads nothing back
+    ran.clear()
+    render.render("quick", ["01", "03"], html=False, resume=True)
+    assert list(ran) == ["01_profiling", "03_memory"] and "replay" not in ran["03_memory"]

@@ -53,3 +53,26 @@ def test_busy_host_keeps_cores_busy_and_stops_them():
     with pytest.raises(ValueError):
         with machine.busy_host(-1):
             pass
+
+
+def test_a_neighbour_stops_when_its_parent_is_killed_outright():
+    """torchrun ends a rank with a signal that runs no cleanup: the rank's neighbours must not spin on."""
+    import signal
+
+    code = ("import time\nfrom lab.measure.machine import busy_host\n"
+            "with busy_host(1, mib=1) as pids:\n    print(pids[0], flush=True)\n    time.sleep(60)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    spinner = int(parent.stdout.readline())
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+
+    def spinning() -> bool:
+        try:
+            return open(f"/proc/{spinner}/stat").read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+        except OSError:
+            return False
+
+    deadline = time.time() + 5
+    while spinning() and time.time() < deadline:
+        time.sleep(0.05)
+    assert not spinning()
