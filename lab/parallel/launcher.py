@@ -17,13 +17,13 @@ Two ways of running, same code:
   machine, picks a free TCP port for the rendezvous, uses gloo on the CPU and NCCL on GPUs (one GPU per
   rank), and sends each rank's return value back through a queue. GPU ranks are fresh interpreters
   (``torch.multiprocessing``'s *spawn* method: a process must not fork once CUDA has started). CPU ranks are
-  forks of a *forkserver* that imported torch once, because a fresh interpreter spends about 2 s of CPU
-  importing torch, most of a short CPU launch on a small machine. A forked rank takes what a spawned one
-  inherits as it is at the launch: the caller's environment, and its file descriptors 1 and 2 (where
-  the caller's output goes now, e.g. a test's capture), not the server's. Where no forkserver can be used
-  (not Linux, no server could start, the caller's fds 1 or 2 closed) or the environment differs from the
-  server's in a variable read when the interpreter starts or torch is imported (``TORCH_CPP_LOG_LEVEL``,
-  ``OMP_NUM_THREADS``, ... see :data:`READ_AT_START`), CPU ranks are spawned too.
+  forks of a *forkserver* that imported torch once (:mod:`lab.parallel.forking`), because a fresh interpreter
+  spends about 2 s of CPU importing torch, most of a short CPU launch on a small machine. A forked rank takes
+  what a spawned one inherits as it is at the launch: the caller's environment, and its file descriptors 1
+  and 2 (where the caller's output goes now, e.g. a test's capture), not the server's. Where no forkserver
+  can be used (not Linux, no server could start) or the environment differs from the server's in a variable
+  read when the interpreter starts or torch is imported (``TORCH_CPP_LOG_LEVEL``, ``OMP_NUM_THREADS``, ...),
+  CPU ranks are spawned too.
   ``fn`` travels to the workers by pickling, i.e. by *reference* (module + name): functions and
   lambdas defined in a notebook cell are **not** picklable into a spawned process, so notebooks call
   functions that live in ``lab``.
@@ -40,7 +40,6 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import io
-import multiprocessing.reduction as _reduction
 import os
 import pickle
 import queue as _queue
@@ -56,6 +55,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lab.measure.process import describe_exit
+from lab.parallel import forking
 
 # The launcher leaves NCCL's and torch's settings to its user: a machine whose NCCL needs a switch (NVLink SHARP
 # multicast off where the fabric lacks it: NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1) gets it from
@@ -69,21 +69,6 @@ _DEVICE: torch.device | None = None
 # True in a rank that launch() spawned (whose environment also has torchrun's variables).
 _SPAWNED = False
 _ENV_LOCK = threading.Lock()
-
-# Environment variables read as an interpreter starts or as torch is imported (the dynamic loader's and
-# Python's own, malloc's, OpenMP's and MKL's threads, torch's C++ logging and its TORCH_LOGS): a forked rank
-# keeps the forkserver's values of these, fixed when the server started, so a launch whose environment has
-# other values gets spawned ranks. Variables of CUDA and NCCL are read later, and only by GPU ranks, which are
-# always spawned.
-READ_AT_START = ("PYTHON", "LD_", "MALLOC_", "GLIBC_TUNABLES", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_",
-                 "TORCH_")
-# The modules the forkserver imports once for every rank it forks. Not lab's own: the server finds modules on
-# the sys.path it started with, and a rank must import lab (its launcher included) from the caller's sys.path,
-# as a spawned one does (a worktree's lab rather than an installed one, say); lab's launcher takes
-# milliseconds to import once torch is there.
-FORKSERVER_PRELOAD = ["torch", "torch.distributed"]
-# The forkserver this module started: its process id and its READ_AT_START variables; broken once it failed.
-_SERVER: dict[str, Any] = {"pid": None, "env": None, "broken": False}
 
 
 @contextlib.contextmanager
@@ -224,13 +209,8 @@ def _worker(local: int, world: int, port: int, backend: str, device_type: str, t
     global _DEVICE, _SPAWNED
     _SPAWNED = True
     try:
-        # A forked rank has the forkserver's fds 1 and 2 and environment, both as they were when the server
-        # started: the caller's, as they are at the launch, replace them.
-        if std_fds is not None:
-            _take_std_fds(std_fds)
-        if env is not None:
-            os.environ.clear()
-            os.environ.update(env)
+        if env is not None:  # forked: the server's fds 1 and 2 and environment replaced by the caller's
+            forking.inherit(std_fds, env)
         os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(local),
                            "LOCAL_RANK": str(local), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)})
         if device_type == "cuda":
@@ -265,35 +245,6 @@ def _worker(local: int, world: int, port: int, backend: str, device_type: str, t
                      traceback.format_exc(), False))
     _sent(results)
     _destroy_quietly()
-
-
-class _StdFds:
-    """This process's file descriptors 1 and 2, for a rank to write where this process's output goes now.
-    Pickled only as a rank starts: multiprocessing then passes the descriptors themselves to the new process
-    (through the forkserver, for a forked rank), and the rank unpickles their numbers in its own table."""
-
-    def __reduce__(self):
-        return _received_fds, (_reduction.DupFd(1), _reduction.DupFd(2))
-
-
-def _received_fds(out, err) -> tuple[int, int]:
-    return out.detach(), err.detach()
-
-
-def _take_std_fds(fds: tuple[int, int]) -> None:
-    """Make the received ``fds`` this process's 1 and 2 (what Python has buffered for the old ones first)."""
-    import fcntl
-
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    # copies above 2 first: a received descriptor may itself have landed on 1 or 2
-    copies = [(target, fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 3)) for target, fd in zip((1, 2), fds)]
-    for fd in set(fds) - {1, 2}:
-        os.close(fd)
-    for target, copy in copies:
-        os.dup2(copy, target)
-        os.close(copy)
 
 
 def _sent(results) -> None:
@@ -369,12 +320,12 @@ def launch(fn: Callable, world_size: int, *args, backend: str | None = None, dev
     if device_type == "cpu":
         with _ENV_LOCK:  # launches from threads must not interleave: environment() changes os.environ for a moment
             child_env = {**os.environ, **defaults, **(env or {})}
-            ctx = _forkserver_context(defaults, child_env)
+            ctx = forking.context(defaults, child_env)
         if ctx is not None:
             try:
-                ranks = _start_ranks(ctx, world_size, lambda *a: rank_args(*a, child_env, _StdFds()))
+                ranks = _start_ranks(ctx, world_size, lambda *a: rank_args(*a, child_env, forking.StdFds()))
             except (OSError, EOFError):  # the server died or cannot be reached: spawn, now and from here on
-                _SERVER["broken"] = True
+                forking.broken()
     if ranks is None:
         # The children inherit this environment when they start, before they import torch.
         with _ENV_LOCK, environment({**defaults, **(env or {})}):
@@ -442,39 +393,6 @@ def _start_ranks(ctx, world_size: int, rank_args: Callable[[int, int, Any], tupl
         results.close()
         raise
     return results, procs
-
-
-def _forkserver_context(defaults: dict[str, str], child_env: dict[str, str]):
-    """The forkserver context for this launch's CPU ranks (the server started if it was not running), or None
-    where they are to be spawned (see the module's docstring). Call with ``_ENV_LOCK`` held."""
-    if _SERVER["broken"] or not sys.platform.startswith("linux") or not _reduction.HAVE_SEND_HANDLE:
-        return None
-    try:
-        os.fstat(1)
-        os.fstat(2)
-    except OSError:  # nothing to pass on; a spawned rank inherits them closed, as they are here
-        return None
-    try:
-        from multiprocessing import forkserver
-
-        server = forkserver._forkserver
-        ctx = mp.get_context("forkserver")
-        before = server._forkserver_pid
-        ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
-        with environment(defaults):  # the server imports torch with the defaults the ranks would have
-            server.ensure_running()
-            if server._forkserver_pid != before:
-                _SERVER.update(pid=server._forkserver_pid, env=_read_at_start(os.environ))
-    except Exception:  # noqa: BLE001 - no forkserver here (no AF_UNIX socket, ...): spawned ranks
-        _SERVER["broken"] = True
-        return None
-    if server._forkserver_pid != _SERVER["pid"] or _read_at_start(child_env) != _SERVER["env"]:
-        return None  # a server started elsewhere in this process (its environment unknown) or with other values
-    return ctx
-
-
-def _read_at_start(environ) -> dict[str, str]:
-    return {k: v for k, v in environ.items() if k.startswith(READ_AT_START)}
 
 
 def _root_cause(first: tuple, results, grace_s: float = 2.0) -> WorkerError:
