@@ -13,10 +13,18 @@ Every multi-process notebook, test and CLI in the lab book goes through :func:`l
 
 Two ways of running, same code:
 
-* **spawned** (the usual case in a notebook or test): ``launch`` starts ``world_size`` fresh processes with
-  ``torch.multiprocessing``'s *spawn* method on this machine, picks a free TCP port for the rendezvous,
-  uses gloo on the CPU and NCCL on GPUs (one GPU per rank), and sends each rank's return value back through
-  a queue. ``fn`` travels to the workers by pickling, i.e. by *reference* (module + name): functions and
+* **spawned** (the usual case in a notebook or test): ``launch`` starts ``world_size`` processes on this
+  machine, picks a free TCP port for the rendezvous, uses gloo on the CPU and NCCL on GPUs (one GPU per
+  rank), and sends each rank's return value back through a queue. GPU ranks are fresh interpreters
+  (``torch.multiprocessing``'s *spawn* method: a process must not fork once CUDA has started). CPU ranks are
+  forks of a *forkserver* that imported torch once (:mod:`lab.parallel.forking`), because a fresh interpreter
+  spends about 2 s of CPU importing torch, most of a short CPU launch on a small machine. A forked rank takes
+  what a spawned one inherits as it is at the launch: the caller's environment, and its file descriptors 1
+  and 2 (where the caller's output goes now, e.g. a test's capture), not the server's. Where no forkserver
+  can be used (not Linux, no server could start) or the environment differs from the server's in a variable
+  read when the interpreter starts or torch is imported (``TORCH_CPP_LOG_LEVEL``, ``OMP_NUM_THREADS``, ...),
+  CPU ranks are spawned too.
+  ``fn`` travels to the workers by pickling, i.e. by *reference* (module + name): functions and
   lambdas defined in a notebook cell are **not** picklable into a spawned process, so notebooks call
   functions that live in ``lab``.
 * **under torchrun** (``RANK``, ``WORLD_SIZE`` and ``MASTER_ADDR`` are in the environment): the launcher
@@ -47,6 +55,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lab.measure.process import describe_exit
+from lab.parallel import forking
 
 # The launcher leaves NCCL's and torch's settings to its user: a machine whose NCCL needs a switch (NVLink SHARP
 # multicast off where the fabric lacks it: NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1) gets it from
@@ -195,12 +204,15 @@ def _from_bytes(data: bytes) -> Any:
 
 
 def _worker(local: int, world: int, port: int, backend: str, device_type: str, timeout_s: float,
-            fn: Callable, args: tuple, kwargs: dict, results, first_gpu: int = 0) -> None:
+            fn: Callable, args: tuple, kwargs: dict, results, first_gpu: int = 0, env: dict | None = None,
+            std_fds: tuple[int, int] | None = None) -> None:
     global _DEVICE, _SPAWNED
     _SPAWNED = True
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(local),
-                       "LOCAL_RANK": str(local), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)})
     try:
+        if env is not None:  # forked: the server's fds 1 and 2 and environment replaced by the caller's
+            forking.inherit(std_fds, env)
+        os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(local),
+                           "LOCAL_RANK": str(local), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)})
         if device_type == "cuda":
             torch.cuda.set_device(first_gpu + local)
             _DEVICE = torch.device("cuda", first_gpu + local)
@@ -299,19 +311,26 @@ def launch(fn: Callable, world_size: int, *args, backend: str | None = None, dev
     if device_type == "cuda" and first_gpu + world_size > torch.cuda.device_count():
         raise ValueError(f"{world_size} ranks from GPU {first_gpu} need GPUs {first_gpu}-{first_gpu + world_size - 1}; "
                          f"this machine has {torch.cuda.device_count()}")
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    # not daemonic: a worker may start processes of its own (DataLoader workers, compile workers)
-    procs = [ctx.Process(target=_worker, daemon=False,
-                         args=(r, world_size, port, backend, device_type, timeout_s, fn, args, kwargs, results,
-                               first_gpu))
-             for r in range(world_size)]
-    # The children inherit this environment when they start, before they import torch.
+
+    def rank_args(r: int, port: int, results, *forked) -> tuple:
+        return (r, world_size, port, backend, device_type, timeout_s, fn, args, kwargs, results, first_gpu, *forked)
+
     defaults = {k: v for k, v in CHILD_DEFAULTS.items() if k not in os.environ}
-    with _ENV_LOCK, environment({**defaults, **(env or {})}):  # launches from threads must not interleave
-        for p in procs:
-            p.start()
+    ranks = None
+    if device_type == "cpu":
+        with _ENV_LOCK:  # launches from threads must not interleave: environment() changes os.environ for a moment
+            child_env = {**os.environ, **defaults, **(env or {})}
+            ctx = forking.context(defaults, child_env)
+        if ctx is not None:
+            try:
+                ranks = _start_ranks(ctx, world_size, lambda *a: rank_args(*a, child_env, forking.StdFds()))
+            except (OSError, EOFError):  # the server died or cannot be reached: spawn, now and from here on
+                forking.broken()
+    if ranks is None:
+        # The children inherit this environment when they start, before they import torch.
+        with _ENV_LOCK, environment({**defaults, **(env or {})}):
+            ranks = _start_ranks(mp.get_context("spawn"), world_size, rank_args)
+    results, procs = ranks
     values: dict[int, Any] = {}
     started = time.monotonic()
     try:
@@ -353,6 +372,27 @@ def launch(fn: Callable, world_size: int, *args, backend: str | None = None, dev
                 p.join()
         results.close()
     return [values[r] for r in range(world_size)]
+
+
+def _start_ranks(ctx, world_size: int, rank_args: Callable[[int, int, Any], tuple]) -> tuple:
+    """``(results, processes)``: ``world_size`` ranks of :func:`_worker` started from ``ctx`` with the
+    arguments ``rank_args(rank, port, results)`` on a fresh port; none left running if one fails to start."""
+    results = ctx.Queue()
+    port = free_port()
+    # not daemonic: a worker may start processes of its own (DataLoader workers, compile workers)
+    procs = [ctx.Process(target=_worker, daemon=False, args=rank_args(r, port, results)) for r in range(world_size)]
+    started = []
+    try:
+        for p in procs:
+            p.start()
+            started.append(p)
+    except BaseException:
+        for p in started:
+            p.kill()
+            p.join()
+        results.close()
+        raise
+    return results, procs
 
 
 def _root_cause(first: tuple, results, grace_s: float = 2.0) -> WorkerError:

@@ -1,6 +1,7 @@
 """The launcher: values come back per rank, errors come back with the worker's message, ports are reused."""
 
 import os
+import sys
 
 import pytest
 import torch
@@ -82,6 +83,59 @@ def test_spawned_ranks_get_the_users_environment_as_it_is(monkeypatch):
     assert out == [{"NCCL_NVLS_ENABLE": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": None,
                     "TORCH_CPP_LOG_LEVEL": "INFO"}] * 2
     assert os.environ["TORCH_CPP_LOG_LEVEL"] == "INFO"  # and this process's own environment is as it was
+
+
+def _forked_and_environment(names):
+    import multiprocessing.forkserver
+
+    return multiprocessing.forkserver.get_inherited_fds() is not None, _environment(names)
+
+
+# CPU ranks are forks of a forkserver on Linux (elsewhere spawned)
+FORKED = sys.platform.startswith("linux")
+
+
+def test_forked_ranks_get_the_environment_as_it_is_at_the_launch(monkeypatch):
+    """A variable set after the forkserver started (at the first launch, here or in an earlier test) reaches
+    the ranks: they take the caller's environment, not the server's."""
+    monkeypatch.delenv("LAB_TEST_LATE", raising=False)
+    names = ("LAB_TEST_LATE",)
+    out = distributed.launch(_forked_and_environment, 2, names, device="cpu")  # the server runs from here on
+    assert out == [(FORKED, {"LAB_TEST_LATE": None})] * 2
+    monkeypatch.setenv("LAB_TEST_LATE", "set after the server started")
+    out = distributed.launch(_forked_and_environment, 2, names, device="cpu")
+    assert out == [(FORKED, {"LAB_TEST_LATE": "set after the server started"})] * 2
+
+
+def test_a_variable_torch_reads_as_it_is_imported_gets_spawned_ranks():
+    """The forkserver imported torch without this variable (its name is one torch may read then): ranks that
+    must see it are fresh interpreters."""
+    out = distributed.launch(_forked_and_environment, 2, ("TORCH_LAB_TEST",), device="cpu",
+                             env={"TORCH_LAB_TEST": "1"})
+    assert out == [(False, {"TORCH_LAB_TEST": "1"})] * 2 and "TORCH_LAB_TEST" not in os.environ
+
+
+def _speaks(words):
+    """``words`` (if any) on stdout through Python and on fd 2 directly (as C++ code writes); whether this rank
+    is a fork of a forkserver."""
+    import multiprocessing.forkserver
+
+    if words:
+        print(f"{words} on stdout from rank {distributed.rank()}", flush=True)
+        os.write(2, f"{words} on fd 2 from rank {distributed.rank()}\n".encode())
+    return multiprocessing.forkserver.get_inherited_fds() is not None
+
+
+def test_ranks_write_where_the_callers_fds_1_and_2_go_at_the_launch(capfd):
+    """A forked rank's fds 1 and 2 are the caller's at the launch (here capfd's files), not the forkserver's,
+    which it inherited when it started: here, before capfd took fds 1 and 2 (capture off), or in an earlier
+    test, with that test's capture."""
+    with capfd.disabled():
+        assert distributed.launch(_speaks, 2, "", device="cpu") == [FORKED] * 2  # the server runs from here on
+    assert distributed.launch(_speaks, 2, "heard", device="cpu") == [FORKED] * 2
+    out, err = capfd.readouterr()
+    for r in (0, 1):
+        assert f"heard on stdout from rank {r}" in out and f"heard on fd 2 from rank {r}" in err
 
 
 def test_under_torchrun_the_environment_is_left_alone(monkeypatch):
