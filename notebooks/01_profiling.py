@@ -31,7 +31,7 @@ default_context = None            # the context at which the train step is also 
 dtypes = ("fp32", "bf16")         # training precisions: fp32, and bf16 autocast
 batch = 4
 warmup = None                     # untimed rounds before the timed ones: 2 (full and quick)
-steps = None                      # timed steps per mode: 6 (full and quick)
+steps = None                      # timed steps per mode: 5 (full), 6 (quick)
 warmup_size = None                # model of the warm-up study: large (full), tiny (quick)
 warmups = (0, 1, 2, 5)            # warm-up counts of the study, each in a fresh process
 cold_runs = None                  # fresh processes without warm-up (samples of the first step): 5
@@ -86,10 +86,13 @@ report.show_table(profiling.size_table(s.sizes), floatfmt=".1f")
 # round by round after untimed warm-up rounds, so they see the same machine; out-of-memory is a row
 # (`status="oom"`), not a crash. Every size and context is measured in fp32 and under bf16 autocast. The rows go
 # into the headline table `lm_step.csv` (tagged with this notebook as their source), every timed sample into
-# `01_lm_samples.csv`, and into the book's ledger: where notebook 02 (or another report) measured the same
-# configuration on the same GPU model, the two must agree within noise, or the render stops and names both
-# rows. A row whose GPU was busy for less than 80% of the step is *host-bound*: the host's kernel launches set
-# its time, so another host gives another time; the answers name such rows.
+# `01_lm_samples.csv`, and into the book's ledger. Each mode is also run once more under a kernels-only profile:
+# its *GPU time* (`fwd_gpu_ms`, ...), how long the GPU ran kernels. A row whose GPU was busy for less than 80%
+# of its wall time is *host-bound*: the host's kernel launches set its time, which moves with the host's pace
+# and load from one run to the next, on one machine too, so a comparison with it gives no verdict and states
+# the GPU times instead. Where notebook 02 (or another report) measured the same configuration on the same GPU
+# model, the GPU times must agree, and the wall times within the GPU's idle time, or the render stops and names
+# both rows.
 
 # %%
 lm = book.table("lm_step", lambda: bench.sweep_lm(s.sizes, s.contexts, s.dtypes, modes=s.modes_for, batch=s.batch,

@@ -28,7 +28,7 @@ sizes = None                      # None: every spec size (full) or tiny and min
 context = None                    # None: 512 (full) or 64 (quick)
 batch = 4
 warmup = None                     # untimed rounds before the timed ones: 2 (full and quick)
-steps = None                      # timed steps per mode: 6 (full), 7 (quick)
+steps = None                      # timed steps per mode: 5 (full), 7 (quick)
 accumulation_value = 0.01
 accumulation_count = 1000
 norm_width = 1024                 # width of the synthetic activations in the norm demo
@@ -103,12 +103,13 @@ book.answer(precision.norm_claim(norm), section="3. Why normalisation statistics
 #
 # `lab.bench.lm.sweep_lm` times the forward and forward+backward of every size in fp32 and under bf16 autocast
 # (fp32 master weights, matmuls in bf16), taking turns round by round after untimed warm-up rounds with the
-# full train step, as notebook 01 times them; a size whose backward does not fit still reports its forward. These rows are this notebook's own
-# measurements in the headline table `lm_step.csv`, and they enter the book's ledger: where notebook 01 (or
-# another report) measured the same configuration on the same GPU model, the two must agree within noise, or
-# the render stops and names both rows. A row whose GPU was busy for less than 80% of the step is *host-bound*:
-# its time is set by how fast the host launches kernels, so another host gives another time; the answer names
-# such rows.
+# full train step, as notebook 01 times them; a size whose backward does not fit still reports its forward.
+# These rows are this notebook's own measurements in the headline table `lm_step.csv`, each mode with its GPU
+# time (a kernels-only profile of one more run). A row whose GPU was busy for less than 80% of its wall time is
+# *host-bound*: how fast the host launches kernels sets its time, which moves from run to run, so bf16 against
+# fp32 there gives no verdict, and the GPU times say what bf16 changed on the GPU. The rows enter the book's
+# ledger: where notebook 01 (or another report) measured the same configuration on the same GPU model, the GPU
+# times must agree, and the wall times within the GPU's idle time, or the render stops and names both rows.
 
 # %%
 lm = book.table("lm_step", lambda: bench.sweep_lm(s.sizes, [s.context], ["fp32", "bf16"], precision.TIMED_MODES,

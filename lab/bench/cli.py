@@ -110,7 +110,8 @@ def lm_main(argv: Sequence[str] | None = None) -> int:
         # medians with their spread (lab.measure.verdicts), and whether the GPU waited for the host
         cols = ["size", "context", "batch", "dtype", "attention", "compile", "status", "fwd_ms", "fwd_spread_ms",
                 "bwd_ms", "fwdbwd_ms", "fwdbwd_spread_ms", "step_ms", "step_spread_ms", "fwd_n", "fwdbwd_n", "step_n",
-                "fwd_peak_gib", "fwdbwd_peak_gib", "step_peak_gib", "gpu_busy", "host_bound"]
+                "fwd_peak_gib", "fwdbwd_peak_gib", "step_peak_gib", "fwd_gpu_ms", "fwdbwd_gpu_ms", "step_gpu_ms",
+                "gpu_busy", "host_bound"]
         shown = df[[c for c in cols if c in df.columns]].dropna(axis=1, how="all")
         shown = shown.drop(columns=[c for c in shown if c.endswith("_n") and not shown[c].any()])  # modes not run
         print(shown.to_markdown(index=False, floatfmt=".2f"))

@@ -23,11 +23,8 @@ from lab.measure.device import available_memory_bytes, empty_cache, error_summar
 from lab.measure.process import run_python_module
 from lab.measure.profiling import gpu_kernel_ms, profile_step
 from lab.measure.step import MODES, TrainStep, make_optimizer, measure_modes, mode_columns, random_batch
-from lab.measure.verdicts import summarize
+from lab.measure.verdicts import HOST_BOUND_BELOW, summarize
 from lab.model import ModelConfig, TransformerLM, config_for
-
-#: A step whose GPU ran kernels for less than this share of its wall time was paced by the host's launches.
-HOST_BOUND_BELOW = 0.8
 
 #: The columns of ``results/lm_step.csv`` (before the provenance columns the results store adds).
 LM_STEP_COLUMNS = ["size", "context", "batch", "dtype", "attention", "compile", "fused_loss", "world_size",
@@ -78,10 +75,11 @@ def benchmark_lm(size: str | ModelConfig, context: int = 512, batch: int = 4,
     ``<m>_n`` (samples), ``<m>_samples_ms`` (every sample) and ``<m>_peak_gib`` (peak allocated GPU memory
     during that mode's steps; NaN on the CPU), with ``m`` in ``fwd``, ``fwdbwd``, ``step`` (and ``bwd_*``: the
     backward alone, timed inside the forward+backward steps); ``timer`` and ``warmup``; ``gpu_busy``, the
-    share of the largest mode's median during which the GPU ran kernels (in one more run, profiled for kernels
+    lowest share of a mode's median during which the GPU ran kernels (in one more run, profiled for kernels
     alone; NaN on the CPU)
     and ``host_bound`` (busy below :data:`HOST_BOUND_BELOW`: the GPU waited for the host's launches, so the
-    time depends on the host's CPU as much as on the GPU); ``params``; ``status`` (``ok``, or ``oom`` if any
+    time depends on the host's CPU as much as on the GPU), with ``<m>_gpu_ms``, each mode's GPU time
+    (:func:`gpu_times`); ``params``; ``status`` (``ok``, or ``oom`` if any
     mode ran out of memory: the modes that fit keep their numbers, ``error`` says which failed and
     ``limit_gib`` how much memory the device had).
     """
@@ -100,7 +98,7 @@ def benchmark_lm(size: str | ModelConfig, context: int = 512, batch: int = 4,
                params=math.nan, status="ok", error="", gpu_busy=math.nan, host_bound=False,
                limit_gib=available_memory_bytes(device) / 2**30)
     for col in [*mode_columns(MODES), "bwd"]:
-        row.update({f"{col}_ms": math.nan, f"{col}_spread_ms": math.nan, f"{col}_n": 0})
+        row.update({f"{col}_ms": math.nan, f"{col}_spread_ms": math.nan, f"{col}_n": 0, f"{col}_gpu_ms": math.nan})
         if col != "bwd":
             row[f"{col}_peak_gib"] = math.nan
     empty_cache()
@@ -166,9 +164,7 @@ def benchmark_lm(size: str | ModelConfig, context: int = 512, batch: int = 4,
     if failures:
         row.update(status="oom", error="; ".join(failures))
     elif device.type == "cuda":
-        largest = max(modes, key=MODES.index)
-        row["gpu_busy"] = gpu_busy(step, largest, row[f"{mode_columns([largest])[0]}_ms"])
-        row["host_bound"] = bool(row["gpu_busy"] < HOST_BOUND_BELOW)
+        row.update(gpu_times(step, modes, row))
     # drop every reference to the model before the next configuration is built
     model = step = runnable = None  # noqa: F841
     gc.collect()
@@ -176,13 +172,28 @@ def benchmark_lm(size: str | ModelConfig, context: int = 512, batch: int = 4,
     return row
 
 
-def gpu_busy(step: TrainStep, mode: str, wall_ms: float) -> float:
-    """The share of ``mode``'s median wall time ``wall_ms`` (timed without a profiler) during which the GPU
-    ran kernels in one more run of it, profiled for kernels alone: near 1 the step is bound by the GPU, well
-    below it the GPU waited for the host."""
-    if not wall_ms > 0:
-        return math.nan
-    return min(gpu_kernel_ms(lambda: step.run(mode), step.device) / wall_ms, 1.0)
+def gpu_times(step: TrainStep, modes: Sequence[str], row: dict) -> dict:
+    """Each timed mode's GPU time, ``<m>_gpu_ms``: how long the GPU ran kernels in one more run of it, profiled
+    for kernels alone (``bwd_gpu_ms`` is forward+backward's less the forward's); ``gpu_busy``, the lowest share
+    of a mode's median wall time (timed without a profiler) that its GPU time fills, and ``host_bound``, that
+    share below :data:`HOST_BOUND_BELOW`.
+
+    The GPU time is the part of a step that another host does not change: where the GPU waited for the host's
+    launches, the wall time moves with the host's pace and load from one run to the next, its GPU time does not
+    (the ledger compares it)."""
+    out, shares = {}, []
+    for m, col in zip(modes, mode_columns(modes)):
+        wall = row.get(f"{col}_ms", math.nan)
+        if not wall > 0:
+            continue
+        gpu = gpu_kernel_ms(lambda m=m: step.run(m), step.device)
+        out[f"{col}_gpu_ms"] = gpu
+        if math.isfinite(gpu):
+            shares.append(min(gpu / wall, 1.0))
+    if "fwd_gpu_ms" in out and "fwdbwd_gpu_ms" in out:
+        out["bwd_gpu_ms"] = max(out["fwdbwd_gpu_ms"] - out["fwd_gpu_ms"], 0.0)
+    busy = min(shares) if shares else math.nan
+    return {**out, "gpu_busy": busy, "host_bound": bool(busy < HOST_BOUND_BELOW)}
 
 
 def sweep_lm(sizes: Iterable[str | ModelConfig], contexts: Iterable[int] = (512,), dtypes: Iterable[str] = ("fp32",),

@@ -23,7 +23,7 @@ import json
 import math
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from lab.measure import verdicts as v
 
@@ -99,6 +99,14 @@ def plural(count: int, noun: str) -> str:
 # measured rows
 
 OOM = "oom"
+
+
+def _float(x) -> float:
+    """``x`` as a float, NaN where it is missing or not a number."""
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return math.nan
 #: Units of a time: a comparison of times says faster or slower, of anything else lower or higher.
 TIME_UNITS = ("ms", "s", "µs", "us", "ns")
 
@@ -114,6 +122,10 @@ class Measured:
     unit: str = "ms"
     status: str = "ok"
     limit_gib: float = math.nan
+    #: the GPU waited for the host's launches for much of this time (:data:`lab.measure.verdicts.HOST_BOUND`)
+    host_bound: bool = False
+    #: how long the GPU ran kernels within it, where profiled (NaN otherwise)
+    gpu_ms: float = math.nan
 
     @classmethod
     def of(cls, label: str, samples: Iterable[float], unit: str = "ms") -> Measured:
@@ -158,12 +170,14 @@ class Measured:
         samples = get(f"{stem}_samples_{suffix}" if suffix else f"{stem}_samples")
         if isinstance(samples, str) and samples.startswith("["):  # a list kept through a CSV file as JSON
             samples = json.loads(samples)
+        host = {"host_bound": str(get("host_bound", False)) == "True",
+                "gpu_ms": _float(get(f"{stem}_gpu_{suffix}" if suffix else f"{stem}_gpu"))}
         if isinstance(samples, (list, tuple)) and samples:
-            return cls.of(label, samples, unit)
+            return replace(cls.of(label, samples, unit), **host)
         spread = get(f"{stem}_spread_{suffix}" if suffix else f"{stem}_spread", math.nan)
         n = get(f"{stem}_n", None)
         n = get("n", 0) if n is None else n
-        return cls.summarized(label, get(column), math.nan if spread is None else spread, n or 0, unit)
+        return replace(cls.summarized(label, get(column), math.nan if spread is None else spread, n or 0, unit), **host)
 
     @property
     def ok(self) -> bool:
@@ -209,12 +223,19 @@ class Versus:
         return v.compare(a, b, not self.higher_is_better)
 
     @property
+    def host_bound(self) -> bool:
+        """A comparison of times with a host-bound side: the rule decides nothing from it."""
+        return self.subject.unit in TIME_UNITS and (self.subject.host_bound or self.reference.host_bound)
+
+    @property
     def verdict(self) -> str:
         """The rule's word (``faster``/``slower`` for times, ``lower``/``higher`` for other quantities), or
-        ``"out of memory"`` / the failure where a side did not run."""
+        ``"host-bound"``, or ``"out of memory"`` / the failure where a side did not run."""
         c = self.comparison
         if c is None:
             return next(m.text() for m in (self.subject, self.reference) if not m.ok)
+        if self.host_bound and c.verdict != v.NOT_DECIDED:
+            return v.HOST_BOUND
         if self.subject.unit not in TIME_UNITS:
             return {v.FASTER: v.LOWER, v.SLOWER: v.HIGHER}.get(c.verdict, c.verdict)
         return c.verdict
@@ -222,22 +243,31 @@ class Versus:
     @property
     def goal_met(self) -> bool | None:
         c = self.comparison
-        return None if c is None or self.goal is None else v.GoalCheck(c, self.goal).met
+        return None if c is None or self.goal is None or self.host_bound else v.GoalCheck(c, self.goal).met
 
     @property
     def goal_word(self) -> str:
-        """``"met"``, ``"missed"``, ``"undecided"``, or ``""`` without a goal."""
+        """``"met"``, ``"missed"``, ``"undecided"`` (a host-bound side's time decides no goal either), or ``""``
+        without a goal."""
         if self.goal is None:
             return ""
         if self.comparison is None:
             return "missed" if not self.subject.ok else "undecided"
-        return v.GoalCheck(self.comparison, self.goal).word
+        return "undecided" if self.host_bound else v.GoalCheck(self.comparison, self.goal).word
+
+    @property
+    def gpu_ratio(self) -> float:
+        """The ratio of the two sides' GPU times, where both were profiled (NaN otherwise)."""
+        a, b = self.subject.gpu_ms, self.reference.gpu_ms
+        return a / b if a > 0 and b > 0 else math.nan
 
     def cells(self) -> dict:
         """The comparison as table columns: ``ratio``, ``interval``, ``verdict`` (and ``goal``, ``goal_met``)."""
         c = self.comparison
         out = {"ratio": c.ratio if c else math.nan, "interval": interval(c.low, c.high) if c else "none",
                "verdict": self.verdict}
+        if self.host_bound:
+            out["gpu_ratio"] = self.gpu_ratio
         if self.goal is not None:
             out.update(goal=self.goal, goal_met=self.goal_word)
         return out
@@ -312,7 +342,7 @@ class Claim:
 # ----------------------------------------------------------------------------------------------------------
 # saying them
 
-_VERDICT_ORDER = (v.FASTER, v.HIGHER, v.WITHIN_NOISE, v.SLOWER, v.LOWER, v.NOT_DECIDED)
+_VERDICT_ORDER = (v.FASTER, v.HIGHER, v.WITHIN_NOISE, v.SLOWER, v.LOWER, v.HOST_BOUND, v.NOT_DECIDED)
 
 
 def say_versus(f: Versus) -> str:
@@ -330,6 +360,10 @@ def say_versus(f: Versus) -> str:
         elif c.verdict == v.NOT_DECIDED:
             text = (f"{a.label} against {b.label}: not decided, {plural(a.summary.n, 'sample')} and "
                     f"{number(b.summary.n)} ({number(v.MIN_SAMPLES)} needed; {medians})")
+        elif f.verdict == v.HOST_BOUND:
+            gpu = (f"; GPU time {number(a.gpu_ms, 'ms')} against {number(b.gpu_ms, 'ms')}, ratio "
+                   f"{number(f.gpu_ratio)}" if math.isfinite(f.gpu_ratio) else "")
+            text = (f"{a.label} against {b.label}: host-bound, no verdict ({medians}; {ratio}{gpu})")
         elif c.verdict == v.WITHIN_NOISE:
             text = f"{a.label} and {b.label} are within noise ({medians}; {ratio})"
         elif f.verdict == v.FASTER:

@@ -7,11 +7,18 @@ step, waiting for the host's launches), its median, spread and samples, its unit
 that measured it. Entries live in ``<results_dir>/ledger.csv``.
 
 :func:`check` compares a report's entries with every other report's entries of the same key on the same GPU
-model, and for host-bound rows on the same host CPU too (another host launches at another pace). Two entries
-agree when their medians differ by at most :data:`RUN_TO_RUN` (separate processes on one GPU model differ by
-that much: clocks, memory placement, the library's choice of algorithm), or when the rule finds them within
-noise. Entries measured on a CPU are reported, not failed: the quick book runs on shared CPUs whose times say
-nothing about GPUs.
+model. Two entries disagree only where the rule finds them apart (not within noise) *and* by more than the
+runs of one GPU model differ anyway:
+
+* their GPU times (how long the GPU ran kernels in the step, where both rows have it) differ by more than
+  :data:`RUN_TO_RUN` (clocks, memory placement, the library's choice of algorithm), or
+* their wall times differ by more than :data:`RUN_TO_RUN` plus the longer of the two rows' idle GPU time (wall
+  less GPU time): the time the GPU waited for its host, which moves with the host's pace and load from one run
+  to the next, on one machine too. A host-bound row without a GPU time is compared only with rows from the same
+  host CPU model.
+
+Entries measured on a CPU are reported, not failed: the quick book runs on shared CPUs whose times say nothing
+about GPUs.
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ KINDS: dict[str, tuple[str, ...]] = {
 }
 RUN_TO_RUN = 0.05
 COLUMNS = ["kind", "key", "source", "commit", "gpu", "host_cpu", "host_bound", "unit", "median", "spread", "n",
-           "samples", "label"]
+           "samples", "gpu_ms", "label"]
 
 
 class LedgerMismatch(ValueError):
@@ -79,11 +86,13 @@ def gpu_model(label) -> str:
     return parts[0] if len(parts) == 2 and parts[1].isdigit() else text
 
 
-def entry(kind: str, summary: v.Summary, unit: str, label: str, host_bound: bool = False, **what) -> dict:
-    """One ledger row (without its source, commit, GPU and host, which :func:`record` adds)."""
+def entry(kind: str, summary: v.Summary, unit: str, label: str, host_bound: bool = False,
+          gpu_ms: float = math.nan, **what) -> dict:
+    """One ledger row (without its source, commit, GPU and host, which :func:`record` adds); ``gpu_ms``, the
+    GPU time inside the measured wall time where it was profiled (NaN otherwise)."""
     return dict(kind=kind, key=key(kind, **what), host_bound=bool(host_bound), unit=unit, median=summary.median,
                 spread=summary.spread, n=summary.n, samples=json.dumps([round(x, 5) for x in summary.samples]),
-                label=label)
+                gpu_ms=float(gpu_ms), label=label)
 
 
 def _path(results_dir) -> Path:
@@ -114,29 +123,55 @@ def _summary(row) -> v.Summary:
     return v.Summary(float(row["median"]), float(row["spread"]), int(row["n"]), samples)
 
 
+def _finite(x) -> float:
+    try:
+        x = float(x)
+    except (TypeError, ValueError):
+        return math.nan
+    return x if math.isfinite(x) else math.nan
+
+
+def apart(a, b) -> str:
+    """Why ledger rows ``a`` and ``b`` (same key, same GPU model) disagree: ``"GPU time"``, ``"wall time"``, or
+    ``""`` where they agree (see the module docstring)."""
+    sa, sb = _summary(a), _summary(b)
+    if not (sa.median > 0 and sb.median > 0):
+        return ""
+    ga, gb = _finite(a.get("gpu_ms")), _finite(b.get("gpu_ms"))
+    both_gpu = ga > 0 and gb > 0
+    if both_gpu and abs(ga / gb - 1) > RUN_TO_RUN:
+        return "GPU time"
+    if not both_gpu and (bool(a["host_bound"]) or bool(b["host_bound"])) and a["host_cpu"] != b["host_cpu"]:
+        return ""  # another host launches at another pace, and no GPU time says what the GPU did
+    idle = max(sa.median - ga, sb.median - gb, 0.0) if both_gpu else 0.0
+    if abs(sa.median - sb.median) <= RUN_TO_RUN * max(sa.median, sb.median) + idle:
+        return ""
+    return "" if v.compare(sa, sb).verdict == v.WITHIN_NOISE else "wall time"
+
+
 def disagreements(ledger: pd.DataFrame, source: str) -> pd.DataFrame:
-    """``source``'s entries that another report measured on the same GPU model (and, host-bound, the same
-    host CPU) and that disagree with it: one row per pair, with both sides' labels, sources, commits and
-    medians, and their ratio."""
+    """``source``'s entries that another report measured on the same GPU model and that disagree with it
+    (:func:`apart`): one row per pair, with both sides' labels, sources, commits, medians and GPU times, their
+    ratio and which time disagrees."""
     if ledger.empty:
         return pd.DataFrame()
     ledger = ledger.assign(model=ledger["gpu"].map(gpu_model))
+    if "gpu_ms" not in ledger:
+        ledger = ledger.assign(gpu_ms=math.nan)
     own, others = ledger[ledger["source"] == source], ledger[ledger["source"] != source]
     rows = []
     for _, a in own.iterrows():
         same = others[(others["key"] == a["key"]) & (others["model"] == a["model"])]
         for _, b in same.iterrows():
-            if (bool(a["host_bound"]) or bool(b["host_bound"])) and a["host_cpu"] != b["host_cpu"]:
+            what = apart(a, b)
+            if not what:
                 continue
-            sa, sb = _summary(a), _summary(b)
-            ratio = sa.median / sb.median if sb.median else math.nan
-            if not math.isfinite(ratio) or abs(ratio - 1) <= RUN_TO_RUN:
-                continue
-            if v.compare(sa, sb).verdict == v.WITHIN_NOISE:
-                continue
-            rows.append(dict(kind=a["kind"], key=a["key"], gpu=a["model"], label_a=a["label"], source_a=a["source"],
-                             commit_a=a["commit"], median_a=sa.median, label_b=b["label"], source_b=b["source"],
-                             commit_b=b["commit"], median_b=sb.median, unit=a["unit"], ratio=ratio))
+            gpu = what == "GPU time"
+            ma, mb = (_finite(a["gpu_ms"]), _finite(b["gpu_ms"])) if gpu else (float(a["median"]), float(b["median"]))
+            rows.append(dict(kind=a["kind"], key=a["key"], gpu=a["model"], what=what, label_a=a["label"],
+                             source_a=a["source"], commit_a=a["commit"], median_a=ma, label_b=b["label"],
+                             source_b=b["source"], commit_b=b["commit"], median_b=mb, unit=a["unit"],
+                             ratio=ma / mb if mb else math.nan))
     return pd.DataFrame(rows)
 
 
@@ -146,9 +181,9 @@ def check(results_dir, source: str) -> list[str]:
     d = disagreements(load(results_dir), source)
     if d.empty:
         return []
-    lines = [f"{r['label_a']} in {r['source_a']} ({number(r['median_a'], r['unit'])}) against {r['label_b']} in "
-             f"{r['source_b']} ({number(r['median_b'], r['unit'])}, commit {str(r['commit_b'])[:12]}): ratio "
-             f"{number(r['ratio'])} on {r['gpu']}" for _, r in d.iterrows()]
+    lines = [f"{r['label_a']} in {r['source_a']} ({r['what']} {number(r['median_a'], r['unit'])}) against "
+             f"{r['label_b']} in {r['source_b']} ({number(r['median_b'], r['unit'])}, commit "
+             f"{str(r['commit_b'])[:12]}): ratio {number(r['ratio'])} on {r['gpu']}" for _, r in d.iterrows()]
     on_gpu = [line for line, (_, r) in zip(lines, d.iterrows()) if r["gpu"] != "cpu"]
     if on_gpu:
         raise LedgerMismatch("the same measurement disagrees between reports: " + "; ".join(on_gpu))
@@ -175,7 +210,7 @@ def lm_step_entries(table: pd.DataFrame) -> list[dict]:
             label = (f"{r['size']} at context {int(r['context'])}, {r['dtype']}, {r['attention']}"
                      f"{', compiled' if _plain(r['compile']) else ''}, {mode}")
             out.append(entry("lm_step", summary, "ms", label, bool(_plain(r.get("host_bound", False))),
-                             size=r["size"], context=r["context"], batch=r["batch"], dtype=r["dtype"],
-                             attention=r["attention"], compile=r["compile"],
+                             gpu_ms=_finite(r.get(f"{col}_gpu_ms")), size=r["size"], context=r["context"],
+                             batch=r["batch"], dtype=r["dtype"], attention=r["attention"], compile=r["compile"],
                              fused_loss=r.get("fused_loss", False), mode=col))
     return out

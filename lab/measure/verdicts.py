@@ -13,6 +13,8 @@ error, 1.2533 x spread / sqrt(n) (:func:`compare_medians`). Then:
   excludes 1 *and* the gap between the medians exceeds both sides' spread; otherwise "within noise" (a
   bootstrap over a handful of samples can exclude 1 while each side scatters by more than the gap);
 * a side with fewer than :data:`MIN_SAMPLES` samples decides nothing: "not decided";
+* a time whose GPU waited for the host's launches for much of it decides nothing either: "host-bound"
+  (:data:`HOST_BOUND`; the book then compares the GPU's own time, which the host does not move);
 * a goal ("at most 0.85x the baseline") is met where the whole interval lies within it, missed where the
   whole interval lies beyond it, and undecided otherwise, or where either side's spread covers the gap
   between the subject and the value the goal allows.
@@ -33,12 +35,21 @@ MIN_SAMPLES = 5
 #: The standard error of a median is about this many times the standard error of a mean (normal samples).
 MEDIAN_SE_FACTOR = 1.2533
 
+#: A comparison of times where a side's GPU waited for the host's launches for much of it: the host's pace and
+#: load set that time, which moves from one run to the next, so it decides neither faster nor slower.
+HOST_BOUND = "host-bound"
+#: A time whose GPU ran kernels for less than this share of it was paced by the host's launches: host-bound.
+HOST_BOUND_BELOW = 0.8
+
 RULE = (f"A timing is the median of its samples, with its spread (1.4826 x the median absolute deviation, a "
         f"standard deviation that one outlier cannot inflate). Two timings compare by the ratio of their medians "
         f"with a {CONFIDENCE:.0%} interval: *faster* or *slower* only where the interval excludes 1 and the gap "
         f"between the medians exceeds both sides' spread, *within noise* otherwise, and *not decided* where a "
-        f"side has fewer than {MIN_SAMPLES} samples. A goal is *met* where the whole interval lies within it, "
-        f"*missed* where the whole interval lies beyond it and the gap exceeds both spreads, *undecided* otherwise.")
+        f"side has fewer than {MIN_SAMPLES} samples; *host-bound* where a side's GPU sat idle, waiting for the "
+        f"host's launches, for more than {1 - HOST_BOUND_BELOW:.0%} of its time (the host's pace and load set such "
+        f"a time, and it moves from run to run: its GPU time is given instead). A goal is *met* where the whole "
+        f"interval lies within it, *missed* where the whole interval lies beyond it and the gap exceeds both "
+        f"spreads, *undecided* otherwise.")
 
 #: Verdict words: times (lower is better) and other quantities (higher is better).
 FASTER, SLOWER, HIGHER, LOWER = "faster", "slower", "higher", "lower"

@@ -2,6 +2,7 @@
 
 import math
 import statistics
+import types
 
 import pandas as pd
 import pytest
@@ -122,3 +123,27 @@ def test_a_mode_predicted_beyond_the_device_is_not_attempted(monkeypatch):
                              device="cpu")
     assert row["status"] == "oom" and row["error"].startswith("train_step: not attempted: needs about")
     assert row["fwd_n"] == 3 and math.isnan(row["step_ms"]) and row["step_n"] == 0
+
+
+def test_gpu_times_name_the_most_host_bound_mode(monkeypatch):
+    # each mode's GPU time comes from one profiled run of it; the row's busy share is its lowest
+    kernels = {"forward": 3.0, "forward_backward": 9.0, "train_step": 11.0}
+    calls = []
+
+    def fake(run, device):
+        calls.append(run)
+        return kernels[calls[-1].__defaults__[0]]
+
+    monkeypatch.setattr(bench, "gpu_kernel_ms", fake)
+    step = types.SimpleNamespace(device=torch.device("cuda"), run=lambda mode: None)
+    row = dict(fwd_ms=10.0, fwdbwd_ms=10.0, step_ms=12.0)
+    out = bench.gpu_times(step, ("forward", "forward_backward", "train_step"), row)
+    assert (out["fwd_gpu_ms"], out["fwdbwd_gpu_ms"], out["step_gpu_ms"]) == (3.0, 9.0, 11.0) and len(calls) == 3
+    assert out["bwd_gpu_ms"] == 6.0 and out["gpu_busy"] == pytest.approx(0.3) and out["host_bound"] is True
+    kernels["forward"] = 9.5
+    out = bench.gpu_times(step, ("forward", "forward_backward", "train_step"), row)
+    assert out["gpu_busy"] == pytest.approx(0.9) and out["host_bound"] is False
+    # a mode that was not timed (out of memory) is not profiled; a profile that saw no kernel is no share
+    kernels["forward"] = math.nan
+    out = bench.gpu_times(step, ("forward", "forward_backward"), dict(fwd_ms=10.0, fwdbwd_ms=math.nan))
+    assert math.isnan(out["fwd_gpu_ms"]) and "fwdbwd_gpu_ms" not in out and math.isnan(out["gpu_busy"])

@@ -140,11 +140,11 @@ def test_ledger_keys_are_what_was_measured():
     assert ledger.gpu_model("NVIDIA H100 80GB HBM3 x2") == "NVIDIA H100 80GB HBM3"
 
 
-def _entry(ms, spread=0.5, n=8, host_bound=False, **over):
+def _entry(ms, spread=0.5, n=8, host_bound=False, gpu_ms=math.nan, **over):
     what = dict(size="small", context=512, batch=4, dtype="bf16", attention="sdpa", compile=False, fused_loss=False,
                 mode="fwdbwd") | over
     samples = _samples(ms, spread, n)
-    return ledger.entry("lm_step", v.summarize(samples), "ms", f"small fwd+bwd {ms}", host_bound, **what)
+    return ledger.entry("lm_step", v.summarize(samples), "ms", f"small fwd+bwd {ms}", host_bound, gpu_ms, **what)
 
 
 def _prov(gpu="NVIDIA H100 80GB HBM3", cpu="Xeon A", commit="c1"):
@@ -212,3 +212,23 @@ def test_verdict_table_refuses_keys_that_hide_its_columns():
     assert row["verdict"] == "faster" and row["against"] == f.reference.text()
     with pytest.raises(ValueError, match="verdict"):
         cl.verdict_table([({"verdict": "mine"}, f)])
+
+
+def test_host_bound_rows_agree_by_their_gpu_time_and_their_walls_within_the_idle_time(tmp_path):
+    # one H200, minutes apart: a host-bound bf16 forward took 106 ms, then 73 ms; its GPU time was 44 ms both times;
+    # a partly host-bound fp32 step: 54.3 ms with 8.4 ms idle against 49.7 ms with 3.8 ms idle; GPU 45.9 both
+    ledger.record([_entry(106.0, spread=1.0, host_bound=True, gpu_ms=44.0),
+                   _entry(54.3, spread=0.3, gpu_ms=45.9, mode="step")], tmp_path, "01_profiling", _prov())
+    ledger.record([_entry(73.0, spread=1.0, host_bound=True, gpu_ms=44.3),
+                   _entry(49.7, spread=0.3, gpu_ms=45.9, mode="step")], tmp_path, "02_mixed_precision", _prov())
+    assert ledger.check(tmp_path, "02_mixed_precision") == []
+    # the GPU did 10% more work in one report: that does not depend on the host, on any host CPU
+    ledger.record([_entry(73.0, spread=1.0, host_bound=True, gpu_ms=48.4)], tmp_path, "04_attention",
+                  _prov(cpu="Xeon B"))
+    with pytest.raises(ledger.LedgerMismatch, match="GPU time"):
+        ledger.check(tmp_path, "04_attention")
+    # walls 20% apart where one row's GPU time is unknown: no idle time explains it, the wall time disagrees
+    ledger.record([_entry(100.0, spread=0.3, gpu_ms=98.0, mode="fwd")], tmp_path, "03_memory", _prov())
+    ledger.record([_entry(120.0, spread=0.3, mode="fwd")], tmp_path, "05_flash", _prov())
+    d = ledger.disagreements(ledger.load(tmp_path), "05_flash")
+    assert list(d["what"]) == ["wall time"] and d.iloc[0]["ratio"] == pytest.approx(1.2, rel=0.01)

@@ -13,16 +13,16 @@ import matplotlib.pyplot as plt
 import pandas as pd
 from torch import nn
 
-from lab.bench.lm import HOST_BOUND_BELOW
 from lab.book import claims as cl
 from lab.book import report
 from lab.measure.device import resolve_device
 from lab.measure.numerics import half_ulp
 from lab.measure.results import measured_on
+from lab.measure.verdicts import HOST_BOUND_BELOW
 from lab.model import MODEL_SIZES
 
 QUICK = dict(sizes=("tiny", "mini"), context=64, warmup=2, steps=7)
-FULL = dict(sizes=tuple(MODEL_SIZES), context=512, warmup=2, steps=6)
+FULL = dict(sizes=tuple(MODEL_SIZES), context=512, warmup=2, steps=5)
 
 
 @dataclass(frozen=True)
@@ -185,7 +185,8 @@ MODES = (("fwd_ms", "forward"), ("fwdbwd_ms", "forward+backward"))
 #: measure these rows alike (the ledger compares them); the train step itself is not compared here.
 TIMED_MODES = ("forward", "forward_backward", "train_step")
 SHOWN = ["size", "context", "dtype", "status", "params", "fwd_ms", "fwd_spread_ms", "fwdbwd_ms", "fwdbwd_spread_ms",
-         "bwd_ms", "bwd_spread_ms", "fwdbwd_n", "fwd_peak_gib", "fwdbwd_peak_gib", "gpu_busy", "host_bound"]
+         "bwd_ms", "bwd_spread_ms", "fwdbwd_n", "fwd_peak_gib", "fwdbwd_peak_gib", "fwd_gpu_ms", "fwdbwd_gpu_ms",
+         "gpu_busy", "host_bound"]
 
 
 def timing_table(lm: pd.DataFrame) -> pd.DataFrame:

@@ -16,19 +16,19 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from lab.accounting import parameter_count
-from lab.bench.lm import HOST_BOUND_BELOW
 from lab.book import claims as cl
 from lab.book import report
 from lab.measure.device import resolve_device
 from lab.measure.results import measured_on
 from lab.measure.step import MODES
+from lab.measure.verdicts import HOST_BOUND_BELOW
 from lab.model import MODEL_SIZES, config_for
 
 # two warm-up rounds: the quick render's comparisons see no cold start; five cold processes: the first step
 # has the samples a verdict needs
 QUICK = dict(sizes=("tiny", "mini"), contexts=(32, 64), default_context=64, warmup=2, steps=6, warmup_size="tiny",
              cold_runs=5, profile_size="mini", profile_context=64)
-FULL = dict(sizes=tuple(MODEL_SIZES), contexts=(128, 256, 512, 1024), default_context=512, warmup=2, steps=6,
+FULL = dict(sizes=tuple(MODEL_SIZES), contexts=(128, 256, 512, 1024), default_context=512, warmup=2, steps=5,
             warmup_size="large", cold_runs=5, profile_size="2.7B", profile_context=512)
 
 
@@ -98,7 +98,8 @@ def size_table(sizes: Sequence[str]) -> pd.DataFrame:
 
 PHASES = {"fwd": "forward", "bwd": "backward", "fwdbwd": "forward+backward", "step": "train step"}
 SHOWN = ["size", "context", "dtype", "status", "params", *(f"{p}_{c}" for p in PHASES for c in ("ms", "spread_ms")),
-         "fwd_n", "fwd_peak_gib", "fwdbwd_peak_gib", "step_peak_gib", "gpu_busy", "host_bound"]
+         "fwd_n", "fwd_peak_gib", "fwdbwd_peak_gib", "step_peak_gib", "fwd_gpu_ms", "fwdbwd_gpu_ms", "step_gpu_ms",
+         "gpu_busy", "host_bound"]
 
 
 def timing_table(lm: pd.DataFrame) -> pd.DataFrame:

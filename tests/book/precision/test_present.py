@@ -130,8 +130,8 @@ def _row(size, dtype, fwd, fwdbwd, params, **extra):
 
 def _lm(device="cuda:0"):
     return pd.DataFrame([_row("large", "fp32", 40.0, 120.0, 1e9), _row("large", "bf16", 10.0, 30.0, 1e9),
-                         _row("small", "fp32", 4.0, 12.0, 1e8),
-                         _row("small", "bf16", 4.0, 12.5, 1e8, gpu_busy=0.4, host_bound=True),
+                         _row("small", "fp32", 4.0, 12.0, 1e8, fwd_gpu_ms=3.8),
+                         _row("small", "bf16", 4.0, 12.5, 1e8, gpu_busy=0.4, host_bound=True, fwd_gpu_ms=1.5),
                          _row("huge", "fp32", 0, 0, 1e10, status="oom", limit_gib=79.2),
                          _row("huge", "bf16", 300.0, 0, 1e10, status="oom", limit_gib=79.2)]).assign(device=device)
 
@@ -142,12 +142,16 @@ def test_dtype_comparisons_follow_the_rule_and_count_every_size():
     by = {(k["size"], k["mode"]): f for k, f in pairs}
     assert by[("large", "forward+backward")].verdict == "faster"
     assert by[("large", "forward+backward")].comparison.ratio == pytest.approx(0.25)
-    assert by[("small", "forward")].verdict == "within noise"
+    # the host's launches paced the small bf16 row: its time decides nothing, its GPU time is compared instead
+    assert by[("small", "forward")].verdict == "host-bound" and by[("small", "forward")].goal_met is None
+    assert by[("small", "forward")].gpu_ratio == pytest.approx(1.5 / 3.8)
+    assert math.isnan(by[("small", "forward+backward")].gpu_ratio)  # not profiled in this table
     assert by[("huge", "forward")].verdict == "out of memory at 79 GiB"  # the fp32 side did not fit
     claim = precision.speedup_claim(pairs, _lm())
     tallies = [f for f in claim.findings if isinstance(f, cl.Tally)]
     fb = tallies[0].counts()
     assert sum(fb.values()) == 3 and fb["faster"] == 1 and fb["out of memory at 79 GiB"] == 1
+    assert fb["host-bound"] == 1
     ends = [f for f in claim.findings if isinstance(f, cl.Versus)]
     assert [f.subject.label for f in ends] == ["bf16 autocast, small, forward+backward",
                                                "bf16 autocast, large, forward+backward"]
