@@ -132,7 +132,10 @@ def test_gpu_times_name_the_most_host_bound_mode(monkeypatch):
 
     def fake(run, device):
         calls.append(run)
-        return kernels[calls[-1].__defaults__[0]]
+        got = kernels[calls[-1].__defaults__[0]]
+        if isinstance(got, Exception):
+            raise got
+        return got
 
     monkeypatch.setattr(bench, "gpu_kernel_ms", fake)
     step = types.SimpleNamespace(device=torch.device("cuda"), run=lambda mode: None)
@@ -143,6 +146,10 @@ def test_gpu_times_name_the_most_host_bound_mode(monkeypatch):
     kernels["forward"] = 9.5
     out = bench.gpu_times(step, ("forward", "forward_backward", "train_step"), row)
     assert out["gpu_busy"] == pytest.approx(0.9) and out["host_bound"] is False
+    # a profile that runs out of memory leaves its mode without a GPU time, and the sweep goes on
+    kernels["forward"] = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 192.00 MiB")
+    out = bench.gpu_times(step, ("forward", "forward_backward"), row)
+    assert math.isnan(out["fwd_gpu_ms"]) and out["fwdbwd_gpu_ms"] == 9.0 and out["gpu_busy"] == pytest.approx(0.9)
     # a mode that was not timed (out of memory) is not profiled; a profile that saw no kernel is no share
     kernels["forward"] = math.nan
     out = bench.gpu_times(step, ("forward", "forward_backward"), dict(fwd_ms=10.0, fwdbwd_ms=math.nan))
