@@ -349,9 +349,9 @@ def render(profile: str = "quick", only: Sequence[str] | None = None, html: bool
 
     ``resume``: a notebook whose report this commit already rendered is kept; any other reads back the tables
     that this commit already measured for it on this machine's kind (:func:`lab.measure.results.measured_by`;
-    its ``replay`` parameter), and measures the rest: a render stopped by a time limit continues where it
-    stopped, every table still from one commit and one kind of machine, and the report's banner names the
-    tables read back."""
+    its ``replay`` parameter), and measures the rest, a sweep from the row its stopped call reached
+    (:meth:`lab.book.report.Chapter.rows`): a render stopped by a time limit continues where it stopped, every
+    table still from one commit and one kind of machine, and the report names the tables and rows read back."""
     prof = PROFILES[profile]
     reports = paths.resolve(prof.reports_dir)
     params = {**prof.parameters(), **(extra_parameters or {})}
@@ -371,8 +371,8 @@ def render(profile: str = "quick", only: Sequence[str] | None = None, html: bool
         print(f"[render:{profile}] {nb.name} ...", flush=True)
         if resume and "replay" in notebook_parameters(nb):
             done_before = store.measured_by(nb.stem, store.git_commit(), prof.results_dir)
+            own["replay"] = done_before  # a list, even empty: the notebook also takes back its sweeps' logged rows
             if done_before:
-                own["replay"] = done_before
                 print(f"[render:{profile}] {nb.stem} reads back what this commit measured here: "
                       f"{', '.join(done_before)}", flush=True)
         out = run_notebook(nb, reports / nb.name, own, log_output=log_output, label=f"[render:{profile}] {nb.stem}")

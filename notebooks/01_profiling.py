@@ -92,11 +92,13 @@ report.show_table(profiling.size_table(s.sizes), floatfmt=".1f")
 # and load from one run to the next, on one machine too, so a comparison with it gives no verdict and states
 # the GPU times instead. Where notebook 02 (or another report) measured the same configuration on the same GPU
 # model, the GPU times must agree, and the wall times within the GPU's idle time, or the render stops and names
-# both rows.
+# both rows. Each row is logged as it is measured (`book.rows`), so a render that a time limit stops continues
+# at the next row when resumed at the same commit on the same kind of machine (`lab.render --resume`).
 
 # %%
 lm = book.table("lm_step", lambda: bench.sweep_lm(s.sizes, s.contexts, s.dtypes, modes=s.modes_for, batch=s.batch,
-                                                  warmup=s.warmup, steps=s.steps, device=s.device),
+                                                  warmup=s.warmup, steps=s.steps, device=s.device,
+                                                  log=book.rows("lm_step")),
                 save=bench.lm_step_table)
 lm = bench.with_samples(lm, book.table("01_lm_samples", lambda: bench.samples_long(lm)))
 book.ledger(ledger.lm_step_entries(lm), table="lm_step")

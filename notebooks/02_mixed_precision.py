@@ -113,7 +113,8 @@ book.answer(precision.norm_claim(norm), section="3. Why normalisation statistics
 
 # %%
 lm = book.table("lm_step", lambda: bench.sweep_lm(s.sizes, [s.context], ["fp32", "bf16"], precision.TIMED_MODES,
-                                                  batch=s.batch, warmup=s.warmup, steps=s.steps, device=s.device),
+                                                  batch=s.batch, warmup=s.warmup, steps=s.steps, device=s.device,
+                                                  log=book.rows("lm_step")),
                 save=bench.lm_step_table)
 lm = bench.with_samples(lm, book.table("02_lm_samples", lambda: bench.samples_long(lm)))
 book.ledger(ledger.lm_step_entries(lm), table="lm_step")

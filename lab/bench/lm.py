@@ -22,6 +22,7 @@ from lab.dtypes import autocast_dtype
 from lab.measure.device import available_memory_bytes, empty_cache, error_summary, is_oom, resolve_device
 from lab.measure.process import run_python_module
 from lab.measure.profiling import gpu_kernel_ms, profile_step
+from lab.measure.results import RowLog
 from lab.measure.step import MODES, TrainStep, make_optimizer, measure_modes, mode_columns, random_batch
 from lab.measure.verdicts import HOST_BOUND_BELOW, summarize
 from lab.model import ModelConfig, TransformerLM, config_for
@@ -210,10 +211,12 @@ def gpu_times(step: TrainStep, modes: Sequence[str], row: dict) -> dict:
 
 def sweep_lm(sizes: Iterable[str | ModelConfig], contexts: Iterable[int] = (512,), dtypes: Iterable[str] = ("fp32",),
              modes: Sequence[str] | Callable[[str, int], Sequence[str]] = ("forward", "forward_backward"),
-             progress: bool = True, **kwargs) -> pd.DataFrame:
+             progress: bool = True, log: RowLog | None = None, **kwargs) -> pd.DataFrame:
     """:func:`benchmark_lm` over every size x context x dtype, one row each, with a tqdm progress bar.
 
-    ``modes`` may be a function of (size, context), e.g. to add the train step at one context only.
+    ``modes`` may be a function of (size, context), e.g. to add the train step at one context only. ``log``
+    (:class:`lab.measure.results.RowLog`): each row is logged as it is measured, and a row the log already holds
+    (a resumed render's earlier call, same commit and machine kind) is taken from it, not measured again.
     """
     grid = [(s, c, d) for s in sizes for c in contexts for d in dtypes]
     rows = []
@@ -221,7 +224,13 @@ def sweep_lm(sizes: Iterable[str | ModelConfig], contexts: Iterable[int] = (512,
     for s, c, d in bar:
         bar.set_postfix_str(f"{s} ctx={c} {d}")
         m = modes(s, c) if callable(modes) else modes
-        rows.append(benchmark_lm(s, context=c, dtype=d, modes=m, **kwargs))
+        key = dict(size=str(s), context=c, dtype=d, modes=list(m), **{k: str(v) for k, v in kwargs.items()})
+        row = log.get(key) if log is not None else None
+        if row is None:
+            row = benchmark_lm(s, context=c, dtype=d, modes=m, **kwargs)
+            if log is not None:
+                log.put(key, row)
+        rows.append(row)
     return pd.DataFrame(rows)
 
 

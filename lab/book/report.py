@@ -23,6 +23,7 @@ from typing import Any
 
 import pandas as pd
 
+from lab import paths
 from lab.book import claims as cl
 from lab.book import ledger as book_ledger
 from lab.measure import machine
@@ -134,6 +135,10 @@ class Chapter:
             raise ValueError(f"replay must be True, False or a list of table names, got {replay!r}")
         self.notebook, self.params, self.results_dir = notebook, dict(params), results_dir
         self.replay = replay if isinstance(replay, bool) else list(replay)
+        # a list, even empty, is what a resumed render passes (lab.render --resume): rows that its earlier call
+        # logged before a time limit stopped it are taken back (:meth:`rows`)
+        self.resuming = isinstance(replay, (list, tuple))
+        self._logs: dict[str, store.RowLog] = {}
         self.answers: list[tuple[str, str, str | None]] = []
         self._answers_id = f"answers-{notebook}"
         # what else ran when the render started; a render that only reads tables back times nothing
@@ -228,13 +233,27 @@ class Chapter:
             earlier = _carried_provenance(carried, self.provenance(name))
             params = {**self.params, "carried": {"rows": int(len(carried)), "measured_on": earlier}}
         df = measure()
+        log = self._logs.pop(name, None)
+        if log is not None and log.reused:
+            say(f"*`{name}`: {log.reused} of its rows were measured by this render's earlier call (this commit, this "
+                "kind of machine), which a time limit stopped; the rest in this call.*")
         saved = save(df) if save else df
         if carried is not None and len(carried):
             say(f"*`{name}`: {len(carried)} of its rows are read back, not measured in this render: measured on "
                 f"{_lines(earlier)}.*")
             saved, df = pd.concat([carried, saved], ignore_index=True), pd.concat([carried, df], ignore_index=True)
         store.save_results(saved, name, self.results_dir, params, source=self.notebook)
+        if log is not None:
+            log.close()
         return df
+
+    def rows(self, name: str) -> store.RowLog:
+        """The row log of table ``name``'s sweep (:class:`lab.measure.results.RowLog`, under
+        ``<results_dir>/partial/``): rows are logged as they are measured, and a resumed render takes back those
+        its earlier call measured (said beside the table). Removed once the table is saved."""
+        path = paths.resolve(self.results_dir) / "partial" / self.notebook / f"{name}.jsonl"
+        self._logs[name] = store.RowLog(path, reuse=self.resuming)
+        return self._logs[name]
 
     def provenance(self, name: str, source: str | None = None) -> dict:
         """Provenance of ``name``'s rows from ``source`` (default: this notebook)."""

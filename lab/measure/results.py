@@ -112,6 +112,8 @@ def _jsonable(obj: Any) -> Any:
         return [_jsonable(v) for v in obj]
     if isinstance(obj, (str, int, float, bool)) or obj is None:
         return obj
+    if hasattr(obj, "item") and getattr(obj, "ndim", None) == 0:  # a numpy or torch scalar
+        return obj.item()
     return str(obj)
 
 
@@ -225,3 +227,62 @@ def provenance_line(meta: dict) -> str:
     gpu = f"{meta.get('gpu_count')} x {meta.get('gpu_name')}" if meta.get("gpu_count") else "CPU"
     return (f"{gpu}, torch {meta.get('torch')}, triton {meta.get('triton')}, commit {meta.get('commit')}, "
             f"{str(meta.get('date', ''))[:10]}")
+
+
+class RowLog:
+    """The rows of a sweep measured so far, one JSON line each, so that a render stopped by a time limit in the
+    middle of a long sweep continues at the next row rather than at the first.
+
+    A row is kept with its key (what the sweep measured: size, context, ...) and a stamp of who measured it: the
+    commit and this machine's kind (GPU model and count). :meth:`get` returns a row only to a log opened with
+    ``reuse`` (a resumed render) and only where the commit is clean and the stamp is this machine's; a log
+    opened without it starts empty. The table, once saved, makes the log unnecessary: :meth:`close` removes it.
+    """
+
+    def __init__(self, path: str | os.PathLike, reuse: bool = False, here: dict | None = None):
+        self.path = Path(path)
+        here = here or provenance()
+        self.stamp = {"commit": here.get("commit"), "gpu_name": here.get("gpu_name"),
+                      "gpu_count": here.get("gpu_count")}
+        clean = bool(re.fullmatch(r"[0-9a-f]{40}", str(self.stamp["commit"])))
+        self._kept: dict[str, dict] = {}
+        if reuse and clean and self.path.exists():
+            for line in self.path.read_text().splitlines():
+                try:
+                    entry = json.loads(line)
+                except ValueError:  # a line cut short when the render was stopped
+                    continue
+                if entry.get("stamp") == self.stamp:
+                    self._kept[entry["key"]] = entry["row"]
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text("".join(json.dumps({"key": k, "stamp": self.stamp, "row": r}) + "\n"
+                                     for k, r in self._kept.items()))
+        #: how many rows :meth:`get` handed back (said beside the table)
+        self.reused = 0
+
+    @staticmethod
+    def _key(key: dict) -> str:
+        return json.dumps(_jsonable(key), sort_keys=True)
+
+    def get(self, key: dict) -> dict | None:
+        """The row measured earlier for ``key`` by this commit on this kind of machine, or None."""
+        row = self._kept.get(self._key(key))
+        if row is not None:
+            self.reused += 1
+        return row
+
+    def put(self, key: dict, row: dict) -> None:
+        """Log one measured row (appended at once: a stop after it keeps it)."""
+        k = self._key(key)
+        self._kept[k] = _jsonable(row)
+        with self.path.open("a") as f:
+            f.write(json.dumps({"key": k, "stamp": self.stamp, "row": self._kept[k]}) + "\n")
+
+    def close(self) -> None:
+        """Remove the log (its table is saved), and its folders where they are left empty."""
+        self.path.unlink(missing_ok=True)
+        for folder in (self.path.parent, self.path.parent.parent):
+            try:
+                folder.rmdir()
+            except OSError:  # another log is still there
+                break

@@ -154,3 +154,23 @@ def test_gpu_times_name_the_most_host_bound_mode(monkeypatch):
     kernels["forward"] = math.nan
     out = bench.gpu_times(step, ("forward", "forward_backward"), dict(fwd_ms=10.0, fwdbwd_ms=math.nan))
     assert math.isnan(out["fwd_gpu_ms"]) and "fwdbwd_gpu_ms" not in out and math.isnan(out["gpu_busy"])
+
+
+def test_a_sweep_takes_back_the_rows_its_log_holds(tmp_path, monkeypatch):
+    from lab.measure.results import RowLog
+
+    here = {"commit": "c" * 40, "gpu_name": None, "gpu_count": 0}
+    log = RowLog(tmp_path / "lm_step.jsonl", here=here)
+    first = bench.sweep_lm([TINY], contexts=[8, 16], warmup=1, steps=1, device="cpu", progress=False, log=log)
+    measured = []
+    real = bench.benchmark_lm
+    monkeypatch.setattr(bench, "benchmark_lm", lambda *a, **k: measured.append(k["context"]) or real(*a, **k))
+    again = RowLog(tmp_path / "lm_step.jsonl", reuse=True, here=here)
+    df = bench.sweep_lm([TINY], contexts=[8, 16, 32], warmup=1, steps=1, device="cpu", progress=False, log=again)
+    assert measured == [32] and again.reused == 2  # only the row the earlier call did not reach
+    assert df["fwd_ms"].iloc[:2].tolist() == first["fwd_ms"].tolist()
+    assert df["fwd_samples_ms"].iloc[0] == first["fwd_samples_ms"].iloc[0]
+    # another warm-up count is another measurement: nothing taken back
+    other = RowLog(tmp_path / "lm_step.jsonl", reuse=True, here=here)
+    bench.sweep_lm([TINY], contexts=[8], warmup=2, steps=1, device="cpu", progress=False, log=other)
+    assert other.reused == 0

@@ -146,3 +146,40 @@ def test_tables_print_floats_as_prose_does_and_keep_other_formats():
     assert rows[1][1].endswith(":") and rows[1][0].startswith(":")  # numbers right-aligned, text left
     fixed = report.table_text(df, ".2f")
     assert "5236.69" in fixed and "12510.30" in fixed  # a fixed-point format is tabulate's, unchanged
+
+
+def test_a_resumed_render_takes_back_the_rows_its_stopped_call_logged(tmp_path, monkeypatch, capsys):
+    from lab.measure import results as store
+
+    here = {"commit": "d" * 40, "gpu_name": "NVIDIA H200", "gpu_count": 1, "host_cpu": "x", "torch": "2",
+            "gpu": "NVIDIA H200"}
+    monkeypatch.setattr(store, "provenance", lambda params=None: {**here, "params": params or {}})
+
+    def sweep(log, stop_after=None):
+        rows = []
+        for size in ("small", "xl"):
+            row = log.get({"size": size})
+            if row is None:
+                if size == stop_after:
+                    raise KeyboardInterrupt("the call's time limit")
+                row = {"size": size, "ms": float(len(size))}
+                log.put({"size": size}, row)
+            rows.append(row)
+        return pd.DataFrame(rows)
+
+    first = report.Chapter("01_profiling", {}, str(tmp_path), replay=[])  # what lab.render --resume passes
+    with pytest.raises(KeyboardInterrupt):
+        first.table("lm_step", lambda: sweep(first.rows("lm_step"), stop_after="xl"))
+    log = tmp_path / "partial" / "01_profiling" / "lm_step.jsonl"
+    assert log.exists()
+    plain = report.Chapter("01_profiling", {}, str(tmp_path))  # a render that is not resumed measures it all
+    assert plain.rows("lm_step").get({"size": "small"}) is None
+    # and its log starts empty: stop once more after the small row, then resume
+    with pytest.raises(KeyboardInterrupt):
+        first.table("lm_step", lambda: sweep(first.rows("lm_step"), stop_after="xl"))
+    capsys.readouterr()
+    resumed = report.Chapter("01_profiling", {}, str(tmp_path), replay=[])
+    df = resumed.table("lm_step", lambda: sweep(resumed.rows("lm_step")))
+    assert df["size"].tolist() == ["small", "xl"] and not log.exists()  # saved: the log is gone
+    (note,) = [line for line in capsys.readouterr().out.splitlines() if "earlier call" in line]
+    assert numbers(note) == [1]

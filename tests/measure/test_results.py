@@ -124,3 +124,26 @@ def test_measured_by_names_the_tables_this_commit_measured_on_this_kind_of_machi
     assert results.measured_by("02_mixed_precision", "a" * 40, tmp_path, here=h200) == []  # 02's rows: commit b
     assert results.measured_by("01_profiling", "a" * 40, tmp_path, here={**h200, "gpu_count": 2}) == []
     assert results.measured_by("01_profiling", "a" * 40 + "+dirty", tmp_path, here=h200) == []
+
+
+def test_a_row_log_gives_back_only_this_commit_and_machine_kinds_rows_and_only_when_resuming(tmp_path):
+    here = {"commit": "a" * 40, "gpu_name": "NVIDIA H200", "gpu_count": 1}
+    path = tmp_path / "partial" / "01_profiling" / "lm_step.jsonl"
+    log = results.RowLog(path, here=here)
+    log.put({"size": "small", "context": 512}, {"fwd_ms": 17.9, "samples": [1.0, 2.0], "oom": float("nan")})
+    log.put({"size": "xl", "context": 512}, {"fwd_ms": 106.0})
+    with path.open("a") as f:
+        f.write('{"key": "cut sh')  # the line a stopped render was writing
+    again = results.RowLog(path, reuse=True, here=here)
+    row = again.get({"context": 512, "size": "small"})  # keys compare as data, in any order
+    assert row["fwd_ms"] == 17.9 and row["samples"] == [1.0, 2.0] and row["oom"] != row["oom"]
+    assert again.get({"size": "large", "context": 512}) is None and again.reused == 1
+    assert results.RowLog(path, reuse=True, here={**here, "gpu_count": 2}).get({"size": "xl", "context": 512}) is None
+    # that log, opened on another kind of machine, kept none of the rows; a fresh render's log starts empty
+    results.RowLog(path, here=here).put({"size": "xl", "context": 512}, {"fwd_ms": 99.0})
+    dirty = results.RowLog(path, reuse=True, here={**here, "commit": "a" * 40 + "+dirty"})
+    assert dirty.get({"size": "xl", "context": 512}) is None  # a dirty tree's rows are no commit's
+    fresh = results.RowLog(path, here=here)
+    assert results.RowLog(path, reuse=True, here=here).get({"size": "xl", "context": 512}) is None
+    fresh.close()
+    assert not path.exists()
