@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from lab.measure import verdicts as v
@@ -101,7 +101,7 @@ def plural(count: int, noun: str) -> str:
 OOM = "oom"
 
 
-def _float(x) -> float:
+def as_float(x) -> float:
     """``x`` as a float, NaN where it is missing or not a number."""
     try:
         return float(x)
@@ -171,7 +171,7 @@ class Measured:
         if isinstance(samples, str) and samples.startswith("["):  # a list kept through a CSV file as JSON
             samples = json.loads(samples)
         host = {"host_bound": str(get("host_bound", False)) == "True",
-                "gpu_ms": _float(get(f"{stem}_gpu_{suffix}" if suffix else f"{stem}_gpu"))}
+                "gpu_ms": as_float(get(f"{stem}_gpu_{suffix}" if suffix else f"{stem}_gpu"))}
         if isinstance(samples, (list, tuple)) and samples:
             return replace(cls.of(label, samples, unit), **host)
         spread = get(f"{stem}_spread_{suffix}" if suffix else f"{stem}_spread", math.nan)
@@ -343,6 +343,14 @@ class Claim:
 # saying them
 
 _VERDICT_ORDER = (v.FASTER, v.HIGHER, v.WITHIN_NOISE, v.SLOWER, v.LOWER, v.HOST_BOUND, v.NOT_DECIDED)
+
+
+def host_bound_shares(rows: Iterable, label: Callable[..., str]) -> list[Finding]:
+    """Of a GPU's rows (each with ``host_bound`` and ``gpu_busy``): the GPU's busy share of each host-bound one
+    (the host's launches set its time, so another run or host gives another), or that none was."""
+    return [Share(f"GPU busy during {label(r)} (host-bound)", r["gpu_busy"], 1.0) for r in rows
+            if str(r["host_bound"]) == "True"] or [
+        Observed(f"rows whose GPU was busy less than {percent(v.HOST_BOUND_BELOW)} of the step", "none")]
 
 
 def say_versus(f: Versus) -> str:

@@ -30,7 +30,7 @@ from pathlib import Path
 import pandas as pd
 
 from lab import paths
-from lab.book.claims import number
+from lab.book.claims import as_float, number
 from lab.measure import verdicts as v
 
 #: What each kind of shared measurement is keyed by.
@@ -123,21 +123,13 @@ def _summary(row) -> v.Summary:
     return v.Summary(float(row["median"]), float(row["spread"]), int(row["n"]), samples)
 
 
-def _finite(x) -> float:
-    try:
-        x = float(x)
-    except (TypeError, ValueError):
-        return math.nan
-    return x if math.isfinite(x) else math.nan
-
-
 def apart(a, b) -> str:
     """Why ledger rows ``a`` and ``b`` (same key, same GPU model) disagree: ``"GPU time"``, ``"wall time"``, or
     ``""`` where they agree (see the module docstring)."""
     sa, sb = _summary(a), _summary(b)
     if not (sa.median > 0 and sb.median > 0):
         return ""
-    ga, gb = _finite(a.get("gpu_ms")), _finite(b.get("gpu_ms"))
+    ga, gb = as_float(a.get("gpu_ms")), as_float(b.get("gpu_ms"))
     both_gpu = ga > 0 and gb > 0
     if both_gpu and abs(ga / gb - 1) > RUN_TO_RUN:
         return "GPU time"
@@ -167,7 +159,7 @@ def disagreements(ledger: pd.DataFrame, source: str) -> pd.DataFrame:
             if not what:
                 continue
             gpu = what == "GPU time"
-            ma, mb = (_finite(a["gpu_ms"]), _finite(b["gpu_ms"])) if gpu else (float(a["median"]), float(b["median"]))
+            ma, mb = (as_float(a["gpu_ms"]), as_float(b["gpu_ms"])) if gpu else (float(a["median"]), float(b["median"]))
             rows.append(dict(kind=a["kind"], key=a["key"], gpu=a["model"], what=what, label_a=a["label"],
                              source_a=a["source"], commit_a=a["commit"], median_a=ma, label_b=b["label"],
                              source_b=b["source"], commit_b=b["commit"], median_b=mb, unit=a["unit"],
@@ -210,7 +202,7 @@ def lm_step_entries(table: pd.DataFrame) -> list[dict]:
             label = (f"{r['size']} at context {int(r['context'])}, {r['dtype']}, {r['attention']}"
                      f"{', compiled' if _plain(r['compile']) else ''}, {mode}")
             out.append(entry("lm_step", summary, "ms", label, bool(_plain(r.get("host_bound", False))),
-                             gpu_ms=_finite(r.get(f"{col}_gpu_ms")), size=r["size"], context=r["context"],
+                             gpu_ms=as_float(r.get(f"{col}_gpu_ms")), size=r["size"], context=r["context"],
                              batch=r["batch"], dtype=r["dtype"], attention=r["attention"], compile=r["compile"],
                              fused_loss=r.get("fused_loss", False), mode=col))
     return out

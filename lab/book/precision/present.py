@@ -18,7 +18,6 @@ from lab.book import report
 from lab.measure.device import resolve_device
 from lab.measure.numerics import half_ulp
 from lab.measure.results import measured_on
-from lab.measure.verdicts import HOST_BOUND_BELOW
 from lab.model import MODEL_SIZES
 
 QUICK = dict(sizes=("tiny", "mini"), context=64, warmup=2, steps=7)
@@ -196,11 +195,8 @@ def timing_table(lm: pd.DataFrame) -> pd.DataFrame:
     return df.assign(params=df["params"] / 1e6).rename(columns={"params": "params_M"}).dropna(axis=1, how="all")
 
 
-def measured(label: str, row: pd.Series, column: str) -> cl.Measured:
-    """A mode of an ``lm_step`` row: measured where its median is (a row out of memory in another mode keeps
-    the modes that fit), out of memory otherwise."""
-    ok = math.isfinite(float(row.get(column, math.nan)))
-    return cl.Measured.from_row(label, {**row.to_dict(), **({"status": "ok"} if ok else {})}, column)
+
+measured = cl.Measured.from_row  # a mode of a row: its median where it ran, out of memory where it did not
 
 
 def dtype_comparisons(lm: pd.DataFrame) -> list[tuple[dict, cl.Versus]]:
@@ -221,14 +217,10 @@ def speedup_table(pairs: list[tuple[dict, cl.Versus]]) -> pd.DataFrame:
 
 
 def host_bound_findings(lm: pd.DataFrame) -> list[cl.Finding]:
-    """For a GPU's rows: the GPU's busy share of each host-bound row (the host's launches set its time), or
-    that none was."""
-    if measured_on(lm) == "cpu" or "host_bound" not in lm:
-        return []
-    rows = lm[lm["host_bound"].astype(str) == "True"]
-    return [cl.Share(f"GPU busy during {r['size']} at context {int(r['context'])}, {r['dtype']} (host-bound)",
-                     r["gpu_busy"], 1.0) for _, r in rows.iterrows()] or [
-        cl.Observed(f"rows whose GPU was busy less than {cl.percent(HOST_BOUND_BELOW)} of the step", "none")]
+    """For a GPU's rows: the GPU's busy share of each host-bound row, or that none was."""
+    on_gpu = measured_on(lm) != "cpu" and "host_bound" in lm
+    label = lambda r: f"{r['size']} at context {int(r['context'])}, {r['dtype']}"  # noqa: E731
+    return cl.host_bound_shares((r for _, r in lm.iterrows()), label) if on_gpu else []
 
 
 def speedup_claim(pairs: list[tuple[dict, cl.Versus]], lm: pd.DataFrame) -> cl.Claim:

@@ -21,7 +21,6 @@ from lab.book import report
 from lab.measure.device import resolve_device
 from lab.measure.results import measured_on
 from lab.measure.step import MODES
-from lab.measure.verdicts import HOST_BOUND_BELOW
 from lab.model import MODEL_SIZES, config_for
 
 # two warm-up rounds: the quick render's comparisons see no cold start; five cold processes: the first step
@@ -113,11 +112,8 @@ def name(r) -> str:
     return f"{r['size']} at context {int(r['context'])}, {r['dtype']}"
 
 
-def measured(label: str, row: pd.Series, column: str) -> cl.Measured:
-    """A mode of a row: measured where its median is (a row out of memory in another mode keeps the modes
-    that fit), out of memory otherwise."""
-    ok = math.isfinite(float(row.get(column, math.nan)))
-    return cl.Measured.from_row(label, {**row.to_dict(), **({"status": "ok"} if ok else {})}, column)
+
+measured = cl.Measured.from_row  # a mode of a row: its median where it ran, out of memory where it did not
 
 
 def _by_size(df: pd.DataFrame) -> pd.DataFrame:
@@ -125,13 +121,9 @@ def _by_size(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def host_bound_findings(lm: pd.DataFrame) -> list[cl.Finding]:
-    """For a GPU's rows: the GPU's busy share of each host-bound row (the host's launches set its time, so
-    another host gives another time), or that none was."""
-    if measured_on(lm) == "cpu" or "host_bound" not in lm:
-        return []
-    rows = lm[lm["host_bound"].astype(str) == "True"]
-    return [cl.Share(f"GPU busy during {name(r)} (host-bound)", r["gpu_busy"], 1.0) for _, r in rows.iterrows()] or [
-        cl.Observed(f"rows whose GPU was busy less than {cl.percent(HOST_BOUND_BELOW)} of the step", "none")]
+    """For a GPU's rows: the GPU's busy share of each host-bound row, or that none was."""
+    on_gpu = measured_on(lm) != "cpu" and "host_bound" in lm
+    return cl.host_bound_shares((r for _, r in lm.iterrows()), name) if on_gpu else []
 
 
 def step_claim(lm: pd.DataFrame, default_context: int) -> cl.Claim:
