@@ -287,16 +287,25 @@ def lm_step_table(df: pd.DataFrame) -> pd.DataFrame:
 
 def warmup_study(size: str | ModelConfig, warmups: Sequence[int] = (0, 1, 2, 5), steps: int = 10,
                  context: int = 512, batch: int = 4, dtype: str = "fp32", attention: str = "sdpa",
-                 device: str = "auto", progress: bool = True) -> pd.DataFrame:
-    """Per-step forward+backward times for each warm-up count, each in a fresh Python process.
+                 device: str = "auto", progress: bool = True, fork: bool | None = None) -> pd.DataFrame:
+    """Per-step forward+backward times for each warm-up count, each in a fresh process.
 
     A fresh process is the honest setting: CUDA context creation, cuBLAS handle and heuristics, allocator
-    growth and kernel loading all land on the first steps of a cold process, which is what warm-up hides.
-    Returns one row per (warmup, step index) with ``fwdbwd_ms``.
+    growth and kernel loading all land on the first steps of a cold process, which is what warm-up hides. On a
+    GPU each run is a new interpreter (``python -m lab.bench``); on the CPU, which has no context to create, a
+    rank of :func:`lab.parallel.launcher.launch`: a fork of a server that has imported torch and run nothing,
+    so its first step is as cold and it starts in a fraction of a second rather than in the seconds torch's
+    import takes (``fork``: None chooses so; False starts interpreters on the CPU too). Returns one row per
+    (warmup, step index) with ``fwdbwd_ms``.
     """
     import json
 
+    from lab.parallel.launcher import launch
 
+    on_cpu = resolve_device(device).type == "cpu"
+    if fork and not on_cpu:
+        raise ValueError("fork=True is for the CPU: a process must not fork once CUDA has started")
+    fork = on_cpu if fork is None else fork
     if isinstance(size, ModelConfig):
         arch = ["--d-model", str(size.d_model), "--d-ff", str(size.d_ff), "--num-layers", str(size.num_layers),
                 "--num-heads", str(size.num_heads), "--vocab-size", str(size.vocab_size)]
@@ -304,19 +313,21 @@ def warmup_study(size: str | ModelConfig, warmups: Sequence[int] = (0, 1, 2, 5),
         arch = ["--size", size]
     rows = []
     for w in progress_bar(warmups, "warm-up study", progress):
-        out = run_python_module("lab.bench", [*arch, "--context", str(context), "--batch", str(batch), "--mode",
-                                              "forward_backward", "--dtype", dtype, "--attention", attention,
-                                              "--warmup", str(w), "--steps", str(steps), "--device", device,
-                                              "--json"], what=f"warm-up run with warmup={w}")
-        row = json.loads(out.strip().splitlines()[-1])
+        if fork:
+            (row,) = launch(benchmark_lm, 1, size, context=context, batch=batch, modes="forward_backward",
+                            dtype=dtype, attention=attention, warmup=w, steps=steps, device="cpu")
+        else:
+            out = run_python_module("lab.bench", [*arch, "--context", str(context), "--batch", str(batch), "--mode",
+                                                  "forward_backward", "--dtype", dtype, "--attention", attention,
+                                                  "--warmup", str(w), "--steps", str(steps), "--device", device,
+                                                  "--json"], what=f"warm-up run with warmup={w}")
+            row = json.loads(out.strip().splitlines()[-1])
         if row["status"] != "ok":
             rows.append(dict(warmup=w, step=0, status=row["status"]))
             continue
         for i, ms in enumerate(row["fwdbwd_samples_ms"]):
             rows.append(dict(warmup=w, step=i, fwdbwd_ms=ms, status="ok"))
     return pd.DataFrame(rows)
-
-
 
 
 def profile_lm(size: str | ModelConfig, mode: str = "forward", context: int = 512, batch: int = 4,

@@ -80,14 +80,16 @@ def percent(fraction: float, digits: int = 2) -> str:
 def interval(low: float, high: float, digits: int = 3) -> str:
     """A 95% interval for prose or a cell: ``"0.79-0.83"``; ends that print alike at ``digits`` significant
     digits get more (up to 6), so a narrow interval still shows two ends (``"1.521-1.522"``); ends alike even
-    then read ``"1 at both ends"``; ``"none"`` where none was measured (infinite ends)."""
+    then read ``"1 at both ends"``; ``"none"`` where none was measured (infinite ends). An end near 1 that is
+    not 1 gets digits until it shows on which side it lies (``"1.003-1.45"``, never ``"1-1.45"``: a ratio's
+    interval excludes 1 or not)."""
     if not (math.isfinite(low) and math.isfinite(high)):
         return "none"
     for d in range(digits, 7):
         a, b = number(low, digits=d), number(high, digits=d)
-        if a != b:
+        if a != b and (a != "1" or low == 1) and (b != "1" or high == 1):
             return f"{a}-{b}"
-    return f"{a} at both ends"
+    return f"{a}-{b}" if a != b else f"{a} at both ends"
 
 
 def plural(count: int, noun: str) -> str:

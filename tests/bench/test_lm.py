@@ -97,8 +97,10 @@ def test_oom_in_one_mode_keeps_the_others(monkeypatch):
 
 
 @pytest.mark.slow
-def test_warmup_study_runs_fresh_processes():
-    wu = bench.warmup_study(TINY, warmups=(0, 2), steps=3, context=8, batch=2, device="cpu", progress=False)
+@pytest.mark.parametrize("fork", [True, False])  # a forked rank (the CPU's default) or a new interpreter (a GPU's)
+def test_warmup_study_runs_fresh_processes(fork):
+    wu = bench.warmup_study(TINY, warmups=(0, 2), steps=3, context=8, batch=2, device="cpu", progress=False,
+                            fork=fork)
     assert sorted(wu["warmup"].unique()) == [0, 2]
     assert (wu.groupby("warmup")["step"].count() == 3).all() and (wu["fwdbwd_ms"] > 0).all()
 

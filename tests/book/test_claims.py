@@ -30,6 +30,8 @@ def test_percent_interval_plural():
     assert cl.interval(0.791, 0.834) == "0.791-0.834" and cl.interval(1.0, 1.0001) == "1-1.0001"
     assert cl.interval(1.52131, 1.52178) == "1.521-1.522" and cl.interval(2.5, 2.5) == "2.5 at both ends"
     assert cl.interval(-math.inf, math.inf) == "none"
+    assert cl.interval(1.003, 1.45) == "1.003-1.45" and cl.interval(0.61, 0.9996) == "0.61-0.9996"  # side of 1
+    assert cl.interval(1.0000001, 1.2) == "1-1.2"  # beyond 6 digits an end reads as 1
     assert cl.plural(1, "sample") == "1 sample" and cl.plural(1200, "row") == "1,200 rows"
 
 
