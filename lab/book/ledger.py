@@ -14,8 +14,8 @@ runs of one GPU model differ anyway:
   :data:`RUN_TO_RUN` (clocks, memory placement, the library's choice of algorithm), or
 * their wall times differ by more than :data:`RUN_TO_RUN` plus the longer of the two rows' idle GPU time (wall
   less GPU time): the time the GPU waited for its host, which moves with the host's pace and load from one run
-  to the next, on one machine too. A host-bound row without a GPU time is compared only with rows from the same
-  host CPU model.
+  to the next, on one machine too, while its GPU time does not. A host-bound row without a GPU time is
+  therefore not compared.
 
 Entries measured on a CPU are reported, not failed: the quick book runs on shared CPUs whose times say nothing
 about GPUs.
@@ -133,8 +133,8 @@ def apart(a, b) -> str:
     both_gpu = ga > 0 and gb > 0
     if both_gpu and abs(ga / gb - 1) > RUN_TO_RUN:
         return "GPU time"
-    if not both_gpu and (bool(a["host_bound"]) or bool(b["host_bound"])) and a["host_cpu"] != b["host_cpu"]:
-        return ""  # another host launches at another pace, and no GPU time says what the GPU did
+    if not both_gpu and (bool(a["host_bound"]) or bool(b["host_bound"])):
+        return ""  # the host's pace set the time, on one machine too, and no GPU time says what the GPU did
     idle = max(sa.median - ga, sb.median - gb, 0.0) if both_gpu else 0.0
     if abs(sa.median - sb.median) <= RUN_TO_RUN * max(sa.median, sb.median) + idle:
         return ""
