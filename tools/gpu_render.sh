@@ -25,7 +25,8 @@ kill_tree() { local c; for c in $(pgrep -P "$1"); do [[ $c == "$BASHPID" ]] || {
 ( sleep "$limit"; echo "render passed its ${limit} s limit: stopped" >&2; kill_tree $$ ) & watchdog=$!
 # --resume: a report this commit already rendered is kept, and the tables it already measured on this kind of
 # machine are read back, the rest measured: a report longer than one call is rendered in several. Between calls,
-# unpack the returned bundle.tgz at the repository's root, so that the next call's copy of the tree has them.
+# unpack the returned bundle.tgz at the repository's root, so that the next call's copy of the tree has them
+# (and carry results/partial, git-ignored: the rows a sweep logged before the limit stopped it).
 timeout "$((limit + 15))" python3 -m lab.render --profile full --no-html --resume --only "$@" 2>&1 | tee "$OUT/render.log"
 rc=${PIPESTATUS[0]}
 # the watchdog, then its sleep (which holds the output open: the call would otherwise last the whole limit)

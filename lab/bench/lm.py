@@ -8,7 +8,9 @@ the modes that fit keep their numbers), never a crash of a sweep.
 
 from __future__ import annotations
 
+import functools
 import gc
+import json
 import math
 from collections.abc import Callable, Iterable, Sequence
 
@@ -26,6 +28,7 @@ from lab.measure.results import RowLog
 from lab.measure.step import MODES, TrainStep, make_optimizer, measure_modes, mode_columns, random_batch
 from lab.measure.verdicts import HOST_BOUND_BELOW, summarize
 from lab.model import ModelConfig, TransformerLM, config_for
+from lab.parallel.launcher import launch
 
 #: The columns of ``results/lm_step.csv`` (before the provenance columns the results store adds).
 LM_STEP_COLUMNS = ["size", "context", "batch", "dtype", "attention", "compile", "fused_loss", "world_size",
@@ -162,10 +165,10 @@ def benchmark_lm(size: str | ModelConfig, context: int = 512, batch: int = 4,
             step.optimizer = None
             gc.collect()
             empty_cache()
+    if device.type == "cuda" and step is not None:  # the modes that ran (an OOM row keeps those that fit)
+        row.update(gpu_times(step, modes, row))
     if failures:
         row.update(status="oom", error="; ".join(failures))
-    elif device.type == "cuda":
-        row.update(gpu_times(step, modes, row))
     # drop every reference to the model before the next configuration is built
     model = step = runnable = None  # noqa: F841
     gc.collect()
@@ -187,8 +190,9 @@ def gpu_times(step: TrainStep, modes: Sequence[str], row: dict) -> dict:
         wall = row.get(f"{col}_ms", math.nan)
         if not wall > 0:
             continue
-        # the last timed run's gradients are dropped first: a forward profiled beside them holds a 10B model's
-        # parameters, gradients and activations at once, near a 141 GiB GPU's limit (its kernels are the same)
+        # the last timed run's gradients are dropped first: a forward profiled beside them would hold the
+        # parameters, gradients and activations at once, past the device's limit for the largest models (its
+        # kernels are the same either way)
         if hasattr(step, "model"):
             step.model.zero_grad(set_to_none=True)
         try:
@@ -285,6 +289,13 @@ def lm_step_table(df: pd.DataFrame) -> pd.DataFrame:
     return df[[c for c in LM_STEP_COLUMNS if c in df] + [c for c in df.columns if c not in LM_STEP_COLUMNS]]
 
 
+def rows_shown(df: pd.DataFrame, columns: Sequence[str]) -> pd.DataFrame:
+    """LM rows as a report's table shows them: ``columns`` where present (medians with their spread and count,
+    peaks, GPU times and busy share), parameters in millions (``params_M``), columns nobody measured left out."""
+    out = df[[c for c in columns if c in df.columns]].copy()
+    return out.assign(params=out["params"] / 1e6).rename(columns={"params": "params_M"}).dropna(axis=1, how="all")
+
+
 def warmup_study(size: str | ModelConfig, warmups: Sequence[int] = (0, 1, 2, 5), steps: int = 10,
                  context: int = 512, batch: int = 4, dtype: str = "fp32", attention: str = "sdpa",
                  device: str = "auto", progress: bool = True, fork: bool | None = None) -> pd.DataFrame:
@@ -298,10 +309,6 @@ def warmup_study(size: str | ModelConfig, warmups: Sequence[int] = (0, 1, 2, 5),
     import takes (``fork``: None chooses so; False starts interpreters on the CPU too). Returns one row per
     (warmup, step index) with ``fwdbwd_ms``.
     """
-    import json
-
-    from lab.parallel.launcher import launch
-
     on_cpu = resolve_device(device).type == "cpu"
     if fork and not on_cpu:
         raise ValueError("fork=True is for the CPU: a process must not fork once CUDA has started")
@@ -314,8 +321,10 @@ def warmup_study(size: str | ModelConfig, warmups: Sequence[int] = (0, 1, 2, 5),
     rows = []
     for w in progress_bar(warmups, "warm-up study", progress):
         if fork:
-            (row,) = launch(benchmark_lm, 1, size, context=context, batch=batch, modes="forward_backward",
-                            dtype=dtype, attention=attention, warmup=w, steps=steps, device="cpu")
+            # launch() takes `device` for itself: the benchmark's own goes in the partial
+            (row,) = launch(functools.partial(benchmark_lm, device="cpu"), 1, size, context=context, batch=batch,
+                            modes="forward_backward", dtype=dtype, attention=attention, warmup=w, steps=steps,
+                            device="cpu")
         else:
             out = run_python_module("lab.bench", [*arch, "--context", str(context), "--batch", str(batch), "--mode",
                                                   "forward_backward", "--dtype", dtype, "--attention", attention,
@@ -323,10 +332,10 @@ def warmup_study(size: str | ModelConfig, warmups: Sequence[int] = (0, 1, 2, 5),
                                                   "--json"], what=f"warm-up run with warmup={w}")
             row = json.loads(out.strip().splitlines()[-1])
         if row["status"] != "ok":
-            rows.append(dict(warmup=w, step=0, status=row["status"]))
+            rows.append(dict(warmup=w, step=0, status=row["status"], device=row["device"]))
             continue
         for i, ms in enumerate(row["fwdbwd_samples_ms"]):
-            rows.append(dict(warmup=w, step=i, fwdbwd_ms=ms, status="ok"))
+            rows.append(dict(warmup=w, step=i, fwdbwd_ms=ms, status="ok", device=row["device"]))
     return pd.DataFrame(rows)
 
 

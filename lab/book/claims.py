@@ -81,8 +81,8 @@ def interval(low: float, high: float, digits: int = 3) -> str:
     """A 95% interval for prose or a cell: ``"0.79-0.83"``; ends that print alike at ``digits`` significant
     digits get more (up to 6), so a narrow interval still shows two ends (``"1.521-1.522"``); ends alike even
     then read ``"1 at both ends"``; ``"none"`` where none was measured (infinite ends). An end near 1 that is
-    not 1 gets digits until it shows on which side it lies (``"1.003-1.45"``, never ``"1-1.45"``: a ratio's
-    interval excludes 1 or not)."""
+    not 1 gets digits (up to 6) until it shows on which side it lies (``"1.003-1.45"`` rather than
+    ``"1-1.45"``: a ratio's interval excludes 1 or not)."""
     if not (math.isfinite(low) and math.isfinite(high)):
         return "none"
     for d in range(digits, 7):
@@ -172,14 +172,18 @@ class Measured:
         samples = get(f"{stem}_samples_{suffix}" if suffix else f"{stem}_samples")
         if isinstance(samples, str) and samples.startswith("["):  # a list kept through a CSV file as JSON
             samples = json.loads(samples)
-        host = {"host_bound": str(get("host_bound", False)) == "True",
-                "gpu_ms": as_float(get(f"{stem}_gpu_{suffix}" if suffix else f"{stem}_gpu"))}
         if isinstance(samples, (list, tuple)) and samples:
-            return replace(cls.of(label, samples, unit), **host)
-        spread = get(f"{stem}_spread_{suffix}" if suffix else f"{stem}_spread", math.nan)
-        n = get(f"{stem}_n", None)
-        n = get("n", 0) if n is None else n
-        return replace(cls.summarized(label, get(column), math.nan if spread is None else spread, n or 0, unit), **host)
+            m = cls.of(label, samples, unit)
+        else:
+            spread = get(f"{stem}_spread_{suffix}" if suffix else f"{stem}_spread", math.nan)
+            n = get(f"{stem}_n", None)
+            n = get("n", 0) if n is None else n
+            m = cls.summarized(label, get(column), math.nan if spread is None else spread, n or 0, unit)
+        # host-bound by this time's own GPU share where it was profiled, else as the row says
+        gpu = as_float(get(f"{stem}_gpu_{suffix}" if suffix else f"{stem}_gpu"))
+        bound = (gpu / m.median < v.HOST_BOUND_BELOW if gpu > 0 and m.median > 0 else
+                 str(get("host_bound", False)) == "True")
+        return replace(m, host_bound=bound, gpu_ms=gpu)
 
     @property
     def ok(self) -> bool:
@@ -226,8 +230,12 @@ class Versus:
 
     @property
     def host_bound(self) -> bool:
-        """A comparison of times with a host-bound side: the rule decides nothing from it."""
-        return self.subject.unit in TIME_UNITS and (self.subject.host_bound or self.reference.host_bound)
+        """A comparison of times with a host-bound side, its interval not wholly beyond the host's reach
+        (:data:`lab.measure.verdicts.HOST_VARIATION` either way): the rule decides nothing from it."""
+        if self.subject.unit not in TIME_UNITS or not (self.subject.host_bound or self.reference.host_bound):
+            return False
+        c = self.comparison
+        return c is None or not (c.high < 1 / v.HOST_VARIATION or c.low > v.HOST_VARIATION)
 
     @property
     def verdict(self) -> str:
@@ -241,11 +249,6 @@ class Versus:
         if self.subject.unit not in TIME_UNITS:
             return {v.FASTER: v.LOWER, v.SLOWER: v.HIGHER}.get(c.verdict, c.verdict)
         return c.verdict
-
-    @property
-    def goal_met(self) -> bool | None:
-        c = self.comparison
-        return None if c is None or self.goal is None or self.host_bound else v.GoalCheck(c, self.goal).met
 
     @property
     def goal_word(self) -> str:

@@ -7,18 +7,16 @@ step, waiting for the host's launches), its median, spread and samples, its unit
 that measured it. Entries live in ``<results_dir>/ledger.csv``.
 
 :func:`check` compares a report's entries with every other report's entries of the same key on the same GPU
-model. Two entries disagree only where the rule finds them apart (not within noise) *and* by more than the
-runs of one GPU model differ anyway:
+model. Two entries disagree where
 
-* their GPU times (how long the GPU ran kernels in the step, where both rows have it) differ by more than
-  :data:`RUN_TO_RUN` (clocks, memory placement, the library's choice of algorithm), or
-* their wall times differ by more than :data:`RUN_TO_RUN` plus the longer of the two rows' idle GPU time (wall
-  less GPU time): the time the GPU waited for its host, which moves with the host's pace and load from one run
-  to the next, on one machine too, while its GPU time does not. A host-bound row without a GPU time is
-  therefore not compared.
+* their GPU times (how long the GPU ran kernels in the step, one profiled run each, where both rows have it)
+  differ by more than :data:`RUN_TO_RUN` (clocks, memory placement, the library's choice of algorithm), or
+* the rule finds their wall times apart (not within noise) by more than :data:`RUN_TO_RUN` plus the longer of
+  the two rows' idle GPU time (wall less GPU time): the time the GPU waited for its host, which moves with the
+  host's pace and load from one run to the next, on one machine too, while the GPU time does not.
 
-Entries measured on a CPU are reported, not failed: the quick book runs on shared CPUs whose times say nothing
-about GPUs.
+A host-bound pair (either side) where either lacks a GPU time is therefore not compared. Entries measured on a
+CPU are reported, not failed: the quick book runs on shared CPUs whose times say nothing about GPUs.
 """
 
 from __future__ import annotations
@@ -133,7 +131,7 @@ def apart(a, b) -> str:
     both_gpu = ga > 0 and gb > 0
     if both_gpu and abs(ga / gb - 1) > RUN_TO_RUN:
         return "GPU time"
-    if not both_gpu and (bool(a["host_bound"]) or bool(b["host_bound"])):
+    if not both_gpu and (_plain(a["host_bound"]) is True or _plain(b["host_bound"]) is True):
         return ""  # the host's pace set the time, on one machine too, and no GPU time says what the GPU did
     idle = max(sa.median - ga, sb.median - gb, 0.0) if both_gpu else 0.0
     if abs(sa.median - sb.median) <= RUN_TO_RUN * max(sa.median, sb.median) + idle:
@@ -201,8 +199,9 @@ def lm_step_entries(table: pd.DataFrame) -> list[dict]:
                        v.Summary(float(median), float(r.get(f"{col}_spread_ms", math.nan)), int(r.get(f"{col}_n", 0))))
             label = (f"{r['size']} at context {int(r['context'])}, {r['dtype']}, {r['attention']}"
                      f"{', compiled' if _plain(r['compile']) else ''}, {mode}")
-            out.append(entry("lm_step", summary, "ms", label, bool(_plain(r.get("host_bound", False))),
-                             gpu_ms=as_float(r.get(f"{col}_gpu_ms")), size=r["size"], context=r["context"],
+            gpu = as_float(r.get(f"{col}_gpu_ms"))  # host-bound by this mode's own GPU share where profiled
+            bound = gpu / summary.median < v.HOST_BOUND_BELOW if gpu > 0 else _plain(r.get("host_bound", False)) is True
+            out.append(entry("lm_step", summary, "ms", label, bound, gpu_ms=gpu, size=r["size"], context=r["context"],
                              batch=r["batch"], dtype=r["dtype"], attention=r["attention"], compile=r["compile"],
                              fused_loss=r.get("fused_loss", False), mode=col))
     return out

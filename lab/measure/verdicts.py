@@ -13,8 +13,9 @@ error, 1.2533 x spread / sqrt(n) (:func:`compare_medians`). Then:
   excludes 1 *and* the gap between the medians exceeds both sides' spread; otherwise "within noise" (a
   bootstrap over a handful of samples can exclude 1 while each side scatters by more than the gap);
 * a side with fewer than :data:`MIN_SAMPLES` samples decides nothing: "not decided";
-* a time whose GPU waited for the host's launches for much of it decides nothing either: "host-bound"
-  (:data:`HOST_BOUND`; the book then compares the GPU's own time, which the host does not move);
+* a time whose GPU waited for the host's launches for much of it decides nothing either, unless the ratio
+  lies beyond :data:`HOST_VARIATION` either way: "host-bound" (:data:`HOST_BOUND`; the book then gives the
+  GPU's own times, which the host does not move);
 * a goal ("at most 0.85x the baseline") is met where the whole interval lies within it, missed where the
   whole interval lies beyond it, and undecided otherwise, or where either side's spread covers the gap
   between the subject and the value the goal allows.
@@ -40,16 +41,20 @@ MEDIAN_SE_FACTOR = 1.2533
 HOST_BOUND = "host-bound"
 #: A time whose GPU ran kernels for less than this share of it was paced by the host's launches: host-bound.
 HOST_BOUND_BELOW = 0.8
+#: How far the host's pace and load can move a host-bound time: the same eager step, host-bound, has measured
+#: twofold apart on two hosts of one GPU model. A ratio beyond it either way still decides a comparison.
+HOST_VARIATION = 2.0
 
 RULE = (f"A timing is the median of its samples, with its spread (1.4826 x the median absolute deviation, a "
         f"standard deviation that one outlier cannot inflate). Two timings compare by the ratio of their medians "
         f"with a {CONFIDENCE:.0%} interval: *faster* or *slower* only where the interval excludes 1 and the gap "
         f"between the medians exceeds both sides' spread, *within noise* otherwise, and *not decided* where a "
         f"side has fewer than {MIN_SAMPLES} samples; *host-bound* where a side's GPU sat idle, waiting for the "
-        f"host's launches, for more than {1 - HOST_BOUND_BELOW:.0%} of its time (the host's pace and load set such "
-        f"a time, and it moves from run to run: its GPU time is given instead). A goal is *met* where the whole "
-        f"interval lies within it, *missed* where the whole interval lies beyond it and the gap exceeds both "
-        f"spreads, *undecided* otherwise.")
+        f"host's launches, for more than {1 - HOST_BOUND_BELOW:.0%} of its time and the interval does not lie "
+        f"wholly beyond {HOST_VARIATION:g}x either way (the host's pace and load set such a time, and move it "
+        f"from run to run and host to host by up to that much: the GPU times are given instead). A goal is *met* "
+        f"where the whole interval lies within it, *missed* where the whole interval lies beyond it and the gap "
+        f"exceeds both spreads, *undecided* otherwise.")
 
 #: Verdict words: times (lower is better) and other quantities (higher is better).
 FASTER, SLOWER, HIGHER, LOWER = "faster", "slower", "higher", "lower"

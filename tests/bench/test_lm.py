@@ -101,7 +101,7 @@ def test_oom_in_one_mode_keeps_the_others(monkeypatch):
 def test_warmup_study_runs_fresh_processes(fork):
     wu = bench.warmup_study(TINY, warmups=(0, 2), steps=3, context=8, batch=2, device="cpu", progress=False,
                             fork=fork)
-    assert sorted(wu["warmup"].unique()) == [0, 2]
+    assert sorted(wu["warmup"].unique()) == [0, 2] and (wu["device"] == "cpu").all()  # the device asked for
     assert (wu.groupby("warmup")["step"].count() == 3).all() and (wu["fwdbwd_ms"] > 0).all()
 
 
@@ -140,11 +140,14 @@ def test_gpu_times_name_the_most_host_bound_mode(monkeypatch):
         return got
 
     monkeypatch.setattr(bench, "gpu_kernel_ms", fake)
-    step = types.SimpleNamespace(device=torch.device("cuda"), run=lambda mode: None)
+    dropped = []  # the gradients are dropped before each profile
+    model = types.SimpleNamespace(zero_grad=lambda set_to_none: dropped.append(set_to_none))
+    step = types.SimpleNamespace(device=torch.device("cuda"), run=lambda mode: None, model=model)
     row = dict(fwd_ms=10.0, fwdbwd_ms=10.0, step_ms=12.0)
     out = bench.gpu_times(step, ("forward", "forward_backward", "train_step"), row)
     assert (out["fwd_gpu_ms"], out["fwdbwd_gpu_ms"], out["step_gpu_ms"]) == (3.0, 9.0, 11.0) and len(calls) == 3
     assert out["bwd_gpu_ms"] == 6.0 and out["gpu_busy"] == pytest.approx(0.3) and out["host_bound"] is True
+    assert dropped == [True, True, True]
     kernels["forward"] = 9.5
     out = bench.gpu_times(step, ("forward", "forward_backward", "train_step"), row)
     assert out["gpu_busy"] == pytest.approx(0.9) and out["host_bound"] is False

@@ -42,7 +42,7 @@ def _samples(center, spread, n=8, seed=0):
 def test_versus_follows_the_rule_and_says_the_ratio():
     ours, stock = cl.Measured.of("ours", _samples(70.0, 0.5)), cl.Measured.of("stock", _samples(100.0, 0.5, seed=1))
     f = cl.Versus(ours, stock, goal=0.8)
-    assert f.verdict == "faster" and f.goal_met is True and f.goal_word == "met"
+    assert f.verdict == "faster" and f.goal_word == "met"
     text = cl.say(f)
     assert prose.has_amount(text, round(1 / f.comparison.ratio, 2), "x", rel=0.01)
     assert ours.text() in text and stock.text() in text
@@ -234,3 +234,34 @@ def test_host_bound_rows_agree_by_their_gpu_time_and_their_walls_within_the_idle
     ledger.record([_entry(120.0, spread=0.3, mode="fwd")], tmp_path, "05_flash", _prov())
     d = ledger.disagreements(ledger.load(tmp_path), "05_flash")
     assert list(d["what"]) == ["wall time"] and d.iloc[0]["ratio"] == pytest.approx(1.2, rel=0.01)
+
+
+def _lm_row(wall, gpu=math.nan, host_bound=False, spread=0.01):
+    samples = [wall * (1 + spread * x) for x in (0, 1, -1, 0.5, -0.5, 0.2)]
+    return {"fwd_ms": wall, "fwd_samples_ms": samples, "fwd_gpu_ms": gpu, "host_bound": host_bound, "status": "ok"}
+
+
+def test_a_host_bound_time_decides_only_beyond_what_a_host_can_move():
+    # host-bound by the time's own GPU share where profiled (the row's flag only where not)
+    assert cl.Measured.from_row("a", _lm_row(100.0, gpu=50.0), "fwd_ms").host_bound
+    assert not cl.Measured.from_row("a", _lm_row(100.0, gpu=95.0, host_bound=True), "fwd_ms").host_bound
+    assert cl.Measured.from_row("a", _lm_row(100.0, host_bound="True"), "fwd_ms").host_bound  # read from a CSV
+    eager = cl.Measured.from_row("eager", _lm_row(30.0, gpu=10.0), "fwd_ms")
+    near = cl.Versus(cl.Measured.from_row("compiled", _lm_row(20.0, gpu=19.0), "fwd_ms"), eager, goal=0.8)
+    assert near.verdict == "host-bound" and near.goal_word == "undecided" and near.gpu_ratio == pytest.approx(1.9)
+    far = cl.Versus(cl.Measured.from_row("compiled", _lm_row(10.0, gpu=9.5), "fwd_ms"), eager, goal=0.8)
+    assert far.verdict == "faster" and far.goal_word == "met"  # 3x: no host moves it that far
+    slow = cl.Versus(eager, cl.Measured.from_row("compiled", _lm_row(10.0, gpu=9.5), "fwd_ms"))
+    assert slow.verdict == "slower" and not slow.cells().get("gpu_ratio")
+    assert "gpu_ratio" in near.cells()
+
+
+def test_host_bound_rows_without_a_gpu_time_are_not_compared_on_one_host_either(tmp_path):
+    ledger.record([_entry(106.0, spread=0.5, host_bound=True)], tmp_path, "01_profiling", _prov())
+    ledger.record([_entry(73.0, spread=0.5, host_bound=True, gpu_ms=44.0)], tmp_path, "02_mixed_precision", _prov())
+    assert ledger.check(tmp_path, "02_mixed_precision") == []  # same host CPU model, 1.45x apart: the host's pace
+    ledger.record([_entry(73.0, spread=0.5)], tmp_path, "04_attention", _prov())
+    assert ledger.check(tmp_path, "04_attention") == []  # its partners are host-bound, one without a GPU time
+    ledger.record([_entry(120.0, spread=0.5)], tmp_path, "05_flash", _prov())
+    d = ledger.disagreements(ledger.load(tmp_path), "05_flash")  # two rows the GPU paced: their walls must agree
+    assert list(d["source_b"]) == ["04_attention"] and list(d["what"]) == ["wall time"]

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import matplotlib.pyplot as plt
 import pandas as pd
 from torch import nn
 
+from lab.bench.lm import rows_shown
 from lab.book import claims as cl
 from lab.book import report
 from lab.measure.device import resolve_device
@@ -188,11 +190,7 @@ SHOWN = ["size", "context", "dtype", "status", "params", "fwd_ms", "fwd_spread_m
          "gpu_busy", "host_bound"]
 
 
-def timing_table(lm: pd.DataFrame) -> pd.DataFrame:
-    """The ``lm_step`` rows as shown: medians with their spread and count (ms), parameters in millions, peak
-    memory (GiB), the GPU's busy share and whether the host paced the step; columns nobody measured left out."""
-    df = lm[[c for c in SHOWN if c in lm.columns]].copy()
-    return df.assign(params=df["params"] / 1e6).rename(columns={"params": "params_M"}).dropna(axis=1, how="all")
+timing_table = partial(rows_shown, columns=SHOWN)  # the rows as shown: ms, GiB, params in millions
 
 
 

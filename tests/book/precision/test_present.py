@@ -143,7 +143,7 @@ def test_dtype_comparisons_follow_the_rule_and_count_every_size():
     assert by[("large", "forward+backward")].verdict == "faster"
     assert by[("large", "forward+backward")].comparison.ratio == pytest.approx(0.25)
     # the host's launches paced the small bf16 row: its time decides nothing, its GPU time is compared instead
-    assert by[("small", "forward")].verdict == "host-bound" and by[("small", "forward")].goal_met is None
+    assert by[("small", "forward")].verdict == "host-bound" and by[("small", "forward")].goal_word == ""
     assert by[("small", "forward")].gpu_ratio == pytest.approx(1.5 / 3.8)
     assert math.isnan(by[("small", "forward+backward")].gpu_ratio)  # not profiled in this table
     assert by[("huge", "forward")].verdict == "out of memory at 79 GiB"  # the fp32 side did not fit
