@@ -89,8 +89,8 @@ report.show_table(profiling.size_table(s.sizes), floatfmt=".1f")
 # `01_lm_samples.csv`, and into the book's ledger. Each mode is also run once more under a kernels-only profile:
 # its *GPU time* (`fwd_gpu_ms`, ...), how long the GPU ran kernels. A row whose GPU was busy for less than 80%
 # of its wall time is *host-bound*: the host's kernel launches set its time, which moves with the host's pace
-# and load from one run to the next, on one machine too, so a comparison with it gives no verdict and states
-# the GPU times instead. Where notebook 02 (or another report) measured the same configuration on the same GPU
+# and load from one run to the next, on one machine too, so a comparison with it gives no verdict unless its
+# ratio lies beyond 2x either way, and states the GPU times. Where notebook 02 (or another report) measured the same configuration on the same GPU
 # model, the GPU times must agree, and the wall times within the GPU's idle time, or the render stops and names
 # both rows. Each row is logged as it is measured (`book.rows`), so a render that a time limit stops continues
 # at the next row when resumed at the same commit on the same kind of machine (`lab.render --resume`).

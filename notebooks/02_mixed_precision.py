@@ -107,7 +107,8 @@ book.answer(precision.norm_claim(norm), section="3. Why normalisation statistics
 # These rows are this notebook's own measurements in the headline table `lm_step.csv`, each mode with its GPU
 # time (a kernels-only profile of one more run). A row whose GPU was busy for less than 80% of its wall time is
 # *host-bound*: how fast the host launches kernels sets its time, which moves from run to run, so bf16 against
-# fp32 there gives no verdict, and the GPU times say what bf16 changed on the GPU. The rows enter the book's
+# fp32 there gives no verdict unless the ratio lies beyond 2x either way, and the GPU times say what bf16
+# changed on the GPU. The rows enter the book's
 # ledger: where notebook 01 (or another report) measured the same configuration on the same GPU model, the GPU
 # times must agree, and the wall times within the GPU's idle time, or the render stops and names both rows.
 
