@@ -333,7 +333,7 @@ def rendered_here(report: Path, params: dict) -> bool:
     import json
 
     commit = store.git_commit()
-    if not report.exists() or not re.fullmatch(r"[0-9a-f]{40}", commit):
+    if not report.exists() or not store.clean_commit(commit):
         return False
     here = f"{machine.gpu_count()} x {machine.gpu_model()}" if machine.gpu_count() else "CPU only"
     ran = (json.loads(report.read_text()).get("metadata", {}).get("papermill") or {}).get("parameters") or {}

@@ -193,15 +193,14 @@ def gpu_times(step: TrainStep, modes: Sequence[str], row: dict) -> dict:
         # the last timed run's gradients are dropped first: a forward profiled beside them would hold the
         # parameters, gradients and activations at once, past the device's limit for the largest models (its
         # kernels are the same either way)
-        if hasattr(step, "model"):
-            step.model.zero_grad(set_to_none=True)
+        step.model.zero_grad(set_to_none=True)
         try:
             gpu = gpu_kernel_ms(lambda m=m: step.run(m), step.device)
         except Exception as exc:  # noqa: BLE001 - a profile that runs out of memory leaves the mode without it
             if not is_oom(exc):
                 raise
             gpu = math.nan
-        if math.isnan(gpu):
+        if math.isnan(gpu):  # outside the except block, so the traceback's frames (and their tensors) are gone
             gc.collect()
             empty_cache()
         out[f"{col}_gpu_ms"] = gpu

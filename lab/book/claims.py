@@ -181,9 +181,8 @@ class Measured:
             m = cls.summarized(label, get(column), math.nan if spread is None else spread, n or 0, unit)
         # host-bound by this time's own GPU share where it was profiled, else as the row says
         gpu = as_float(get(f"{stem}_gpu_{suffix}" if suffix else f"{stem}_gpu"))
-        bound = (gpu / m.median < v.HOST_BOUND_BELOW if gpu > 0 and m.median > 0 else
-                 str(get("host_bound", False)) == "True")
-        return replace(m, host_bound=bound, gpu_ms=gpu)
+        bound = v.host_bound(gpu, m.median)
+        return replace(m, host_bound=str(get("host_bound", False)) == "True" if bound is None else bound, gpu_ms=gpu)
 
     @property
     def ok(self) -> bool:

@@ -28,7 +28,7 @@ from pathlib import Path
 import pandas as pd
 
 from lab import paths
-from lab.book.claims import as_float, number
+from lab.book.claims import Measured, as_float, number
 from lab.measure import verdicts as v
 
 #: What each kind of shared measurement is keyed by.
@@ -191,17 +191,13 @@ def lm_step_entries(table: pd.DataFrame) -> list[dict]:
         if r.get("status", "ok") != "ok":
             continue
         for col, mode in LM_MODES.items():
-            median = r.get(f"{col}_ms")
-            if median is None or not math.isfinite(float(median)):
+            if not math.isfinite(as_float(r.get(f"{col}_ms"))):
                 continue
-            samples = r.get(f"{col}_samples_ms")
-            summary = (v.summarize(samples) if isinstance(samples, (list, tuple)) and samples else
-                       v.Summary(float(median), float(r.get(f"{col}_spread_ms", math.nan)), int(r.get(f"{col}_n", 0))))
             label = (f"{r['size']} at context {int(r['context'])}, {r['dtype']}, {r['attention']}"
                      f"{', compiled' if _plain(r['compile']) else ''}, {mode}")
-            gpu = as_float(r.get(f"{col}_gpu_ms"))  # host-bound by this mode's own GPU share where profiled
-            bound = gpu / summary.median < v.HOST_BOUND_BELOW if gpu > 0 else _plain(r.get("host_bound", False)) is True
-            out.append(entry("lm_step", summary, "ms", label, bound, gpu_ms=gpu, size=r["size"], context=r["context"],
+            m = Measured.from_row(label, r, f"{col}_ms")  # host-bound by this mode's own GPU share where profiled
+            out.append(entry("lm_step", m.summary, "ms", label, m.host_bound, gpu_ms=m.gpu_ms, size=r["size"],
+                             context=r["context"],
                              batch=r["batch"], dtype=r["dtype"], attention=r["attention"], compile=r["compile"],
                              fused_loss=r.get("fused_loss", False), mode=col))
     return out

@@ -189,12 +189,17 @@ def load_results(name: str, results_dir: str | os.PathLike = "results", source: 
     return df
 
 
+def clean_commit(commit) -> bool:
+    """Whether ``commit`` names a commit (40 hex digits): not a dirty tree's (``+dirty``) nor an unknown one."""
+    return bool(re.fullmatch(r"[0-9a-f]{40}", str(commit or "")))
+
+
 def measured_by(source: str, commit: str, results_dir: str | os.PathLike = "results",
                 here: dict | None = None) -> list[str]:
     """The tables whose rows from ``source`` were measured by ``commit`` on this machine's kind (GPU model and
     count, from ``here``, this machine's :func:`provenance` by default): what a render cut short by a time limit
     reads back, rather than measuring again, when it continues at the same commit. None for a dirty commit."""
-    if not re.fullmatch(r"[0-9a-f]{40}", commit or ""):  # a dirty tree's or an unknown commit measured nothing
+    if not clean_commit(commit):  # a dirty tree's or an unknown commit measured nothing
         return []
     here = here or provenance()
     found = []
@@ -244,9 +249,8 @@ class RowLog:
         here = here or provenance()
         self.stamp = {"commit": here.get("commit"), "gpu_name": here.get("gpu_name"),
                       "gpu_count": here.get("gpu_count")}
-        clean = bool(re.fullmatch(r"[0-9a-f]{40}", str(self.stamp["commit"])))
         self._kept: dict[str, dict] = {}
-        if reuse and clean and self.path.exists():
+        if reuse and clean_commit(self.stamp["commit"]) and self.path.exists():
             for line in self.path.read_text().splitlines():
                 try:
                     entry = json.loads(line)

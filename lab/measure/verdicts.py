@@ -45,6 +45,12 @@ HOST_BOUND_BELOW = 0.8
 #: twofold apart on two hosts of one GPU model. A ratio beyond it either way still decides a comparison.
 HOST_VARIATION = 2.0
 
+
+def host_bound(gpu_ms: float, wall_ms: float) -> bool | None:
+    """Whether a time was host-bound: its GPU time fills less than :data:`HOST_BOUND_BELOW` of its wall time;
+    None where either is unknown."""
+    return gpu_ms / wall_ms < HOST_BOUND_BELOW if gpu_ms > 0 and wall_ms > 0 else None
+
 RULE = (f"A timing is the median of its samples, with its spread (1.4826 x the median absolute deviation, a "
         f"standard deviation that one outlier cannot inflate). Two timings compare by the ratio of their medians "
         f"with a {CONFIDENCE:.0%} interval: *faster* or *slower* only where the interval excludes 1 and the gap "

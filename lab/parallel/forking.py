@@ -53,24 +53,31 @@ def context(defaults: dict[str, str], child_env: dict[str, str]):
         ctx = _mp.get_context("forkserver")
         before = server._forkserver_pid
         ctx.set_forkserver_preload(PRELOAD)
-        saved = {name: os.environ.get(name) for name in defaults}
-        os.environ.update(defaults)  # the server imports torch with the defaults the ranks would have
-        try:
+        with environment(defaults):  # the server imports torch with the defaults the ranks would have
             server.ensure_running()
             if server._forkserver_pid != before:
                 _SERVER.update(pid=server._forkserver_pid, env=_read_at_start(os.environ))
-        finally:
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
     except Exception:  # noqa: BLE001 - no server here (no AF_UNIX socket, ...): spawned ranks
         broken()
         return None
     if server._forkserver_pid != _SERVER["pid"] or _read_at_start(child_env) != _SERVER["env"]:
         return None  # a server started elsewhere in this process (its environment unknown) or with other values
     return ctx
+
+
+@contextlib.contextmanager
+def environment(updates: dict[str, str]):
+    """``os.environ`` with ``updates`` inside the block, restored as it was on the way out."""
+    saved = {k: os.environ.get(k) for k in updates}
+    os.environ.update(updates)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def broken() -> None:

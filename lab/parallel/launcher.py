@@ -37,7 +37,6 @@ rather than left waiting in a collective. Process groups get a timeout, and are 
 
 from __future__ import annotations
 
-import contextlib
 import datetime as _dt
 import io
 import os
@@ -56,6 +55,7 @@ import torch.multiprocessing as mp
 
 from lab.measure.process import describe_exit
 from lab.parallel import forking
+from lab.parallel.forking import environment
 
 # The launcher leaves NCCL's and torch's settings to its user: a machine whose NCCL needs a switch (NVLink SHARP
 # multicast off where the fabric lacks it: NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1) gets it from
@@ -69,21 +69,6 @@ _DEVICE: torch.device | None = None
 # True in a rank that launch() spawned (whose environment also has torchrun's variables).
 _SPAWNED = False
 _ENV_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def environment(updates: dict[str, str]):
-    """``os.environ`` with ``updates`` inside the block, restored as it was on the way out."""
-    saved = {k: os.environ.get(k) for k in updates}
-    os.environ.update(updates)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 class WorkerError(RuntimeError):

@@ -193,7 +193,6 @@ SHOWN = ["size", "context", "dtype", "status", "params", "fwd_ms", "fwd_spread_m
 timing_table = partial(rows_shown, columns=SHOWN)  # the rows as shown: ms, GiB, params in millions
 
 
-
 measured = cl.Measured.from_row  # a mode of a row: its median where it ran, out of memory where it did not
 
 

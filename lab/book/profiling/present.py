@@ -110,7 +110,6 @@ def name(r) -> str:
     return f"{r['size']} at context {int(r['context'])}, {r['dtype']}"
 
 
-
 measured = cl.Measured.from_row  # a mode of a row: its median where it ran, out of memory where it did not
 
 
