@@ -148,12 +148,14 @@ book.state(claim)
 # in this process, for every size; a size that does not fit is a row with `status="oom"` whose modes that
 # fit keep their numbers. Every time is the median of the timed steps with its spread. (The 2.7B model is the
 # one some courses call "xl".) The rows join the book's headline table `lm_step.csv` with this notebook as
-# their source, and enter the book's ledger: another report's measurement of the same step must agree.
+# their source, and enter the book's ledger: another report's measurement of the same step must agree. Each
+# row is logged as it is measured (`book.rows`), so a render that a time limit stops continues at the next row
+# when resumed at the same commit on the same kind of machine (`lab.render --resume`).
 
 # %%
 lm = book.table("lm_step", lambda: whole_model.lm_eager_vs_compiled(
     cfg["lm_sizes"], context=cfg["lm_context"], batch=lm_batch, dtype=cfg["lm_dtype"], warmup=cfg["lm_warmup"],
-    steps=cfg["lm_steps"], device=dev))
+    steps=cfg["lm_steps"], device=dev, log=book.rows("lm_step")))
 book.ledger(ledger.lm_step_entries(lm), table="lm_step")
 report.show_table(whole_model.lm_table(lm))
 whole_model.plot_lm_compile(lm)

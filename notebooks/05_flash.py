@@ -312,7 +312,7 @@ book.answer(present.course_claim(course, bench, cfg.course_goal_ms), section="Th
 # %%
 lm = book.table("lm_step", lambda: compare_variants(
     cfg.lm_size, cfg.lm_variants, context=cfg.lm_context, batch=cfg.lm_batch, dtype=cfg.lm_dtype,
-    modes=("train_step",), warmup=cfg.lm_warmup, steps=cfg.lm_steps, device=dev))
+    modes=("train_step",), warmup=cfg.lm_warmup, steps=cfg.lm_steps, device=dev, log=book.rows("lm_step")))
 report.show_table(report.shown(lm[["attention", "compile", "step_ms", "step_spread_ms", "step_n", "step_peak_gib",
                                    "status"]]))
 book.ledger(ledger.lm_step_entries(lm))

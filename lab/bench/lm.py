@@ -239,16 +239,27 @@ def sweep_lm(sizes: Iterable[str | ModelConfig], contexts: Iterable[int] = (512,
 
 def compare_variants(size: str | ModelConfig, variants: Iterable[dict], context: int = 512, batch: int = 4,
                      dtype: str = "fp32", modes: Sequence[str] = MODES, warmup: int = 2, steps: int = 5,
-                     device: torch.device | str = "auto", progress: bool = True) -> pd.DataFrame:
+                     device: torch.device | str = "auto", progress: bool = True,
+                     log: RowLog | None = None) -> pd.DataFrame:
     """:func:`benchmark_lm` of one configuration once per variant, e.g. ``[dict(attention="sdpa"),
     dict(attention="flash_triton", compile=True), dict(fused_loss=True)]`` (keywords of benchmark_lm), in
-    this order in one process. Returns :func:`lm_step_table` rows (the spec's ``lm_step`` columns first)."""
+    this order in one process. Returns :func:`lm_step_table` rows (the spec's ``lm_step`` columns first).
+    ``log``: as :func:`sweep_lm`'s, a variant's row logged by a resumed render's earlier call is taken back."""
     device = resolve_device(device) if isinstance(device, str) else device
     variants = [dict(v) for v in variants]
     rows = []
-    for variant in progress_bar(variants, "lm variants", progress):
-        rows.append(benchmark_lm(size, context=context, batch=batch, dtype=dtype, modes=modes, warmup=warmup,
-                                 steps=steps, device=device, **variant))
+    bar = progress_bar(variants, "lm variants", progress)
+    for variant in bar:
+        bar.set_postfix_str(f"{size} " + " ".join(f"{k}={v}" for k, v in variant.items()))
+        key = dict(size=str(size), context=context, batch=batch, dtype=dtype, modes=list(modes), warmup=warmup,
+                   steps=steps, **{k: str(v) for k, v in variant.items()})
+        row = log.get(key) if log is not None else None
+        if row is None:
+            row = benchmark_lm(size, context=context, batch=batch, dtype=dtype, modes=modes, warmup=warmup,
+                               steps=steps, device=device, **variant)
+            if log is not None:
+                log.put(key, row)
+        rows.append(row)
     return lm_step_table(pd.DataFrame(rows))
 
 

@@ -179,3 +179,22 @@ def test_a_sweep_takes_back_the_rows_its_log_holds(tmp_path, monkeypatch):
     other = RowLog(tmp_path / "lm_step.jsonl", reuse=True, here=here)
     bench.sweep_lm([TINY], contexts=[8], warmup=2, steps=1, device="cpu", progress=False, log=other)
     assert other.reused == 0
+
+
+def test_compare_variants_takes_back_the_variants_its_log_holds(tmp_path, monkeypatch):
+    from lab.measure.results import RowLog
+
+    here = {"commit": "d" * 40, "gpu_name": None, "gpu_count": 0}
+    kw = dict(context=8, warmup=1, steps=1, device="cpu", progress=False)
+    first = bench.compare_variants(TINY, [dict(attention="sdpa")], log=RowLog(tmp_path / "v.jsonl", here=here), **kw)
+    measured = []
+    real = bench.benchmark_lm
+    monkeypatch.setattr(bench, "benchmark_lm", lambda *a, **k: measured.append(k.get("attention")) or real(*a, **k))
+    again = RowLog(tmp_path / "v.jsonl", reuse=True, here=here)
+    df = bench.compare_variants(TINY, [dict(attention="sdpa"), dict(attention="naive")], log=again, **kw)
+    assert measured == ["naive"] and again.reused == 1
+    assert df["attention"].tolist() == ["sdpa", "naive"] and df["fwd_ms"].iloc[0] == first["fwd_ms"].iloc[0]
+    # another context is another measurement: nothing taken back
+    other = RowLog(tmp_path / "v.jsonl", reuse=True, here=here)
+    bench.compare_variants(TINY, [dict(attention="sdpa")], log=other, **{**kw, "context": 16})
+    assert other.reused == 0
