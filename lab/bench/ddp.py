@@ -168,8 +168,10 @@ def _profile(step, dev: torch.device, n_steps: int, name: str, trace_dir: str | 
     path = folder / name
     profile_step(step, "train_step", warmup=0, steps=n_steps, trace_path=path)
     summary = step_overlap(read_trace(path))
+    gpu = dev.type == "cuda"  # on the CPU, compute is the host's own operators: no GPU waited for it
     return {"comm_ms": summary["communication_ms"] / n_steps, "overlap_frac": summary["overlap_share"],
-            "trace": str(path)}
+            "step_gpu_ms": summary["busy_ms"] / n_steps if gpu else math.nan,
+            "step_compute_gpu_ms": summary["compute_ms"] / n_steps if gpu else math.nan, "trace": str(path)}
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -188,6 +190,8 @@ def benchmark_ddp(size: str | ModelConfig = "xl", context: int = 512, batch: int
     (impl, bucket_mb) with the spec's ``ddp_benchmark`` columns (bucket_mb: MiB per bucket for bucketed and
     torch_ddp, 0 otherwise; step_ms: the **median over rounds** of the step time, each step counted at its
     slowest rank, ms; comm_ms: communication time in rank 0's profiled step, ms; status ok/oom) plus
+    step_gpu_ms and step_compute_gpu_ms (how long some kernel, and some kernel other than a collective's, ran in
+    that profiled step: the first says whether the host kept the GPU busy, the second is the GPU's own work),
     step_spread_ms, step_n (rounds) and step_samples_ms (the rounds in order as a JSON list, see
     :func:`lab.bench.interleaved.summarize_rounds`), schedule, overlap_frac, n_buckets, grad_mb, trace (its
     Chrome trace under ``<artifacts_dir>/ddp_traces``) and error. An entry that fails on a rank (a collective
@@ -214,6 +218,8 @@ def benchmark_ddp(size: str | ModelConfig = "xl", context: int = 512, batch: int
                          schedule=interleaving.schedule,
                          comm_ms=0.0 if impl == "single_gpu" and ok else profile.get("comm_ms", math.nan),
                          overlap_frac=profile.get("overlap_frac", math.nan),
+                         step_gpu_ms=profile.get("step_gpu_ms", math.nan),
+                         step_compute_gpu_ms=profile.get("step_compute_gpu_ms", math.nan),
                          n_buckets=first.get("n_buckets", math.nan), grad_mb=first.get("grad_mb", math.nan),
                          trace=paths.repo_relative(profile.get("trace")), status=timing["status"],
                          error=timing["error"]))

@@ -43,7 +43,7 @@ from lab.bench.interleaved import Interleaving, closer, combine_entry, summarize
 from lab.bench.progress import progress_bar
 from lab.dtypes import autocast_dtype
 from lab.measure.device import available_memory_bytes, error_summary, is_oom
-from lab.measure.profiling import profile_step
+from lab.measure.profiling import gpu_kernel_times, profile_step
 from lab.measure.results import save_results
 from lab.measure.step import TrainStep, random_batch
 from lab.measure.verdicts import summarize
@@ -211,6 +211,11 @@ def memory_worker(impl: str, cfg: ModelConfig, batch: int, dtype: str, warmup: i
         out["optimizer_state_bytes"] = _bytes(t for s in state_holder.state.values() for t in s.values()
                                               if torch.is_tensor(t) and t.ndim > 0)
         opt.zero_grad(set_to_none=True)
+    # one more step profiled for its kernels alone, on every rank (collectives must match): how long the GPU
+    # ran kernels (``step_gpu_ms``: the host kept it busy or not) and kernels other than collectives
+    # (``step_compute_gpu_ms``: its own work, which another host does not change); NaN off CUDA
+    times = gpu_kernel_times(train_step, device)
+    out["step_gpu_ms"], out["step_compute_gpu_ms"] = times["gpu_ms"], times["compute_ms"]
     if trace_path is not None:  # every rank steps (collectives must match); rank 0 writes the trace
         profile_step(train_step, "train_step", warmup=0, steps=1,
                      trace_path=trace_path if distributed.rank() == 0 else None)
@@ -235,11 +240,12 @@ def memory_row(impl: str, size: str | ModelConfig, world_size: int = 2, context:
     and peak (the largest of the three phases), each as ``<name>_gib`` (the median over steps), ``<name>_n`` and
     ``<name>_samples_gib`` (a JSON list), every step's peak at its largest rank (the rank that needs the most
     decides whether it fits); the breakdown (param_gib, grad_gib, optimizer_state_gib, activations_gib = peak
-    before the step minus the three), the closed-form expectations (expected_*_gib), num_params, trace, status,
-    error and limit_gib (the memory a rank had). Out-of-memory on any rank gives ``status="oom"``; any other
-    failure (a collective that hangs fails after ``timeout_s``; the whole run after ``deadline_s`` where given)
-    ``status="failed"`` with the failing rank's cause (:func:`lab.parallel.runner.run`), so a sweep always
-    completes.
+    before the step minus the three), the closed-form expectations (expected_*_gib), num_params, rank 0's
+    step_gpu_ms and step_compute_gpu_ms (one more step's kernel time, with and without the collectives'
+    kernels; NaN off CUDA), trace, status, error and limit_gib (the memory a rank had). Out-of-memory on any
+    rank gives ``status="oom"``; any other failure (a collective that hangs fails after ``timeout_s``; the
+    whole run after ``deadline_s`` where given) ``status="failed"`` with the failing rank's cause
+    (:func:`lab.parallel.runner.run`), so a sweep always completes.
     """
     autocast_dtype(dtype)  # a clear error for an unknown name
     sharded_parts(impl)  # validates the name
@@ -247,7 +253,8 @@ def memory_row(impl: str, size: str | ModelConfig, world_size: int = 2, context:
     _, device_type = distributed.resolve_backend(world_size, device=device)
     row = dict(impl=impl, world_size=world_size, size=name, context=context, batch=batch, dtype=dtype,
                reduce_dtype=_reduce_dtype(impl, dtype, fsdp_reduce_dtype), peak_init_gib=math.nan,
-               **{f"{k}_gib": math.nan for k in PEAKS}, trace=trace_path, status="ok", error="",
+               **{f"{k}_gib": math.nan for k in PEAKS}, step_gpu_ms=math.nan, step_compute_gpu_ms=math.nan,
+               trace=trace_path, status="ok", error="",
                limit_gib=available_memory_bytes(device_type) / GiB)
     try:
         per_rank = runner.run(runner.each_item, [impl], world_size,
@@ -266,6 +273,8 @@ def memory_row(impl: str, size: str | ModelConfig, world_size: int = 2, context:
     before = [max(step) for step in zip(*(r["before_gib"] for r in per_rank))]
     after = [max(step) for step in zip(*(r["after_gib"] for r in per_rank))]
     row["peak_init_gib"] = init
+    first = min(per_rank, key=lambda r: r["rank"])
+    row["step_gpu_ms"], row["step_compute_gpu_ms"] = first["step_gpu_ms"], first["step_compute_gpu_ms"]
     for key, xs in zip(PEAKS, (before, after, [max(init, b, a) for b, a in zip(before, after)])):
         s = summarize(xs)
         row.update({f"{key}_gib": s.median, f"{key}_n": s.n, f"{key}_samples_gib": json.dumps(list(s.samples))})

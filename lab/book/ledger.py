@@ -9,8 +9,9 @@ that measured it. Entries live in ``<results_dir>/ledger.csv``.
 :func:`check` compares a report's entries with every other report's entries of the same key on the same GPU
 model. Two entries disagree where
 
-* their GPU times (how long the GPU ran kernels in the step, one profiled run each, where both rows have it)
-  differ by more than :data:`RUN_TO_RUN` (clocks, memory placement, the library's choice of algorithm), or
+* their GPU times (how long the GPU ran kernels in the step, one profiled run each, where both rows have it;
+  a data-parallel step's without the collectives' kernels, which wait for the peers' hosts) differ by more
+  than :data:`RUN_TO_RUN` (clocks, memory placement, the library's choice of algorithm), or
 * the rule finds their wall times apart (not within noise) by more than :data:`RUN_TO_RUN` plus the longer of
   the two rows' idle GPU time (wall less GPU time): the time the GPU waited for its host, which moves with the
   host's pace and load from one run to the next, on one machine too, while the GPU time does not.

@@ -18,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from lab.measure.device import synchronize
 from lab.measure.quiet import quiet_profile
 from lab.measure.step import MODES, TrainStep
-from lab.measure.traces import intervals_length, union_intervals
+from lab.measure.traces import intervals_length, is_communication, union_intervals
 
 # cuBLAS / CUTLASS / Triton matmul kernel names on Hopper and Ampere, and the aten ops on the CPU.
 _MATMUL = re.compile(r"gemm|nvjet|xmma|cutlass|wgmma|cublas|matmul|^aten::(mm|addmm|bmm|baddbmm|linear)$", re.I)
@@ -156,23 +156,37 @@ def step_wall_ms(prof) -> float:
     return sum(e.time_range.elapsed_us() for e in evts) / 1e3 / max(len(evts), 1)
 
 
-def gpu_kernel_ms(run, device) -> float:
-    """How long the GPU ran kernels (memcpys and memsets included) during one ``run()``, in ms: the union of
-    their intervals, profiled with CUDA activity alone. Without the host's operators the profile holds only a
-    step's kernels, so it costs about a second where a full profile of a large model's step takes many; NaN
-    off CUDA, and where the profile saw no kernel."""
+def gpu_kernel_times(run, device) -> dict[str, float]:
+    """How long the GPU ran kernels (memcpys and memsets included) during one ``run()``, in ms, profiled with
+    CUDA activity alone: ``gpu_ms``, the union of their intervals, and ``compute_ms``, the same without the
+    collectives' kernels (NCCL), whose length is set partly by when the peers arrive, that is by their hosts.
+    Without the host's operators the profile holds only a step's kernels, so it costs about a second where a
+    full profile of a large model's step takes many; NaN off CUDA, and where the profile saw no kernel."""
+    nan = {"gpu_ms": float("nan"), "compute_ms": float("nan")}
     if getattr(device, "type", str(device).split(":")[0]) != "cuda":
-        return float("nan")
+        return nan
     synchronize(device)
     with quiet_profile(profile(activities=[ProfilerActivity.CUDA])) as prof:
         run()
         synchronize(device)
     events = prof.profiler.kineto_results.events()
-    spans = [(e.start_ns(), e.end_ns()) for e in events
-             if e.device_type() == DeviceType.CUDA and not e.is_user_annotation()]
-    if not spans:  # no kernel seen is a profile that failed, not an idle GPU
-        return float("nan")
-    return intervals_length(union_intervals(spans)) / 1e6  # kernels on two streams at once count once
+    return kernel_times([(e.start_ns(), e.end_ns(), e.name()) for e in events
+                         if e.device_type() == DeviceType.CUDA and not e.is_user_annotation()]) or nan
+
+
+def kernel_times(spans) -> dict[str, float] | None:
+    """:func:`gpu_kernel_times` of ``(start_ns, end_ns, name)`` kernel spans; None where there are none (a
+    profile that saw no kernel failed: the GPU did not sit idle)."""
+    if not spans:
+        return None
+    compute = [(s, e) for s, e, name in spans if not is_communication(name)]
+    return {"gpu_ms": intervals_length(union_intervals((s, e) for s, e, _ in spans)) / 1e6,  # concurrent once
+            "compute_ms": intervals_length(union_intervals(compute)) / 1e6}
+
+
+def gpu_kernel_ms(run, device) -> float:
+    """:func:`gpu_kernel_times`' ``gpu_ms``: how long the GPU ran kernels during one ``run()``."""
+    return gpu_kernel_times(run, device)["gpu_ms"]
 
 
 def gpu_busy_ms(prof) -> float:

@@ -191,8 +191,9 @@ def _union_of(timeline: pd.DataFrame, kind: str) -> list[tuple[float, float]]:
 
 def overlap_summary(timeline: pd.DataFrame) -> pd.DataFrame:
     """Per phase, and for the whole ``step``: its length, compute busy time, communication time, how much of
-    it overlapped compute, the exposed (non-overlapped) communication, the compute lanes' idle time (all ms)
-    and ``overlap_share`` (overlapped / communication; NaN without communication)."""
+    it overlapped compute, the exposed (non-overlapped) communication, the compute lanes' idle time, the time
+    some kernel ran (``busy_ms``: compute or communication; all ms) and ``overlap_share`` (overlapped /
+    communication; NaN without communication)."""
     comp, comm = _union_of(timeline, "compute"), _union_of(timeline, "communication")
     phases = timeline[timeline["kind"] == "phase"]
     windows = [(n, s, s + d) for n, s, d in zip(phases["name"], phases["start_ms"], phases["dur_ms"])]
@@ -205,10 +206,10 @@ def overlap_summary(timeline: pd.DataFrame) -> pd.DataFrame:
         compute_ms, comm_ms = intervals_length(c), intervals_length(m)
         rows.append(dict(phase=name, window_ms=hi - lo, compute_ms=compute_ms, communication_ms=comm_ms,
                          overlapped_ms=overlap, exposed_communication_ms=comm_ms - overlap,
-                         compute_idle_ms=(hi - lo) - compute_ms,
+                         compute_idle_ms=(hi - lo) - compute_ms, busy_ms=compute_ms + comm_ms - overlap,
                          overlap_share=overlap / comm_ms if comm_ms else math.nan))
     return pd.DataFrame(rows, columns=["phase", "window_ms", "compute_ms", "communication_ms", "overlapped_ms",
-                                       "exposed_communication_ms", "compute_idle_ms", "overlap_share"])
+                                       "exposed_communication_ms", "compute_idle_ms", "busy_ms", "overlap_share"])
 
 
 def step_overlap(timeline: pd.DataFrame) -> dict:

@@ -61,8 +61,10 @@ def test_step_times_rebuilt_each_turn():
 def test_memory_row_takes_each_step_at_its_largest_rank(monkeypatch):
     """The steps are a peak's samples: each step at the rank that needed the most, then their median."""
     rank = dict(num_params=1000, peak_init_gib=1.0, param_bytes=2**30, grad_bytes=2**30, optimizer_state_bytes=2**30)
-    ranks = [dict(rank, before_gib=[3.0, 3.5, 3.0, 3.0, 3.0], after_gib=[2.0, 2.0, 2.0, 2.0, 2.0]),
-             dict(rank, before_gib=[3.2, 3.2, 3.2, 3.2, 3.2], after_gib=[1.0, 1.0, 5.0, 1.0, 1.0])]
+    ranks = [dict(rank, rank=1, before_gib=[3.0, 3.5, 3.0, 3.0, 3.0], after_gib=[2.0, 2.0, 2.0, 2.0, 2.0],
+                  step_gpu_ms=11.0, step_compute_gpu_ms=8.0),
+             dict(rank, rank=0, before_gib=[3.2, 3.2, 3.2, 3.2, 3.2], after_gib=[1.0, 1.0, 5.0, 1.0, 1.0],
+                  step_gpu_ms=10.0, step_compute_gpu_ms=7.0)]
     monkeypatch.setattr(sharding.runner, "run", lambda *args, **kwargs: [ranks])
     row = sharding.memory_row("ddp", "tiny", world_size=2, context=16, device="cpu")
     assert json.loads(row["peak_before_step_samples_gib"]) == [3.2, 3.5, 3.2, 3.2, 3.2]
@@ -70,6 +72,7 @@ def test_memory_row_takes_each_step_at_its_largest_rank(monkeypatch):
     assert json.loads(row["peak_after_step_samples_gib"]) == [2.0, 2.0, 5.0, 2.0, 2.0]
     assert json.loads(row["peak_samples_gib"]) == [3.2, 3.5, 5.0, 3.2, 3.2] and row["peak_gib"] == 3.2
     assert row["activations_gib"] == pytest.approx(0.2) and row["limit_gib"] > 0
+    assert (row["step_gpu_ms"], row["step_compute_gpu_ms"]) == (10.0, 7.0)  # rank 0's profiled step
 
 
 @pytest.mark.slow

@@ -82,3 +82,12 @@ def test_step_wall_time_is_the_cpu_range_not_its_gpu_mirror():
 
 def test_gpu_kernel_ms_is_nan_off_cuda():
     assert math.isnan(profiling.gpu_kernel_ms(lambda: None, torch.device("cpu")))
+    assert all(math.isnan(x) for x in profiling.gpu_kernel_times(lambda: None, torch.device("cpu")).values())
+
+
+def test_kernel_times_count_concurrent_kernels_once_and_leave_the_collectives_out_of_compute():
+    ms = 1_000_000  # spans in ns
+    spans = [(0, 4 * ms, "sm90_gemm"), (1 * ms, 2 * ms, "triton_poi_fused"),  # nested: once
+             (3 * ms, 7 * ms, "ncclDevKernel_AllReduce_Sum_bf16_RING_LL"), (8 * ms, 9 * ms, "Memcpy DtoD")]
+    assert profiling.kernel_times(spans) == {"gpu_ms": pytest.approx(8.0), "compute_ms": pytest.approx(5.0)}
+    assert profiling.kernel_times([]) is None

@@ -49,6 +49,7 @@ def test_overlap_summary_on_a_synthetic_timeline():
     assert fwd["exposed_communication_ms"] == pytest.approx(2.0)
     assert fwd["compute_idle_ms"] == pytest.approx(2.0)
     assert fwd["overlap_share"] == pytest.approx(0.5)
+    assert fwd["busy_ms"] == pytest.approx(10.0)  # compute 8 and communication 4, 2 of it at once
 
 
 def test_gpu_timeline_phases_include_kernels_launched_by_autograd_threads(tmp_path):

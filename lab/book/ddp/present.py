@@ -60,10 +60,12 @@ def best(ok: pd.DataFrame, impls=("bucketed",)) -> pd.Series | None:
 
 def step_table(bench: pd.DataFrame) -> pd.DataFrame:
     """What to read in the benchmark: per config and wrapper the median step time over rounds, its spread and
-    count, communication time and overlap of the profiled step, all-reduce calls, status."""
-    cols = ["config", "label", "step_ms", "step_spread_ms", "step_n", "comm_ms", "overlap_frac", "n_buckets", "status"]
+    count, the profiled step's GPU times (some kernel running, and the collectives left out), communication
+    time and overlap, all-reduce calls, status; a column nobody measured is left out."""
+    cols = ["config", "label", "step_ms", "step_spread_ms", "step_n", "step_gpu_ms", "step_compute_gpu_ms",
+            "comm_ms", "overlap_frac", "n_buckets", "status"]
     b = _labelled(bench)
-    return b[[c for c in cols if c in b]]
+    return b[[c for c in cols if c in b]].dropna(axis=1, how="all")
 
 
 def measured(row) -> cl.Measured:
@@ -130,6 +132,7 @@ def plot_step_times(bench: pd.DataFrame):
 def ledger_entries(bench: pd.DataFrame) -> list[dict]:
     """The torch DDP rows as ``ddp_step`` entries of the ledger (notebook 08 times torch DDP too)."""
     return [ledger.entry("ddp_step", measured(r).summary, "ms", f"torch DDP, {r['config']}",
+                         host_bound=measured(r).host_bound, gpu_ms=r.get("step_compute_gpu_ms", math.nan),
                          impl="torch_ddp", size=r["size"], context=r["context"], batch=r["batch"], dtype=r["dtype"],
                          world_size=r["world_size"], bucket_mb=TORCH_DDP_BUCKET_MB)
             for _, r in _ok(bench).iterrows() if r["impl"] == "torch_ddp"]

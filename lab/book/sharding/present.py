@@ -80,8 +80,9 @@ def failures(df: pd.DataFrame) -> list[cl.Observed]:
 
 def ledger_entries(df: pd.DataFrame) -> list[dict]:
     """The DDP rows (torch DDP, default buckets) as ``ddp_step`` entries of the ledger (notebook 07 times it too)."""
-    return [ledger.entry("ddp_step", measured(r).summary, "ms", f"torch DDP, {r['size']} "
-                         f"{r['dtype']}", impl="torch_ddp", size=r["size"], context=r["context"], batch=r["batch"],
+    return [ledger.entry("ddp_step", measured(r).summary, "ms", f"torch DDP, {r['size']} {r['dtype']}",
+                         host_bound=measured(r).host_bound, gpu_ms=r.get("step_compute_gpu_ms", math.nan),
+                         impl="torch_ddp", size=r["size"], context=r["context"], batch=r["batch"],
                          dtype=r["dtype"], world_size=r["world_size"], bucket_mb=TORCH_DDP_BUCKET_MB)
             for _, r in _ok(df).iterrows() if r["impl"] == "ddp"]
 
@@ -131,9 +132,11 @@ def traffic_claim(closed: pd.DataFrame, traffic: pd.DataFrame) -> cl.Claim:
 
 def benchmark_table(df: pd.DataFrame) -> pd.DataFrame:
     """What to read in the benchmark: per size and impl the median step over rounds with its spread and count,
-    the peaks by phase (medians over steps), the reduce dtype and the status."""
-    cols = ["size", "impl", "status", "step_ms", "step_spread_ms", "step_n", *PEAKS, "reduce_dtype"]
-    return df[[c for c in cols if c in df]]
+    one more step's GPU times (some kernel running, and the collectives left out), the peaks by phase (medians
+    over steps), the reduce dtype and the status; a column nobody measured is left out."""
+    cols = ["size", "impl", "status", "step_ms", "step_spread_ms", "step_n", "step_gpu_ms", "step_compute_gpu_ms",
+            *PEAKS, "reduce_dtype"]
+    return df[[c for c in cols if c in df]].dropna(axis=1, how="all")
 
 
 def memory_breakdown(df: pd.DataFrame) -> pd.DataFrame:

@@ -56,6 +56,14 @@ def test_labels_and_step_table():
     table = ddp_book.step_table(bench())
     assert list(table.columns[:3]) == ["config", "label", "step_ms"]
     assert "bucketed 64 MB" in set(table["label"]) and ddp_book.configs(bench()) == ["tiny fp32"]
+    # GPU times where a GPU was profiled; a column nobody measured (a CPU's) left out
+    cpu = bench().assign(step_gpu_ms=math.nan, step_compute_gpu_ms=math.nan)
+    assert "step_gpu_ms" not in ddp_book.step_table(cpu)
+    gpu = bench().assign(step_gpu_ms=60.0, step_compute_gpu_ms=50.0)
+    assert ddp_book.step_table(gpu)[["step_gpu_ms", "step_compute_gpu_ms"]].iloc[0].tolist() == [60.0, 50.0]
+    rows = ddp_book._ok(gpu)
+    host_bound = ddp_book.versus(rows.iloc[-2], rows.iloc[-1])  # torch DDP against one device: GPUs 60% busy
+    assert host_bound.verdict == "host-bound" and host_bound.subject.gpu_ms == 60.0
 
 
 def test_wrapper_story_is_paired_verdicts():

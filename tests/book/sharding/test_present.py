@@ -214,3 +214,29 @@ def test_torch_ddp_in_07_and_08_meets_in_the_ledger(tmp_path):
     ledger.record([ours], tmp_path, "08_sharding", dict(h200, commit="b"))
     with pytest.raises(ledger.LedgerMismatch, match="07_ddp"):
         ledger.check(tmp_path, "08_sharding")
+
+
+def test_host_bound_torch_ddp_steps_meet_in_the_ledger_by_their_gpu_time(tmp_path):
+    """Both steps host-bound (the GPU ran kernels for 90 of 188 and of 270 ms): the ledger compares the GPU's
+    own work (kernels other than the collectives'), which agrees here, and stops the render where it does not."""
+    from lab.book.ddp import present as ddp_book
+
+    def entries(compute_07, compute_08):
+        sharding = table(size="2.7B")
+        sharding.loc[sharding["impl"] == "ddp", "step_samples_ms"] = _samples(270.0, 0.005, 0)
+        sharding = sharding.assign(step_gpu_ms=90.0, step_compute_gpu_ms=compute_08)
+        ddp = pd.DataFrame([dict(impl="torch_ddp", bucket_mb=25.0, world_size=2, size="2.7B", context=512, batch=2,
+                                 dtype="bf16", config="2.7B bf16", status="ok", step_gpu_ms=90.0,
+                                 step_samples_ms=_samples(188.0, 0.005, 1), step_compute_gpu_ms=compute_07)])
+        return sharding_book.ledger_entries(sharding), ddp_book.ledger_entries(ddp)
+
+    (ours,), (theirs,) = entries(80.0, 81.0)
+    assert ours["host_bound"] and theirs["host_bound"] and (ours["gpu_ms"], theirs["gpu_ms"]) == (81.0, 80.0)
+    h200 = dict(gpu="NVIDIA H200", host_cpu="x86_64")
+    ledger.record([theirs], tmp_path, "07_ddp", dict(h200, commit="a"))
+    ledger.record([ours], tmp_path, "08_sharding", dict(h200, commit="b"))
+    assert ledger.check(tmp_path, "08_sharding") == []
+    (ours,), _ = entries(80.0, 88.0)  # the GPU's own work 10% apart: not the same measurement
+    ledger.record([ours], tmp_path, "08_sharding", dict(h200, commit="c"))
+    with pytest.raises(ledger.LedgerMismatch, match="GPU time"):
+        ledger.check(tmp_path, "08_sharding")
