@@ -34,7 +34,7 @@ from lab.measure.traces import read_trace, step_overlap
 from lab.model import ModelConfig, TransformerLM
 from lab.parallel import launcher as distributed
 from lab.parallel import runner
-from lab.parallel.ddp import DDPBucketed, DDPIndividualParameters, FlatDDP, NaiveDDP
+from lab.parallel.ddp import DDPBucketed, DDPIndividualParameters, FlatDDP, NaiveDDP, torch_ddp
 
 IMPLS = ("naive", "flat", "individual", "bucketed", "torch_ddp", "single_gpu")
 #: Bytes per parameter of one resident copy: fp32 weights, gradients, AdamW's two moments, a bucket buffer.
@@ -73,8 +73,7 @@ def wrap(impl: str, model: nn.Module, bucket_mb: float, dev: torch.device) -> nn
     if impl == "bucketed":
         return DDPBucketed(model, bucket_size_mb=bucket_mb)
     if impl == "torch_ddp":
-        return nn.parallel.DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None,
-                                                   bucket_cap_mb=bucket_mb)
+        return torch_ddp(model, bucket_size_mb=bucket_mb)
     if impl == "single_gpu":
         return model
     raise ValueError(f"unknown impl {impl!r}")

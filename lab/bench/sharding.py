@@ -50,6 +50,7 @@ from lab.measure.verdicts import summarize
 from lab.model import ModelConfig, TransformerLM
 from lab.parallel import launcher as distributed
 from lab.parallel import runner
+from lab.parallel.ddp import torch_ddp
 from lab.parallel.fsdp import FSDP
 from lab.parallel.sharded_optimizer import ShardedOptimizer
 from lab.parallel.zero1 import ZeRO1Optimizer
@@ -96,14 +97,6 @@ def _bytes(tensors) -> int:
     return sum(_local(t).numel() * _local(t).element_size() for t in tensors if t is not None)
 
 
-def _ddp(model: torch.nn.Module, device: torch.device):
-    from torch.nn.parallel import DistributedDataParallel
-
-    # Gradients as views of DDP's communication buckets: otherwise DDP keeps a second copy of them.
-    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                   gradient_as_bucket_view=True)
-
-
 def build_impl(impl: str, model: TransformerLM, device: torch.device, dtype: str, fsdp_reduce_dtype: str | None = None):
     """Wrap ``model`` for ``impl``; returns ``(runnable model, optimizer, optimizer-state holder)``.
 
@@ -114,11 +107,11 @@ def build_impl(impl: str, model: TransformerLM, device: torch.device, dtype: str
 
     adamw = dict(lr=LR, weight_decay=WEIGHT_DECAY)
     if impl == "ddp":
-        wrapped = _ddp(model, device)
+        wrapped = torch_ddp(model)
         opt = torch.optim.AdamW(wrapped.parameters(), **adamw)
         return wrapped, opt, opt
     if impl == "sharded_optimizer":
-        wrapped = _ddp(model, device)
+        wrapped = torch_ddp(model)
         opt = ShardedOptimizer(wrapped.parameters(), torch.optim.AdamW, **adamw)
         return wrapped, opt, opt.inner
     if impl == "zero1":
@@ -132,7 +125,7 @@ def build_impl(impl: str, model: TransformerLM, device: torch.device, dtype: str
     if impl == "torch_zero":
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        wrapped = _ddp(model, device)
+        wrapped = torch_ddp(model)
         opt = ZeroRedundancyOptimizer(wrapped.parameters(), optimizer_class=torch.optim.AdamW, **adamw)
         return wrapped, opt, opt.optim
     if impl == "torch_fsdp2":

@@ -44,7 +44,7 @@ from lab.measure.device import available_memory_bytes, synchronize
 from lab.measure.step import TrainStep
 from lab.model import ModelConfig
 from lab.model.offload import activation_offloading
-from lab.parallel.ddp import DDPBucketed
+from lab.parallel.ddp import DDPBucketed, torch_ddp
 
 #: The storages smaller than this stay on the device when offloading (their copies cost more in launches than
 #: they free); tests pass 0 to move a toy model's small activations too.
@@ -265,10 +265,11 @@ def wrap_data_parallel(model: nn.Module, sharding: str, device: torch.device, bu
                        bucket_order: str = "ready", reduce_dtype: str = "grad", compile_kwargs: dict | None = None
                        ) -> nn.Module:
     """``model`` replicated on every rank: ``lab.DDPBucketed`` (``sharding="ddp"``, buckets of ``bucket_mb`` MiB
-    in ``bucket_order``) or ``torch.nn.parallel.DistributedDataParallel`` (``"torch_ddp"``, ``bucket_cap_mb``),
-    the gradients communicated in bf16 where ``reduce_dtype`` is ``"bf16"`` (torch DDP: its
-    ``bf16_compress_hook``). ``compile_kwargs`` (torch DDP only): compile the wrapped model as a whole, as torch
-    recommends (its graph is then split at the buckets, so that their all-reduces overlap the backward)."""
+    in ``bucket_order``) or ``torch.nn.parallel.DistributedDataParallel`` (``"torch_ddp"``:
+    :func:`lab.parallel.ddp.torch_ddp`), the gradients communicated in bf16 where ``reduce_dtype`` is ``"bf16"``
+    (torch DDP: its ``bf16_compress_hook``). ``compile_kwargs`` (torch DDP only): compile the wrapped model as a
+    whole, as torch recommends (its graph is then split at the buckets, so that their all-reduces overlap the
+    backward)."""
     bf16 = reduce_dtype == "bf16"
     if sharding == "ddp":
         return DDPBucketed(model, bucket_size_mb=bucket_mb, bucket_order=bucket_order,
@@ -277,8 +278,7 @@ def wrap_data_parallel(model: nn.Module, sharding: str, device: torch.device, bu
         raise ValueError(f"sharding must be ddp or torch_ddp, got {sharding!r}")
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # distributed-only: imported where it runs
 
-    wrapped = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                                  bucket_cap_mb=bucket_mb)
+    wrapped = torch_ddp(model, bucket_size_mb=bucket_mb)
     if bf16:
         wrapped.register_comm_hook(None, default_hooks.bf16_compress_hook if device.type == "cuda" else
                                    bf16_compress_on_gloo)

@@ -105,6 +105,18 @@ def _global_batch(model_name, step, world, micro, per_rank=3):
     return x, y
 
 
+def _torch_ddp(module):
+    """:func:`lab.parallel.ddp.torch_ddp` with the book's wrappers' interface: its reduction ends inside the
+    backward, so there is nothing to finish."""
+    model = ddp_module.torch_ddp(module)
+    model.finish_gradient_synchronization = lambda: None
+    return model
+
+
+#: wrappers that train next to the reference only (torch DDP's own errors and call counts are not ours)
+REFERENCE_ONLY = {"torch_ddp": _torch_ddp}
+
+
 def _loss(model, x, y):
     out = model(x)
     return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
@@ -123,7 +135,7 @@ def train_next_to_reference(wrapper, model_name, steps=4, micro=1, set_to_none=T
         local.load_state_dict(reference.state_dict())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model = WRAPPERS[wrapper](local)
+        model = {**WRAPPERS, **REFERENCE_ONLY}[wrapper](local)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
         ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
         start = [p.detach().clone() for p in reference.parameters()]
@@ -196,6 +208,25 @@ def unused_parameter_error(wrapper):
     except RuntimeError as exc:
         return str(exc)
     return None
+
+
+def check_reference_only(wrapper):
+    """Worker: training next to the single-process reference, gradients dropped, zeroed and accumulated."""
+    model = REFERENCE_ONLY[wrapper](_make("toy"))
+    x, y = _global_batch("toy", 0, 2, 1)
+    _loss(model, x[distributed.rank(), 0], y[distributed.rank(), 0]).backward()
+    storages = {p.grad.untyped_storage().data_ptr() for p in model.parameters() if p.grad is not None}
+    return [train_next_to_reference(wrapper, "tied"), train_next_to_reference(wrapper, "toy", steps=3, micro=3),
+            train_next_to_reference(wrapper, "toy", steps=3, micro=2, set_to_none=False), len(storages)]
+
+
+def test_torch_ddp_as_the_book_builds_it_matches_single_process():
+    """Gradients as views of its buckets, dropped (``set_to_none``) or zeroed between steps, accumulated under
+    ``no_sync``: the same bits as one process training on the whole batch."""
+    out = distributed.launch(check_reference_only, 2, "torch_ddp", device="cpu", timeout_s=120)
+    for case in range(3):
+        _assert_matches([o[case] for o in out])
+    assert out[0][3] == 1  # every gradient of the small model lives in its one bucket
 
 
 @pytest.mark.parametrize("wrapper", list(WRAPPERS))
