@@ -20,8 +20,9 @@
 # | `DDPIndividualParameters` | an async all-reduce per parameter, from its gradient hook | overlap, many calls |
 # | `DDPBucketed(bucket_size_mb)` | an async all-reduce per bucket (reverse order), once full | overlap, few calls |
 #
-# and `torch.nn.parallel.DistributedDataParallel` is the reference. All of them match single-process
-# training bit for bit in fp32 on the CPU (`tests/parallel/test_ddp.py`: gloo, 2 processes, tied and frozen
+# and `torch.nn.parallel.DistributedDataParallel` is the reference (`lab.parallel.ddp.torch_ddp`: its default
+# 25 MiB buckets, gradients as views of them, as ours keep them and as chapter 08 builds it). All of them
+# match single-process training bit for bit in fp32 on the CPU (`tests/parallel/test_ddp.py`: gloo, 2 processes, tied and frozen
 # parameters, gradient accumulation with `no_sync()`). Here we measure them: time per AdamW step, time
 # spent communicating, how much of it ran during backward, and the bucket size that balances per-call
 # overhead against overlap. `batch` is per rank, and `single_gpu` is the same step on one device with that
