@@ -27,7 +27,7 @@ from torch._dynamo.utils import counters
 from lab import paths
 from lab.bench.progress import progress_line
 from lab.measure.device import available_memory_bytes, empty_cache, error_summary, is_oom, synchronize
-from lab.measure.profiling import kernel_class, profile_step
+from lab.measure.profiling import gpu_kernel_times, kernel_class, profile_step
 from lab.measure.timing import matmul_tflops, time_callable, time_kernel
 from lab.measure.traces import kernels_by_range, read_trace, step_overlap
 from lab.measure.verdicts import MIN_SAMPLES, summarize
@@ -144,7 +144,8 @@ def empty_row(config: StepConfig, recipe: Recipe, status: str = "ok", error: str
     back; NaN without offloading); ``cuda_graphs`` (captured or not) and ``note`` (why a choice did not apply)."""
     return dict(impl=recipe.name, config=config.name, world_size=config.world_size, status=status, error=error,
                 precision=recipe.precision, batch=config.batch_per_rank * config.world_size, context=config.context,
-                step_ms=math.nan, step_spread_ms=math.nan, step_n=0, step_samples_ms=[], first_step_s=math.nan,
+                step_ms=math.nan, step_spread_ms=math.nan, step_n=0, step_samples_ms=[], step_gpu_ms=math.nan,
+                step_compute_gpu_ms=math.nan, first_step_s=math.nan,
                 wall_s=math.nan, host_step_ms=math.nan, host_step_spread_ms=math.nan, host_step_n=0,
                 host_step_samples_ms=[],
                 peak_gib=math.nan, limit_gib=math.nan, params_gib=math.nan, grads_gib=math.nan, optimizer_gib=math.nan,
@@ -160,7 +161,8 @@ def measure_recipe(config: StepConfig, recipe: Recipe, device: torch.device, war
     ``triton.testing.do_bench`` of whole steps (``rep_ms`` of them; do_bench also runs five steps to estimate
     their time), or with ``host_steps`` that many steps timed by the host clock (cheaper, for ablations),
     the peak memory of those steps, memory by category, and one profiled step's phases. Returns this rank's
-    row (``timer`` says which timer; ``wall_s``: from the build to the end of the timing). ``host_step_*`` are
+    row (``timer`` says which timer; ``wall_s``: from the build to the end of the timing; ``step_gpu_ms`` and
+    ``step_compute_gpu_ms``: one more step's kernel time, with and without collectives). ``host_step_*`` are
     host-clock times: the ablations' own, and with ``host_reference`` two more steps of a do_bench-timed
     recipe, so that the ablations are compared with the book's step timed the same way. ``note`` says where
     CUDA graphs were asked for but not (all) captured: on the CPU, or graphs Inductor left out of them. A
@@ -209,6 +211,10 @@ def measure_recipe(config: StepConfig, recipe: Recipe, device: torch.device, war
             s = summarize(timing.samples_ms)
             row.update(host_step_ms=s.median, host_step_spread_ms=s.spread, host_step_n=s.n,
                        host_step_samples_ms=timing.samples_ms)
+        # one more step for its kernels alone (every rank steps: collectives must match): how long the GPU ran
+        # kernels, and kernels other than collectives (the GPU's own work, which another host does not change)
+        times = gpu_kernel_times(step, device)
+        row.update(step_gpu_ms=times["gpu_ms"], step_compute_gpu_ms=times["compute_ms"])
         state = _state_bytes(step)
         row.update({f"{k}_gib": v / GiB for k, v in state.items()})
         if row["peak_gib"] == row["peak_gib"]:

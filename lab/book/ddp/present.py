@@ -15,7 +15,6 @@ import numpy as np
 import pandas as pd
 
 from lab.accounting import fit_bucket_overhead, optimal_bucket
-from lab.bench.distributed import TORCH_DDP_BUCKET_MB
 from lab.bench.interleaved import samples
 from lab.book import claims as cl
 from lab.book import ledger, report
@@ -131,11 +130,7 @@ def plot_step_times(bench: pd.DataFrame):
 
 def ledger_entries(bench: pd.DataFrame) -> list[dict]:
     """The torch DDP rows as ``ddp_step`` entries of the ledger (notebook 08 times torch DDP too)."""
-    return [ledger.entry("ddp_step", measured(r).summary, "ms", f"torch DDP, {r['config']}",
-                         host_bound=measured(r).host_bound, gpu_ms=r.get("step_compute_gpu_ms", math.nan),
-                         impl="torch_ddp", size=r["size"], context=r["context"], batch=r["batch"], dtype=r["dtype"],
-                         world_size=r["world_size"], bucket_mb=TORCH_DDP_BUCKET_MB)
-            for _, r in _ok(bench).iterrows() if r["impl"] == "torch_ddp"]
+    return ledger.ddp_step_entries(_labelled(bench), "torch_ddp", lambda r: f"torch DDP, {r['config']}")
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -15,6 +15,9 @@ import math
 import pandas as pd
 
 from lab.book.claims import Claim, Measured, Observed, Tally, Versus
+from lab.book.ledger import entry
+from lab.measure.verdicts import summarize
+from lab.model.transformer import MODEL_SIZES, QUICK_SIZES, config_for
 from lab.recipes.fastest_step import (
     ABLATION_BASE,
     CONFIGS,
@@ -92,6 +95,27 @@ def _recipe(config: str, impl: str):
     known = recipes_for(CONFIGS[config])
     known = {**known, **{r.name: r for r in ablations(known["project"])}, ABLATION_BASE: known["project"]}
     return known.get(impl)
+
+
+def ledger_entries(df: pd.DataFrame) -> list[dict]:
+    """What other reports measure too: a stock step on one GPU of a model size at its context (SDPA, bf16
+    autocast, the model's loss, nothing recomputed; eager or compiled as a whole) as an ``lm_step`` train step
+    (:mod:`lab.bench.lm`'s), and the eager one's peak as a ``peak_memory`` (03's); GPU time without collectives."""
+    out, stock = [], ("bf16_autocast", "sdpa", False, "none")
+    for _, r in df[(df["status"] == "ok") & (df["world_size"] == 1)].iterrows():
+        rec, cfg = _recipe(r["config"], r["impl"]), CONFIGS.get(r["config"])
+        if (rec is None or cfg is None or cfg.name not in {**MODEL_SIZES, **QUICK_SIZES}
+                or cfg.model != config_for(cfg.name, context_length=cfg.context)
+                or (rec.precision, rec.attention, rec.fused_loss, rec.checkpoint) != stock
+                or rec.compile not in ("none", "model")):
+            continue
+        m, what = measured(r), dict(size=cfg.name, context=cfg.context, batch=r["batch"], dtype="bf16")
+        out.append(entry("lm_step", m.summary, "ms", m.label, m.host_bound, r.get("step_compute_gpu_ms", math.nan),
+                         attention="sdpa", compile=rec.compile == "model", fused_loss=False, mode="step", **what))
+        if rec.compile == "none":
+            out.append(entry("peak_memory", summarize([r["peak_gib"]]), "GiB", f"{m.label}, peak", mode="train_step",
+                             checkpoint="none", **what))
+    return out
 
 
 def split_differences(config: str, impl: str, stock: str) -> tuple[list[str], list[str]]:

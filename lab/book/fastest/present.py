@@ -8,9 +8,8 @@ under the rule). The fused loss's comparisons are the rule's, on ``do_bench`` sa
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import pandas as pd
 
@@ -19,18 +18,8 @@ from lab.bench.fastest import PHASE_COLUMNS, PROFILED_ABLATIONS
 from lab.book.claims import Claim, Measured, Observed, Share, Value, Versus
 from lab.book.fastest.compare import CPU_NOTE
 from lab.measure.results import measured_on
-from lab.recipes.fastest_step import (
-    CONFIGS,
-    HEADLINE,
-    StepConfig,
-    ablation_base,
-    ablations,
-    model_flops_per_step,
-    recipes_for,
-)
+from lab.recipes.fastest_step import CONFIGS, model_flops_per_step
 
-#: The ablations the quick (CPU) book runs: interpreted Triton takes seconds a step.
-QUICK_ABLATIONS = ("flash_triton_attention", "no_fused_loss")
 PHASES = PHASE_COLUMNS
 #: The phases where a step whose recomputation has no profiler range of its own (compiled blocks) counts it.
 MERGED_WITH_RECOMPUTE = ("recompute", "attention", "matmul", "other kernels")
@@ -40,79 +29,6 @@ MEMORY = ["params_gib", "grads_gib", "optimizer_gib", "activations_and_other_gib
 def _label(column: str) -> str:
     """A phase or memory column as the tables and plots name it: ``other_kernels_ms`` -> ``other kernels``."""
     return column.removesuffix("_ms").removesuffix("_gib").replace("_", " ")
-
-
-def recipes(config: StepConfig, quick: bool, ablate: bool | Sequence[str] | Mapping = True) -> list:
-    """The book's recipe, both stock steps and each optimization switched off alone where ``ablate`` says so:
-    True or False for every configuration, a list of the configurations to ablate, or a mapping from
-    configuration to True or the names of its ablations (``{"leaderboard": ["no_fused_loss"]}``). On the
-    CPU (``quick``) nothing is compiled (inductor's C++ compile would take longer than the whole quick book), so
-    the stock compiled steps, which would run eagerly under their name, are left out, and only the attention's
-    and the loss's ablations run."""
-    every = ablations(recipes_for(config)["project"])
-    if isinstance(ablate, str) or not isinstance(ablate, (bool, Sequence, Mapping)):
-        raise ValueError(f"ablate must be True, False, a list of configuration names or a mapping, got {ablate!r}")
-    names = ablate if isinstance(ablate, (bool, Mapping)) else dict.fromkeys(ablate, True)
-    if isinstance(names, Mapping):
-        unknown = sorted(set(names) - set(CONFIGS))
-        if unknown:
-            raise ValueError(f"ablate names unknown configurations {unknown}; known: {sorted(CONFIGS)}")
-        names = names.get(config.name, False)
-    if isinstance(names, bool):
-        chosen = every if names else []
-    else:
-        known = [r.name for r in every]
-        if isinstance(names, str) or set(names) - set(known):
-            raise ValueError(f"ablations of {config.name} are among {known}, got {names!r}")
-        chosen = [r for r in every if r.name in names]
-    out = list(recipes_for(config).values()) + chosen
-    if quick:  # interpreted Triton takes seconds a step: the three headline steps and the Triton attention
-        out = [dataclasses.replace(r, compile="none") for r in out
-               if (r.name in HEADLINE and r.compile == "none") or r.name in QUICK_ABLATIONS
-               or r.name == "project"]
-    return out
-
-
-def _carry_entries(configs: Sequence[str], carry: Sequence[str]) -> dict[str, str]:
-    """``carry``'s entries as configuration -> ``"all"`` (``"name"``) or ``"headline"`` (``"name:headline"``)."""
-    if isinstance(carry, str):
-        raise ValueError(f"carry must be a list of configuration names, got {carry!r}")
-    out = {}
-    for entry in carry:
-        name, _, part = entry.partition(":")
-        if name not in configs or part not in ("", "headline"):
-            raise ValueError(f"carry entries are a configuration of this render ({', '.join(configs)}), alone or "
-                             f"with ':headline', got {entry!r}")
-        out[name] = part or "all"
-    return out
-
-
-def measured_recipes(configs: Sequence[str], carry: Sequence[str], quick: bool,
-                     ablate: bool | Sequence[str] | Mapping = True) -> dict[str, list]:
-    """What this render measures, per configuration (:func:`recipes`), given what it carries from the last
-    render: nothing of a configuration carried whole (``"leaderboard"``); of one whose headline rows are
-    carried (``"leaderboard:headline"``), its ablations with the book's step measured again beside them
-    (``ablation_base``), so that a machine too small for a configuration's every recipe in one call measures
-    them in two."""
-    parts = _carry_entries(configs, carry)
-    out = {}
-    for name in configs:
-        chosen = recipes(CONFIGS[name], quick, ablate)
-        if parts.get(name) == "headline":
-            rest = [r for r in chosen if r.name not in HEADLINE]
-            project = next(r for r in chosen if r.name == "project")
-            chosen = [ablation_base(project), *rest] if rest else []
-        if parts.get(name) != "all" and chosen:
-            out[name] = chosen
-    return out
-
-
-def carried_rows(saved: pd.DataFrame, configs: Sequence[str], carry: Sequence[str]) -> pd.DataFrame:
-    """The rows of the last render that ``carry`` keeps (see :func:`measured_recipes`)."""
-    parts = _carry_entries(configs, carry)
-    whole = saved["config"].map(parts).eq("all")
-    headline = saved["config"].map(parts).eq("headline") & saved["impl"].isin(HEADLINE)
-    return saved[whole | headline]
 
 
 def config_table(names) -> pd.DataFrame:
@@ -352,5 +268,5 @@ def fused_loss_claim(losses: pd.DataFrame, on_gpu: bool, memory_goal: float = 0.
 
 #: The columns of a configuration's runs as shown: what ran, its median step with spread and samples, memory,
 #: throughput, MFU and the compile cost.
-RUN_COLUMNS = ["impl", "precision", "status", "step_ms", "step_spread_ms", "step_n", "timer", "peak_gib",
-               "tokens_per_s", "mfu", "first_step_s"]
+RUN_COLUMNS = ["impl", "precision", "status", "step_ms", "step_spread_ms", "step_n", "timer", "step_gpu_ms",
+               "step_compute_gpu_ms", "peak_gib", "tokens_per_s", "mfu", "first_step_s"]

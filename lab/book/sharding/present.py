@@ -14,7 +14,6 @@ from dataclasses import dataclass, replace
 
 import pandas as pd
 
-from lab.bench.distributed import TORCH_DDP_BUCKET_MB
 from lab.bench.interleaved import samples
 from lab.book import claims as cl
 from lab.book import ledger
@@ -80,11 +79,7 @@ def failures(df: pd.DataFrame) -> list[cl.Observed]:
 
 def ledger_entries(df: pd.DataFrame) -> list[dict]:
     """The DDP rows (torch DDP, default buckets) as ``ddp_step`` entries of the ledger (notebook 07 times it too)."""
-    return [ledger.entry("ddp_step", measured(r).summary, "ms", f"torch DDP, {r['size']} {r['dtype']}",
-                         host_bound=measured(r).host_bound, gpu_ms=r.get("step_compute_gpu_ms", math.nan),
-                         impl="torch_ddp", size=r["size"], context=r["context"], batch=r["batch"],
-                         dtype=r["dtype"], world_size=r["world_size"], bucket_mb=TORCH_DDP_BUCKET_MB)
-            for _, r in _ok(df).iterrows() if r["impl"] == "ddp"]
+    return ledger.ddp_step_entries(df, "ddp", lambda r: f"torch DDP, {r['size']} {r['dtype']}")
 
 
 # ----------------------------------------------------------------------------------------------------------

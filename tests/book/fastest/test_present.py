@@ -12,6 +12,7 @@ import pytest
 from lab.book.claims import Observed, Share, Tally, Value, Versus, sentence
 from lab.book.fastest import compare
 from lab.book.fastest import present as fastest
+from lab.recipes import plan
 from lab.recipes.fastest_step import CONFIGS, recipes_for
 
 matplotlib.use("Agg")
@@ -227,39 +228,39 @@ def test_profiles_are_set_against_the_stock_steps_of_equal_precision_fastest_fir
 
 
 def test_quick_recipes_compile_nothing_and_ablations_for_some_configurations_only():
-    quick = fastest.recipes(CONFIGS["tiny"], quick=True)
+    quick = plan.recipes(CONFIGS["tiny"], quick=True)
     assert all(r.compile == "none" for r in quick)
     assert [r.name for r in quick] == ["project", "stock_eager", "flash_triton_attention", "no_fused_loss"]
     headline = ["project", "stock_eager", "stock_compiled"]
-    assert [r.name for r in fastest.recipes(CONFIGS["leaderboard"], quick=False, ablate=["2.7B"])] == headline
-    assert len(fastest.recipes(CONFIGS["2.7B"], quick=False, ablate=False)) == 5
+    assert [r.name for r in plan.recipes(CONFIGS["leaderboard"], quick=False, ablate=["2.7B"])] == headline
+    assert len(plan.recipes(CONFIGS["2.7B"], quick=False, ablate=False)) == 5
     with pytest.raises(ValueError, match="unknown configurations"):
-        fastest.recipes(CONFIGS["2.7B"], quick=False, ablate=["2.7b"])
+        plan.recipes(CONFIGS["2.7B"], quick=False, ablate=["2.7b"])
     with pytest.raises(ValueError, match="list of configuration names"):
-        fastest.recipes(CONFIGS["2.7B"], quick=False, ablate="2.7B")
-    some = fastest.recipes(CONFIGS["leaderboard"], quick=False, ablate={"leaderboard": ["flash_triton_attention"]})
+        plan.recipes(CONFIGS["2.7B"], quick=False, ablate="2.7B")
+    some = plan.recipes(CONFIGS["leaderboard"], quick=False, ablate={"leaderboard": ["flash_triton_attention"]})
     assert [r.name for r in some] == headline + ["flash_triton_attention"]
     with pytest.raises(ValueError, match="ablations of leaderboard"):
-        fastest.recipes(CONFIGS["leaderboard"], quick=False, ablate={"leaderboard": ["no_flash"]})
+        plan.recipes(CONFIGS["leaderboard"], quick=False, ablate={"leaderboard": ["no_flash"]})
     assert len(fastest.config_table(["leaderboard"])) == 1
 
 
 def test_carry_whole_configurations_or_their_headline_rows():
     configs = ["leaderboard", "2.7B"]
-    measured = fastest.measured_recipes(configs, ["2.7B"], quick=False)
+    measured = plan.measured_recipes(configs, ["2.7B"], quick=False)
     assert list(measured) == ["leaderboard"]
-    split = fastest.measured_recipes(configs, ["leaderboard:headline", "2.7B"], quick=False)
+    split = plan.measured_recipes(configs, ["leaderboard:headline", "2.7B"], quick=False)
     assert list(split) == ["leaderboard"] and split["leaderboard"][0].name == "ablation_base"
-    assert fastest.measured_recipes(configs, ["leaderboard:headline"], quick=False, ablate=False) == {
+    assert plan.measured_recipes(configs, ["leaderboard:headline"], quick=False, ablate=False) == {
         "2.7B": list(recipes_for(CONFIGS["2.7B"]).values())}
     saved = pd.DataFrame([_row(i, 1.0, config=c) for c in configs
                           for i in ("project", "stock_eager", "stock_compiled", "no_compile")])
-    kept = fastest.carried_rows(saved, configs, ["leaderboard:headline", "2.7B"])
+    kept = plan.carried_rows(saved, configs, ["leaderboard:headline", "2.7B"])
     assert len(kept) == 3 + 4 and set(kept.loc[kept.config == "leaderboard", "impl"]) == {
         "project", "stock_eager", "stock_compiled"}
     for bad in (["2.7b"], ["leaderboard:ablations"], "2.7B"):
         with pytest.raises(ValueError, match="carry"):
-            fastest.measured_recipes(configs, bad, quick=False)
+            plan.measured_recipes(configs, bad, quick=False)
 
 
 def test_measured_on_gpu_reads_the_rows_not_this_machine():
@@ -283,3 +284,34 @@ def test_choices_table_keeps_the_rows_that_offload_capture_or_communicate():
     assert list(t.index) == ["cuda_graphs", "offload_all"]
     assert t.loc["offload_all", "offload_gib"] == 3.0 and t.loc["offload_all", "nodes"] == 2
     assert fastest.choices_table(pd.DataFrame([_row("project", 1.0)])).empty
+
+
+def test_the_stock_one_gpu_steps_enter_the_ledger_as_the_other_reports_key_them():
+    """10's eager and compiled stock 2.7B steps (bf16 autocast, SDPA, the model's loss) meet 01/04's lm_step rows and
+    03's peak under one key each; the book's own step and the bf16-parameter stock steps measure something else."""
+    from lab.book import ledger
+    from lab.book.memory import present as memory_book
+
+    rows = [_one_gpu("stock_eager", 149.0, "bf16_autocast", world_size=1, context=512, step_gpu_ms=60.0,
+                     step_compute_gpu_ms=60.0, peak_gib=55.6),
+            _one_gpu("stock_compiled", 113.0, "bf16_autocast", world_size=1, context=512, step_gpu_ms=110.0,
+                     step_compute_gpu_ms=110.0),
+            _one_gpu("stock_compiled_bf16", 92.0, "bf16", world_size=1, context=512),
+            _one_gpu("project", 91.0, "bf16", world_size=1, context=512)]
+    entries = compare.ledger_entries(pd.DataFrame(rows))
+    steps = {e["key"]: e for e in entries if e["kind"] == "lm_step"}
+    lm = pd.DataFrame([dict(size="2.7B", context=512, batch=4, dtype="bf16", attention="sdpa", compile=c,
+                            fused_loss=False, status="ok", step_ms=ms, step_spread_ms=1.0, step_n=5)
+                       for c, ms in ((False, 150.0), (True, 114.0))])
+    theirs = [e for e in ledger.lm_step_entries(lm)]
+    assert set(steps) == {e["key"] for e in theirs}
+    eager = steps[theirs[0]["key"]]
+    assert eager["host_bound"] and eager["gpu_ms"] == 60.0  # the GPU ran kernels for 60 of 149 ms
+    assert not steps[theirs[1]["key"]]["host_bound"]
+    peaks = memory_book.ledger_entries(pd.DataFrame([dict(size="2.7B", context=512, batch=4, dtype="bf16",
+                                                          mode="train_step", peak_gib=55.7, status="ok")]))
+    (peak,) = [e for e in entries if e["kind"] == "peak_memory"]
+    assert peak["key"] == peaks[0]["key"] and peak["median"] == 55.6
+    # a configuration that is no model size (the quick book's stand-ins) enters nothing
+    assert compare.ledger_entries(pd.DataFrame([_row("stock_eager", 9.0, world_size=1, config="tiny_one_rank",
+                                                     precision="bf16_autocast")])) == []
