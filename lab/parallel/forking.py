@@ -21,16 +21,22 @@ import os
 import sys
 from typing import Any
 
-# Environment variables read as an interpreter starts or as torch is imported (the dynamic loader's and
-# Python's own, malloc's, OpenMP's and MKL's threads, torch's C++ logging and its TORCH_LOGS): a forked rank
-# keeps the server's values, fixed when it started. Variables of CUDA and NCCL are read later, and only by GPU
-# ranks, which are always spawned.
+# Environment variables read as an interpreter starts or as the modules of PRELOAD are imported (the dynamic
+# loader's and Python's own, malloc's, OpenMP's and MKL's threads, torch's C++ logging and its TORCH_LOGS,
+# Dynamo's and Inductor's configuration, Triton's TRITON_INTERPRET): a forked rank keeps the server's values,
+# fixed when it started. Variables of CUDA and NCCL are read later, and only by GPU ranks, which are always
+# spawned.
 READ_AT_START = ("PYTHON", "LD_", "MALLOC_", "GLIBC_TUNABLES", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_",
-                 "TORCH_")
-# The modules the server imports once for every rank it forks. Not lab's own: the server finds modules on the
+                 "TORCH_", "TORCHDYNAMO_", "TORCHINDUCTOR_", "TRITON_")
+# Read when used, not at import: Inductor sets its cache folder in os.environ the first time it needs one (in the
+# server as it imports Dynamo), so a caller that has not compiled yet differs from the server only in it.
+READ_WHEN_USED = ("TORCHINDUCTOR_CACHE_DIR",)
+# The modules the server imports once for every rank it forks: torch, and the libraries lab's parallel code
+# imports with it (FSDP2, Dynamo, which brings Triton, and pandas and sympy, through lab.accounting), about 2 s
+# of CPU that each forked rank would otherwise pay again. Not lab's own: the server finds modules on the
 # sys.path it started with, and a rank must import lab (its launcher included) from the caller's sys.path, as a
 # spawned one does (a worktree's lab rather than an installed one, say); the launcher then takes milliseconds.
-PRELOAD = ["torch", "torch.distributed"]
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch._dynamo", "pandas", "sympy"]
 # The server this module started: its process id and its READ_AT_START variables; broken once it failed.
 _SERVER: dict[str, Any] = {"pid": None, "env": None, "broken": False}
 
@@ -86,7 +92,7 @@ def broken() -> None:
 
 
 def _read_at_start(environ) -> dict[str, str]:
-    return {k: v for k, v in environ.items() if k.startswith(READ_AT_START)}
+    return {k: v for k, v in environ.items() if k.startswith(READ_AT_START) and k not in READ_WHEN_USED}
 
 
 class StdFds:
