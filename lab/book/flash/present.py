@@ -226,8 +226,9 @@ def lm_claim(lm: pd.DataFrame) -> Claim:
 
 
 def attention_entries(bench: pd.DataFrame, shape: Shape = fl.SHAPE_2_7B) -> list[dict]:
-    """What notebook 10 measures too: every implementation's passes at the 2.7B model's attention shape, as ledger
-    entries of kind ``attention`` (a pass derived from two others, with no samples, is left out)."""
+    """Every implementation's passes at the 2.7B model's attention shape, the calls inside the book's 2.7B step,
+    as ledger entries of kind ``attention`` for any report that times those calls too (notebook 10 profiles
+    them only as a phase of its steps); a pass derived from two others, with no samples, is left out."""
     rows = bench[(bench["status"] == "ok") & (bench["batch"] == shape.batch) & (bench["heads"] == shape.heads)
                  & (bench["seq_len"] == shape.seq) & (bench["d"] == shape.d) & (bench["causal"] == shape.causal)]
     out = []
