@@ -40,11 +40,13 @@ def test_busy_host_keeps_cores_busy_and_stops_them():
         assert len(pids) == 2
         time.sleep(0.2)
         before = _cpu_ticks()
-        time.sleep(0.5)
+        time.sleep(1.0)
         after = _cpu_ticks()
         hz = os.sysconf("SC_CLK_TCK")
-        busy = [(after[p][1] - before[p][1]) / hz / 0.5 for p in pids]
-        assert all(b > 0.1 for b in busy), busy  # each spins (an idle process takes nothing; two cores, shared)
+        busy = [(after[p][1] - before[p][1]) / hz for p in pids]
+        # each spins: a sleeping process takes no CPU time at all, a spinning one some even on a loaded host
+        # (a share of two cores with a test suite beside it, a tenth of a core or less at worst)
+        assert all(b >= 0.02 for b in busy), busy
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)  # killed and reaped
