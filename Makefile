@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 
 # test processes (pytest-xdist): one more than the cores (at most 8). Part of the suite waits rather than
 # computes (ranks starting, deadlines running out, subprocesses), and a third process on 2 cores fills it:
-# the suite took 12.5-13.5 minutes there, 15 with two processes (10-11 since forked ranks preload their imports).
+# the suite took 12.5-13.5 minutes there, 15 with two processes (9.5-11 since forked ranks preload their imports).
 JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 8 ? n + 1 : 8 )))
 
 .PHONY: setup book book-full html site test test-fast lint sync clean
