@@ -228,13 +228,18 @@ def sweep_lm(sizes: Iterable[str | ModelConfig], contexts: Iterable[int] = (512,
         bar.set_postfix_str(f"{s} ctx={c} {d}")
         m = modes(s, c) if callable(modes) else modes
         key = dict(size=str(s), context=c, dtype=d, modes=list(m), **{k: str(v) for k, v in kwargs.items()})
-        row = log.get(key) if log is not None else None
-        if row is None:
-            row = benchmark_lm(s, context=c, dtype=d, modes=m, **kwargs)
-            if log is not None:
-                log.put(key, row)
-        rows.append(row)
+        rows.append(_logged(log, key, lambda: benchmark_lm(s, context=c, dtype=d, modes=m, **kwargs)))
     return pd.DataFrame(rows)
+
+
+def _logged(log: RowLog | None, key: dict, measure: Callable[[], dict]) -> dict:
+    """The row ``log`` holds for ``key`` (a resumed render's earlier call), else ``measure()``'s, logged."""
+    row = log.get(key) if log is not None else None
+    if row is None:
+        row = measure()
+        if log is not None:
+            log.put(key, row)
+    return row
 
 
 def compare_variants(size: str | ModelConfig, variants: Iterable[dict], context: int = 512, batch: int = 4,
@@ -253,13 +258,9 @@ def compare_variants(size: str | ModelConfig, variants: Iterable[dict], context:
         bar.set_postfix_str(f"{size} " + " ".join(f"{k}={v}" for k, v in variant.items()))
         key = dict(size=str(size), context=context, batch=batch, dtype=dtype, modes=list(modes), warmup=warmup,
                    steps=steps, **{k: str(v) for k, v in variant.items()})
-        row = log.get(key) if log is not None else None
-        if row is None:
-            row = benchmark_lm(size, context=context, batch=batch, dtype=dtype, modes=modes, warmup=warmup,
-                               steps=steps, device=device, **variant)
-            if log is not None:
-                log.put(key, row)
-        rows.append(row)
+        rows.append(_logged(log, key, lambda: benchmark_lm(size, context=context, batch=batch, dtype=dtype,
+                                                           modes=modes, warmup=warmup, steps=steps, device=device,
+                                                           **variant)))
     return lm_step_table(pd.DataFrame(rows))
 
 
