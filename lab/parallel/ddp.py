@@ -219,6 +219,7 @@ class _Bucket:
         self.sends = self._views(self.buffer) if compressed else self.views
         self.ready = 0
         self.work: dist.Work | None = None
+        self.done: torch.cuda.Event | None = None  # on a GPU: recorded once the average is in ``grads``
         self.reduced = False  # waited for, and its average in ``grads``, this backward
 
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
@@ -263,6 +264,15 @@ class DDPBucketed(_DataParallel):
     waited for: :meth:`finish_gradient_synchronization` (queued automatically at the end of every
     synchronized backward) waits for every outstanding bucket.
 
+    **Streams** (on a GPU). A bucket's copy in (a cast, in a compressed dtype) and the launch of its all-reduce
+    run on a side stream that first waits for the backward's stream, and the copy back out of a compressed
+    buffer on a second one that waits for the all-reduce: neither sits on the backward's stream, where the
+    copies would delay the next block's products, and the copies back run as each reduction ends instead of
+    all at the end of the backward. The backward's stream waits for a bucket (an event) only where its
+    average is needed: at the end, or in :meth:`wait_for_gradients`. A gradient that is copied and then
+    dropped is marked as used on the side stream first, so the allocator does not hand its memory out before
+    the copy has read it.
+
     **Consumers during the backward.** ``on_reduction_started`` holds callables called with a bucket's
     parameters right after its all-reduce is launched; :meth:`wait_for_gradients` then waits for exactly
     those buckets on the caller's current stream (on a GPU the host does not block; a side stream can wait
@@ -293,6 +303,10 @@ class DDPBucketed(_DataParallel):
         self._any_ready = False
         self._seen: set[int] = set()
         self._hooks = [p.register_post_accumulate_grad_hook(weak_hook(self._on_grad_ready)) for p in self.trainable]
+        device = self.trainable[0].device if self.trainable else torch.device("cpu")
+        on_gpu = device.type == "cuda" and all(p.device == device for p in self.trainable)
+        #: the side streams of the buckets' copies and launches, and of the copies back (None off the GPU)
+        self._streams = (torch.cuda.Stream(device), torch.cuda.Stream(device)) if on_gpu else None
 
     @staticmethod
     def _make_buckets(params: list[torch.Tensor], capacity_bytes: float,
@@ -331,25 +345,50 @@ class DDPBucketed(_DataParallel):
 
     def _launch(self, bucket: _Bucket) -> None:
         """Move ``bucket``'s gradients into its buffer, point their ``.grad`` at the bucket and start the
-        averaging all-reduce."""
+        averaging all-reduce (on a GPU from the side stream, with the copy back out of a compressed buffer
+        queued on the second one)."""
         grads = [p.grad for p in bucket.params]
         moved = [(send, g) for send, g in zip(bucket.sends, grads) if not _same_memory(send, g)]
+        if self._streams is None:
+            self._move_and_start(bucket, grads, moved)
+        else:
+            launch, back = self._streams
+            launch.wait_stream(torch.cuda.current_stream(launch.device))  # the gradients are computed
+            with torch.cuda.stream(launch):
+                for _, g in moved:  # dropped below, still read by the copy on this stream
+                    g.record_stream(launch)
+                self._move_and_start(bucket, grads, moved)
+            with torch.cuda.stream(back):
+                bucket.work.wait()  # this stream waits for the collective, the host goes on
+                if bucket.buffer is not bucket.grads:
+                    bucket.grads.copy_(bucket.buffer)
+                bucket.done = torch.cuda.Event()
+                bucket.done.record(back)
+            for stream in self._streams:  # a rebuild may free the buffers while these streams still use them
+                bucket.grads.record_stream(stream)
+                bucket.buffer.record_stream(stream)
+        self._launched += 1
+        for callback in self.on_reduction_started:
+            callback(bucket.params)
+
+    def _move_and_start(self, bucket: _Bucket, grads: list, moved: list) -> None:
         if moved:
             torch._foreach_copy_([send for send, _ in moved], [g for _, g in moved])
         for p, view, g in zip(bucket.params, bucket.views, grads):
             if not _same_memory(view, g):
                 p.grad = view  # the gradient now lives in the bucket: the reduced average lands in .grad
         bucket.work = self._start_average(bucket.buffer)
-        self._launched += 1
-        for callback in self.on_reduction_started:
-            callback(bucket.params)
 
     def _wait(self, bucket: _Bucket) -> None:
         if bucket.reduced:
             return
-        bucket.work.wait()  # on a GPU: the current stream waits for the collective, the host goes on
-        if bucket.buffer is not bucket.grads:
-            bucket.grads.copy_(bucket.buffer)
+        if bucket.done is not None:  # a GPU's: the current stream waits for the copy back, the host goes on
+            stream = torch.cuda.current_stream(bucket.grads.device)
+            stream.wait_event(bucket.done)
+        else:
+            bucket.work.wait()
+            if bucket.buffer is not bucket.grads:
+                bucket.grads.copy_(bucket.buffer)
         if bucket.grads.is_cuda:  # the buffers may be freed by a rebuild while this stream still reads them
             stream = torch.cuda.current_stream(bucket.grads.device)
             bucket.grads.record_stream(stream)
@@ -403,7 +442,7 @@ class DDPBucketed(_DataParallel):
 
     def _reset(self) -> None:
         for b in self.buckets:
-            b.ready, b.work, b.reduced = 0, None, False
+            b.ready, b.work, b.done, b.reduced = 0, None, None, False
         self._launched = 0
         self._any_ready = False
         self._seen.clear()

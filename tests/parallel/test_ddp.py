@@ -433,3 +433,47 @@ def test_bf16_communication_stays_within_its_rounding_bound_and_barely_moves_the
     assert moved[0] == 0  # the same weights: the first losses are equal
     assert 0 < max(moved) < BF16_LOSS_TOLERANCE, moved
     assert rows[-1]["bf16_loss"] < 0.6 * rows[0]["bf16_loss"]  # and it learns the task
+
+
+# ----------------------------------------------------------------------------------------------------------
+# on two GPUs (NCCL): the buckets' copies and launches on side streams
+
+
+def gpu_grads_next_to_reference(bucket_mb: float, reduce_dtype):
+    """Worker: the averaged gradients as the backward's stream reads them right after each backward (no
+    synchronization but the wrapper's), against the two shards' gradients averaged in one process; gradients
+    dropped, then zeroed in place, between steps."""
+    import copy
+
+    r, n, device = distributed.rank(), distributed.world_size(), distributed.device()
+    torch.manual_seed(0)
+    reference = _make("lm").to(device)
+    local = copy.deepcopy(reference)
+    model = ddp_module.DDPBucketed(local, bucket_size_mb=bucket_mb, reduce_dtype=reduce_dtype)
+    worst = 0.0
+    for step in range(4):
+        x, y = (t.to(device) for t in _global_batch("lm", step, n, 1))
+        local.zero_grad(set_to_none=step < 2)
+        _loss(model, x[r, 0], y[r, 0]).backward()
+        got = [p.grad.clone() for p in local.parameters()]
+        shards = []
+        for s in range(n):
+            reference.zero_grad(set_to_none=True)
+            _loss(reference, x[s, 0], y[s, 0]).backward()
+            shards.append([p.grad.clone() for p in reference.parameters()])
+        for g, g0, g1 in zip(got, *shards):
+            # relative to the element's magnitude; a floor for the elements near zero, where the GPU's kernels
+            # (not bitwise deterministic across the two models) differ in the last bits
+            want, scale = (g0 + g1) / n, (g0.abs() + g1.abs()) / n
+            worst = max(worst, ((g - want).abs() / (scale + 1e-6 * scale.max())).max().item())
+    return dict(worst=worst, streams=model._streams is not None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("bucket_mb,reduce_dtype", [(1e-3, None), (100.0, None), (1e-3, torch.bfloat16)])
+def test_bucketed_on_two_gpus_leaves_the_average_where_the_backward_stream_reads_it(bucket_mb, reduce_dtype):
+    out = distributed.launch(gpu_grads_next_to_reference, 2, bucket_mb, reduce_dtype, device="cuda", timeout_s=180)
+    for o in out:  # a stale or missing bucket is off by the size of the gradient itself
+        assert o["streams"]
+        assert o["worst"] <= (1e-5 if reduce_dtype is None else BF16_BOUND + 1e-5), o
