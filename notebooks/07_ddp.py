@@ -111,6 +111,19 @@ book.state(overlap_claim)
 book.answer(overlap_claim, section="Timelines: does communication overlap the backward pass?")
 
 # %% [markdown]
+# ## Where the extra time goes, phase by phase
+#
+# Each wrapper's profiled step (rank 0) against one device's (`lab.measure.profiling.phase_gaps`): kernel time
+# by class, the communication that no compute ran beside (exposed), and the time no kernel ran at all (idle:
+# the GPU waiting for the host's launches, which the gradient hooks' own work delays). Matmuls that take
+# longer ran beside an all-reduce, which holds some of the GPU's SMs; kernels on two streams at once count in
+# both rows. One profiled step each, with the profiler's own host overhead and no spread: this table locates
+# the timed gap (`step_gap_ms`, the medians' difference) rather than measuring it. Empty without a GPU.
+
+# %%
+report.show_table(ddp_book.phase_gap_table(bench))
+
+# %% [markdown]
 # ## The bucketed overhead model
 #
 # Let the gradients total $s$ bytes in $n$ buckets, each all-reduce call cost a fixed overhead $o$ plus

@@ -143,7 +143,7 @@ if scaling is not None:
 #
 # One profiled step: each GPU kernel's time assigned to recomputation or the optimizer by where it was
 # launched, else to attention, matmuls or the loss by its name; communication counts only where no compute
-# ran beside it; `idle` is the time the compute streams waited (launch gaps, exposed communication). The
+# ran beside it; `idle` is the time no kernel ran (launch gaps, waiting for the host). The
 # tables below each plot set the book's step against each stock step of its precision phase by phase: one
 # profiled step each, so they say where the time goes, not which step is faster.
 

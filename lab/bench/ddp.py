@@ -27,7 +27,7 @@ from lab.accounting import parameter_count
 from lab.bench.distributed import TORCH_DDP_BUCKET_MB, check_command, model_config, resolve_schedule
 from lab.bench.interleaved import Interleaving, closer, combine_entry, summarize_rounds, time_interleaved
 from lab.measure.device import synchronize
-from lab.measure.profiling import profile_step
+from lab.measure.profiling import PHASE_COLUMNS, phase_breakdown, profile_step
 from lab.measure.results import save_results
 from lab.measure.step import TrainStep, make_optimizer, random_batch
 from lab.measure.traces import read_trace, step_overlap
@@ -170,7 +170,8 @@ def _profile(step, dev: torch.device, n_steps: int, name: str, trace_dir: str | 
     gpu = dev.type == "cuda"  # on the CPU, compute is the host's own operators: no GPU waited for it
     return {"comm_ms": summary["communication_ms"] / n_steps, "overlap_frac": summary["overlap_share"],
             "step_gpu_ms": summary["busy_ms"] / n_steps if gpu else math.nan,
-            "step_compute_gpu_ms": summary["compute_ms"] / n_steps if gpu else math.nan, "trace": str(path)}
+            "step_compute_gpu_ms": summary["compute_ms"] / n_steps if gpu else math.nan, "trace": str(path),
+            **{k: v for k, v in phase_breakdown(path, n_steps).items() if k in PHASE_COLUMNS}}
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -191,6 +192,7 @@ def benchmark_ddp(size: str | ModelConfig = "xl", context: int = 512, batch: int
     slowest rank, ms; comm_ms: communication time in rank 0's profiled step, ms; status ok/oom) plus
     step_gpu_ms and step_compute_gpu_ms (how long some kernel, and some kernel other than a collective's, ran in
     that profiled step: the first says whether the host kept the GPU busy, the second is the GPU's own work),
+    that step's time by phase (:data:`lab.measure.profiling.PHASE_COLUMNS`; NaN without a GPU's kernels),
     step_spread_ms, step_n (rounds) and step_samples_ms (the rounds in order as a JSON list, see
     :func:`lab.bench.interleaved.summarize_rounds`), schedule, overlap_frac, n_buckets, grad_mb, trace (its
     Chrome trace under ``<artifacts_dir>/ddp_traces``) and error. An entry that fails on a rank (a collective
@@ -219,6 +221,7 @@ def benchmark_ddp(size: str | ModelConfig = "xl", context: int = 512, batch: int
                          overlap_frac=profile.get("overlap_frac", math.nan),
                          step_gpu_ms=profile.get("step_gpu_ms", math.nan),
                          step_compute_gpu_ms=profile.get("step_compute_gpu_ms", math.nan),
+                         **{c: profile.get(c, math.nan) for c in PHASE_COLUMNS},
                          n_buckets=first.get("n_buckets", math.nan), grad_mb=first.get("grad_mb", math.nan),
                          trace=paths.repo_relative(profile.get("trace")), status=timing["status"],
                          error=timing["error"]))

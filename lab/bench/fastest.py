@@ -27,9 +27,8 @@ from torch._dynamo.utils import counters
 from lab import paths
 from lab.bench.progress import progress_line
 from lab.measure.device import available_memory_bytes, empty_cache, error_summary, is_oom, synchronize
-from lab.measure.profiling import gpu_kernel_times, kernel_class, profile_step
+from lab.measure.profiling import PHASE_COLUMNS, gpu_kernel_times, phase_breakdown, profile_step
 from lab.measure.timing import matmul_tflops, time_callable, time_kernel
-from lab.measure.traces import kernels_by_range, read_trace, step_overlap
 from lab.measure.verdicts import MIN_SAMPLES, summarize
 from lab.parallel import launcher, runner
 from lab.parallel.gpu_pool import run_on_gpus
@@ -48,11 +47,6 @@ from lab.recipes.fastest_step import (
 from lab.recipes.step_parts import uses_cuda_graphs, warm_up_cuda_graphs
 from lab.units import GiB
 
-#: Kernel classes of a step's time, in the order they are assigned (a kernel launched inside ``recompute``
-#: counts as recomputation whatever it computes).
-PHASE_COLUMNS = ["recompute_ms", "optimizer_ms", "attention_ms", "matmul_ms", "loss_ms", "other_kernels_ms",
-                 "exposed_communication_ms", "idle_ms"]
-
 #: Ablations profiled once like the headline steps: those that change where the step waits rather than which
 #: kernels it runs (copies to and from the host, optimizer updates inside the backward), whose cost the phases
 #: locate (idle time, slower kernels, or more of them) where a timed step only sums it.
@@ -62,49 +56,6 @@ PROFILED_ABLATIONS = ("optimizer_in_backward", "offload_quarter", "offload_half"
 def profiled(name: str, headline: Sequence[str]) -> bool:
     """Whether the recipe ``name`` gets one profiled step: the headline recipes and :data:`PROFILED_ABLATIONS`."""
     return name in headline or name in PROFILED_ABLATIONS
-
-
-#: How many of the ``other kernels`` (by time) a row names in ``other_kernels_top``.
-OTHER_TOP = 8
-
-
-def kernel_phase(name: str, launched_in: str) -> str:
-    """The phase a kernel's time belongs to: ``recompute`` or ``optimizer`` by where it was launched, else
-    ``attention``, ``matmul``, ``loss``, ``communication`` or ``other`` by its name."""
-    kind = kernel_class(name)
-    if kind == "communication":
-        return "communication"
-    if launched_in == "recompute":
-        return "recompute"
-    if launched_in == "optimizer_step":
-        return "optimizer"
-    return {"fused attention": "attention", "other": "other_kernels"}.get(kind, kind)
-
-
-def phase_breakdown(trace_path: str | Path, steps: int = 1) -> dict[str, float | str]:
-    """Milliseconds per step by phase (:data:`PHASE_COLUMNS`) from a profiled step's Chrome trace: kernel
-    time by :func:`kernel_phase`, the communication that overlapped no compute, and the time the compute
-    streams were idle (launch gaps, waiting); ``other_kernels_top`` names the :data:`OTHER_TOP` largest
-    kernels of ``other kernels`` (``"name=ms; ..."``; names cut to 80 characters, and kernels whose names
-    agree that far counted as one)."""
-
-    trace = json.loads(Path(trace_path).read_text())  # read once, for both readers
-    kernels = kernels_by_range(trace, ("forward", "backward", "optimizer_step", "recompute"))
-    out = dict.fromkeys(PHASE_COLUMNS, 0.0)
-    if kernels.empty:
-        return {**{k: math.nan for k in out}, "other_kernels_top": ""}
-    phases = [kernel_phase(n, r) for n, r in zip(kernels["name"], kernels["range"])]
-    for phase, dur in zip(phases, kernels["dur_ms"]):
-        if phase != "communication":
-            out[f"{phase}_ms"] += dur / steps
-    other = kernels.assign(phase=phases, short=kernels["name"].str.slice(0, 80)).query("phase == 'other_kernels'")
-    top = other.groupby("short")["dur_ms"].sum().sort_values(ascending=False).head(OTHER_TOP) / steps
-    out["other_kernels_top"] = "; ".join(f"{name}={ms:.4g}" for name, ms in top.items())
-    overlap = step_overlap(read_trace(trace))
-    out["exposed_communication_ms"] = (overlap["communication_ms"] - overlap["overlapped_ms"]) / steps
-    window = overlap.get("window_ms", math.nan)
-    out["idle_ms"] = (window - overlap["compute_ms"]) / steps if window == window else math.nan
-    return out
 
 
 def _state_bytes(step) -> dict[str, int]:

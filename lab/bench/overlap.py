@@ -47,7 +47,7 @@ from lab.bench.interleaved import (
 )
 from lab.measure.device import available_memory_bytes, error_summary, is_oom, synchronize
 from lab.measure.machine import busy_host
-from lab.measure.profiling import profile_step
+from lab.measure.profiling import PHASE_COLUMNS, phase_breakdown, profile_step
 from lab.measure.results import save_results
 from lab.measure.step import random_batch
 from lab.measure.traces import intersect_intervals, intervals_length, read_trace, step_overlap, union_intervals
@@ -160,8 +160,9 @@ def _profile(step, path: Path) -> dict:
     profile_step(step, "train_step", warmup=0, steps=1, trace_path=path)
     timeline = read_trace(path)
     summary = step_overlap(timeline)
+    phases = {k: v for k, v in phase_breakdown(path).items() if k in PHASE_COLUMNS and k != "optimizer_ms"}
     return dict(comm_ms=summary["communication_ms"], overlap_frac=summary["overlap_share"],
-                **optimizer_overlap(timeline), trace=str(path))
+                **phases, **optimizer_overlap(timeline), trace=str(path))  # the update's own time is the union
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -309,6 +310,7 @@ def measure(part: str, size: str | ModelConfig = "2.7B", context: int = 512, bat
                                                                                                      math.nan),
                          optimizer_ms=profile_row.get("optimizer_ms", math.nan),
                          optimizer_overlapped_ms=profile_row.get("optimizer_overlapped_ms", math.nan),
+                         **{c: profile_row.get(c, math.nan) for c in PHASE_COLUMNS if c != "optimizer_ms"},
                          trace=paths.repo_relative(profile_row.get("trace")),
                          loss_first=curve[0] if curve else math.nan, loss_last=curve[-1] if curve else math.nan,
                          recipe=repr(entry.recipe), status=timing["status"],

@@ -7,6 +7,8 @@ under ``nsys profile`` by a user who has it.
 
 from __future__ import annotations
 
+import json
+import math
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,7 +20,14 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from lab.measure.device import synchronize
 from lab.measure.quiet import quiet_profile
 from lab.measure.step import MODES, TrainStep
-from lab.measure.traces import intervals_length, is_communication, union_intervals
+from lab.measure.traces import (
+    intervals_length,
+    is_communication,
+    kernels_by_range,
+    read_trace,
+    step_overlap,
+    union_intervals,
+)
 
 # cuBLAS / CUTLASS / Triton matmul kernel names on Hopper and Ampere, and the aten ops on the CPU.
 _MATMUL = re.compile(r"gemm|nvjet|xmma|cutlass|wgmma|cublas|matmul|^aten::(mm|addmm|bmm|baddbmm|linear)$", re.I)
@@ -206,3 +215,82 @@ def attention_phase_flops(batch: int, heads: int, seq: int, head_dim: int, layer
     return {"attention/scores": 2.0 * scores * head_dim * layers + scores * layers,
             "attention/softmax": 5.0 * scores * layers,
             "attention/final_matmul": 2.0 * scores * head_dim * layers}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# a profiled step's time by phase
+
+#: Kernel classes of a step's time, in the order they are assigned (a kernel launched inside ``recompute``
+#: counts as recomputation whatever it computes).
+PHASE_COLUMNS = ["recompute_ms", "optimizer_ms", "attention_ms", "matmul_ms", "loss_ms", "other_kernels_ms",
+                 "exposed_communication_ms", "idle_ms"]
+
+#: How many of the ``other kernels`` (by time) a row names in ``other_kernels_top``.
+OTHER_TOP = 8
+
+
+def kernel_phase(name: str, launched_in: str) -> str:
+    """The phase a kernel's time belongs to: ``recompute`` or ``optimizer`` by where it was launched (an Adam
+    update launched inside the backward, by an optimizer stepped there, is ``optimizer`` too), else
+    ``attention``, ``matmul``, ``loss``, ``communication`` or ``other`` by its name."""
+    kind = kernel_class(name)
+    if kind == "communication":
+        return "communication"
+    if launched_in == "recompute":
+        return "recompute"
+    if launched_in == "optimizer_step" or "adam" in name.lower():
+        return "optimizer"
+    return {"fused attention": "attention", "other": "other_kernels"}.get(kind, kind)
+
+
+def phase_breakdown(trace_path: str | Path, steps: int = 1) -> dict[str, float | str]:
+    """Milliseconds per step by phase (:data:`PHASE_COLUMNS`) from a profiled step's Chrome trace: kernel
+    time by :func:`kernel_phase`, the communication that overlapped no compute, and the time no kernel ran
+    (``idle_ms``: launch gaps; with the exposed communication and the compute kernels' union it fills the
+    profiled window); ``other_kernels_top`` names the :data:`OTHER_TOP` largest
+    kernels of ``other kernels`` (``"name=ms; ..."``; names cut to 80 characters, and kernels whose names
+    agree that far counted as one)."""
+
+    trace = json.loads(Path(trace_path).read_text())  # read once, for both readers
+    kernels = kernels_by_range(trace, ("forward", "backward", "optimizer_step", "recompute"))
+    out = dict.fromkeys(PHASE_COLUMNS, 0.0)
+    if kernels.empty:
+        return {**{k: math.nan for k in out}, "other_kernels_top": ""}
+    phases = [kernel_phase(n, r) for n, r in zip(kernels["name"], kernels["range"])]
+    for phase, dur in zip(phases, kernels["dur_ms"]):
+        if phase != "communication":
+            out[f"{phase}_ms"] += dur / steps
+    other = kernels.assign(phase=phases, short=kernels["name"].str.slice(0, 80)).query("phase == 'other_kernels'")
+    top = other.groupby("short")["dur_ms"].sum().sort_values(ascending=False).head(OTHER_TOP) / steps
+    out["other_kernels_top"] = "; ".join(f"{name}={ms:.4g}" for name, ms in top.items())
+    overlap = step_overlap(read_trace(trace))
+    out["exposed_communication_ms"] = (overlap["communication_ms"] - overlap["overlapped_ms"]) / steps
+    window = overlap.get("window_ms", math.nan)
+    out["idle_ms"] = (window - overlap["busy_ms"]) / steps if window == window else math.nan
+    return out
+
+
+def phase_gaps(rows: pd.DataFrame, reference: str, key: str = "impl", by: Sequence[str] = ("config",),
+               step_column: str = "step_ms") -> pd.DataFrame:
+    """Where each row's time beyond ``reference``'s goes, phase by phase: per group of ``by``, every other row's
+    :data:`PHASE_COLUMNS` (:func:`phase_breakdown` of its profiled step) minus the reference row's (the row
+    whose ``key`` is ``reference``), their sum (``profiled_gap_ms``) and the timed gap beside it (``step_gap_ms``,
+    the difference of ``step_column``'s medians). Kernels on two streams at once count in both classes, so a
+    kernel that waits while another stream's kernels hold the GPU shows as more kernel time (matmuls slowed
+    by a concurrent all-reduce, or the update beside the backward); the sum then exceeds the profiled window's
+    growth. A group without its reference row, or a row without profiled phases, gives no row."""
+    phases = [c for c in PHASE_COLUMNS if c in rows]
+    out = []
+    for _, group in rows.groupby(list(by), sort=False) if by else [(None, rows)]:
+        base = group[group[key] == reference]
+        if base.empty or not phases:
+            continue
+        ref = base.iloc[0]
+        for _, row in group[group[key] != reference].iterrows():
+            gaps = {c: float(row[c]) - float(ref[c]) for c in phases}
+            if all(math.isnan(g) for g in gaps.values()):
+                continue
+            out.append({**{b: row[b] for b in by}, key: row[key], **gaps,
+                        "profiled_gap_ms": sum(g for g in gaps.values() if not math.isnan(g)),
+                        "step_gap_ms": float(row[step_column]) - float(ref[step_column])})
+    return pd.DataFrame(out, columns=[*by, key, *phases, "profiled_gap_ms", "step_gap_ms"])

@@ -12,25 +12,6 @@ from lab.bench import fastest as bench
 from lab.measure.verdicts import MIN_SAMPLES
 from lab.parallel.gpu_pool import run_on_gpus
 from lab.recipes.fastest_step import ABLATION_BASE, CONFIGS, ablations, recipes_for
-from tests.kineto import write_trace
-
-
-def test_phase_breakdown_names_the_largest_other_kernels(tmp_path):
-    # forward: a GEMM, an RMSNorm and two copies; backward: an attention kernel, a copy, an NCCL reduce-scatter
-    ranges = (("forward", 0, 1000), ("backward", 1000, 1000), ("optimizer_step", 2000, 100))
-    kernels = [("sm90_xmma_gemm_bf16", 100, 300, 7, 10), ("triton_red_fused_rms_norm", 400, 50, 7, 20),
-               ("copy_kernel", 450, 20, 7, 30), ("copy_kernel", 470, 10, 7, 40),
-               ("x" * 80 + "_a", 480, 4, 7, 45), ("x" * 80 + "_b", 490, 4, 7, 46),
-               ("flash_bwd_kernel", 1100, 200, 7, 1010), ("copy_kernel", 1300, 30, 7, 1020),
-               ("ncclDevKernel_ReduceScatter", 1300, 100, 20, 1030), ("multi_tensor_apply_kernel", 2000, 40, 7, 2010)]
-    path = write_trace(tmp_path / "trace.json", ranges, [(*k, 1) for k in kernels])
-    out = bench.phase_breakdown(path)
-    assert out["matmul_ms"] == pytest.approx(0.3) and out["attention_ms"] == pytest.approx(0.2)
-    assert out["optimizer_ms"] == pytest.approx(0.04)
-    assert out["other_kernels_ms"] == pytest.approx(0.118)  # 50 + 20 + 10 + 30 + 4 + 4 us
-    # two kernels whose names agree in their first 80 characters are one entry
-    assert out["other_kernels_top"] == "copy_kernel=0.06; triton_red_fused_rms_norm=0.05; " + "x" * 80 + "=0.008"
-    assert bench.phase_breakdown(write_trace(tmp_path / "empty.json", (), ()))["other_kernels_top"] == ""
 
 
 def test_the_leaderboards_ablations_get_gpus_of_their_own_where_there_are_enough():
@@ -203,21 +184,6 @@ def test_benchmark_configs_on_four_gpus_runs_the_plan_side_by_side(monkeypatch):
     assert len(alone) == 3 + 1 + len(_ablations("leaderboard"))
     assert sorted((first, gpu) for _, first, gpu, _ in calls) == [(ABLATION_BASE, 2), ("project", 0)]
     assert bench.benchmark_configs({}, device="auto").empty
-
-
-def test_kernel_phases_by_name_and_launch_range():
-    assert bench.kernel_phase("_lse_kernel", "forward") == "loss"
-    assert bench.kernel_phase("_dlogits_kernel", "backward") == "loss"
-    log_softmax = ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<8, c10::BFloat16, float, "
-                   "c10::BFloat16, at::native::(anonymous namespace)::LogSoftMaxForwardEpilogue>")
-    assert bench.kernel_phase(log_softmax, "") == "loss"
-    assert bench.kernel_phase("nll_loss_forward_reduce_cuda_kernel_2d", "forward") == "loss"
-    assert bench.kernel_phase("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", "forward") == "attention"
-    assert bench.kernel_phase("_lse_kernel", "recompute") == "recompute"
-    assert bench.kernel_phase("ncclDevKernel_AllGather_RING_LL", "forward") == "communication"
-    assert bench.kernel_phase("multi_tensor_apply_kernel", "optimizer_step") == "optimizer"
-    add = "void at::native::vectorized_elementwise_kernel<8, CUDAFunctor_add>"
-    assert bench.kernel_phase(add, "") == "other_kernels"
 
 
 def test_rows_say_what_a_comparison_holds_fixed():

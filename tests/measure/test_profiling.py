@@ -7,6 +7,7 @@ import torch
 from lab.bench.lm import profile_lm
 from lab.measure import profiling
 from lab.model.transformer import ModelConfig
+from tests.kineto import write_trace
 
 CFG = ModelConfig(d_model=32, d_ff=64, num_layers=2, num_heads=4, context_length=16, vocab_size=64)
 
@@ -91,3 +92,60 @@ def test_kernel_times_count_concurrent_kernels_once_and_leave_the_collectives_ou
              (3 * ms, 7 * ms, "ncclDevKernel_AllReduce_Sum_bf16_RING_LL"), (8 * ms, 9 * ms, "Memcpy DtoD")]
     assert profiling.kernel_times(spans) == {"gpu_ms": pytest.approx(8.0), "compute_ms": pytest.approx(5.0)}
     assert profiling.kernel_times([]) is None
+
+
+def test_phase_breakdown_names_the_largest_other_kernels(tmp_path):
+    # forward: a GEMM, an RMSNorm and two copies; backward: an attention kernel, a copy, an NCCL reduce-scatter
+    ranges = (("forward", 0, 1000), ("backward", 1000, 1000), ("optimizer_step", 2000, 100))
+    kernels = [("sm90_xmma_gemm_bf16", 100, 300, 7, 10), ("triton_red_fused_rms_norm", 400, 50, 7, 20),
+               ("copy_kernel", 450, 20, 7, 30), ("copy_kernel", 470, 10, 7, 40),
+               ("x" * 80 + "_a", 480, 4, 7, 45), ("x" * 80 + "_b", 490, 4, 7, 46),
+               ("flash_bwd_kernel", 1100, 200, 7, 1010), ("copy_kernel", 1300, 30, 7, 1020),
+               ("ncclDevKernel_ReduceScatter", 1300, 100, 20, 1030), ("multi_tensor_apply_kernel", 2000, 40, 7, 2010)]
+    path = write_trace(tmp_path / "trace.json", ranges, [(*k, 1) for k in kernels])
+    out = profiling.phase_breakdown(path)
+    assert out["matmul_ms"] == pytest.approx(0.3) and out["attention_ms"] == pytest.approx(0.2)
+    assert out["optimizer_ms"] == pytest.approx(0.04)
+    assert out["other_kernels_ms"] == pytest.approx(0.118)  # 50 + 20 + 10 + 30 + 4 + 4 us
+    # two kernels whose names agree in their first 80 characters are one entry
+    assert out["other_kernels_top"] == "copy_kernel=0.06; triton_red_fused_rms_norm=0.05; " + "x" * 80 + "=0.008"
+    # the reduce-scatter runs 1300-1400 us, a copy beside it until 1330: 70 us exposed; no kernel at all runs in
+    # 484-490, 494-1100, 1400-2000 us of the 100-2040 us window
+    assert out["exposed_communication_ms"] == pytest.approx(0.07)
+    assert out["idle_ms"] == pytest.approx((6 + 606 + 600) / 1000)
+    assert profiling.phase_breakdown(write_trace(tmp_path / "empty.json", (), ()))["other_kernels_top"] == ""
+
+
+def test_kernel_phases_by_name_and_launch_range():
+    assert profiling.kernel_phase("_lse_kernel", "forward") == "loss"
+    assert profiling.kernel_phase("_dlogits_kernel", "backward") == "loss"
+    log_softmax = ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<8, c10::BFloat16, float, "
+                   "c10::BFloat16, at::native::(anonymous namespace)::LogSoftMaxForwardEpilogue>")
+    assert profiling.kernel_phase(log_softmax, "") == "loss"
+    assert profiling.kernel_phase("nll_loss_forward_reduce_cuda_kernel_2d", "forward") == "loss"
+    assert profiling.kernel_phase("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", "forward") == "attention"
+    assert profiling.kernel_phase("_lse_kernel", "recompute") == "recompute"
+    assert profiling.kernel_phase("ncclDevKernel_AllGather_RING_LL", "forward") == "communication"
+    assert profiling.kernel_phase("multi_tensor_apply_kernel", "optimizer_step") == "optimizer"
+    fused_adam = "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor<float, 4>>"
+    assert profiling.kernel_phase(fused_adam, "backward") == "optimizer"  # an update stepped inside the backward
+    add = "void at::native::vectorized_elementwise_kernel<8, CUDAFunctor_add>"
+    assert profiling.kernel_phase(add, "") == "other_kernels"
+
+
+def test_phase_gaps_subtract_the_reference_row_of_each_group():
+    cols = dict.fromkeys(profiling.PHASE_COLUMNS, 0.0)
+    rows = pd.DataFrame([
+        dict(cols, config="a", impl="one", step_ms=90.0, matmul_ms=30.0, idle_ms=40.0),
+        dict(cols, config="a", impl="ddp", step_ms=125.0, matmul_ms=32.5, idle_ms=62.5,
+             exposed_communication_ms=17.0, other_kernels_ms=10.0),
+        dict(cols, config="b", impl="ddp", step_ms=300.0, matmul_ms=99.0),  # no reference row in its group
+        dict({c: math.nan for c in cols}, config="a", impl="cpu", step_ms=95.0)])  # nothing profiled
+    gaps = profiling.phase_gaps(rows, "one")
+    assert list(gaps["impl"]) == ["ddp"] and list(gaps["config"]) == ["a"]
+    row = gaps.iloc[0]
+    assert row["matmul_ms"] == pytest.approx(2.5) and row["idle_ms"] == pytest.approx(22.5)
+    assert row["exposed_communication_ms"] == pytest.approx(17.0) and row["optimizer_ms"] == 0.0
+    assert row["profiled_gap_ms"] == pytest.approx(2.5 + 22.5 + 17.0 + 10.0)
+    assert row["step_gap_ms"] == pytest.approx(35.0)
+    assert profiling.phase_gaps(rows.drop(columns=profiling.PHASE_COLUMNS), "one").empty

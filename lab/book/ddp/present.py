@@ -19,6 +19,7 @@ from lab.bench.interleaved import samples
 from lab.book import claims as cl
 from lab.book import ledger, report
 from lab.book.plots import save_figure
+from lab.measure.profiling import phase_gaps
 from lab.measure.traces import existing_trace, plot_timeline, read_trace, step_overlap
 from lab.measure.verdicts import FASTER, SLOWER, WITHIN_NOISE
 
@@ -65,6 +66,12 @@ def step_table(bench: pd.DataFrame) -> pd.DataFrame:
             "comm_ms", "overlap_frac", "n_buckets", "status"]
     b = _labelled(bench)
     return b[[c for c in cols if c in b]].dropna(axis=1, how="all")
+
+
+def phase_gap_table(bench: pd.DataFrame) -> pd.DataFrame:
+    """Per config, each wrapper's profiled step against one device's, phase by phase
+    (:func:`lab.measure.profiling.phase_gaps`; empty where no GPU kernels were profiled)."""
+    return phase_gaps(_ok(bench), label("single_gpu", 0), key="label").dropna(axis=1, how="all")
 
 
 def measured(row) -> cl.Measured:

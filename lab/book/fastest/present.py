@@ -14,9 +14,10 @@ from collections.abc import Sequence
 import pandas as pd
 
 from lab.accounting import parameter_count
-from lab.bench.fastest import PHASE_COLUMNS, PROFILED_ABLATIONS
+from lab.bench.fastest import PROFILED_ABLATIONS
 from lab.book.claims import Claim, Measured, Observed, Share, Value, Versus
 from lab.book.fastest.compare import CPU_NOTE
+from lab.measure.profiling import PHASE_COLUMNS
 from lab.measure.results import measured_on
 from lab.recipes.fastest_step import CONFIGS, model_flops_per_step
 
