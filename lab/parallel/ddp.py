@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lab.parallel.buckets import BUCKET_ORDERS, Bucket, same_memory
 from lab.parallel.hooks import weak_hook
 from lab.parallel.process_groups import GroupLike, broadcast_from_first, global_rank, resolve_group
 
@@ -193,39 +194,6 @@ class DDPIndividualParameters(_DataParallel):
         self._hooks.clear()
 
 
-#: Orders in which :class:`DDPBucketed` fills its buckets: ``ready``, the order the first backward produced the
-#: gradients in (recorded then, and the buckets rebuilt after it), or ``reverse`` registration order.
-BUCKET_ORDERS = ("ready", "reverse")
-
-
-def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape
-
-
-class _Bucket:
-    """A group of parameters whose gradients are reduced together through one flat buffer.
-
-    ``grads`` holds the averaged gradients (each parameter's ``.grad`` is a view of it); ``buffer`` is what
-    travels: ``grads`` itself, or a copy in the communication dtype, copied back into ``grads`` once reduced."""
-
-    def __init__(self, params: list[torch.Tensor], comm_dtype: torch.dtype | None = None):
-        self.params = params
-        numel, like = sum(p.numel() for p in params), params[0]
-        self.grads = torch.empty(numel, dtype=like.dtype, device=like.device)
-        compressed = comm_dtype is not None and comm_dtype != like.dtype
-        self.buffer = torch.empty(numel, dtype=comm_dtype, device=like.device) if compressed else self.grads
-        # views, one per parameter, created once
-        self.views = self._views(self.grads)
-        self.sends = self._views(self.buffer) if compressed else self.views
-        self.ready = 0
-        self.work: dist.Work | None = None
-        self.done: torch.cuda.Event | None = None  # on a GPU: recorded once the average is in ``grads``
-        self.reduced = False  # waited for, and its average in ``grads``, this backward
-
-    def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        return [v.view_as(p) for v, p in zip(flat.split([p.numel() for p in self.params]), self.params)]
-
-
 class DDPBucketed(_DataParallel):
     """Bucketed, overlapped data parallelism: the scheme ``torch.nn.parallel.DistributedDataParallel`` uses.
 
@@ -310,7 +278,7 @@ class DDPBucketed(_DataParallel):
 
     @staticmethod
     def _make_buckets(params: list[torch.Tensor], capacity_bytes: float,
-                      comm_dtype: torch.dtype | None = None) -> list[_Bucket]:
+                      comm_dtype: torch.dtype | None = None) -> list[Bucket]:
         """Consecutive runs of ``params`` (in the order given) of at most ``capacity_bytes`` each, one dtype
         and device per bucket."""
         buckets, current, size = [], [], 0
@@ -318,12 +286,12 @@ class DDPBucketed(_DataParallel):
             nbytes = p.numel() * p.element_size()
             same_kind = not current or (p.dtype == current[0].dtype and p.device == current[0].device)
             if current and (size + nbytes > capacity_bytes or not same_kind):
-                buckets.append(_Bucket(current, comm_dtype))
+                buckets.append(Bucket(current, comm_dtype))
                 current, size = [], 0
             current.append(p)
             size += nbytes
         if current:
-            buckets.append(_Bucket(current, comm_dtype))
+            buckets.append(Bucket(current, comm_dtype))
         return buckets
 
     def _locate(self) -> None:
@@ -343,12 +311,12 @@ class DDPBucketed(_DataParallel):
         if bucket.ready == len(bucket.params):
             self._launch(bucket)
 
-    def _launch(self, bucket: _Bucket) -> None:
+    def _launch(self, bucket: Bucket) -> None:
         """Move ``bucket``'s gradients into its buffer, point their ``.grad`` at the bucket and start the
         averaging all-reduce (on a GPU from the side stream, with the copy back out of a compressed buffer
         queued on the second one)."""
         grads = [p.grad for p in bucket.params]
-        moved = [(send, g) for send, g in zip(bucket.sends, grads) if not _same_memory(send, g)]
+        moved = [(send, g) for send, g in zip(bucket.sends, grads) if not same_memory(send, g)]
         if self._streams is None:
             self._move_and_start(bucket, grads, moved)
         else:
@@ -371,15 +339,15 @@ class DDPBucketed(_DataParallel):
         for callback in self.on_reduction_started:
             callback(bucket.params)
 
-    def _move_and_start(self, bucket: _Bucket, grads: list, moved: list) -> None:
+    def _move_and_start(self, bucket: Bucket, grads: list, moved: list) -> None:
         if moved:
             torch._foreach_copy_([send for send, _ in moved], [g for _, g in moved])
         for p, view, g in zip(bucket.params, bucket.views, grads):
-            if not _same_memory(view, g):
+            if not same_memory(view, g):
                 p.grad = view  # the gradient now lives in the bucket: the reduced average lands in .grad
         bucket.work = self._start_average(bucket.buffer)
 
-    def _wait(self, bucket: _Bucket) -> None:
+    def _wait(self, bucket: Bucket) -> None:
         if bucket.reduced:
             return
         if bucket.done is not None:  # a GPU's: the current stream waits for the copy back, the host goes on
