@@ -12,6 +12,7 @@ CPU), how much of it overlapped compute, and a Chrome trace (read by :mod:`lab.m
 from __future__ import annotations
 
 import copy
+import json
 import math
 import sys
 from collections.abc import Sequence
@@ -166,12 +167,13 @@ def _profile(step, dev: torch.device, n_steps: int, name: str, trace_dir: str | 
     folder = Path(trace_dir) if trace_dir else Path(paths.artifacts_dir("artifacts/tmp"))
     path = folder / name
     profile_step(step, "train_step", warmup=0, steps=n_steps, trace_path=path)
-    summary = step_overlap(read_trace(path))
+    trace = json.loads(path.read_text())  # read once, for the overlap and the phases
+    summary = step_overlap(read_trace(trace))
     gpu = dev.type == "cuda"  # on the CPU, compute is the host's own operators: no GPU waited for it
     return {"comm_ms": summary["communication_ms"] / n_steps, "overlap_frac": summary["overlap_share"],
             "step_gpu_ms": summary["busy_ms"] / n_steps if gpu else math.nan,
             "step_compute_gpu_ms": summary["compute_ms"] / n_steps if gpu else math.nan, "trace": str(path),
-            **{k: v for k, v in phase_breakdown(path, n_steps).items() if k in PHASE_COLUMNS}}
+            **{k: v for k, v in phase_breakdown(trace, n_steps).items() if k in PHASE_COLUMNS}}
 
 
 # --------------------------------------------------------------------------------------------------------

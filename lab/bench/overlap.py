@@ -25,6 +25,7 @@ the host's launches set its pace); ``tools/overlap_check.sh`` runs the whole mea
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import sys
 from collections.abc import Sequence
@@ -158,9 +159,10 @@ def optimizer_overlap(timeline: pd.DataFrame) -> dict[str, float]:
 
 def _profile(step, path: Path) -> dict:
     profile_step(step, "train_step", warmup=0, steps=1, trace_path=path)
-    timeline = read_trace(path)
+    trace = json.loads(path.read_text())  # read once, for the timeline and the phases
+    timeline = read_trace(trace)
     summary = step_overlap(timeline)
-    phases = {k: v for k, v in phase_breakdown(path).items() if k in PHASE_COLUMNS and k != "optimizer_ms"}
+    phases = {k: v for k, v in phase_breakdown(trace).items() if k in PHASE_COLUMNS and k != "optimizer_ms"}
     return dict(comm_ms=summary["communication_ms"], overlap_frac=summary["overlap_share"],
                 **phases, **optimizer_overlap(timeline), trace=str(path))  # the update's own time is the union
 

@@ -243,15 +243,17 @@ def kernel_phase(name: str, launched_in: str) -> str:
     return {"fused attention": "attention", "other": "other_kernels"}.get(kind, kind)
 
 
-def phase_breakdown(trace_path: str | Path, steps: int = 1) -> dict[str, float | str]:
-    """Milliseconds per step by phase (:data:`PHASE_COLUMNS`) from a profiled step's Chrome trace: kernel
+def phase_breakdown(trace: str | Path | dict, steps: int = 1) -> dict[str, float | str]:
+    """Milliseconds per step by phase (:data:`PHASE_COLUMNS`) from a profiled step's Chrome trace (a path, or
+    the dict a caller that reads the trace too has loaded): kernel
     time by :func:`kernel_phase`, the communication that overlapped no compute, and the time no kernel ran
     (``idle_ms``: launch gaps; with the exposed communication and the compute kernels' union it fills the
     profiled window); ``other_kernels_top`` names the :data:`OTHER_TOP` largest
     kernels of ``other kernels`` (``"name=ms; ..."``; names cut to 80 characters, and kernels whose names
     agree that far counted as one)."""
 
-    trace = json.loads(Path(trace_path).read_text())  # read once, for both readers
+    if not isinstance(trace, dict):
+        trace = json.loads(Path(trace).read_text())  # read once, for both readers
     kernels = kernels_by_range(trace, ("forward", "backward", "optimizer_step", "recompute"))
     out = dict.fromkeys(PHASE_COLUMNS, 0.0)
     if kernels.empty:
