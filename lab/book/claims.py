@@ -179,8 +179,12 @@ class Measured:
             n = get(f"{stem}_n", None)
             n = get("n", 0) if n is None else n
             m = cls.summarized(label, get(column), math.nan if spread is None else spread, n or 0, unit)
-        # host-bound by this time's own GPU share where it was profiled, else as the row says
-        gpu = as_float(get(f"{stem}_gpu_{suffix}" if suffix else f"{stem}_gpu"))
+        # host-bound by this time's own GPU share where it was profiled, else as the row says. A step with
+        # collectives counts the kernels other than theirs (``<stem>_compute_gpu<suffix>``): an NCCL kernel also
+        # runs while it waits for its peers, whose hosts set how long, and counted it can outlast the step itself
+        gpu = as_float(get(f"{stem}_compute_gpu_{suffix}" if suffix else f"{stem}_compute_gpu"))
+        if not math.isfinite(gpu):
+            gpu = as_float(get(f"{stem}_gpu_{suffix}" if suffix else f"{stem}_gpu"))
         bound = v.host_bound(gpu, m.median)
         return replace(m, host_bound=str(get("host_bound", False)) == "True" if bound is None else bound, gpu_ms=gpu)
 

@@ -184,10 +184,10 @@ def check(results_dir, source: str) -> list[str]:
 
 def ddp_step_entries(rows, impl: str, label) -> list[dict]:
     """The torch DDP rows (``impl``, built by :func:`lab.parallel.ddp.torch_ddp`) of a table that 07 and 08 both
-    measure as ``ddp_step`` entries, host-bound by the profiled step's GPU share, GPU time without collectives;
+    measure as ``ddp_step`` entries, host-bound and GPU time by the profiled step's kernels without collectives;
     ``label(row)`` names a row."""
     return [entry("ddp_step", (m := Measured.from_row(label(r), r, "step_ms")).summary, "ms", m.label, m.host_bound,
-                  as_float(r.get("step_compute_gpu_ms")), impl="torch_ddp", size=r["size"], context=r["context"],
+                  m.gpu_ms, impl="torch_ddp", size=r["size"], context=r["context"],
                   batch=r["batch"], dtype=r["dtype"], world_size=r["world_size"], bucket_mb=TORCH_DDP_BUCKET_MB)
             for _, r in rows.iterrows() if r["status"] == "ok" and r["impl"] == impl]
 

@@ -85,6 +85,19 @@ def test_rows_are_read_with_their_spread_and_count():
     assert cl.Measured.from_row("p", shared_n, "peak_gib", unit="GiB").summary.n == 1
 
 
+def test_a_step_with_collectives_is_judged_by_its_kernels_other_than_theirs():
+    """08's FSDP2 at xl: its kernels ran 568 ms of a 405 ms step (NCCL kernels also run while they wait for the
+    other rank), 99 ms of them not collectives: the step is host-bound, and its GPU time is the 99 ms."""
+    row = pd.Series(dict(step_ms=405.0, step_n=6, step_gpu_ms=568.0, step_compute_gpu_ms=99.0, status="ok"))
+    m = cl.Measured.from_row("fsdp2", row, "step_ms")
+    assert m.host_bound and m.gpu_ms == 99.0
+    one_gpu = pd.Series(dict(step_ms=100.0, step_n=6, step_gpu_ms=95.0, status="ok"))  # no collectives column
+    assert cl.Measured.from_row("one", one_gpu, "step_ms").gpu_ms == 95.0
+    unprofiled = row.copy()
+    unprofiled["step_compute_gpu_ms"] = float("nan")
+    assert cl.Measured.from_row("x", unprofiled, "step_ms").gpu_ms == 568.0
+
+
 def test_tally_counts_add_up_to_the_whole():
     ref = cl.Measured.of("ref", _samples(10.0, 0.1))
     subjects = [_samples(5.0, 0.1), _samples(10.0, 3.0, seed=3), [9.0, 9.5], _samples(20.0, 0.1)]

@@ -110,7 +110,7 @@ def ledger_entries(df: pd.DataFrame) -> list[dict]:
                 or rec.compile not in ("none", "model")):
             continue
         m, what = measured(r), dict(size=cfg.name, context=cfg.context, batch=r["batch"], dtype="bf16")
-        out.append(entry("lm_step", m.summary, "ms", m.label, m.host_bound, r.get("step_compute_gpu_ms", math.nan),
+        out.append(entry("lm_step", m.summary, "ms", m.label, m.host_bound, m.gpu_ms,
                          attention="sdpa", compile=rec.compile == "model", fused_loss=False, mode="step", **what))
         if rec.compile == "none":
             out.append(entry("peak_memory", summarize([r["peak_gib"]]), "GiB", f"{m.label}, peak", mode="train_step",
