@@ -142,7 +142,7 @@ report.show_table(grid.latency_table(bench, "lm"))
 report.show_table(report.shown(bench[bench["status"] != "ok"][["sweep", "impl", "dtype", "seq_len", "d", "status",
                                                               "note"]]))
 book.state(*grid.status_findings(bench))
-book.ledger(present.attention_entries(bench))
+book.ledger(present.attention_entries(bench), table="flash_benchmark")
 
 # %% [markdown]
 # Forward and backward timed apart should add up to forward + backward timed as one call; where they do not, the
@@ -315,5 +315,5 @@ lm = book.table("lm_step", lambda: compare_variants(
     modes=("train_step",), warmup=cfg.lm_warmup, steps=cfg.lm_steps, device=dev, log=book.rows("lm_step")))
 report.show_table(report.shown(lm[["attention", "compile", "step_ms", "step_spread_ms", "step_n", "step_peak_gib",
                                    "status"]]))
-book.ledger(ledger.lm_step_entries(lm))
+book.ledger(ledger.lm_step_entries(lm), table="lm_step")
 book.answer(present.lm_claim(lm), section="The 2.7B model with FlashAttention")

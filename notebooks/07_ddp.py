@@ -86,7 +86,7 @@ report.say(run.note)
 
 # %%
 bench = book.table("ddp_benchmark", lambda: run.measure(artifacts_dir))
-book.ledger(ddp_book.ledger_entries(bench))
+book.ledger(ddp_book.ledger_entries(bench), table="ddp_benchmark")
 report.show_table(ddp_book.step_table(bench))
 ddp_book.plot_step_times(bench)
 book.state(*ddp_book.wrapper_findings(bench))

@@ -130,7 +130,7 @@ book.answer(traffic_claim, section="What each scheme communicates")
 
 # %%
 df = book.table("sharding_benchmark", lambda: run.measure(artifacts_dir))
-book.ledger(sharding_book.ledger_entries(df))
+book.ledger(sharding_book.ledger_entries(df), table="sharding_benchmark")
 report.show_table(sharding_book.benchmark_table(df))
 book.state(*sharding_book.failures(df))
 sharding_book.plot_step_times(df)

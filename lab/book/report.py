@@ -183,16 +183,15 @@ class Chapter:
         parts = [cl.sentence(x) if isinstance(x, cl.Claim) else cl.say(x) + "." for x in items]
         say(" ".join(p[0].upper() + p[1:] if p and not p.startswith("*") else p for p in parts))
 
-    def ledger(self, entries: list[dict], table: str | None = None) -> None:
+    def ledger(self, entries: list[dict], *, table: str) -> None:
         """Enter rows that other reports measure too (:func:`lab.book.ledger.entry`) and check them against the
         other reports' entries: a disagreement on a GPU stops the render naming both rows
         (:class:`lab.book.ledger.LedgerMismatch`); on a CPU it is shown as a warning. ``table``: the saved table
-        the rows come from, whose provenance (the machine that measured them, also when this render read
-        them back) the entries take; else this machine's."""
+        the rows come from, whose provenance the entries take (the machine and commit that measured them, also
+        when this render read them back: a replay on a laptop does not enter a GPU's rows as the laptop's)."""
         if not entries:
             return
-        where = self.provenance(table) if table is not None else store.provenance()
-        book_ledger.record(entries, self.results_dir, self.notebook, where)
+        book_ledger.record(entries, self.results_dir, self.notebook, self.provenance(table))
         for line in book_ledger.check(self.results_dir, self.notebook):
             warn(f"Measured on a CPU, two reports disagree: {line}.")
 
