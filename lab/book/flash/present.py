@@ -36,9 +36,9 @@ FULL = dict(check_impls=("triton", "triton_compiled_bwd", "pytorch_flash", "pyto
 #: The quick profile: tiny shapes, Triton interpreted on the CPU, no torch.compile (Inductor would dominate; so
 #: no FlexAttention, which runs only compiled); 5 samples a timing, the fewest a verdict takes.
 QUICK = dict(check_impls=("triton", "pytorch_flash", "pytorch_naive", "sdpa", "sdpa_flash", "sdpa_cudnn"),
-             check_ds=(16, 80, 96), check_seq=64, shapes=(Shape(1, 2, 64, 16), Shape(2, 1, 64, 32, False)),
+             check_ds=(16, 80, 96), check_seq=64, shapes=(Shape(1, 2, 32, 16), Shape(2, 1, 32, 32, False)),
              dtypes=("bf16",),
-             pytorch_flash_max_seq=64, fp32_seqs=(64, 128), fp32_ds=(16,), course_shape=(1, 64, 16),
+             pytorch_flash_max_seq=64, fp32_seqs=(32, 64), fp32_ds=(16,), course_shape=(1, 64, 16),
              course_compile=(False,), lm_size="tiny", lm_context=32, lm_batch=2, lm_dtype="fp32", lm_compile=(False,),
              lm_warmup=1, lm_steps=5, impls=("triton", "sdpa", "sdpa_flash", "sdpa_cudnn", "pytorch_flash"),
              ceiling_n=256)
