@@ -179,12 +179,9 @@ class Measured:
             n = get(f"{stem}_n", None)
             n = get("n", 0) if n is None else n
             m = cls.summarized(label, get(column), math.nan if spread is None else spread, n or 0, unit)
-        # host-bound by this time's own GPU share where it was profiled, else as the row says. A step with
-        # collectives counts the kernels other than theirs (``<stem>_compute_gpu<suffix>``): an NCCL kernel also
-        # runs while it waits for its peers, whose hosts set how long, and counted it can outlast the step itself
+        # host-bound by its GPU share where profiled, collectives left out (NCCL kernels also wait for the peers)
         gpu = as_float(get(f"{stem}_compute_gpu_{suffix}" if suffix else f"{stem}_compute_gpu"))
-        if not math.isfinite(gpu):
-            gpu = as_float(get(f"{stem}_gpu_{suffix}" if suffix else f"{stem}_gpu"))
+        gpu = gpu if math.isfinite(gpu) else as_float(get(f"{stem}_gpu_{suffix}" if suffix else f"{stem}_gpu"))
         bound = v.host_bound(gpu, m.median)
         return replace(m, host_bound=str(get("host_bound", False)) == "True" if bound is None else bound, gpu_ms=gpu)
 
