@@ -11,13 +11,14 @@ One CTA owns a tile of 128 keys of one (batch, head) and streams the query tiles
   ``dP^T = V dO^T`` (asynchronous ``wgmma``), so that ``P^T`` and ``dS^T`` come out in the accumulator layout
   and feed the next products straight from registers: ``dV += P^T dO`` and ``dK += dS^T Q`` accumulate in
   registers across all query tiles, five products a tile pair in all.
-* **dQ in fp32 across key tiles.** Both groups write their ``dS^T`` rows to one shared tile (an mbarrier says
-  when both have), and each computes ``dQ = dS K`` for half of the head dimension over all 128 keys. At d 128
-  the groups hand it to two writer warps through shared memory, which add it to an fp32 accumulator in device
-  memory with 16-byte atomics while the groups go on (the groups have no registers to spare for the atomics'
-  addresses); at d 64 the groups add it themselves (:func:`dq_writer_default`). A last Triton kernel scales
-  the accumulator and casts it to the input dtype. The order of the additions varies from run to run, so dQ
-  is not bitwise reproducible.
+* **dQ in fp32 across key tiles.** Both groups write their ``dS^T`` rows to one of two shared tiles (an
+  mbarrier says when both have), and each computes ``dQ = dS K`` for half of the head dimension over all 128
+  keys. At d 128 the groups then issue dK's product and, while it runs, hand dQ to a writer warp through
+  shared memory, which adds it to an fp32 accumulator in device memory with TMA reduce-adds
+  (FlashAttention-3's way: the groups keep the registers atomics' addresses would take, which made them
+  spill); at d 64 the groups add it themselves with atomics (:func:`dq_writer_default`). A last Triton kernel
+  scales the accumulator and casts it to the input dtype. The order of the additions varies from run to run,
+  so dQ is not bitwise reproducible.
 * **Causal:** a key tile skips the query tiles entirely before it (they see none of its keys), and only the
   query tiles crossing the diagonal, a ragged last query tile, or a ragged key tile pay for the mask.
 """
@@ -29,8 +30,10 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -42,11 +45,18 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from lab.kernels.flash_gluon_forward import CONSUMER_REGISTERS, PRODUCER_REGISTERS
 
-#: With dQ writer warps: registers a thread of the worker consumer warp group and of the writer warps ask for.
-#: The writer warps share a warp group with the producer warp (and its register count), and the three warp
-#: groups' registers must fit the SM's 64K.
-WRITER_CONSUMER_REGISTERS = gl.constexpr(232)
-WRITER_REGISTERS = gl.constexpr(40)
+#: Whether this Triton's Gluon builds a TMA reduce-add (``cp.reduce.async.bulk.tensor``): its Python layer has
+#: no call for it, so :func:`_tma_reduce_add` calls the IR builder's binding, which Triton 3.6 has; under any
+#: other version the consumers add dQ with atomics instead (:func:`dq_writer_default`).
+TMA_REDUCE = triton.__version__.split(".")[:2] == ["3", "6"]
+
+
+@builtin
+def _tma_reduce_add(desc, coord, src, _semantic=None):
+    """Add shared-memory tile ``src`` to the tensor of ``desc`` at ``coord`` (an asynchronous bulk reduction the
+    TMA unit performs; ``tma.store_wait`` waits for it to have read ``src``)."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, coord, src.handle)
 
 
 @triton.jit
@@ -100,12 +110,12 @@ def _producer(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_s
 
 
 @gluon.jit
-def _query_tile(i, t, dk, dv, k_smem, v_w, q_smem, do_smem, ds_smem, dq_smem, q_ready, q_empty, ds_ready, ds_free,
+def _query_tile(i, t, dk, dv, k_smem, v_w, q_smem, do_smem, ds_smem, dq_smem, q_ready, q_empty, ds_ready,
                 dq_full, dq_empty, lse_smem, delta_smem, dq_ptr, dq_base, keys, n_q, n_k, qk_scale,
                 WG: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
                 MASK: gl.constexpr, IS_CAUSAL: gl.constexpr, DQ_WRITER: gl.constexpr):
     """Query tile ``i`` (the ``t``-th this CTA visits) against warp group ``WG``'s 64 keys: the five products;
-    dQ's share goes to the dQ writer warps through shared memory (``DQ_WRITER``), or to device memory."""
+    dQ's share goes to the dQ writer warp through shared memory (``DQ_WRITER``), or to device memory."""
     HALF: gl.constexpr = 64
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_M, 16])
@@ -141,28 +151,35 @@ def _query_tile(i, t, dk, dv, k_smem, v_w, q_smem, do_smem, ds_smem, dq_smem, q_
     dst = pt16.to(gl.float32) * (dpt - gl.expand_dims(delta, 0))
     dst16 = dst.to(q_s.dtype)
     dst_op = gl.convert_layout(dst16, op_layout)
-    dk_tok = warpgroup_mma(dst_op, q_s, dk, is_async=True)
+    if not DQ_WRITER:
+        dk_tok = warpgroup_mma(dst_op, q_s, dk, is_async=True)
 
-    # dS^T of both groups into one tile, then dQ = dS K for this group's half of the head dimension, summed
-    # over the two groups' keys.
-    mbarrier.wait(ds_free, (t & 1) ^ 1)
-    ds_smem.slice(WG * HALF, HALF, dim=0).store(dst16)
+    # dS^T of both groups into one of two tiles, then dQ = dS K for this group's half of the head dimension,
+    # summed over the two groups' keys. A group writes a tile again two query tiles later, after it has passed
+    # the other tile's barrier, which the other group reaches only once its dQ products of this one retired.
+    ds_tile = ds_smem.index(t % 2)
+    ds_tile.slice(WG * HALF, HALF, dim=0).store(dst16)
     fence_async_shared()
-    mbarrier.arrive(ds_ready)
-    mbarrier.wait(ds_ready, t & 1)
+    mbarrier.arrive(ds_ready.index(t % 2))
+    mbarrier.wait(ds_ready.index(t % 2), (t // 2) & 1)
     dq = gl.zeros([BLOCK_M, HEAD_DIM // 2], gl.float32, dq_layout)
     for h in gl.static_range(2):
-        dq = warpgroup_mma(ds_smem.slice(h * HALF, HALF, dim=0).permute((1, 0)),
+        dq = warpgroup_mma(ds_tile.slice(h * HALF, HALF, dim=0).permute((1, 0)),
                            k_smem.index(h).slice(WG * (HEAD_DIM // 2), HEAD_DIM // 2, dim=1), dq, use_acc=h > 0,
                            is_async=True)
-    dq, dv, dk, _, _ = warpgroup_mma_wait(0, deps=(dq, dv_tok, dk_tok, pt_op, dst_op))
-    mbarrier.arrive(ds_free)
-    mbarrier.arrive(q_empty.index(slot))
     if DQ_WRITER:
+        # dK last: its product runs while dQ is handed to the writer warp
+        dk_tok = warpgroup_mma(dst_op, q_s, dk, is_async=True)
+        dq, dv, _, _ = warpgroup_mma_wait(1, deps=(dq, dv_tok, pt_op, dst_op))
         mbarrier.wait(dq_empty.index(WG), (t & 1) ^ 1)
         dq_smem.index(WG).store(dq)
+        fence_async_shared()  # the writer's TMA reads the tile through the async proxy
         mbarrier.arrive(dq_full.index(WG))
+        dk, _ = warpgroup_mma_wait(0, deps=(dk_tok, dst_op))
+        mbarrier.arrive(q_empty.index(slot))
     else:
+        dq, dv, dk, _, _ = warpgroup_mma_wait(0, deps=(dq, dv_tok, dk_tok, pt_op, dst_op))
+        mbarrier.arrive(q_empty.index(slot))
         _add_dq(dq, dq_ptr, dq_base, i, n_q, WG, BLOCK_M, HEAD_DIM, 4)
     return dk, dv
 
@@ -182,26 +199,26 @@ def _add_dq(dq, dq_ptr, dq_base, i, n_q, WG: gl.constexpr, BLOCK_M: gl.constexpr
 
 
 @gluon.jit
-def _dq_writer(dq_smem, dq_full, dq_empty, dq_ptr, dq_base, i_start, n_q_tiles, n_q,
-               BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr):
-    """The dQ writer warps: each query tile's two dQ halves from shared memory into the fp32 accumulator in
-    device memory, with vector atomics, while the consumers go on to the next tile."""
-    ROWS: gl.constexpr = 16  # rows a pass, so that a pass's values fit the writer's few registers
-    layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [gl.num_warps(), 1],
-                                            [1, 0])
+def _dq_writer(dq_desc, dq_smem, dq_full, dq_empty, q_row, i_start, n_q_tiles, BLOCK_M: gl.constexpr,
+               HEAD_DIM: gl.constexpr):
+    """The dQ writer warp: each query tile's two dQ halves from shared memory into the fp32 accumulator in
+    device memory, as TMA reduce-adds, while the consumers go on. A ragged last tile adds its rows past the
+    head's end to the next head's first rows: they are exact zeros (their P, so their dS, is masked to 0),
+    and the tensor's own end clips the last head's."""
     for i in range(i_start, n_q_tiles):
         t = i - i_start
         for w in gl.static_range(2):
             mbarrier.wait(dq_full.index(w), t & 1)
-            for r in gl.static_range(0, BLOCK_M, ROWS):
-                _add_dq(dq_smem.index(w).slice(r, ROWS, dim=0).load(layout),
-                        dq_ptr, dq_base + r * HEAD_DIM, i, n_q - r, w, BLOCK_M, HEAD_DIM, gl.num_warps())
-            mbarrier.arrive(dq_empty.index(w))
+            _tma_reduce_add(dq_desc, [q_row + i * BLOCK_M, w * (HEAD_DIM // 2)], dq_smem.index(w))
+        tma.store_wait(1)  # the first half is read: its tile is free
+        mbarrier.arrive(dq_empty.index(0))
+        tma.store_wait(0)
+        mbarrier.arrive(dq_empty.index(1))
 
 
 @gluon.jit
 def _consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty,
-              ds_ready, ds_free, dq_full, dq_empty, lse_smem, delta_smem, dq_ptr, dq_base, dk_ptr, dv_ptr, kv_base,
+              ds_ready, dq_full, dq_empty, lse_smem, delta_smem, dq_ptr, dq_base, dk_ptr, dv_ptr, kv_base,
               k0, i_start, i_full_start, i_full_end, n_q_tiles, n_q, n_k, qk_scale, sm_scale,
               STAGES: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, IS_CAUSAL: gl.constexpr,
               DQ_WRITER: gl.constexpr):
@@ -220,15 +237,15 @@ def _consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_sme
     # [i_start, i_full_start) cross the diagonal, [i_full_end, n_q_tiles) hold a ragged end: those need the mask.
     for i in range(i_start, i_full_start):
         dk, dv = _query_tile(i, i - i_start, dk, dv, k_smem, v_w, q_smem, do_smem, ds_smem, dq_smem, q_ready, q_empty,
-                             ds_ready, ds_free, dq_full, dq_empty, lse_smem, delta_smem, dq_ptr, dq_base, keys, n_q,
+                             ds_ready, dq_full, dq_empty, lse_smem, delta_smem, dq_ptr, dq_base, keys, n_q,
                              n_k, qk_scale, WG, STAGES, BLOCK_M, HEAD_DIM, True, IS_CAUSAL, DQ_WRITER)
     for i in range(i_full_start, i_full_end):
         dk, dv = _query_tile(i, i - i_start, dk, dv, k_smem, v_w, q_smem, do_smem, ds_smem, dq_smem, q_ready, q_empty,
-                             ds_ready, ds_free, dq_full, dq_empty, lse_smem, delta_smem, dq_ptr, dq_base, keys, n_q,
+                             ds_ready, dq_full, dq_empty, lse_smem, delta_smem, dq_ptr, dq_base, keys, n_q,
                              n_k, qk_scale, WG, STAGES, BLOCK_M, HEAD_DIM, False, IS_CAUSAL, DQ_WRITER)
     for i in range(gl.maximum(i_full_end, i_full_start), n_q_tiles):
         dk, dv = _query_tile(i, i - i_start, dk, dv, k_smem, v_w, q_smem, do_smem, ds_smem, dq_smem, q_ready, q_empty,
-                             ds_ready, ds_free, dq_full, dq_empty, lse_smem, delta_smem, dq_ptr, dq_base, keys, n_q,
+                             ds_ready, dq_full, dq_empty, lse_smem, delta_smem, dq_ptr, dq_base, keys, n_q,
                              n_k, qk_scale, WG, STAGES, BLOCK_M, HEAD_DIM, True, IS_CAUSAL, DQ_WRITER)
 
     store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [4, 1], [1, 0])
@@ -241,36 +258,37 @@ def _consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_sme
 
 
 @gluon.jit
-def _consumer_default(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, ds_free,
+def _consumer_default(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready,
                       dq_full, dq_empty, lse_smem, delta_smem, dq_ptr, dq_base, dk_ptr, dv_ptr, kv_base, k0, i_start,
                       i_full_start, i_full_end, n_q_tiles, n_q, n_k, qk_scale, sm_scale,
                       STAGES: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, IS_CAUSAL: gl.constexpr,
                       DQ_WRITER: gl.constexpr):
-    _consumer(0, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, ds_free,
+    _consumer(0, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready,
               dq_full, dq_empty, lse_smem, delta_smem, dq_ptr, dq_base, dk_ptr, dv_ptr, kv_base, k0, i_start,
               i_full_start, i_full_end, n_q_tiles, n_q, n_k, qk_scale, sm_scale, STAGES, BLOCK_M, HEAD_DIM, IS_CAUSAL,
               DQ_WRITER)
 
 
 @gluon.jit
-def _consumer_worker(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, ds_free,
+def _consumer_worker(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready,
                      dq_full, dq_empty, lse_smem, delta_smem, dq_ptr, dq_base, dk_ptr, dv_ptr, kv_base, k0, i_start,
                      i_full_start, i_full_end, n_q_tiles, n_q, n_k, qk_scale, sm_scale,
                      STAGES: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, IS_CAUSAL: gl.constexpr,
                      DQ_WRITER: gl.constexpr):
-    _consumer(1, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, ds_free,
+    _consumer(1, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready,
               dq_full, dq_empty, lse_smem, delta_smem, dq_ptr, dq_base, dk_ptr, dv_ptr, kv_base, k0, i_start,
               i_full_start, i_full_end, n_q_tiles, n_q, n_k, qk_scale, sm_scale, STAGES, BLOCK_M, HEAD_DIM, IS_CAUSAL,
               DQ_WRITER)
 
 
 @gluon.jit
-def _attention_backward_kernel(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, dq_ptr, dk_ptr,
+def _attention_backward_kernel(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, dq_desc, dq_ptr, dk_ptr,
                                dv_ptr, n_q, n_k, qk_scale, sm_scale,
                                HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
                                BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, DQ_WRITER: gl.constexpr):
     """Grid (key tiles of ``BLOCK_N`` rows, batch * heads); causal key tile 0, which sees every query tile,
-    starts first. ``DQ_WRITER``: two warps add dQ to device memory (else the consumers do, between tiles)."""
+    starts first. ``DQ_WRITER``: a warp adds dQ to device memory by TMA (else the consumers do, between tiles,
+    by atomics)."""
     gl.static_assert(BLOCK_N == 128, "two consumer warp groups of 64 keys")
     kt = gl.program_id(0)
     zh = gl.program_id(1)
@@ -296,19 +314,17 @@ def _attention_backward_kernel(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], delta_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
-    ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_layout)
-    dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM // 2], gl.float32)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM // 2], dq_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM // 2], dq_desc.layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ds_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ds_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready, count=1)
-    mbarrier.init(ds_ready, count=2)
-    mbarrier.init(ds_free, count=2)
+    for b in gl.static_range(2):
+        mbarrier.init(ds_ready.index(b), count=2)
     for s in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(s), count=1)
         mbarrier.init(q_empty.index(s), count=2)
@@ -322,26 +338,26 @@ def _attention_backward_kernel(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_
     if DQ_WRITER:
         gl.warp_specialize([
             (_consumer_default, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty,
-                                 ds_ready, ds_free, dq_full, dq_empty, lse_smem, delta_smem, dq_ptr, dq_base, dk_ptr,
+                                 ds_ready, dq_full, dq_empty, lse_smem, delta_smem, dq_ptr, dq_base, dk_ptr,
                                  dv_ptr, kv_base, k0, i_start, i_full_start, i_full_end, n_q_tiles, n_q, n_k, qk_scale,
                                  sm_scale, STAGES, BLOCK_M, HEAD_DIM, IS_CAUSAL, DQ_WRITER)),
             (_consumer_worker, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty,
-                                ds_ready, ds_free, dq_full, dq_empty, lse_smem, delta_smem, dq_ptr, dq_base, dk_ptr,
+                                ds_ready, dq_full, dq_empty, lse_smem, delta_smem, dq_ptr, dq_base, dk_ptr,
                                 dv_ptr, kv_base, k0, i_start, i_full_start, i_full_end, n_q_tiles, n_q, n_k, qk_scale,
                                 sm_scale, STAGES, BLOCK_M, HEAD_DIM, IS_CAUSAL, DQ_WRITER)),
             (_producer, (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem,
                          lse_smem, delta_smem, kv_ready, q_ready, q_empty, zh * n_k + k0, zh * n_q,
                          zh * n_q_tiles * BLOCK_M, i_start, n_q_tiles, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM)),
-            (_dq_writer, (dq_smem, dq_full, dq_empty, dq_ptr, dq_base, i_start, n_q_tiles, n_q, BLOCK_M, HEAD_DIM)),
-        ], [4, 1, 2], [WRITER_CONSUMER_REGISTERS, PRODUCER_REGISTERS, WRITER_REGISTERS])
+            (_dq_writer, (dq_desc, dq_smem, dq_full, dq_empty, zh * n_q, i_start, n_q_tiles, BLOCK_M, HEAD_DIM)),
+        ], [4, 1, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS, PRODUCER_REGISTERS])
     else:
         gl.warp_specialize([
             (_consumer_default, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty,
-                                 ds_ready, ds_free, dq_full, dq_empty, lse_smem, delta_smem, dq_ptr, dq_base, dk_ptr,
+                                 ds_ready, dq_full, dq_empty, lse_smem, delta_smem, dq_ptr, dq_base, dk_ptr,
                                  dv_ptr, kv_base, k0, i_start, i_full_start, i_full_end, n_q_tiles, n_q, n_k, qk_scale,
                                  sm_scale, STAGES, BLOCK_M, HEAD_DIM, IS_CAUSAL, DQ_WRITER)),
             (_consumer_worker, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty,
-                                ds_ready, ds_free, dq_full, dq_empty, lse_smem, delta_smem, dq_ptr, dq_base, dk_ptr,
+                                ds_ready, dq_full, dq_empty, lse_smem, delta_smem, dq_ptr, dq_base, dk_ptr,
                                 dv_ptr, kv_base, k0, i_start, i_full_start, i_full_end, n_q_tiles, n_q, n_k, qk_scale,
                                 sm_scale, STAGES, BLOCK_M, HEAD_DIM, IS_CAUSAL, DQ_WRITER)),
             (_producer, (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem,
@@ -355,10 +371,12 @@ BACKWARD_KERNEL = _attention_backward_kernel
 
 
 def dq_writer_default(d: int) -> bool:
-    """Whether dQ goes through writer warps at head dimension ``d``: at d 128 the consumers need the registers
-    that adding dQ themselves takes (measured faster with the writer); at d 64 they have them to spare and
-    adding it themselves was faster (the writer's shared-memory round trip then costs more than it frees)."""
-    return d > 64
+    """Whether dQ goes through the writer warp at head dimension ``d``: at d 128 the consumers need the
+    registers that adding dQ themselves takes (their atomics' addresses; with them they spill), and the
+    writer's TMA reduce-add leaves them free to run dK's product meanwhile; at d 64 they have registers to
+    spare and adding it themselves was faster with the atomic writer this one replaced. Only where this
+    Triton can build the TMA reduction (:data:`TMA_REDUCE`)."""
+    return d > 64 and TMA_REDUCE
 
 
 def backward_launch(q, k, v, grad_out, lse2, delta, dq_accum, dk, dv, causal: bool, dq_writer: bool | None = None,
@@ -378,11 +396,18 @@ def backward_launch(q, k, v, grad_out, lse2, delta, dq_accum, dk, dv, causal: bo
         return TensorDescriptor.from_tensor(t.view(-1), [block_m], gl.NVMMASharedLayout.get_default_for([block_m],
                                                                                                       gl.float32))
 
+    writer = dq_writer_default(d) if dq_writer is None else bool(dq_writer)
+    if writer and not TMA_REDUCE:
+        raise ValueError(f"dq_writer=True needs Triton 3.6's TMA reduce-add, this is Triton {triton.__version__}")
+    # the writer's tiles: half the head dimension of a query tile, in the layout the consumers store them in
+    dq_block = [block_m, d // 2]
+    dq_desc = TensorDescriptor.from_tensor(dq_accum.view(-1, d), dq_block,
+                                           gl.NVMMASharedLayout.get_default_for(dq_block, gl.float32))
     descs = (descriptor(k, [block_n // 2, d]), descriptor(v, [block_n // 2, d]), descriptor(q, [block_m, d]),
-             descriptor(grad_out, [block_m, d]), row_descriptor(lse2), row_descriptor(delta))
+             descriptor(grad_out, [block_m, d]), row_descriptor(lse2), row_descriptor(delta), dq_desc)
     args = (*descs, dq_accum, dk, dv, n_q, n_k, 1.4426950408889634 / math.sqrt(d), 1 / math.sqrt(d))
     constexprs = dict(HEAD_DIM=d, STAGES=stages, BLOCK_M=block_m, BLOCK_N=block_n, IS_CAUSAL=bool(causal),
-                      DQ_WRITER=dq_writer_default(d) if dq_writer is None else bool(dq_writer))
+                      DQ_WRITER=writer)
     return (triton.cdiv(n_k, block_n), batch * heads), args, constexprs, 4, 168
 
 
@@ -390,7 +415,7 @@ def gluon_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
                    grad_out: torch.Tensor, causal: bool,
                    dq_writer: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dQ, dK, dV) of FlashAttention on (batch, heads, seq, d) CUDA tensors (bf16 or fp16, d 64 or
-    128) on Hopper, in q's dtype, contiguous. ``dq_writer``: add dQ through writer warps (None:
+    128) on Hopper, in q's dtype, contiguous. ``dq_writer``: add dQ through the writer warp (None:
     :func:`dq_writer_default`). ``lse``: the forward's natural-log logsumexp, (batch, heads,
     n_queries) fp32."""
     q, k, v, out, grad_out = (t.contiguous() for t in (q, k, v, out, grad_out))

@@ -170,10 +170,12 @@ def test_backward_compiles_for_sm90a_into_warp_group_mmas(d):
     # dV and dK (64 queries / 16) and dQ (128 keys / 16)
     assert report["wgmma"] == 2 * 3 * (2 * d // 16 + 4 + 4 + 8)
     assert report["shared_bytes"] <= MAX_SHARED
-    # the producer warp (and the dQ writer warps, sharing its warp group) ask for few registers; the consumers
+    # the producer warp (and the dQ writer warp, sharing its warp group) ask for few registers; the consumers
     # take the rest
-    writer = flash_gluon_backward.dq_writer_default(d)
-    assert min(report["setmaxnreg"]) == (40 if writer else 24) and max(report["setmaxnreg"]) >= (232 if writer else 240)
+    assert min(report["setmaxnreg"]) == 24 and max(report["setmaxnreg"]) >= 240
+    # handing dQ to the writer's TMA reduce-add instead of adding it with atomics (whose addresses took the
+    # consumers' registers) keeps the consumers' spills to a few loop invariants (876 bytes a thread before)
+    assert report["spill_bytes"] <= 256
 
 
 BACKWARD_SHAPES = [  # batch, heads, n_q, n_k, d, dtype, causal
