@@ -260,17 +260,17 @@ class DDPBucketed(_DataParallel):
         self.bucket_size_mb = bucket_size_mb
         self.bucket_order = bucket_order
         self.reduce_dtype = reduce_dtype
-        self.buckets = self._make_buckets(self.trainable[::-1], bucket_size_mb * 2**20, reduce_dtype)
         self._index_of = {id(p): i for i, p in enumerate(self.trainable)}
+        self.buckets = self._make_buckets(self.trainable[::-1], bucket_size_mb * 2**20, reduce_dtype)
         self._locate()
         #: trainable parameters' indices in the order their gradients became ready, recorded in the first
         #: synchronized backward when the buckets are to follow it (None once they do, or never will)
         self.ready_order: list[int] | None = [] if bucket_order == "ready" else None
         self.on_reduction_started: list = []
-        self._launched = 0
         self._any_ready = False
-        self._seen: set[int] = set()
-        self._hooks = [p.register_post_accumulate_grad_hook(weak_hook(self._on_grad_ready)) for p in self.trainable]
+        self._got = [False] * len(self.trainable)  # whose gradient came this backward (to name the missing)
+        self._hooks = [p.register_post_accumulate_grad_hook(weak_hook(self._on_grad_ready, i))
+                       for i, p in enumerate(self.trainable)]
         device = self.trainable[0].device if self.trainable else torch.device("cpu")
         on_gpu = device.type == "cuda" and all(p.device == device for p in self.trainable)
         #: the side streams of the buckets' copies and launches, and of the copies back (None off the GPU)
@@ -295,19 +295,23 @@ class DDPBucketed(_DataParallel):
         return buckets
 
     def _locate(self) -> None:
-        self._where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        """Each trainable parameter's bucket, by the parameter's index (what its hook is called with)."""
+        self._bucket_at = [None] * len(self.trainable)
+        for b in self.buckets:
+            for p in b.params:
+                self._bucket_at[self._index_of[id(p)]] = b
 
-    def _on_grad_ready(self, param: torch.Tensor) -> None:
+    def _on_grad_ready(self, i: int, param: torch.Tensor) -> None:
         if not self._sync:
             return
         if not self._any_ready:
             self._any_ready = True
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_gradient_synchronization)
         if self.ready_order is not None:
-            self.ready_order.append(self._index_of[id(param)])
-        bucket = self._where[id(param)][0]
+            self.ready_order.append(i)
+        self._got[i] = True
+        bucket = self._bucket_at[i]
         bucket.ready += 1
-        self._seen.add(id(param))
         if bucket.ready == len(bucket.params):
             self._launch(bucket)
 
@@ -335,7 +339,6 @@ class DDPBucketed(_DataParallel):
             for stream in self._streams:  # a rebuild may free the buffers while these streams still use them
                 bucket.grads.record_stream(stream)
                 bucket.buffer.record_stream(stream)
-        self._launched += 1
         for callback in self.on_reduction_started:
             callback(bucket.params)
 
@@ -367,7 +370,7 @@ class DDPBucketed(_DataParallel):
         """Wait, on the current stream, for the all-reduce of the buckets that hold ``params`` (each bucket
         once per backward), after which their ``.grad`` hold the average. Call it only for parameters whose
         bucket has started (``on_reduction_started``)."""
-        for b in dict.fromkeys(self._where[id(p)][0] for p in params):
+        for b in dict.fromkeys(self._bucket_at[self._index_of[id(p)]] for p in params):
             if b.work is None:
                 raise RuntimeError("wait_for_gradients: a bucket of these parameters has not been launched")
             self._wait(b)
@@ -375,9 +378,9 @@ class DDPBucketed(_DataParallel):
     def finish_gradient_synchronization(self) -> None:
         if not self._any_ready:
             return
-        if self._launched != len(self.buckets):
+        if any(b.work is None for b in self.buckets):
             # Wait for what was launched so no request is left dangling, then say what is missing.
-            missing = [p for p in self.trainable if id(p) not in self._seen]
+            missing = [p for p, got in zip(self.trainable, self._got) if not got]
             for b in self.buckets:
                 if b.work is not None:
                     b.work.wait()
@@ -411,9 +414,8 @@ class DDPBucketed(_DataParallel):
     def _reset(self) -> None:
         for b in self.buckets:
             b.ready, b.work, b.done, b.reduced = 0, None, None, False
-        self._launched = 0
         self._any_ready = False
-        self._seen.clear()
+        self._got[:] = [False] * len(self._got)
 
     def remove_hooks(self) -> None:
         """Detach from the module (the wrapper stops communicating)."""
