@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lab.parallel.buckets import BUCKET_ORDERS, Bucket, same_memory
+from lab.parallel.buckets import BUCKET_ORDERS, Bucket
 from lab.parallel.hooks import weak_hook
 from lab.parallel.process_groups import GroupLike, broadcast_from_first, global_rank, resolve_group
 
@@ -220,17 +220,19 @@ class DDPBucketed(_DataParallel):
     average); the sum is copied back into the parameters' gradients in their own dtype (fp32), where accumulation
     under :meth:`no_sync` and the optimizer work as before. As torch DDP's ``bf16_compress_hook``.
 
-    Bucket buffers are allocated once. A gradient's hook only counts it: the host's work per gradient is what
-    paces a backward whose kernels are short (a compiled block hands over all its gradients at once). When a
-    bucket's last gradient is ready, its gradients are copied into the bucket (one multi-tensor copy; a
-    gradient that already lives there, accumulated in place, is not copied), each parameter's ``.grad`` is
-    pointed at its slot of the bucket's gradients (as torch DDP's ``gradient_as_bucket_view=True``) and the
-    all-reduce starts, averaging inside the collective (NCCL's ``AVG``, a premultiplication by ``1 / world
-    size``; on other backends one division of the buffer first). The all-reduce (or the copy back from the
-    compressed buffer) leaves the averaged gradient in place, so nothing else is copied and no arithmetic
-    remains after backward. ``.grad`` holds the average once its bucket has been
-    waited for: :meth:`finish_gradient_synchronization` (queued automatically at the end of every
-    synchronized backward) waits for every outstanding bucket.
+    Bucket buffers are allocated once. The host's work per gradient and per bucket is what paces a backward
+    whose kernels are short (a compiled block hands over all its gradients at once), so a gradient's hook only
+    counts it, and a bucket whose gradients were accumulated in place (each ``.grad`` still the tensor that is
+    its slot) costs one identity test per gradient: nothing moves. Otherwise, when a bucket's last gradient is
+    ready, its gradients are copied into the bucket (one multi-tensor copy; a gradient that already lives
+    there is not copied) and each parameter's ``.grad`` is pointed at its slot of the bucket's gradients (as
+    torch DDP's ``gradient_as_bucket_view=True``). Then the all-reduce starts (after one cast of the whole
+    bucket, in a compressed dtype), averaging inside the collective (NCCL's ``AVG``, a premultiplication by
+    ``1 / world size``; on other backends one division of the buffer first). The all-reduce (or the copy back
+    from the compressed buffer) leaves the averaged gradient in place, so nothing else is copied and no
+    arithmetic remains after backward. ``.grad`` holds the average once its bucket has been waited for:
+    :meth:`finish_gradient_synchronization` (queued automatically at the end of every synchronized backward)
+    waits for every outstanding bucket.
 
     **Streams** (on a GPU). A bucket's copy in (a cast, in a compressed dtype) and the launch of its all-reduce
     run on a side stream that first waits for the backward's stream, and the copy back out of a compressed
@@ -320,16 +322,18 @@ class DDPBucketed(_DataParallel):
         averaging all-reduce (on a GPU from the side stream, with the copy back out of a compressed buffer
         queued on the second one)."""
         grads = [p.grad for p in bucket.params]
-        moved = [(send, g) for send, g in zip(bucket.sends, grads) if not same_memory(send, g)]
+        moved = bucket.adopt(grads)
         if self._streams is None:
-            self._move_and_start(bucket, grads, moved)
+            bucket.copy_in(grads, moved)
+            bucket.work = self._start_average(bucket.buffer)
         else:
             launch, back = self._streams
             launch.wait_stream(torch.cuda.current_stream(launch.device))  # the gradients are computed
             with torch.cuda.stream(launch):
-                for _, g in moved:  # dropped below, still read by the copy on this stream
+                for _, g in moved:  # dropped, still read by the copy on this stream
                     g.record_stream(launch)
-                self._move_and_start(bucket, grads, moved)
+                bucket.copy_in(grads, moved)
+                bucket.work = self._start_average(bucket.buffer)
             with torch.cuda.stream(back):
                 bucket.work.wait()  # this stream waits for the collective, the host goes on
                 if bucket.buffer is not bucket.grads:
@@ -341,14 +345,6 @@ class DDPBucketed(_DataParallel):
                 bucket.buffer.record_stream(stream)
         for callback in self.on_reduction_started:
             callback(bucket.params)
-
-    def _move_and_start(self, bucket: Bucket, grads: list, moved: list) -> None:
-        if moved:
-            torch._foreach_copy_([send for send, _ in moved], [g for _, g in moved])
-        for p, view, g in zip(bucket.params, bucket.views, grads):
-            if not same_memory(view, g):
-                p.grad = view  # the gradient now lives in the bucket: the reduced average lands in .grad
-        bucket.work = self._start_average(bucket.buffer)
 
     def _wait(self, bucket: Bucket) -> None:
         if bucket.reduced:
