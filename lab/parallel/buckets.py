@@ -64,5 +64,10 @@ class Bucket:
         elif moved:
             torch._foreach_copy_([view for view, _ in moved], [g for _, g in moved])
 
+    def mark_used(self, stream: torch.cuda.Stream) -> None:
+        """The caching allocator holds the buffers back, once freed, until ``stream`` has passed the free."""
+        self.grads.record_stream(stream)
+        self.buffer.record_stream(stream)
+
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [v.view_as(p) for v, p in zip(flat.split([p.numel() for p in self.params]), self.params)]
