@@ -222,17 +222,16 @@ class DDPBucketed(_DataParallel):
 
     Bucket buffers are allocated once. The host's work per gradient and per bucket is what paces a backward
     whose kernels are short (a compiled block hands over all its gradients at once), so a gradient's hook only
-    counts it, and a bucket whose gradients were accumulated in place (each ``.grad`` still the tensor that is
-    its slot) costs one identity test per gradient: nothing moves. Otherwise, when a bucket's last gradient is
-    ready, its gradients are copied into the bucket (one multi-tensor copy; a gradient that already lives
-    there is not copied) and each parameter's ``.grad`` is pointed at its slot of the bucket's gradients (as
-    torch DDP's ``gradient_as_bucket_view=True``). Then the all-reduce starts (after one cast of the whole
-    bucket, in a compressed dtype), averaging inside the collective (NCCL's ``AVG``, a premultiplication by
-    ``1 / world size``; on other backends one division of the buffer first). The all-reduce (or the copy back
-    from the compressed buffer) leaves the averaged gradient in place, so nothing else is copied and no
-    arithmetic remains after backward. ``.grad`` holds the average once its bucket has been waited for:
-    :meth:`finish_gradient_synchronization` (queued automatically at the end of every synchronized backward)
-    waits for every outstanding bucket.
+    counts it. When a bucket's last gradient is ready, the gradients that are not their slot of the bucket's
+    gradients are copied there (one multi-tensor copy; one that already lives there is not copied) and their
+    parameters' ``.grad`` pointed at the slots (as torch DDP's ``gradient_as_bucket_view=True``); gradients
+    accumulated in place (each ``.grad`` still the tensor that is its slot) cost one identity test each, and
+    nothing moves. Then the all-reduce starts (after one cast of the whole bucket, in a compressed dtype),
+    averaging inside the collective (NCCL's ``AVG``, a premultiplication by ``1 / world size``; on other
+    backends one division of the buffer first). The all-reduce (or the copy back from the compressed buffer)
+    leaves the averaged gradient in place, so nothing else is copied and no arithmetic remains after backward.
+    ``.grad`` holds the average once its bucket has been waited for: :meth:`finish_gradient_synchronization`
+    (queued automatically at the end of every synchronized backward) waits for every outstanding bucket.
 
     **Streams** (on a GPU). A bucket's copy in (a cast, in a compressed dtype) runs on a side stream that first
     waits for the backward's stream, and its all-reduce is launched from there (from the backward's stream when
