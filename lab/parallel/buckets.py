@@ -4,6 +4,8 @@ filled in."""
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.distributed as dist
 
@@ -37,6 +39,35 @@ class Bucket:
         self.work: dist.Work | None = None
         self.done: torch.cuda.Event | None = None  # on a GPU: recorded once the average is in ``grads``
         self.reduced = False  # waited for, and its average in ``grads``, this backward
+
+    def adopt(self, grads: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Point each parameter's ``.grad`` that is not its slot of the bucket at it; the gradients to copy there,
+        with their slots (the others already are that memory). Accumulated in place, every gradient still is its
+        slot, the same tensor: one identity test each, and nothing moves."""
+        if all(map(operator.is_, grads, self.views)):
+            return []
+        moved = []
+        for p, view, g in zip(self.params, self.views, grads):
+            if g is not view:
+                if not same_memory(view, g):
+                    moved.append((view, g))
+                p.grad = view  # the gradient now lives in the bucket: the reduced average lands in .grad
+        return moved
+
+    def copy_in(self, grads: list[torch.Tensor], moved: list) -> None:
+        """Fill ``buffer``: the cast of the whole bucket in a compressed dtype, else the ``moved`` gradients."""
+        if self.buffer is not self.grads:
+            if moved:
+                torch._foreach_copy_(self.sends, grads)
+            else:
+                self.buffer.copy_(self.grads)
+        elif moved:
+            torch._foreach_copy_([view for view, _ in moved], [g for _, g in moved])
+
+    def mark_used(self, stream: torch.cuda.Stream) -> None:
+        """The caching allocator holds the buffers back, once freed, until ``stream`` has passed the free."""
+        self.grads.record_stream(stream)
+        self.buffer.record_stream(stream)
 
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [v.view_as(p) for v, p in zip(flat.split([p.numel() for p in self.params]), self.params)]

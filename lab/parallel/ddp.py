@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lab.parallel.buckets import BUCKET_ORDERS, Bucket, same_memory
+from lab.parallel.buckets import BUCKET_ORDERS, Bucket
 from lab.parallel.hooks import weak_hook
 from lab.parallel.process_groups import GroupLike, broadcast_from_first, global_rank, resolve_group
 
@@ -220,26 +220,31 @@ class DDPBucketed(_DataParallel):
     average); the sum is copied back into the parameters' gradients in their own dtype (fp32), where accumulation
     under :meth:`no_sync` and the optimizer work as before. As torch DDP's ``bf16_compress_hook``.
 
-    Bucket buffers are allocated once. A gradient's hook only counts it: the host's work per gradient is what
-    paces a backward whose kernels are short (a compiled block hands over all its gradients at once). When a
-    bucket's last gradient is ready, its gradients are copied into the bucket (one multi-tensor copy; a
-    gradient that already lives there, accumulated in place, is not copied), each parameter's ``.grad`` is
-    pointed at its slot of the bucket's gradients (as torch DDP's ``gradient_as_bucket_view=True``) and the
-    all-reduce starts, averaging inside the collective (NCCL's ``AVG``, a premultiplication by ``1 / world
-    size``; on other backends one division of the buffer first). The all-reduce (or the copy back from the
-    compressed buffer) leaves the averaged gradient in place, so nothing else is copied and no arithmetic
-    remains after backward. ``.grad`` holds the average once its bucket has been
-    waited for: :meth:`finish_gradient_synchronization` (queued automatically at the end of every
-    synchronized backward) waits for every outstanding bucket.
+    Bucket buffers are allocated once. The host's work per gradient and per bucket is what paces a backward
+    whose kernels are short (a compiled block hands over all its gradients at once), so a gradient's hook only
+    counts it. When a bucket's last gradient is ready, the gradients that are not their slot of the bucket's
+    gradients are copied there (one multi-tensor copy; one that already lives there is not copied) and their
+    parameters' ``.grad`` pointed at the slots (as torch DDP's ``gradient_as_bucket_view=True``); gradients
+    accumulated in place (each ``.grad`` still the tensor that is its slot) cost one identity test each, and
+    nothing moves. Then the all-reduce starts (after one cast of the whole bucket, in a compressed dtype),
+    averaging inside the collective (NCCL's ``AVG``, a premultiplication by ``1 / world size``; on other
+    backends one division of the buffer first). The all-reduce (or the copy back from the compressed buffer)
+    leaves the averaged gradient in place, so nothing else is copied and no arithmetic remains after backward.
+    ``.grad`` holds the average once its bucket has been waited for: :meth:`finish_gradient_synchronization`
+    (queued automatically at the end of every synchronized backward) waits for every outstanding bucket.
 
-    **Streams** (on a GPU). A bucket's copy in (a cast, in a compressed dtype) and the launch of its all-reduce
-    run on a side stream that first waits for the backward's stream, and the copy back out of a compressed
-    buffer on a second one that waits for the all-reduce: neither sits on the backward's stream, where the
-    copies would delay the next block's products, and the copies back run as each reduction ends instead of
-    all at the end of the backward. The backward's stream waits for a bucket (an event) only where its
-    average is needed: at the end, or in :meth:`wait_for_gradients`. A gradient that is copied and then
-    dropped is marked as used on the side stream first, so the allocator does not hand its memory out before
-    the copy has read it.
+    **Streams** (on a GPU). A bucket's copy in (a cast, in a compressed dtype) runs on a side stream that first
+    waits for the backward's stream, and its all-reduce is launched from there (from the backward's stream when
+    nothing is copied: the collective's own stream waits for it either way); the copy back out of a compressed
+    buffer runs on a second one that waits for the all-reduce: neither sits on the backward's stream, where
+    the copies would delay the next block's products, and the copies back run as each reduction ends instead
+    of all at the end of the backward. The backward's stream waits for a bucket (an event, made once and
+    reused) only where its average is needed: in :meth:`wait_for_gradients`, or at the end, where one wait
+    for the second stream covers every bucket (their copies back are queued there in order). The buffers are
+    marked as used by the side streams once, not at every launch: the allocator holds a freed block back until
+    every stream marked has passed the free, so one mark serves until a rebuild frees them. A gradient that is
+    copied and then dropped is marked as used on the side stream first, so the allocator does not hand its
+    memory out before the copy has read it.
 
     **Consumers during the backward.** ``on_reduction_started`` holds callables called with a bucket's
     parameters right after its all-reduce is launched; :meth:`wait_for_gradients` then waits for exactly
@@ -260,21 +265,22 @@ class DDPBucketed(_DataParallel):
         self.bucket_size_mb = bucket_size_mb
         self.bucket_order = bucket_order
         self.reduce_dtype = reduce_dtype
-        self.buckets = self._make_buckets(self.trainable[::-1], bucket_size_mb * 2**20, reduce_dtype)
+        device = self.trainable[0].device if self.trainable else torch.device("cpu")
+        on_gpu = device.type == "cuda" and all(p.device == device for p in self.trainable)
+        #: the side streams of the buckets' copies in, and of the copies back (None off the GPU)
+        self._streams = (torch.cuda.Stream(device), torch.cuda.Stream(device)) if on_gpu else None
+        self._computed = torch.cuda.Event() if on_gpu else None  # reused: marks the gradients computed so far
         self._index_of = {id(p): i for i, p in enumerate(self.trainable)}
+        self.buckets = self._make_buckets(self.trainable[::-1], bucket_size_mb * 2**20, reduce_dtype)
         self._locate()
         #: trainable parameters' indices in the order their gradients became ready, recorded in the first
         #: synchronized backward when the buckets are to follow it (None once they do, or never will)
         self.ready_order: list[int] | None = [] if bucket_order == "ready" else None
         self.on_reduction_started: list = []
-        self._launched = 0
         self._any_ready = False
-        self._seen: set[int] = set()
-        self._hooks = [p.register_post_accumulate_grad_hook(weak_hook(self._on_grad_ready)) for p in self.trainable]
-        device = self.trainable[0].device if self.trainable else torch.device("cpu")
-        on_gpu = device.type == "cuda" and all(p.device == device for p in self.trainable)
-        #: the side streams of the buckets' copies and launches, and of the copies back (None off the GPU)
-        self._streams = (torch.cuda.Stream(device), torch.cuda.Stream(device)) if on_gpu else None
+        self._got = [False] * len(self.trainable)  # whose gradient came this backward (to name the missing)
+        self._hooks = [p.register_post_accumulate_grad_hook(weak_hook(self._on_grad_ready, i))
+                       for i, p in enumerate(self.trainable)]
 
     @staticmethod
     def _make_buckets(params: list[torch.Tensor], capacity_bytes: float,
@@ -295,79 +301,86 @@ class DDPBucketed(_DataParallel):
         return buckets
 
     def _locate(self) -> None:
-        self._where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        """Each trainable parameter's bucket, by index; on a GPU each bucket's event, and its buffers marked as
+        used by the side streams once, which covers every backward until a rebuild frees them."""
+        self._bucket_at = [None] * len(self.trainable)
+        for b in self.buckets:
+            for p in b.params:
+                self._bucket_at[self._index_of[id(p)]] = b
+            if self._streams is not None:
+                b.done = torch.cuda.Event()
+                for stream in self._streams:
+                    b.mark_used(stream)
 
-    def _on_grad_ready(self, param: torch.Tensor) -> None:
+    def _on_grad_ready(self, i: int, param: torch.Tensor) -> None:
         if not self._sync:
             return
         if not self._any_ready:
             self._any_ready = True
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_gradient_synchronization)
         if self.ready_order is not None:
-            self.ready_order.append(self._index_of[id(param)])
-        bucket = self._where[id(param)][0]
+            self.ready_order.append(i)
+        self._got[i] = True
+        bucket = self._bucket_at[i]
         bucket.ready += 1
-        self._seen.add(id(param))
         if bucket.ready == len(bucket.params):
             self._launch(bucket)
 
     def _launch(self, bucket: Bucket) -> None:
         """Move ``bucket``'s gradients into its buffer, point their ``.grad`` at the bucket and start the
-        averaging all-reduce (on a GPU from the side stream, with the copy back out of a compressed buffer
-        queued on the second one)."""
+        averaging all-reduce (on a GPU with the copies on the side streams)."""
         grads = [p.grad for p in bucket.params]
-        moved = [(send, g) for send, g in zip(bucket.sends, grads) if not same_memory(send, g)]
+        moved = bucket.adopt(grads)
         if self._streams is None:
-            self._move_and_start(bucket, grads, moved)
+            bucket.copy_in(grads, moved)
+            bucket.work = self._start_average(bucket.buffer)
         else:
-            launch, back = self._streams
-            launch.wait_stream(torch.cuda.current_stream(launch.device))  # the gradients are computed
-            with torch.cuda.stream(launch):
-                for _, g in moved:  # dropped below, still read by the copy on this stream
-                    g.record_stream(launch)
-                self._move_and_start(bucket, grads, moved)
-            with torch.cuda.stream(back):
-                bucket.work.wait()  # this stream waits for the collective, the host goes on
-                if bucket.buffer is not bucket.grads:
-                    bucket.grads.copy_(bucket.buffer)
-                bucket.done = torch.cuda.Event()
-                bucket.done.record(back)
-            for stream in self._streams:  # a rebuild may free the buffers while these streams still use them
-                bucket.grads.record_stream(stream)
-                bucket.buffer.record_stream(stream)
-        self._launched += 1
+            self._launch_on_streams(bucket, grads, moved)
         for callback in self.on_reduction_started:
             callback(bucket.params)
 
-    def _move_and_start(self, bucket: Bucket, grads: list, moved: list) -> None:
-        if moved:
-            torch._foreach_copy_([send for send, _ in moved], [g for _, g in moved])
-        for p, view, g in zip(bucket.params, bucket.views, grads):
-            if not same_memory(view, g):
-                p.grad = view  # the gradient now lives in the bucket: the reduced average lands in .grad
-        bucket.work = self._start_average(bucket.buffer)
+    def _launch_on_streams(self, bucket: Bucket, grads: list, moved: list) -> None:
+        """Switches streams directly and back: the ``torch.cuda.stream`` context costs a dozen Python calls."""
+        launch, back = self._streams
+        compute = torch.cuda.current_stream()
+        if compute.device_index != launch.device_index:  # not the autograd thread of the parameters' device
+            with torch.cuda.device(launch.device_index):
+                return self._launch_on_streams(bucket, grads, moved)
+        try:
+            if moved or bucket.buffer is not bucket.grads or not self._nccl_avg:  # kernels before the launch
+                self._computed.record(compute)
+                launch.wait_event(self._computed)  # the gradients are computed
+                torch.cuda.set_stream(launch)
+                for _, g in moved:  # dropped, still read by the copy on this stream
+                    g.record_stream(launch)
+                bucket.copy_in(grads, moved)
+            bucket.work = self._start_average(bucket.buffer)
+            torch.cuda.set_stream(back)
+            bucket.work.wait()  # this stream waits for the collective, the host goes on
+            if bucket.buffer is not bucket.grads:
+                bucket.grads.copy_(bucket.buffer)
+            bucket.done.record(back)
+        finally:
+            torch.cuda.set_stream(compute)
 
     def _wait(self, bucket: Bucket) -> None:
         if bucket.reduced:
             return
-        if bucket.done is not None:  # a GPU's: the current stream waits for the copy back, the host goes on
-            stream = torch.cuda.current_stream(bucket.grads.device)
-            stream.wait_event(bucket.done)
+        if self._streams is not None:  # the current stream waits for the copy back, the host goes on
+            torch.cuda.current_stream(bucket.grads.device).wait_event(bucket.done)
         else:
             bucket.work.wait()
             if bucket.buffer is not bucket.grads:
                 bucket.grads.copy_(bucket.buffer)
-        if bucket.grads.is_cuda:  # the buffers may be freed by a rebuild while this stream still reads them
-            stream = torch.cuda.current_stream(bucket.grads.device)
-            bucket.grads.record_stream(stream)
-            bucket.buffer.record_stream(stream)
+        if bucket.grads.is_cuda and self.ready_order is not None:  # the rebuild after this backward frees them
+            bucket.mark_used(torch.cuda.current_stream(bucket.grads.device))
         bucket.reduced = True
 
     def wait_for_gradients(self, params) -> None:
         """Wait, on the current stream, for the all-reduce of the buckets that hold ``params`` (each bucket
         once per backward), after which their ``.grad`` hold the average. Call it only for parameters whose
         bucket has started (``on_reduction_started``)."""
-        for b in dict.fromkeys(self._where[id(p)][0] for p in params):
+        for b in dict.fromkeys(self._bucket_at[self._index_of[id(p)]] for p in params):
             if b.work is None:
                 raise RuntimeError("wait_for_gradients: a bucket of these parameters has not been launched")
             self._wait(b)
@@ -375,9 +388,9 @@ class DDPBucketed(_DataParallel):
     def finish_gradient_synchronization(self) -> None:
         if not self._any_ready:
             return
-        if self._launched != len(self.buckets):
+        if any(b.work is None for b in self.buckets):
             # Wait for what was launched so no request is left dangling, then say what is missing.
-            missing = [p for p in self.trainable if id(p) not in self._seen]
+            missing = [p for p, got in zip(self.trainable, self._got) if not got]
             for b in self.buckets:
                 if b.work is not None:
                     b.work.wait()
@@ -385,8 +398,12 @@ class DDPBucketed(_DataParallel):
             if self.ready_order is not None:  # record again, in a complete backward
                 self.ready_order.clear()
             raise self._missing_grad_error(missing)
-        for b in self.buckets:
-            self._wait(b)
+        if self._streams is not None:  # every copy back was queued on one stream, in order: one wait for all
+            back = self._streams[1]
+            torch.cuda.current_stream(back.device).wait_stream(back)
+        else:
+            for b in self.buckets:
+                self._wait(b)
         if self.ready_order:
             self._rebuild_in_ready_order()
         self._reset()
@@ -395,7 +412,8 @@ class DDPBucketed(_DataParallel):
     def _rebuild_in_ready_order(self) -> None:
         """Buckets in the order of :attr:`ready_order` (the group's first rank's); the gradients still held
         move into the new buckets, and the old buffers go."""
-        order = torch.tensor(self.ready_order, dtype=torch.int64, device=self.buckets[0].grads.device)
+        device = self.buckets[0].grads.device
+        order = torch.tensor(self.ready_order, dtype=torch.int64, device=device)
         dist.broadcast(order, src=global_rank(self.process_group, 0), group=self.process_group)
         self.ready_order = None
         params = [self.trainable[i] for i in order.tolist()]
@@ -405,15 +423,16 @@ class DDPBucketed(_DataParallel):
                 if p.grad is not None:
                     view.copy_(p.grad)
                     p.grad = view
+        for b in self.buckets if device.type == "cuda" else ():  # freed below, once this stream has read them
+            b.mark_used(torch.cuda.current_stream(device))
         self.buckets = buckets
         self._locate()
 
     def _reset(self) -> None:
         for b in self.buckets:
-            b.ready, b.work, b.done, b.reduced = 0, None, None, False
-        self._launched = 0
+            b.ready, b.work, b.reduced = 0, None, False
         self._any_ready = False
-        self._seen.clear()
+        self._got[:] = [False] * len(self._got)
 
     def remove_hooks(self) -> None:
         """Detach from the module (the wrapper stops communicating)."""

@@ -17,11 +17,13 @@ from collections.abc import Callable
 def weak_hook(method: Callable, *leading) -> Callable:
     """A hook calling the bound ``method(*leading, *hook_args)`` while its object lives, and doing nothing
     after. ``leading`` must not hold the object (or what holds its parameters) either."""
-    ref = weakref.WeakMethod(method)
+    # The object by a weak reference and the plain function: a WeakMethod rebuilds a bound method in Python at
+    # every call, and a hook runs once per gradient, on the autograd thread.
+    owner, func = weakref.ref(method.__self__), method.__func__
 
     def hook(*args, **kwargs):
-        bound = ref()
-        if bound is not None:
-            return bound(*leading, *args, **kwargs)
+        obj = owner()
+        if obj is not None:
+            return func(obj, *leading, *args, **kwargs)
         return None
     return hook

@@ -435,6 +435,50 @@ def test_bf16_communication_stays_within_its_rounding_bound_and_barely_moves_the
     assert rows[-1]["bf16_loss"] < 0.6 * rows[0]["bf16_loss"]  # and it learns the task
 
 
+
+def replaced_gradients(reduce_dtype):
+    """Worker: DDPBucketed with gradients zeroed in place between steps, except that before the later steps'
+    backwards one ``.grad`` is replaced by zeros in memory of its own and another by a second view of its slot:
+    per step, the largest error of the averaged gradients against the two shards' gradients averaged in one
+    process, and whether every ``.grad`` ends in its slot of a bucket."""
+    import copy
+
+    r, n = distributed.rank(), distributed.world_size()
+    torch.manual_seed(0)
+    reference = ToyModel()
+    local = copy.deepcopy(reference)
+    model = ddp_module.DDPBucketed(local, bucket_size_mb=0.002, reduce_dtype=reduce_dtype)
+    params = list(local.parameters())
+    rows = []
+    for step in range(4):
+        x, y = _global_batch("toy", step, n, 1)
+        local.zero_grad(set_to_none=False)
+        if step > 0:
+            params[0].grad = torch.zeros_like(params[0])
+            params[3].grad = params[3].grad.view_as(params[3])
+        _loss(model, x[r, 0], y[r, 0]).backward()
+        shards = []
+        for s in range(n):
+            reference.zero_grad()
+            _loss(reference, x[s, 0], y[s, 0]).backward()
+            shards.append([p.grad.clone() for p in reference.parameters()])
+        errors = [((p.grad - (g0 + g1) / n).abs() / ((g0.abs() + g1.abs()) / n + 1e-30)).max().item()
+                  for p, g0, g1 in zip(params, *shards)]
+        slots = {v.data_ptr(): v.shape for b in model.buckets for v in b.views}
+        rows.append(dict(worst=max(errors), in_slots=all(slots.get(p.grad.data_ptr()) == p.shape for p in params)))
+    return rows
+
+
+@pytest.mark.parametrize("reduce_dtype", [None, torch.bfloat16])
+def test_bucketed_reduces_gradients_that_are_not_their_bucket_slot(reduce_dtype):
+    """Accumulated in place, a gradient is its bucket slot and nothing is copied; one replaced by a tensor of
+    its own memory (or by another view of the slot) must still be moved in and averaged."""
+    out = distributed.launch(replaced_gradients, 2, reduce_dtype, device="cpu", timeout_s=120)
+    bound = 0.0 if reduce_dtype is None else BF16_BOUND
+    for rows in out:
+        for row in rows:
+            assert row["worst"] <= bound and row["in_slots"], row
+
 # ----------------------------------------------------------------------------------------------------------
 # on two GPUs (NCCL): the buckets' copies and launches on side streams
 
