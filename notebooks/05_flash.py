@@ -142,7 +142,7 @@ report.show_table(grid.latency_table(bench, "lm"))
 report.show_table(report.shown(bench[bench["status"] != "ok"][["sweep", "impl", "dtype", "seq_len", "d", "status",
                                                               "note"]]))
 book.state(*grid.status_findings(bench))
-book.ledger(present.attention_entries(bench), table="flash_benchmark")
+book.ledger(ledger.attention_entries(bench), table="flash_benchmark")
 
 # %% [markdown]
 # Forward and backward timed apart should add up to forward + backward timed as one call; where they do not, the

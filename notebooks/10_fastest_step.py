@@ -58,6 +58,9 @@ goal = {"leaderboard": 0.8, "2.7B": 0.85, "leaderboard_hsdp": 1.0, "tiny": 0.8, 
 loss_shapes = None                # (vocab, d_model, tokens) of the loss benchmark; None: the defaults below
 scaling_goal = 0.95               # on several nodes: the book's step's tokens/s per GPU, at least this share of one node's
 samples = None                    # host-timed steps a recipe; None: the rule's minimum, 5 (full) or 1 (quick: no verdicts)
+attention_shape = None            # [batch, heads, seq, d] of the attention calls timed alone; None: the 2.7B model's
+                                  # (full) or 1 x 2 x 32 x 16 (quick), causal, as notebook 05 times them
+attention_impls = ["triton", "sdpa"]  # the book's FlashAttention-Triton and SDPA's default backend
 
 # %%
 import lab
@@ -69,7 +72,8 @@ import matplotlib.pyplot as plt
 
 from lab.bench import fastest as bench
 from lab.bench import fused_loss
-from lab.book import plots, report
+from lab.bench.attention_grid import GRAPH_MAX_SEQ, SHAPE_2_7B, Shape, time_attention_grid
+from lab.book import ledger, plots, report
 from lab.book.fastest import compare
 from lab.book.fastest import present as fastest
 from lab.measure.device import resolve_device
@@ -80,8 +84,10 @@ on_gpu = dev.type == "cuda"
 configs = configs or (["tiny"] if quick else ["leaderboard", "2.7B"])
 loss_shapes = loss_shapes or ([(128, 16, 32)] if quick else [(151_936, 4096, 32_768), (10_000, 2560, 16_384)])
 samples = samples or (1 if quick else bench.MIN_SAMPLES)
+attention_shape = Shape(*attention_shape) if attention_shape else Shape(1, 2, 32, 16) if quick else SHAPE_2_7B
 params = dict(quick=quick, device=str(dev), configs=configs, carry=carry, ablate=ablate, rep_ms=rep_ms, goal=goal,
-              loss_shapes=loss_shapes, scaling_goal=scaling_goal, samples=samples)
+              loss_shapes=loss_shapes, scaling_goal=scaling_goal, samples=samples,
+              attention_shape=attention_shape.label, attention_impls=attention_impls)
 book = report.Chapter("10_fastest_step", params, results_dir, replay=replay)
 plots.set_style()
 book.show_machine()
@@ -162,6 +168,22 @@ for name in configs:
     if not others.empty:
         report.show_table(others, floatfmt=".4g")
     book.answer(fastest.mfu_claim(table, on_gpu), section="Where the time goes")
+
+# %% [markdown]
+# ## The attention calls, timed alone
+#
+# The profile sees attention only as a phase of each step. Here the 2.7B step's attention calls (4 × 32 heads of 80
+# over 512 tokens, causal, bf16) are timed alone, as notebook 05 times them: the book's FlashAttention-Triton
+# (`kernel` says which of its kernels ran) and SDPA's default backend, forward and forward+backward replayed from
+# CUDA graphs on a GPU (kernels of tens of microseconds: timed eagerly, the host's launches would be timed
+# instead; a replay's backward is derived, not sampled). They enter the book's ledger beside 05's rows.
+
+# %%
+calls = book.table("fastest_attention", lambda: time_attention_grid(
+    attention_impls, [attention_shape], ["bf16"], device=dev, graph_max_seq=GRAPH_MAX_SEQ, sweep="attention call"))
+report.show_table(report.shown(calls[[c for c in ["impl", "kernel", "timing", "status", "fwd_ms", "fwd_spread_ms",
+                                                  "fwd_n", "e2e_ms", "e2e_spread_ms", "e2e_n"] if c in calls]]))
+book.ledger(ledger.attention_entries(calls, attention_shape), table="fastest_attention")
 
 # %% [markdown]
 # ## Memory by category

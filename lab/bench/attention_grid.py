@@ -67,6 +67,14 @@ class Shape:
         return f"{self.batch}x{self.heads}x{self.seq}x{self.d}{'' if self.causal else ' full'}"
 
 
+#: The 2.7B model's attention calls (batch 4 of its step, 32 heads of 80 over its 512 tokens), which notebooks 05
+#: and 10 both time (the book's ledger compares them).
+SHAPE_2_7B = Shape(4, 32, 512, 80)
+#: Shapes up to this many tokens are timed as CUDA-graph replays on a GPU (``graph_max_seq``): their kernels take
+#: tens of microseconds, so timed eagerly every implementation would be timed by its host's launches instead.
+GRAPH_MAX_SEQ = 1024
+
+
 def unsupported_reason(exc: BaseException) -> str | None:
     """The one-line reason when ``exc`` says that an implementation cannot run this input at all (the Triton
     kernels' input checks, an SDPA backend without a kernel for this dtype, head dimension or device); None

@@ -29,6 +29,8 @@ from pathlib import Path
 import pandas as pd
 
 from lab import paths
+from lab.accounting.attention import PASSES
+from lab.bench.attention_grid import SHAPE_2_7B, Shape
 from lab.bench.distributed import TORCH_DDP_BUCKET_MB
 from lab.book.claims import Measured, as_float, number
 from lab.measure import verdicts as v
@@ -212,4 +214,22 @@ def lm_step_entries(table: pd.DataFrame) -> list[dict]:
                              context=r["context"],
                              batch=r["batch"], dtype=r["dtype"], attention=r["attention"], compile=r["compile"],
                              fused_loss=r.get("fused_loss", False), mode=col))
+    return out
+
+
+def attention_entries(bench: pd.DataFrame, shape: Shape = SHAPE_2_7B) -> list[dict]:
+    """Every implementation's passes at ``shape`` (default: the 2.7B model's attention calls, which 05 and 10
+    both time) of an attention table (:func:`lab.bench.attention_grid.time_attention_grid`) as ``attention``
+    entries; a pass derived from two others (a replay's backward), with no samples, is left out."""
+    rows = bench[(bench["status"] == "ok") & (bench["batch"] == shape.batch) & (bench["heads"] == shape.heads)
+                 & (bench["seq_len"] == shape.seq) & (bench["d"] == shape.d) & (bench["causal"] == shape.causal)]
+    out = []
+    for _, r in rows.iterrows():
+        for p in [p for p in PASSES if as_float(r.get(f"{p}_n")) > 0]:
+            summary = v.Summary(float(r[f"{p}_ms"]), float(r.get(f"{p}_spread_ms", math.nan)), int(r[f"{p}_n"]))
+            out.append(entry("attention", summary, "ms", f"{r['impl']} on {shape.label} {r['dtype']}, {p}",
+                             host_bound=r.get("timing") == "eager", impl=r["impl"],
+                             kernel=r["kernel"] if isinstance(r.get("kernel"), str) else "", dtype=r["dtype"],
+                             batch=r["batch"], heads=r["heads"], seq_len=r["seq_len"], d=r["d"],
+                             causal=r["causal"], timing=r.get("timing", "eager"), **{"pass": p}))
     return out

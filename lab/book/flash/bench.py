@@ -8,19 +8,17 @@ from collections.abc import Callable, Sequence
 import pandas as pd
 
 from lab.accounting.attention import DTYPES
-from lab.bench.attention_grid import Shape, time_attention_grid
+from lab.bench.attention_grid import GRAPH_MAX_SEQ, SHAPE_2_7B, Shape, time_attention_grid
 from lab.measure.timing import matmul_tflops
+
+__all__ = ["COURSE_GOAL_MS", "GRAPH_MAX_SEQ", "LM_SHAPES", "SHAPE_2_7B", "matmul_ceilings", "run_flash_benchmark",
+           "skip_pytorch_flash"]
 
 #: LM-like shapes (batch x heads >= 16, 1k-16k tokens, d 64/80/128, causal and not), the leaderboard model's
 #: attention (32 heads of 128 over 32k tokens) and the 2.7B model's (4 x 32 heads of 80 over 512 tokens).
 LM_SHAPES = (Shape(1, 16, 16384, 64), Shape(4, 32, 2048, 80), Shape(1, 32, 4096, 80, False), Shape(8, 16, 2048, 128),
              Shape(8, 16, 2048, 128, False), Shape(1, 16, 8192, 128), Shape(2, 16, 4096, 64, False),
-             Shape(1, 32, 32768, 128), Shape(4, 32, 512, 80))
-#: The 2.7B model's attention, which notebook 10 measures too (the ledger's ``attention`` entries).
-SHAPE_2_7B = Shape(4, 32, 512, 80)
-#: Shapes up to this many tokens are timed as CUDA-graph replays on a GPU: their kernels take tens of
-#: microseconds, so timed eagerly every implementation would be timed by its host's launches instead.
-GRAPH_MAX_SEQ = 1024
+             Shape(1, 32, 32768, 128), SHAPE_2_7B)
 #: The course's timing test (16 x 16384 x 64, bf16, causal, forward + backward) should take at most this on an H100.
 COURSE_GOAL_MS = 4.6
 

@@ -16,10 +16,8 @@ import torch
 
 from lab.accounting.attention import DTYPES, PASSES, attention_flops
 from lab.bench.attention_grid import Shape
-from lab.book import ledger
 from lab.book.claims import Claim, Measured, Observed, Value, Versus
 from lab.book.flash import bench as fl
-from lab.book.flash.grid import sampled
 from lab.book.report import with_profile_defaults
 from lab.measure.results import measured_on
 from lab.measure.verdicts import MIN_SAMPLES, Summary
@@ -223,21 +221,3 @@ def lm_claim(lm: pd.DataFrame) -> Claim:
         "" if r0["dtype"] == "fp32" else "The step keeps fp32 parameters under 16-bit autocast.")
     return Claim(f"Does FlashAttention-Triton speed up the {r0['size']} train step (batch {int(r0['batch'])}, context "
                  f"{int(r0['context'])})?", tuple(findings), because)
-
-
-def attention_entries(bench: pd.DataFrame, shape: Shape = fl.SHAPE_2_7B) -> list[dict]:
-    """Every implementation's passes at the 2.7B model's attention shape, the calls inside the book's 2.7B step,
-    as ledger entries of kind ``attention`` for any report that times those calls too (notebook 10 profiles
-    them only as a phase of its steps); a pass derived from two others, with no samples, is left out."""
-    rows = bench[(bench["status"] == "ok") & (bench["batch"] == shape.batch) & (bench["heads"] == shape.heads)
-                 & (bench["seq_len"] == shape.seq) & (bench["d"] == shape.d) & (bench["causal"] == shape.causal)]
-    out = []
-    for _, r in rows.iterrows():
-        for p in [p for p in PASSES if sampled(r, p)]:
-            summary = Summary(float(r[f"{p}_ms"]), float(r.get(f"{p}_spread_ms", math.nan)), int(r[f"{p}_n"]))
-            out.append(ledger.entry("attention", summary, "ms", f"{r['impl']} on {shape.label} {r['dtype']}, {p}",
-                                    host_bound=r.get("timing") == "eager", impl=r["impl"],
-                                    kernel=r["kernel"] if isinstance(r.get("kernel"), str) else "", dtype=r["dtype"],
-                                    batch=r["batch"], heads=r["heads"], seq_len=r["seq_len"], d=r["d"],
-                                    causal=r["causal"], timing=r.get("timing", "eager"), **{"pass": p}))
-    return out

@@ -8,6 +8,7 @@ import pandas as pd
 import pytest
 
 from lab.bench.attention_grid import Shape
+from lab.book import ledger
 from lab.book.claims import Observed, Value, Versus
 from lab.book.flash import bench as fl
 from lab.book.flash import present
@@ -111,7 +112,7 @@ def test_attention_entries_are_the_2_7b_rows_measured_with_samples():
     short = fl.SHAPE_2_7B
     bench = table(grid_row("triton", short, timing="graph", bwd_n=0), grid_row("sdpa", short, timing="graph"),
                   grid_row("sdpa_cudnn", short, status="unsupported"), grid_row("triton", Shape(1, 16, 4096, 64)))
-    entries = present.attention_entries(bench)
+    entries = ledger.attention_entries(bench)
     keys = [json.loads(e["key"]) for e in entries]
     assert [(k["impl"], k["pass"]) for k in keys] == [("triton", "fwd"), ("triton", "e2e"), ("sdpa", "fwd"),
                                                      ("sdpa", "bwd"), ("sdpa", "e2e")]
