@@ -17,6 +17,7 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
+import pandas as pd
 import sympy as sp
 
 from lab.accounting.symbols import N, S, W, alpha
@@ -186,3 +187,39 @@ def fit_bucket_overhead(n_buckets: Sequence[float], overhead_ms: Sequence[float]
     o_ms = float(coef[0]) if coef[0] > 0 else math.nan
     w_gbps = 1.0 / float(coef[1]) / 1e9 * 1e3 if coef[1] > 0 else math.nan
     return {"o_ms": o_ms, "w_gbps": w_gbps, "predicted_ms": (cols @ coef).tolist()}
+
+
+def bucket_overhead_points(rows: pd.DataFrame) -> pd.DataFrame:
+    """The data of :func:`bucket_overhead_model`: per ``config`` of data-parallel step rows (``impl``,
+    ``bucket_mb``, ``n_buckets`` all-reduce calls, ``grad_mb``, median ``step_ms``, ``status``), every flat,
+    individual and bucketed row that ran with ``overhead_ms``, its step minus the single-device step."""
+    cols = [c for c in ("config", "label", "impl", "bucket_mb", "n_buckets", "grad_mb") if c in rows]
+    parts = []
+    for _, ok in rows[rows["status"] == "ok"].groupby("config", sort=False):
+        single, points = ok[ok["impl"] == "single_gpu"], ok[ok["impl"].isin(["flat", "individual", "bucketed"])]
+        if len(single):
+            parts.append(points[cols].assign(overhead_ms=points["step_ms"] - single["step_ms"].iloc[0]))
+    return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=[*cols, "overhead_ms"])
+
+
+def bucket_overhead_model(rows: pd.DataFrame, alpha_beta: dict | None = None) -> pd.DataFrame:
+    """Per config: the per-call overhead ``o`` and bandwidth ``w`` of ``n*o + s/(n*w)`` fitted to
+    :func:`bucket_overhead_points` (:func:`fit_bucket_overhead`) and the bucket size they make optimal; the same
+    optimum from a lone all-reduce's ``alpha_beta`` (``o_ms``, ``w_gbps``; NaN without it); the bucket size of
+    the fastest bucketed row measured."""
+    out = []
+    for config, part in bucket_overhead_points(rows).groupby("config", sort=False):
+        total = part["grad_mb"].iloc[0] * 2**20
+        fit = fit_bucket_overhead(part["n_buckets"], part["overhead_ms"], total) if len(part) >= 2 else {}
+        row = dict(config=config, grad_mb=part["grad_mb"].iloc[0], fit_o_ms=fit.get("o_ms", math.nan),
+                   fit_w_gbps=fit.get("w_gbps", math.nan), nb06_o_ms=(alpha_beta or {}).get("o_ms", math.nan),
+                   nb06_w_gbps=(alpha_beta or {}).get("w_gbps", math.nan))
+        for name in ("fit", "nb06"):
+            o, w = row[f"{name}_o_ms"], row[f"{name}_w_gbps"]
+            opt = optimal_bucket(total, o, w) if o > 0 and w > 0 else {}
+            row.update({f"{name}_best_bucket_mb": opt.get("bucket_mb", math.nan),
+                        f"{name}_best_overhead_ms": opt.get("overhead_ms", math.nan)})
+        bucketed = rows[(rows["config"] == config) & (rows["status"] == "ok") & (rows["impl"] == "bucketed")]
+        best = bucketed.sort_values("step_ms")["bucket_mb"]
+        out.append({**row, "measured_best_bucket_mb": best.iloc[0] if len(best) else math.nan})
+    return pd.DataFrame(out)

@@ -3,14 +3,18 @@ timed by :func:`lab.bench.ddp.benchmark_ddp` (every wrapper, torch DDP and one d
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import pandas as pd
 
+from lab.bench import overlap
 from lab.bench.ddp import benchmark_ddp
 from lab.bench.distributed import profile_interleaving, where_to_run
 from lab.bench.interleaved import Interleaving
+from lab.measure.machine import busy_host
 
 
 @dataclass(frozen=True)
@@ -26,6 +30,8 @@ class DDPRun:
     interleaving: Interleaving = field(default_factory=Interleaving)
     profile_steps: int = 1
     note: str = ""
+    #: the step that hides more (:meth:`hide_more`): size, context, batch, compile, loss_steps, busy
+    hide: dict = field(default_factory=dict)
 
     @property
     def backend(self) -> str:
@@ -35,7 +41,7 @@ class DDPRun:
         """The resolved settings, for a report's provenance."""
         return dict(run_device=self.device, world_size=self.world_size, configs=list(self.configs),
                     bucket_sizes_mb=list(self.bucket_sizes_mb), **self.interleaving.params(),
-                    profile_steps=self.profile_steps)
+                    profile_steps=self.profile_steps, hide=self.hide)
 
     def measure(self, artifacts_dir: str = "artifacts") -> pd.DataFrame:
         """:func:`lab.bench.ddp.benchmark_ddp` for every config, one table with a ``config`` column ("xl fp32")."""
@@ -47,6 +53,22 @@ class DDPRun:
                                artifacts_dir=artifacts_dir)
             tables.append(df.assign(config=f"{c['size']} {c['dtype']}"))
         return pd.concat(tables, ignore_index=True)
+
+    def hide_more(self, bucket_mb: float, busy: int = 0,
+                  artifacts_dir: str = "artifacts") -> pd.DataFrame:
+        """:mod:`lab.bench.overlap`'s ``ddp`` part on this run's ranks and rounds at ``bucket_mb``: one device,
+        torch DDP with and without bf16 communication, ours in both bucket orders, with bf16 communication and
+        with the optimizer inside the backward, each timed against the entry one choice away (``hide``'s model;
+        on a GPU each block compiled, so that the kernels rather than the launches set the pace); the rows
+        (``busy_host``: ``busy``, the processes that kept host cores busy meanwhile), with each entry's loss
+        curve as a JSON list (``loss_curve``)."""
+        h = self.hide
+        with busy_host(busy):
+            table, losses = overlap.measure("ddp", h["size"], h["context"], h["batch"], self.world_size, self.device,
+                                            self.interleaving, bucket_mb, h["loss_steps"], artifacts_dir=artifacts_dir,
+                                            plan=overlap.plan_for("ddp", bucket_mb, h["compile"]))
+        curves = {e: json.dumps([float(x) for x in g.sort_values("step")["loss"]]) for e, g in losses.groupby("entry")}
+        return table.assign(busy_host=busy, loss_curve=[curves.get(e, "[]") for e in table["entry"]])
 
 
 def plan_run(quick: bool, device: str = "auto", world_size: int = 2, configs: Sequence[dict] | None = None,
@@ -61,6 +83,10 @@ def plan_run(quick: bool, device: str = "auto", world_size: int = 2, configs: Se
                            dict(size="2.7B", dtype="bf16", batch=2, context=512)] if on_gpu else
                           [dict(size="tiny", dtype="fp32", batch=2, context=32)])
     buckets = bucket_sizes_mb or ((1, 10, 100, 1000) if on_gpu else (0.1, 1, 10))
+    # the goal's step; on a GPU half the host's cores kept busy for the second timing (none on the CPU, whose
+    # ranks are the host)
+    hide = (dict(size="2.7B", context=512, batch=2, compile="block", loss_steps=10, busy=(os.cpu_count() or 2) // 2)
+            if on_gpu else dict(size="tiny", context=16, batch=2, compile="none", loss_steps=3, busy=0))
     return DDPRun("cuda" if on_gpu else "cpu", world_size, tuple(dict(c) for c in configs),
                   tuple(float(b) for b in buckets), profile_interleaving(on_gpu, rounds, steps_per_round, warmup,
-                                                                         schedule), note=note)
+                                                                         schedule), note=note, hide=hide)

@@ -14,7 +14,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from lab.accounting import fit_bucket_overhead, optimal_bucket
+from lab.accounting import bucket_overhead_model, bucket_overhead_points
 from lab.bench.interleaved import samples
 from lab.book import claims as cl
 from lab.book import ledger, report
@@ -231,37 +231,14 @@ def cite_alpha_beta(book, backend: str, world_size: int) -> dict | None:
 
 
 def overhead_points(bench: pd.DataFrame) -> pd.DataFrame:
-    """The model's data: per config, every flat, individual and bucketed row with its number of all-reduce
-    calls and overhead_ms = its median step minus the single-device median."""
-    cols = ["config", "label", "impl", "bucket_mb", "n_buckets", "grad_mb"]
-    parts = []
-    for config in configs(bench):
-        ok = _ok(bench, config)
-        single, points = _row(ok, "single_gpu"), ok[ok["impl"].isin(["flat", "individual", "bucketed"])]
-        if single is not None:
-            parts.append(points[cols].assign(overhead_ms=points["step_ms"] - single["step_ms"]))
-    return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=[*cols, "overhead_ms"])
+    """The bucketed overhead model's data (:func:`lab.accounting.bucket_overhead_points`), rows labelled."""
+    return bucket_overhead_points(_labelled(bench))
 
 
 def overhead_model(bench: pd.DataFrame, alpha_beta: dict | None) -> pd.DataFrame:
-    """Per config: the fitted per-call overhead ``o`` and bandwidth ``w`` of ``n*o + s/(n*w)``
-    (:func:`lab.accounting.fit_bucket_overhead`) and the bucket size they make optimal; the same optimum from
-    notebook 06's lone all-reduce (``alpha_beta``; NaN without it); the best bucket size measured."""
-    rows = []
-    for config, part in overhead_points(bench).groupby("config", sort=False):
-        total = part["grad_mb"].iloc[0] * 2**20
-        fit = fit_bucket_overhead(part["n_buckets"], part["overhead_ms"], total) if len(part) >= 2 else {}
-        row = dict(config=config, grad_mb=part["grad_mb"].iloc[0], fit_o_ms=fit.get("o_ms", math.nan),
-                   fit_w_gbps=fit.get("w_gbps", math.nan), nb06_o_ms=(alpha_beta or {}).get("o_ms", math.nan),
-                   nb06_w_gbps=(alpha_beta or {}).get("w_gbps", math.nan))
-        for name in ("fit", "nb06"):
-            o, w = row[f"{name}_o_ms"], row[f"{name}_w_gbps"]
-            opt = optimal_bucket(total, o, w) if o > 0 and w > 0 else {}
-            row.update({f"{name}_best_bucket_mb": opt.get("bucket_mb", math.nan),
-                        f"{name}_best_overhead_ms": opt.get("overhead_ms", math.nan)})
-        b = best(_ok(bench, config))
-        rows.append({**row, "measured_best_bucket_mb": b["bucket_mb"] if b is not None else math.nan})
-    return pd.DataFrame(rows)
+    """Per config the fitted and notebook 06's optimal bucket, and the best measured
+    (:func:`lab.accounting.bucket_overhead_model`)."""
+    return bucket_overhead_model(_labelled(bench), alpha_beta)
 
 
 def bucket_comparisons(bench: pd.DataFrame) -> list[tuple[dict, cl.Versus]]:
@@ -353,3 +330,50 @@ def goal_comparisons(bench: pd.DataFrame, config: str, vs_torch_ddp: float = 1.0
 def goal_claim(goals: list[tuple[dict, cl.Versus]], config: str) -> cl.Claim:
     """The goal's two checks (:func:`goal_comparisons`), or "not measured" where a side did not run."""
     return cl.Claim("Is the goal met?", [f for _, f in goals] or [cl.Observed(config, "not measured")])
+
+
+
+# hiding more: the backward's bucket order, bf16 communication, the optimizer inside the backward, a busy host
+
+
+HIDE_NAMES = {"single_gpu": "one device", "torch_ddp": "torch DDP", "torch_ddp_bf16": "torch DDP (bf16 gradients)",
+              "ddp_reverse": "ours (reverse order)", "ddp_ready": "ours (the backward's order)",
+              "ddp_ready_bf16": "ours (bf16 gradients)",
+              "ddp_ready_bf16_in_backward": "ours (optimizer in the backward)"}
+
+
+def _entry(row) -> cl.Measured:
+    return cl.Measured.from_row(HIDE_NAMES.get(row["entry"], row["entry"]) + (" with the host busy" if row.get(
+        "busy_host", 0) else ""), row, "step_ms")
+
+
+def hide_comparisons(table: pd.DataFrame) -> list[tuple[dict, cl.Versus]]:
+    """Each entry of :meth:`lab.book.ddp.bench.DDPRun.hide_more`'s table against the entry one choice away,
+    paired by round; ``host``: whether neighbours kept the host's cores busy."""
+    ok = table[table["status"] == "ok"].set_index("entry", drop=False)
+    return [(dict(entry=e, reference=r["reference"], host="busy" if r.get("busy_host", 0) else "alone"),
+             cl.Versus(_entry(r), _entry(ok.loc[r["reference"]]), paired=True))
+            for e, r in ok.iterrows() if r["reference"] in ok.index]
+
+
+def hide_claim(alone: pd.DataFrame, busy: pd.DataFrame | None, vs_torch_ddp: float = 1.0,
+               vs_single: float = 1.1) -> cl.Claim:
+    """Each choice against the one a choice away, and with the host busy whether its verdict holds; the fastest
+    of ours against torch DDP and one device under the goal; what bf16 communication does to the loss."""
+    quiet = hide_comparisons(alone)
+    said = {d["entry"]: f.verdict for d, f in quiet}
+    findings: list = [f for _, f in quiet] + [cl.Observed(
+        f"{f.subject.label} against {f.reference.label}", f.verdict + ("" if f.verdict == said.get(
+            d["entry"]) else f", {said.get(d['entry'], 'not measured')} alone: the verdict depends on the host"))
+        for d, f in (hide_comparisons(busy) if busy is not None else [])]
+    ok = alone[alone["status"] == "ok"].set_index("entry", drop=False)
+    ours = ok[ok["entry"].str.startswith("ddp_")].sort_values("step_ms")
+    findings += [cl.Versus(_entry(ours.iloc[0]), _entry(ok.loc[ref]), goal=goal, paired=True) for ref, goal in
+                 (("torch_ddp", vs_torch_ddp), ("single_gpu", vs_single)) if len(ours) and ref in ok.index]
+    loss = {e: np.array(samples(c)) for e, c in ok.get("loss_curve", {}).items() if samples(c)}
+    if {"ddp_ready", "ddp_ready_bf16"} <= set(loss):
+        gap = float(np.max(np.abs(loss["ddp_ready_bf16"] / loss["ddp_ready"] - 1)))
+        findings.append(cl.Value(cl.Measured.value(f"the loss's largest relative change in {len(loss['ddp_ready'])} "
+                                                   "steps, bf16 against fp32 gradients", gap)))
+    return cl.Claim("Does hiding more of the step pay: buckets in the backward's order, bf16 communication, the "
+                    "optimizer inside the backward?", findings)

@@ -192,3 +192,37 @@ def test_cite_alpha_beta_reads_06_or_warns(capsys):
 def test_step_time_plot():
     fig = ddp_book.plot_step_times(bench())
     assert fig.axes[0].get_title() == "tiny fp32" and len(fig.axes[0].get_yticklabels()) == 8
+
+
+def _hide(ms: dict, busy=0, spread=0.005):
+    """A table of DDPRun.hide_more: each entry's rounds, read against the entry one choice away."""
+    refs = {"single_gpu": "", "torch_ddp": "single_gpu", "ddp_ready": "torch_ddp", "ddp_ready_bf16": "ddp_ready"}
+    return pd.DataFrame([dict(entry=e, reference=refs[e], step_ms=m, busy_host=busy, status="ok",
+                              step_samples_ms=_samples(m, spread=spread, shift=i))
+                         for i, (e, m) in enumerate(ms.items())])
+
+
+def test_hiding_more_judges_each_choice_and_says_where_a_busy_host_changes_the_verdict():
+    alone = _hide({"single_gpu": 100.0, "torch_ddp": 130.0, "ddp_ready": 120.0, "ddp_ready_bf16": 108.0})
+    busy = _hide({"single_gpu": 101.0, "torch_ddp": 150.0, "ddp_ready": 150.0, "ddp_ready_bf16": 130.0}, busy=8)
+    alone["loss_curve"] = alone["entry"].map({"ddp_ready": "[4.0, 3.0, 2.0]", "ddp_ready_bf16": "[4.0, 3.003, 2.0]"})
+    rows = ddp_book.hide_comparisons(alone)
+    assert [(d["entry"], d["reference"], f.verdict) for d, f in rows] == [("torch_ddp", "single_gpu", SLOWER),
+                                                                        ("ddp_ready", "torch_ddp", FASTER),
+                                                                        ("ddp_ready_bf16", "ddp_ready", FASTER)]
+    assert rows[1][1].comparison.ratio == pytest.approx(120 / 130, rel=0.01)  # the median of the rounds' ratios
+    claim = ddp_book.hide_claim(alone, busy)
+    seen = {f.label: f.seen for f in claim.findings if isinstance(f, cl.Observed)}
+    # with the host busy, ours ties torch DDP: only that verdict depends on the host
+    tie = seen["ours (the backward's order) with the host busy against torch DDP with the host busy"]
+    assert tie.startswith(WITHIN_NOISE) and "depends on the host" in tie
+    bf16 = seen["ours (bf16 gradients) with the host busy against ours (the backward's order) with the host busy"]
+    assert bf16 == FASTER
+    goals = [f for f in claim.findings if isinstance(f, cl.Versus) and f.goal is not None]
+    assert [(f.subject.label, f.reference.label, f.goal_word) for f in goals] == [
+        ("ours (bf16 gradients)", "torch DDP", "met"), ("ours (bf16 gradients)", "one device", "met")]
+    (gap,) = [f.measured.median for f in claim.findings if isinstance(f, cl.Value)]
+    assert gap == pytest.approx(0.003 / 3.0)
+    # without a busy timing or the loss curves, only the comparisons and the goals
+    bare = ddp_book.hide_claim(alone.drop(columns="loss_curve"), None)
+    assert not any(isinstance(f, (cl.Observed, cl.Value)) for f in bare.findings)
