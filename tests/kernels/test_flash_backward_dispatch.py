@@ -1,8 +1,8 @@
 """Which FlashAttention backward runs (lab.kernels.flash_dispatch.which_backward / backward): the decision on any
 machine (fake tensors, the GPU's compute capability stubbed), the config field and the op schemas that carry it,
-the layout contract of the Gluon branch and what a traced backward decomposes into; on an sm_90 GPU,
-FlashAttentionTriton with the Gluon backward against float64 and the portable backward, eager and compiled with
-fullgraph=True."""
+the layout contract of the Gluon branch, what a traced backward decomposes into, and the result rows that say
+which backward ran; on an sm_90 GPU, FlashAttentionTriton with the Gluon backward against float64 and the portable
+backward, eager and compiled with fullgraph=True."""
 
 import math
 
@@ -13,6 +13,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 ft = pytest.importorskip("lab.kernels.flash_triton")
 fd = pytest.importorskip("lab.kernels.flash_dispatch")
 ops = pytest.importorskip("lab.kernels.flash_triton_ops")
+
+from lab.bench import attention_grid as ag  # noqa: E402
+from lab.bench.attention import attention_impl  # noqa: E402
 
 AUTO, GLUON, TRITON = (ft.FlashConfig(backward_kernel=k) for k in ("auto", "gluon", "triton"))
 BACKWARD = torch.ops.lab.flash_attention_backward.default
@@ -262,6 +265,42 @@ def test_traced_gluon_backward_stays_one_opaque_op(monkeypatch):
     assert "lab.flash_attention_backward_opaque" in _traced_backward(AUTO, q) and not launched
     assert "flash_attention_backward_opaque" not in _traced_backward(TRITON, q)
     assert launched == [ops.inline_launch]
+
+
+# ------------------------------------------------------------------------------------------ result rows
+def test_the_benchmark_rows_say_which_backward_ran(compiled_triton):
+    """``attention_impl("triton")`` carries ``bwd_kernel(q, k, v, causal)``, which ``kernel_of`` writes into the
+    rows' ``bwd_kernel``: the Gluon backward on an sm_90 GPU where it can run, the portable one elsewhere;
+    ``triton_compiled_bwd``'s backward is compiled PyTorch."""
+    fn, compiled_bwd = attention_impl("triton", "cpu"), attention_impl("triton_compiled_bwd", "cpu")
+    q = torch.zeros(4, 16, 64, dtype=torch.float16)
+    compiled_triton((9, 0))
+    assert ag.kernel_of("triton", fn, q, q, q, True, "bwd") == "triton"  # CPU tensors
+    with FakeTensorMode():
+        q = fake((4, 16, 64))
+        assert ag.kernel_of("triton", fn, q, q, q, True, "bwd") == "gluon"
+        assert ag.kernel_of("triton", fn, *(fake((4, 16, 80)),) * 3, True, "bwd") == "triton"
+        assert ag.kernel_of("triton_compiled_bwd", compiled_bwd, q, q, q, True, "bwd") == "compiled"
+        assert ag.kernel_of("triton_compiled_bwd", compiled_bwd, q, q, q, True) == "gluon"  # its forward
+        assert ag.kernel_of("sdpa", fn, q, q, q, True, "bwd") == ""
+        compiled_triton((8, 0))
+        assert ag.kernel_of("triton", fn, q, q, q, True, "bwd") == "triton"
+
+
+def test_grid_rows_carry_bwd_kernel():
+    """A row of our implementation names its backward kernel next to its forward one, a Gluon backward's row
+    says so in ``bwd_mode`` instead of the portable launch; a peer's row names none."""
+    from lab.model.attention import naive_attention
+
+    def ours(q, k, v, causal):
+        return naive_attention(q, k, v, causal)
+
+    ours.bwd_kernel = lambda q, k, v, causal: "gluon"
+    df = ag.time_attention_grid({"triton": ours, "sdpa": attention_impl("sdpa", "cpu")}, [ag.Shape(1, 1, 16, 64)],
+                                dtypes=("fp32",), cpu_steps=1, device="cpu", progress=False).set_index("impl")
+    assert df.loc["triton", "kernel"] == "triton" and df.loc["triton", "bwd_kernel"] == "gluon"
+    assert df.loc["triton", "bwd_mode"] == "gluon"
+    assert df.loc["sdpa", "kernel"] == df.loc["sdpa", "bwd_kernel"] == ""
 
 
 # ------------------------------------------------------------------------------------------------ sm_90 GPU
