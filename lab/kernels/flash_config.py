@@ -93,11 +93,11 @@ class FlashConfig:
       its schedule saves). Both save the same output and natural-log logsumexp, so either backward takes
       either forward's results.
     * ``backward_kernel``: the same choice for the backward: ``"gluon"``, the Hopper backward written in Gluon
-      (:mod:`lab.kernels.flash_gluon_backward`, FlashAttention-3's schedule: five products a tile pair, dQ added
-      by atomics, so its dQ is not bitwise reproducible; an error where it cannot run), ``"triton"``, the
-      portable backward, or ``"auto"``: Gluon where it can run on contiguous q, k, v unless ``backward_launch``
-      or ``bwd_tiles`` fix the portable backward's launch, the portable kernel elsewhere.
-      The other fields configure the portable kernels only.
+      (:mod:`lab.kernels.flash_gluon_backward`, FlashAttention-3's schedule: five products a tile pair, dQ summed
+      over key tiles in fp32 in an order that varies from run to run, so its dQ is not bitwise reproducible; an
+      error where it cannot run), ``"triton"``, the portable backward, or ``"auto"``: Gluon where it can run on
+      contiguous q, k, v unless ``backward_launch`` or ``bwd_tiles`` fix the portable backward's launch, the
+      portable kernel elsewhere. The other fields configure the portable kernels only.
 
     Variants that never won were removed, what they measured kept in ``results/``: the forward's overlapped
     key loop (``flash_triton_forward``), the five-product backward launches with atomic or ordered dQ, ``D``

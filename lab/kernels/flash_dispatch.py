@@ -3,8 +3,8 @@
 The Gluon kernels (:mod:`lab.kernels.flash_gluon_forward`, :mod:`lab.kernels.flash_gluon_backward`) state
 FlashAttention-3's schedules (TMA rings fed by a producer warp, asynchronous warp-group products waited for
 explicitly, two consumer warp groups; the backward computes five products a tile pair where the portable one
-computes seven, and adds dQ by atomics), which the Triton language leaves to its compiler; they run on sm_90
-GPUs only, on bf16/fp16 inputs with head dimension 64 or 128. The portable kernels
+computes seven, and sums dQ over key tiles in device memory), which the Triton language leaves to its compiler;
+they run on sm_90 GPUs only, on bf16/fp16 inputs with head dimension 64 or 128. The portable kernels
 (:mod:`lab.kernels.flash_triton_forward`, :mod:`lab.kernels.flash_triton_backward`) run everywhere: other GPUs,
 fp32, any head dimension that is a multiple of 8 up to 256, and the CPU interpreter the tests use.
 

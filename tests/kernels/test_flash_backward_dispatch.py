@@ -362,8 +362,8 @@ def test_gpu_gluon_backward_matches_float64_and_the_portable_path(shape, forward
 def test_gpu_compiled_fullgraph_runs_both_gluon_kernels_opaque():
     """torch.compile(fullgraph=True) under the default config on contiguous inputs: no graph break, the Gluon
     forward and the Gluon backward as their opaque ops, no portable kernel in the compiled code; the output, dK and
-    dV equal eager's to the bit (the same kernels run), dQ within rounding (the Gluon backward adds it by atomics,
-    in an order that varies from run to run)."""
+    dV equal eager's to the bit (the same kernels run), dQ within rounding (the Gluon backward sums it over key
+    tiles in device memory, in an order that varies from run to run)."""
     from torch._inductor.utils import run_and_get_code
 
     gen = torch.Generator(device="cuda").manual_seed(0)
