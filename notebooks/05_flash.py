@@ -129,8 +129,9 @@ report.show_table(present.flops_example(), floatfmt=".4g")
 # are then timed again as CUDA-graph replays, which replace the eager times for every implementation alike
 # (`timing`): their kernels take tens of microseconds, so eagerly the host's launches would be timed instead. A
 # replay's backward is its forward+backward minus its forward, derived rather than sampled, so it decides no
-# verdict. `kernel` says which of our kernels ran. Skipped, unsupported and out-of-memory configurations are rows
-# that say why. The same table holds the fp32 sweep further down.
+# verdict. `kernel` and `bwd_kernel` say which of our kernels ran the forward and the backward. Skipped,
+# unsupported and out-of-memory configurations are rows that say why. The same table holds the fp32 sweep
+# further down.
 
 # %%
 bench = book.table("flash_benchmark", lambda: fl.run_flash_benchmark(

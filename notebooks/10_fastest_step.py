@@ -174,15 +174,17 @@ for name in configs:
 #
 # The profile sees attention only as a phase of each step. Here the 2.7B step's attention calls (4 × 32 heads of 80
 # over 512 tokens, causal, bf16) are timed alone, as notebook 05 times them: the book's FlashAttention-Triton
-# (`kernel` says which of its kernels ran) and SDPA's default backend, forward and forward+backward replayed from
-# CUDA graphs on a GPU (kernels of tens of microseconds: timed eagerly, the host's launches would be timed
-# instead; a replay's backward is derived, not sampled). They enter the book's ledger beside 05's rows.
+# (`kernel` and `bwd_kernel` say which of its kernels ran the forward and the backward) and SDPA's default
+# backend, forward and forward+backward replayed from CUDA graphs on a GPU (kernels of tens of microseconds: timed
+# eagerly, the host's launches would be timed instead; a replay's backward is derived, not sampled). They enter the
+# book's ledger beside 05's rows.
 
 # %%
 calls = book.table("fastest_attention", lambda: time_attention_grid(
     attention_impls, [attention_shape], ["bf16"], device=dev, graph_max_seq=GRAPH_MAX_SEQ, sweep="attention call"))
-report.show_table(report.shown(calls[[c for c in ["impl", "kernel", "timing", "status", "fwd_ms", "fwd_spread_ms",
-                                                  "fwd_n", "e2e_ms", "e2e_spread_ms", "e2e_n"] if c in calls]]))
+report.show_table(report.shown(calls[[c for c in ["impl", "kernel", "bwd_kernel", "timing", "status", "fwd_ms",
+                                                  "fwd_spread_ms", "fwd_n", "e2e_ms", "e2e_spread_ms", "e2e_n"]
+                                      if c in calls]]))
 book.ledger(ledger.attention_entries(calls, attention_shape), table="fastest_attention")
 
 # %% [markdown]

@@ -84,7 +84,8 @@ def attention_impl(name: str, device: torch.device | str = "auto") -> AttentionF
     ``pytorch_naive`` (the registry's naive attention), ``sdpa`` and ``sdpa_<backend>`` (SDPA, default or one
     backend), ``triton`` (``FlashAttentionTriton``), ``triton_compiled_bwd`` (its forward, backward as
     compiled PyTorch; both carry ``kernel(q, k, v, causal)``, which forward kernel runs: ``"gluon"`` or
-    ``"triton"``), ``flex`` (compiled FlexAttention, :func:`flex_attention_fn`) and ``pytorch_flash``
+    ``"triton"``, and ``bwd_kernel(q, k, v, causal)``, which backward: ``"gluon"``, ``"triton"`` or
+    ``"compiled"``), ``flex`` (compiled FlexAttention, :func:`flex_attention_fn`) and ``pytorch_flash``
     (``FlashAttentionPytorch``, tiled in pure PyTorch). All share
     the registry's top-left causal convention. The flash kernels are imported only when asked for (on a
     machine without a GPU they run interpreted where the entry point asked, :func:`lab.use_triton_interpreter`).
@@ -97,12 +98,15 @@ def attention_impl(name: str, device: torch.device | str = "auto") -> AttentionF
         return sdpa_on_heads(name)
     if name in ("triton", "triton_compiled_bwd"):
         # optional dependency: Triton (Linux only), imported only when its kernel is asked for
-        from lab.kernels.flash_triton import BACKWARDS, which_forward
+        from lab.kernels.flash_triton import BACKWARDS, which_backward, which_forward
 
         function = BACKWARDS["triton" if name == "triton" else "compiled"]
         fn = lambda q, k, v, causal: function.apply(q, k, v, causal)
-        # the rows say which forward ran (the Gluon kernel on Hopper, else the portable one): see kernel_of
+        # the rows say which forward and which backward ran (the Gluon kernels on Hopper, else the portable ones):
+        # see kernel_of
         fn.kernel = lambda q, k, v, causal: which_forward(q, k, v, causal)
+        fn.bwd_kernel = ((lambda q, k, v, causal: which_backward(q, k, v, causal)) if name == "triton"
+                         else (lambda q, k, v, causal: "compiled"))
         return fn
     if name == "pytorch_flash":
         return lambda q, k, v, causal: FlashAttentionPytorch.apply(q, k, v, causal)

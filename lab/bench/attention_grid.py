@@ -37,7 +37,7 @@ from lab.measure.timing import graph_replay, time_kernel
 from lab.measure.verdicts import summarize
 from lab.model.attention import AttentionFn, naive_attention
 
-#: Our own kernels among the implementations: their rows say which kernel ran (``kernel``).
+#: Our own kernels among the implementations: their rows say which kernels ran (``kernel``, ``bwd_kernel``).
 OURS = ("triton", "triton_compiled_bwd")
 
 # Said by PyTorch while a correct implementation runs, about nothing this check measures: the autograd
@@ -180,13 +180,14 @@ def time_passes(fn: AttentionFn, q, k, v, dout, causal: bool, device: torch.devi
     return row
 
 
-def kernel_of(name: str, fn: AttentionFn, q, k, v, causal: bool) -> str:
-    """Which of our kernels runs these inputs under implementation ``name``: the implementation's own answer
-    where it carries one (a ``kernel(q, k, v, causal)`` attribute, as a dispatch between kernels does), else
-    ``"triton"`` for :data:`OURS`; ``""`` for a peer's implementation."""
+def kernel_of(name: str, fn: AttentionFn, q, k, v, causal: bool, pass_: str = "fwd") -> str:
+    """Which of our kernels runs these inputs' ``pass_`` (``"fwd"`` or ``"bwd"``) under implementation ``name``:
+    the implementation's own answer where it carries one (a ``kernel(q, k, v, causal)`` attribute for the
+    forward, ``bwd_kernel`` for the backward, as a dispatch between kernels does), else ``"triton"`` for
+    :data:`OURS`; ``""`` for a peer's implementation."""
     if name not in OURS:
         return ""
-    which = getattr(fn, "kernel", None)
+    which = getattr(fn, "kernel" if pass_ == "fwd" else "bwd_kernel", None)
     return which(q, k, v, causal) if callable(which) else "triton"
 
 
@@ -198,7 +199,8 @@ def _measure(fn: AttentionFn, name: str, shape: Shape, dtype: str, device: torch
     empty_cache()
     try:
         q, k, v, dout = attention_inputs(shape.batch * shape.heads, shape.seq, shape.d, DTYPES[dtype], device)
-        fields = {"kernel": kernel_of(name, fn, q, k, v, shape.causal)}
+        fields = {"kernel": kernel_of(name, fn, q, k, v, shape.causal),
+                  "bwd_kernel": kernel_of(name, fn, q, k, v, shape.causal, "bwd")}
         fields.update(time_passes(fn, q, k, v, dout, shape.causal, device, timer, graph=graph))
         del q, k, v, dout
     except Exception as exc:  # noqa: BLE001 - out of memory and "cannot run" are rows, anything else a bug
@@ -215,7 +217,7 @@ def _measure(fn: AttentionFn, name: str, shape: Shape, dtype: str, device: torch
         return fields
     eager = {k.replace("_", "_eager_", 1): v for k, v in fields.items() if k[:3] in PASSES and "_graph" not in k}
     replayed = {k.replace("_graph", ""): v for k, v in fields.items() if "_graph" in k}
-    return {"kernel": fields["kernel"], **eager, **replayed, "timing": "graph"}
+    return {"kernel": fields["kernel"], "bwd_kernel": fields["bwd_kernel"], **eager, **replayed, "timing": "graph"}
 
 
 def time_attention_grid(impls: Sequence[str] | dict[str, AttentionFn] = ("triton", "pytorch_naive", "sdpa"),
@@ -233,10 +235,11 @@ def time_attention_grid(impls: Sequence[str] | dict[str, AttentionFn] = ("triton
     rows are compared only with rows timed alike. ``pytorch_naive`` configurations whose predicted peak exceeds
     ``memory_limit_gib`` (default 1.25x the GPU's memory) are not attempted (``status="oom"``, ``need_gib``);
     ``skip(impl, shape, dtype)`` may give a reason not to run one (``"skipped"``). Rows carry ``sweep``,
-    ``impl``, ``kernel`` (:func:`kernel_of`), the shape, ``gpu`` (``"cpu"`` on the CPU), ``timing``, ``status``,
-    ``note``, the passes' times and TFLOP/s (:func:`add_tflops`), and for our kernels the backward launch the
-    default config chose (``bwd_mode``) and the head-dimension columns their tiles compute (``fwd_columns``,
-    ``bwd_columns``)."""
+    ``impl``, ``kernel`` and ``bwd_kernel`` (:func:`kernel_of`: which forward and backward ran), the shape,
+    ``gpu`` (``"cpu"`` on the CPU), ``timing``, ``status``, ``note``, the passes' times and TFLOP/s
+    (:func:`add_tflops`), and for our kernels the backward launch the default config chose (``bwd_mode``: the
+    portable kernel's, ``"gluon"`` where the Gluon backward ran) and the head-dimension columns their tiles
+    compute (``fwd_columns``, ``bwd_columns``)."""
     device = resolve_device(device) if isinstance(device, str) else device
     fns = dict(impls) if isinstance(impls, dict) else {name: attention_impl(name, device) for name in impls}
     unknown = [dt for dt in dtypes if dt not in DTYPES]
@@ -251,8 +254,8 @@ def time_attention_grid(impls: Sequence[str] | dict[str, AttentionFn] = ("triton
     grid = [(dt, shape, name) for dt in dtypes for shape in shapes for name in fns]
     for dt, sh, name in progress_bar(grid, f"attention {sweep}".strip(), progress):
         bh = sh.batch * sh.heads
-        row = dict(sweep=sweep, impl=name, kernel="", dtype=dt, batch=sh.batch, heads=sh.heads, seq_len=sh.seq,
-                   d=sh.d, causal=sh.causal, gpu=gpu, timing="eager", status="ok", note="")
+        row = dict(sweep=sweep, impl=name, kernel="", bwd_kernel="", dtype=dt, batch=sh.batch, heads=sh.heads,
+                   seq_len=sh.seq, d=sh.d, causal=sh.causal, gpu=gpu, timing="eager", status="ok", note="")
         for p in PASSES:
             row.update(summarized(p, []))
         if name in OURS:
@@ -268,6 +271,8 @@ def time_attention_grid(impls: Sequence[str] | dict[str, AttentionFn] = ("triton
         else:
             graph = device.type == "cuda" and sh.seq <= graph_max_seq
             row.update(_measure(fns[name], name, sh, dt, device, timer, graph, limit_gib))
+            if row["bwd_kernel"] == "gluon":  # no portable launch ran
+                row["bwd_mode"] = "gluon"
         rows.append(row)
     return add_tflops(pd.DataFrame(rows))
 

@@ -133,6 +133,16 @@ def resolved_plan(shape: Shape, dtype: str, config: FlashConfig, device: torch.d
                     **plan[p]) for p in LAUNCHED_PASSES[mode]))
 
 
+def kernels_run(q, k, v, causal: bool, config: FlashConfig) -> dict:
+    """Which kernels ``FlashAttentionTriton`` runs on these inputs under ``config``: ``kernel`` (the forward's) and
+    ``bwd_kernel``, ``"gluon"`` or ``"triton"`` (:func:`lab.kernels.flash_dispatch.which_forward`,
+    ``which_backward``); where the Gluon backward runs, ``bwd_mode`` says so instead of the portable launch."""
+    from lab.kernels.flash_dispatch import which_backward, which_forward  # optional dependency (Triton)
+
+    out = dict(kernel=which_forward(q, k, v, causal, config), bwd_kernel=which_backward(q, k, v, causal, config))
+    return {**out, "bwd_mode": "gluon"} if out["bwd_kernel"] == "gluon" else out
+
+
 def variant_fn(config: FlashConfig) -> AttentionFn:
     """``FlashAttentionTriton`` under ``config``, as ``fn(q, k, v, causal)``."""
     from lab.kernels.flash_triton import FlashAttentionTriton  # optional dependency (Triton)
@@ -148,8 +158,9 @@ def sweep_shape(shape: Shape, dtype: str = "bf16", variants: dict | None = None,
     of each against fp32 SDPA on the first ``check_heads`` heads (``rel_err``, the largest error over output and
     gradients relative to the reference's largest value; ``ok`` within :data:`TOLERANCE`), then the passes the
     variant changes (:func:`lab.bench.attention_grid.time_passes`: ``<pass>_ms`` medians with spread and count,
-    ``<pass>_tflops``; up to :data:`GRAPH_MAX_SEQ` tokens also ``<pass>_graph_*`` replays). Backward rows carry
-    :func:`backward_breakdown` (of the replay where there is one). ``sink(row)`` sees each row as it is made; a
+    ``<pass>_tflops``; up to :data:`GRAPH_MAX_SEQ` tokens also ``<pass>_graph_*`` replays). Variant rows say which
+    kernels ran (:func:`kernels_run`); backward rows of the portable backward carry :func:`backward_breakdown`
+    (of the replay where there is one). ``sink(row)`` sees each row as it is made; a
     variant that fails is a row with ``status="error"`` and the reason in ``note``."""
     device = resolve_device(device) if isinstance(device, str) else device
     variants = sweep_configs() if variants is None else variants
@@ -165,7 +176,7 @@ def sweep_shape(shape: Shape, dtype: str = "bf16", variants: dict | None = None,
         row = dict(shape=shape.label, dtype=dtype, impl="triton" if cfg is not None else name, variant=name,
                    status="ok", note="")
         if cfg is not None:
-            row.update(resolved_plan(shape, dtype, cfg, device))
+            row.update(resolved_plan(shape, dtype, cfg, device), **kernels_run(q, k, v, shape.causal, cfg))
         try:
             row["rel_err"] = relative_errors(_outputs(fn, q, k, v, dout, shape.causal, check_heads), ref)
             row["ok"] = row["rel_err"] <= TOLERANCE[dtype]
@@ -176,7 +187,7 @@ def sweep_shape(shape: Shape, dtype: str = "bf16", variants: dict | None = None,
                 for kind in ("", "_graph"):
                     if f"{p}{kind}_ms" in row:
                         row[f"{p}{kind}_tflops"] = flops / (row[f"{p}{kind}_ms"] * 1e-3) / 1e12
-            if cfg is not None and "bwd" in passes:
+            if cfg is not None and "bwd" in passes and row["bwd_kernel"] == "triton":  # the products PRODUCTS counts
                 row["bwd_columns"] = sum(head_chunks(shape.d, DTYPES[dtype], "bwd", shape.seq, shape.seq, cfg))
                 row.update(backward_breakdown(shape, row.get("bwd_graph_ms", row["bwd_ms"]), row["bwd_mode"],
                                               ceiling_tflops, row["bwd_columns"]))

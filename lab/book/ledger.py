@@ -41,8 +41,9 @@ KINDS: dict[str, tuple[str, ...]] = {
     "lm_step": ("size", "context", "batch", "dtype", "attention", "compile", "fused_loss", "mode"),
     # a data-parallel training step, per rank
     "ddp_step": ("impl", "size", "context", "batch", "dtype", "world_size", "bucket_mb"),
-    # one attention call
-    "attention": ("impl", "kernel", "dtype", "batch", "heads", "seq_len", "d", "causal", "pass", "timing"),
+    # one attention call, keyed by the forward and the backward kernel that ran (``kernel``, ``bwd_kernel``)
+    "attention": ("impl", "kernel", "bwd_kernel", "dtype", "batch", "heads", "seq_len", "d", "causal", "pass",
+                  "timing"),
     # the peak of GPU memory allocated in one mode of a step
     "peak_memory": ("size", "context", "batch", "dtype", "mode", "checkpoint"),
 }
@@ -229,7 +230,8 @@ def attention_entries(bench: pd.DataFrame, shape: Shape = SHAPE_2_7B) -> list[di
             summary = v.Summary(float(r[f"{p}_ms"]), float(r.get(f"{p}_spread_ms", math.nan)), int(r[f"{p}_n"]))
             out.append(entry("attention", summary, "ms", f"{r['impl']} on {shape.label} {r['dtype']}, {p}",
                              host_bound=r.get("timing") == "eager", impl=r["impl"],
-                             kernel=r["kernel"] if isinstance(r.get("kernel"), str) else "", dtype=r["dtype"],
-                             batch=r["batch"], heads=r["heads"], seq_len=r["seq_len"], d=r["d"],
+                             kernel=r["kernel"] if isinstance(r.get("kernel"), str) else "",
+                             bwd_kernel=r["bwd_kernel"] if isinstance(r.get("bwd_kernel"), str) else "",
+                             dtype=r["dtype"], batch=r["batch"], heads=r["heads"], seq_len=r["seq_len"], d=r["d"],
                              causal=r["causal"], timing=r.get("timing", "eager"), **{"pass": p}))
     return out

@@ -44,6 +44,8 @@ FP32_PRECISIONS = ("auto", "ieee", "tf32", "tf32x3")
 SPLIT_MODES = ("auto", "on", "off")
 #: Which forward kernel runs (:func:`lab.kernels.flash_dispatch.which_forward`).
 FORWARD_KERNELS = ("auto", "gluon", "triton")
+#: Which backward kernel runs (:func:`lab.kernels.flash_dispatch.which_backward`).
+BACKWARD_KERNELS = ("auto", "gluon", "triton")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,9 +90,14 @@ class FlashConfig:
       forward, or ``"auto"``: Gluon wherever it can run (an sm_90 GPU, bf16/fp16, d 64 or 128) on contiguous
       inputs unless ``fwd_tiles`` fixes the portable kernel's tiles, the portable kernel elsewhere (the Gluon
       kernel would first copy strided inputs, such as the model's head-strided views, which costs more than
-      its schedule saves). Both save the same output and
-      natural-log logsumexp, so the backward (always the portable Triton one) takes either; the other fields
-      configure the portable kernels only.
+      its schedule saves). Both save the same output and natural-log logsumexp, so either backward takes
+      either forward's results.
+    * ``backward_kernel``: the same choice for the backward: ``"gluon"``, the Hopper backward written in Gluon
+      (:mod:`lab.kernels.flash_gluon_backward`, FlashAttention-3's schedule: five products a tile pair, dQ summed
+      over key tiles in fp32 in an order that varies from run to run, so its dQ is not bitwise reproducible; an
+      error where it cannot run), ``"triton"``, the portable backward, or ``"auto"``: Gluon where it can run on
+      contiguous q, k, v unless ``backward_launch`` or ``bwd_tiles`` fix the portable backward's launch, the
+      portable kernel elsewhere. The other fields configure the portable kernels only.
 
     Variants that never won were removed, what they measured kept in ``results/``: the forward's overlapped
     key loop (``flash_triton_forward``), the five-product backward launches with atomic or ordered dQ, ``D``
@@ -107,6 +114,7 @@ class FlashConfig:
     compile_inline: bool = True
     split_d: str = "auto"
     forward_kernel: str = "auto"
+    backward_kernel: str = "auto"
 
     def __post_init__(self):
         if self.backward_launch not in BACKWARD_LAUNCHES:
@@ -119,6 +127,11 @@ class FlashConfig:
             raise ValueError(f"forward_kernel must be one of {FORWARD_KERNELS}, got {self.forward_kernel!r}")
         if self.forward_kernel == "gluon" and self.fwd_tiles:
             raise ValueError("fwd_tiles are the portable forward's tiles: they cannot go with forward_kernel='gluon'")
+        if self.backward_kernel not in BACKWARD_KERNELS:
+            raise ValueError(f"backward_kernel must be one of {BACKWARD_KERNELS}, got {self.backward_kernel!r}")
+        if self.backward_kernel == "gluon" and (self.bwd_tiles or self.backward_launch != "auto"):
+            raise ValueError("bwd_tiles and backward_launch configure the portable backward: they cannot go with "
+                             "backward_kernel='gluon'")
         # lists arrive from the torch.library schema (int[]): store tuples so the config stays hashable
         object.__setattr__(self, "fwd_tiles", tuple(int(x) for x in self.fwd_tiles))
         object.__setattr__(self, "bwd_tiles", tuple(int(x) for x in self.bwd_tiles))
@@ -134,7 +147,7 @@ class FlashConfig:
         """The fields in declaration order: the trailing arguments of the ``lab::flash_attention_*`` ops.
         Spelled out rather than ``dataclasses.fields``, which dynamo would have to trace."""
         return (self.autotune, self.fast_launch, self.fp32_precision, self.fwd_tiles, self.backward_launch,
-                self.bwd_tiles, self.compile_inline, self.split_d, self.forward_kernel)
+                self.bwd_tiles, self.compile_inline, self.split_d, self.forward_kernel, self.backward_kernel)
 
     def replace(self, **changes) -> FlashConfig:
         return dataclasses.replace(self, **changes)

@@ -6,7 +6,9 @@ or 128) and the portable Triton-language kernel (:mod:`lab.kernels.flash_triton_
 ``FlashConfig.forward_kernel`` chooses; :func:`which_forward` says which runs. Both save the same output and
 logsumexp, which either backward takes:
 
-* :class:`FlashAttentionTriton`: backward in Triton (:mod:`lab.kernels.flash_triton_backward`);
+* :class:`FlashAttentionTriton`: backward in Triton, by the same choice (``FlashConfig.backward_kernel``,
+  :func:`which_backward`): the Gluon backward (:mod:`lab.kernels.flash_gluon_backward`) where it can run, the
+  portable one (:mod:`lab.kernels.flash_triton_backward`) elsewhere;
 * :class:`FlashAttentionTritonCompiledBackward`: backward = ``torch.compile`` of the untiled recomputation
   equations (:func:`lab.kernels.flash_pytorch.attention_backward_recompute`), eager if compiling fails.
 
@@ -18,8 +20,9 @@ Both take ``apply(q, k, v, is_causal=False, config=None)``:
 * d any multiple of 8 from 8 to 256; dtypes fp32, fp16, bf16 (all three of q, k, v alike);
 * ``config``: a :class:`FlashConfig` (None: the defaults), how the kernels are launched;
 * tensors whose last dimension is not contiguous are copied; batch, head and sequence strides are passed
-  to the portable kernels as they are (no copy), while the Gluon forward reads contiguous copies of strided
-  inputs (its TMA descriptors cover each head's rows as one block); outputs come in q's layout either way;
+  to the portable kernels as they are (no copy), while the Gluon kernels read contiguous copies of strided
+  inputs (their TMA descriptors cover each head's rows as one block); outputs and gradients come in their
+  input's layout either way;
 * the kernels run on a CUDA GPU, or on the CPU under ``TRITON_INTERPRET=1`` (slow; for tests).
 
 Saved for backward: q, k, v, the output and the fp32 logsumexp of shape ``q.shape[:-1]``.
@@ -41,7 +44,7 @@ import warnings
 import torch
 
 from lab.kernels.flash_config import DEFAULT_CONFIG, FlashConfig
-from lab.kernels.flash_dispatch import which_forward
+from lab.kernels.flash_dispatch import which_backward, which_forward
 from lab.kernels.flash_pytorch import attention_backward_recompute, check_bhsd
 from lab.kernels.flash_triton_backward import flash_backward
 from lab.kernels.flash_triton_forward import flash_forward
@@ -50,12 +53,13 @@ from lab.kernels.flash_triton_ops import attention_backward, attention_forward
 __all__ = [
     "DEFAULT_CONFIG", "FlashAttentionTriton", "FlashAttentionTritonCompiledBackward", "FlashConfig",
     "compiled_backward",
-    "flash_attention_bhsd", "flash_backward", "flash_forward", "which_forward",
+    "flash_attention_bhsd", "flash_backward", "flash_forward", "which_backward", "which_forward",
 ]
 
 
 class FlashAttentionTriton(torch.autograd.Function):
-    """FlashAttention-2: the forward :func:`which_forward` picks (Gluon on Hopper, else Triton), Triton backward.
+    """FlashAttention: the forward and the backward :func:`which_forward` and :func:`which_backward` pick (Gluon
+    on Hopper, else the portable Triton kernels).
 
     ``FlashAttentionTriton.apply(q, k, v, is_causal=False, config=None)`` on (batch, seq, d) or
     (batch, heads, seq, d) tensors returns the attention output of q's shape in the input dtype. Saved for

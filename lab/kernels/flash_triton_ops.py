@@ -28,9 +28,12 @@ candidates on real data) the decomposition is one call of an opaque twin,
 the same schema), which Inductor calls at run time as it would any custom op. The forward decomposes into
 that opaque twin as well where it runs the Gluon kernel (``FlashConfig.forward_kernel``,
 :func:`~lab.kernels.flash_dispatch.which_forward`: Inductor traces Triton-language launches, not Gluon ones);
-its backward, the portable Triton kernels, still inlines. On real tensors (an eager call, or the op's kernel
-below a dispatch mode) both ops run the host function with the fast launcher; the forward's host function is
-:func:`~lab.kernels.flash_dispatch.forward`, which runs the kernel ``which_forward`` picks.
+the backward likewise where it runs the Gluon backward (``FlashConfig.backward_kernel``,
+:func:`~lab.kernels.flash_dispatch.which_backward`), each op on its own choice: a Gluon forward with the portable
+backward still inlines the backward's launches. On real tensors (an eager call, or the op's kernel below a
+dispatch mode) both ops run their host function with the fast launcher,
+:func:`~lab.kernels.flash_dispatch.forward` and :func:`~lab.kernels.flash_dispatch.backward`, which run the
+kernels ``which_forward`` and ``which_backward`` pick.
 
 :func:`attention_forward` / :func:`attention_backward` are what the autograd functions call: the ops when
 anything traces or a dispatch mode is active (selective activation checkpointing saves an op's outputs by
@@ -46,7 +49,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from lab.kernels.flash_config import FlashConfig, check_triton_inputs, inlines
-from lab.kernels.flash_dispatch import forward, which_forward
+from lab.kernels.flash_dispatch import backward, forward, which_backward, which_forward
 from lab.kernels.flash_launch import inline_launch
 from lab.kernels.flash_triton_backward import flash_backward
 from lab.kernels.flash_triton_forward import flash_forward
@@ -69,10 +72,10 @@ def _forward_fake(q, k, v, causal, *config):
 def _forward_opaque(q: Tensor, k: Tensor, v: Tensor, causal: bool, autotune: bool, fast_launch: bool,
                     fp32_precision: str, fwd_tiles: list[int], backward_launch: str, bwd_tiles: list[int],
                     compile_inline: bool, split_d: str,
-                    forward_kernel: str) -> tuple[Tensor, Tensor]:
+                    forward_kernel: str, backward_kernel: str) -> tuple[Tensor, Tensor]:
     """The forward's kernels as one opaque node, for traced calls whose launches cannot be traced."""
     config = FlashConfig(autotune, fast_launch, fp32_precision, fwd_tiles, backward_launch, bwd_tiles, compile_inline,
-                         split_d, forward_kernel)
+                         split_d, forward_kernel, backward_kernel)
     return forward(q, k, v, causal, config)
 
 
@@ -83,10 +86,10 @@ _forward_opaque.register_fake(_forward_fake)
 def flash_attention_forward_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, autotune: bool, fast_launch: bool,
                                fp32_precision: str, fwd_tiles: list[int], backward_launch: str,
                                bwd_tiles: list[int], compile_inline: bool, split_d: str,
-                               forward_kernel: str) -> tuple[Tensor, Tensor]:
+                               forward_kernel: str, backward_kernel: str) -> tuple[Tensor, Tensor]:
     """FlashAttention forward: (output, fp32 logsumexp)."""
     config = FlashConfig(autotune, fast_launch, fp32_precision, fwd_tiles, backward_launch, bwd_tiles, compile_inline,
-                         split_d, forward_kernel)
+                         split_d, forward_kernel, backward_kernel)
     if _plain(q, k, v):
         return forward(q, k, v, causal, config)
     # Inductor traces the launches of Triton-language kernels (wrap_triton), not those of Gluon kernels
@@ -101,6 +104,7 @@ flash_attention_forward_op.register_fake(_forward_fake)
 
 # ----------------------------------------------------------------------------------------------- backward
 def _backward_fake(grad_out, q, k, v, out, lse, causal, *config):
+    which_backward(q, k, v, causal, FlashConfig(*config))  # backward_kernel="gluon" where Gluon cannot run: an error
     return empty_in_layout(q), empty_in_layout(k), empty_in_layout(v)
 
 
@@ -108,11 +112,11 @@ def _backward_fake(grad_out, q, k, v, out, lse, causal, *config):
 def _backward_opaque(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
                      autotune: bool, fast_launch: bool, fp32_precision: str, fwd_tiles: list[int],
                      backward_launch: str, bwd_tiles: list[int], compile_inline: bool, split_d: str,
-                     forward_kernel: str) -> tuple[Tensor, Tensor, Tensor]:
+                     forward_kernel: str, backward_kernel: str) -> tuple[Tensor, Tensor, Tensor]:
     """The backward's kernels as one opaque node, for traced calls whose launches cannot be traced."""
     config = FlashConfig(autotune, fast_launch, fp32_precision, fwd_tiles, backward_launch, bwd_tiles, compile_inline,
-                         split_d, forward_kernel)
-    return flash_backward(q, k, v, out, lse, grad_out, causal, config)
+                         split_d, forward_kernel, backward_kernel)
+    return backward(q, k, v, out, lse, grad_out, causal, config)
 
 
 _backward_opaque.register_fake(_backward_fake)
@@ -123,13 +127,14 @@ def flash_attention_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tenso
                                 causal: bool, autotune: bool, fast_launch: bool, fp32_precision: str,
                                 fwd_tiles: list[int], backward_launch: str, bwd_tiles: list[int],
                                 compile_inline: bool, split_d: str,
-                                forward_kernel: str) -> tuple[Tensor, Tensor, Tensor]:
+                                forward_kernel: str, backward_kernel: str) -> tuple[Tensor, Tensor, Tensor]:
     """FlashAttention backward: (dq, dk, dv)."""
     config = FlashConfig(autotune, fast_launch, fp32_precision, fwd_tiles, backward_launch, bwd_tiles, compile_inline,
-                         split_d, forward_kernel)
+                         split_d, forward_kernel, backward_kernel)
     if _plain(grad_out, q, k, v, out, lse):
-        return flash_backward(q, k, v, out, lse, grad_out, causal, config)
-    if inlines(config, q.device):
+        return backward(q, k, v, out, lse, grad_out, causal, config)
+    # as in the forward: only the portable kernels' launches can be handed to Inductor
+    if inlines(config, q.device) and which_backward(q, k, v, causal, config) == "triton":
         return flash_backward(q, k, v, out, lse, grad_out, causal, config, launcher=inline_launch)
     return _backward_opaque(grad_out, q, k, v, out, lse, causal, *config.op_args())
 
@@ -186,5 +191,5 @@ def attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: T
                        config: FlashConfig) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv): the host function for eager calls on plain tensors, else the backward op."""
     if _eager(grad_out, q, k, v, out, lse):
-        return flash_backward(q, k, v, out, lse, grad_out, causal, config)
+        return backward(q, k, v, out, lse, grad_out, causal, config)
     return torch.ops.lab.flash_attention_backward(grad_out, q, k, v, out, lse, causal, *config.op_args())

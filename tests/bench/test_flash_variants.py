@@ -74,6 +74,8 @@ def test_sweep_shape_checks_every_variant_on_cpu():
     assert len(ok) == len(variants) + 1
     assert ok["ok"].all() and (ok["rel_err"] < fv.TOLERANCE["bf16"]).all() and (ok["rel_err"] > 0).all()
     assert "fused" in set(df.loc[df["impl"] == "triton", "bwd_mode"])
+    # interpreted: the portable kernels, both ways, and the rows say so
+    assert (df.loc[df["impl"] == "triton", ["kernel", "bwd_kernel"]] == "triton").all().all()
     failed = df.set_index("variant").loc["sdpa_cudnn"]
     assert failed["status"] == "error" and failed["note"]
 

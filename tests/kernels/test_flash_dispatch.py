@@ -124,11 +124,14 @@ def test_the_interpreter_always_runs_the_portable_forward():
 def test_config_fields_round_trip_through_the_op_schema():
     config = ft.FlashConfig(autotune=True, fp32_precision="ieee", fwd_tiles=(32, 16, 4, 1), backward_launch="fused",
                             bwd_tiles=(16, 32, 32, 16, 4, 1), compile_inline=False, split_d="on",
-                            forward_kernel="triton")
+                            forward_kernel="triton", backward_kernel="triton")
     assert ft.FlashConfig(*config.op_args()) == config
     assert ft.FlashConfig(*GLUON.op_args()).forward_kernel == "gluon"
-    assert FORWARD._schema.arguments[-1].name == "forward_kernel" and str(FORWARD._schema.arguments[-1].type) == "str"
-    assert ft.FlashConfig().forward_kernel == "auto"
+    # the fields in declaration order, backward_kernel last (positional uses of the older fields keep working)
+    names = [a.name for a in FORWARD._schema.arguments[-2:]]
+    assert names == ["forward_kernel", "backward_kernel"]
+    assert all(str(a.type) == "str" for a in FORWARD._schema.arguments[-2:])
+    assert ft.FlashConfig().forward_kernel == ft.FlashConfig().backward_kernel == "auto"
 
 
 def test_the_benchmark_rows_say_which_forward_ran(compiled_triton):
@@ -263,8 +266,8 @@ def test_gpu_gluon_forward_with_triton_backward_matches_float64_and_the_portable
     assert fd.which_forward(q, k, v, causal, AUTO) == ("triton" if lead == "model" else "gluon")
     assert fd.which_forward(q, k, v, causal, GLUON) == "gluon"
     grad = torch.randn(q.shape, device="cuda", dtype=dtype, generator=torch.Generator(device="cuda").manual_seed(1))
-    gluon = _run(q, k, v, grad, causal, GLUON)
-    portable = _run(q, k, v, grad, causal, TRITON)
+    gluon = _run(q, k, v, grad, causal, GLUON.replace(backward_kernel="triton"))
+    portable = _run(q, k, v, grad, causal, TRITON.replace(backward_kernel="triton"))
     reference = _float64(q, k, v, grad, causal)
     tol = 3e-2 if dtype == torch.bfloat16 else 1e-2
     names = ("out", "lse", "dq", "dk", "dv")
@@ -281,8 +284,10 @@ def test_gpu_gluon_forward_with_triton_backward_matches_float64_and_the_portable
 def test_gpu_compiled_fullgraph_runs_the_gluon_forward_opaque_and_inlines_the_backward(layout, config):
     """torch.compile(fullgraph=True): no graph break, the Gluon forward as the opaque op (the only lab op left in
     the compiled code), the portable backward's kernels launched by Inductor; equal to eager to the bit (the same
-    kernels run). On contiguous inputs under the default config, and on the model's layout where asked for."""
+    kernels run). On contiguous inputs under the default forward, and on the model's layout where asked for."""
     from torch._inductor.utils import run_and_get_code
+
+    config = config.replace(backward_kernel="triton")  # the Gluon backward is checked in test_flash_backward_dispatch
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     shape = (2, 1000, 4, 128) if layout == "model" else (2, 4, 1000, 128)

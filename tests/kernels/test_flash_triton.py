@@ -354,10 +354,10 @@ def test_cuda_tensors_without_visible_gpu_are_refused(monkeypatch):
     (1, 2048, 2048, 64, True, torch.bfloat16, 3e-2),  # long enough for the large tiles
     (1, 1100, 1100, 80, True, torch.float32, 1e-4),
 ])
-@pytest.mark.parametrize("forward_kernel", ["auto", "triton"])  # auto: Gluon on Hopper where it can run
-def test_gpu_dtypes_match_float64_reference(lead, n_q, n_k, d, causal, dtype, tol, forward_kernel):
+@pytest.mark.parametrize("kernels", ["auto", "triton"])  # auto: the Gluon kernels on Hopper where they can run
+def test_gpu_dtypes_match_float64_reference(lead, n_q, n_k, d, causal, dtype, tol, kernels):
     q, k, v = random_qkv(lead, n_q, n_k, d, dtype=dtype, device="cuda")
-    config = ft.FlashConfig(forward_kernel=forward_kernel)
+    config = ft.FlashConfig(forward_kernel=kernels, backward_kernel=kernels)
     check_against_reference(ft.FlashAttentionTriton, q, k, v, causal, atol=tol, rtol=tol, config=config)
 
 
@@ -369,10 +369,10 @@ def test_gpu_dtypes_match_float64_reference(lead, n_q, n_k, d, causal, dtype, to
                                     ft.FlashConfig(autotune=True, backward_launch="two_pass")],
                          ids=["fused", "two_pass", "public-launch", "autotune", "autotune-two_pass"])
 def test_gpu_variants_match_float64_reference(config):
-    """The portable kernels' launch variants (the portable forward too, which a Hopper GPU would otherwise leave
-    to the Gluon one)."""
+    """The portable kernels' launch variants (the portable forward and backward, which a Hopper GPU would
+    otherwise leave to the Gluon ones)."""
     q, k, v = random_qkv((1, 4), 1100, 1100, 64, dtype=torch.bfloat16, device="cuda")
-    config = config.replace(forward_kernel="triton")
+    config = config.replace(forward_kernel="triton", backward_kernel="triton")
     check_against_reference(ft.FlashAttentionTriton, q, k, v, True, atol=3e-2, rtol=3e-2, config=config)
 
 

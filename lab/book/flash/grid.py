@@ -86,13 +86,14 @@ def tallies(pairs: list[tuple[dict, Versus]], passes=PASSES, label: str = "{impl
 
 
 def latency_table(bench: pd.DataFrame, sweep: str = "lm") -> pd.DataFrame:
-    """One row per (shape, dtype, implementation): which kernel ran, how it was timed, its status, each pass's
-    median and spread (ms), and the fewest samples among its passes (``n``)."""
+    """One row per (shape, dtype, implementation): which kernels ran (``kernel`` the forward, ``bwd_kernel`` the
+    backward), how it was timed, its status, each pass's median and spread (ms), and the fewest samples among its
+    passes (``n``)."""
     df = bench[bench["sweep"] == sweep]
     out = df.assign(shape=[Shape.of(r).label for _, r in df.iterrows()],
                     n=df[[f"{p}_n" for p in PASSES]].min(axis=1))
-    cols = ["shape", "dtype", "impl", "kernel", "timing", "status", *[f"{p}_{c}" for p in PASSES
-                                                                      for c in ("ms", "spread_ms")], "n"]
+    cols = ["shape", "dtype", "impl", "kernel", "bwd_kernel", "timing", "status",
+            *[f"{p}_{c}" for p in PASSES for c in ("ms", "spread_ms")], "n"]
     return out[[c for c in cols if c in out.columns]].reset_index(drop=True)
 
 

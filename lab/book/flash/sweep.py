@@ -117,7 +117,8 @@ def sweep_main(argv: Sequence[str] | None = None) -> int:
     ceiling = {dt: matmul_tflops(DTYPES[dt], 8192, device) for dt in {dt for _, dt in jobs}} \
         if device.type == "cuda" else {}
     path, written = out / ("sweep.csv" if args.mode == "sweep" else "check.csv"), []
-    shown = ["shape", "dtype", "variant", "status", "rel_err", *[f"{p}_tflops" for p in PASSES], "note"]
+    shown = ["shape", "dtype", "variant", "kernel", "bwd_kernel", "status", "rel_err", *[f"{p}_tflops" for p in PASSES],
+             "note"]
 
     def sink(row):
         written.append(row)

@@ -13,7 +13,8 @@ def grid_row(impl, shape: Shape, dtype="bf16", ms=1.0, spread=0.01, n=50, sweep=
              gpu=GPU, factors=(1.0, 2.0, 3.0), **extra):
     """A row of ``flash_benchmark``: forward ``ms``, backward and forward + backward ``factors`` times it, each with a
     relative ``spread`` and ``n`` samples."""
-    row = dict(sweep=sweep, impl=impl, kernel="triton" if impl == "triton" else "", dtype=dtype, batch=shape.batch,
+    ours = "triton" if impl == "triton" else ""
+    row = dict(sweep=sweep, impl=impl, kernel=ours, bwd_kernel=ours, dtype=dtype, batch=shape.batch,
                heads=shape.heads, seq_len=shape.seq, d=shape.d, causal=shape.causal, gpu=gpu, timing=timing,
                status=status, note="")
     for p, factor in zip(("fwd", "bwd", "e2e"), factors):

@@ -63,7 +63,7 @@ def test_speed_and_fp32_claims_count_the_verdicts():
 def test_latency_table_and_status_findings():
     bench = _bench()
     lat = grid.latency_table(bench)
-    assert lat.columns.tolist()[:6] == ["shape", "dtype", "impl", "kernel", "timing", "status"]
+    assert lat.columns.tolist()[:7] == ["shape", "dtype", "impl", "kernel", "bwd_kernel", "timing", "status"]
     assert len(lat) == 8 and lat.loc[0, "e2e_ms"] == 3.0 and lat.loc[0, "n"] == 50 and lat.loc[7, "n"] == 2
     values = {f.measured.label: f.measured.median for f in grid.status_findings(bench)}
     assert values == {"configurations measured": 9, "configurations in the grid": 11,

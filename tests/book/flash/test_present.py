@@ -117,6 +117,7 @@ def test_attention_entries_are_the_2_7b_rows_measured_with_samples():
     assert [(k["impl"], k["pass"]) for k in keys] == [("triton", "fwd"), ("triton", "e2e"), ("sdpa", "fwd"),
                                                      ("sdpa", "bwd"), ("sdpa", "e2e")]
     assert all(k["timing"] == "graph" and k["seq_len"] == 512 and k["d"] == 80 for k in keys)
+    assert [(k["kernel"], k["bwd_kernel"]) for k in keys][::3] == [("triton", "triton"), ("", "")]  # triton, sdpa
     assert entries[0]["median"] == 1.0 and entries[0]["n"] == 50 and not entries[0]["host_bound"]
 
 
