@@ -60,6 +60,9 @@ SWEEP_BWD = {
 PRODUCTS = {"fused": 7, "two_pass": 7}
 #: FlashAttention-2's products per tile pair in the backward, the count :func:`attention_flops` credits.
 USEFUL_PRODUCTS = 5
+#: Products per tile pair of every backward a row can name in ``bwd_mode``: the portable launches and the Gluon
+#: kernel, which adds dQ across key tiles and so computes FlashAttention-2's five.
+BACKWARD_PRODUCTS = {**PRODUCTS, "gluon": USEFUL_PRODUCTS}
 #: Shapes up to this many tokens are also replayed from CUDA graphs (``<pass>_graph_ms``).
 GRAPH_MAX_SEQ = 2048
 TOLERANCE = {"bf16": 2e-2, "fp16": 5e-3, "fp32": 1e-4}
@@ -106,10 +109,10 @@ def _outputs(fn: AttentionFn, q, k, v, dout, causal, heads: int):
 def executed_flops(shape: Shape, pass_: str, mode: str = "two_pass", columns: int | None = None) -> float:
     """FLOPs the Triton kernels issue for ``pass_`` (``"fwd"`` or ``"bwd"``): the useful FLOPs of
     :func:`attention_flops` on tiles ``columns`` wide in the head dimension (default one padded ``BLOCK_D``
-    tile), the backward's at ``mode``'s products per tile pair (:data:`PRODUCTS`) over the
+    tile), the backward's at ``mode``'s products per tile pair (:data:`BACKWARD_PRODUCTS`) over the
     :data:`USEFUL_PRODUCTS` counted; masked diagonal tiles not counted."""
     useful = attention_flops(shape.batch, shape.seq, shape.d, shape.causal, pass_, heads=shape.heads)
-    products = PRODUCTS[mode] / USEFUL_PRODUCTS if pass_ == "bwd" else 1
+    products = BACKWARD_PRODUCTS[mode] / USEFUL_PRODUCTS if pass_ == "bwd" else 1
     return useful * products * (columns or block_d(shape.d)) / shape.d
 
 
@@ -119,7 +122,7 @@ def backward_breakdown(shape: Shape, ms: float, mode: str, ceiling_tflops: float
     second) and ``of_ceiling``, executed against ``ceiling_tflops`` (a measured large matmul of the same dtype)."""
     useful = attention_flops(shape.batch, shape.seq, shape.d, shape.causal, "bwd", heads=shape.heads)
     rate = executed_flops(shape, "bwd", mode, columns) / (ms * 1e-3) / 1e12
-    return dict(products=PRODUCTS[mode], useful_tflops=useful / (ms * 1e-3) / 1e12, executed_tflops=rate,
+    return dict(products=BACKWARD_PRODUCTS[mode], useful_tflops=useful / (ms * 1e-3) / 1e12, executed_tflops=rate,
                 of_ceiling=rate / ceiling_tflops if ceiling_tflops else math.nan)
 
 

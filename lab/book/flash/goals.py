@@ -12,7 +12,7 @@ import pandas as pd
 
 from lab.bench import flash_variants as fv
 from lab.bench.attention_grid import Shape
-from lab.bench.flash_variants import PRODUCTS, USEFUL_PRODUCTS, backward_breakdown, executed_flops
+from lab.bench.flash_variants import BACKWARD_PRODUCTS, PRODUCTS, USEFUL_PRODUCTS, backward_breakdown, executed_flops
 from lab.book.claims import Claim, Measured, Observed, Share, Tally, Value
 from lab.book.flash import bench as fl
 from lab.book.flash.grid import CONFIG_KEY, PASS_NAMES, ran, versus
@@ -126,13 +126,13 @@ def _ceiling(ceilings: pd.DataFrame) -> dict:
 
 
 def backward_table(bench: pd.DataFrame, ceilings: pd.DataFrame) -> pd.DataFrame:
-    """Triton's backward on each shape of the grid: the launch the default config chose, products per tile pair,
-    the useful and executed rates and the executed rate's share of the dtype's matmul ceiling
+    """Our backward on each shape of the grid: the launch that ran (``gluon``: the Gluon kernel), products per tile
+    pair, the useful and executed rates and the executed rate's share of the dtype's matmul ceiling
     (:func:`lab.bench.flash_variants.backward_breakdown`)."""
     ceiling, rows = _ceiling(ceilings), []
     for _, r in ran(bench).query("impl == 'triton'").iterrows():
         mode = r.get("bwd_mode")
-        if mode in PRODUCTS and r["bwd_ms"] > 0:
+        if mode in BACKWARD_PRODUCTS and r["bwd_ms"] > 0:
             top = ceiling.get(r["dtype"], math.nan)
             rows.append(dict(shape=Shape.of(r).label, dtype=r["dtype"], bwd_mode=mode, bwd_ms=r["bwd_ms"],
                              ceiling_tflops=top, **backward_breakdown(Shape.of(r), float(r["bwd_ms"]), mode, top,
@@ -170,7 +170,7 @@ def ceiling_claim(backward: pd.DataFrame, forward: pd.DataFrame, because: str = 
         for r in (b.loc[b["of_ceiling"].idxmin()], b.loc[b["of_ceiling"].idxmax()]):
             out.append(Share(f"the backward's products on {r['shape']} {r['dtype']}, of the matmul ceiling",
                              r["of_ceiling"], 1))
-        out.append(Observed("its launches", ", ".join(f"{m} ({PRODUCTS[m]} products per tile pair)"
+        out.append(Observed("its launches", ", ".join(f"{m} ({BACKWARD_PRODUCTS[m]} products per tile pair)"
                                                       for m in b["bwd_mode"].unique())))
     for d, g in forward.dropna(subset=["triton_of_ceiling", "reference_of_ceiling"]).groupby("d"):
         out += [Share(f"Triton's forward at d {d}, median share of the ceiling", g["triton_of_ceiling"].median(), 1),
@@ -205,25 +205,25 @@ def waits_claim(waits: pd.DataFrame) -> Claim:
 def missed_goal_bounds(bench: pd.DataFrame, pairs: list, ceilings: pd.DataFrame,
                        waits: pd.DataFrame | None = None) -> pd.DataFrame:
     """One row per missed goal of ``pairs`` (:func:`goal_comparisons`, the reference named in ``against``). At the
-    products the kernel issues (the forward's two per tile pair, the backward's 7, on the columns its tiles
-    compute) the time a goal allows is a rate, a share of the dtype's matmul ceiling (``needs_of_ceiling``); set
-    beside the share reached on the shape (``of_ceiling``) and the most any Triton kernel of that pass reaches on a
-    shape of the same head dimension (``best_of_ceiling``), it names the bound: ``"ceiling"`` (no schedule meets
-    it with these products), ``"in-flight products"`` (more than any of these kernels reaches: their compiled code
-    waits for its products before the softmax) or ``"this shape"``, and the next step (:data:`NEXT_STEPS`).
-    ``needs_with_5``: the need at 5 backward products per tile pair and today's time per product; the compiled
-    kernels' product waits beside."""
+    products the kernel issues (the forward's two per tile pair, the backward's 7, or 5 where the Gluon backward
+    ran, on the columns its tiles compute) the time a goal allows is a rate, a share of the dtype's matmul ceiling
+    (``needs_of_ceiling``); set beside the share reached on the shape (``of_ceiling``) and the most any of our
+    kernels of that pass reaches on a shape of the same head dimension (``best_of_ceiling``), it names the bound:
+    ``"ceiling"`` (no schedule meets it with these products), ``"in-flight products"`` (more than any of these
+    kernels reaches: their compiled code waits for its products before the softmax) or ``"this shape"``, and the
+    next step (:data:`NEXT_STEPS`). ``needs_with_5``: the need at 5 backward products a tile pair, today's time per
+    product; the compiled kernels' product waits beside."""
     ceiling = _ceiling(ceilings)
     mine = ran(bench).query("impl == 'triton'")
     tflop = {}  # (shape label, dtype, pass) -> TFLOP issued, and the share of the ceiling reached
     for _, r in mine.iterrows():
         s = Shape.of(r)
-        fwd = executed_flops(s, "fwd", columns=fv.kernel_columns(r, "fwd")) / 1e12
-        bwd = executed_flops(s, "bwd", r["bwd_mode"] if r.get("bwd_mode") in PRODUCTS else "two_pass",
-                             fv.kernel_columns(r, "bwd")) / 1e12
+        mode, fwd = r["bwd_mode"] if r.get("bwd_mode") in BACKWARD_PRODUCTS else "two_pass", executed_flops(
+            s, "fwd", columns=fv.kernel_columns(r, "fwd")) / 1e12
+        bwd = executed_flops(s, "bwd", mode, fv.kernel_columns(r, "bwd")) / 1e12
         for p, t in (("fwd", fwd), ("bwd", bwd), ("e2e", fwd + bwd)):
             reach = t / (r[f"{p}_ms"] * 1e-3) / ceiling.get(r["dtype"], math.nan)
-            tflop[s.label, r["dtype"], p] = (t, bwd, reach, s.d)
+            tflop[s.label, r["dtype"], p] = (t, bwd, reach, s.d, BACKWARD_PRODUCTS[mode])
     kernels = {"fwd": ["forward"], "bwd": ["backward dK/dV", "backward dQ"]}
     kernels["e2e"] = kernels["fwd"] + kernels["bwd"]
     rows = []
@@ -231,10 +231,10 @@ def missed_goal_bounds(bench: pd.DataFrame, pairs: list, ceilings: pd.DataFrame,
         if f.goal_word != "missed" or (k["shape"], k["dtype"], k["pass"]) not in tflop:
             continue
         p = k["pass"]
-        t, bwd, reach, d = tflop[k["shape"], k["dtype"], p]
+        t, bwd, reach, d, products = tflop[k["shape"], k["dtype"], p]
         needs = reach * f.comparison.ratio / f.goal
         best = max((v[2] for key, v in tflop.items() if key[2] == p and v[3] == d and v[2] == v[2]), default=math.nan)
-        with_5 = needs * (t - bwd * (1 - USEFUL_PRODUCTS / PRODUCTS["two_pass"])) / t if p != "fwd" else math.nan
+        with_5 = needs * (t - bwd * (1 - USEFUL_PRODUCTS / products)) / t if p != "fwd" else math.nan
         bound = "ceiling" if needs > 1 else "in-flight products" if needs > best else "this shape"
         step = NEXT_STEPS.get((p, bound), "fewer products: no schedule reaches this share")
         if bound == "in-flight products" and p == "bwd" and with_5 <= best:

@@ -183,3 +183,15 @@ def test_the_bound_is_read_from_the_shares():
     assert values["shapes whose backward misses a goal"] == 1
     assert values["of them, met by 5 products per tile pair at today's time per product"] == 1
     assert goals.bounds_claim(alone.iloc[:0]).findings == ()
+
+
+def test_a_gluon_backward_is_counted_at_five_products():
+    """Where the Gluon backward ran (bwd_mode "gluon"), its executed FLOPs are the useful ones: five products a
+    tile pair, not the portable kernel's seven."""
+    shape = Shape(1, 16, 8192, 128)
+    bench = table(grid_row("triton", shape, ms=1.0, bwd_mode="gluon"), grid_row("triton", B, ms=1.0, bwd_mode="fused"))
+    back = goals.backward_table(bench, CEILING).set_index("bwd_mode")
+    assert back.loc["gluon", "products"] == 5 and back.loc["fused", "products"] == 7
+    useful = attention_flops(1, 8192, 128, True, "bwd", heads=16) / 2e-3 / 1e12  # grid_row: bwd 2 ms at ms=1
+    assert back.loc["gluon", "executed_tflops"] == pytest.approx(back.loc["gluon", "useful_tflops"])
+    assert back.loc["gluon", "useful_tflops"] == pytest.approx(useful)
