@@ -212,7 +212,7 @@ book.answer(goals.goals_claim(("the default SDPA backend", goal_sdpa), ("FlexAtt
 # kernel that adds dQ from the dK/dV programs (FlashAttention-2 and -3) needs 5. What is left at the powers of
 # two, in the forward especially, is scheduling: cuDNN's Hopper kernels overlap one tile's softmax with the next
 # tile's matrix products across warp groups and load tiles with TMA; these Triton kernels use Hopper's matrix
-# instructions through Triton's software pipelining (the tiles are swept by `python -m lab.book.flash.sweep sweep`).
+# instructions through Triton's software pipelining (the tiles are swept by `python -m lab.bench.flash_sweep sweep`).
 
 # %%
 by_d = goals.by_head_dim(goal_sdpa, bench)

@@ -20,7 +20,7 @@ CORES = os.cpu_count() or 1
 NO_GPU = not torch.cuda.is_available()
 
 COLLECTIVES = "lab.bench.collectives"
-FLASH_SWEEP = "lab.book.flash.sweep"
+FLASH_SWEEP = "lab.bench.flash_sweep"
 CASES = [  # module, argv, whether this machine can tell it is wrong
     ("lab.bench", ["--context", "0"], True),
     ("lab.bench", ["--size", "gigantic"], True),

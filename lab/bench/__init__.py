@@ -3,7 +3,7 @@
 mode of its step (:mod:`lab.bench.profiles`); the attention implementations and the naive attention grid
 (:mod:`lab.bench.attention`), checked against float64 and timed over a grid of shapes
 (:mod:`lab.bench.attention_grid`), and the Triton FlashAttention kernels' variants, compile reports and the
-course's timing test (:mod:`lab.bench.flash_variants`); where a model's training memory goes: snapshots, peaks
+course's timing test (:mod:`lab.bench.flash_variants`; ``python -m lab.bench.flash_sweep`` sweeps them); where a model's training memory goes: snapshots, peaks
 and checkpointing (:mod:`lab.bench.memory`), and the closed forms of :mod:`lab.accounting` against measured
 memory (:mod:`lab.bench.predicted_memory`); collectives over gloo or NCCL (``python -m lab.bench.collectives``);
 the data-parallel wrappers against torch DDP

@@ -1,5 +1,5 @@
 """Attention implementations checked and timed shape by shape (notebook 05's grid, the kernel sweep of
-``python -m lab.book.flash.sweep``).
+``python -m lab.bench.flash_sweep``).
 
 * :func:`errors_vs_float64`, :func:`correctness_grid`: output and the three gradients against naive attention
   computed in float64 on the same (rounded) inputs;

@@ -1,6 +1,6 @@
 """The Triton FlashAttention kernels' launch variants, measured: how the tile tables of
 :mod:`lab.kernels.flash_config` are chosen, and where a short sequence's time goes on the host
-(``python -m lab.book.flash.sweep`` runs them on a GPU machine).
+(``python -m lab.bench.flash_sweep`` runs them on a GPU machine).
 
 * :func:`sweep_shape`: every FlashConfig variant of :func:`sweep_configs` (forward tiles and pipeline depths,
   backward launch modes on several tiles) next to peer implementations, in one process; each checked against

@@ -292,7 +292,7 @@ def forward_tiles(batch_heads: int, n_q: int, n_k: int, d: int, dtype: torch.dty
                   config: FlashConfig = DEFAULT_CONFIG, causal: bool = True) -> dict:
     """Launch parameters of the forward kernel (``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``).
 
-    bf16/fp16 at d <= 128: the fastest tiles of a sweep (``python -m lab.book.flash.sweep sweep``) on an H100,
+    bf16/fp16 at d <= 128: the fastest tiles of a sweep (``python -m lab.bench.flash_sweep sweep``) on an H100,
     revised by a sweep on an H200 where it found a faster tile. Long sequences: 128-query tiles where the heads
     fill the GPU, 64-query tiles for thin grids. At d = 128, causal, up to :data:`NARROW_CAUSAL_MAX_SEQ` tokens,
     64 x 64 tiles on 4 warps beat 128 x 128 on 8 (H200: 10% at 2k tokens, 5% at 8k; tied without the mask):
@@ -343,7 +343,7 @@ def backward_plan(batch_heads: int, n_q: int, n_k: int, d: int, dtype: torch.dty
 
     Passes: 0 = dK/dV and dQ programs in one grid ("fused"), 1 = dK/dV programs, 2 = dQ programs.
     ``BLOCK_M1 x BLOCK_N1`` are the (query, key) tiles of the dK/dV loop, ``BLOCK_M2 x BLOCK_N2`` those of the
-    dQ loop. bf16/fp16 at d <= 128, as measured by the sweep of ``python -m lab.book.flash.sweep`` on an H100:
+    dQ loop. bf16/fp16 at d <= 128, as measured by the sweep of ``python -m lab.bench.flash_sweep`` on an H100:
     one fused launch with 4 warps for short sequences (8 warps took twice as long at 512 tokens) and thin
     grids; when the heads fill the GPU, two passes, at ``BLOCK_D`` 128 with dK/dV programs of 64 queries x 128
     keys on 8 warps. A split head dimension (:func:`head_chunks`: 80 as 64 + 16 columns) ran fastest on 64 x 64

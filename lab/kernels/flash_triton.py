@@ -34,7 +34,7 @@ is the model registry's entry point on (batch, heads, seq, d) tensors.
 Where things live: the forward kernel in :mod:`~lab.kernels.flash_triton_forward`, the backward kernels in
 :mod:`~lab.kernels.flash_triton_backward`, tile loads and the launcher in :mod:`~lab.kernels.flash_launch`,
 the configuration, input checks and tile tables in :mod:`~lab.kernels.flash_config`. The tables are
-re-measured with ``python -m lab.book.flash.sweep sweep`` (every variant next to SDPA and FlexAttention).
+re-measured with ``python -m lab.bench.flash_sweep sweep`` (every variant next to SDPA and FlexAttention).
 """
 
 from __future__ import annotations

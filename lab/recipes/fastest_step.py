@@ -11,7 +11,7 @@ The book's recipe (:data:`PROJECT`):
 * **attention**: SDPA's cuDNN kernel, chosen by measurement on both rungs. On the leaderboard's shape (32k
   tokens, head dim 128) our Triton FlashAttention-2 kernels (``lab.kernels.flash_triton``, a
   ``torch.library`` op) take ~1.5x cuDNN's time forward+backward (notebook 05's grid,
-  ``python -m lab.book.flash.sweep``), and the step with them is slower by several hundred milliseconds. On the
+  ``python -m lab.bench.flash_sweep``), and the step with them is slower by several hundred milliseconds. On the
   2.7B rung (512 tokens, head dim 80) the opaque op's host time per call starved the compiled step; with its
   kernels inlined into the compiled code (``FlashConfig.compile_inline``) the step ran within noise of SDPA's,
   not faster, so SDPA stays. The ablation ``flash_triton_attention`` measures the choice again in every render;

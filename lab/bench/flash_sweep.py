@@ -1,9 +1,9 @@
 """The Triton FlashAttention kernels' variant sweep from the command line (how the tile tables of
 :mod:`lab.kernels.flash_config` are chosen; the measuring is :mod:`lab.bench.flash_variants`)::
 
-    python -m lab.book.flash.sweep sweep --workers 14 --shapes 4x32x512x80 1x32x32768x128 --out out/flash
-    python -m lab.book.flash.sweep check --shapes 2x3x1100x80        # correctness only
-    python -m lab.book.flash.sweep course                            # the course's timing test
+    python -m lab.bench.flash_sweep sweep --workers 14 --shapes 4x32x512x80 1x32x32768x128 --out out/flash
+    python -m lab.bench.flash_sweep check --shapes 2x3x1100x80        # correctness only
+    python -m lab.bench.flash_sweep course                            # the course's timing test
 
 ``sweep`` writes every variant and peer (checked against fp32 SDPA first) to ``OUT/sweep.csv`` row by row, the
 best per shape to ``OUT/best.csv`` and the host's share of a short shape to ``OUT/host.csv`` (the profiler's
@@ -29,7 +29,7 @@ from lab.bench.attention_grid import Shape
 from lab.measure.device import resolve_device
 from lab.measure.timing import matmul_tflops
 
-PROG = "python -m lab.book.flash.sweep"
+PROG = "python -m lab.bench.flash_sweep"
 SHAPE_HELP = "BxHxLxD[:dtype][:full], e.g. 1x32x32768x128:bf16 or 2x16x4096x64:fp16:full (default causal, bf16)"
 #: On the CPU the Triton interpreter runs each (query tile, key tile) pair of 64 x 64 in Python, so more pairs than
 #: this a pass would keep the sweep running for hours: such work is refused there.
@@ -141,7 +141,7 @@ def sweep_main(argv: Sequence[str] | None = None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m lab.book.flash.sweep``: the sweep with one-line errors (:func:`lab.cli.run`)."""
+    """``python -m lab.bench.flash_sweep``: the sweep with one-line errors (:func:`lab.cli.run`)."""
     return cli.run(sweep_main, argv, prog=PROG)
 
 

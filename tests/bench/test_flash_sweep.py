@@ -1,11 +1,11 @@
-"""lab.book.flash.sweep: the command line's shapes, and its refusal of work sized for a GPU on a CPU (the
+"""lab.bench.flash_sweep: the command line's shapes, and its refusal of work sized for a GPU on a CPU (the
 invocations themselves: tests/test_cli_invocations.py)."""
 
 import pytest
 
 from lab import cli
+from lab.bench import flash_sweep as sweep
 from lab.bench.attention_grid import Shape
-from lab.book.flash import sweep
 
 
 def test_parse_shape_and_its_errors():
