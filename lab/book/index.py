@@ -50,9 +50,9 @@ def summary(path: str | Path) -> dict:
     path = Path(path)
     nb = json.loads(path.read_text())
     texts = _markdown_outputs(nb)
-    banner = next((t for t in texts if t.startswith("> Rendered on")), "")
+    banner = next((t for t in texts if t.startswith(("> Rendered on", "> Measured on"))), "")
     answers = next((t for t in reversed(texts) if t.startswith("**Answers**")), "")
-    machine = re.search(r"Rendered on \*\*(.+?)\*\*", banner)
+    machine = re.search(r"(?:Measured|Rendered) on \*\*(.+?)\*\*", banner)  # a replay: who measured its tables
     commit = re.search(r"commit `([0-9a-f+dirty]+)`", banner)
     date = re.search(r"; (\d{4}-\d{2}-\d{2})T", banner)
     alone = True if any("**Alone:**" in t for t in texts) else False if any("**Not alone:**" in t for t in texts) \

@@ -47,15 +47,26 @@ def _display_markdown(text: str, display_id: str | None = None, update: bool = F
             print(text)
 
 
-def machine_banner(params: dict[str, Any] | None = None) -> str:
+def _machine(p: dict) -> str:
+    return (f"**{p['gpu_count']} x {p['gpu_name']}** (driver {p['driver']}, CUDA {p['cuda']}) on a {p['host_cpu']} host"
+            if p.get("gpu_count") else f"**CPU only** ({p.get('host_cpu')})")
+
+
+def machine_banner(params: dict[str, Any] | None = None, measured: list[dict] | None = None) -> str:
     """A Markdown paragraph naming the machine (GPUs and the host's CPU, which paces an eager step's launches),
-    versions, commit and date; shown at the top of each report."""
+    versions, commit and date; shown at the top of each report. ``measured``: for a render that reads every
+    table back, the provenance of each run that measured them, which the banner names first (with the parameters
+    they were measured with), so that a replay on a laptop is not taken for a measurement on it."""
     p = store.provenance(params)
-    gpu = (f"**{p['gpu_count']} x {p['gpu_name']}** (driver {p['driver']}, CUDA {p['cuda']}) on a {p['host_cpu']} host"
-           if p["gpu_count"] else f"**CPU only** ({p['host_cpu']})")
-    knobs = ", ".join(f"`{k}={v!r}`" for k, v in (params or {}).items() if k != "neighbours")  # said beside it
-    return (f"> Rendered on {gpu}; torch {p['torch']}, triton {p['triton']}, Python {p['python']}; "
-            f"commit `{p['commit']}`; {p['date']}.\n>\n> Parameters: {knobs or 'defaults'}")
+    knobs = lambda ps: ", ".join(f"`{k}={v!r}`" for k, v in ps.items() if k != "neighbours")  # said beside it
+    here = (f"Rendered on {_machine(p)}; torch {p['torch']}, triton {p['triton']}, Python {p['python']}; "
+            f"commit `{p['commit']}`; {p['date']}")
+    if not measured:
+        return f"> {here}.\n>\n> Parameters: {knobs(params or {}) or 'defaults'}"
+    runs = "; and on ".join(f"{_machine(m)}, torch {m.get('torch')}, commit `{m.get('commit')}`; {m.get('date')}"
+                            for m in measured)
+    return (f"> Measured on {runs}; its tables read back here. {here}.\n>\n> Parameters, as measured: "
+            f"{knobs(measured[0].get('params') or {}) or 'defaults'}")
 
 
 def say(text: str) -> None:
@@ -150,11 +161,17 @@ class Chapter:
     def show_machine(self) -> None:
         """The banner, the rule every verdict of the report follows, and whether the render had its GPUs and
         host to itself; when replaying, it also says that the tables were measured elsewhere (see each table)."""
-        say(machine_banner({**self.params, "replay": self.replay}))
+        runs = {(m.get("commit"), m.get("gpu_name"), m.get("gpu_count")): m
+                for m in store.tables_of(self.notebook, self.results_dir).values()} if self.replay is True else {}
+        say(machine_banner({**self.params, "replay": self.replay}, list(runs.values())))
         say(f"> **The rule.** {RULE}")
-        if self.neighbours is not None:
-            say("> **Alone:** nothing else ran on this render's GPUs or host when it started." if not self.neighbours
-                else "> **Not alone:** when this render started, " + "; ".join(self.neighbours) + " ran beside it, "
+        # a replay times nothing: whether its tables' runs had their machines to themselves is what counts
+        said = [(m.get("params") or {}).get("neighbours") for m in runs.values()]
+        neighbours = self.neighbours if not runs else None if None in said else [n for ns in said for n in ns]
+        when = "its tables were measured" if runs else "this render started"
+        if neighbours is not None:
+            say(f"> **Alone:** nothing else ran on the GPUs or host when {when}." if not neighbours
+                else f"> **Not alone:** when {when}, " + "; ".join(neighbours) + " ran beside it, "
                 "so its timings may have been moved by them.")
         if self.replay is True:
             say("> **Replayed:** the tables below were read from `results/`, not measured in this render; each "

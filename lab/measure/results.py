@@ -227,6 +227,17 @@ def load_provenance(name: str, results_dir: str | os.PathLike = "results", sourc
     return meta
 
 
+def tables_of(source: str, results_dir: str | os.PathLike = "results") -> dict[str, dict]:
+    """Every saved table holding rows of ``source`` (a notebook), with the provenance of those rows."""
+    found = {}
+    for sidecar in sorted(paths.resolve(results_dir).glob("*.json")):
+        try:
+            found[sidecar.stem] = load_provenance(sidecar.stem, results_dir, source)
+        except (KeyError, ValueError, json.JSONDecodeError):
+            continue
+    return found
+
+
 def provenance_line(meta: dict) -> str:
     """``"<count> x <GPU name>, torch <version>, commit <12 hex digits>, <date>"``: who measured a table."""
     gpu = f"{meta.get('gpu_count')} x {meta.get('gpu_name')}" if meta.get("gpu_count") else "CPU"

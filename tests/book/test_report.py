@@ -183,3 +183,33 @@ def test_a_resumed_render_takes_back_the_rows_its_stopped_call_logged(tmp_path, 
     assert df["size"].tolist() == ["small", "xl"] and not log.exists()  # saved: the log is gone
     (note,) = [line for line in capsys.readouterr().out.splitlines() if "earlier call" in line]
     assert numbers(note) == [1]
+
+
+def test_a_replay_names_the_machine_commit_and_neighbours_that_measured_its_tables(tmp_path, monkeypatch):
+    """A full replay on this machine of tables a GPU measured: the banner (and the index read from it) names the
+    GPU, its commit and date and the parameters it measured with, and whether that run was alone."""
+    from lab.book import index
+
+    gpu = dict(gpu="NVIDIA H200", gpu_name="NVIDIA H200", gpu_count=1, driver="580", cuda="13.0", torch="2.11.0",
+               triton="3.6.0", host_cpu="x86_64", commit="f" * 40, date="2026-11-28T10:00:00+00:00",
+               params={"quick": False, "sizes": ["2.7B"], "neighbours": []})
+    measured = report.Chapter("04_attention", {"quick": False}, str(tmp_path))
+    measured.table("lm_step", lambda: pd.DataFrame({"ms": [1.0]}))
+    sidecar = tmp_path / "lm_step.json"
+    meta = json.loads(sidecar.read_text())
+    meta["sources"]["04_attention"] = gpu  # as the GPU's render saved it
+    sidecar.write_text(json.dumps(meta))
+    shown = []
+    monkeypatch.setattr(report, "_display_markdown", lambda text, **kw: shown.append(text))
+    report.Chapter("04_attention", {"quick": True, "sizes": ["tiny"]}, str(tmp_path), replay=True).show_machine()
+    banner = shown[0]
+    assert banner.startswith("> Measured on **1 x NVIDIA H200**") and "f" * 40 in banner
+    assert "2.7B" in banner and "tiny" not in banner  # the parameters it was measured with
+    assert any(t.startswith("> **Alone:**") for t in shown)  # the measuring run's neighbours: none
+    md = lambda text: {"output_type": "display_data", "data": {"text/markdown": text}, "metadata": {}}
+    nb = {"metadata": {}, "nbformat": 4, "nbformat_minor": 5,
+          "cells": [{"cell_type": "code", "source": "", "metadata": {}, "outputs": [md(t) for t in shown]}]}
+    (tmp_path / "04_attention.ipynb").write_text(json.dumps(nb))
+    s = index.summary(tmp_path / "04_attention.ipynb")
+    assert s["machine"] == "1 x NVIDIA H200" and s["commit"] == "f" * 40 and s["date"] == "2026-11-28"
+    assert s["alone"] is True and s["replayed"]
