@@ -16,25 +16,10 @@ ops = pytest.importorskip("lab.kernels.flash_triton_ops")
 
 from lab.bench import attention_grid as ag  # noqa: E402
 from lab.bench.attention import attention_impl  # noqa: E402
+from tests.kernels.dispatch_support import GPU_SHAPES, fake, float64_reference, gpu_inputs, needs_hopper  # noqa: E402
 
 AUTO, GLUON, TRITON = (ft.FlashConfig(backward_kernel=k) for k in ("auto", "gluon", "triton"))
 BACKWARD = torch.ops.lab.flash_attention_backward.default
-
-
-def on_hopper() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
-@pytest.fixture
-def compiled_triton(monkeypatch):
-    """This process as one whose Triton compiles kernels (not the interpreter), on a GPU of the capability the
-    test sets (``set(capability)``)."""
-    monkeypatch.setattr(fd, "INTERPRET", False)
-    return lambda capability: monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-
-
-def fake(shape, dtype=torch.bfloat16, device="cuda"):
-    return torch.empty(*shape, dtype=dtype, device=device)
 
 
 # ------------------------------------------------------------------------------------------------ decision
@@ -304,35 +289,6 @@ def test_grid_rows_carry_bwd_kernel():
 
 
 # ------------------------------------------------------------------------------------------------ sm_90 GPU
-needs_hopper = pytest.mark.skipif(not on_hopper(), reason="needs an sm_90 GPU")
-
-GPU_SHAPES = [  # lead (batch, or batch and heads), n_q, n_k, d, dtype, causal; "model": (batch, seq, heads, d) views
-    ((2, 4), 1000, 1000, 128, torch.bfloat16, True),
-    ((2, 3), 512, 700, 64, torch.float16, False),
-    (6, 777, 777, 64, torch.bfloat16, True),
-    ("model", 640, 640, 128, torch.bfloat16, True),
-]
-
-
-def _gpu_inputs(lead, n_q, n_k, d, dtype, seed=0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    if lead == "model":  # the model's layout: (batch, heads, seq, d) views of (batch, seq, heads, d)
-        return [torch.randn(2, n, 4, d, device="cuda", dtype=dtype, generator=gen).transpose(1, 2).detach()
-                .requires_grad_() for n in (n_q, n_k, n_k)]
-    lead = (lead,) if isinstance(lead, int) else lead
-    return [torch.randn(*lead, n, d, device="cuda", dtype=dtype, generator=gen).requires_grad_()
-            for n in (n_q, n_k, n_k)]
-
-
-def _float64_grads(q, k, v, grad, causal):
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    scores = q64 @ k64.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    if causal:
-        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(mask, -math.inf)
-    return torch.autograd.grad(torch.softmax(scores, -1) @ v64, (q64, k64, v64), grad.double())
-
-
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "x".join(map(str, s[:4])) + f"-{s[4]}-causal{s[5]}")
@@ -342,14 +298,14 @@ def test_gpu_gluon_backward_matches_float64_and_the_portable_path(shape, forward
     model's strided views), after either forward, against float64 and against the portable backward: the same
     values and the same layouts of the gradients."""
     lead, n_q, n_k, d, dtype, causal = shape
-    q, k, v = _gpu_inputs(*shape[:5])
+    q, k, v = gpu_inputs(*shape[:5])
     assert fd.which_backward(q, k, v, causal, AUTO) == ("triton" if lead == "model" else "gluon")
     grad = torch.randn(q.shape, device="cuda", dtype=dtype, generator=torch.Generator(device="cuda").manual_seed(1))
     config = GLUON.replace(forward_kernel=forward_kernel)
     gluon = torch.autograd.grad(ft.FlashAttentionTriton.apply(q, k, v, causal, config), (q, k, v), grad)
     portable_config = ft.FlashConfig(forward_kernel="triton", backward_kernel="triton")
     portable = torch.autograd.grad(ft.FlashAttentionTriton.apply(q, k, v, causal, portable_config), (q, k, v), grad)
-    reference = _float64_grads(q, k, v, grad, causal)
+    reference = float64_reference(q, k, v, grad, causal)[2:]
     tol = 3e-2 if dtype == torch.bfloat16 else 1e-2
     for name, got, other, ref in zip(("dq", "dk", "dv"), gluon, portable, reference):
         assert got.shape == ref.shape and got.stride() == other.stride() and got.dtype == dtype, name

@@ -14,25 +14,10 @@ fd = pytest.importorskip("lab.kernels.flash_dispatch")
 ops = pytest.importorskip("lab.kernels.flash_triton_ops")
 
 from lab.bench.attention import attention_impl  # noqa: E402
+from tests.kernels.dispatch_support import GPU_SHAPES, fake, float64_reference, gpu_inputs, needs_hopper  # noqa: E402
 
 AUTO, GLUON, TRITON = (ft.FlashConfig(forward_kernel=k) for k in ("auto", "gluon", "triton"))
 FORWARD = torch.ops.lab.flash_attention_forward.default
-
-
-def on_hopper() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
-@pytest.fixture
-def compiled_triton(monkeypatch):
-    """This process as one whose Triton compiles kernels (not the interpreter), on a GPU of the capability the
-    test sets (``set(capability)``)."""
-    monkeypatch.setattr(fd, "INTERPRET", False)
-    return lambda capability: monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-
-
-def fake(shape, dtype=torch.bfloat16, device="cuda"):
-    return torch.empty(*shape, dtype=dtype, device=device)
 
 
 # ------------------------------------------------------------------------------------------------ decision
@@ -218,36 +203,6 @@ def test_traced_gluon_forward_stays_one_opaque_op(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------ sm_90 GPU
-needs_hopper = pytest.mark.skipif(not on_hopper(), reason="needs an sm_90 GPU")
-
-GPU_SHAPES = [  # lead (batch, or batch and heads), n_q, n_k, d, dtype, causal; "model": (batch, seq, heads, d) views
-    ((2, 4), 1000, 1000, 128, torch.bfloat16, True),
-    ((2, 3), 512, 700, 64, torch.float16, False),
-    (6, 777, 777, 64, torch.bfloat16, True),
-    ("model", 640, 640, 128, torch.bfloat16, True),
-]
-
-
-def _gpu_inputs(lead, n_q, n_k, d, dtype, seed=0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    if lead == "model":  # the model's layout: (batch, heads, seq, d) views of (batch, seq, heads, d)
-        return [torch.randn(2, n, 4, d, device="cuda", dtype=dtype, generator=gen).transpose(1, 2).detach()
-                .requires_grad_() for n in (n_q, n_k, n_k)]
-    lead = (lead,) if isinstance(lead, int) else lead
-    return [torch.randn(*lead, n, d, device="cuda", dtype=dtype, generator=gen).requires_grad_()
-            for n in (n_q, n_k, n_k)]
-
-
-def _float64(q, k, v, grad, causal):
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    scores = q64 @ k64.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    if causal:
-        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(mask, -math.inf)
-    out = torch.softmax(scores, -1) @ v64
-    return (out, torch.logsumexp(scores, -1), *torch.autograd.grad(out, (q64, k64, v64), grad.double()))
-
-
 def _run(q, k, v, grad, causal, config):
     out = ft.FlashAttentionTriton.apply(q, k, v, causal, config)
     (lse,) = [t for t in out.grad_fn.saved_tensors if t.shape == q.shape[:-1]]
@@ -262,13 +217,13 @@ def test_gpu_gluon_forward_with_triton_backward_matches_float64_and_the_portable
     model's strided views) and the portable backward, against float64 and against the portable forward: the
     same values, the same layouts of the output and the gradients, the logsumexp the backward reads."""
     lead, n_q, n_k, d, dtype, causal = shape
-    q, k, v = _gpu_inputs(*shape[:5])
+    q, k, v = gpu_inputs(*shape[:5])
     assert fd.which_forward(q, k, v, causal, AUTO) == ("triton" if lead == "model" else "gluon")
     assert fd.which_forward(q, k, v, causal, GLUON) == "gluon"
     grad = torch.randn(q.shape, device="cuda", dtype=dtype, generator=torch.Generator(device="cuda").manual_seed(1))
     gluon = _run(q, k, v, grad, causal, GLUON.replace(backward_kernel="triton"))
     portable = _run(q, k, v, grad, causal, TRITON.replace(backward_kernel="triton"))
-    reference = _float64(q, k, v, grad, causal)
+    reference = float64_reference(q, k, v, grad, causal)
     tol = 3e-2 if dtype == torch.bfloat16 else 1e-2
     names = ("out", "lse", "dq", "dk", "dv")
     for name, got, other, ref in zip(names, gluon, portable, reference):
