@@ -456,5 +456,5 @@ _MACHINE_PHRASES = re.compile(r"\d[eE][+]\d|CUDA out of memory|Tried to allocate
 
 
 def machine_phrases(text: str) -> list[str]:
-    """Fragments of ``text`` a person would not write: exponent notation, an allocator's message, ``nan``."""
-    return [m.group() for m in _MACHINE_PHRASES.finditer(text)]
+    """What a person would not write (exponent notation, an allocator's message, nan); ``$...$`` formulas left out."""
+    return [m.group() for m in _MACHINE_PHRASES.finditer(re.sub(r"\$[^$\n]+\$", "", text))]

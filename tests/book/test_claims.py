@@ -130,6 +130,8 @@ def test_machine_phrases_are_found():
     assert cl.machine_phrases("memory is higher by 0 B") == ["0 B"]
     assert cl.machine_phrases("(ratio 1.52, 95% interval 1.52)") == ["interval 1.52"]
     assert not cl.machine_phrases("(ratio 0.803, 95% interval 0.803-0.804); 512 bytes; interval none")
+    assert not cl.machine_phrases("| dp | forward | $\\frac{6 B D F}{N}$ |")  # symbols of a formula
+    assert cl.machine_phrases("$x$ grew by 0 B") == ["0 B"]
     assert not cl.machine_phrases(f"(95% interval {cl.interval(2.5, 2.5)}) of a 2.7B model")
     for one_ended in ("interval -0.5)", "interval 12 ms)", "interval 1.52, so"):
         assert cl.machine_phrases(one_ended), one_ended
