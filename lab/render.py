@@ -19,6 +19,7 @@ from typing import Sequence
 import lab
 from lab import cli, paths
 from lab.bench.progress import PREFIX as PROGRESS_PREFIX
+from lab.book.claims import machine_phrases
 from lab.book.index import summary
 from lab.cli import UsageError
 from lab.measure import machine
@@ -327,6 +328,16 @@ def export_html(executed: Path) -> Path | None:
     return html
 
 
+def machine_made(report: Path) -> list[str]:
+    """The phrases a person would not write (:func:`lab.book.claims.machine_phrases`) in an executed report's
+    Markdown outputs: the prose and tables the book generated, which its claims should have put into words."""
+    import json
+
+    cells = json.loads(report.read_text()).get("cells", [])
+    return [phrase for c in cells for o in c.get("outputs", [])
+            for phrase in machine_phrases("".join((o.get("data") or {}).get("text/markdown", "")))]
+
+
 def rendered_here(report: Path, params: dict) -> bool:
     """Whether ``report`` is this commit's render on this kind of machine (GPU model and count) with these
     parameters (``replay`` aside): what ``--resume`` keeps rather than renders again."""
@@ -380,6 +391,9 @@ def render(profile: str = "quick", only: Sequence[str] | None = None, html: bool
             export_html(out)
         print(f"[render:{profile}] {nb.name} done in {time.perf_counter() - start:.0f} s -> "
               f"{paths.repo_relative(out)}", flush=True)
+        if phrases := machine_made(out):
+            print(f"[render:{profile}] {nb.stem} reads {len(phrases)} machine-made phrases, such as "
+                  f"{', '.join(repr(p) for p in dict.fromkeys(phrases))}"[:400], flush=True)
         done.append(out)
     return done
 

@@ -1,5 +1,7 @@
 """The render command: one-line errors for a misspelt parameter, an unreadable value or an unknown notebook."""
 
+import json
+
 import pytest
 
 from lab import render
@@ -120,3 +122,11 @@ def test_resume_keeps_a_report_of_this_commit_and_reads_back_what_it_measured(tm
     ran.clear()
     render.render("quick", ["01", "03"], html=False, resume=True)
     assert list(ran) == ["01_profiling", "03_memory"] and ran["03_memory"]["replay"] == []
+
+
+def test_machine_made_phrases_of_a_report_are_found(tmp_path):
+    md = lambda text: {"output_type": "display_data", "data": {"text/markdown": text}, "metadata": {}}
+    nb = {"cells": [{"cell_type": "code", "source": "", "outputs": [md("took 1.283e+04 ms"), md("$4 B D$ FLOPs")]},
+                    {"cell_type": "markdown", "source": "nan in the notebook's own text is not an output"}]}
+    (tmp_path / "r.ipynb").write_text(json.dumps(nb))
+    assert render.machine_made(tmp_path / "r.ipynb") == ["3e+0"]
