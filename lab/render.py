@@ -333,7 +333,7 @@ def machine_made(report: Path) -> list[str]:
     Markdown outputs: the prose and tables the book generated, which its claims should have put into words."""
     import json
 
-    cells = json.loads(report.read_text()).get("cells", [])
+    cells = json.loads(report.read_text()).get("cells", []) if report.exists() else []
     return [phrase for c in cells for o in c.get("outputs", [])
             for phrase in machine_phrases("".join((o.get("data") or {}).get("text/markdown", "")))]
 
