@@ -3,6 +3,7 @@ timed by :func:`lab.bench.ddp.benchmark_ddp` (every wrapper, torch DDP and one d
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Sequence
@@ -30,7 +31,8 @@ class DDPRun:
     interleaving: Interleaving = field(default_factory=Interleaving)
     profile_steps: int = 1
     note: str = ""
-    #: the step that hides more (:meth:`hide_more`): size, context, batch, compile, loss_steps, busy
+    #: the step that hides more (:meth:`hide_more`): size, context, batch, compile, loss_steps, busy, and on the
+    #: CPU rounds (the rule's fewest: its toy step shows the code path, not a GPU's verdict)
     hide: dict = field(default_factory=dict)
 
     @property
@@ -64,8 +66,9 @@ class DDPRun:
         curve as a JSON list (``loss_curve``)."""
         h = self.hide
         with busy_host(busy):
+            rounds = dataclasses.replace(self.interleaving, rounds=h.get("rounds", self.interleaving.rounds))
             table, losses = overlap.measure("ddp", h["size"], h["context"], h["batch"], self.world_size, self.device,
-                                            self.interleaving, bucket_mb, h["loss_steps"], artifacts_dir=artifacts_dir,
+                                            rounds, bucket_mb, h["loss_steps"], artifacts_dir=artifacts_dir,
                                             plan=overlap.plan_for("ddp", bucket_mb, h["compile"]))
         curves = {e: json.dumps([float(x) for x in g.sort_values("step")["loss"]]) for e, g in losses.groupby("entry")}
         return table.assign(busy_host=busy, loss_curve=[curves.get(e, "[]") for e in table["entry"]])
@@ -86,7 +89,7 @@ def plan_run(quick: bool, device: str = "auto", world_size: int = 2, configs: Se
     # the goal's step; on a GPU half the host's cores kept busy for the second timing (none on the CPU, whose
     # ranks are the host)
     hide = (dict(size="2.7B", context=512, batch=2, compile="block", loss_steps=10, busy=(os.cpu_count() or 2) // 2)
-            if on_gpu else dict(size="tiny", context=16, batch=2, compile="none", loss_steps=3, busy=0))
+            if on_gpu else dict(size="tiny", context=16, batch=2, compile="none", loss_steps=3, busy=0, rounds=5))
     return DDPRun("cuda" if on_gpu else "cpu", world_size, tuple(dict(c) for c in configs),
                   tuple(float(b) for b in buckets), profile_interleaving(on_gpu, rounds, steps_per_round, warmup,
                                                                          schedule), note=note, hide=hide)
