@@ -219,3 +219,18 @@ def test_backward_matches_float64_and_the_portable_kernel(shape, dq_writer):
         # 16-bit P and dS: about 1e-3 of the gradient's largest value, as the portable kernel's
         assert error < (2e-2 if dtype == torch.bfloat16 else 5e-3), (name, error)
         assert error < 2 * relative_error(other, ref) + 2e-3, (name, error, relative_error(other, ref))
+
+
+def test_without_the_tma_reduction_dq_is_added_by_the_consumers(monkeypatch):
+    """Under a Triton whose IR builder may lack the TMA reduce-add (any but 3.6), d 128 adds dQ with the consumers'
+    atomics, and asking for the writer warp is a one-line error; with it, d 128 uses the writer and d 64 not."""
+    q = torch.empty(1, 2, 256, 128, dtype=torch.bfloat16)
+    rows, accum = torch.empty(1, 2, 256), torch.empty(1, 2, 256, 128)
+    monkeypatch.setattr(flash_gluon_backward, "TMA_REDUCE", True)
+    assert flash_gluon_backward.dq_writer_default(128) and not flash_gluon_backward.dq_writer_default(64)
+    monkeypatch.setattr(flash_gluon_backward, "TMA_REDUCE", False)
+    assert not flash_gluon_backward.dq_writer_default(128)
+    _, _, constexprs, _, _ = flash_gluon_backward.backward_launch(q, q, q, q, rows, rows, accum, q, q, True)
+    assert constexprs["DQ_WRITER"] is False
+    with pytest.raises(ValueError, match="TMA reduce-add"):
+        flash_gluon_backward.backward_launch(q, q, q, q, rows, rows, accum, q, q, True, dq_writer=True)
