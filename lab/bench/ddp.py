@@ -173,7 +173,7 @@ def _profile(step, dev: torch.device, n_steps: int, name: str, trace_dir: str | 
     return {"comm_ms": summary["communication_ms"] / n_steps, "overlap_frac": summary["overlap_share"],
             "step_gpu_ms": summary["busy_ms"] / n_steps if gpu else math.nan,
             "step_compute_gpu_ms": summary["compute_ms"] / n_steps if gpu else math.nan, "trace": str(path),
-            **{k: v for k, v in phase_breakdown(trace, n_steps).items() if k in PHASE_COLUMNS}}
+            **{k: v for k, v in phase_breakdown(trace, n_steps, summary).items() if k in PHASE_COLUMNS}}
 
 
 # --------------------------------------------------------------------------------------------------------

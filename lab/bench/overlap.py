@@ -162,7 +162,7 @@ def _profile(step, path: Path) -> dict:
     trace = json.loads(path.read_text())  # read once, for the timeline and the phases
     timeline = read_trace(trace)
     summary = step_overlap(timeline)
-    phases = {k: v for k, v in phase_breakdown(trace).items() if k in PHASE_COLUMNS and k != "optimizer_ms"}
+    phases = {k: v for k, v in phase_breakdown(trace, 1, summary).items() if k in PHASE_COLUMNS and k != "optimizer_ms"}
     return dict(comm_ms=summary["communication_ms"], overlap_frac=summary["overlap_share"],
                 **phases, **optimizer_overlap(timeline), trace=str(path))  # the update's own time is the union
 

@@ -180,17 +180,16 @@ def _query_tile(i, t, dk, dv, k_smem, v_w, q_smem, do_smem, ds_smem, dq_smem, q_
     else:
         dq, dv, dk, _, _ = warpgroup_mma_wait(0, deps=(dq, dv_tok, dk_tok, pt_op, dst_op))
         mbarrier.arrive(q_empty.index(slot))
-        _add_dq(dq, dq_ptr, dq_base, i, n_q, WG, BLOCK_M, HEAD_DIM, 4)
+        _add_dq(dq, dq_ptr, dq_base, i, n_q, WG, BLOCK_M, HEAD_DIM)
     return dk, dv
 
 
 @gluon.jit
-def _add_dq(dq, dq_ptr, dq_base, i, n_q, WG: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-            WARPS: gl.constexpr):
+def _add_dq(dq, dq_ptr, dq_base, i, n_q, WG: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr):
     """Add ``dq`` (rows of query tile ``i``, columns of half ``WG`` of the head dimension) to the fp32
     accumulator in device memory, four consecutive values a thread (16-byte atomics)."""
     COLS: gl.constexpr = HEAD_DIM // 2
-    layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (COLS // 4), COLS // 4], [WARPS, 1], [1, 0])
+    layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (COLS // 4), COLS // 4], [4, 1], [1, 0])  # a warp group
     dq = gl.convert_layout(dq, layout)
     rows = i * BLOCK_M + gl.arange(0, dq.shape[0], layout=gl.SliceLayout(1, layout))
     cols = WG * COLS + gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))

@@ -243,14 +243,15 @@ def kernel_phase(name: str, launched_in: str) -> str:
     return {"fused attention": "attention", "other": "other_kernels"}.get(kind, kind)
 
 
-def phase_breakdown(trace: str | Path | dict, steps: int = 1) -> dict[str, float | str]:
+def phase_breakdown(trace: str | Path | dict, steps: int = 1, overlap: dict | None = None) -> dict[str, float | str]:
     """Milliseconds per step by phase (:data:`PHASE_COLUMNS`) from a profiled step's Chrome trace (a path, or
     the dict a caller that reads the trace too has loaded): kernel
     time by :func:`kernel_phase`, the communication that overlapped no compute, and the time no kernel ran
     (``idle_ms``: launch gaps; with the exposed communication and the compute kernels' union it fills the
     profiled window); ``other_kernels_top`` names the :data:`OTHER_TOP` largest
     kernels of ``other kernels`` (``"name=ms; ..."``; names cut to 80 characters, and kernels whose names
-    agree that far counted as one)."""
+    agree that far counted as one). ``overlap``: the trace's :func:`lab.measure.traces.step_overlap`, where the
+    caller has it already (the trace's timeline is then not read again)."""
 
     if not isinstance(trace, dict):
         trace = json.loads(Path(trace).read_text())  # read once, for both readers
@@ -265,7 +266,7 @@ def phase_breakdown(trace: str | Path | dict, steps: int = 1) -> dict[str, float
     other = kernels.assign(phase=phases, short=kernels["name"].str.slice(0, 80)).query("phase == 'other_kernels'")
     top = other.groupby("short")["dur_ms"].sum().sort_values(ascending=False).head(OTHER_TOP) / steps
     out["other_kernels_top"] = "; ".join(f"{name}={ms:.4g}" for name, ms in top.items())
-    overlap = step_overlap(read_trace(trace))
+    overlap = overlap or step_overlap(read_trace(trace))
     out["exposed_communication_ms"] = (overlap["communication_ms"] - overlap["overlapped_ms"]) / steps
     window = overlap.get("window_ms", math.nan)
     out["idle_ms"] = (window - overlap["busy_ms"]) / steps if window == window else math.nan

@@ -202,16 +202,9 @@ def measured_by(source: str, commit: str, results_dir: str | os.PathLike = "resu
     if not clean_commit(commit):  # a dirty tree's or an unknown commit measured nothing
         return []
     here = here or provenance()
-    found = []
-    for sidecar in sorted(paths.resolve(results_dir).glob("*.json")):
-        try:
-            meta = load_provenance(sidecar.stem, results_dir, source)
-        except (KeyError, ValueError):
-            continue
-        if (meta.get("commit") == commit and meta.get("gpu_name") == here.get("gpu_name")
-                and meta.get("gpu_count") == here.get("gpu_count")):
-            found.append(sidecar.stem)
-    return found
+    return [name for name, meta in tables_of(source, results_dir).items()
+            if (meta.get("commit") == commit and meta.get("gpu_name") == here.get("gpu_name")
+                and meta.get("gpu_count") == here.get("gpu_count"))]
 
 
 def load_provenance(name: str, results_dir: str | os.PathLike = "results", source: str | None = None) -> dict:

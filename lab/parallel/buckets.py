@@ -64,6 +64,11 @@ class Bucket:
         elif moved:
             torch._foreach_copy_([view for view, _ in moved], [g for _, g in moved])
 
+    def copy_out(self) -> None:
+        """Once reduced: the average from a compressed ``buffer`` back into ``grads`` (nothing where they are one)."""
+        if self.buffer is not self.grads:
+            self.grads.copy_(self.buffer)
+
     def mark_used(self, stream: torch.cuda.Stream) -> None:
         """The caching allocator holds the buffers back, once freed, until ``stream`` has passed the free."""
         self.grads.record_stream(stream)

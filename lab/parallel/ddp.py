@@ -357,8 +357,7 @@ class DDPBucketed(_DataParallel):
             bucket.work = self._start_average(bucket.buffer)
             torch.cuda.set_stream(back)
             bucket.work.wait()  # this stream waits for the collective, the host goes on
-            if bucket.buffer is not bucket.grads:
-                bucket.grads.copy_(bucket.buffer)
+            bucket.copy_out()
             bucket.done.record(back)
         finally:
             torch.cuda.set_stream(compute)
@@ -370,8 +369,7 @@ class DDPBucketed(_DataParallel):
             torch.cuda.current_stream(bucket.grads.device).wait_event(bucket.done)
         else:
             bucket.work.wait()
-            if bucket.buffer is not bucket.grads:
-                bucket.grads.copy_(bucket.buffer)
+            bucket.copy_out()
         if bucket.grads.is_cuda and self.ready_order is not None:  # the rebuild after this backward frees them
             bucket.mark_used(torch.cuda.current_stream(bucket.grads.device))
         bucket.reduced = True
