@@ -61,6 +61,9 @@ IMPLS = ("ddp", "sharded_optimizer", "zero1", "fsdp", "torch_zero", "torch_fsdp2
 PEAKS = ("peak_before_step", "peak_after_step", "peak")
 LR = 1e-4
 WEIGHT_DECAY = 0.01
+#: Every implementation's optimizer: torch's AdamW as constructed (foreach on CUDA), whose temporaries the
+#: sharded optimizers' chunking bounds; the ledger keys a step by it.
+OPTIMIZER = "AdamW, torch's default (foreach on CUDA)"
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ KINDS: dict[str, tuple[str, ...]] = {
     # one mode of a language-model step on one process: forward, forward+backward or the full train step
     "lm_step": ("size", "context", "batch", "dtype", "attention", "compile", "fused_loss", "mode"),
     # a data-parallel training step, per rank
-    "ddp_step": ("impl", "size", "context", "batch", "dtype", "world_size", "bucket_mb"),
+    "ddp_step": ("impl", "size", "context", "batch", "dtype", "world_size", "bucket_mb", "optimizer"),
     # one attention call, keyed by the forward and the backward kernel that ran (``kernel``, ``bwd_kernel``)
     "attention": ("impl", "kernel", "bwd_kernel", "dtype", "batch", "heads", "seq_len", "d", "causal", "pass",
                   "timing"),
@@ -185,13 +185,14 @@ def check(results_dir, source: str) -> list[str]:
     return lines
 
 
-def ddp_step_entries(rows, impl: str, label) -> list[dict]:
+def ddp_step_entries(rows, impl: str, label, optimizer: str) -> list[dict]:
     """The torch DDP rows (``impl``, built by :func:`lab.parallel.ddp.torch_ddp`) of a table that 07 and 08 both
     measure as ``ddp_step`` entries, host-bound and GPU time by the profiled step's kernels without collectives;
-    ``label(row)`` names a row."""
+    ``label(row)`` names a row, ``optimizer`` the optimizer every row stepped (part of what was measured)."""
     return [entry("ddp_step", (m := Measured.from_row(label(r), r, "step_ms")).summary, "ms", m.label, m.host_bound,
                   m.gpu_ms, impl="torch_ddp", size=r["size"], context=r["context"],
-                  batch=r["batch"], dtype=r["dtype"], world_size=r["world_size"], bucket_mb=TORCH_DDP_BUCKET_MB)
+                  batch=r["batch"], dtype=r["dtype"], world_size=r["world_size"], bucket_mb=TORCH_DDP_BUCKET_MB,
+                  optimizer=optimizer)
             for _, r in rows.iterrows() if r["status"] == "ok" and r["impl"] == impl]
 
 

@@ -20,6 +20,7 @@ from lab.book import claims as cl
 from lab.book import ledger, report
 from lab.book.plots import save_figure
 from lab.measure.profiling import phase_gaps
+from lab.measure.step import OPTIMIZER
 from lab.measure.traces import existing_trace, plot_timeline, read_trace, step_overlap
 from lab.measure.verdicts import FASTER, SLOWER, WITHIN_NOISE
 
@@ -137,7 +138,7 @@ def plot_step_times(bench: pd.DataFrame):
 
 def ledger_entries(bench: pd.DataFrame) -> list[dict]:
     """The torch DDP rows as ``ddp_step`` entries of the ledger (notebook 08 times torch DDP too)."""
-    return ledger.ddp_step_entries(_labelled(bench), "torch_ddp", lambda r: f"torch DDP, {r['config']}")
+    return ledger.ddp_step_entries(_labelled(bench), "torch_ddp", lambda r: f"torch DDP, {r['config']}", OPTIMIZER)
 
 
 # ----------------------------------------------------------------------------------------------------------

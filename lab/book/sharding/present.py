@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 import pandas as pd
 
 from lab.bench.interleaved import samples
+from lab.bench.sharding import OPTIMIZER
 from lab.book import claims as cl
 from lab.book import ledger
 from lab.book.plots import save_figure
@@ -79,7 +80,7 @@ def failures(df: pd.DataFrame) -> list[cl.Observed]:
 
 def ledger_entries(df: pd.DataFrame) -> list[dict]:
     """The DDP rows (torch DDP, default buckets) as ``ddp_step`` entries of the ledger (notebook 07 times it too)."""
-    return ledger.ddp_step_entries(df, "ddp", lambda r: f"torch DDP, {r['size']} {r['dtype']}")
+    return ledger.ddp_step_entries(df, "ddp", lambda r: f"torch DDP, {r['size']} {r['dtype']}", OPTIMIZER)
 
 
 # ----------------------------------------------------------------------------------------------------------

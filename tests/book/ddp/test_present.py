@@ -91,7 +91,7 @@ def test_ledger_enters_torch_ddp_rows():
     (e,) = ddp_book.ledger_entries(bench())
     assert e["kind"] == "ddp_step" and e["n"] == 10 and e["median"] == pytest.approx(110.0, rel=0.01)
     assert e["key"] == ledger.key("ddp_step", impl="torch_ddp", size="tiny", context=32, batch=2, dtype="fp32",
-                                  world_size=2, bucket_mb=25)
+                                  world_size=2, bucket_mb=25, optimizer="AdamW, fused on CUDA")
 
 
 def _timeline(comm_start, comm_end, compute_end=10.0):

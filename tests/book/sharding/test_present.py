@@ -161,7 +161,7 @@ def test_ledger_enters_the_ddp_rows_as_torch_ddp():
     (e,) = sharding_book.ledger_entries(table())
     assert e["kind"] == "ddp_step" and e["n"] == 10 and e["median"] == pytest.approx(100, rel=0.01)
     assert e["key"] == ledger.key("ddp_step", impl="torch_ddp", size="xl", context=512, batch=2, dtype="bf16",
-                                  world_size=2, bucket_mb=25)
+                                  world_size=2, bucket_mb=25, optimizer=sharding_book.OPTIMIZER)
 
 
 def _timeline(gather_end, compute_start):
@@ -198,28 +198,39 @@ def test_plots():
     assert list(sharding_book.benchmark_table(table()).columns[:4]) == ["size", "impl", "status", "step_ms"]
 
 
-def test_torch_ddp_in_07_and_08_meets_in_the_ledger(tmp_path):
-    """The same torch DDP step measured by 07 (``torch_ddp``) and 08 (``ddp``) has one key: 188 ms against 270 ms
-    on one GPU model stops the render, naming both rows."""
+def test_torch_ddp_in_07_and_08_meets_in_the_ledger_under_one_optimizer(tmp_path, monkeypatch):
+    """A torch DDP step measured by 07 (``torch_ddp``) and 08 (``ddp``) is one measurement where both step the
+    same optimizer: 188 ms against 270 ms on one GPU model stops the render, naming both rows. 07's fused AdamW
+    and 08's foreach AdamW are two measurements, and never compared."""
     from lab.book.ddp import present as ddp_book
+    from lab.measure import step
 
     sharding = table(size="2.7B")
     sharding.loc[sharding["impl"] == "ddp", "step_samples_ms"] = _samples(270.0, 0.005, 0)
     ddp = pd.DataFrame([dict(impl="torch_ddp", bucket_mb=25.0, world_size=2, size="2.7B", context=512, batch=2,
                              dtype="bf16", config="2.7B bf16", status="ok", step_samples_ms=_samples(188.0, 0.005, 1))])
-    (ours,), (theirs,) = sharding_book.ledger_entries(sharding), ddp_book.ledger_entries(ddp)
-    assert ours["key"] == theirs["key"]
     h200 = dict(gpu="NVIDIA H200", host_cpu="x86_64")
+    (ours,), (theirs,) = sharding_book.ledger_entries(sharding), ddp_book.ledger_entries(ddp)
+    assert ours["key"] != theirs["key"]
     ledger.record([theirs], tmp_path, "07_ddp", dict(h200, commit="a"))
+    ledger.record([ours], tmp_path, "08_sharding", dict(h200, commit="b"))
+    assert ledger.check(tmp_path, "08_sharding") == []
+    monkeypatch.setattr(sharding_book, "OPTIMIZER", step.OPTIMIZER)
+    (ours,) = sharding_book.ledger_entries(sharding)
+    assert ours["key"] == theirs["key"]
     ledger.record([ours], tmp_path, "08_sharding", dict(h200, commit="b"))
     with pytest.raises(ledger.LedgerMismatch, match="07_ddp"):
         ledger.check(tmp_path, "08_sharding")
 
 
-def test_host_bound_torch_ddp_steps_meet_in_the_ledger_by_their_gpu_time(tmp_path):
-    """Both steps host-bound (the GPU ran kernels for 90 of 188 and of 270 ms): the ledger compares the GPU's
-    own work (kernels other than the collectives'), which agrees here, and stops the render where it does not."""
+def test_host_bound_torch_ddp_steps_meet_in_the_ledger_by_their_gpu_time(tmp_path, monkeypatch):
+    """Both steps host-bound (the GPU ran kernels for 90 of 188 and of 270 ms) and stepping one optimizer: the
+    ledger compares the GPU's own work (kernels other than the collectives'), which agrees here, and stops the
+    render where it does not."""
     from lab.book.ddp import present as ddp_book
+    from lab.measure import step
+
+    monkeypatch.setattr(sharding_book, "OPTIMIZER", step.OPTIMIZER)
 
     def entries(compute_07, compute_08):
         sharding = table(size="2.7B")
