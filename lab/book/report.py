@@ -48,7 +48,7 @@ def _display_markdown(text: str, display_id: str | None = None, update: bool = F
 
 
 def _machine(p: dict) -> str:
-    return (f"**{p['gpu_count']} x {p['gpu_name']}** (driver {p['driver']}, CUDA {p['cuda']}) on a {p['host_cpu']} host"
+    return (f"**{p['gpu_count']} x {p['gpu_name']}** (driver {p['driver']}, CUDA {p['cuda']}), host CPU {p['host_cpu']}"
             if p.get("gpu_count") else f"**CPU only** ({p.get('host_cpu')})")
 
 
