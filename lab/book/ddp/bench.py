@@ -63,12 +63,15 @@ class DDPRun:
         with the optimizer inside the backward, each timed against the entry one choice away (``hide``'s model;
         on a GPU each block compiled, so that the kernels rather than the launches set the pace); the rows
         (``busy_host``: ``busy``, the processes that kept host cores busy meanwhile), with each entry's loss
-        curve as a JSON list (``loss_curve``)."""
+        curve as a JSON list (``loss_curve``). With the host busy only the rounds are timed: the loss curves and
+        the profiled step, which the host's load does not change, are the quiet run's (and would double its
+        time)."""
         h = self.hide
         with busy_host(busy):
             rounds = dataclasses.replace(self.interleaving, rounds=h.get("rounds", self.interleaving.rounds))
             table, losses = overlap.measure("ddp", h["size"], h["context"], h["batch"], self.world_size, self.device,
-                                            rounds, bucket_mb, h["loss_steps"], artifacts_dir=artifacts_dir,
+                                            rounds, bucket_mb, 0 if busy else h["loss_steps"], profile=not busy,
+                                            artifacts_dir=artifacts_dir,
                                             plan=overlap.plan_for("ddp", bucket_mb, h["compile"]))
         curves = {e: json.dumps([float(x) for x in g.sort_values("step")["loss"]]) for e, g in losses.groupby("entry")}
         return table.assign(busy_host=busy, loss_curve=[curves.get(e, "[]") for e in table["entry"]])

@@ -17,3 +17,23 @@ def test_plan_run_profiles():
         assert full.device == "cpu" and "needs 2 GPUs" in full.note
     params = quick.params()
     assert params["run_device"] == "cpu" and params["rounds"] == quick.interleaving.rounds
+
+
+def test_hide_more_times_only_the_rounds_with_the_host_busy(monkeypatch):
+    """The loss curves and the profiled step come from the quiet run; the busy one only times the rounds."""
+    import pandas as pd
+
+    calls = []
+
+    def measure(part, size, context, batch, world, device, rounds, bucket_mb, loss_steps, profile=True, **kw):
+        calls.append((loss_steps, profile))
+        losses = pd.DataFrame(dict(entry=["a"] * loss_steps, step=range(loss_steps), loss=[1.0] * loss_steps))
+        return pd.DataFrame(dict(entry=["a"], step_ms=[1.0])), losses
+
+    monkeypatch.setattr(ddp_bench.overlap, "measure", measure)
+    monkeypatch.setattr(ddp_bench, "busy_host", lambda n: __import__("contextlib").nullcontext())
+    run = ddp_bench.plan_run(True)
+    quiet, busy = run.hide_more(1.0), run.hide_more(1.0, busy=2)
+    assert calls == [(run.hide["loss_steps"], True), (0, False)]
+    assert quiet["loss_curve"].iloc[0] == "[1.0, 1.0, 1.0]" and busy["loss_curve"].iloc[0] == "[]"
+    assert list(busy["busy_host"]) == [2]
