@@ -97,7 +97,10 @@ class FlashConfig:
       over key tiles in fp32 in an order that varies from run to run, so its dQ is not bitwise reproducible; an
       error where it cannot run), ``"triton"``, the portable backward, or ``"auto"``: Gluon where it can run on
       contiguous q, k, v unless ``backward_launch`` or ``bwd_tiles`` fix the portable backward's launch, the
-      portable kernel elsewhere. The other fields configure the portable kernels only.
+      portable kernel elsewhere. The deterministic option is PyTorch's own: under
+      ``torch.use_deterministic_algorithms(True)`` ``"auto"`` runs the portable backward (the same bits on every
+      run) and ``"gluon"`` is an error (a warning with ``warn_only=True``). The other fields configure the
+      portable kernels only.
 
     Variants that never won were removed, what they measured kept in ``results/``: the forward's overlapped
     key loop (``flash_triton_forward``), the five-product backward launches with atomic or ordered dQ, ``D``

@@ -22,6 +22,8 @@ on the result tables, which say which kernels ran), and :func:`forward` and :fun
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from lab.kernels.flash_config import DEFAULT_CONFIG, INTERPRET, FlashConfig
@@ -32,6 +34,10 @@ from lab.kernels.flash_launch import launch
 from lab.kernels.flash_triton_backward import flash_backward
 from lab.kernels.flash_triton_forward import flash_forward
 from lab.kernels.triton_env import empty_in_layout
+
+#: Why the backward is the portable one under ``torch.use_deterministic_algorithms(True)``.
+DETERMINISTIC = ("deterministic algorithms on (torch.use_deterministic_algorithms): the Gluon backward's dQ is not "
+                 "bitwise reproducible, the portable backward's is")
 
 __all__ = ["auto_declines_gluon", "backward", "forward", "gluon_refusal", "which_backward", "which_forward"]
 
@@ -64,7 +70,11 @@ def auto_declines_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, confi
       them first (the backward its gradients back out too), and for the forward the copies were measured to
       cost more than its schedule saves; the portable kernels read and write any strides. The backward decides
       on q, k and v alone, as the forward does, so that a table can say which backward runs before the output
-      and its gradient exist (a strided output or gradient is copied)."""
+      and its gradient exist (a strided output or gradient is copied);
+    * the backward under ``torch.use_deterministic_algorithms(True)``: the Gluon backward adds dQ's shares in
+      an order that varies from run to run, the portable one gives the same bits on every run."""
+    if direction == "bwd" and torch.are_deterministic_algorithms_enabled():
+        return DETERMINISTIC
     if direction == "fwd" and config.fwd_tiles:
         return "the config fixes the portable forward's tiles (fwd_tiles)"
     if direction == "bwd" and (config.bwd_tiles or config.backward_launch != "auto"):
@@ -80,9 +90,13 @@ def _which(q, k, v, causal, config, direction: str) -> str:
         return "triton"
     refusal = gluon_refusal(q, k, v, causal)
     if setting == "gluon":
+        name = "forward" if direction == "fwd" else "backward"
         if refusal is not None:
-            name = "forward" if direction == "fwd" else "backward"
             raise ValueError(f"{name}_kernel='gluon', but the Gluon {name} cannot run these inputs ({refusal})")
+        if direction == "bwd" and torch.are_deterministic_algorithms_enabled():
+            if not torch.is_deterministic_algorithms_warn_only_enabled():
+                raise RuntimeError(f"backward_kernel='gluon' with {DETERMINISTIC}: choose 'auto' or 'triton'")
+            warnings.warn(f"backward_kernel='gluon' with {DETERMINISTIC}", stacklevel=3)
         return "gluon"
     return "gluon" if refusal is None and auto_declines_gluon(q, k, v, config, direction) is None else "triton"
 

@@ -288,7 +288,46 @@ def test_grid_rows_carry_bwd_kernel():
     assert df.loc["sdpa", "kernel"] == df.loc["sdpa", "bwd_kernel"] == ""
 
 
+@pytest.fixture
+def deterministic():
+    """torch.use_deterministic_algorithms for one test: ``deterministic(warn_only)`` turns it on."""
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    yield lambda warn_only=False: torch.use_deterministic_algorithms(True, warn_only=warn_only)
+    torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+def test_deterministic_algorithms_take_the_portable_backward(compiled_triton, deterministic):
+    """PyTorch's deterministic switch is the backward's deterministic option: auto runs the portable backward
+    (the same bits every run), forcing Gluon's is an error (a warning with warn_only); the forward, whose
+    Gluon kernel adds nothing across programs, is not affected."""
+    compiled_triton((9, 0))
+    with FakeTensorMode():
+        q = fake((1, 2, 64, 128))
+        assert fd.which_backward(q, q, q, True, AUTO) == "gluon"
+        deterministic()
+        assert fd.which_backward(q, q, q, True, AUTO) == "triton"
+        assert fd.auto_declines_gluon(q, q, q, AUTO, "bwd") == fd.DETERMINISTIC
+        assert fd.which_forward(q, q, q, True, AUTO) == "gluon"
+        with pytest.raises(RuntimeError, match="deterministic"):
+            fd.which_backward(q, q, q, True, GLUON)
+        deterministic(warn_only=True)
+        with pytest.warns(UserWarning, match="deterministic"):
+            assert fd.which_backward(q, q, q, True, GLUON) == "gluon"
+
+
 # ------------------------------------------------------------------------------------------------ sm_90 GPU
+@pytest.mark.gpu
+@needs_hopper
+def test_gpu_deterministic_backward_gives_the_same_bits_every_run(deterministic):
+    """Under torch.use_deterministic_algorithms the model's attention call (auto config, contiguous inputs)
+    returns bitwise the same gradients run after run."""
+    q, k, v = gpu_inputs((2, 8), 1024, 1024, 128, torch.bfloat16)
+    grad = torch.randn_like(q)
+    deterministic()
+    runs = [torch.autograd.grad(ft.FlashAttentionTriton.apply(q, k, v, True, AUTO), (q, k, v), grad) for _ in range(3)]
+    assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip(run, runs[0]))
+
+
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "x".join(map(str, s[:4])) + f"-{s[4]}-causal{s[5]}")
