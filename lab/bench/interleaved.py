@@ -31,7 +31,6 @@ import gc
 import json
 import math
 import statistics
-import sys
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass
@@ -141,11 +140,11 @@ LEAK_WARNING_BYTES = GiB
 
 def _warn_if_left(name: str, device: torch.device, baseline: int, wait_s: float = 2.0,
                   previous: dict[str, int] | None = None) -> None:
-    """Say so on stderr (rank 0) when more than 1 GiB above ``baseline`` is still allocated after the collection
-    that follows ``name``'s turn (before the next build): the later builds of the rotation would run out of
-    memory, and this line names the implementation that left it. Rank 0 then collects again for up to
-    ``wait_s`` and says what is left, telling memory held a moment past the release (by work still queued
-    somewhere, NCCL's for instance) from memory kept. Kept memory is a leak only if it grows from turn to
+    """Say so on stderr (rank 0; a progress line, which a report drops) when more than 1 GiB above ``baseline`` is still
+    allocated after the collection that follows ``name``'s turn (before the next build): the later builds of the
+    rotation would run out of memory, and this line names the implementation that left it. Rank 0 then collects
+    again for up to ``wait_s`` and says what is left, telling memory held a moment past the release (by work still
+    queued somewhere, NCCL's for instance) from memory kept. Kept memory is a leak only if it grows from turn to
     turn: ``previous`` (name -> bytes left after its last turn, updated here) tells the two apart."""
     if device.type != "cuda" or dist.get_rank() != 0:
         return
@@ -173,8 +172,9 @@ def _warn_if_left(name: str, device: torch.device, baseline: int, wait_s: float 
     else:
         then = (f"{later / GiB:.1f} GiB after {waited:.1f} s more, up from {before / GiB:.1f} GiB after its last "
                 "turn (a leak: the next builds may run out of memory)")
-    print(f"time_interleaved: {left / GiB:.1f} GiB still allocated after closing {name!r}; {then}",
-          file=sys.stderr, flush=True)
+    # the operator's line (the terminal, a render's log), not a result: a report keeps its rows, whose out of
+    # memory, where memory did run out, is recorded there
+    progress_line(f"time_interleaved: {left / GiB:.1f} GiB still allocated after closing {name!r}; {then}")
 
 
 def _attempt(fn: Callable[[], None]) -> BaseException | None:
