@@ -27,6 +27,7 @@ from torch._dynamo.utils import counters
 from lab import paths
 from lab.bench.progress import progress_line
 from lab.measure.device import available_memory_bytes, empty_cache, error_summary, is_oom, synchronize
+from lab.measure.machine import busy_host
 from lab.measure.profiling import PHASE_COLUMNS, gpu_kernel_times, phase_breakdown, profile_step
 from lab.measure.timing import matmul_tflops, time_callable, time_kernel
 from lab.measure.verdicts import MIN_SAMPLES, summarize
@@ -333,7 +334,7 @@ def plan(jobs: Mapping[str, Sequence[Recipe]], gpus: int,
 
 
 def benchmark_configs(jobs: Mapping[str, Sequence[Recipe]], device: str = "auto", ablation_deadline_s: float = 60,
-                      rep_ms: float | Mapping[str, float] = 3000, **kwargs) -> pd.DataFrame:
+                      rep_ms: float | Mapping[str, float] = 3000, busy: int = 0, **kwargs) -> pd.DataFrame:
     """:func:`benchmark` of each configuration (name -> its recipes), concatenated. On a machine with a GPU
     for every rank of every configuration (four for the leaderboard's two and the 2.7B's one), the launch
     groups of :func:`plan` run side by side, each on GPUs of its own as they come free
@@ -342,9 +343,16 @@ def benchmark_configs(jobs: Mapping[str, Sequence[Recipe]], device: str = "auto"
     passes ``ablation_deadline_s`` per recipe. Otherwise everything runs one after the other in one launch
     per configuration (on GPUs, compiling from empty caches; a configuration of ablations only, its headline
     rows carried, with the same deadline). ``rep_ms``: do_bench's budget, or one per
-    configuration. The matmul ceiling is measured first, on an idle GPU."""
+    configuration. The matmul ceiling is measured first, on an idle GPU. ``busy``: that many processes keep
+    host cores busy while the recipes run (:func:`lab.measure.machine.busy_host`; the rows' ``busy_host``)."""
     if not jobs:
         return pd.DataFrame()
+    if busy:
+        if "peak_tflops" not in kwargs and device != "cpu" and torch.cuda.is_available():
+            kwargs["peak_tflops"] = matmul_ceiling_tflops("cuda")  # measured with the host quiet
+        with busy_host(busy):
+            table = benchmark_configs(jobs, device, ablation_deadline_s, rep_ms, **kwargs)
+        return table.assign(busy_host=busy)
     budget = rep_ms if isinstance(rep_ms, Mapping) else dict.fromkeys(jobs, rep_ms)
     if set(jobs) - set(budget):
         raise ValueError(f"rep_ms has no budget for {sorted(set(jobs) - set(budget))}")

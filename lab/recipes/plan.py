@@ -81,6 +81,21 @@ def measured_recipes(configs: Sequence[str], carry: Sequence[str], quick: bool,
     return out
 
 
+def host_ablations(configs: Sequence[str], quick: bool, ablate: bool | Sequence[str] | Mapping = True) -> dict:
+    """The ablations to time a second time with the host busy: those of the one-GPU configurations among
+    ``configs``, led by the book's step again (``ablation_base``), whose steps of tens of milliseconds the host's
+    launches can set (a step of seconds on several GPUs is the GPUs' own, and a second pass would cost minutes)."""
+    out = {}
+    for name in configs:
+        if CONFIGS[name].world_size != 1:
+            continue
+        chosen = recipes(CONFIGS[name], quick, ablate)
+        rest = [r for r in chosen if r.name not in HEADLINE]
+        if rest:
+            out[name] = [ablation_base(next(r for r in chosen if r.name == "project")), *rest]
+    return out
+
+
 def carried_rows(saved: pd.DataFrame, configs: Sequence[str], carry: Sequence[str]) -> pd.DataFrame:
     """The rows of the last render that ``carry`` keeps (see :func:`measured_recipes`)."""
     parts = _carry_entries(configs, carry)

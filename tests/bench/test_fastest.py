@@ -151,6 +151,30 @@ def test_benchmark_configs_gives_ablations_alone_their_deadline(monkeypatch):
     assert calls[-1][2]["fresh_cache"] and "deadline_s" not in calls[-1][2]
 
 
+def test_benchmark_configs_with_the_host_busy_runs_inside_the_neighbours_and_says_so(monkeypatch):
+    import contextlib
+
+    import pandas as pd
+
+    busy_now = []
+
+    @contextlib.contextmanager
+    def busy_host(n):
+        busy_now.append(n)
+        yield []
+        busy_now.append(0)
+
+    def fake_benchmark(name, recipes, device, **kwargs):
+        return pd.DataFrame([dict(impl=r.name, config=name, during=busy_now[-1]) for r in recipes])
+
+    monkeypatch.setattr(bench, "busy_host", busy_host)
+    monkeypatch.setattr(bench, "benchmark", fake_benchmark)
+    jobs = {"tiny_one_rank": [bench.ablation_base(recipes_for(CONFIGS["tiny_one_rank"])["project"])]}
+    rows = bench.benchmark_configs(jobs, device="cpu", busy=3, rep_ms=1)
+    assert list(rows["during"]) == [3] and list(rows["busy_host"]) == [3] and busy_now == [3, 0]
+    assert "busy_host" not in bench.benchmark_configs(jobs, device="cpu", rep_ms=1)
+
+
 def test_benchmark_configs_on_four_gpus_runs_the_plan_side_by_side(monkeypatch):
     import pandas as pd
 

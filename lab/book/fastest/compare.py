@@ -231,6 +231,20 @@ def ablation_claim(df: pd.DataFrame, config: str, on_gpu: bool = True, fits_gib:
                  because="" if on_gpu else CPU_NOTE)
 
 
+def host_claim(alone: pd.DataFrame, busy: pd.DataFrame, config: str, on_gpu: bool = True) -> Claim:
+    """Each change to ``config``'s step timed again beside processes that kept the host's cores busy
+    (``busy``'s rows): its verdict then, and where it differs from the quiet run's, that it depends on the host."""
+    said = {change: f.verdict for change, _, f in ablation_versus(alone)}
+    again = ablation_versus(busy)
+    findings: list = [Tally(f"each change alone against the book's {config} step, the host busy",
+                            tuple(f for _, _, f in again))]
+    moved = [Observed(f"{change}, the host busy", f"{f.verdict}, {said.get(change, 'not measured')} alone: the "
+                      "verdict depends on the host") for change, _, f in again if f.verdict != said.get(change)]
+    findings += moved or [Observed("verdicts that depend on the host", "none")]
+    return Claim(f"Do the {config} step's ablation verdicts hold with the host busy?", findings,
+                 because="" if on_gpu else CPU_NOTE)
+
+
 def _single_node_base(name: str, configs) -> str | None:
     """The configuration among ``configs`` that trains ``name``'s model at its context and batch per rank on one
     node of its size; None for a one-node ``name``."""

@@ -315,3 +315,25 @@ def test_the_stock_one_gpu_steps_enter_the_ledger_as_the_other_reports_key_them(
     # a configuration that is no model size (the quick book's stand-ins) enters nothing
     assert compare.ledger_entries(pd.DataFrame([_row("stock_eager", 9.0, world_size=1, config="tiny_one_rank",
                                                      precision="bf16_autocast")])) == []
+
+
+def test_one_gpu_ablations_are_timed_again_with_the_host_busy_and_say_where_the_verdict_moves():
+    """plan.host_ablations: the one-GPU configurations' ablations, led by the book's step again, and nothing of
+    the multi-GPU ones; host_claim: each change's verdict with the host busy, and where it differs from the
+    quiet run's, that it depends on the host."""
+    jobs = plan.host_ablations(["leaderboard", "2.7B"], quick=False)
+    assert list(jobs) == ["2.7B"] and jobs["2.7B"][0].name == "ablation_base"
+    assert {r.name for r in jobs["2.7B"][1:]} == {r.name for r in plan.recipes(CONFIGS["2.7B"], False)[5:]}
+    assert plan.host_ablations(["2.7B"], quick=False, ablate=False) == {}
+    alone = pd.DataFrame([_one_gpu("project", 91.0, "bf16"), _one_gpu("optimizer_in_backward", 91.2, "bf16"),
+                          _one_gpu("no_compile", 118.0, "bf16")])
+    busy = pd.DataFrame([_one_gpu("ablation_base", 95.0, "bf16"), _one_gpu("optimizer_in_backward", 137.8, "bf16"),
+                         _one_gpu("no_compile", 160.0, "bf16")])
+    claim = compare.host_claim(alone, busy, "2.7B")
+    assert _only(claim, Tally)[0].counts() == {"slower": 2}
+    seen = {o.label: o.seen for o in _only(claim, Observed)}
+    assert len(seen) == 1  # no compile: slower alone too, so its verdict holds and is not listed
+    moved = seen[f"{compare.change_label('optimizer_in_backward')}, the host busy"]
+    assert moved.startswith("slower, within noise alone") and "depends on the host" in moved
+    held = compare.host_claim(alone, busy.assign(step_samples_ms=[s for s in alone["step_samples_ms"]]), "2.7B")
+    assert [(o.label, o.seen) for o in _only(held, Observed)] == [("verdicts that depend on the host", "none")]
