@@ -186,12 +186,13 @@ book.answer(hide_claim, section="Hiding more: the backward's order, bf16 communi
 # ## The performance goal
 #
 # The best bucketed step should be no slower than PyTorch DDP's and within 1.1× of the single-device step
-# at the same per-rank batch (the goal is set for the 2.7B model in bf16 autocast, batch 2 per rank,
-# context 512, on two GPUs), each judged round by round under the rule at the top of this report. (The best
-# bucket size is picked by its median, which favours it slightly: a lucky bucket size looks better than it
-# is.)
+# at the same per-rank batch (the course sets the goal for the 2.7B model in bf16 autocast, batch 2 per rank,
+# context 512, on two GPUs; it is judged here for every configuration measured, xl in fp32 too), each judged
+# round by round under the rule at the top of this report. (The best bucket size is picked by its median, which
+# favours it slightly: a lucky bucket size looks better than it is.)
 
 # %%
-goals = ddp_book.goal_comparisons(bench, goal_config, goal_vs_torch_ddp, goal_vs_single)
+goals = [g for c in ddp_book.configs(bench) for g in ddp_book.goal_comparisons(bench, c, goal_vs_torch_ddp,
+                                                                                  goal_vs_single)]
 report.show_table(pd.DataFrame(claims.verdict_table(goals)))
-book.answer(ddp_book.goal_claim(goals, goal_config), section="The performance goal")
+book.answer(ddp_book.goal_claim(goals, " and ".join(ddp_book.configs(bench))), section="The performance goal")

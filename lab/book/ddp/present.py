@@ -324,7 +324,8 @@ def goal_comparisons(bench: pd.DataFrame, config: str, vs_torch_ddp: float = 1.0
     for impl, target in (("torch_ddp", vs_torch_ddp), ("single_gpu", vs_single)):
         ref = _row(ok, impl)
         if b is not None and ref is not None:
-            out.append((dict(check=f"best bucketed <= {target:g}x {NAMES[impl]}"), versus(b, ref, goal=target)))
+            out.append((dict(config=config, check=f"best bucketed <= {target:g}x {NAMES[impl]}"),
+                        versus(b, ref, goal=target)))
     return out
 
 

@@ -159,7 +159,7 @@ def test_goal_met_missed_undecided():
     gone = bench()
     gone.loc[gone["impl"] == "torch_ddp", "status"] = "oom"
     checks = ddp_book.goal_comparisons(gone, "tiny fp32")
-    assert [k["check"] for k, _ in checks] == ["best bucketed <= 1.1x one device"]
+    assert [(k["config"], k["check"]) for k, _ in checks] == [("tiny fp32", "best bucketed <= 1.1x one device")]
     claim = ddp_book.goal_claim(checks, "tiny fp32")
     assert [f.goal for f in claim.findings] == [1.1]
     assert ddp_book.goal_claim([], "tiny fp32").findings[0].seen == "not measured"
