@@ -2,8 +2,9 @@
 
 One CTA owns a tile of 128 keys of one (batch, head) and streams the query tiles that see it:
 
-* **Row statistics first.** A small Triton kernel computes ``D = rowsum(dO * O)`` (fp32) before the main
-  kernel, so that ``dS = P * (dP - D)`` needs nothing the key tile's CTA does not have.
+* **Row statistics first.** A small Triton kernel (:mod:`lab.kernels.flash_gluon_rows`) computes
+  ``D = rowsum(dO * O)`` (fp32) before the main kernel, so that ``dS = P * (dP - D)`` needs nothing the key
+  tile's CTA does not have.
 * **Producer warp.** It loads the CTA's K and V once (each consumer's 64 rows), then every query tile's Q, dO
   and row statistics into a ring of ``STAGES`` shared-memory slots with ready/empty mbarriers, as in the
   forward.
@@ -34,7 +35,6 @@ import math
 
 import torch
 import triton
-import triton.language as tl
 from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -49,6 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from lab.kernels.flash_gluon_forward import CONSUMER_REGISTERS, PRODUCER_REGISTERS
+from lab.kernels.flash_gluon_rows import row_statistics, scale_cast
 
 #: Whether this Triton's Gluon builds a TMA reduce-add (``cp.reduce.async.bulk.tensor``): its Python layer has
 #: no call for it, so :func:`_tma_reduce_add` calls the IR builder's binding, which Triton 3.6 has; under any
@@ -62,32 +63,6 @@ def _tma_reduce_add(desc, coord, src, _semantic=None):
     TMA unit performs; ``tma.store_wait`` waits for it to have read ``src``)."""
     coord = _semantic._convert_to_ir_values(coord, require_i64=False)
     _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, coord, src.handle)
-
-
-@triton.jit
-def _row_statistics_kernel(O, DO, LSE, Delta, LSE2, n_q, n_padded, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
-    """Grid (query blocks, batch * heads): ``Delta = rowsum(O * dO)`` in fp32 and the logsumexp in base 2
-    (``LSE2 = LSE * log2(e)``, which the main kernel's exponent subtracts), written into rows of ``n_padded``
-    per head (a multiple of the query tile, so that every tile's statistics start 16-byte aligned, as TMA
-    requires); O, dO (rows, HEAD_DIM) and LSE contiguous."""
-    pos = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    zh = tl.program_id(1).to(tl.int64)
-    cols = tl.arange(0, HEAD_DIM)
-    offsets = (zh * n_q + pos[:, None]) * HEAD_DIM + cols[None, :]
-    keep = pos < n_q
-    o = tl.load(O + offsets, mask=keep[:, None], other=0.0).to(tl.float32)
-    do = tl.load(DO + offsets, mask=keep[:, None], other=0.0).to(tl.float32)
-    tl.store(Delta + zh * n_padded + pos, tl.sum(o * do, 1), mask=keep)
-    lse = tl.load(LSE + zh * n_q + pos, mask=keep)
-    tl.store(LSE2 + zh * n_padded + pos, lse * 1.4426950408889634, mask=keep)
-
-
-@triton.jit
-def _scale_cast_kernel(SRC, DST, n, scale, BLOCK: tl.constexpr):
-    """``DST = (SRC * scale)`` cast to DST's dtype, elementwise over ``n`` elements."""
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    keep = offsets < n
-    tl.store(DST + offsets, (tl.load(SRC + offsets, mask=keep) * scale).to(DST.dtype.element_ty), mask=keep)
 
 
 @gluon.jit
@@ -458,17 +433,10 @@ def gluon_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     ``lse``: the forward's natural-log logsumexp, (batch, heads, n_queries) fp32."""
     q, k, v, out, grad_out = (t.contiguous() for t in (q, k, v, out, grad_out))
     lse = lse.contiguous()
-    batch, heads, n_q, d = q.shape
-    n_padded = triton.cdiv(n_q, 64) * 64  # the kernel's query tile
-    # zeros past each head's last query: a masked P times a statistic must stay 0, never 0 * NaN
-    delta, lse2 = (torch.zeros((batch, heads, n_padded), dtype=torch.float32, device=q.device) for _ in range(2))
-    _row_statistics_kernel[(triton.cdiv(n_q, 64), batch * heads)](out, grad_out, lse, delta, lse2, n_q, n_padded,
-                                                                  HEAD_DIM=d, BLOCK=64)
-    dq_accum = torch.zeros((batch, heads, n_q, d), dtype=torch.float32, device=q.device)
+    delta, lse2 = row_statistics(out, grad_out, lse, tile=64)  # the main kernel's query tile
+    dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     grid, args, constexprs, num_warps, maxnreg = backward_launch(q, k, v, grad_out, lse2, delta, dq_accum, dk, dv,
                                                                  causal, dq_writer, descending=descending)
     _attention_backward_kernel[grid](*args, **constexprs, num_warps=num_warps, maxnreg=maxnreg)
-    dq = torch.empty_like(q)
-    _scale_cast_kernel[(triton.cdiv(dq.numel(), 1024), )](dq_accum, dq, dq.numel(), 1 / math.sqrt(d), BLOCK=1024)
-    return dq, dk, dv
+    return scale_cast(dq_accum, q, 1 / math.sqrt(q.shape[-1])), dk, dv

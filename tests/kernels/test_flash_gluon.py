@@ -238,3 +238,25 @@ def test_without_the_tma_reduction_dq_is_added_by_the_consumers(monkeypatch):
     assert constexprs["DQ_WRITER"] is False
     with pytest.raises(ValueError, match="TMA reduce-add"):
         flash_gluon_backward.backward_launch(q, q, q, q, rows, rows, accum, q, q, True, dq_writer=True)
+
+
+def test_the_backwards_row_statistics_and_dq_cast_are_exact_on_any_device():
+    """The plain Triton ends of the Gluon backward (run interpreted here): D = rowsum(O * dO) and the base-2
+    logsumexp in rows padded to the query tile with zeros past each head's end; dQ's scale and cast."""
+    from lab.kernels import flash_gluon_rows as rows
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    out, grad_out = (torch.randn(2, 3, 100, 16, generator=gen).to(device) for _ in range(2))
+    lse = torch.randn(2, 3, 100, generator=gen).to(device)
+    delta, lse2 = rows.row_statistics(out, grad_out, lse, tile=64)
+    assert delta.shape == lse2.shape == (2, 3, 128) and delta.dtype == torch.float32
+    torch.testing.assert_close(delta[..., :100], (out * grad_out).sum(-1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse2[..., :100], lse * math.log2(math.e), rtol=1e-6, atol=1e-6)
+    assert (delta[..., 100:] == 0).all() and (lse2[..., 100:] == 0).all()
+    accum = torch.randn(2, 3, 100, 16, generator=gen).to(device)
+    like = torch.empty(2, 3, 100, 16, dtype=torch.bfloat16, device=device)
+    cast = rows.scale_cast(accum, like, 0.125)
+    # within one bf16 rounding step (the interpreter's cast may round the other way at a tie)
+    assert cast.dtype == torch.bfloat16 and cast.shape == like.shape
+    torch.testing.assert_close(cast.float(), accum * 0.125, rtol=2**-8, atol=0)
