@@ -259,4 +259,4 @@ def test_the_backwards_row_statistics_and_dq_cast_are_exact_on_any_device():
     cast = rows.scale_cast(accum, like, 0.125)
     # within one bf16 rounding step (the interpreter's cast may round the other way at a tie)
     assert cast.dtype == torch.bfloat16 and cast.shape == like.shape
-    torch.testing.assert_close(cast.float(), accum * 0.125, rtol=2**-8, atol=0)
+    torch.testing.assert_close(cast.float(), accum * 0.125, rtol=2**-7, atol=0)
