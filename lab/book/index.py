@@ -66,8 +66,10 @@ def summary(path: str | Path) -> dict:
 
 
 def index_markdown(reports_dir: str | Path = "reports") -> str:
-    """The index as Markdown: one row per ``NN_*.ipynb`` in ``reports_dir``."""
-    rows = [summary(p) for p in sorted(Path(reports_dir).glob("[0-9][0-9]_*.ipynb"))]
+    """The index as Markdown: one row per ``NN_*.ipynb`` in ``reports_dir`` (not the partial notebooks a failed
+    or running render leaves, ``NN_*.failed.ipynb`` and ``NN_*.running.ipynb``)."""
+    rows = [summary(p) for p in sorted(Path(reports_dir).glob("[0-9][0-9]_*.ipynb"))
+            if not p.name.endswith((".failed.ipynb", ".running.ipynb"))]
     lines = [INTRO, "| report | the questions it answers | measured on | commit | date | alone | render time |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -29,6 +29,8 @@ def test_summary_reads_banner_answers_and_timing(tmp_path):
 def test_index_has_one_row_per_report(tmp_path):
     _report(tmp_path / "01_profiling.ipynb")
     _report(tmp_path / "02_mixed_precision.ipynb", answers=("Does bf16 help?",))
+    _report(tmp_path / "03_memory.failed.ipynb")  # what a failed render leaves: not a report
+    _report(tmp_path / "03_memory.running.ipynb")
     text = index.write_index(tmp_path).read_text()
     rows = [line for line in text.splitlines() if line.startswith("| [")]
     assert len(rows) == 2 and "Does bf16 help?" in rows[1] and "448 s" in rows[0]
