@@ -5,10 +5,14 @@ VPY := $(VENV)/bin/python
 # CPU build by default; on a GPU machine: make book-full TORCH=torch (or your pinned CUDA build)
 TORCH ?= torch==2.13.0
 
-# test processes (pytest-xdist): one more than the cores (at most 8). Part of the suite waits rather than
-# computes (ranks starting, deadlines running out, subprocesses), and a third process on 2 cores fills it:
-# the suite took 12.5-13.5 minutes there, 15 with two processes (9.5-11 since forked ranks preload their imports).
-JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 8 ? n + 1 : 8 )))
+# test processes (pytest-xdist): two more than the cores (at most 8), each with one intra-op thread. Part of the
+# suite waits rather than computes (ranks starting, deadlines running out, subprocesses), which the extra
+# processes fill; and with torch's default of a thread per core, the processes' threads (the notebook kernels'
+# and the ranks' too) spin against each other. On 2 cores, one run each: 767 s of tests with 3 processes and
+# default threads, 685 s with one thread, 617 s with 4 processes and one thread (CPU time 20 -> 14 minutes).
+# An OMP_NUM_THREADS you set stands.
+JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 6 ? n + 2 : 8 )))
+TEST_THREADS = OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1}
 
 .PHONY: setup book book-full html site test test-fast lint sync clean
 
@@ -40,10 +44,10 @@ site: $(READY)          ## the rendered reports as one offline website: build/si
 	$(VPY) -m lab.book.site
 
 test: $(READY)          ## the whole test suite, JOBS processes (CI runs this and `make lint`)
-	$(VPY) -m pytest -q -ra -n $(JOBS) --maxschedchunk 2 --durations=25
+	$(TEST_THREADS) $(VPY) -m pytest -q -ra -n $(JOBS) --maxschedchunk 2 --durations=25
 
 test-fast: $(READY)     ## everything except the notebook renders and other slow tests
-	$(VPY) -m pytest -q -n $(JOBS) --maxschedchunk 2 -m "not slow"
+	$(TEST_THREADS) $(VPY) -m pytest -q -n $(JOBS) --maxschedchunk 2 -m "not slow"
 
 lint: $(READY)
 	$(VPY) -m ruff check lab tests examples tools
