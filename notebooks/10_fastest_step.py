@@ -81,6 +81,7 @@ from lab.book import ledger, plots, report
 from lab.book.fastest import compare
 from lab.book.fastest import present as fastest
 from lab.measure.device import resolve_device
+from lab.measure.machine import half_the_cores
 from lab.recipes import plan
 
 dev = resolve_device(device)
@@ -89,7 +90,7 @@ configs = configs or (["tiny"] if quick else ["leaderboard", "2.7B"])
 loss_shapes = loss_shapes or ([(128, 16, 32)] if quick else [(151_936, 4096, 32_768), (10_000, 2560, 16_384)])
 samples = samples or (1 if quick else bench.MIN_SAMPLES)
 attention_shape = Shape(*attention_shape) if attention_shape else Shape(1, 2, 32, 16) if quick else SHAPE_2_7B
-host_busy = (os.cpu_count() or 2) // 2 if host_busy is None and on_gpu else host_busy or 0
+host_busy = half_the_cores() if host_busy is None and on_gpu else host_busy or 0
 params = dict(quick=quick, device=str(dev), configs=configs, carry=carry, ablate=ablate, rep_ms=rep_ms, goal=goal,
               loss_shapes=loss_shapes, scaling_goal=scaling_goal, samples=samples,
               attention_shape=attention_shape.label, attention_impls=attention_impls, host_busy=host_busy)
@@ -240,7 +241,7 @@ for name in configs:
 busy_jobs = plan.host_ablations(configs, quick, ablate) if host_busy else {}
 if busy_jobs:
     busy = book.table("fastest_step_busy", lambda: bench.benchmark_configs(
-        busy_jobs, device=str(dev), rep_ms=rep_ms, trace_dir=str(os.path.join(artifacts_dir, "busy_host")),
+        busy_jobs, device=str(dev), rep_ms=rep_ms, trace_dir=os.path.join(artifacts_dir, "busy_host"),
         samples=samples, busy=host_busy), save=bench.results_table)
     for name in busy_jobs:
         report.show_table(compare.ablation_table(busy[busy["config"] == name]), floatfmt=".4g")

@@ -347,19 +347,13 @@ def benchmark_configs(jobs: Mapping[str, Sequence[Recipe]], device: str = "auto"
     host cores busy while the recipes run (:func:`lab.measure.machine.busy_host`; the rows' ``busy_host``)."""
     if not jobs:
         return pd.DataFrame()
-    if busy:
-        if "peak_tflops" not in kwargs and device != "cpu" and torch.cuda.is_available():
-            kwargs["peak_tflops"] = matmul_ceiling_tflops("cuda")  # measured with the host quiet
-        with busy_host(busy):
-            table = benchmark_configs(jobs, device, ablation_deadline_s, rep_ms, **kwargs)
-        return table.assign(busy_host=busy)
     budget = rep_ms if isinstance(rep_ms, Mapping) else dict.fromkeys(jobs, rep_ms)
     if set(jobs) - set(budget):
         raise ValueError(f"rep_ms has no budget for {sorted(set(jobs) - set(budget))}")
     configs = {name: CONFIGS[name] for name in jobs}
     gpus = torch.cuda.device_count() if device != "cpu" and torch.cuda.is_available() else 0
     if gpus and "peak_tflops" not in kwargs:
-        kwargs["peak_tflops"] = matmul_ceiling_tflops("cuda")
+        kwargs["peak_tflops"] = matmul_ceiling_tflops("cuda")  # with the host quiet too
     kwargs.setdefault("env", allocator_env())
     groups = plan(jobs, gpus)
 
@@ -367,15 +361,18 @@ def benchmark_configs(jobs: Mapping[str, Sequence[Recipe]], device: str = "auto"
         ablations = recipes[0].name == ABLATION_BASE
         return dict(deadline_s=ablation_deadline_s * len(recipes)) if ablations else dict(fresh_cache=bool(gpus))
 
-    if not gpus or sum(c.world_size for c in configs.values()) > gpus or len(groups) < 2:
-        return pd.concat([benchmark(name, recipes, device=device, rep_ms=budget[name], **extra(recipes), **kwargs)
-                          for name, recipes in jobs.items()], ignore_index=True)
-
     def job(name, recipes):
         return configs[name].world_size, lambda first: benchmark(name, recipes, device=device, first_gpu=first,
                                                                   rep_ms=budget[name], **extra(recipes), **kwargs)
 
-    return pd.concat(run_on_gpus([job(n, r) for n, r in groups], gpus), ignore_index=True)
+    with busy_host(busy):
+        if not gpus or sum(c.world_size for c in configs.values()) > gpus or len(groups) < 2:
+            parts = [benchmark(name, recipes, device=device, rep_ms=budget[name], **extra(recipes), **kwargs)
+                     for name, recipes in jobs.items()]
+        else:
+            parts = run_on_gpus([job(n, r) for n, r in groups], gpus)
+    table = pd.concat(parts, ignore_index=True)
+    return table.assign(busy_host=busy) if busy else table
 
 
 def results_table(df: pd.DataFrame) -> pd.DataFrame:

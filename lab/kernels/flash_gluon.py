@@ -131,11 +131,11 @@ def backward_compile_report(d: int = 128, causal: bool = True, dtype: str = "bf1
 
 
 def compile_in_subprocess(kernel: str = "forward", d: int = 128, causal: bool = True, dtype: str = "bf16",
-                          timeout_s: float = 300, **options) -> dict:
-    """:func:`forward_compile_report` (``kernel="forward"``) or :func:`backward_compile_report` (with its
-    ``options``) in a fresh interpreter without ``TRITON_INTERPRET``."""
-    return call_without_interpreter(f"lab.kernels.flash_gluon:{kernel}_compile_report",
-                                    [d, causal, dtype, *options.values()], timeout_s)
+                          timeout_s: float = 300, descending: bool = False) -> dict:
+    """:func:`forward_compile_report` (``kernel="forward"``) or :func:`backward_compile_report` (``descending``:
+    its query-tile order) in a fresh interpreter without ``TRITON_INTERPRET``."""
+    args = [d, causal, dtype] + ([descending] if kernel == "backward" else [])
+    return call_without_interpreter(f"lab.kernels.flash_gluon:{kernel}_compile_report", args, timeout_s)
 
 
 # --- checks and timings on the GPU ---------------------------------------------------------------------------

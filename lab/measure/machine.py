@@ -118,6 +118,11 @@ _SPINNER = ("import os\nb = bytearray({n}); c = bytearray({n})\n"
             "while os.getppid() == {parent}:\n    c[:] = b\n")
 
 
+def half_the_cores() -> int:
+    """How many neighbours a busy-host timing runs beside: half the host's cores (at least one)."""
+    return max((os.cpu_count() or 2) // 2, 1)
+
+
 @contextlib.contextmanager
 def busy_host(processes: int, mib: int = 32) -> Iterator[list[int]]:
     """For the time of the block, ``processes`` neighbours that each keep one core busy copying ``mib`` MiB

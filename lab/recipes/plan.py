@@ -47,6 +47,12 @@ def recipes(config: StepConfig, quick: bool, ablate: bool | Sequence[str] | Mapp
     return out
 
 
+def _ablations_only(chosen: list) -> list:
+    """The ablations among ``chosen``, led by the book's step again (``ablation_base``); none if it has none."""
+    rest = [r for r in chosen if r.name not in HEADLINE]
+    return [ablation_base(next(r for r in chosen if r.name == "project")), *rest] if rest else []
+
+
 def _carry_entries(configs: Sequence[str], carry: Sequence[str]) -> dict[str, str]:
     """``carry``'s entries as configuration -> ``"all"`` (``"name"``) or ``"headline"`` (``"name:headline"``)."""
     if isinstance(carry, str):
@@ -73,9 +79,7 @@ def measured_recipes(configs: Sequence[str], carry: Sequence[str], quick: bool,
     for name in configs:
         chosen = recipes(CONFIGS[name], quick, ablate)
         if parts.get(name) == "headline":
-            rest = [r for r in chosen if r.name not in HEADLINE]
-            project = next(r for r in chosen if r.name == "project")
-            chosen = [ablation_base(project), *rest] if rest else []
+            chosen = _ablations_only(chosen)
         if parts.get(name) != "all" and chosen:
             out[name] = chosen
     return out
@@ -87,12 +91,9 @@ def host_ablations(configs: Sequence[str], quick: bool, ablate: bool | Sequence[
     launches can set (a step of seconds on several GPUs is the GPUs' own, and a second pass would cost minutes)."""
     out = {}
     for name in configs:
-        if CONFIGS[name].world_size != 1:
-            continue
-        chosen = recipes(CONFIGS[name], quick, ablate)
-        rest = [r for r in chosen if r.name not in HEADLINE]
-        if rest:
-            out[name] = [ablation_base(next(r for r in chosen if r.name == "project")), *rest]
+        chosen = _ablations_only(recipes(CONFIGS[name], quick, ablate)) if CONFIGS[name].world_size == 1 else []
+        if chosen:
+            out[name] = chosen
     return out
 
 

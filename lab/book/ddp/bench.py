@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -15,7 +14,7 @@ from lab.bench import overlap
 from lab.bench.ddp import benchmark_ddp
 from lab.bench.distributed import profile_interleaving, where_to_run
 from lab.bench.interleaved import Interleaving
-from lab.measure.machine import busy_host
+from lab.measure.machine import busy_host, half_the_cores
 
 
 @dataclass(frozen=True)
@@ -91,7 +90,7 @@ def plan_run(quick: bool, device: str = "auto", world_size: int = 2, configs: Se
     buckets = bucket_sizes_mb or ((1, 10, 100, 1000) if on_gpu else (0.1, 1, 10))
     # the goal's step; on a GPU half the host's cores kept busy for the second timing (none on the CPU, whose
     # ranks are the host)
-    hide = (dict(size="2.7B", context=512, batch=2, compile="block", loss_steps=10, busy=(os.cpu_count() or 2) // 2)
+    hide = (dict(size="2.7B", context=512, batch=2, compile="block", loss_steps=10, busy=half_the_cores())
             if on_gpu else dict(size="tiny", context=16, batch=2, compile="none", loss_steps=3, busy=0, rounds=5))
     return DDPRun("cuda" if on_gpu else "cpu", world_size, tuple(dict(c) for c in configs),
                   tuple(float(b) for b in buckets), profile_interleaving(on_gpu, rounds, steps_per_round, warmup,

@@ -1,5 +1,7 @@
 """lab.book.ddp.bench: what notebook 07 measures in each profile."""
 
+import contextlib
+
 import torch
 
 from lab.book.ddp import bench as ddp_bench
@@ -31,7 +33,7 @@ def test_hide_more_times_only_the_rounds_with_the_host_busy(monkeypatch):
         return pd.DataFrame(dict(entry=["a"], step_ms=[1.0])), losses
 
     monkeypatch.setattr(ddp_bench.overlap, "measure", measure)
-    monkeypatch.setattr(ddp_bench, "busy_host", lambda n: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(ddp_bench, "busy_host", lambda n: contextlib.nullcontext())
     run = ddp_bench.plan_run(True)
     quiet, busy = run.hide_more(1.0), run.hide_more(1.0, busy=2)
     assert calls == [(run.hide["loss_steps"], True), (0, False)]
