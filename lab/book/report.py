@@ -81,32 +81,46 @@ def warn(text: str) -> None:
 
 def table_text(df: pd.DataFrame, floatfmt: str = ".3g") -> str:
     """``df`` as a Markdown table. With a ``".Ng"`` format its float cells read as :func:`lab.book.claims.number`
-    writes them in prose (``12,510``, not ``1.251e+04``; ``n/a`` for NaN), right-aligned like numbers."""
+    writes them in prose (``12,510``, not ``1.251e+04``; ``n/a`` for NaN), right-aligned like numbers; a missing
+    label (a column of text where a row has none, such as a baseline's kernel) is an empty cell, not ``nan``."""
     digits = re.fullmatch(r"\.(\d+)g", floatfmt)
     if digits is None:
         return df.to_markdown(index=False, floatfmt=floatfmt)
     floats = [c for c in df.columns if pd.api.types.is_float_dtype(df[c])]
-    cells = df.astype({c: object for c in floats})
-    for c in floats:
-        cells[c] = [cl.number(v, digits=int(digits.group(1))) for v in df[c]]
+    cells = df.astype(object)
+    for c in df.columns:
+        cells[c] = ([cl.number(v, digits=int(digits.group(1))) for v in df[c]] if c in floats
+                    else ["" if _missing(v) else v for v in df[c]])
     numeric = [pd.api.types.is_numeric_dtype(df[c]) for c in df.columns]
     return cells.to_markdown(index=False, disable_numparse=True, colalign=["right" if n else "left" for n in numeric])
 
 
+def _missing(v) -> bool:
+    """A missing cell of a text column: None, or a float NaN that pandas put there."""
+    return v is None or (isinstance(v, float) and v != v)
+
+
+# the columns every saved row carries: who measured it, where, at which commit (lab.measure.results)
+PROVENANCE = ("gpu", "gpu_count", "host_cpu", "torch", "commit", "source")
+
+
 def show_table(df: pd.DataFrame, floatfmt: str = ".3g", max_rows: int = 60) -> None:
-    """Show a DataFrame as a Markdown table (readable in the HTML report and in plain text; :func:`table_text`)."""
+    """Show a DataFrame as a Markdown table (readable in the HTML report and in plain text; :func:`table_text`).
+    A provenance column with one value for every row is left out: the table's caption and the report's banner
+    say it once; one that varies (rows carried from another machine) stays."""
     if df.empty:
         _display_markdown("*(no rows)*")
         return
+    df = df.drop(columns=[c for c in PROVENANCE if c in df.columns and df[c].nunique(dropna=False) <= 1])
     if len(df) > max_rows:
         df = df.head(max_rows)
     _display_markdown(table_text(df, floatfmt))
 
 
 def shown(df: pd.DataFrame, head: int | None = None) -> pd.DataFrame:
-    """A result table for display: without the provenance columns every saved row carries (``gpu``, ``torch``,
-    ``commit``, ``source``; ``status`` and ``error`` when every row is ``ok``), first ``head`` rows."""
-    drop = [c for c in ("gpu", "torch", "commit", "source") if c in df.columns]
+    """A result table for display: without the provenance columns every saved row carries (:data:`PROVENANCE`;
+    ``status`` and ``error`` when every row is ``ok``), first ``head`` rows."""
+    drop = [c for c in PROVENANCE if c in df.columns]
     if "status" in df.columns and (df["status"] == "ok").all():
         drop += [c for c in ("status", "error") if c in df.columns]
     out = df.drop(columns=drop)

@@ -148,6 +148,25 @@ def test_tables_print_floats_as_prose_does_and_keep_other_formats():
     assert "5236.69" in fixed and "12510.30" in fixed  # a fixed-point format is tabulate's, unchanged
 
 
+def test_a_text_column_without_a_value_shows_an_empty_cell_not_nan():
+    df = pd.DataFrame(dict(impl=["ours", "sdpa"], kernel=["gluon", float("nan")], note=[None, "skipped"],
+                           ms=[1.5, float("nan")]))
+    text = report.table_text(df, ".3g")
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines()]
+    assert rows[2] == ["ours", "gluon", "", "1.5"] and rows[3] == ["sdpa", "", "skipped", "n/a"]
+    assert not cl.machine_phrases(text)
+
+
+def test_a_shown_table_leaves_out_provenance_that_its_caption_states_once(monkeypatch):
+    seen = []
+    monkeypatch.setattr(report, "_display_markdown", seen.append)
+    df = pd.DataFrame(dict(impl=["a", "b"], ms=[1.0, 2.0], gpu=["NVIDIA H200"] * 2, gpu_count=[1, 1],
+                           host_cpu=["x", "x"], commit=["c" * 40, "d" * 40]))
+    report.show_table(df)
+    header = [c.strip() for c in seen[0].splitlines()[0].strip("|").split("|")]
+    assert header == ["impl", "ms", "commit"]  # two commits (a carried row) are said row by row
+
+
 def test_a_resumed_render_takes_back_the_rows_its_stopped_call_logged(tmp_path, monkeypatch, capsys):
     from lab.measure import results as store
 
