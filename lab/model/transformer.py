@@ -115,6 +115,9 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.num_heads = cfg.num_heads
         self.attention = cfg.attention
+        # resolved (its module imported) here, not in forward: torch.compile cannot trace a first call's import,
+        # and a compiled forward that met it would break its graph around every layer's attention
+        get_attention(cfg.attention)
         self.q_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.k_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.v_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
