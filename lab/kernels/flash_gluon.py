@@ -121,21 +121,19 @@ def forward_compile_report(d: int = 128, causal: bool = True, dtype: str = "bf16
     return _compile_report(FORWARD_KERNEL, args, constexprs, num_warps, maxnreg)
 
 
-def backward_compile_report(d: int = 128, causal: bool = True, dtype: str = "bf16", descending: bool = False) -> dict:
+def backward_compile_report(d: int = 128, causal: bool = True, dtype: str = "bf16") -> dict:
     """:func:`forward_compile_report` for the main backward kernel as :func:`gluon_backward` launches it."""
     q = torch.empty(1, 2, 256, d, dtype={name: t for t, name in DTYPES.items()}[dtype])
     rows, accum = torch.empty(1, 2, 256), torch.empty(1, 2, 256, d)
-    _, args, constexprs, num_warps, maxnreg = backward_launch(q, q, q, q, rows, rows, accum, q, q, causal,
-                                                              descending=descending)
+    _, args, constexprs, num_warps, maxnreg = backward_launch(q, q, q, q, rows, rows, accum, q, q, causal)
     return _compile_report(BACKWARD_KERNEL, args, constexprs, num_warps, maxnreg)
 
 
 def compile_in_subprocess(kernel: str = "forward", d: int = 128, causal: bool = True, dtype: str = "bf16",
-                          timeout_s: float = 300, descending: bool = False) -> dict:
-    """:func:`forward_compile_report` (``kernel="forward"``) or :func:`backward_compile_report` (``descending``:
-    its query-tile order) in a fresh interpreter without ``TRITON_INTERPRET``."""
-    args = [d, causal, dtype] + ([descending] if kernel == "backward" else [])
-    return call_without_interpreter(f"lab.kernels.flash_gluon:{kernel}_compile_report", args, timeout_s)
+                          timeout_s: float = 300) -> dict:
+    """:func:`forward_compile_report` (``kernel="forward"``) or :func:`backward_compile_report` in a fresh
+    interpreter without ``TRITON_INTERPRET``."""
+    return call_without_interpreter(f"lab.kernels.flash_gluon:{kernel}_compile_report", [d, causal, dtype], timeout_s)
 
 
 # --- checks and timings on the GPU ---------------------------------------------------------------------------
@@ -252,9 +250,9 @@ def benchmark_shape(batch, heads, n, d, dtype, causal, rep_ms: int = 200, varian
                  "triton": lambda: flash_backward(q, k, v, triton_out, triton_lse, grad_out, causal)}
         if reason is None:
             out, lse = gluon_forward(q, k, v, causal)
-            # with forward variants, the backward's other way of adding dQ and its other query-tile order too
-            options = {"gluon": {}} | ({"other_dq": dict(dq_writer=not dq_writer_default(d)),
-                                        "descending": dict(descending=True)} if len(variants) > 1 else {})
+            # with forward variants, the backward's other way of adding dQ too
+            options = {"gluon": {}} | ({"other_dq": dict(dq_writer=not dq_writer_default(d))}
+                                       if len(variants) > 1 else {})
             for name, option in options.items():
                 grads = gluon_backward(q, k, v, out, lse, grad_out, causal, **option)
                 bwd |= {f"{name}_{key}": value
@@ -264,7 +262,7 @@ def benchmark_shape(batch, heads, n, d, dtype, causal, rep_ms: int = 200, varian
             bwd["gluon"] = reason
         rows.append(bwd | _time(timed, 2.5 * flops, rep_ms))
     for row in rows:
-        for name in [*variants, "other_dq", "descending"]:
+        for name in [*variants, "other_dq"]:
             if f"{name}_ms" in row:
                 row[f"{name}_vs_sdpa"] = row["sdpa_ms"] / row[f"{name}_ms"]
     return rows
@@ -282,7 +280,7 @@ def compile_shape(batch, heads, n, d, dtype, causal, variants: dict | None = Non
         for tiles in (variants or {"gluon": None}).values():
             out, lse = gluon_forward(q, k, v, causal, tiles)
         if backward:
-            for option in ({}, dict(dq_writer=not dq_writer_default(d)), dict(descending=True)) if variants else ({},):
+            for option in ({}, dict(dq_writer=not dq_writer_default(d))) if variants else ({},):
                 gluon_backward(q, k, v, out, lse, grad_out, causal, **option)
     torch.cuda.synchronize()
 
@@ -292,8 +290,7 @@ def main(argv=None) -> None:
     parser.add_argument("--rep-ms", type=int, default=200, help="do_bench's repetition time per kernel (ms)")
     parser.add_argument("--shapes", type=int, nargs="*", help="indices into BENCH_SHAPES (default: all)")
     parser.add_argument("--variants", action="store_true",
-                        help="also time the forward without ping-pong, the backward's other way of adding dQ and "
-                             "its query tiles in descending order")
+                        help="also time the forward without ping-pong and the backward's other way of adding dQ")
     parser.add_argument("--forward-only", action="store_true", help="skip the backward")
     parser.add_argument("--compile-only", action="store_true", help="run each kernel once, untimed, and stop")
     parser.add_argument("--csv", help="also write the table to this CSV file")

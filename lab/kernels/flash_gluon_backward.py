@@ -22,11 +22,6 @@ One CTA owns a tile of 128 keys of one (batch, head) and streams the query tiles
   so dQ is not bitwise reproducible.
 * **Causal:** a key tile skips the query tiles entirely before it (they see none of its keys), and only the
   query tiles crossing the diagonal, a ragged last query tile, or a ragged key tile pay for the mask.
-* **Query-tile order.** A CTA visits its query tiles from the first that sees its keys up, so the CTAs of a
-  head that run side by side read query tiles two apart each, a window that at 32k tokens outgrows L2 together
-  with the dQ rows they add to. ``descending`` visits them from the last down instead: every key tile of a head
-  starts on the same query tile and walks down in step with the others (one working set, but the dQ
-  reduce-adds of all of them meet on the same rows). It is an option to time, not the default.
 """
 
 from __future__ import annotations
@@ -66,31 +61,19 @@ def _tma_reduce_add(desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _tile_of(t, i_start, n_q_tiles, DESCENDING: gl.constexpr):
-    """The query tile a CTA visits ``t``-th: from ``i_start`` up, or (``DESCENDING``) from the last tile down,
-    so that every key tile of a head starts on the same query tile and the CTAs running side by side read
-    Q, dO and dQ's rows in step (a smaller working set in L2) instead of each a tile pair apart."""
-    if DESCENDING:
-        return n_q_tiles - 1 - t
-    else:
-        return i_start + t
-
-
-@gluon.jit
 def _producer(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem,
               lse_smem, delta_smem, kv_ready, q_ready, q_empty, kv_row, q_row, stat_row, i_start, n_q_tiles,
-              STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-              DESCENDING: gl.constexpr):
+              STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
     """The producer warp: the key tile's K and V once, then Q, dO and the row statistics of query tiles
-    ``i_start ..`` in the consumers' order (:func:`_tile_of`; the statistics through shared memory too: loaded
+    ``i_start ..`` (the statistics through shared memory too: loaded
     as pointer tensors, their addresses would hold registers the consumers need)."""
     HALF: gl.constexpr = BLOCK_N // 2
     mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
     for w in gl.static_range(2):
         tma.async_copy_global_to_shared(k_desc, [kv_row + w * HALF, 0], kv_ready, k_smem.index(w))
         tma.async_copy_global_to_shared(v_desc, [kv_row + w * HALF, 0], kv_ready, v_smem.index(w))
-    for t in range(0, n_q_tiles - i_start):
-        i = _tile_of(t, i_start, n_q_tiles, DESCENDING)
+    for i in range(i_start, n_q_tiles):
+        t = i - i_start
         slot = t % STAGES
         mbarrier.wait(q_empty.index(slot), ((t // STAGES) & 1) ^ 1)
         ready = q_ready.index(slot)
@@ -191,13 +174,13 @@ def _add_dq(dq, dq_ptr, dq_base, i, n_q, WG: gl.constexpr, BLOCK_M: gl.constexpr
 
 @gluon.jit
 def _dq_writer(dq_desc, dq_smem, dq_full, dq_empty, q_row, i_start, n_q_tiles, BLOCK_M: gl.constexpr,
-               HEAD_DIM: gl.constexpr, DESCENDING: gl.constexpr):
+               HEAD_DIM: gl.constexpr):
     """The dQ writer warp: each query tile's two dQ halves from shared memory into the fp32 accumulator in
     device memory, as TMA reduce-adds, while the consumers go on. A ragged last tile adds its rows past the
     head's end to the next head's first rows: they are exact zeros (their P, so their dS, is masked to 0),
     and the tensor's own end clips the last head's."""
-    for t in range(0, n_q_tiles - i_start):
-        i = _tile_of(t, i_start, n_q_tiles, DESCENDING)
+    for i in range(i_start, n_q_tiles):
+        t = i - i_start
         for w in gl.static_range(2):
             mbarrier.wait(dq_full.index(w), t & 1)
             _tma_reduce_add(dq_desc, [q_row + i * BLOCK_M, w * (HEAD_DIM // 2)], dq_smem.index(w))
@@ -212,9 +195,9 @@ def _consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_sme
               ds_ready, dq_full, dq_empty, lse_smem, delta_smem, dq_ptr, dq_base, dk_ptr, dv_ptr, kv_base,
               k0, i_start, i_full_start, i_full_end, n_q_tiles, n_q, n_k, qk_scale, sm_scale,
               STAGES: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, IS_CAUSAL: gl.constexpr,
-              DQ_WRITER: gl.constexpr, DESCENDING: gl.constexpr):
+              DQ_WRITER: gl.constexpr):
     """Consumer warp group ``WG``: keys ``k0 + 64 WG ..`` of the tile; accumulates their dK and dV over the
-    query tiles (in :func:`_tile_of`'s order) and stores them."""
+    query tiles and stores them."""
     HALF: gl.constexpr = 64
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_M, 16])
@@ -226,39 +209,18 @@ def _consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_sme
     v_w = v_smem.index(WG)
     mbarrier.wait(kv_ready, 0)
     # [i_start, i_full_start) cross the diagonal, [i_full_end, n_q_tiles) hold a ragged end: those need the mask.
-    # Descending (_tile_of), the same three runs the other way round, counted by visit t. (Ascending keeps the
-    # loops over i: counting by t there cost the consumers about 100 more bytes of spill.)
-    if DESCENDING:
-        first_end = n_q_tiles - i_full_end
-        second_end = first_end + i_full_end - i_full_start
-        for t in range(0, first_end):
-            i = _tile_of(t, i_start, n_q_tiles, True)
-            dk, dv = _query_tile(i, t, dk, dv, k_smem, v_w, q_smem, do_smem, ds_smem, dq_smem, q_ready,
-                                 q_empty, ds_ready, dq_full, dq_empty, lse_smem, delta_smem, dq_ptr, dq_base, keys,
-                                 n_q, n_k, qk_scale, WG, STAGES, BLOCK_M, HEAD_DIM, True, IS_CAUSAL, DQ_WRITER)
-        for t in range(first_end, second_end):
-            i = _tile_of(t, i_start, n_q_tiles, True)
-            dk, dv = _query_tile(i, t, dk, dv, k_smem, v_w, q_smem, do_smem, ds_smem, dq_smem, q_ready,
-                                 q_empty, ds_ready, dq_full, dq_empty, lse_smem, delta_smem, dq_ptr, dq_base, keys,
-                                 n_q, n_k, qk_scale, WG, STAGES, BLOCK_M, HEAD_DIM, False, IS_CAUSAL, DQ_WRITER)
-        for t in range(second_end, n_q_tiles - i_start):
-            i = _tile_of(t, i_start, n_q_tiles, True)
-            dk, dv = _query_tile(i, t, dk, dv, k_smem, v_w, q_smem, do_smem, ds_smem, dq_smem, q_ready,
-                                 q_empty, ds_ready, dq_full, dq_empty, lse_smem, delta_smem, dq_ptr, dq_base, keys,
-                                 n_q, n_k, qk_scale, WG, STAGES, BLOCK_M, HEAD_DIM, True, IS_CAUSAL, DQ_WRITER)
-    else:
-        for i in range(i_start, i_full_start):
-            dk, dv = _query_tile(i, i - i_start, dk, dv, k_smem, v_w, q_smem, do_smem, ds_smem, dq_smem, q_ready,
-                                 q_empty, ds_ready, dq_full, dq_empty, lse_smem, delta_smem, dq_ptr, dq_base, keys,
-                                 n_q, n_k, qk_scale, WG, STAGES, BLOCK_M, HEAD_DIM, True, IS_CAUSAL, DQ_WRITER)
-        for i in range(i_full_start, i_full_end):
-            dk, dv = _query_tile(i, i - i_start, dk, dv, k_smem, v_w, q_smem, do_smem, ds_smem, dq_smem, q_ready,
-                                 q_empty, ds_ready, dq_full, dq_empty, lse_smem, delta_smem, dq_ptr, dq_base, keys,
-                                 n_q, n_k, qk_scale, WG, STAGES, BLOCK_M, HEAD_DIM, False, IS_CAUSAL, DQ_WRITER)
-        for i in range(gl.maximum(i_full_end, i_full_start), n_q_tiles):
-            dk, dv = _query_tile(i, i - i_start, dk, dv, k_smem, v_w, q_smem, do_smem, ds_smem, dq_smem, q_ready,
-                                 q_empty, ds_ready, dq_full, dq_empty, lse_smem, delta_smem, dq_ptr, dq_base, keys,
-                                 n_q, n_k, qk_scale, WG, STAGES, BLOCK_M, HEAD_DIM, True, IS_CAUSAL, DQ_WRITER)
+    for i in range(i_start, i_full_start):
+        dk, dv = _query_tile(i, i - i_start, dk, dv, k_smem, v_w, q_smem, do_smem, ds_smem, dq_smem, q_ready,
+                             q_empty, ds_ready, dq_full, dq_empty, lse_smem, delta_smem, dq_ptr, dq_base, keys,
+                             n_q, n_k, qk_scale, WG, STAGES, BLOCK_M, HEAD_DIM, True, IS_CAUSAL, DQ_WRITER)
+    for i in range(i_full_start, i_full_end):
+        dk, dv = _query_tile(i, i - i_start, dk, dv, k_smem, v_w, q_smem, do_smem, ds_smem, dq_smem, q_ready,
+                             q_empty, ds_ready, dq_full, dq_empty, lse_smem, delta_smem, dq_ptr, dq_base, keys,
+                             n_q, n_k, qk_scale, WG, STAGES, BLOCK_M, HEAD_DIM, False, IS_CAUSAL, DQ_WRITER)
+    for i in range(gl.maximum(i_full_end, i_full_start), n_q_tiles):
+        dk, dv = _query_tile(i, i - i_start, dk, dv, k_smem, v_w, q_smem, do_smem, ds_smem, dq_smem, q_ready,
+                             q_empty, ds_ready, dq_full, dq_empty, lse_smem, delta_smem, dq_ptr, dq_base, keys,
+                             n_q, n_k, qk_scale, WG, STAGES, BLOCK_M, HEAD_DIM, True, IS_CAUSAL, DQ_WRITER)
 
     store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [4, 1], [1, 0])
     rows = k0 + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, store_layout))
@@ -274,11 +236,11 @@ def _consumer_default(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_read
                       dq_full, dq_empty, lse_smem, delta_smem, dq_ptr, dq_base, dk_ptr, dv_ptr, kv_base, k0, i_start,
                       i_full_start, i_full_end, n_q_tiles, n_q, n_k, qk_scale, sm_scale,
                       STAGES: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                      DQ_WRITER: gl.constexpr, DESCENDING: gl.constexpr):
+                      DQ_WRITER: gl.constexpr):
     _consumer(0, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready,
               dq_full, dq_empty, lse_smem, delta_smem, dq_ptr, dq_base, dk_ptr, dv_ptr, kv_base, k0, i_start,
               i_full_start, i_full_end, n_q_tiles, n_q, n_k, qk_scale, sm_scale, STAGES, BLOCK_M, HEAD_DIM, IS_CAUSAL,
-              DQ_WRITER, DESCENDING)
+              DQ_WRITER)
 
 
 @gluon.jit
@@ -286,22 +248,21 @@ def _consumer_worker(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready
                      dq_full, dq_empty, lse_smem, delta_smem, dq_ptr, dq_base, dk_ptr, dv_ptr, kv_base, k0, i_start,
                      i_full_start, i_full_end, n_q_tiles, n_q, n_k, qk_scale, sm_scale,
                      STAGES: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                     DQ_WRITER: gl.constexpr, DESCENDING: gl.constexpr):
+                     DQ_WRITER: gl.constexpr):
     _consumer(1, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready,
               dq_full, dq_empty, lse_smem, delta_smem, dq_ptr, dq_base, dk_ptr, dv_ptr, kv_base, k0, i_start,
               i_full_start, i_full_end, n_q_tiles, n_q, n_k, qk_scale, sm_scale, STAGES, BLOCK_M, HEAD_DIM, IS_CAUSAL,
-              DQ_WRITER, DESCENDING)
+              DQ_WRITER)
 
 
 @gluon.jit
 def _attention_backward_kernel(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, dq_desc, dq_ptr, dk_ptr,
                                dv_ptr, n_q, n_k, qk_scale, sm_scale,
                                HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
-                               BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, DQ_WRITER: gl.constexpr,
-                               DESCENDING: gl.constexpr):
+                               BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, DQ_WRITER: gl.constexpr):
     """Grid (key tiles of ``BLOCK_N`` rows, batch * heads); causal key tile 0, which sees every query tile,
     starts first. ``DQ_WRITER``: a warp adds dQ to device memory by TMA (else the consumers do, between tiles,
-    by atomics). ``DESCENDING``: each CTA visits its query tiles from the last down (:func:`_tile_of`)."""
+    by atomics)."""
     gl.static_assert(BLOCK_N == 128, "two consumer warp groups of 64 keys")
     kt = gl.program_id(0)
     zh = gl.program_id(1)
@@ -353,32 +314,29 @@ def _attention_backward_kernel(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_
             (_consumer_default, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty,
                                  ds_ready, dq_full, dq_empty, lse_smem, delta_smem, dq_ptr, dq_base, dk_ptr,
                                  dv_ptr, kv_base, k0, i_start, i_full_start, i_full_end, n_q_tiles, n_q, n_k, qk_scale,
-                                 sm_scale, STAGES, BLOCK_M, HEAD_DIM, IS_CAUSAL, DQ_WRITER, DESCENDING)),
+                                 sm_scale, STAGES, BLOCK_M, HEAD_DIM, IS_CAUSAL, DQ_WRITER)),
             (_consumer_worker, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty,
                                 ds_ready, dq_full, dq_empty, lse_smem, delta_smem, dq_ptr, dq_base, dk_ptr,
                                 dv_ptr, kv_base, k0, i_start, i_full_start, i_full_end, n_q_tiles, n_q, n_k, qk_scale,
-                                sm_scale, STAGES, BLOCK_M, HEAD_DIM, IS_CAUSAL, DQ_WRITER, DESCENDING)),
+                                sm_scale, STAGES, BLOCK_M, HEAD_DIM, IS_CAUSAL, DQ_WRITER)),
             (_producer, (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem,
                          lse_smem, delta_smem, kv_ready, q_ready, q_empty, zh * n_k + k0, zh * n_q,
-                         zh * n_q_tiles * BLOCK_M, i_start, n_q_tiles, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM,
-                         DESCENDING)),
-            (_dq_writer, (dq_desc, dq_smem, dq_full, dq_empty, zh * n_q, i_start, n_q_tiles, BLOCK_M, HEAD_DIM,
-                          DESCENDING)),
+                         zh * n_q_tiles * BLOCK_M, i_start, n_q_tiles, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM)),
+            (_dq_writer, (dq_desc, dq_smem, dq_full, dq_empty, zh * n_q, i_start, n_q_tiles, BLOCK_M, HEAD_DIM)),
         ], [4, 1, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS, PRODUCER_REGISTERS])
     else:
         gl.warp_specialize([
             (_consumer_default, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty,
                                  ds_ready, dq_full, dq_empty, lse_smem, delta_smem, dq_ptr, dq_base, dk_ptr,
                                  dv_ptr, kv_base, k0, i_start, i_full_start, i_full_end, n_q_tiles, n_q, n_k, qk_scale,
-                                 sm_scale, STAGES, BLOCK_M, HEAD_DIM, IS_CAUSAL, DQ_WRITER, DESCENDING)),
+                                 sm_scale, STAGES, BLOCK_M, HEAD_DIM, IS_CAUSAL, DQ_WRITER)),
             (_consumer_worker, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty,
                                 ds_ready, dq_full, dq_empty, lse_smem, delta_smem, dq_ptr, dq_base, dk_ptr,
                                 dv_ptr, kv_base, k0, i_start, i_full_start, i_full_end, n_q_tiles, n_q, n_k, qk_scale,
-                                sm_scale, STAGES, BLOCK_M, HEAD_DIM, IS_CAUSAL, DQ_WRITER, DESCENDING)),
+                                sm_scale, STAGES, BLOCK_M, HEAD_DIM, IS_CAUSAL, DQ_WRITER)),
             (_producer, (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem,
                          lse_smem, delta_smem, kv_ready, q_ready, q_empty, zh * n_k + k0, zh * n_q,
-                         zh * n_q_tiles * BLOCK_M, i_start, n_q_tiles, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM,
-                         DESCENDING)),
+                         zh * n_q_tiles * BLOCK_M, i_start, n_q_tiles, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM)),
         ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
 
 
@@ -396,11 +354,10 @@ def dq_writer_default(d: int) -> bool:
 
 
 def backward_launch(q, k, v, grad_out, lse2, delta, dq_accum, dk, dv, causal: bool, dq_writer: bool | None = None,
-                    stages: int = 2, descending: bool = False):
+                    stages: int = 2):
     """Grid, arguments, constexprs, ``num_warps`` and ``maxnreg`` of the main backward kernel on contiguous
     (batch, heads, seq, d) tensors; ``lse2`` (base-2 logsumexp) and ``delta`` fp32 (batch, heads, n_queries
-    rounded up to the query tile), ``dq_accum`` fp32 like q; ``descending``: query tiles from the last down.
-    Runs nothing."""
+    rounded up to the query tile), ``dq_accum`` fp32 like q. Runs nothing."""
     batch, heads, n_q, d = q.shape
     n_k = k.shape[2]
     block_m, block_n = 64, 128
@@ -424,23 +381,22 @@ def backward_launch(q, k, v, grad_out, lse2, delta, dq_accum, dk, dv, causal: bo
              descriptor(grad_out, [block_m, d]), row_descriptor(lse2), row_descriptor(delta), dq_desc)
     args = (*descs, dq_accum, dk, dv, n_q, n_k, 1.4426950408889634 / math.sqrt(d), 1 / math.sqrt(d))
     constexprs = dict(HEAD_DIM=d, STAGES=stages, BLOCK_M=block_m, BLOCK_N=block_n, IS_CAUSAL=bool(causal),
-                      DQ_WRITER=writer, DESCENDING=bool(descending))
+                      DQ_WRITER=writer)
     return (triton.cdiv(n_k, block_n), batch * heads), args, constexprs, 4, 168
 
 
 def gluon_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                   grad_out: torch.Tensor, causal: bool, dq_writer: bool | None = None,
-                   descending: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   grad_out: torch.Tensor, causal: bool,
+                   dq_writer: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dQ, dK, dV) of FlashAttention on (batch, heads, seq, d) CUDA tensors (bf16 or fp16, d 64 or
     128) on Hopper, in q's dtype, contiguous. ``dq_writer``: add dQ through the writer warp (None:
-    :func:`dq_writer_default`); ``descending``: each key tile visits its query tiles from the last down.
-    ``lse``: the forward's natural-log logsumexp, (batch, heads, n_queries) fp32."""
+    :func:`dq_writer_default`). ``lse``: the forward's natural-log logsumexp, (batch, heads, n_queries) fp32."""
     q, k, v, out, grad_out = (t.contiguous() for t in (q, k, v, out, grad_out))
     lse = lse.contiguous()
     delta, lse2 = row_statistics(out, grad_out, lse, tile=64)  # the main kernel's query tile
     dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     grid, args, constexprs, num_warps, maxnreg = backward_launch(q, k, v, grad_out, lse2, delta, dq_accum, dk, dv,
-                                                                 causal, dq_writer, descending=descending)
+                                                                 causal, dq_writer)
     _attention_backward_kernel[grid](*args, **constexprs, num_warps=num_warps, maxnreg=maxnreg)
     return scale_cast(dq_accum, q, 1 / math.sqrt(q.shape[-1])), dk, dv
