@@ -94,6 +94,13 @@ def test_host_claim_sets_eager_calls_beside_replays():
     assert len(grid.host_table(bench)) == 3 and grid.host_table(table(grid_row("triton", B))).empty
 
 
+def test_host_claim_tells_the_dtypes_of_one_shape_apart():
+    eager = dict(e2e_eager_ms=6.0, e2e_eager_spread_ms=0.06, e2e_eager_n=20)
+    bench = table(*(grid_row("triton", A, dtype=dt, timing="graph", **eager) for dt in ("bf16", "fp16")))
+    labels = [f.subject.label for f in grid.host_claim(bench).findings]
+    assert len(set(labels)) == 2 and "bf16" in labels[0] and "fp16" in labels[1]
+
+
 def test_tflops_findings_and_heatmap():
     bench = _bench()
     values = {f.measured.label: f.measured.median for f in grid.tflops_claim(bench).findings}
