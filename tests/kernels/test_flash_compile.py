@@ -13,7 +13,6 @@ ft = pytest.importorskip("lab.kernels.flash_triton")
 ops = pytest.importorskip("lab.kernels.flash_triton_ops")
 
 from lab.model import ModelConfig, TransformerLM  # noqa: E402
-from lab.model.attention import get_attention  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"

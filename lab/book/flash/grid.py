@@ -196,7 +196,8 @@ def host_claim(bench: pd.DataFrame, impls=("triton", "sdpa"), sweep: str = "lm")
     df = df[[sampled(r, "e2e_eager") for _, r in df.iterrows()]]
     return Claim("How much of a short sequence's time is the host's?", tuple(
         Versus(Measured.from_row(f"{r['impl']} on {Shape.of(r).label} {r['dtype']}, forward + backward called "
-                                 "eagerly", r, "e2e_eager_ms"), Measured.from_row("replayed from a CUDA graph", r, "e2e_ms"))
+                                 "eagerly", r, "e2e_eager_ms"),
+               Measured.from_row("replayed from a CUDA graph", r, "e2e_ms"))
         for _, r in df.iterrows()), "Eagerly, short shapes time the host's launches; the grid compares the replays "
         "(the kernels). Under torch.compile the Triton kernels are launched by the compiled code itself "
         "(`FlashConfig.compile_inline`), which the 2.7B step below measures.")
