@@ -93,20 +93,31 @@ def _compile_report(kernel, args: tuple, constexprs: dict, num_warps: int, maxnr
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "maxnreg": maxnreg})
     ptx = compiled.asm["ptx"]
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "kernel.ptx")
+        path, cubin = os.path.join(tmp, "kernel.ptx"), os.path.join(tmp, "kernel.cubin")
         with open(path, "w") as f:
             f.write(ptx)
-        done = subprocess.run([str(ptxas_path()), "-v", "-arch=sm_90a", path, "-o", os.devnull],
+        done = subprocess.run([str(ptxas_path()), "-v", "-arch=sm_90a", path, "-o", cubin],
                               capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"ptxas failed on {kernel.__name__}: {(done.stderr or done.stdout).strip()[-500:]}")
+        if done.returncode != 0:
+            raise RuntimeError(f"ptxas failed on {kernel.__name__}: {(done.stderr or done.stdout).strip()[-500:]}")
+        sass = _disassembly(cubin)
     text = done.stdout + done.stderr
     registers = re.search(r"Used (\d+) registers", text)
     spills = re.search(r"(\d+) bytes spill stores", text)
     return {"registers": int(registers[1]) if registers else -1, "spill_bytes": int(spills[1]) if spills else -1,
             "shared_bytes": compiled.metadata.shared, "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
             "setmaxnreg": sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
+            "scalar_conversions": len(re.findall(r"\sF2F\.", sass)) if sass is not None else -1,
             **product_waits(ptx)}
+
+
+def _disassembly(cubin: str) -> str | None:
+    """The SASS of a cubin, by the nvdisasm beside the ptxas that made it; None where there is none."""
+    nvdisasm = ptxas_path().with_name("nvdisasm")
+    if not nvdisasm.exists():
+        return None
+    done = subprocess.run([str(nvdisasm), "-c", cubin], capture_output=True, text=True)
+    return done.stdout if done.returncode == 0 else None
 
 
 def forward_compile_report(d: int = 128, causal: bool = True, dtype: str = "bf16", tiles: dict | None = None) -> dict:
@@ -114,7 +125,8 @@ def forward_compile_report(d: int = 128, causal: bool = True, dtype: str = "bf16
     (no GPU needed; run it in a process without ``TRITON_INTERPRET``: :func:`compile_in_subprocess`).
     Returns ``registers`` (the entry cap a thread; partitions then trade registers with ``setmaxnreg``),
     ``spill_bytes``, ``shared_bytes``, ``wgmma`` (warp-group MMA instructions in the PTX), ``setmaxnreg``
-    (the register counts the partitions ask for) and :func:`~lab.kernels.sm90_compile.product_waits`'s
+    (the register counts the partitions ask for), ``scalar_conversions`` (one-element F2F conversions in the
+    SASS, which run on a slow pipe; -1 without an nvdisasm) and :func:`~lab.kernels.sm90_compile.product_waits`'s
     ``products`` and ``waited_at_once``."""
     q = torch.empty(1, 2, 256, d, dtype={name: t for t, name in DTYPES.items()}[dtype])
     _, _, _, args, constexprs, num_warps, maxnreg = forward_launch(q, q, q, causal, tiles)
