@@ -96,8 +96,8 @@ def table_text(df: pd.DataFrame, floatfmt: str = ".3g") -> str:
 
 
 def _missing(v) -> bool:
-    """A missing cell of a text column: None, or a float NaN that pandas put there."""
-    return v is None or (isinstance(v, float) and v != v)
+    """A missing cell of a text column: None, NaN, pandas' NA or NaT."""
+    return v is None or (not isinstance(v, (str, list, tuple, dict)) and bool(pd.isna(v)))
 
 
 # the columns every saved row carries: who measured it, where, at which commit (lab.measure.results)

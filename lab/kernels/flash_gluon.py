@@ -23,6 +23,7 @@ import os
 import re
 import subprocess
 import tempfile
+from pathlib import Path
 
 import torch
 import triton
@@ -107,17 +108,22 @@ def _compile_report(kernel, args: tuple, constexprs: dict, num_warps: int, maxnr
     return {"registers": int(registers[1]) if registers else -1, "spill_bytes": int(spills[1]) if spills else -1,
             "shared_bytes": compiled.metadata.shared, "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
             "setmaxnreg": sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
-            "scalar_conversions": len(re.findall(r"\sF2F\.", sass)) if sass is not None else -1,
+            "scalar_conversions": len(re.findall(r"\sF2F\.", sass)),
             **product_waits(ptx)}
 
 
-def _disassembly(cubin: str) -> str | None:
-    """The SASS of a cubin, by the nvdisasm beside the ptxas that made it; None where there is none."""
-    nvdisasm = ptxas_path().with_name("nvdisasm")
-    if not nvdisasm.exists():
-        return None
+def _disassembly(cubin: str) -> str:
+    """The SASS of a cubin, by the nvdisasm beside the ptxas that made it, else the one Triton's wheel ships
+    (``$TRITON_PTXAS_PATH`` may name a ptxas with none beside it, torch's for one). FileNotFoundError where
+    there is neither."""
+    shipped = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    nvdisasm = next((p for p in (ptxas_path().with_name("nvdisasm"), shipped) if p.exists()), None)
+    if nvdisasm is None:
+        raise FileNotFoundError(f"No such file: {shipped} (no nvdisasm to read the SASS with)")
     done = subprocess.run([str(nvdisasm), "-c", cubin], capture_output=True, text=True)
-    return done.stdout if done.returncode == 0 else None
+    if done.returncode != 0:
+        raise RuntimeError(f"nvdisasm failed: {(done.stderr or done.stdout).strip()[-500:]}")
+    return done.stdout
 
 
 def forward_compile_report(d: int = 128, causal: bool = True, dtype: str = "bf16", tiles: dict | None = None) -> dict:
@@ -126,7 +132,7 @@ def forward_compile_report(d: int = 128, causal: bool = True, dtype: str = "bf16
     Returns ``registers`` (the entry cap a thread; partitions then trade registers with ``setmaxnreg``),
     ``spill_bytes``, ``shared_bytes``, ``wgmma`` (warp-group MMA instructions in the PTX), ``setmaxnreg``
     (the register counts the partitions ask for), ``scalar_conversions`` (one-element F2F conversions in the
-    SASS, which run on a slow pipe; -1 without an nvdisasm) and :func:`~lab.kernels.sm90_compile.product_waits`'s
+    SASS, which run on a slow pipe) and :func:`~lab.kernels.sm90_compile.product_waits`'s
     ``products`` and ``waited_at_once``."""
     q = torch.empty(1, 2, 256, d, dtype={name: t for t, name in DTYPES.items()}[dtype])
     _, _, _, args, constexprs, num_warps, maxnreg = forward_launch(q, q, q, causal, tiles)
