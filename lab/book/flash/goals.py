@@ -17,11 +17,12 @@ from lab.book.claims import Claim, Measured, Observed, Share, Tally, Value
 from lab.book.flash import bench as fl
 from lab.book.flash.grid import CONFIG_KEY, PASS_NAMES, ran, versus
 
-#: The goals as speeds (reference time / Triton time, at least), against the default SDPA backend (cuDNN on Hopper).
-GOAL_SPEED = {"fwd": 1.0, "bwd": 0.9, "e2e": 0.95}
+#: The goals as speeds (reference time / ours, at least), against the default SDPA backend (cuDNN on Hopper): what
+#: FlashAttention-3's schedule reaches against it on an H100, forward a little ahead, backward and the two at par.
+GOAL_SPEED = {"fwd": 1.05, "bwd": 1.0, "e2e": 1.0}
 #: Shapes with goals of their own (a pass not named has none): the 2.7B model's attention, whose kernels are short
-#: enough that only forward + backward together is asked of it.
-SHAPE_GOAL_SPEED = {fl.SHAPE_2_7B: {"e2e": 0.9}}
+#: enough that only forward + backward together is asked of it, at no more than SDPA's time.
+SHAPE_GOAL_SPEED = {fl.SHAPE_2_7B: {"e2e": 1.0}}
 #: Against FlexAttention (compiled ``flex_attention``, a peer rather than the stock default): faster on every shape.
 FLEX_GOAL_SPEED = {"fwd": 1.0, "bwd": 1.0}
 #: What each bound points to, by pass.
