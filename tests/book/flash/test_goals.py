@@ -182,7 +182,11 @@ def test_the_bound_is_read_from_the_shares():
     values = {f.measured.label: f.measured.median for f in claim.findings if hasattr(f, "measured")}
     assert values["missed goals"] == 3 and values["held by in-flight products"] == 3
     assert values["shapes whose backward misses a goal"] == 1
-    assert values["of them, met by 5 products per tile pair at today's time per product"] == 1
+    assert values["of the 1 at 7, met by 5 per tile pair at today's time per product"] == 1
+    gluon = goals.bounds_claim(alone.assign(tile_products=5))  # the Gluon backward: already at five products
+    labels = {f.measured.label: f.measured.median for f in gluon.findings if hasattr(f, "measured")}
+    assert labels["of them, already at 5 products per tile pair (the Gluon kernel)"] == 1
+    assert not any("met by 5" in label for label in labels) and gluon.because == ""
     assert goals.bounds_claim(alone.iloc[:0]).findings == ()
 
 
