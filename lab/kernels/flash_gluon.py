@@ -23,7 +23,6 @@ import os
 import re
 import subprocess
 import tempfile
-from pathlib import Path
 
 import torch
 import triton
@@ -35,7 +34,7 @@ from lab.kernels.flash_gluon_backward import BACKWARD_KERNEL, backward_launch, d
 from lab.kernels.flash_gluon_forward import FORWARD_KERNEL, forward_launch, gluon_forward
 from lab.kernels.flash_triton_backward import flash_backward
 from lab.kernels.flash_triton_forward import flash_forward
-from lab.kernels.sm90_compile import call_without_interpreter, product_waits, ptxas_path
+from lab.kernels.sm90_compile import call_without_interpreter, disassemble, product_waits, ptxas_path
 
 __all__ = ["SUPPORTED_HEAD_DIMS", "forward_compile_report", "gluon_backward", "gluon_forward", "gluon_supported",
            "input_reason"]
@@ -101,7 +100,7 @@ def _compile_report(kernel, args: tuple, constexprs: dict, num_warps: int, maxnr
                               capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"ptxas failed on {kernel.__name__}: {(done.stderr or done.stdout).strip()[-500:]}")
-        sass = _disassembly(cubin)
+        sass = disassemble(cubin)
     text = done.stdout + done.stderr
     registers = re.search(r"Used (\d+) registers", text)
     spills = re.search(r"(\d+) bytes spill stores", text)
@@ -110,20 +109,6 @@ def _compile_report(kernel, args: tuple, constexprs: dict, num_warps: int, maxnr
             "setmaxnreg": sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
             "scalar_conversions": len(re.findall(r"\sF2F\.", sass)),
             **product_waits(ptx)}
-
-
-def _disassembly(cubin: str) -> str:
-    """The SASS of a cubin, by the nvdisasm beside the ptxas that made it, else the one Triton's wheel ships
-    (``$TRITON_PTXAS_PATH`` may name a ptxas with none beside it, torch's for one). FileNotFoundError where
-    there is neither."""
-    shipped = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
-    nvdisasm = next((p for p in (ptxas_path().with_name("nvdisasm"), shipped) if p.exists()), None)
-    if nvdisasm is None:
-        raise FileNotFoundError(f"No such file: {shipped} (no nvdisasm to read the SASS with)")
-    done = subprocess.run([str(nvdisasm), "-c", cubin], capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"nvdisasm failed: {(done.stderr or done.stdout).strip()[-500:]}")
-    return done.stdout
 
 
 def forward_compile_report(d: int = 128, causal: bool = True, dtype: str = "bf16", tiles: dict | None = None) -> dict:

@@ -77,8 +77,8 @@ def _producer(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_s
               lse_smem, delta_smem, kv_ready, q_ready, q_empty, kv_row, q_row, stat_row, i_start, n_q_tiles,
               STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
     """The producer warp: the key tile's K and V once, then Q, dO and the row statistics of query tiles
-    ``i_start ..`` (the statistics through shared memory too: loaded
-    as pointer tensors, their addresses would hold registers the consumers need)."""
+    ``i_start ..`` (the statistics through shared memory too: loaded as pointer tensors, their addresses would
+    hold registers the consumers need)."""
     HALF: gl.constexpr = BLOCK_N // 2
     mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
     for w in gl.static_range(2):

@@ -33,6 +33,22 @@ def ptxas_path() -> Path:
         return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 
 
+def disassemble(cubin: str | Path) -> str:
+    """The SASS of a cubin, by the nvdisasm beside :func:`ptxas_path`'s ptxas, else the one Triton's wheel ships
+    (``$TRITON_PTXAS_PATH`` may name a ptxas with none beside it, torch's for one). FileNotFoundError where
+    there is neither."""
+    import triton
+
+    shipped = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    nvdisasm = next((p for p in (ptxas_path().with_name("nvdisasm"), shipped) if p.exists()), None)
+    if nvdisasm is None:
+        raise FileNotFoundError(f"No such file: {shipped} (no nvdisasm to read the SASS with)")
+    done = subprocess.run([str(nvdisasm), "-c", str(cubin)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"nvdisasm failed: {(done.stderr or done.stdout).strip()[-500:]}")
+    return done.stdout
+
+
 _CHILD = ("import importlib, json, sys; module, name = sys.argv[1].split(':'); "
           "print(json.dumps(getattr(importlib.import_module(module), name)(*json.loads(sys.argv[2]))))")
 

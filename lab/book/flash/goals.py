@@ -268,7 +268,7 @@ def bounds_claim(table: pd.DataFrame) -> Claim:
     missed = (table[table["pass"] == "bwd"].dropna(subset=["needs_with_5"])
               .sort_values("needs_with_5", ascending=False).drop_duplicates(["shape", "dtype"]))
     # the Gluon backward already issues the five useful products a tile pair; the portable one seven
-    seven = missed[missed["tile_products"] > USEFUL_PRODUCTS] if "tile_products" in missed else missed
+    seven = missed[missed["tile_products"] > USEFUL_PRODUCTS]
     if len(missed):
         findings.append(Value(Measured.value("shapes whose backward misses a goal", len(missed))))
     if len(missed) > len(seven):
